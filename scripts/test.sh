@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The one test command: sets up the S3 test server's venv, builds, runs all tests.
+# Extra arguments go to `cargo test`, e.g. `scripts/test.sh fencing -- --nocapture`.
+# The test harness starts `$FENCEGATE_TEST_PYTHON scripts/s3server.py --port 0` per test.
+set -euo pipefail
+start=$SECONDS
+trap 'echo "test.sh: wall time $((SECONDS - start))s" >&2' EXIT
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+FENCEGATE_TEST_PYTHON=$(bash scripts/setup-s3server.sh)
+export FENCEGATE_TEST_PYTHON
+# Same as `-- --test-threads 4`, but leaves "$@" free to carry its own `--`.
+export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
+
+cargo build --locked --all-targets
+cargo test --locked "$@"

@@ -1,0 +1,233 @@
+//! The admin listener (SPEC §8): health, readiness, metrics, lease state, and the
+//! dedup records an operator may need to inspect or resolve.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+
+use crate::clock::rfc3339;
+use crate::dedup::{ms_to_system, DedupKey, Resolution};
+use crate::epoch::TokenHash;
+use crate::proxy::Proxy;
+
+pub struct Admin {
+    proxy: Arc<Proxy>,
+    /// Hash of the admin token: compared in constant time, never kept in clear.
+    token: Option<TokenHash>,
+    store_timeout: Duration,
+}
+
+fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(serde_json::to_vec_pretty(&v).unwrap_or_default())));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+fn error(status: StatusCode, code: &'static str, message: &str) -> Response<Full<Bytes>> {
+    let mut r = json_response(status, json!({"error": code, "message": message}));
+    r.headers_mut()
+        .insert(crate::error::ERROR_HEADER, HeaderValue::from_static(code));
+    r
+}
+
+impl Admin {
+    pub fn new(proxy: Arc<Proxy>, token: Option<String>, store_timeout: Duration) -> Admin {
+        Admin {
+            proxy,
+            token: token.map(|t| TokenHash::of(t.as_bytes())),
+            store_timeout,
+        }
+    }
+
+    pub async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        let path = req.uri().path().to_owned();
+        let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        match (req.method().clone(), segs.as_slice()) {
+            (Method::GET, ["healthz"]) => json_response(StatusCode::OK, json!({"status": "ok"})),
+            (Method::GET, ["readyz"]) => self.readyz().await,
+            (Method::GET, ["metrics"]) => {
+                let mut r = Response::new(Full::new(Bytes::from(self.proxy.metrics.render())));
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                );
+                r
+            }
+            (Method::GET, ["v1", "leases"]) => self.leases(),
+            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key),
+            (Method::POST, ["v1", "dedup", route, key, "resolve"]) => {
+                if let Err(r) = self.authorize(&req) {
+                    return r;
+                }
+                let (route, key) = (route.to_string(), key.to_string());
+                let body = match Limited::new(req.into_body(), 4096).collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(_) => return error(StatusCode::BAD_REQUEST, "bad_request", "body unreadable or over 4 KiB"),
+                };
+                self.dedup_resolve(&route, &key, &body).await
+            }
+            _ => error(StatusCode::NOT_FOUND, "not_found", "no such admin endpoint"),
+        }
+    }
+
+    fn authorize(&self, req: &Request<Incoming>) -> Result<(), Response<Full<Bytes>>> {
+        let Some(expected) = &self.token else {
+            return Err(error(
+                StatusCode::FORBIDDEN,
+                "admin_disabled",
+                "mutating admin calls are disabled: set [server] admin_token or FENCEGATE_ADMIN_TOKEN",
+            ));
+        };
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match presented {
+            Some(t) if expected.matches(&TokenHash::of(t.as_bytes())) => Ok(()),
+            _ => {
+                let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "a valid Authorization: Bearer token is required");
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                Err(r)
+            }
+        }
+    }
+
+    async fn readyz(&self) -> Response<Full<Bytes>> {
+        let mut problems = Vec::new();
+        if !self.proxy.durable().is_healthy() {
+            problems.push("durable state: the last flush failed".to_owned());
+        }
+        let store = self.proxy.store().clone();
+        let probe = tokio::time::timeout(self.store_timeout, async move { store.list("fencegate-readyz-probe/", None).await }).await;
+        match probe {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => problems.push(format!("lease store: {e}")),
+            Err(_) => problems.push(format!("lease store: no answer within {} ms", self.store_timeout.as_millis())),
+        }
+        if problems.is_empty() {
+            json_response(StatusCode::OK, json!({"status": "ready"}))
+        } else {
+            json_response(StatusCode::SERVICE_UNAVAILABLE, json!({"status": "not_ready", "problems": problems}))
+        }
+    }
+
+    fn leases(&self) -> Response<Full<Bytes>> {
+        let mut fences: Vec<_> = self.proxy.fences.values().collect();
+        fences.sort_by(|a, b| a.lease().cmp(b.lease()));
+        let leases: Vec<Value> = fences
+            .iter()
+            .map(|f| {
+                let v = f.view();
+                json!({
+                    "lease": v.lease.as_str(),
+                    "high_water_mark": v.gate.mark.get(),
+                    "latest_epoch": v.latest_known.get(),
+                    "holder": v.holder,
+                    "expires_at": v.expires_at.map(rfc3339),
+                    "in_flight": v.gate.in_flight,
+                    "drains_started": v.gate.drains_started,
+                    "drains_aborted": v.gate.drains_aborted,
+                    "store_ok": v.store_ok,
+                    "store_error": v.last_error,
+                })
+            })
+            .collect();
+        json_response(StatusCode::OK, json!({"leases": leases}))
+    }
+
+    fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, Response<Full<Bytes>>> {
+        if self.proxy.route_named(route).is_none() {
+            return Err(error(StatusCode::NOT_FOUND, "route_not_found", "no route with that name"));
+        }
+        let decoded = percent_decode(key);
+        DedupKey::parse(&decoded).map_err(|why| error(StatusCode::BAD_REQUEST, "dedup_key_malformed", why))
+    }
+
+    fn dedup_get(&self, route: &str, key: &str) -> Response<Full<Bytes>> {
+        let k = match self.parse_route_key(route, key) {
+            Ok(k) => k,
+            Err(r) => return r,
+        };
+        match self.proxy.dedup.get(route, &k) {
+            Ok(None) => error(StatusCode::NOT_FOUND, "dedup_record_not_found", "no record for that key"),
+            Ok(Some(r)) => json_response(
+                StatusCode::OK,
+                json!({
+                    "route": route,
+                    "key": k.as_str(),
+                    "state": r.state.as_str(),
+                    "epoch": r.epoch.get(),
+                    "fingerprint": hex::encode(r.fingerprint),
+                    "created_at": rfc3339(ms_to_system(r.created_ms)),
+                    "updated_at": rfc3339(ms_to_system(r.updated_ms)),
+                    "response_status": r.response.as_ref().map(|s| s.status),
+                    "response_body_stored": r.response.as_ref().map(|s| s.body.is_some()),
+                }),
+            ),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "state_unavailable", &e.to_string()),
+        }
+    }
+
+    async fn dedup_resolve(&self, route: &str, key: &str, body: &[u8]) -> Response<Full<Bytes>> {
+        let k = match self.parse_route_key(route, key) {
+            Ok(k) => k,
+            Err(r) => return r,
+        };
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Body {
+            outcome: Resolution,
+        }
+        let how = match serde_json::from_slice::<Body>(body) {
+            Ok(b) => b.outcome,
+            Err(_) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_request",
+                    r#"body must be {"outcome": "delivered"} or {"outcome": "not_delivered"}"#,
+                )
+            }
+        };
+        match self.proxy.dedup.resolve(route, &k, how).await {
+            Ok(Ok(state)) => {
+                tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
+                json_response(StatusCode::OK, json!({"route": route, "key": k.as_str(), "state": state.map(|s| s.as_str())}))
+            }
+            Ok(Err(None)) => error(StatusCode::NOT_FOUND, "dedup_record_not_found", "no record for that key"),
+            Ok(Err(Some(s))) => error(
+                StatusCode::CONFLICT,
+                "dedup_not_in_doubt",
+                &format!("the record is {}, not in_doubt", s.as_str()),
+            ),
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "state_unavailable", &e.to_string()),
+        }
+    }
+}
+
+fn percent_decode(s: &str) -> Vec<u8> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    out
+}

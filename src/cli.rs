@@ -1,0 +1,362 @@
+//! The command line (SPEC §8): `serve`, `check-config`, `lease ...`, `demo`.
+//! `anyhow` lives only here; library modules return typed errors.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use serde_json::json;
+
+use crate::clock::{rfc3339, SystemClock};
+use crate::config::{Config, LogFormat};
+use crate::epoch::{Epoch, EpochObject, LeaseName};
+use crate::lease::acquire::{self, AcquireError};
+use crate::lease::{self, Epochs};
+
+#[derive(Parser)]
+#[command(name = "fencegate", version, about = "An HTTP gateway that fences stale leaders")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy and admin listeners.
+    Serve {
+        #[arg(long, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+        /// Log format; overrides [server] log_format.
+        #[arg(long, value_parser = ["human", "json"])]
+        log_format: Option<String>,
+    },
+    /// Validate a config file and print what was understood.
+    CheckConfig {
+        #[arg(long, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
+    /// Take part in the lease protocol (SPEC §2) from a shell or CI job.
+    Lease {
+        #[command(subcommand)]
+        action: LeaseCommand,
+    },
+    /// Play the late-worker story end to end on the embedded defaults.
+    Demo,
+}
+
+#[derive(Args)]
+struct StoreArgs {
+    #[arg(long, default_value = "config/fencegate.toml")]
+    config: PathBuf,
+    #[arg(long)]
+    lease: String,
+}
+
+#[derive(Subcommand)]
+enum LeaseCommand {
+    /// Acquire the lease if it is free (exit 3 if held by another holder).
+    Acquire {
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        holder: String,
+        #[arg(long, default_value_t = 30_000)]
+        ttl_ms: u64,
+        /// Wait until the lease is free (expiry plus grace on the store's clock).
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Renew a tenure: acquire epoch N+1 while holding N (exit 3 if no longer held).
+    Renew {
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        holder: String,
+        #[arg(long)]
+        epoch: u64,
+        #[arg(long)]
+        token: String,
+        #[arg(long, default_value_t = 30_000)]
+        ttl_ms: u64,
+    },
+    /// Release a tenure voluntarily.
+    Release {
+        #[command(flatten)]
+        store: StoreArgs,
+        #[arg(long)]
+        holder: String,
+        #[arg(long)]
+        epoch: u64,
+        #[arg(long)]
+        token: String,
+    },
+    /// Show the latest epoch of a lease.
+    Show {
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+/// Exit codes: 0 ok, 1 runtime error, 2 bad config or usage, 3 lease held.
+const EXIT_ERROR: u8 = 1;
+const EXIT_CONFIG: u8 = 2;
+const EXIT_HELD: u8 = 3;
+
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { EXIT_CONFIG } else { 0 });
+        }
+    };
+    match cli.command {
+        Command::CheckConfig { config } => match Config::load(&config) {
+            Ok(cfg) => {
+                print!("{}", cfg.summary());
+                println!("config {} is valid", config.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fencegate: {e}");
+                ExitCode::from(EXIT_CONFIG)
+            }
+        },
+        Command::Serve { config, log_format } => {
+            let cfg = match Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("fencegate: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            let format = match log_format.as_deref() {
+                Some("json") => LogFormat::Json,
+                Some(_) => LogFormat::Human,
+                None => cfg.server.log_format,
+            };
+            init_tracing(format);
+            report(runtime().and_then(|rt| rt.block_on(serve(cfg))))
+        }
+        Command::Lease { action } => {
+            init_tracing(LogFormat::Human);
+            match runtime().and_then(|rt| rt.block_on(lease_command(action))) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("fencegate: {e:#}");
+                    ExitCode::from(EXIT_ERROR)
+                }
+            }
+        }
+        Command::Demo => {
+            init_tracing(LogFormat::Human);
+            match runtime().and_then(|rt| rt.block_on(crate::demo::run())) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(EXIT_ERROR),
+                Err(e) => {
+                    eprintln!("fencegate demo: {e:#}");
+                    ExitCode::from(EXIT_ERROR)
+                }
+            }
+        }
+    }
+}
+
+fn report(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fencegate: {e:#}");
+            tracing::error!("{e:#}");
+            ExitCode::from(EXIT_ERROR)
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")
+}
+
+fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("FENCEGATE_LOG")
+        .or_else(|_| EnvFilter::try_from_default_env())
+        .unwrap_or_else(|_| EnvFilter::new("info,aws_config=warn,aws_smithy_runtime=warn"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => b.json().try_init(),
+        LogFormat::Human => b.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init(),
+    };
+}
+
+async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let app = crate::server::build(&cfg, Arc::new(SystemClock)).await?;
+    let proxy_l = crate::server::bind(cfg.server.listen).await?;
+    let admin_l = crate::server::bind(cfg.server.admin_listen).await?;
+    let (p, a) = (proxy_l.local_addr()?, admin_l.local_addr()?);
+    tracing::info!(proxy = %p, admin = %a, "fencegate listening");
+    // One machine-readable line on stdout: how tests and scripts learn the ports.
+    println!("{}", json!({"event": "listening", "proxy": p.to_string(), "admin": a.to_string()}));
+    app.run(proxy_l, admin_l, shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Resolves on the first SIGTERM or SIGINT; a second one exits at once.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("signal received; a second signal exits immediately");
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("fencegate: second signal, exiting now");
+        std::process::exit(130);
+    });
+}
+
+/// Loads only what the lease commands need: the `[store]` section.
+fn load_store_config(path: &Path) -> anyhow::Result<Config> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    let cfg = Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+    cfg.validate_store()
+        .map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+    Ok(cfg)
+}
+
+async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
+    let store_args = match &cmd {
+        LeaseCommand::Acquire { store, .. }
+        | LeaseCommand::Renew { store, .. }
+        | LeaseCommand::Release { store, .. }
+        | LeaseCommand::Show { store } => store,
+    };
+    let cfg = load_store_config(&store_args.config)?;
+    let lease = LeaseName::parse(&store_args.lease).map_err(|e| anyhow::anyhow!(e))?;
+    let store = lease::open(&cfg.store, Arc::new(SystemClock)).await?;
+    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
+    let epochs = Epochs::new(store, cfg.store.prefix.clone());
+    let grace = Duration::from_millis(cfg.store.grace_ms);
+    let held_or = |e: AcquireError| -> anyhow::Result<ExitCode> {
+        if let AcquireError::Held {
+            lease,
+            epoch,
+            holder,
+            expires_at,
+        } = &e
+        {
+            println!(
+                "{}",
+                json!({"lease": lease.as_str(), "epoch": epoch.get(), "holder": holder, "expires_at": rfc3339(*expires_at)})
+            );
+        }
+        if e.is_held() {
+            eprintln!("fencegate: {e}");
+            Ok(ExitCode::from(EXIT_HELD))
+        } else {
+            Err(e.into())
+        }
+    };
+    let print_holding = |h: &acquire::Holding| {
+        println!(
+            "{}",
+            json!({
+                "lease": h.lease.as_str(),
+                "epoch": h.epoch.get(),
+                "token": h.token,
+                "holder": h.holder,
+                "expires_at": rfc3339(h.expires_at),
+            })
+        );
+    };
+    match cmd {
+        LeaseCommand::Acquire { holder, ttl_ms, wait, .. } => {
+            let ttl = Duration::from_millis(ttl_ms);
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match acquire::acquire(&epochs, &lease, &holder, ttl, grace, None).await {
+                    Ok(h) => {
+                        print_holding(&h);
+                        return Ok(ExitCode::SUCCESS);
+                    }
+                    Err(AcquireError::Held { holder: other, expires_at, epoch, .. }) if wait => {
+                        let free_at = expires_at + grace;
+                        let until = free_at
+                            .duration_since(epochs.store_now())
+                            .unwrap_or(Duration::ZERO);
+                        let pause = until.clamp(Duration::from_millis(50), backoff);
+                        eprintln!(
+                            "fencegate: lease {lease} held by {other:?} at epoch {epoch} until {}; waiting {} ms",
+                            rfc3339(free_at),
+                            pause.as_millis()
+                        );
+                        tokio::time::sleep(pause).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                    Err(e) => return held_or(e),
+                }
+            }
+        }
+        LeaseCommand::Renew {
+            holder,
+            epoch,
+            token,
+            ttl_ms,
+            ..
+        } => match acquire::renew(&epochs, &lease, &holder, Epoch::new(epoch), &token, Duration::from_millis(ttl_ms)).await {
+            Ok(h) => {
+                print_holding(&h);
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(e) => held_or(e),
+        },
+        LeaseCommand::Release { holder, epoch, token, .. } => {
+            match acquire::release(&epochs, &lease, &holder, Epoch::new(epoch), &token).await {
+                Ok(rel) => {
+                    println!(
+                        "{}",
+                        json!({"lease": lease.as_str(), "epoch": rel.get(), "holder": holder, "kind": "release", "released_epoch": epoch})
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(e) => held_or(e),
+            }
+        }
+        LeaseCommand::Show { .. } => {
+            let st = acquire::status(&epochs, &lease).await?;
+            let (kind, holder, expires_at) = match &st.object {
+                Some(EpochObject::Acquire { holder, expires_at, .. }) => ("acquire", Some(holder.clone()), Some(rfc3339(*expires_at))),
+                Some(EpochObject::Release { holder }) => ("release", Some(holder.clone()), None),
+                Some(EpochObject::Invalid { .. }) => ("invalid", None, None),
+                None => ("none", None, None),
+            };
+            println!(
+                "{}",
+                json!({
+                    "lease": lease.as_str(),
+                    "epoch": st.latest.get(),
+                    "kind": kind,
+                    "holder": holder,
+                    "expires_at": expires_at,
+                    "free": st.is_free(grace),
+                    "store_now": rfc3339(st.store_now),
+                })
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

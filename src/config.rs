@@ -1,0 +1,470 @@
+//! Configuration (SPEC §9): TOML, serde with defaults, unknown keys rejected by
+//! name, then [`Config::validate`] — all before any port is bound.
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::{HeaderName, HeaderValue, Uri};
+use serde::Deserialize;
+
+use crate::epoch::LeaseName;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub dedup: DedupConfig,
+    #[serde(rename = "route", default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// Bearer token for mutating admin calls; `FENCEGATE_ADMIN_TOKEN` overrides.
+    pub admin_token: Option<String>,
+    /// How long SIGTERM waits for in-flight requests.
+    pub shutdown_timeout_ms: u64,
+    /// Open connections beyond this are closed at accept.
+    pub max_connections: usize,
+    /// Time allowed to receive a request head (slowloris).
+    pub header_read_timeout_ms: u64,
+    /// `human` or `json`.
+    pub log_format: LogFormat,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            data_dir: PathBuf::from("data"),
+            admin_token: None,
+            shutdown_timeout_ms: 10_000,
+            max_connections: 20_000,
+            header_read_timeout_ms: 10_000,
+            log_format: LogFormat::Human,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    S3,
+    #[default]
+    Dir,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    pub kind: StoreKind,
+    pub bucket: Option<String>,
+    pub prefix: String,
+    pub endpoint: Option<String>,
+    pub region: String,
+    pub force_path_style: bool,
+    pub path: PathBuf,
+    pub refresh_interval_ms: u64,
+    pub grace_ms: u64,
+    pub timeout_ms: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            kind: StoreKind::Dir,
+            bucket: None,
+            prefix: "fencegate/".into(),
+            endpoint: None,
+            region: "us-east-1".into(),
+            force_path_style: false,
+            path: PathBuf::from("data/leases"),
+            refresh_interval_ms: 1000,
+            grace_ms: 2000,
+            timeout_ms: 2000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DedupConfig {
+    /// Retention of dedup records, human-readable ("24h", "90m").
+    #[serde(with = "humantime_serde_compat")]
+    pub ttl: Duration,
+    /// How often expired records are swept.
+    #[serde(with = "humantime_serde_compat")]
+    pub sweep_interval: Duration,
+}
+
+impl Default for DedupConfig {
+    fn default() -> Self {
+        DedupConfig {
+            ttl: Duration::from_secs(24 * 3600),
+            sweep_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+mod humantime_serde_compat {
+    use serde::{Deserialize, Deserializer};
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeriveKey {
+    #[default]
+    Content,
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum InDoubtPolicy {
+    #[default]
+    Reject,
+    Resend,
+}
+
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    pub name: String,
+    pub path_prefix: String,
+    pub upstream: String,
+    pub lease: LeaseName,
+    #[serde(default = "d_timeout")]
+    pub timeout_ms: u64,
+    #[serde(default = "d_true")]
+    pub require_token: bool,
+    #[serde(default = "d_dedup_header")]
+    pub dedup_header: String,
+    #[serde(default)]
+    pub derive_key: DeriveKey,
+    #[serde(default)]
+    pub in_doubt: InDoubtPolicy,
+    #[serde(default = "d_retryable")]
+    pub retryable_statuses: Vec<u16>,
+    #[serde(default = "d_mib")]
+    pub max_body_bytes: usize,
+    #[serde(default = "d_mib")]
+    pub max_replay_bytes: usize,
+    pub drain_timeout_ms: Option<u64>,
+    /// Headers set on every forwarded request; `${NAME}` reads the environment.
+    /// Values are secrets: never logged or printed.
+    #[serde(default)]
+    pub upstream_headers: BTreeMap<String, String>,
+    /// PEM bundle of extra CA certificates trusted for this route's https upstream.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for RouteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouteConfig")
+            .field("name", &self.name)
+            .field("path_prefix", &self.path_prefix)
+            .field("upstream", &self.upstream)
+            .field("lease", &self.lease)
+            .field("upstream_headers", &self.upstream_headers.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+fn d_timeout() -> u64 {
+    10_000
+}
+fn d_true() -> bool {
+    true
+}
+fn d_dedup_header() -> String {
+    "Idempotency-Key".into()
+}
+fn d_retryable() -> Vec<u16> {
+    vec![429, 502, 503, 504]
+}
+fn d_mib() -> usize {
+    1 << 20
+}
+
+impl RouteConfig {
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
+    }
+
+    pub fn drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.drain_timeout_ms.unwrap_or(self.timeout_ms))
+    }
+
+    /// Resolves `upstream_headers`, reading `${NAME}` values from the environment.
+    pub fn resolve_upstream_headers(&self) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
+        let mut out = Vec::new();
+        for (name, raw) in &self.upstream_headers {
+            let hn = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("route {:?}: upstream_headers: invalid header name {name:?}", self.name))?;
+            let value = match raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+                Some(var) => std::env::var(var).map_err(|_| {
+                    format!(
+                        "route {:?}: upstream_headers.{name} reads ${{{var}}}, which is not set in the environment",
+                        self.name
+                    )
+                })?,
+                None => raw.clone(),
+            };
+            let mut hv = HeaderValue::from_str(&value)
+                .map_err(|_| format!("route {:?}: upstream_headers.{name}: value is not a valid header value", self.name))?;
+            hv.set_sensitive(true);
+            out.push((hn, hv));
+        }
+        Ok(out)
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let cfg = Config::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.to_owned(),
+            message,
+        })?;
+        cfg.validate().map_err(|message| ConfigError::Invalid {
+            path: path.to_owned(),
+            message,
+        })?;
+        Ok(cfg)
+    }
+
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())
+    }
+
+    /// Checks what serde cannot: cross-field rules, URLs, header names, env values.
+    pub fn validate(&self) -> Result<(), String> {
+        self.validate_store()?;
+        self.validate_routes()
+    }
+
+    /// The `[store]` section alone (all the `lease` commands need).
+    pub fn validate_store(&self) -> Result<(), String> {
+        let s = &self.store;
+        if s.kind == StoreKind::S3 && s.bucket.as_deref().is_none_or(str::is_empty) {
+            return Err("[store] kind = \"s3\" needs a bucket".into());
+        }
+        if !s.prefix.is_empty() && !s.prefix.ends_with('/') {
+            return Err(format!("[store] prefix {:?} must be empty or end with '/'", s.prefix));
+        }
+        if s.refresh_interval_ms == 0 || s.timeout_ms == 0 {
+            return Err("[store] refresh_interval_ms and timeout_ms must be positive".into());
+        }
+        if let Some(ep) = &s.endpoint {
+            let uri: Uri = ep.parse().map_err(|_| format!("[store] endpoint {ep:?} is not a URL"))?;
+            if uri.scheme().is_none() || uri.authority().is_none() {
+                return Err(format!("[store] endpoint {ep:?} needs a scheme and host"));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_routes(&self) -> Result<(), String> {
+        if self.routes.is_empty() {
+            return Err("no [[route]] configured: fencegate would refuse every request".into());
+        }
+        let mut names = HashSet::new();
+        let mut prefixes = HashSet::new();
+        for r in &self.routes {
+            LeaseName::parse(&r.name).map_err(|_| {
+                format!("route name {:?} must match [a-z0-9][a-z0-9._-]{{0,62}} (it appears in admin URLs)", r.name)
+            })?;
+            if !names.insert(r.name.as_str()) {
+                return Err(format!("route name {:?} is used twice", r.name));
+            }
+            if !r.path_prefix.starts_with('/') || !r.path_prefix.ends_with('/') {
+                return Err(format!(
+                    "route {:?}: path_prefix {:?} must start and end with '/'",
+                    r.name, r.path_prefix
+                ));
+            }
+            if !prefixes.insert(r.path_prefix.as_str()) {
+                return Err(format!("path_prefix {:?} is used by two routes", r.path_prefix));
+            }
+            let uri: Uri = r
+                .upstream
+                .parse()
+                .map_err(|_| format!("route {:?}: upstream {:?} is not a URL", r.name, r.upstream))?;
+            match uri.scheme_str() {
+                Some("http" | "https") => {}
+                _ => return Err(format!("route {:?}: upstream {:?} must be http:// or https://", r.name, r.upstream)),
+            }
+            if uri.authority().is_none() || uri.query().is_some() {
+                return Err(format!("route {:?}: upstream {:?} needs a host and no query", r.name, r.upstream));
+            }
+            if r.timeout_ms == 0 {
+                return Err(format!("route {:?}: timeout_ms must be positive", r.name));
+            }
+            HeaderName::from_bytes(r.dedup_header.as_bytes())
+                .map_err(|_| format!("route {:?}: dedup_header {:?} is not a header name", r.name, r.dedup_header))?;
+            for s in &r.retryable_statuses {
+                if !(100..=599).contains(s) {
+                    return Err(format!("route {:?}: retryable status {s} is not an HTTP status", r.name));
+                }
+            }
+            r.resolve_upstream_headers()?;
+            if let Some(ca) = &r.ca_file {
+                if !ca.exists() {
+                    return Err(format!("route {:?}: ca_file {} does not exist", r.name, ca.display()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A readable summary for `check-config` (never prints secret values).
+    pub fn summary(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let s = &self.store;
+        let _ = writeln!(out, "listen        {}", self.server.listen);
+        let _ = writeln!(out, "admin_listen  {}", self.server.admin_listen);
+        let _ = writeln!(out, "data_dir      {}", self.server.data_dir.display());
+        let _ = writeln!(
+            out,
+            "admin_token   {}",
+            if self.server.admin_token.is_some() { "set (mutating admin calls enabled)" } else { "not set in config" }
+        );
+        match s.kind {
+            StoreKind::Dir => {
+                let _ = writeln!(out, "store         dir at {} (prefix {:?})", s.path.display(), s.prefix);
+            }
+            StoreKind::S3 => {
+                let _ = writeln!(
+                    out,
+                    "store         s3 bucket {} at {} region {} path-style {} (prefix {:?})",
+                    s.bucket.as_deref().unwrap_or("?"),
+                    s.endpoint.as_deref().unwrap_or("AWS"),
+                    s.region,
+                    s.force_path_style,
+                    s.prefix
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "              refresh every {} ms, grace {} ms, call timeout {} ms",
+            s.refresh_interval_ms, s.grace_ms, s.timeout_ms
+        );
+        let _ = writeln!(out, "dedup ttl     {}", humantime::format_duration(self.dedup.ttl));
+        for r in &self.routes {
+            let _ = writeln!(out, "route {:?}", r.name);
+            let _ = writeln!(out, "  {} -> {}  (lease {})", r.path_prefix, r.upstream, r.lease);
+            let _ = writeln!(
+                out,
+                "  timeout {} ms, drain {} ms, token {}, derive_key {:?}, in_doubt {:?}, dedup_header {}",
+                r.timeout_ms,
+                r.drain_timeout().as_millis(),
+                if r.require_token { "required" } else { "not required" },
+                r.derive_key,
+                r.in_doubt,
+                r.dedup_header
+            );
+            if !r.upstream_headers.is_empty() {
+                let names: Vec<_> = r.upstream_headers.keys().map(String::as_str).collect();
+                let _ = writeln!(out, "  sets headers {} (values hidden)", names.join(", "));
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+[[route]]
+name = "billing"
+path_prefix = "/billing/"
+upstream = "http://127.0.0.1:1/v1/"
+lease = "billing"
+"#;
+
+    #[test]
+    fn defaults_fill_in() {
+        let c = Config::parse(MIN).unwrap();
+        c.validate().unwrap();
+        let r = &c.routes[0];
+        assert!(r.require_token);
+        assert_eq!(r.dedup_header, "Idempotency-Key");
+        assert_eq!(r.retryable_statuses, vec![429, 502, 503, 504]);
+        assert_eq!(r.max_body_bytes, 1 << 20);
+        assert_eq!(r.drain_timeout(), Duration::from_millis(10_000));
+        assert_eq!(c.store.refresh_interval_ms, 1000);
+        assert_eq!(c.store.grace_ms, 2000);
+        assert_eq!(c.dedup.ttl, Duration::from_secs(86400));
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = Config::parse(&format!("{MIN}\ntimeout_msec = 5\n")).unwrap_err();
+        assert!(e.contains("timeout_msec"), "{e}");
+        let e = Config::parse("[server]\nlisten = \"127.0.0.1:1\"\nlistne = 1\n").unwrap_err();
+        assert!(e.contains("listne"), "{e}");
+    }
+
+    #[test]
+    fn validation_catches_cross_field_errors() {
+        let bad = [
+            (MIN.replace("\"billing\"\npath", "\"Bad Name\"\npath"), "route name"),
+            (MIN.replace("/billing/", "billing"), "path_prefix"),
+            (MIN.replace("http://127.0.0.1:1/v1/", "ftp://x/"), "http://"),
+            (format!("[store]\nkind = \"s3\"\n{MIN}"), "bucket"),
+            (format!("{MIN}\n[[route]]\nname=\"b\"\npath_prefix=\"/billing/\"\nupstream=\"http://x/\"\nlease=\"b\"\n"), "two routes"),
+            (format!("{MIN}upstream_headers = {{ Authorization = \"${{FENCEGATE_SURELY_UNSET_VAR}}\" }}\n"), "FENCEGATE_SURELY_UNSET_VAR"),
+        ];
+        for (text, needle) in bad {
+            let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! The vocabulary of SPEC §2: lease names, epochs, tokens and the epoch object.
+//!
+//! Everything here is pure: parsing and formatting, no I/O. Invalid values cannot
+//! be constructed, so the rest of the crate never re-validates them.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// A leadership generation. `Epoch(0)` means "none yet": no epoch object has number 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Epoch(u64);
+
+impl Epoch {
+    pub const NONE: Epoch = Epoch(0);
+
+    pub const fn new(n: u64) -> Epoch {
+        Epoch(n)
+    }
+
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The next epoch, or `None` at `u64::MAX` (no successor can ever be created).
+    pub fn next(self) -> Option<Epoch> {
+        self.0.checked_add(1).map(Epoch)
+    }
+
+    /// Parses an `X-Lease-Epoch` value: a plain decimal u64 — ASCII digits only, no
+    /// sign, no spaces, no empty value. Leading zeros are accepted (`007` is 7).
+    pub fn parse_header(raw: &[u8]) -> Option<Epoch> {
+        if raw.is_empty() || raw.len() > 20 || !raw.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let mut n: u64 = 0;
+        for &b in raw {
+            n = n.checked_mul(10)?.checked_add(u64::from(b - b'0'))?;
+        }
+        Some(Epoch(n))
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A lease name: `[a-z0-9][a-z0-9._-]{0,62}` (SPEC §2). Safe as an S3 key segment
+/// and as a file name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LeaseName(String);
+
+impl LeaseName {
+    pub fn parse(s: &str) -> Result<LeaseName, String> {
+        let b = s.as_bytes();
+        let ok_first = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+        let ok_rest = |c: u8| ok_first(c) || c == b'.' || c == b'_' || c == b'-';
+        if b.is_empty() || b.len() > 63 || !ok_first(b[0]) || !b[1..].iter().all(|&c| ok_rest(c)) {
+            return Err(format!(
+                "invalid lease name {s:?}: must match [a-z0-9][a-z0-9._-]{{0,62}}"
+            ));
+        }
+        Ok(LeaseName(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LeaseName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for LeaseName {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        LeaseName::parse(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// SHA-256 of a lease token's bytes, exactly as sent in `X-Lease-Token`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct TokenHash([u8; 32]);
+
+impl TokenHash {
+    pub fn of(token: &[u8]) -> TokenHash {
+        TokenHash(Sha256::digest(token).into())
+    }
+
+    /// Parses lowercase hex (the `token_sha256` field).
+    pub fn from_hex(s: &str) -> Option<TokenHash> {
+        if s.len() != 64 || s.bytes().any(|c| c.is_ascii_uppercase()) {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).ok()?;
+        Some(TokenHash(out))
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Constant-time comparison: a token check must not leak how many bytes matched.
+    pub fn matches(&self, other: &TokenHash) -> bool {
+        self.0
+            .iter()
+            .zip(other.0.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+impl fmt::Debug for TokenHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TokenHash({}…)", &self.to_hex()[..8])
+    }
+}
+
+/// The `kind` field of an epoch object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EpochKind {
+    Acquire,
+    Release,
+}
+
+/// The JSON body of an epoch object, as written and read (SPEC §2). Unknown fields
+/// are ignored when reading.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochRecord {
+    pub v: u32,
+    pub lease: String,
+    pub epoch: u64,
+    pub kind: EpochKind,
+    pub holder: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_sha256: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
+}
+
+impl EpochRecord {
+    pub fn acquire(lease: &LeaseName, epoch: Epoch, holder: &str, token: &[u8], ttl: Duration) -> Self {
+        EpochRecord {
+            v: 1,
+            lease: lease.as_str().to_owned(),
+            epoch: epoch.get(),
+            kind: EpochKind::Acquire,
+            holder: holder.to_owned(),
+            token_sha256: Some(TokenHash::of(token).to_hex()),
+            ttl_ms: Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    pub fn release(lease: &LeaseName, epoch: Epoch, holder: &str) -> Self {
+        EpochRecord {
+            v: 1,
+            lease: lease.as_str().to_owned(),
+            epoch: epoch.get(),
+            kind: EpochKind::Release,
+            holder: holder.to_owned(),
+            token_sha256: None,
+            ttl_ms: None,
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serializing a struct of strings and integers cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+}
+
+/// What an epoch object means to admission, decided once when it is read and then
+/// cached forever (objects are immutable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EpochObject {
+    /// A valid acquire: admits requests carrying the token until `expires_at` on the
+    /// store's clock.
+    Acquire {
+        holder: String,
+        token: TokenHash,
+        expires_at: SystemTime,
+    },
+    /// A voluntary release: ends the previous tenure, admits nothing.
+    Release { holder: String },
+    /// Exists (so it makes older epochs stale) but admits nothing.
+    Invalid { reason: String },
+}
+
+impl EpochObject {
+    /// Interprets a stored object found at the key of (`lease`, `epoch`).
+    pub fn from_stored(lease: &LeaseName, epoch: Epoch, body: &[u8], last_modified: SystemTime) -> EpochObject {
+        let invalid = |reason: String| EpochObject::Invalid { reason };
+        let rec: EpochRecord = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return invalid(format!("epoch object does not parse: {e}")),
+        };
+        if rec.v != 1 {
+            return invalid(format!("unsupported format version {}", rec.v));
+        }
+        if rec.lease != lease.as_str() || rec.epoch != epoch.get() {
+            return invalid(format!(
+                "object names lease {:?} epoch {}, but its key is lease {:?} epoch {}",
+                rec.lease, rec.epoch, lease.as_str(), epoch
+            ));
+        }
+        match rec.kind {
+            EpochKind::Release => EpochObject::Release { holder: rec.holder },
+            EpochKind::Acquire => {
+                let Some(token) = rec.token_sha256.as_deref().and_then(TokenHash::from_hex) else {
+                    return invalid("acquire without a valid token_sha256".into());
+                };
+                let Some(ttl) = rec.ttl_ms else {
+                    return invalid("acquire without ttl_ms".into());
+                };
+                let expires_at = last_modified
+                    .checked_add(Duration::from_millis(ttl))
+                    .unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u64::from(u32::MAX) * 16));
+                EpochObject::Acquire {
+                    holder: rec.holder,
+                    token,
+                    expires_at,
+                }
+            }
+        }
+    }
+
+    pub fn holder(&self) -> Option<&str> {
+        match self {
+            EpochObject::Acquire { holder, .. } | EpochObject::Release { holder } => Some(holder),
+            EpochObject::Invalid { .. } => None,
+        }
+    }
+}
+
+/// The prefix under which a lease's epoch objects live: `{prefix}{lease}/`.
+pub fn lease_prefix(prefix: &str, lease: &LeaseName) -> String {
+    format!("{prefix}{lease}/")
+}
+
+/// The key of one epoch object: `{prefix}{lease}/{epoch:020}.json`.
+pub fn object_key(prefix: &str, lease: &LeaseName, epoch: Epoch) -> String {
+    format!("{prefix}{lease}/{:020}.json", epoch.get())
+}
+
+/// Recovers the epoch from a key listed under `lease_prefix`; other keys give `None`.
+pub fn epoch_of_key(lease_prefix: &str, key: &str) -> Option<Epoch> {
+    let rest = key.strip_prefix(lease_prefix)?;
+    let digits = rest.strip_suffix(".json")?;
+    if digits.len() != 20 {
+        return None;
+    }
+    Epoch::parse_header(digits.as_bytes()).filter(|e| *e != Epoch::NONE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_header_accepts_plain_decimal_only() {
+        assert_eq!(Epoch::parse_header(b"7"), Some(Epoch(7)));
+        assert_eq!(Epoch::parse_header(b"0007"), Some(Epoch(7)));
+        assert_eq!(Epoch::parse_header(b"18446744073709551615"), Some(Epoch(u64::MAX)));
+        for bad in [&b""[..], b"18446744073709551616", b"+7", b"-1", b" 7", b"7 ", b"0x7", b"7.0", b"1e3", b"\xd9\xa7"] {
+            assert_eq!(Epoch::parse_header(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn lease_names_follow_the_spec_pattern() {
+        for ok in ["billing", "a", "0", "a.b_c-d", &"x".repeat(63)] {
+            assert!(LeaseName::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "Billing", "-a", ".a", "a/b", "a b", &"x".repeat(64), "é"] {
+            assert!(LeaseName::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn key_layout_matches_spec_example() {
+        let lease = LeaseName::parse("billing").unwrap();
+        let key = object_key("fencegate/", &lease, Epoch(7));
+        assert_eq!(key, "fencegate/billing/00000000000000000007.json");
+        assert_eq!(epoch_of_key(&lease_prefix("fencegate/", &lease), &key), Some(Epoch(7)));
+        assert_eq!(epoch_of_key("fencegate/billing/", "fencegate/billing/7.json"), None);
+        assert_eq!(epoch_of_key("fencegate/billing/", "fencegate/billing/00000000000000000007.tmp"), None);
+    }
+
+    #[test]
+    fn objects_are_interpreted_strictly() {
+        let lease = LeaseName::parse("billing").unwrap();
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let rec = EpochRecord::acquire(&lease, Epoch(3), "w1", b"tok", Duration::from_millis(500));
+        let obj = EpochObject::from_stored(&lease, Epoch(3), &rec.to_json(), t0);
+        assert_eq!(
+            obj,
+            EpochObject::Acquire {
+                holder: "w1".into(),
+                token: TokenHash::of(b"tok"),
+                expires_at: t0 + Duration::from_millis(500)
+            }
+        );
+        // Key and body disagree: still an epoch, admits nothing.
+        let other = EpochObject::from_stored(&lease, Epoch(4), &rec.to_json(), t0);
+        assert!(matches!(other, EpochObject::Invalid { .. }));
+        assert!(matches!(EpochObject::from_stored(&lease, Epoch(3), b"{not json", t0), EpochObject::Invalid { .. }));
+        // Unknown fields are ignored.
+        let extra = br#"{"v":1,"lease":"billing","epoch":3,"kind":"release","holder":"w1","future":true}"#;
+        assert_eq!(
+            EpochObject::from_stored(&lease, Epoch(3), extra, t0),
+            EpochObject::Release { holder: "w1".into() }
+        );
+    }
+
+    #[test]
+    fn token_hash_hex_round_trip() {
+        let h = TokenHash::of(b"secret");
+        assert_eq!(TokenHash::from_hex(&h.to_hex()), Some(h));
+        assert!(TokenHash::from_hex(&h.to_hex().to_uppercase()).is_none());
+        assert!(h.matches(&TokenHash::of(b"secret")));
+        assert!(!h.matches(&TokenHash::of(b"secreT")));
+    }
+}

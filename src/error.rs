@@ -1,0 +1,186 @@
+//! Every response fencegate makes itself, in one place: SPEC §7's status, error
+//! code, JSON body (`{"error", "message", ...context}`) and `X-Fencegate-Error`.
+//!
+//! Modules return typed errors; this is the only code that knows their statuses.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::Full;
+use serde_json::{json, Map, Value};
+
+use crate::admission::Refusal;
+use crate::epoch::{Epoch, LeaseName};
+
+pub const ERROR_HEADER: &str = "x-fencegate-error";
+
+/// Why fencegate answered a request itself instead of the upstream.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no route matches this path")]
+    RouteNotFound,
+    #[error("X-Lease-Epoch is required")]
+    EpochMissing,
+    #[error("X-Lease-Epoch must be exactly one plain decimal u64 ({0})")]
+    EpochMalformed(&'static str),
+    #[error("Idempotency-Key must be 1-255 visible ASCII characters ({0})")]
+    DedupKeyMalformed(&'static str),
+    #[error("request body exceeds the route's limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("the request body could not be read: {detail}")]
+    BodyUnreadable { detail: String },
+    #[error("the request body did not arrive within the route's timeout")]
+    BodyTimeout,
+    #[error("{0}")]
+    Refused(Refusal),
+    #[error("the lease store cannot be reached and epoch {epoch} of lease {lease} cannot be validated from cache: {detail}")]
+    StoreUnavailable { lease: LeaseName, epoch: Epoch, detail: String },
+    #[error("durable state (sled) cannot be written: {detail}")]
+    StateUnavailable { detail: String },
+    #[error("a request with this idempotency key is already in flight")]
+    DedupInFlight { key: String },
+    #[error("the outcome of an earlier request with this idempotency key is unknown; an operator must resolve it")]
+    DedupInDoubt { key: String },
+    #[error("this idempotency key was used for a different request")]
+    DedupKeyReused { key: String },
+    #[error("the upstream could not be reached; nothing was sent")]
+    UpstreamUnreachable { detail: String },
+    #[error("the upstream did not answer in time or the connection failed after the request was sent; the outcome is unknown")]
+    UpstreamTimeout { detail: String },
+    #[error("aborted: epoch {newer} of lease {lease} was admitted and this older request did not finish within the drain timeout; the outcome is unknown")]
+    DrainAborted { lease: LeaseName, epoch: Epoch, newer: Epoch },
+    #[error("fencegate is shutting down; the outcome is unknown")]
+    ShuttingDown,
+}
+
+impl From<Refusal> for ProxyError {
+    fn from(r: Refusal) -> Self {
+        ProxyError::Refused(r)
+    }
+}
+
+impl ProxyError {
+    /// The SPEC §7 status and code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        use ProxyError as E;
+        match self {
+            E::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
+            E::EpochMissing => (StatusCode::PRECONDITION_REQUIRED, "epoch_missing"),
+            E::EpochMalformed(_) => (StatusCode::BAD_REQUEST, "epoch_malformed"),
+            E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
+            E::BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            // Not in SPEC §7's table: a body that breaks off or trickles in.
+            E::BodyUnreadable { .. } => (StatusCode::BAD_REQUEST, "body_malformed"),
+            E::BodyTimeout => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+            E::Refused(r) => match r {
+                Refusal::TokenMissing { .. } => (StatusCode::UNAUTHORIZED, "token_missing"),
+                Refusal::TokenInvalid { .. } => (StatusCode::FORBIDDEN, "token_invalid"),
+                Refusal::EpochUnknown { .. } => (StatusCode::FORBIDDEN, "epoch_unknown"),
+                Refusal::EpochInvalid { .. } => (StatusCode::FORBIDDEN, "epoch_invalid"),
+                Refusal::Stale { .. } => (StatusCode::CONFLICT, "epoch_stale"),
+                Refusal::Expired { .. } => (StatusCode::CONFLICT, "lease_expired"),
+            },
+            E::StoreUnavailable { .. } | E::StateUnavailable { .. } | E::ShuttingDown => {
+                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            }
+            E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
+            E::DedupInDoubt { .. } => (StatusCode::CONFLICT, "dedup_in_doubt"),
+            E::DedupKeyReused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "dedup_key_reused"),
+            E::UpstreamUnreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
+            E::UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
+            E::DrainAborted { .. } => (StatusCode::GATEWAY_TIMEOUT, "drain_aborted"),
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        self.status_and_code().1
+    }
+
+    /// Context fields for the JSON body.
+    fn context(&self, ctx: &mut Map<String, Value>) {
+        use ProxyError as E;
+        let lease = |ctx: &mut Map<String, Value>, l: &LeaseName| {
+            ctx.insert("lease".into(), json!(l.as_str()));
+        };
+        match self {
+            E::Refused(r) => r.context(ctx),
+            E::StoreUnavailable { lease: l, epoch, .. } => {
+                lease(ctx, l);
+                ctx.insert("epoch".into(), json!(epoch.get()));
+            }
+            E::BodyTooLarge { limit } => {
+                ctx.insert("limit_bytes".into(), json!(limit));
+            }
+            E::DedupInFlight { key } | E::DedupInDoubt { key } | E::DedupKeyReused { key } => {
+                ctx.insert("dedup_key".into(), json!(key));
+            }
+            E::UpstreamUnreachable { detail }
+            | E::UpstreamTimeout { detail }
+            | E::StateUnavailable { detail }
+            | E::BodyUnreadable { detail } => {
+                ctx.insert("detail".into(), json!(detail));
+            }
+            E::DrainAborted { lease: l, epoch, newer } => {
+                lease(ctx, l);
+                ctx.insert("epoch".into(), json!(epoch.get()));
+                ctx.insert("latest_epoch".into(), json!(newer.get()));
+            }
+            E::RouteNotFound
+            | E::EpochMissing
+            | E::EpochMalformed(_)
+            | E::DedupKeyMalformed(_)
+            | E::BodyTimeout
+            | E::ShuttingDown => {}
+        }
+    }
+
+    /// The response fencegate sends for this error.
+    pub fn to_response(&self) -> Response<Full<Bytes>> {
+        let (status, code) = self.status_and_code();
+        let mut body = Map::new();
+        body.insert("error".into(), json!(code));
+        body.insert("message".into(), json!(self.to_string()));
+        self.context(&mut body);
+        let bytes = serde_json::to_vec(&Value::Object(body)).unwrap_or_default();
+        let mut resp = Response::new(Full::new(Bytes::from(bytes)));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        h.insert(ERROR_HEADER, HeaderValue::from_static(code));
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+impl Refusal {
+    fn context(&self, ctx: &mut Map<String, Value>) {
+        let (lease, epoch) = self.lease_epoch();
+        ctx.insert("lease".into(), json!(lease.as_str()));
+        if let Some(e) = epoch {
+            ctx.insert("epoch".into(), json!(e.get()));
+        }
+        match self {
+            Refusal::Stale {
+                high_water_mark,
+                latest_epoch,
+                ..
+            } => {
+                ctx.insert("high_water_mark".into(), json!(high_water_mark.get()));
+                ctx.insert("latest_epoch".into(), json!(latest_epoch.get()));
+            }
+            Refusal::EpochUnknown { latest_epoch, .. } => {
+                ctx.insert("latest_epoch".into(), json!(latest_epoch.get()));
+            }
+            Refusal::Expired { expired_at, .. } => {
+                ctx.insert("expired_at".into(), json!(crate::clock::rfc3339(*expired_at)));
+            }
+            Refusal::EpochInvalid { reason, .. } => {
+                ctx.insert("reason".into(), json!(reason));
+            }
+            Refusal::TokenMissing { .. } | Refusal::TokenInvalid { .. } => {}
+        }
+    }
+}
+

@@ -1,0 +1,267 @@
+//! Everything fencegate keeps for one lease: its gate (mark, in-flight, drain), the
+//! epochs it knows (cached forever: objects are immutable), and the refresher that
+//! keeps them current. One [`Fence`] per lease can be started and stopped on its
+//! own — the unit a future multi-instance mode hands from one owner to another.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::{self, Claim, Facts, Refusal};
+use crate::durable::Durable;
+use crate::epoch::{Epoch, EpochObject, LeaseName};
+use crate::error::ProxyError;
+use crate::gate::{Gate, GateStats, Pass, RaiseError};
+use crate::lease::{Epochs, StoreError};
+
+#[derive(Default)]
+struct Known {
+    latest: Epoch,
+    /// Interpreted objects of the epochs that can still admit (≥ latest).
+    objects: BTreeMap<Epoch, Arc<EpochObject>>,
+    last_ok: Option<Instant>,
+    last_error: Option<String>,
+}
+
+/// Counters of store traffic, for metrics and the steady-state claim (zero calls
+/// per request).
+#[derive(Debug, Default)]
+pub struct StoreCalls {
+    pub lists: AtomicU64,
+    pub gets: AtomicU64,
+    pub errors: AtomicU64,
+    pub on_demand: AtomicU64,
+}
+
+pub struct Fence {
+    lease: LeaseName,
+    epochs: Epochs,
+    durable: Arc<Durable>,
+    gate: Arc<Gate>,
+    known: Mutex<Known>,
+    refresh_lock: tokio::sync::Mutex<()>,
+    refreshes_started: AtomicU64,
+    refresh_interval: Duration,
+    stop: CancellationToken,
+    pub calls: StoreCalls,
+}
+
+/// A snapshot for the admin API.
+#[derive(Debug, Clone)]
+pub struct FenceView {
+    pub lease: LeaseName,
+    pub gate: GateStats,
+    pub latest_known: Epoch,
+    pub holder: Option<String>,
+    pub expires_at: Option<SystemTime>,
+    pub store_ok: bool,
+    pub last_error: Option<String>,
+}
+
+impl Fence {
+    /// Creates the fence of `lease` from its durable mark.
+    pub fn new(lease: LeaseName, epochs: Epochs, durable: Arc<Durable>, refresh_interval: Duration) -> Result<Arc<Fence>, crate::durable::DurableError> {
+        let mark = durable.mark(&lease)?;
+        Ok(Arc::new(Fence {
+            lease,
+            epochs,
+            durable,
+            gate: Gate::new(mark),
+            known: Mutex::new(Known {
+                latest: mark,
+                ..Known::default()
+            }),
+            refresh_lock: tokio::sync::Mutex::new(()),
+            refreshes_started: AtomicU64::new(0),
+            refresh_interval,
+            stop: CancellationToken::new(),
+            calls: StoreCalls::default(),
+        }))
+    }
+
+    pub fn lease(&self) -> &LeaseName {
+        &self.lease
+    }
+
+    fn known(&self) -> MutexGuard<'_, Known> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts the background refresher; it stops with [`Fence::stop`].
+    pub fn start(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = me.refresh_now().await {
+                    tracing::warn!(lease = %me.lease, error = %e, "epoch refresh failed");
+                }
+                tokio::select! {
+                    _ = me.stop.cancelled() => return,
+                    _ = tokio::time::sleep(me.refresh_interval) => {}
+                }
+            }
+        })
+    }
+
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+
+    /// Lists newer epochs and reads the latest one's object, under the refresh lock.
+    async fn refresh_now(&self) -> Result<(), StoreError> {
+        let _one = self.refresh_lock.lock().await;
+        self.refresh_locked().await
+    }
+
+    async fn refresh_locked(&self) -> Result<(), StoreError> {
+        self.refreshes_started.fetch_add(1, Ordering::SeqCst);
+        let res = self.refresh_inner().await;
+        let mut k = self.known();
+        match &res {
+            Ok(()) => {
+                k.last_ok = Some(Instant::now());
+                k.last_error = None;
+            }
+            Err(e) => {
+                self.calls.errors.fetch_add(1, Ordering::Relaxed);
+                k.last_error = Some(e.to_string());
+            }
+        }
+        res
+    }
+
+    async fn refresh_inner(&self) -> Result<(), StoreError> {
+        let after = self.known().latest;
+        self.calls.lists.fetch_add(1, Ordering::Relaxed);
+        let latest = self.epochs.latest_after(&self.lease, after).await?;
+        let cached = self.known().objects.contains_key(&latest);
+        let object = if latest != Epoch::NONE && !cached {
+            self.calls.gets.fetch_add(1, Ordering::Relaxed);
+            self.epochs.read(&self.lease, latest).await?
+        } else {
+            None
+        };
+        let mut k = self.known();
+        if latest > k.latest {
+            k.latest = latest;
+        }
+        if let Some(o) = object {
+            k.objects.insert(latest, Arc::new(o));
+        }
+        let keep_from = k.latest;
+        k.objects.retain(|e, _| *e >= keep_from);
+        Ok(())
+    }
+
+    /// An on-demand read for a request whose epoch is above what we know, or whose
+    /// object we do not have. Coalesced: a request that waited while another read
+    /// started *after* it arrived uses that read's result instead of making its own.
+    async fn refresh_for(&self) -> Result<(), StoreError> {
+        let arrived = self.refreshes_started.load(Ordering::SeqCst);
+        let _one = self.refresh_lock.lock().await;
+        if self.refreshes_started.load(Ordering::SeqCst) > arrived {
+            // A read that started after this request arrived has completed.
+            return match self.known().last_error.clone() {
+                None => Ok(()),
+                Some(e) => Err(StoreError::Unavailable(e)),
+            };
+        }
+        self.calls.on_demand.fetch_add(1, Ordering::Relaxed);
+        self.refresh_locked().await
+    }
+
+    fn has_answer_for(&self, epoch: Epoch) -> bool {
+        let k = self.known();
+        epoch < k.latest || k.objects.contains_key(&epoch)
+    }
+
+    /// SPEC §4: validates the claim and returns a pass, raising the mark and
+    /// draining older requests when the claim is newer than the mark.
+    pub async fn admit(&self, claim: Claim<'_>, require_token: bool, drain_timeout: Duration) -> Result<Pass, ProxyError> {
+        let epoch = claim.epoch;
+        if require_token && claim.token.is_none() {
+            return Err(Refusal::TokenMissing { lease: self.lease.clone() }.into());
+        }
+        // Stale without I/O: below the barrier or below a known epoch.
+        {
+            let barrier = self.gate.stats().barrier;
+            let latest = self.known().latest;
+            if admission::stale(epoch, barrier, latest) {
+                return Err(Refusal::Stale {
+                    lease: self.lease.clone(),
+                    epoch,
+                    high_water_mark: barrier,
+                    latest_epoch: latest,
+                }
+                .into());
+            }
+        }
+        // Needs the store: an epoch above what we know, or an object not yet read.
+        if !self.has_answer_for(epoch) {
+            if let Err(e) = self.refresh_for().await {
+                return Err(ProxyError::StoreUnavailable {
+                    lease: self.lease.clone(),
+                    epoch,
+                    detail: e.to_string(),
+                });
+            }
+        }
+        let object = self.known().objects.get(&epoch).cloned();
+        let store_now = self.epochs.store_now();
+        let decide = |mark: Epoch| {
+            let latest = self.known().latest;
+            admission::decide(
+                claim,
+                Facts {
+                    lease: &self.lease,
+                    high_water_mark: mark,
+                    latest_known: latest,
+                    object: object.as_deref(),
+                    store_now,
+                    require_token,
+                },
+            )
+        };
+        if let Some(pass) = self.gate.try_enter(epoch, decide)? {
+            return Ok(pass);
+        }
+        self.gate
+            .raise(epoch, drain_timeout, decide, || self.durable.raise_mark(&self.lease, epoch))
+            .await
+            .map_err(|e| match e {
+                RaiseError::Refused(r) => ProxyError::Refused(r),
+                RaiseError::Durable(d) => ProxyError::StateUnavailable { detail: d.to_string() },
+            })
+    }
+
+    /// A snapshot for the admin API and metrics.
+    pub fn view(&self) -> FenceView {
+        let k = self.known();
+        let (holder, expires_at) = match k.objects.get(&k.latest).map(|o| o.as_ref()) {
+            Some(EpochObject::Acquire { holder, expires_at, .. }) => (Some(holder.clone()), Some(*expires_at)),
+            Some(o) => (o.holder().map(str::to_owned), None),
+            None => (None, None),
+        };
+        FenceView {
+            lease: self.lease.clone(),
+            gate: self.gate.stats(),
+            latest_known: k.latest,
+            holder,
+            expires_at,
+            store_ok: k.last_error.is_none() && k.last_ok.is_some(),
+            last_error: k.last_error.clone(),
+        }
+    }
+
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
+    pub fn latest_known(&self) -> Epoch {
+        self.known().latest
+    }
+}
+

@@ -1,0 +1,339 @@
+//! Forwarding to the upstream (SPEC §3): a pooled hyper-util client over rustls,
+//! the path-prefix mapping, header hygiene, and upstream failures classified by
+//! what the worker may conclude (nothing sent vs. outcome unknown).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// Headers fencegate reads from workers and never forwards.
+pub const LEASE_TOKEN: &str = "x-lease-token";
+pub const LEASE_EPOCH: &str = "x-lease-epoch";
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-hop credentials.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "expect",
+];
+
+/// How an upstream exchange failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum UpstreamError {
+    /// Could not connect: no byte of the request was sent.
+    #[error("{0}")]
+    Unreachable(String),
+    /// Timed out or failed after the request may have been sent: outcome unknown.
+    #[error("{0}")]
+    Uncertain(String),
+}
+
+/// A buffered upstream response.
+#[derive(Debug)]
+pub struct UpstreamResponse {
+    pub status: http::StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+/// Builds the TLS client config: system roots when present, else webpki roots,
+/// plus an optional per-route CA bundle.
+pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _) = roots.add_parsable_certificates(native.certs);
+    if added == 0 {
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    }
+    if let Some(path) = extra_ca {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| format!("reading CA bundle {}: {e}", path.display()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("parsing CA bundle {}: {e}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!("CA bundle {} holds no certificate", path.display()));
+        }
+        for c in certs {
+            roots.add(c).map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
+        }
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+}
+
+/// A pooled client for one upstream (or a set of upstreams sharing TLS roots).
+pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClient {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(https)
+}
+
+/// The part of a route forwarding needs.
+#[derive(Clone)]
+pub struct Target {
+    /// `path_prefix` of the route, e.g. `/billing/`.
+    pub prefix: String,
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// Path of the upstream base URL, ending in `/`.
+    pub base_path: String,
+    pub dedup_header: HeaderName,
+    /// Set on every forwarded request, replacing the worker's (secrets).
+    pub fixed_headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl Target {
+    pub fn new(prefix: &str, upstream: &str, dedup_header: &str, fixed_headers: Vec<(HeaderName, HeaderValue)>) -> Result<Target, String> {
+        let uri: Uri = upstream.parse().map_err(|e| format!("upstream {upstream:?}: {e}"))?;
+        let scheme = uri.scheme().cloned().ok_or("upstream needs a scheme")?;
+        let authority = uri.authority().cloned().ok_or("upstream needs a host")?;
+        let mut base_path = uri.path().to_owned();
+        if !base_path.ends_with('/') {
+            base_path.push('/');
+        }
+        Ok(Target {
+            prefix: prefix.to_owned(),
+            scheme,
+            authority,
+            base_path,
+            dedup_header: HeaderName::from_bytes(dedup_header.as_bytes()).map_err(|e| e.to_string())?,
+            fixed_headers,
+        })
+    }
+
+    /// Whether `path` belongs to this route (`/billing/...` or exactly `/billing`).
+    pub fn matches(&self, path: &str) -> bool {
+        path.starts_with(&self.prefix) || path.len() + 1 == self.prefix.len() && self.prefix.starts_with(path)
+    }
+
+    /// Maps a request target to the upstream URI: prefix replaced by the base path.
+    pub fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, String> {
+        let rest = path.get(self.prefix.len()..).unwrap_or("");
+        let mut pq = String::with_capacity(self.base_path.len() + rest.len() + 1 + query.map_or(0, str::len));
+        pq.push_str(&self.base_path);
+        pq.push_str(rest);
+        if let Some(q) = query {
+            pq.push('?');
+            pq.push_str(q);
+        }
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// True when a path contains `.`/`..` segments, plain or percent-encoded: such a
+/// path could escape the route's prefix at the upstream, so it matches no route.
+pub fn has_dot_segments(path: &str) -> bool {
+    path.split('/').any(|seg| {
+        let lower = seg.to_ascii_lowercase();
+        let decoded = lower.replace("%2e", ".");
+        decoded == "." || decoded == ".."
+    }) || path.to_ascii_lowercase().contains("%2f")
+}
+
+/// Removes hop-by-hop headers and every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for h in HOP_BY_HOP {
+        headers.remove(h);
+    }
+}
+
+/// Builds the upstream request from the worker's, per SPEC §3.
+pub fn build_request(
+    target: &Target,
+    parts: &http::request::Parts,
+    body: Bytes,
+    peer: SocketAddr,
+    dedup_key: &str,
+) -> Result<Request<Full<Bytes>>, String> {
+    let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
+    let mut headers = parts.headers.clone();
+    strip_hop_by_hop(&mut headers);
+    let orig_host = headers.remove(header::HOST);
+    headers.remove(LEASE_TOKEN);
+    headers.remove(header::CONTENT_LENGTH);
+    let ip = peer.ip().to_string();
+    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {ip}"),
+        None => ip.clone(),
+    };
+    headers.insert("x-forwarded-for", HeaderValue::from_str(&xff).map_err(|e| e.to_string())?);
+    let for_ = if peer.is_ipv6() { format!("\"[{ip}]\"") } else { ip };
+    let mut fwd = format!("for={for_};proto=http");
+    if let Some(h) = orig_host.as_ref().and_then(|h| h.to_str().ok()) {
+        if !h.contains(['"', ';', ',']) {
+            fwd.push_str(&format!(";host=\"{h}\""));
+        }
+    }
+    let fwd = match headers.get(header::FORWARDED).and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {fwd}"),
+        None => fwd,
+    };
+    headers.insert(header::FORWARDED, HeaderValue::from_str(&fwd).map_err(|e| e.to_string())?);
+    headers.insert(
+        target.dedup_header.clone(),
+        HeaderValue::from_str(dedup_key).map_err(|e| e.to_string())?,
+    );
+    for (n, v) in &target.fixed_headers {
+        headers.insert(n.clone(), v.clone());
+    }
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = parts.method.clone();
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    Ok(req)
+}
+
+/// Sends `req` and reads the whole response within `timeout`.
+pub async fn send(client: &HttpsClient, req: Request<Full<Bytes>>, timeout: Duration, max_body: usize) -> Result<UpstreamResponse, UpstreamError> {
+    let exchange = async {
+        let resp = client.request(req).await.map_err(|e| {
+            let detail = error_chain(&e);
+            if e.is_connect() {
+                UpstreamError::Unreachable(detail)
+            } else {
+                UpstreamError::Uncertain(detail)
+            }
+        })?;
+        let (parts, body) = resp.into_parts();
+        let body = Limited::new(body, max_body)
+            .collect()
+            .await
+            .map_err(|e| UpstreamError::Uncertain(format!("reading the upstream's response body: {e}")))?
+            .to_bytes();
+        let mut headers = parts.headers;
+        strip_hop_by_hop(&mut headers);
+        headers.remove(header::CONTENT_LENGTH);
+        Ok(UpstreamResponse {
+            status: parts.status,
+            headers,
+            body,
+        })
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(r) => r,
+        Err(_) => Err(UpstreamError::Uncertain(format!(
+            "no complete response within {} ms",
+            timeout.as_millis()
+        ))),
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// The worker-facing response for an upstream answer.
+pub fn to_response(u: &UpstreamResponse) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(u.body.clone()));
+    *resp.status_mut() = u.status;
+    *resp.headers_mut() = u.headers.clone();
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> Target {
+        Target::new("/billing/", "http://up:9/v1", "Idempotency-Key", vec![]).unwrap()
+    }
+
+    #[test]
+    fn prefix_is_replaced_by_the_upstream_path() {
+        let t = target();
+        assert_eq!(t.upstream_uri("/billing/charges", Some("a=1")).unwrap().to_string(), "http://up:9/v1/charges?a=1");
+        assert_eq!(t.upstream_uri("/billing", None).unwrap().to_string(), "http://up:9/v1/");
+        assert!(t.matches("/billing/x") && t.matches("/billing") && !t.matches("/billingx") && !t.matches("/bill"));
+    }
+
+    #[test]
+    fn dot_segments_are_detected() {
+        for p in ["/billing/../admin", "/billing/%2E%2e/x", "/billing/./x", "/billing/a%2Fb"] {
+            assert!(has_dot_segments(p), "{p}");
+        }
+        assert!(!has_dot_segments("/billing/a.b/..c"));
+    }
+
+    #[test]
+    fn hygiene_strips_hop_by_hop_and_the_token() {
+        let req = Request::builder()
+            .uri("/billing/x")
+            .header("connection", "keep-alive, x-secret-hop")
+            .header("x-secret-hop", "1")
+            .header("keep-alive", "timeout=5")
+            .header("proxy-authorization", "Basic abc")
+            .header("x-lease-token", "tok")
+            .header("x-lease-epoch", "7")
+            .header("x-forwarded-for", "10.0.0.1")
+            .header("idempotency-key", "worker-chosen")
+            .header("host", "fencegate.local")
+            .body(())
+            .unwrap();
+        let (parts, _) = req.into_parts();
+        let out = build_request(&target(), &parts, Bytes::new(), "127.0.0.1:5555".parse().unwrap(), "k1").unwrap();
+        let h = out.headers();
+        for gone in ["connection", "x-secret-hop", "keep-alive", "proxy-authorization", "x-lease-token", "host"] {
+            assert!(h.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(h["x-lease-epoch"], "7");
+        assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+        assert_eq!(h["forwarded"], "for=127.0.0.1;proto=http;host=\"fencegate.local\"");
+        assert_eq!(h["idempotency-key"], "k1");
+    }
+}

@@ -1,0 +1,257 @@
+//! The worker side of SPEC §2: acquire, renew, release and show, in any process
+//! that can reach the store (the `fencegate lease` CLI, tests, the demo).
+//!
+//! The subtle part is the *uncertain result*: a create whose response was lost (a
+//! timeout, a reset, a 5xx, or an SDK retry answered 412 because the first attempt
+//! had in fact succeeded). We never count such a result as a win or a loss: we read
+//! epoch L+1 back and compare the token hash.
+
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use rand::RngCore;
+
+use super::{CreateOutcome, Epochs, StoreError};
+use crate::epoch::{Epoch, EpochObject, EpochRecord, LeaseName, TokenHash};
+
+/// A tenure this process holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holding {
+    pub lease: LeaseName,
+    pub epoch: Epoch,
+    pub token: String,
+    pub holder: String,
+    /// `LastModified + ttl` of our epoch object, on the store's clock.
+    pub expires_at: SystemTime,
+}
+
+/// What a worker may learn instead of a tenure.
+#[derive(Debug, thiserror::Error)]
+pub enum AcquireError {
+    /// Someone else holds the lease (or the caller no longer does).
+    #[error("lease {lease} is held by {holder:?} at epoch {epoch} until {}", crate::clock::rfc3339(*.expires_at))]
+    Held {
+        lease: LeaseName,
+        epoch: Epoch,
+        holder: String,
+        expires_at: SystemTime,
+    },
+    /// The caller claimed a tenure it does not hold (renew/release).
+    #[error("not the holder of lease {lease} at epoch {epoch}: {why}")]
+    NotHolder { lease: LeaseName, epoch: Epoch, why: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Lost too many races in a row, or epoch numbers ran out.
+    #[error("gave up on lease {lease}: {why}")]
+    GaveUp { lease: LeaseName, why: String },
+}
+
+impl AcquireError {
+    /// True when the answer is "someone else has it" (CLI exit code 3).
+    pub fn is_held(&self) -> bool {
+        matches!(self, AcquireError::Held { .. } | AcquireError::NotHolder { .. })
+    }
+}
+
+/// The state of a lease as a reader sees it.
+#[derive(Debug, Clone)]
+pub struct LeaseStatus {
+    pub latest: Epoch,
+    pub object: Option<EpochObject>,
+    pub store_now: SystemTime,
+}
+
+impl LeaseStatus {
+    /// Whether a contender may take the lease now: no epoch, a release, an
+    /// unparsable latest object, or an acquire expired by more than `grace`.
+    pub fn is_free(&self, grace: Duration) -> bool {
+        match &self.object {
+            Some(EpochObject::Acquire { expires_at, .. }) => self.store_now > *expires_at + grace,
+            _ => true,
+        }
+    }
+}
+
+/// A fresh random token: 256 bits, hex.
+pub fn fresh_token() -> String {
+    let mut b = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut b);
+    hex::encode(b)
+}
+
+/// Steps 1–2 of SPEC §2: the latest epoch and its object.
+pub async fn status(epochs: &Epochs, lease: &LeaseName) -> Result<LeaseStatus, StoreError> {
+    let latest = epochs.latest_after(lease, Epoch::NONE).await?;
+    let object = if latest == Epoch::NONE { None } else { epochs.read(lease, latest).await? };
+    Ok(LeaseStatus {
+        latest,
+        object,
+        store_now: epochs.store_now(),
+    })
+}
+
+/// How many lost races or uncertain results one call tolerates before giving up.
+const MAX_ROUNDS: usize = 16;
+
+enum Created {
+    Won(SystemTime),
+    Lost,
+}
+
+/// Step 3: conditionally creates `epoch` with `body`, deciding uncertain results by
+/// reading the object back. `ours` says whether a stored object is our write.
+async fn create_decided(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    epoch: Epoch,
+    body: Bytes,
+    ours: impl Fn(&EpochObject, &[u8]) -> bool,
+) -> Result<Created, AcquireError> {
+    let mut last_err = None;
+    for attempt in 0..MAX_ROUNDS {
+        if attempt > 0 {
+            tokio::time::sleep(Duration::from_millis(20 * (1 << attempt.min(5)))).await;
+        }
+        match epochs.create(lease, epoch, body.clone()).await {
+            Ok(CreateOutcome::Created) | Ok(CreateOutcome::AlreadyExists) | Err(StoreError::Unavailable(_)) => {}
+            Err(e @ StoreError::Refused(_)) => return Err(e.into()),
+        }
+        // Read back whatever the create said: a 412 may hide our own earlier
+        // attempt, and a success needs the object's LastModified for the expiry.
+        let key = crate::epoch::object_key(epochs.prefix(), lease, epoch);
+        match epochs.store().get(&key).await {
+            Ok(Some(obj)) => {
+                let parsed = EpochObject::from_stored(lease, epoch, &obj.body, obj.last_modified);
+                if ours(&parsed, &obj.body) {
+                    let expires_at = match parsed {
+                        EpochObject::Acquire { expires_at, .. } => expires_at,
+                        _ => obj.last_modified,
+                    };
+                    return Ok(Created::Won(expires_at));
+                }
+                return Ok(Created::Lost);
+            }
+            // Not there: the create did not happen; creating again is safe.
+            Ok(None) => continue,
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.map(AcquireError::Store).unwrap_or_else(|| AcquireError::GaveUp {
+        lease: lease.clone(),
+        why: format!("could not create epoch {epoch}"),
+    }))
+}
+
+/// Acquires `lease` if it is free (SPEC §2 steps 1–3). `current` is a tenure the
+/// caller holds (renewal); without it, a valid acquire by anyone is `Held`.
+pub async fn acquire(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    holder: &str,
+    ttl: Duration,
+    grace: Duration,
+    current: Option<(Epoch, &str)>,
+) -> Result<Holding, AcquireError> {
+    for _ in 0..MAX_ROUNDS {
+        let st = status(epochs, lease).await?;
+        let mine = match (current, &st.object) {
+            (Some((e, tok)), Some(EpochObject::Acquire { token, .. })) => {
+                e == st.latest && token.matches(&TokenHash::of(tok.as_bytes()))
+            }
+            _ => false,
+        };
+        if let Some((e, _)) = current {
+            if !mine {
+                return Err(AcquireError::NotHolder {
+                    lease: lease.clone(),
+                    epoch: e,
+                    why: format!("the latest epoch is {} and it is not this tenure", st.latest),
+                });
+            }
+            if let Some(EpochObject::Acquire { expires_at, .. }) = &st.object {
+                if st.store_now > *expires_at {
+                    return Err(AcquireError::NotHolder {
+                        lease: lease.clone(),
+                        epoch: e,
+                        why: "the tenure has expired".into(),
+                    });
+                }
+            }
+        } else if !st.is_free(grace) {
+            if let Some(EpochObject::Acquire { holder, expires_at, .. }) = &st.object {
+                return Err(AcquireError::Held {
+                    lease: lease.clone(),
+                    epoch: st.latest,
+                    holder: holder.clone(),
+                    expires_at: *expires_at,
+                });
+            }
+        }
+        let Some(next) = st.latest.next() else {
+            return Err(AcquireError::GaveUp {
+                lease: lease.clone(),
+                why: "epoch numbers are exhausted".into(),
+            });
+        };
+        let token = fresh_token();
+        let hash = TokenHash::of(token.as_bytes());
+        let body = Bytes::from(EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl).to_json());
+        let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
+        match create_decided(epochs, lease, next, body, ours).await? {
+            Created::Won(expires_at) => {
+                return Ok(Holding {
+                    lease: lease.clone(),
+                    epoch: next,
+                    token,
+                    holder: holder.to_owned(),
+                    expires_at,
+                })
+            }
+            // Losing a race is never permission to work: look again.
+            Created::Lost => continue,
+        }
+    }
+    Err(AcquireError::GaveUp {
+        lease: lease.clone(),
+        why: "lost too many races in a row".into(),
+    })
+}
+
+/// Renews a tenure: acquires L+1 while holding L, with a fresh token.
+pub async fn renew(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    holder: &str,
+    epoch: Epoch,
+    token: &str,
+    ttl: Duration,
+) -> Result<Holding, AcquireError> {
+    acquire(epochs, lease, holder, ttl, Duration::ZERO, Some((epoch, token))).await
+}
+
+/// Releases a tenure: creates L+1 with `kind: "release"`. Returns the release epoch.
+pub async fn release(epochs: &Epochs, lease: &LeaseName, holder: &str, epoch: Epoch, token: &str) -> Result<Epoch, AcquireError> {
+    let st = status(epochs, lease).await?;
+    let mine = matches!(&st.object, Some(EpochObject::Acquire { token: t, .. }) if st.latest == epoch && t.matches(&TokenHash::of(token.as_bytes())));
+    if !mine {
+        return Err(AcquireError::NotHolder {
+            lease: lease.clone(),
+            epoch,
+            why: format!("the latest epoch is {}", st.latest),
+        });
+    }
+    let next = epoch.next().ok_or_else(|| AcquireError::GaveUp {
+        lease: lease.clone(),
+        why: "epoch numbers are exhausted".into(),
+    })?;
+    let body = Bytes::from(EpochRecord::release(lease, next, holder).to_json());
+    let expected = body.clone();
+    match create_decided(epochs, lease, next, body, move |_, raw| raw == &expected[..]).await? {
+        Created::Won(_) => Ok(next),
+        Created::Lost => Err(AcquireError::NotHolder {
+            lease: lease.clone(),
+            epoch,
+            why: format!("epoch {next} was created by someone else first"),
+        }),
+    }
+}

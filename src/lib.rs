@@ -1,0 +1,37 @@
+//! fencegate: an HTTP gateway that fences stale leaders in front of destinations
+//! that cannot fence themselves. The contract is SPEC.md; this is the map.
+//!
+//! - [`epoch`] — lease names, epochs, tokens and the epoch object (SPEC §2).
+//! - [`lease`] — the lease store trait with `s3` and `dir` backends, the worker's
+//!   acquire/renew/release algorithm, and the store self-test.
+//! - [`admission`] — the pure admission decision (SPEC §4).
+//! - [`gate`] — per-lease high-water mark, in-flight tracking and the drain (§4–§5).
+//! - [`fence`] — everything kept for one lease: gate, known epochs, refresher.
+//! - [`durable`] — sled and its group commit (marks and dedup records).
+//! - [`dedup`] — dedup keys, records, replay (SPEC §6).
+//! - [`forward`] — the pooled upstream client and header hygiene (SPEC §3).
+//! - [`proxy`] — the request path tying the above together.
+//! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
+//! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
+//! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod admission;
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod dedup;
+pub mod demo;
+pub mod durable;
+pub mod epoch;
+pub mod error;
+pub mod failpoint;
+pub mod fence;
+pub mod forward;
+pub mod gate;
+pub mod lease;
+pub mod metrics;
+pub mod proxy;
+pub mod server;

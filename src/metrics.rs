@@ -1,0 +1,156 @@
+//! Prometheus metrics (SPEC §8), encoded by `prometheus-client`.
+//!
+//! Request counters and latency histograms are updated on the request path.
+//! Values that live elsewhere (marks, in-flight, drains, store calls, flush
+//! batches, dedup counters) are read at scrape time by a collector, so the request
+//! path pays nothing for them.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::proxy::Proxy;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: String,
+    code: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    admission: Histogram,
+    upstream: Histogram,
+    proxy: Arc<OnceLock<Weak<Proxy>>>,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Metrics> {
+        let mut registry = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "fencegate_requests",
+            "Requests by route, outcome (forwarded, replayed, refused) and error code",
+            requests.clone(),
+        );
+        let admission = Histogram::new(exponential_buckets(0.000_05, 2.0, 18));
+        registry.register(
+            "fencegate_admission_duration_seconds",
+            "Time to admit a request: validation, store reads when needed, mark flush and drain",
+            admission.clone(),
+        );
+        let upstream = Histogram::new(exponential_buckets(0.000_1, 2.0, 18));
+        registry.register(
+            "fencegate_upstream_duration_seconds",
+            "Time from forwarding to the complete upstream response (or failure)",
+            upstream.clone(),
+        );
+        let proxy = Arc::new(OnceLock::new());
+        registry.register_collector(Box::new(StateCollector(proxy.clone())));
+        Arc::new(Metrics {
+            registry,
+            requests,
+            admission,
+            upstream,
+            proxy,
+        })
+    }
+
+    /// Lets the collector read the proxy's state at scrape time.
+    pub fn attach(&self, proxy: &Arc<Proxy>) {
+        let _ = self.proxy.set(Arc::downgrade(proxy));
+    }
+
+    pub fn request(&self, route: &str, outcome: &str, code: &str) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                outcome: outcome.to_owned(),
+                code: code.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn admission_latency(&self, d: Duration) {
+        self.admission.observe(d.as_secs_f64());
+    }
+
+    pub fn upstream_latency(&self, d: Duration) {
+        self.upstream.observe(d.as_secs_f64());
+    }
+
+    /// The Prometheus/OpenMetrics text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[derive(Debug)]
+struct StateCollector(Arc<OnceLock<Weak<Proxy>>>);
+
+fn emit<M: EncodeMetric>(enc: &mut DescriptorEncoder, name: &str, help: &str, ty: MetricType, rows: Vec<(Vec<(&'static str, String)>, M)>) -> Result<(), std::fmt::Error> {
+    let mut fam = enc.encode_descriptor(name, help, None, ty)?;
+    for (labels, m) in rows {
+        let me = fam.encode_family(&labels)?;
+        m.encode(me)?;
+    }
+    Ok(())
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(proxy) = self.0.get().and_then(Weak::upgrade) else {
+            return Ok(());
+        };
+        let mut fences: Vec<_> = proxy.fences.values().cloned().collect();
+        fences.sort_by(|a, b| a.lease().cmp(b.lease()));
+        let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
+        let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
+        let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
+            views.iter().map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v)))).collect()
+        };
+        emit(&mut enc, "fencegate_high_water_mark", "Durable high-water mark per lease", MetricType::Gauge, g(&|v| v.gate.mark.get() as i64))?;
+        emit(&mut enc, "fencegate_latest_known_epoch", "Latest epoch seen in the store per lease", MetricType::Gauge, g(&|v| v.latest_known.get() as i64))?;
+        emit(&mut enc, "fencegate_in_flight", "Admitted requests not yet answered by the upstream, per lease", MetricType::Gauge, g(&|v| v.gate.in_flight as i64))?;
+        emit(&mut enc, "fencegate_store_ok", "1 when the last refresh of the lease's epochs succeeded", MetricType::Gauge, g(&|v| i64::from(v.store_ok)))?;
+        let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
+            views.iter().map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc)))).collect()
+        };
+        emit(&mut enc, "fencegate_drains_started", "Mark raises that drained older requests", MetricType::Counter, c(&|v, _| v.gate.drains_started))?;
+        emit(&mut enc, "fencegate_drains_aborted", "Drains that timed out and aborted older requests", MetricType::Counter, c(&|v, _| v.gate.drains_aborted))?;
+        let mut calls = Vec::new();
+        for (l, _, f) in &views {
+            for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
+                let mut labels = l.clone();
+                labels.push(("op", op.to_owned()));
+                calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
+            }
+        }
+        emit(&mut enc, "fencegate_store_calls", "Lease store calls by lease and operation", MetricType::Counter, calls)?;
+        emit(&mut enc, "fencegate_store_errors", "Failed lease store refreshes", MetricType::Counter, c(&|_, f| f.calls.errors.load(Ordering::Relaxed)))?;
+        emit(&mut enc, "fencegate_store_on_demand_reads", "Store reads triggered by a request above the latest known epoch", MetricType::Counter, c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)))?;
+        emit(&mut enc, "fencegate_store_clock_offset_milliseconds", "Estimated store clock minus local clock", MetricType::Gauge, vec![(vec![], ConstGauge::new(proxy.store_clock_offset_ms()))])?;
+        let s = proxy.durable_stats();
+        emit(&mut enc, "fencegate_flush_batches", "Group commits (sled flush + fdatasync)", MetricType::Counter, vec![(vec![], ConstCounter::new(s.batches))])?;
+        emit(&mut enc, "fencegate_flush_records", "Writes made durable by group commits (records per flush = records / batches)", MetricType::Counter, vec![(vec![], ConstCounter::new(s.records))])?;
+        let d = &proxy.dedup.counters;
+        emit(&mut enc, "fencegate_dedup_replays", "Responses answered from a done dedup record", MetricType::Counter, vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))])?;
+        emit(&mut enc, "fencegate_dedup_conflicts", "Dedup keys refused as in flight or reused", MetricType::Counter, vec![(vec![], ConstCounter::new(d.conflicts.load(Ordering::Relaxed)))])?;
+        emit(&mut enc, "fencegate_dedup_in_doubt", "Dedup records that became in doubt", MetricType::Counter, vec![(vec![], ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)))])?;
+        emit(&mut enc, "fencegate_dedup_swept", "Expired dedup records removed", MetricType::Counter, vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))])?;
+        Ok(())
+    }
+}

@@ -1,0 +1,288 @@
+//! The request path (SPEC §3–§6): route → validate headers → read body → admit
+//! (fence) → dedup → forward (abortable by a drain) → record → answer.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use tracing::Instrument;
+
+use crate::admission::Claim;
+use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
+use crate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
+use crate::epoch::Epoch;
+use crate::error::ProxyError;
+use crate::fence::Fence;
+use crate::forward::{self, HttpsClient, Target, UpstreamError};
+use crate::metrics::Metrics;
+
+/// Upper bound on an upstream response body fencegate will buffer.
+const MAX_UPSTREAM_BODY: usize = 64 << 20;
+
+/// One configured route, ready to serve.
+pub struct Route {
+    pub name: String,
+    pub target: Target,
+    pub fence: Arc<Fence>,
+    pub client: HttpsClient,
+    pub timeout: Duration,
+    pub drain_timeout: Duration,
+    pub require_token: bool,
+    pub derive_key: DeriveKey,
+    pub in_doubt: InDoubtPolicy,
+    pub retryable: Vec<u16>,
+    pub max_body_bytes: usize,
+    pub max_replay_bytes: usize,
+}
+
+impl Route {
+    pub fn new(cfg: &RouteConfig, fence: Arc<Fence>, client: HttpsClient) -> Result<Route, String> {
+        let headers = cfg.resolve_upstream_headers()?;
+        Ok(Route {
+            name: cfg.name.clone(),
+            target: Target::new(&cfg.path_prefix, &cfg.upstream, &cfg.dedup_header, headers)?,
+            fence,
+            client,
+            timeout: cfg.timeout(),
+            drain_timeout: cfg.drain_timeout(),
+            require_token: cfg.require_token,
+            derive_key: cfg.derive_key,
+            in_doubt: cfg.in_doubt,
+            retryable: cfg.retryable_statuses.clone(),
+            max_body_bytes: cfg.max_body_bytes,
+            max_replay_bytes: cfg.max_replay_bytes,
+        })
+    }
+}
+
+pub struct Proxy {
+    /// Longest prefix first.
+    routes: Vec<Route>,
+    durable: Arc<crate::durable::Durable>,
+    store: Arc<dyn crate::lease::LeaseStore>,
+    pub fences: HashMap<String, Arc<Fence>>,
+    pub dedup: Arc<Dedup>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Proxy {
+    pub fn new(
+        mut routes: Vec<Route>,
+        durable: Arc<crate::durable::Durable>,
+        store: Arc<dyn crate::lease::LeaseStore>,
+        dedup: Arc<Dedup>,
+        metrics: Arc<Metrics>,
+    ) -> Proxy {
+        routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
+        let fences = routes
+            .iter()
+            .map(|r| (r.fence.lease().as_str().to_owned(), r.fence.clone()))
+            .collect();
+        Proxy {
+            routes,
+            durable,
+            store,
+            fences,
+            dedup,
+            metrics,
+        }
+    }
+
+    pub fn durable(&self) -> &Arc<crate::durable::Durable> {
+        &self.durable
+    }
+
+    pub fn store(&self) -> &Arc<dyn crate::lease::LeaseStore> {
+        &self.store
+    }
+
+    pub fn durable_stats(&self) -> crate::durable::CommitStats {
+        self.durable.stats()
+    }
+
+    pub fn store_clock_offset_ms(&self) -> i64 {
+        self.store.clock().offset_ms()
+    }
+
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    pub fn route_named(&self, name: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
+        if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
+            return None;
+        }
+        self.routes.iter().find(|r| r.target.matches(path))
+    }
+
+    /// Serves one request. Runs to completion even if the client goes away (the
+    /// caller spawns it): dedup records and the gate must never be left half-done.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+        let started = Instant::now();
+        let Some(route) = self.route_for(req.method(), req.uri().path()) else {
+            self.metrics.request("", "refused", "route_not_found");
+            tracing::info!(path = %req.uri().path(), method = %req.method(), "route_not_found");
+            return ProxyError::RouteNotFound.to_response();
+        };
+        let span = tracing::info_span!("request", route = %route.name, lease = %route.fence.lease(), epoch = tracing::field::Empty, key = tracing::field::Empty);
+        let result = self.serve(route, req, peer).instrument(span.clone()).await;
+        let _g = span.enter();
+        match result {
+            Ok((resp, outcome)) => {
+                self.metrics.request(&route.name, outcome, "");
+                tracing::debug!(status = resp.status().as_u16(), outcome, elapsed_ms = started.elapsed().as_millis() as u64, "done");
+                resp
+            }
+            Err(e) => {
+                let code = e.code();
+                self.metrics.request(&route.name, "refused", code);
+                tracing::info!(code, reason = %e, elapsed_ms = started.elapsed().as_millis() as u64, "refused");
+                e.to_response()
+            }
+        }
+    }
+
+    async fn serve(&self, route: &Route, req: Request<Incoming>, peer: SocketAddr) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
+        let (parts, body) = req.into_parts();
+        let epoch = single_header(&parts.headers, forward::LEASE_EPOCH)
+            .map_err(|_| ProxyError::EpochMalformed("repeated"))?
+            .ok_or(ProxyError::EpochMissing)?;
+        let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed("not a plain decimal u64"))?;
+        tracing::Span::current().record("epoch", epoch.get());
+        let worker_key = match single_header(&parts.headers, "idempotency-key") {
+            Err(()) => return Err(ProxyError::DedupKeyMalformed("repeated")),
+            Ok(None) => None,
+            Ok(Some(v)) => Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?),
+        };
+        let token = match single_header(&parts.headers, forward::LEASE_TOKEN) {
+            Ok(t) => t.map(|v| v.as_bytes().to_vec()),
+            // Two tokens: neither can be trusted.
+            Err(()) => Some(Vec::new()),
+        };
+        let body = read_body(&parts, body, route.max_body_bytes, route.timeout).await?;
+
+        let admit_started = Instant::now();
+        let claim = Claim {
+            epoch,
+            token: token.as_deref(),
+        };
+        let pass = route.fence.admit(claim, route.require_token, route.drain_timeout).await?;
+        self.metrics.admission_latency(admit_started.elapsed());
+
+        let path_query = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
+        let method = parts.method.as_str();
+        let (key, record) = match (worker_key, route.derive_key) {
+            (Some(k), _) => (k, true),
+            (None, DeriveKey::Content) => (DedupKey::derive(&route.name, method, path_query, &body), true),
+            (None, DeriveKey::None) => (DedupKey::fresh(), false),
+        };
+        tracing::Span::current().record("key", key.as_str());
+        let upstream_req = forward::build_request(&route.target, &parts, body.clone(), peer, key.as_str())
+            .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
+
+        let ticket = if record {
+            let fp = dedup::fingerprint(method, path_query, &body);
+            let begun = tokio::select! {
+                b = self.dedup.begin(&route.name, &key, fp, epoch, route.in_doubt) => b?,
+                _ = pass.aborted() => return Err(drain_aborted(route, &pass)),
+            };
+            match begun {
+                Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),
+                Begin::Forward(t) => Some(t),
+            }
+        } else {
+            None
+        };
+
+        let upstream_started = Instant::now();
+        let result = tokio::select! {
+            r = forward::send(&route.client, upstream_req, route.timeout, MAX_UPSTREAM_BODY) => r,
+            _ = pass.aborted() => Err(UpstreamError::Uncertain("drain aborted".into())),
+        };
+        let aborted = pass.is_aborted() && result.is_err();
+        let aborted_err = aborted.then(|| drain_aborted(route, &pass));
+        // In flight ends with the complete response (or the failure).
+        drop(pass);
+        self.metrics.upstream_latency(upstream_started.elapsed());
+
+        match result {
+            Ok(resp) => {
+                if let Some(t) = ticket {
+                    self.dedup
+                        .finish(
+                            t,
+                            Outcome::Response {
+                                status: resp.status,
+                                headers: &resp.headers,
+                                body: &resp.body,
+                                retryable: route.retryable.contains(&resp.status.as_u16()),
+                                max_replay_bytes: route.max_replay_bytes,
+                            },
+                        )
+                        .await?;
+                }
+                Ok((forward::to_response(&resp), "forwarded"))
+            }
+            Err(e) => {
+                let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;
+                if let Some(t) = ticket {
+                    let outcome = if not_sent { Outcome::NotSent } else { Outcome::Unknown };
+                    self.dedup.finish(t, outcome).await?;
+                }
+                Err(match (aborted_err, e) {
+                    (Some(a), _) => a,
+                    (None, UpstreamError::Unreachable(d)) => ProxyError::UpstreamUnreachable { detail: d },
+                    (None, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+                })
+            }
+        }
+    }
+}
+
+fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
+    ProxyError::DrainAborted {
+        lease: route.fence.lease().clone(),
+        epoch: pass.epoch(),
+        newer: pass.newer_epoch(),
+    }
+}
+
+/// The single value of a header: `Ok(None)` if absent, `Err` if repeated.
+fn single_header<'a>(h: &'a http::HeaderMap, name: &str) -> Result<Option<&'a http::HeaderValue>, ()> {
+    let mut it = h.get_all(name).iter();
+    match (it.next(), it.next()) {
+        (None, _) => Ok(None),
+        (Some(v), None) => Ok(Some(v)),
+        (Some(_), Some(_)) => Err(()),
+    }
+}
+
+/// Reads the whole request body, refusing more than `limit` bytes (413).
+async fn read_body(parts: &http::request::Parts, body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, ProxyError> {
+    if let Some(len) = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > limit as u64 {
+            return Err(ProxyError::BodyTooLarge { limit });
+        }
+    }
+    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ProxyError::BodyTooLarge { limit }),
+        // The client went away or sent a broken body: nothing was admitted.
+        Ok(Err(e)) => Err(ProxyError::BodyUnreadable { detail: e.to_string() }),
+        Err(_) => Err(ProxyError::BodyTimeout),
+    }
+}

@@ -1,0 +1,247 @@
+//! Start-up and the listeners: open durable state, open and self-test the store,
+//! build one fence per lease, then serve the proxy and admin listeners until a
+//! shutdown signal, and drain.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::Admin;
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::dedup::Dedup;
+use crate::durable::{Durable, DurableError};
+use crate::fence::Fence;
+use crate::lease::{self, Epochs, StoreError};
+use crate::metrics::Metrics;
+use crate::proxy::{Proxy, Route};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Durable(#[from] DurableError),
+    #[error("lease store: {0}")]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Probe(#[from] lease::probe::ProbeError),
+    #[error("route {route}: {message}")]
+    Route { route: String, message: String },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Everything a running fencegate owns.
+pub struct App {
+    pub proxy: Arc<Proxy>,
+    pub admin: Arc<Admin>,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    shutdown_timeout: Duration,
+    max_connections: usize,
+    header_read_timeout: Duration,
+}
+
+/// Builds the app from a validated config: nothing listens yet.
+pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
+    let durable = Durable::open(&cfg.server.data_dir)?;
+    let store = lease::open(&cfg.store, clock.clone()).await?;
+    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
+    let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
+    let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
+    let recovered = dedup.recover().await?;
+    if recovered > 0 {
+        tracing::warn!(records = recovered, "dedup records left in flight by a previous run are now in doubt");
+    }
+    let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
+    let mut fences: HashMap<String, Arc<Fence>> = HashMap::new();
+    let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> = HashMap::new();
+    let mut routes = Vec::new();
+    for rc in &cfg.routes {
+        let fence = match fences.get(rc.lease.as_str()) {
+            Some(f) => f.clone(),
+            None => {
+                let f = Fence::new(rc.lease.clone(), epochs.clone(), durable.clone(), refresh)?;
+                fences.insert(rc.lease.as_str().to_owned(), f.clone());
+                f
+            }
+        };
+        let route_err = |message: String| StartError::Route {
+            route: rc.name.clone(),
+            message,
+        };
+        let client = match clients.get(&rc.ca_file) {
+            Some(c) => c.clone(),
+            None => {
+                let tls = crate::forward::tls_config(rc.ca_file.as_deref()).map_err(route_err)?;
+                let c = crate::forward::client(tls, (rc.timeout() / 2).min(Duration::from_secs(5)));
+                clients.insert(rc.ca_file.clone(), c.clone());
+                c
+            }
+        };
+        routes.push(Route::new(rc, fence, client).map_err(route_err)?);
+    }
+    let metrics = Metrics::new();
+    let proxy = Arc::new(Proxy::new(routes, durable.clone(), store.clone(), dedup.clone(), metrics.clone()));
+    metrics.attach(&proxy);
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for f in fences.values() {
+        tasks.push(f.start());
+    }
+    tasks.push(tokio::spawn(dedup.clone().run_sweeper(cfg.dedup.sweep_interval, stop.clone())));
+    let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+        .or_else(|| cfg.server.admin_token.clone());
+    let admin = Arc::new(Admin::new(proxy.clone(), admin_token, Duration::from_millis(cfg.store.timeout_ms)));
+    Ok(App {
+        proxy,
+        admin,
+        stop,
+        tasks,
+        shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
+        max_connections: cfg.server.max_connections,
+        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+    })
+}
+
+/// Binds a listener, naming the address on failure.
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })
+}
+
+fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    // Without a timer hyper does not enforce the header read timeout (slowloris).
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .max_buf_size(128 * 1024);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(256)
+        .keep_alive_interval(Duration::from_secs(30));
+    b
+}
+
+async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    handler: F,
+    graceful: &GracefulShutdown,
+    stop: CancellationToken,
+    limit: Arc<Semaphore>,
+) where
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = limit.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "connection limit reached; closing the new connection");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let h = handler.clone();
+        let svc = service_fn(move |req| {
+            let h = h.clone();
+            async move { Ok::<_, Infallible>(h(req, peer).await) }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+}
+
+impl App {
+    /// Serves on the given listeners until `shutdown` resolves, then stops
+    /// accepting, lets in-flight requests finish up to the deadline, and flushes.
+    pub async fn run(self, proxy_l: TcpListener, admin_l: TcpListener, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+        let builder = Arc::new(http_builder(self.header_read_timeout));
+        let graceful = GracefulShutdown::new();
+        let admin_graceful = GracefulShutdown::new();
+        let accept_stop = CancellationToken::new();
+        let limit = Arc::new(Semaphore::new(self.max_connections));
+        let proxy = self.proxy.clone();
+        let proxy_handler = move |req: Request<Incoming>, peer: SocketAddr| {
+            let p = proxy.clone();
+            async move {
+                // Spawned so that a client going away cannot cancel a request
+                // halfway through its gate or dedup transitions.
+                match tokio::spawn(p.handle(req, peer)).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::error!(error = %e, "request task failed");
+                        crate::error::ProxyError::ShuttingDown.to_response()
+                    }
+                }
+            }
+        };
+        let admin = self.admin.clone();
+        let admin_handler = move |req: Request<Incoming>, _peer: SocketAddr| {
+            let a = admin.clone();
+            async move { a.handle(req).await }
+        };
+        let serve = async {
+            tokio::join!(
+                accept_loop(proxy_l, builder.clone(), proxy_handler, &graceful, accept_stop.clone(), limit.clone()),
+                accept_loop(admin_l, builder.clone(), admin_handler, &admin_graceful, accept_stop.clone(), Arc::new(Semaphore::new(256))),
+            )
+        };
+        tokio::select! {
+            _ = serve => {}
+            _ = shutdown => {}
+        }
+        accept_stop.cancel();
+        tracing::info!(timeout_ms = self.shutdown_timeout.as_millis() as u64, "shutting down: finishing in-flight requests");
+        if tokio::time::timeout(self.shutdown_timeout, graceful.shutdown()).await.is_err() {
+            tracing::warn!("in-flight requests did not finish before the shutdown deadline");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
+        self.stop.cancel();
+        for f in self.proxy.fences.values() {
+            f.stop();
+        }
+        for t in self.tasks {
+            t.abort();
+        }
+        self.proxy.durable().close().await?;
+        tracing::info!("stopped; durable state flushed");
+        Ok(())
+    }
+}

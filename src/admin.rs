@@ -1,6 +1,10 @@
 //! The admin listener (SPEC §8): health, readiness, metrics, lease state, and the
 //! dedup records an operator may need to inspect or resolve.
 
+// Early-return helpers hand back a ready response; admin calls are rare, so the
+// size of that `Err` does not matter.
+#![allow(clippy::result_large_err)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,11 +27,16 @@ pub struct Admin {
 }
 
 fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(serde_json::to_vec_pretty(&v).unwrap_or_default())));
+    let mut r = Response::new(Full::new(Bytes::from(
+        serde_json::to_vec_pretty(&v).unwrap_or_default(),
+    )));
     *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     r
 }
 
@@ -57,7 +66,9 @@ impl Admin {
                 let mut r = Response::new(Full::new(Bytes::from(self.proxy.metrics.render())));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                    HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
                 );
                 r
             }
@@ -70,7 +81,13 @@ impl Admin {
                 let (route, key) = (route.to_string(), key.to_string());
                 let body = match Limited::new(req.into_body(), 4096).collect().await {
                     Ok(b) => b.to_bytes(),
-                    Err(_) => return error(StatusCode::BAD_REQUEST, "bad_request", "body unreadable or over 4 KiB"),
+                    Err(_) => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            "bad_request",
+                            "body unreadable or over 4 KiB",
+                        )
+                    }
                 };
                 self.dedup_resolve(&route, &key, &body).await
             }
@@ -94,7 +111,11 @@ impl Admin {
         match presented {
             Some(t) if expected.matches(&TokenHash::of(t.as_bytes())) => Ok(()),
             _ => {
-                let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", "a valid Authorization: Bearer token is required");
+                let mut r = error(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "a valid Authorization: Bearer token is required",
+                );
                 r.headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
                 Err(r)
@@ -108,16 +129,25 @@ impl Admin {
             problems.push("durable state: the last flush failed".to_owned());
         }
         let store = self.proxy.store().clone();
-        let probe = tokio::time::timeout(self.store_timeout, async move { store.list("fencegate-readyz-probe/", None).await }).await;
+        let probe = tokio::time::timeout(self.store_timeout, async move {
+            store.list("fencegate-readyz-probe/", None).await
+        })
+        .await;
         match probe {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => problems.push(format!("lease store: {e}")),
-            Err(_) => problems.push(format!("lease store: no answer within {} ms", self.store_timeout.as_millis())),
+            Err(_) => problems.push(format!(
+                "lease store: no answer within {} ms",
+                self.store_timeout.as_millis()
+            )),
         }
         if problems.is_empty() {
             json_response(StatusCode::OK, json!({"status": "ready"}))
         } else {
-            json_response(StatusCode::SERVICE_UNAVAILABLE, json!({"status": "not_ready", "problems": problems}))
+            json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "not_ready", "problems": problems}),
+            )
         }
     }
 
@@ -147,10 +177,15 @@ impl Admin {
 
     fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, Response<Full<Bytes>>> {
         if self.proxy.route_named(route).is_none() {
-            return Err(error(StatusCode::NOT_FOUND, "route_not_found", "no route with that name"));
+            return Err(error(
+                StatusCode::NOT_FOUND,
+                "route_not_found",
+                "no route with that name",
+            ));
         }
         let decoded = percent_decode(key);
-        DedupKey::parse(&decoded).map_err(|why| error(StatusCode::BAD_REQUEST, "dedup_key_malformed", why))
+        DedupKey::parse(&decoded)
+            .map_err(|why| error(StatusCode::BAD_REQUEST, "dedup_key_malformed", why))
     }
 
     fn dedup_get(&self, route: &str, key: &str) -> Response<Full<Bytes>> {
@@ -159,7 +194,11 @@ impl Admin {
             Err(r) => return r,
         };
         match self.proxy.dedup.get(route, &k) {
-            Ok(None) => error(StatusCode::NOT_FOUND, "dedup_record_not_found", "no record for that key"),
+            Ok(None) => error(
+                StatusCode::NOT_FOUND,
+                "dedup_record_not_found",
+                "no record for that key",
+            ),
             Ok(Some(r)) => json_response(
                 StatusCode::OK,
                 json!({
@@ -174,7 +213,11 @@ impl Admin {
                     "response_body_stored": r.response.as_ref().map(|s| s.body.is_some()),
                 }),
             ),
-            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "state_unavailable", &e.to_string()),
+            Err(e) => error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "state_unavailable",
+                &e.to_string(),
+            ),
         }
     }
 
@@ -201,15 +244,26 @@ impl Admin {
         match self.proxy.dedup.resolve(route, &k, how).await {
             Ok(Ok(state)) => {
                 tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
-                json_response(StatusCode::OK, json!({"route": route, "key": k.as_str(), "state": state.map(|s| s.as_str())}))
+                json_response(
+                    StatusCode::OK,
+                    json!({"route": route, "key": k.as_str(), "state": state.map(|s| s.as_str())}),
+                )
             }
-            Ok(Err(None)) => error(StatusCode::NOT_FOUND, "dedup_record_not_found", "no record for that key"),
+            Ok(Err(None)) => error(
+                StatusCode::NOT_FOUND,
+                "dedup_record_not_found",
+                "no record for that key",
+            ),
             Ok(Err(Some(s))) => error(
                 StatusCode::CONFLICT,
                 "dedup_not_in_doubt",
                 &format!("the record is {}, not in_doubt", s.as_str()),
             ),
-            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, "state_unavailable", &e.to_string()),
+            Err(e) => error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "state_unavailable",
+                &e.to_string(),
+            ),
         }
     }
 }
@@ -220,7 +274,9 @@ fn percent_decode(s: &str) -> Vec<u8> {
     let mut i = 0;
     while i < b.len() {
         if b[i] == b'%' && i + 2 < b.len() {
-            if let Ok(v) = u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
+            if let Ok(v) =
+                u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
+            {
                 out.push(v);
                 i += 3;
                 continue;

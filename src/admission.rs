@@ -127,7 +127,9 @@ pub fn decide(claim: Claim<'_>, f: Facts<'_>) -> Result<Admit, Refusal> {
                 reason: "the epoch is a release".into(),
             })
         }
-        Some(EpochObject::Acquire { token, expires_at, .. }) => (token, *expires_at),
+        Some(EpochObject::Acquire {
+            token, expires_at, ..
+        }) => (token, *expires_at),
     };
     if f.require_token {
         let sent = TokenHash::of(claim.token.unwrap_or_default());
@@ -147,7 +149,11 @@ pub fn decide(claim: Claim<'_>, f: Facts<'_>) -> Result<Admit, Refusal> {
             expired_at: expires_at,
         });
     }
-    Ok(if epoch > f.high_water_mark { Admit::Raise } else { Admit::AtMark })
+    Ok(if epoch > f.high_water_mark {
+        Admit::Raise
+    } else {
+        Admit::AtMark
+    })
 }
 
 #[cfg(test)]
@@ -168,7 +174,13 @@ mod tests {
         }
     }
 
-    fn facts<'a>(lease: &'a LeaseName, mark: u64, latest: u64, obj: Option<&'a EpochObject>, now: u64) -> Facts<'a> {
+    fn facts<'a>(
+        lease: &'a LeaseName,
+        mark: u64,
+        latest: u64,
+        obj: Option<&'a EpochObject>,
+        now: u64,
+    ) -> Facts<'a> {
         Facts {
             lease,
             high_water_mark: Epoch::new(mark),
@@ -204,15 +216,42 @@ mod tests {
         let o = acquire(b"tok", 100);
         let rel = EpochObject::Release { holder: "w".into() };
         let inv = EpochObject::Invalid { reason: "x".into() };
-        let no_token = Claim { epoch: Epoch::new(5), token: None };
-        assert!(matches!(decide(no_token, facts(&l, 5, 5, Some(&o), 1)), Err(Refusal::TokenMissing { .. })));
-        assert!(matches!(decide(claim(6, b"tok"), facts(&l, 5, 5, None, 1)), Err(Refusal::EpochUnknown { .. })));
-        assert!(matches!(decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&rel), 1)), Err(Refusal::EpochInvalid { .. })));
-        assert!(matches!(decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&inv), 1)), Err(Refusal::EpochInvalid { .. })));
-        assert!(matches!(decide(claim(5, b"bad"), facts(&l, 5, 5, Some(&o), 1)), Err(Refusal::TokenInvalid { .. })));
-        assert!(matches!(decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&o), 100)), Err(Refusal::Expired { .. })));
-        assert_eq!(decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&o), 99)), Ok(Admit::AtMark));
-        assert_eq!(decide(claim(6, b"tok"), facts(&l, 5, 6, Some(&o), 99)), Ok(Admit::Raise));
+        let no_token = Claim {
+            epoch: Epoch::new(5),
+            token: None,
+        };
+        assert!(matches!(
+            decide(no_token, facts(&l, 5, 5, Some(&o), 1)),
+            Err(Refusal::TokenMissing { .. })
+        ));
+        assert!(matches!(
+            decide(claim(6, b"tok"), facts(&l, 5, 5, None, 1)),
+            Err(Refusal::EpochUnknown { .. })
+        ));
+        assert!(matches!(
+            decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&rel), 1)),
+            Err(Refusal::EpochInvalid { .. })
+        ));
+        assert!(matches!(
+            decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&inv), 1)),
+            Err(Refusal::EpochInvalid { .. })
+        ));
+        assert!(matches!(
+            decide(claim(5, b"bad"), facts(&l, 5, 5, Some(&o), 1)),
+            Err(Refusal::TokenInvalid { .. })
+        ));
+        assert!(matches!(
+            decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&o), 100)),
+            Err(Refusal::Expired { .. })
+        ));
+        assert_eq!(
+            decide(claim(5, b"tok"), facts(&l, 5, 5, Some(&o), 99)),
+            Ok(Admit::AtMark)
+        );
+        assert_eq!(
+            decide(claim(6, b"tok"), facts(&l, 5, 6, Some(&o), 99)),
+            Ok(Admit::Raise)
+        );
         let mut trusted = facts(&l, 5, 5, Some(&o), 1);
         trusted.require_token = false;
         assert_eq!(decide(no_token, trusted), Ok(Admit::AtMark));

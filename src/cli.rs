@@ -17,7 +17,11 @@ use crate::lease::acquire::{self, AcquireError};
 use crate::lease::{self, Epochs};
 
 #[derive(Parser)]
-#[command(name = "fencegate", version, about = "An HTTP gateway that fences stale leaders")]
+#[command(
+    name = "fencegate",
+    version,
+    about = "An HTTP gateway that fences stale leaders"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -188,10 +192,14 @@ fn init_tracing(format: LogFormat) {
     let filter = EnvFilter::try_from_env("FENCEGATE_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::new("info,aws_config=warn,aws_smithy_runtime=warn"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Json => b.json().try_init(),
-        LogFormat::Human => b.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init(),
+        LogFormat::Human => b
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init(),
     };
 }
 
@@ -202,7 +210,10 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
     let (p, a) = (proxy_l.local_addr()?, admin_l.local_addr()?);
     tracing::info!(proxy = %p, admin = %a, "fencegate listening");
     // One machine-readable line on stdout: how tests and scripts learn the ports.
-    println!("{}", json!({"event": "listening", "proxy": p.to_string(), "admin": a.to_string()}));
+    println!(
+        "{}",
+        json!({"event": "listening", "proxy": p.to_string(), "admin": a.to_string()})
+    );
     app.run(proxy_l, admin_l, shutdown_signal()).await?;
     Ok(())
 }
@@ -210,7 +221,10 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
 /// Resolves on the first SIGTERM or SIGINT; a second one exits at once.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         std::future::pending::<()>().await;
         return;
     };
@@ -231,8 +245,10 @@ async fn shutdown_signal() {
 
 /// Loads only what the lease commands need: the `[store]` section.
 fn load_store_config(path: &Path) -> anyhow::Result<Config> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-    let cfg = Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading config {}", path.display()))?;
+    let cfg =
+        Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
     cfg.validate_store()
         .map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
     Ok(cfg)
@@ -284,7 +300,12 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
         );
     };
     match cmd {
-        LeaseCommand::Acquire { holder, ttl_ms, wait, .. } => {
+        LeaseCommand::Acquire {
+            holder,
+            ttl_ms,
+            wait,
+            ..
+        } => {
             let ttl = Duration::from_millis(ttl_ms);
             let mut backoff = Duration::from_millis(100);
             loop {
@@ -293,7 +314,12 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                         print_holding(&h);
                         return Ok(ExitCode::SUCCESS);
                     }
-                    Err(AcquireError::Held { holder: other, expires_at, epoch, .. }) if wait => {
+                    Err(AcquireError::Held {
+                        holder: other,
+                        expires_at,
+                        epoch,
+                        ..
+                    }) if wait => {
                         let free_at = expires_at + grace;
                         let until = free_at
                             .duration_since(epochs.store_now())
@@ -317,29 +343,43 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
             token,
             ttl_ms,
             ..
-        } => match acquire::renew(&epochs, &lease, &holder, Epoch::new(epoch), &token, Duration::from_millis(ttl_ms)).await {
+        } => match acquire::renew(
+            &epochs,
+            &lease,
+            &holder,
+            Epoch::new(epoch),
+            &token,
+            Duration::from_millis(ttl_ms),
+        )
+        .await
+        {
             Ok(h) => {
                 print_holding(&h);
                 Ok(ExitCode::SUCCESS)
             }
             Err(e) => held_or(e),
         },
-        LeaseCommand::Release { holder, epoch, token, .. } => {
-            match acquire::release(&epochs, &lease, &holder, Epoch::new(epoch), &token).await {
-                Ok(rel) => {
-                    println!(
-                        "{}",
-                        json!({"lease": lease.as_str(), "epoch": rel.get(), "holder": holder, "kind": "release", "released_epoch": epoch})
-                    );
-                    Ok(ExitCode::SUCCESS)
-                }
-                Err(e) => held_or(e),
+        LeaseCommand::Release {
+            holder,
+            epoch,
+            token,
+            ..
+        } => match acquire::release(&epochs, &lease, &holder, Epoch::new(epoch), &token).await {
+            Ok(rel) => {
+                println!(
+                    "{}",
+                    json!({"lease": lease.as_str(), "epoch": rel.get(), "holder": holder, "kind": "release", "released_epoch": epoch})
+                );
+                Ok(ExitCode::SUCCESS)
             }
-        }
+            Err(e) => held_or(e),
+        },
         LeaseCommand::Show { .. } => {
             let st = acquire::status(&epochs, &lease).await?;
             let (kind, holder, expires_at) = match &st.object {
-                Some(EpochObject::Acquire { holder, expires_at, .. }) => ("acquire", Some(holder.clone()), Some(rfc3339(*expires_at))),
+                Some(EpochObject::Acquire {
+                    holder, expires_at, ..
+                }) => ("acquire", Some(holder.clone()), Some(rfc3339(*expires_at))),
                 Some(EpochObject::Release { holder }) => ("release", Some(holder.clone()), None),
                 Some(EpochObject::Invalid { .. }) => ("invalid", None, None),
                 None => ("none", None, None),

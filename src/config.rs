@@ -204,7 +204,10 @@ impl std::fmt::Debug for RouteConfig {
             .field("path_prefix", &self.path_prefix)
             .field("upstream", &self.upstream)
             .field("lease", &self.lease)
-            .field("upstream_headers", &self.upstream_headers.keys().collect::<Vec<_>>())
+            .field(
+                "upstream_headers",
+                &self.upstream_headers.keys().collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -238,8 +241,12 @@ impl RouteConfig {
     pub fn resolve_upstream_headers(&self) -> Result<Vec<(HeaderName, HeaderValue)>, String> {
         let mut out = Vec::new();
         for (name, raw) in &self.upstream_headers {
-            let hn = HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| format!("route {:?}: upstream_headers: invalid header name {name:?}", self.name))?;
+            let hn = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                format!(
+                    "route {:?}: upstream_headers: invalid header name {name:?}",
+                    self.name
+                )
+            })?;
             let value = match raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
                 Some(var) => std::env::var(var).map_err(|_| {
                     format!(
@@ -249,8 +256,12 @@ impl RouteConfig {
                 })?,
                 None => raw.clone(),
             };
-            let mut hv = HeaderValue::from_str(&value)
-                .map_err(|_| format!("route {:?}: upstream_headers.{name}: value is not a valid header value", self.name))?;
+            let mut hv = HeaderValue::from_str(&value).map_err(|_| {
+                format!(
+                    "route {:?}: upstream_headers.{name}: value is not a valid header value",
+                    self.name
+                )
+            })?;
             hv.set_sensitive(true);
             out.push((hn, hv));
         }
@@ -293,13 +304,18 @@ impl Config {
             return Err("[store] kind = \"s3\" needs a bucket".into());
         }
         if !s.prefix.is_empty() && !s.prefix.ends_with('/') {
-            return Err(format!("[store] prefix {:?} must be empty or end with '/'", s.prefix));
+            return Err(format!(
+                "[store] prefix {:?} must be empty or end with '/'",
+                s.prefix
+            ));
         }
         if s.refresh_interval_ms == 0 || s.timeout_ms == 0 {
             return Err("[store] refresh_interval_ms and timeout_ms must be positive".into());
         }
         if let Some(ep) = &s.endpoint {
-            let uri: Uri = ep.parse().map_err(|_| format!("[store] endpoint {ep:?} is not a URL"))?;
+            let uri: Uri = ep
+                .parse()
+                .map_err(|_| format!("[store] endpoint {ep:?} is not a URL"))?;
             if uri.scheme().is_none() || uri.authority().is_none() {
                 return Err(format!("[store] endpoint {ep:?} needs a scheme and host"));
             }
@@ -327,33 +343,54 @@ impl Config {
                 ));
             }
             if !prefixes.insert(r.path_prefix.as_str()) {
-                return Err(format!("path_prefix {:?} is used by two routes", r.path_prefix));
+                return Err(format!(
+                    "path_prefix {:?} is used by two routes",
+                    r.path_prefix
+                ));
             }
-            let uri: Uri = r
-                .upstream
-                .parse()
-                .map_err(|_| format!("route {:?}: upstream {:?} is not a URL", r.name, r.upstream))?;
+            let uri: Uri = r.upstream.parse().map_err(|_| {
+                format!("route {:?}: upstream {:?} is not a URL", r.name, r.upstream)
+            })?;
             match uri.scheme_str() {
                 Some("http" | "https") => {}
-                _ => return Err(format!("route {:?}: upstream {:?} must be http:// or https://", r.name, r.upstream)),
+                _ => {
+                    return Err(format!(
+                        "route {:?}: upstream {:?} must be http:// or https://",
+                        r.name, r.upstream
+                    ))
+                }
             }
             if uri.authority().is_none() || uri.query().is_some() {
-                return Err(format!("route {:?}: upstream {:?} needs a host and no query", r.name, r.upstream));
+                return Err(format!(
+                    "route {:?}: upstream {:?} needs a host and no query",
+                    r.name, r.upstream
+                ));
             }
             if r.timeout_ms == 0 {
                 return Err(format!("route {:?}: timeout_ms must be positive", r.name));
             }
-            HeaderName::from_bytes(r.dedup_header.as_bytes())
-                .map_err(|_| format!("route {:?}: dedup_header {:?} is not a header name", r.name, r.dedup_header))?;
+            HeaderName::from_bytes(r.dedup_header.as_bytes()).map_err(|_| {
+                format!(
+                    "route {:?}: dedup_header {:?} is not a header name",
+                    r.name, r.dedup_header
+                )
+            })?;
             for s in &r.retryable_statuses {
                 if !(100..=599).contains(s) {
-                    return Err(format!("route {:?}: retryable status {s} is not an HTTP status", r.name));
+                    return Err(format!(
+                        "route {:?}: retryable status {s} is not an HTTP status",
+                        r.name
+                    ));
                 }
             }
             r.resolve_upstream_headers()?;
             if let Some(ca) = &r.ca_file {
                 if !ca.exists() {
-                    return Err(format!("route {:?}: ca_file {} does not exist", r.name, ca.display()));
+                    return Err(format!(
+                        "route {:?}: ca_file {} does not exist",
+                        r.name,
+                        ca.display()
+                    ));
                 }
             }
         }
@@ -371,11 +408,20 @@ impl Config {
         let _ = writeln!(
             out,
             "admin_token   {}",
-            if self.server.admin_token.is_some() { "set (mutating admin calls enabled)" } else { "not set in config" }
+            if self.server.admin_token.is_some() {
+                "set (mutating admin calls enabled)"
+            } else {
+                "not set in config"
+            }
         );
         match s.kind {
             StoreKind::Dir => {
-                let _ = writeln!(out, "store         dir at {} (prefix {:?})", s.path.display(), s.prefix);
+                let _ = writeln!(
+                    out,
+                    "store         dir at {} (prefix {:?})",
+                    s.path.display(),
+                    s.prefix
+                );
             }
             StoreKind::S3 => {
                 let _ = writeln!(
@@ -394,10 +440,18 @@ impl Config {
             "              refresh every {} ms, grace {} ms, call timeout {} ms",
             s.refresh_interval_ms, s.grace_ms, s.timeout_ms
         );
-        let _ = writeln!(out, "dedup ttl     {}", humantime::format_duration(self.dedup.ttl));
+        let _ = writeln!(
+            out,
+            "dedup ttl     {}",
+            humantime::format_duration(self.dedup.ttl)
+        );
         for r in &self.routes {
             let _ = writeln!(out, "route {:?}", r.name);
-            let _ = writeln!(out, "  {} -> {}  (lease {})", r.path_prefix, r.upstream, r.lease);
+            let _ = writeln!(
+                out,
+                "  {} -> {}  (lease {})",
+                r.path_prefix, r.upstream, r.lease
+            );
             let _ = writeln!(
                 out,
                 "  timeout {} ms, drain {} ms, token {}, derive_key {:?}, in_doubt {:?}, dedup_header {}",

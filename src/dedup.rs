@@ -41,7 +41,15 @@ impl DedupKey {
     /// `sha256(route \n method \n path?query \n body)` as lowercase hex (SPEC §6).
     pub fn derive(route: &str, method: &str, path_query: &str, body: &[u8]) -> DedupKey {
         let mut h = Sha256::new();
-        for part in [route.as_bytes(), b"\n", method.as_bytes(), b"\n", path_query.as_bytes(), b"\n", body] {
+        for part in [
+            route.as_bytes(),
+            b"\n",
+            method.as_bytes(),
+            b"\n",
+            path_query.as_bytes(),
+            b"\n",
+            body,
+        ] {
             h.update(part);
         }
         DedupKey(hex::encode(h.finalize()))
@@ -49,7 +57,10 @@ impl DedupKey {
 
     /// A fresh unique key (`derive_key = "none"`): forwarded, never recorded.
     pub fn fresh() -> DedupKey {
-        DedupKey(format!("fg-{}", &crate::lease::acquire::fresh_token()[..32]))
+        DedupKey(format!(
+            "fg-{}",
+            &crate::lease::acquire::fresh_token()[..32]
+        ))
     }
 
     pub fn as_str(&self) -> &str {
@@ -111,7 +122,12 @@ pub mod codec {
     const VERSION: u8 = 1;
 
     pub fn encode(r: &Record) -> Vec<u8> {
-        let mut out = Vec::with_capacity(64 + r.response.as_ref().map_or(0, |s| s.body.as_ref().map_or(0, Bytes::len)));
+        let mut out = Vec::with_capacity(
+            64 + r
+                .response
+                .as_ref()
+                .map_or(0, |s| s.body.as_ref().map_or(0, Bytes::len)),
+        );
         out.push(VERSION);
         out.push(match r.state {
             State::InFlight => 0,
@@ -162,13 +178,19 @@ pub mod codec {
             self.take(1).map(|b| b[0])
         }
         fn u16(&mut self) -> Option<u16> {
-            self.take(2).and_then(|b| b.try_into().ok()).map(u16::from_be_bytes)
+            self.take(2)
+                .and_then(|b| b.try_into().ok())
+                .map(u16::from_be_bytes)
         }
         fn u32(&mut self) -> Option<u32> {
-            self.take(4).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes)
+            self.take(4)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_be_bytes)
         }
         fn u64(&mut self) -> Option<u64> {
-            self.take(8).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes)
+            self.take(8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_be_bytes)
         }
     }
 
@@ -207,7 +229,11 @@ pub mod codec {
                     }
                     _ => return None,
                 };
-                Some(StoredResponse { status, headers, body })
+                Some(StoredResponse {
+                    status,
+                    headers,
+                    body,
+                })
             }
             _ => return None,
         };
@@ -290,11 +316,15 @@ fn db_key(route: &str, key: &DedupKey) -> Vec<u8> {
 }
 
 fn write_err(e: sled::Error) -> ProxyError {
-    ProxyError::StateUnavailable { detail: e.to_string() }
+    ProxyError::StateUnavailable {
+        detail: e.to_string(),
+    }
 }
 
 fn durable_err(e: DurableError) -> ProxyError {
-    ProxyError::StateUnavailable { detail: e.to_string() }
+    ProxyError::StateUnavailable {
+        detail: e.to_string(),
+    }
 }
 
 impl Dedup {
@@ -316,11 +346,20 @@ impl Dedup {
     }
 
     fn expired(&self, r: &Record, now_ms: u64) -> bool {
-        r.created_ms.saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)) <= now_ms
+        r.created_ms
+            .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX))
+            <= now_ms
     }
 
     /// Claims `key` for a new forward, or answers from its record (SPEC §6).
-    pub async fn begin(&self, route: &str, key: &DedupKey, fp: [u8; 32], epoch: Epoch, policy: InDoubtPolicy) -> Result<Begin, ProxyError> {
+    pub async fn begin(
+        &self,
+        route: &str,
+        key: &DedupKey,
+        fp: [u8; 32],
+        epoch: Epoch,
+        policy: InDoubtPolicy,
+    ) -> Result<Begin, ProxyError> {
         use std::sync::atomic::Ordering::Relaxed;
         let k = db_key(route, key);
         loop {
@@ -386,14 +425,21 @@ impl Dedup {
         let Ticket { key, mut record } = ticket;
         record.updated_ms = self.now_ms();
         match outcome {
-            Outcome::Response { retryable: true, .. } | Outcome::NotSent => {
+            Outcome::Response {
+                retryable: true, ..
+            }
+            | Outcome::NotSent => {
                 self.tree().remove(&key).map_err(write_err)?;
                 Ok(())
             }
             Outcome::Unknown => {
-                self.counters.in_doubt.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.counters
+                    .in_doubt
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 record.state = State::InDoubt;
-                self.tree().insert(&key, codec::encode(&record)).map_err(write_err)?;
+                self.tree()
+                    .insert(&key, codec::encode(&record))
+                    .map_err(write_err)?;
                 // Not awaited as durable: a crash here leaves `in_flight`, which
                 // start-up turns into `in_doubt` anyway.
                 Ok(())
@@ -415,7 +461,9 @@ impl Dedup {
                         .collect(),
                     body: (body.len() <= max_replay_bytes).then(|| body.clone()),
                 });
-                self.tree().insert(&key, codec::encode(&record)).map_err(write_err)?;
+                self.tree()
+                    .insert(&key, codec::encode(&record))
+                    .map_err(write_err)?;
                 self.durable.commit().await.map_err(durable_err)?;
                 crate::failpoint::hit("dedup_done_flushed");
                 Ok(())
@@ -450,12 +498,20 @@ impl Dedup {
         let now = self.now_ms();
         let mut n = 0;
         for (k, v) in self.tree().iter().filter_map(Result::ok) {
-            let expired = codec::decode(&v).is_none_or(|r| self.expired(&r, now) && r.state != State::InFlight);
-            if expired && self.tree().compare_and_swap(&k, Some(v), None::<&[u8]>).is_ok_and(|r| r.is_ok()) {
+            let expired = codec::decode(&v)
+                .is_none_or(|r| self.expired(&r, now) && r.state != State::InFlight);
+            if expired
+                && self
+                    .tree()
+                    .compare_and_swap(&k, Some(v), None::<&[u8]>)
+                    .is_ok_and(|r| r.is_ok())
+            {
                 n += 1;
             }
         }
-        self.counters.swept.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        self.counters
+            .swept
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         n
     }
 
@@ -471,7 +527,12 @@ impl Dedup {
     /// An operator resolves an in-doubt key: delivered → `done` without a stored
     /// body; not delivered → deleted. Returns the new state (None = deleted), or
     /// `Err(Some(state))` when the key is not in doubt.
-    pub async fn resolve(&self, route: &str, key: &DedupKey, how: Resolution) -> Result<Result<Option<State>, Option<State>>, DurableError> {
+    pub async fn resolve(
+        &self,
+        route: &str,
+        key: &DedupKey,
+        how: Resolution,
+    ) -> Result<Result<Option<State>, Option<State>>, DurableError> {
         let k = db_key(route, key);
         let wr = |e: sled::Error| DurableError::Write(e.to_string());
         let current = self.tree().get(&k).map_err(wr)?;
@@ -490,7 +551,12 @@ impl Dedup {
                 Some(codec::encode(&rec))
             }
         };
-        if self.tree().compare_and_swap(&k, current, new).map_err(wr)?.is_err() {
+        if self
+            .tree()
+            .compare_and_swap(&k, current, new)
+            .map_err(wr)?
+            .is_err()
+        {
             return Ok(Err(Some(State::InFlight)));
         }
         self.durable.commit().await?;
@@ -501,14 +567,20 @@ impl Dedup {
     }
 
     /// Runs the retention sweep every `every` until `stop`.
-    pub async fn run_sweeper(self: Arc<Self>, every: Duration, stop: tokio_util::sync::CancellationToken) {
+    pub async fn run_sweeper(
+        self: Arc<Self>,
+        every: Duration,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
             let me = self.clone();
-            let n = tokio::task::spawn_blocking(move || me.sweep()).await.unwrap_or(0);
+            let n = tokio::task::spawn_blocking(move || me.sweep())
+                .await
+                .unwrap_or(0);
             if n > 0 {
                 tracing::info!(removed = n, "dedup sweep removed expired records");
             }
@@ -519,17 +591,25 @@ impl Dedup {
 impl StoredResponse {
     /// The replayed response: byte-identical status, stored headers and body.
     pub fn to_response(&self) -> http::Response<http_body_util::Full<Bytes>> {
-        let mut resp = http::Response::new(http_body_util::Full::new(self.body.clone().unwrap_or_default()));
+        let mut resp = http::Response::new(http_body_util::Full::new(
+            self.body.clone().unwrap_or_default(),
+        ));
         *resp.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
         let h = resp.headers_mut();
         for (n, v) in &self.headers {
-            if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n.as_bytes()), HeaderValue::from_bytes(v)) {
+            if let (Ok(n), Ok(v)) = (
+                HeaderName::from_bytes(n.as_bytes()),
+                HeaderValue::from_bytes(v),
+            ) {
                 h.append(n, v);
             }
         }
         h.insert("x-fencegate-replayed", HeaderValue::from_static("true"));
         if self.body.is_none() {
-            h.insert("x-fencegate-replay-body", HeaderValue::from_static("not-stored"));
+            h.insert(
+                "x-fencegate-replay-body",
+                HeaderValue::from_static("not-stored"),
+            );
         }
         resp
     }
@@ -594,28 +674,57 @@ mod tests {
         let d = Dedup::new(durable, clock.clone(), Duration::from_secs(3600));
         let key = DedupKey::parse(b"k1").unwrap();
         let fp = fingerprint("POST", "/x", b"a");
-        let Begin::Forward(t) = d.begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject).await.unwrap() else {
+        let Begin::Forward(t) = d
+            .begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
+            .await
+            .unwrap()
+        else {
             panic!("expected forward")
         };
         assert!(matches!(
-            d.begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject).await,
+            d.begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
+                .await,
             Err(ProxyError::DedupInFlight { .. })
         ));
         let headers = HeaderMap::new();
         let body = Bytes::from_static(b"ok");
-        d.finish(t, Outcome::Response { status: StatusCode::CREATED, headers: &headers, body: &body, retryable: false, max_replay_bytes: 10 })
+        d.finish(
+            t,
+            Outcome::Response {
+                status: StatusCode::CREATED,
+                headers: &headers,
+                body: &body,
+                retryable: false,
+                max_replay_bytes: 10,
+            },
+        )
+        .await
+        .unwrap();
+        match d
+            .begin("r", &key, fp, Epoch::new(2), InDoubtPolicy::Reject)
             .await
-            .unwrap();
-        match d.begin("r", &key, fp, Epoch::new(2), InDoubtPolicy::Reject).await.unwrap() {
+            .unwrap()
+        {
             Begin::Replay(s) => assert_eq!((s.status, s.body.as_deref()), (201, Some(&b"ok"[..]))),
             Begin::Forward(_) => panic!("expected replay"),
         }
         assert!(matches!(
-            d.begin("r", &key, fingerprint("POST", "/x", b"b"), Epoch::new(2), InDoubtPolicy::Reject).await,
+            d.begin(
+                "r",
+                &key,
+                fingerprint("POST", "/x", b"b"),
+                Epoch::new(2),
+                InDoubtPolicy::Reject
+            )
+            .await,
             Err(ProxyError::DedupKeyReused { .. })
         ));
         // Another route is another scope.
-        assert!(matches!(d.begin("r2", &key, fp, Epoch::new(1), InDoubtPolicy::Reject).await, Ok(Begin::Forward(_))));
+        assert!(matches!(
+            d.begin("r2", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
+                .await,
+            Ok(Begin::Forward(_))
+        ));
         assert_eq!(d.sweep(), 0);
         clock.advance(Duration::from_secs(3601));
         // r2's record is still in flight: never swept from under a live request.

@@ -96,7 +96,10 @@ impl Durable {
                 other => open_err(other.to_string()),
             })?;
         let meta = db.open_tree("meta").map_err(|e| open_err(e.to_string()))?;
-        let has_sentinel = meta.get(SENTINEL).map_err(|e| open_err(e.to_string()))?.is_some();
+        let has_sentinel = meta
+            .get(SENTINEL)
+            .map_err(|e| open_err(e.to_string()))?
+            .is_some();
         if existed && !has_sentinel {
             return Err(DurableError::Damaged {
                 path,
@@ -104,7 +107,8 @@ impl Durable {
             });
         }
         if !has_sentinel {
-            meta.insert(SENTINEL, &b"1"[..]).map_err(|e| open_err(e.to_string()))?;
+            meta.insert(SENTINEL, &b"1"[..])
+                .map_err(|e| open_err(e.to_string()))?;
             db.flush().map_err(|e| open_err(e.to_string()))?;
         }
         let marks = db.open_tree("marks").map_err(|e| open_err(e.to_string()))?;
@@ -118,11 +122,16 @@ impl Durable {
             if v.len() != 8 {
                 return Err(DurableError::Damaged {
                     path,
-                    detail: format!("mark for {:?} has {} bytes", String::from_utf8_lossy(&k), v.len()),
+                    detail: format!(
+                        "mark for {:?} has {} bytes",
+                        String::from_utf8_lossy(&k),
+                        v.len()
+                    ),
                 });
             }
         }
-        let data_file = File::open(dir.join("db")).map_err(|e| open_err(format!("opening sled's data file: {e}")))?;
+        let data_file = File::open(dir.join("db"))
+            .map_err(|e| open_err(format!("opening sled's data file: {e}")))?;
         let (tx, _) = watch::channel(Flushed::default());
         let commit = Arc::new(GroupCommit {
             written: AtomicU64::new(0),
@@ -177,7 +186,10 @@ impl Durable {
             .filter_map(Result::ok)
             .filter_map(|(k, v)| {
                 let b = <[u8; 8]>::try_from(&v[..]).ok()?;
-                Some((String::from_utf8_lossy(&k).into_owned(), Epoch::new(u64::from_be_bytes(b))))
+                Some((
+                    String::from_utf8_lossy(&k).into_owned(),
+                    Epoch::new(u64::from_be_bytes(b)),
+                ))
             })
             .collect()
     }
@@ -186,7 +198,10 @@ impl Durable {
     pub async fn raise_mark(&self, lease: &LeaseName, epoch: Epoch) -> Result<(), DurableError> {
         self.marks
             .fetch_and_update(lease.as_str(), |old| {
-                let old = old.and_then(|v| <[u8; 8]>::try_from(v).ok()).map(u64::from_be_bytes).unwrap_or(0);
+                let old = old
+                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
+                    .map(u64::from_be_bytes)
+                    .unwrap_or(0);
                 Some(old.max(epoch.get()).to_be_bytes().to_vec())
             })
             .map_err(|e| DurableError::Write(e.to_string()))?;
@@ -200,7 +215,11 @@ impl Durable {
     pub async fn commit(&self) -> Result<(), DurableError> {
         let seq = self.commit.written.fetch_add(1, Ordering::SeqCst) + 1;
         {
-            let mut r = self.commit.requests.lock().unwrap_or_else(|p| p.into_inner());
+            let mut r = self
+                .commit
+                .requests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             if r.requested < seq {
                 r.requested = seq;
                 self.commit.wake.notify_one();
@@ -241,11 +260,19 @@ impl Durable {
     pub async fn close(&self) -> Result<(), DurableError> {
         let res = self.commit().await;
         {
-            let mut r = self.commit.requests.lock().unwrap_or_else(|p| p.into_inner());
+            let mut r = self
+                .commit
+                .requests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             r.stop = true;
             self.commit.wake.notify_one();
         }
-        let handle = self.flusher.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let handle = self
+            .flusher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(h) = handle {
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }

@@ -148,7 +148,13 @@ pub struct EpochRecord {
 }
 
 impl EpochRecord {
-    pub fn acquire(lease: &LeaseName, epoch: Epoch, holder: &str, token: &[u8], ttl: Duration) -> Self {
+    pub fn acquire(
+        lease: &LeaseName,
+        epoch: Epoch,
+        holder: &str,
+        token: &[u8],
+        ttl: Duration,
+    ) -> Self {
         EpochRecord {
             v: 1,
             lease: lease.as_str().to_owned(),
@@ -197,7 +203,12 @@ pub enum EpochObject {
 
 impl EpochObject {
     /// Interprets a stored object found at the key of (`lease`, `epoch`).
-    pub fn from_stored(lease: &LeaseName, epoch: Epoch, body: &[u8], last_modified: SystemTime) -> EpochObject {
+    pub fn from_stored(
+        lease: &LeaseName,
+        epoch: Epoch,
+        body: &[u8],
+        last_modified: SystemTime,
+    ) -> EpochObject {
         let invalid = |reason: String| EpochObject::Invalid { reason };
         let rec: EpochRecord = match serde_json::from_slice(body) {
             Ok(r) => r,
@@ -209,7 +220,10 @@ impl EpochObject {
         if rec.lease != lease.as_str() || rec.epoch != epoch.get() {
             return invalid(format!(
                 "object names lease {:?} epoch {}, but its key is lease {:?} epoch {}",
-                rec.lease, rec.epoch, lease.as_str(), epoch
+                rec.lease,
+                rec.epoch,
+                lease.as_str(),
+                epoch
             ));
         }
         match rec.kind {
@@ -223,7 +237,9 @@ impl EpochObject {
                 };
                 let expires_at = last_modified
                     .checked_add(Duration::from_millis(ttl))
-                    .unwrap_or(SystemTime::UNIX_EPOCH + Duration::from_secs(u64::from(u32::MAX) * 16));
+                    .unwrap_or(
+                        SystemTime::UNIX_EPOCH + Duration::from_secs(u64::from(u32::MAX) * 16),
+                    );
                 EpochObject::Acquire {
                     holder: rec.holder,
                     token,
@@ -269,8 +285,22 @@ mod tests {
     fn epoch_header_accepts_plain_decimal_only() {
         assert_eq!(Epoch::parse_header(b"7"), Some(Epoch(7)));
         assert_eq!(Epoch::parse_header(b"0007"), Some(Epoch(7)));
-        assert_eq!(Epoch::parse_header(b"18446744073709551615"), Some(Epoch(u64::MAX)));
-        for bad in [&b""[..], b"18446744073709551616", b"+7", b"-1", b" 7", b"7 ", b"0x7", b"7.0", b"1e3", b"\xd9\xa7"] {
+        assert_eq!(
+            Epoch::parse_header(b"18446744073709551615"),
+            Some(Epoch(u64::MAX))
+        );
+        for bad in [
+            &b""[..],
+            b"18446744073709551616",
+            b"+7",
+            b"-1",
+            b" 7",
+            b"7 ",
+            b"0x7",
+            b"7.0",
+            b"1e3",
+            b"\xd9\xa7",
+        ] {
             assert_eq!(Epoch::parse_header(bad), None, "{bad:?}");
         }
     }
@@ -280,7 +310,16 @@ mod tests {
         for ok in ["billing", "a", "0", "a.b_c-d", &"x".repeat(63)] {
             assert!(LeaseName::parse(ok).is_ok(), "{ok}");
         }
-        for bad in ["", "Billing", "-a", ".a", "a/b", "a b", &"x".repeat(64), "é"] {
+        for bad in [
+            "",
+            "Billing",
+            "-a",
+            ".a",
+            "a/b",
+            "a b",
+            &"x".repeat(64),
+            "é",
+        ] {
             assert!(LeaseName::parse(bad).is_err(), "{bad}");
         }
     }
@@ -290,9 +329,21 @@ mod tests {
         let lease = LeaseName::parse("billing").unwrap();
         let key = object_key("fencegate/", &lease, Epoch(7));
         assert_eq!(key, "fencegate/billing/00000000000000000007.json");
-        assert_eq!(epoch_of_key(&lease_prefix("fencegate/", &lease), &key), Some(Epoch(7)));
-        assert_eq!(epoch_of_key("fencegate/billing/", "fencegate/billing/7.json"), None);
-        assert_eq!(epoch_of_key("fencegate/billing/", "fencegate/billing/00000000000000000007.tmp"), None);
+        assert_eq!(
+            epoch_of_key(&lease_prefix("fencegate/", &lease), &key),
+            Some(Epoch(7))
+        );
+        assert_eq!(
+            epoch_of_key("fencegate/billing/", "fencegate/billing/7.json"),
+            None
+        );
+        assert_eq!(
+            epoch_of_key(
+                "fencegate/billing/",
+                "fencegate/billing/00000000000000000007.tmp"
+            ),
+            None
+        );
     }
 
     #[test]
@@ -312,12 +363,18 @@ mod tests {
         // Key and body disagree: still an epoch, admits nothing.
         let other = EpochObject::from_stored(&lease, Epoch(4), &rec.to_json(), t0);
         assert!(matches!(other, EpochObject::Invalid { .. }));
-        assert!(matches!(EpochObject::from_stored(&lease, Epoch(3), b"{not json", t0), EpochObject::Invalid { .. }));
+        assert!(matches!(
+            EpochObject::from_stored(&lease, Epoch(3), b"{not json", t0),
+            EpochObject::Invalid { .. }
+        ));
         // Unknown fields are ignored.
-        let extra = br#"{"v":1,"lease":"billing","epoch":3,"kind":"release","holder":"w1","future":true}"#;
+        let extra =
+            br#"{"v":1,"lease":"billing","epoch":3,"kind":"release","holder":"w1","future":true}"#;
         assert_eq!(
             EpochObject::from_stored(&lease, Epoch(3), extra, t0),
-            EpochObject::Release { holder: "w1".into() }
+            EpochObject::Release {
+                holder: "w1".into()
+            }
         );
     }
 

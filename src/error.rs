@@ -33,7 +33,11 @@ pub enum ProxyError {
     #[error("{0}")]
     Refused(Refusal),
     #[error("the lease store cannot be reached and epoch {epoch} of lease {lease} cannot be validated from cache: {detail}")]
-    StoreUnavailable { lease: LeaseName, epoch: Epoch, detail: String },
+    StoreUnavailable {
+        lease: LeaseName,
+        epoch: Epoch,
+        detail: String,
+    },
     #[error("durable state (sled) cannot be written: {detail}")]
     StateUnavailable { detail: String },
     #[error("a request with this idempotency key is already in flight")]
@@ -47,7 +51,11 @@ pub enum ProxyError {
     #[error("the upstream did not answer in time or the connection failed after the request was sent; the outcome is unknown")]
     UpstreamTimeout { detail: String },
     #[error("aborted: epoch {newer} of lease {lease} was admitted and this older request did not finish within the drain timeout; the outcome is unknown")]
-    DrainAborted { lease: LeaseName, epoch: Epoch, newer: Epoch },
+    DrainAborted {
+        lease: LeaseName,
+        epoch: Epoch,
+        newer: Epoch,
+    },
     #[error("fencegate is shutting down; the outcome is unknown")]
     ShuttingDown,
 }
@@ -103,7 +111,9 @@ impl ProxyError {
         };
         match self {
             E::Refused(r) => r.context(ctx),
-            E::StoreUnavailable { lease: l, epoch, .. } => {
+            E::StoreUnavailable {
+                lease: l, epoch, ..
+            } => {
                 lease(ctx, l);
                 ctx.insert("epoch".into(), json!(epoch.get()));
             }
@@ -119,7 +129,11 @@ impl ProxyError {
             | E::BodyUnreadable { detail } => {
                 ctx.insert("detail".into(), json!(detail));
             }
-            E::DrainAborted { lease: l, epoch, newer } => {
+            E::DrainAborted {
+                lease: l,
+                epoch,
+                newer,
+            } => {
                 lease(ctx, l);
                 ctx.insert("epoch".into(), json!(epoch.get()));
                 ctx.insert("latest_epoch".into(), json!(newer.get()));
@@ -144,8 +158,14 @@ impl ProxyError {
         let mut resp = Response::new(Full::new(Bytes::from(bytes)));
         *resp.status_mut() = status;
         let h = resp.headers_mut();
-        h.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        h.insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(
+            http::header::CACHE_CONTROL,
+            HeaderValue::from_static("no-store"),
+        );
         h.insert(ERROR_HEADER, HeaderValue::from_static(code));
         if status == StatusCode::SERVICE_UNAVAILABLE {
             h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -174,7 +194,10 @@ impl Refusal {
                 ctx.insert("latest_epoch".into(), json!(latest_epoch.get()));
             }
             Refusal::Expired { expired_at, .. } => {
-                ctx.insert("expired_at".into(), json!(crate::clock::rfc3339(*expired_at)));
+                ctx.insert(
+                    "expired_at".into(),
+                    json!(crate::clock::rfc3339(*expired_at)),
+                );
             }
             Refusal::EpochInvalid { reason, .. } => {
                 ctx.insert("reason".into(), json!(reason));
@@ -183,4 +206,3 @@ impl Refusal {
         }
     }
 }
-

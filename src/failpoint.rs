@@ -10,7 +10,11 @@ static ARMED: OnceLock<Option<String>> = OnceLock::new();
 
 /// Aborts the process if `name` is the armed failpoint.
 pub fn hit(name: &str) {
-    let armed = ARMED.get_or_init(|| std::env::var("FENCEGATE_FAILPOINT").ok().filter(|s| !s.is_empty()));
+    let armed = ARMED.get_or_init(|| {
+        std::env::var("FENCEGATE_FAILPOINT")
+            .ok()
+            .filter(|s| !s.is_empty())
+    });
     if armed.as_deref() == Some(name) {
         eprintln!("fencegate: failpoint {name} hit, aborting");
         std::process::abort();

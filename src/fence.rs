@@ -63,7 +63,12 @@ pub struct FenceView {
 
 impl Fence {
     /// Creates the fence of `lease` from its durable mark.
-    pub fn new(lease: LeaseName, epochs: Epochs, durable: Arc<Durable>, refresh_interval: Duration) -> Result<Arc<Fence>, crate::durable::DurableError> {
+    pub fn new(
+        lease: LeaseName,
+        epochs: Epochs,
+        durable: Arc<Durable>,
+        refresh_interval: Duration,
+    ) -> Result<Arc<Fence>, crate::durable::DurableError> {
         let mark = durable.mark(&lease)?;
         Ok(Arc::new(Fence {
             lease,
@@ -180,10 +185,18 @@ impl Fence {
 
     /// SPEC §4: validates the claim and returns a pass, raising the mark and
     /// draining older requests when the claim is newer than the mark.
-    pub async fn admit(&self, claim: Claim<'_>, require_token: bool, drain_timeout: Duration) -> Result<Pass, ProxyError> {
+    pub async fn admit(
+        &self,
+        claim: Claim<'_>,
+        require_token: bool,
+        drain_timeout: Duration,
+    ) -> Result<Pass, ProxyError> {
         let epoch = claim.epoch;
         if require_token && claim.token.is_none() {
-            return Err(Refusal::TokenMissing { lease: self.lease.clone() }.into());
+            return Err(Refusal::TokenMissing {
+                lease: self.lease.clone(),
+            }
+            .into());
         }
         // Stale without I/O: below the barrier or below a known epoch.
         {
@@ -229,11 +242,15 @@ impl Fence {
             return Ok(pass);
         }
         self.gate
-            .raise(epoch, drain_timeout, decide, || self.durable.raise_mark(&self.lease, epoch))
+            .raise(epoch, drain_timeout, decide, || {
+                self.durable.raise_mark(&self.lease, epoch)
+            })
             .await
             .map_err(|e| match e {
                 RaiseError::Refused(r) => ProxyError::Refused(r),
-                RaiseError::Durable(d) => ProxyError::StateUnavailable { detail: d.to_string() },
+                RaiseError::Durable(d) => ProxyError::StateUnavailable {
+                    detail: d.to_string(),
+                },
             })
     }
 
@@ -241,7 +258,9 @@ impl Fence {
     pub fn view(&self) -> FenceView {
         let k = self.known();
         let (holder, expires_at) = match k.objects.get(&k.latest).map(|o| o.as_ref()) {
-            Some(EpochObject::Acquire { holder, expires_at, .. }) => (Some(holder.clone()), Some(*expires_at)),
+            Some(EpochObject::Acquire {
+                holder, expires_at, ..
+            }) => (Some(holder.clone()), Some(*expires_at)),
             Some(o) => (o.holder().map(str::to_owned), None),
             None => (None, None),
         };
@@ -264,4 +283,3 @@ impl Fence {
         self.known().latest
     }
 }
-

@@ -73,7 +73,9 @@ pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientCo
             return Err(format!("CA bundle {} holds no certificate", path.display()));
         }
         for c in certs {
-            roots.add(c).map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
+            roots
+                .add(c)
+                .map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
         }
     }
     rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
@@ -117,8 +119,15 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn new(prefix: &str, upstream: &str, dedup_header: &str, fixed_headers: Vec<(HeaderName, HeaderValue)>) -> Result<Target, String> {
-        let uri: Uri = upstream.parse().map_err(|e| format!("upstream {upstream:?}: {e}"))?;
+    pub fn new(
+        prefix: &str,
+        upstream: &str,
+        dedup_header: &str,
+        fixed_headers: Vec<(HeaderName, HeaderValue)>,
+    ) -> Result<Target, String> {
+        let uri: Uri = upstream
+            .parse()
+            .map_err(|e| format!("upstream {upstream:?}: {e}"))?;
         let scheme = uri.scheme().cloned().ok_or("upstream needs a scheme")?;
         let authority = uri.authority().cloned().ok_or("upstream needs a host")?;
         let mut base_path = uri.path().to_owned();
@@ -130,20 +139,24 @@ impl Target {
             scheme,
             authority,
             base_path,
-            dedup_header: HeaderName::from_bytes(dedup_header.as_bytes()).map_err(|e| e.to_string())?,
+            dedup_header: HeaderName::from_bytes(dedup_header.as_bytes())
+                .map_err(|e| e.to_string())?,
             fixed_headers,
         })
     }
 
     /// Whether `path` belongs to this route (`/billing/...` or exactly `/billing`).
     pub fn matches(&self, path: &str) -> bool {
-        path.starts_with(&self.prefix) || path.len() + 1 == self.prefix.len() && self.prefix.starts_with(path)
+        path.starts_with(&self.prefix)
+            || path.len() + 1 == self.prefix.len() && self.prefix.starts_with(path)
     }
 
     /// Maps a request target to the upstream URI: prefix replaced by the base path.
     pub fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, String> {
         let rest = path.get(self.prefix.len()..).unwrap_or("");
-        let mut pq = String::with_capacity(self.base_path.len() + rest.len() + 1 + query.map_or(0, str::len));
+        let mut pq = String::with_capacity(
+            self.base_path.len() + rest.len() + 1 + query.map_or(0, str::len),
+        );
         pq.push_str(&self.base_path);
         pq.push_str(rest);
         if let Some(q) = query {
@@ -205,8 +218,15 @@ pub fn build_request(
         Some(prev) => format!("{prev}, {ip}"),
         None => ip.clone(),
     };
-    headers.insert("x-forwarded-for", HeaderValue::from_str(&xff).map_err(|e| e.to_string())?);
-    let for_ = if peer.is_ipv6() { format!("\"[{ip}]\"") } else { ip };
+    headers.insert(
+        "x-forwarded-for",
+        HeaderValue::from_str(&xff).map_err(|e| e.to_string())?,
+    );
+    let for_ = if peer.is_ipv6() {
+        format!("\"[{ip}]\"")
+    } else {
+        ip
+    };
     let mut fwd = format!("for={for_};proto=http");
     if let Some(h) = orig_host.as_ref().and_then(|h| h.to_str().ok()) {
         if !h.contains(['"', ';', ',']) {
@@ -217,7 +237,10 @@ pub fn build_request(
         Some(prev) => format!("{prev}, {fwd}"),
         None => fwd,
     };
-    headers.insert(header::FORWARDED, HeaderValue::from_str(&fwd).map_err(|e| e.to_string())?);
+    headers.insert(
+        header::FORWARDED,
+        HeaderValue::from_str(&fwd).map_err(|e| e.to_string())?,
+    );
     headers.insert(
         target.dedup_header.clone(),
         HeaderValue::from_str(dedup_key).map_err(|e| e.to_string())?,
@@ -233,7 +256,12 @@ pub fn build_request(
 }
 
 /// Sends `req` and reads the whole response within `timeout`.
-pub async fn send(client: &HttpsClient, req: Request<Full<Bytes>>, timeout: Duration, max_body: usize) -> Result<UpstreamResponse, UpstreamError> {
+pub async fn send(
+    client: &HttpsClient,
+    req: Request<Full<Bytes>>,
+    timeout: Duration,
+    max_body: usize,
+) -> Result<UpstreamResponse, UpstreamError> {
     let exchange = async {
         let resp = client.request(req).await.map_err(|e| {
             let detail = error_chain(&e);
@@ -247,7 +275,9 @@ pub async fn send(client: &HttpsClient, req: Request<Full<Bytes>>, timeout: Dura
         let body = Limited::new(body, max_body)
             .collect()
             .await
-            .map_err(|e| UpstreamError::Uncertain(format!("reading the upstream's response body: {e}")))?
+            .map_err(|e| {
+                UpstreamError::Uncertain(format!("reading the upstream's response body: {e}"))
+            })?
             .to_bytes();
         let mut headers = parts.headers;
         strip_hop_by_hop(&mut headers);
@@ -297,14 +327,32 @@ mod tests {
     #[test]
     fn prefix_is_replaced_by_the_upstream_path() {
         let t = target();
-        assert_eq!(t.upstream_uri("/billing/charges", Some("a=1")).unwrap().to_string(), "http://up:9/v1/charges?a=1");
-        assert_eq!(t.upstream_uri("/billing", None).unwrap().to_string(), "http://up:9/v1/");
-        assert!(t.matches("/billing/x") && t.matches("/billing") && !t.matches("/billingx") && !t.matches("/bill"));
+        assert_eq!(
+            t.upstream_uri("/billing/charges", Some("a=1"))
+                .unwrap()
+                .to_string(),
+            "http://up:9/v1/charges?a=1"
+        );
+        assert_eq!(
+            t.upstream_uri("/billing", None).unwrap().to_string(),
+            "http://up:9/v1/"
+        );
+        assert!(
+            t.matches("/billing/x")
+                && t.matches("/billing")
+                && !t.matches("/billingx")
+                && !t.matches("/bill")
+        );
     }
 
     #[test]
     fn dot_segments_are_detected() {
-        for p in ["/billing/../admin", "/billing/%2E%2e/x", "/billing/./x", "/billing/a%2Fb"] {
+        for p in [
+            "/billing/../admin",
+            "/billing/%2E%2e/x",
+            "/billing/./x",
+            "/billing/a%2Fb",
+        ] {
             assert!(has_dot_segments(p), "{p}");
         }
         assert!(!has_dot_segments("/billing/a.b/..c"));
@@ -326,14 +374,31 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, _) = req.into_parts();
-        let out = build_request(&target(), &parts, Bytes::new(), "127.0.0.1:5555".parse().unwrap(), "k1").unwrap();
+        let out = build_request(
+            &target(),
+            &parts,
+            Bytes::new(),
+            "127.0.0.1:5555".parse().unwrap(),
+            "k1",
+        )
+        .unwrap();
         let h = out.headers();
-        for gone in ["connection", "x-secret-hop", "keep-alive", "proxy-authorization", "x-lease-token", "host"] {
+        for gone in [
+            "connection",
+            "x-secret-hop",
+            "keep-alive",
+            "proxy-authorization",
+            "x-lease-token",
+            "host",
+        ] {
             assert!(h.get(gone).is_none(), "{gone}");
         }
         assert_eq!(h["x-lease-epoch"], "7");
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
-        assert_eq!(h["forwarded"], "for=127.0.0.1;proto=http;host=\"fencegate.local\"");
+        assert_eq!(
+            h["forwarded"],
+            "for=127.0.0.1;proto=http;host=\"fencegate.local\""
+        );
         assert_eq!(h["idempotency-key"], "k1");
     }
 }

@@ -36,6 +36,7 @@ struct State {
     /// `mark`, or the epoch a raise in progress is moving to: nothing below it is admitted.
     barrier: Epoch,
     inflight: BTreeMap<Epoch, Slot>,
+    raises: u64,
     drains_started: u64,
     drains_aborted: u64,
 }
@@ -59,6 +60,9 @@ pub struct GateStats {
     pub mark: Epoch,
     pub barrier: Epoch,
     pub in_flight: usize,
+    /// Mark raises (one per newer epoch admitted).
+    pub raises: u64,
+    /// Raises that had to wait for older requests in flight.
     pub drains_started: u64,
     pub drains_aborted: u64,
 }
@@ -111,6 +115,7 @@ impl Gate {
                 mark,
                 barrier: mark,
                 inflight: BTreeMap::new(),
+                raises: 0,
                 drains_started: 0,
                 drains_aborted: 0,
             }),
@@ -131,6 +136,7 @@ impl Gate {
             mark: st.mark,
             barrier: st.barrier,
             in_flight: st.inflight.values().map(|s| s.count).sum(),
+            raises: st.raises,
             drains_started: st.drains_started,
             drains_aborted: st.drains_aborted,
         }
@@ -192,7 +198,10 @@ impl Gate {
                 Admit::AtMark => return Ok(self.register(&mut st, epoch)),
                 Admit::Raise => {
                     st.barrier = epoch;
-                    st.drains_started += 1;
+                    st.raises += 1;
+                    if st.inflight.range(..epoch).next().is_some() {
+                        st.drains_started += 1;
+                    }
                 }
             }
         }
@@ -262,10 +271,19 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn raise_waits_for_older_passes() {
         let g = Gate::new(Epoch::new(7));
-        let old = g.try_enter(Epoch::new(7), admit_if(Epoch::new(7))).unwrap().unwrap();
+        let old = g
+            .try_enter(Epoch::new(7), admit_if(Epoch::new(7)))
+            .unwrap()
+            .unwrap();
         let g2 = g.clone();
         let raise = tokio::spawn(async move {
-            g2.raise(Epoch::new(8), Duration::from_secs(10), admit_if(Epoch::new(8)), ok).await
+            g2.raise(
+                Epoch::new(8),
+                Duration::from_secs(10),
+                admit_if(Epoch::new(8)),
+                ok,
+            )
+            .await
         });
         tokio::task::yield_now().await;
         // The barrier is up: new epoch-7 requests are refused while the drain runs.
@@ -281,10 +299,19 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn drain_timeout_aborts_older_passes() {
         let g = Gate::new(Epoch::new(1));
-        let old = g.try_enter(Epoch::new(1), admit_if(Epoch::new(1))).unwrap().unwrap();
+        let old = g
+            .try_enter(Epoch::new(1), admit_if(Epoch::new(1)))
+            .unwrap()
+            .unwrap();
         let g2 = g.clone();
         let raise = tokio::spawn(async move {
-            g2.raise(Epoch::new(2), Duration::from_millis(500), admit_if(Epoch::new(2)), ok).await
+            g2.raise(
+                Epoch::new(2),
+                Duration::from_millis(500),
+                admit_if(Epoch::new(2)),
+                ok,
+            )
+            .await
         });
         // The holder of the old pass gives up when told to.
         old.aborted().await;
@@ -299,13 +326,19 @@ mod tests {
     async fn failed_persist_lowers_the_barrier_again() {
         let g = Gate::new(Epoch::new(3));
         let res = g
-            .raise(Epoch::new(4), Duration::from_secs(1), admit_if(Epoch::new(4)), || async {
-                Err(DurableError::Write("disk full".into()))
-            })
+            .raise(
+                Epoch::new(4),
+                Duration::from_secs(1),
+                admit_if(Epoch::new(4)),
+                || async { Err(DurableError::Write("disk full".into())) },
+            )
             .await;
         assert!(matches!(res, Err(RaiseError::Durable(_))));
         assert_eq!(g.stats().barrier, Epoch::new(3));
-        assert!(g.try_enter(Epoch::new(3), admit_if(Epoch::new(3))).unwrap().is_some());
+        assert!(g
+            .try_enter(Epoch::new(3), admit_if(Epoch::new(3)))
+            .unwrap()
+            .is_some());
     }
 
     #[tokio::test(start_paused = true)]
@@ -313,15 +346,32 @@ mod tests {
         let g = Gate::new(Epoch::new(1));
         let a = {
             let g = g.clone();
-            tokio::spawn(async move { g.raise(Epoch::new(5), Duration::from_secs(1), admit_if(Epoch::new(5)), ok).await })
+            tokio::spawn(async move {
+                g.raise(
+                    Epoch::new(5),
+                    Duration::from_secs(1),
+                    admit_if(Epoch::new(5)),
+                    ok,
+                )
+                .await
+            })
         };
         let b = {
             let g = g.clone();
-            tokio::spawn(async move { g.raise(Epoch::new(5), Duration::from_secs(1), admit_if(Epoch::new(5)), ok).await })
+            tokio::spawn(async move {
+                g.raise(
+                    Epoch::new(5),
+                    Duration::from_secs(1),
+                    admit_if(Epoch::new(5)),
+                    ok,
+                )
+                .await
+            })
         };
         let (pa, pb) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());
         assert_eq!(g.stats().in_flight, 2);
-        assert_eq!(g.stats().drains_started, 1);
+        assert_eq!(g.stats().raises, 1);
+        assert_eq!(g.stats().drains_started, 0);
         drop((pa, pb));
         assert_eq!(g.stats().in_flight, 0);
     }

@@ -101,7 +101,13 @@ impl Metrics {
 #[derive(Debug)]
 struct StateCollector(Arc<OnceLock<Weak<Proxy>>>);
 
-fn emit<M: EncodeMetric>(enc: &mut DescriptorEncoder, name: &str, help: &str, ty: MetricType, rows: Vec<(Vec<(&'static str, String)>, M)>) -> Result<(), std::fmt::Error> {
+fn emit<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    ty: MetricType,
+    rows: Vec<(Vec<(&'static str, String)>, M)>,
+) -> Result<(), std::fmt::Error> {
     let mut fam = enc.encode_descriptor(name, help, None, ty)?;
     for (labels, m) in rows {
         let me = fam.encode_family(&labels)?;
@@ -120,17 +126,66 @@ impl Collector for StateCollector {
         let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
         let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
         let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
-            views.iter().map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v)))).collect()
+            views
+                .iter()
+                .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
+                .collect()
         };
-        emit(&mut enc, "fencegate_high_water_mark", "Durable high-water mark per lease", MetricType::Gauge, g(&|v| v.gate.mark.get() as i64))?;
-        emit(&mut enc, "fencegate_latest_known_epoch", "Latest epoch seen in the store per lease", MetricType::Gauge, g(&|v| v.latest_known.get() as i64))?;
-        emit(&mut enc, "fencegate_in_flight", "Admitted requests not yet answered by the upstream, per lease", MetricType::Gauge, g(&|v| v.gate.in_flight as i64))?;
-        emit(&mut enc, "fencegate_store_ok", "1 when the last refresh of the lease's epochs succeeded", MetricType::Gauge, g(&|v| i64::from(v.store_ok)))?;
+        emit(
+            &mut enc,
+            "fencegate_high_water_mark",
+            "Durable high-water mark per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.mark.get() as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_latest_known_epoch",
+            "Latest epoch seen in the store per lease",
+            MetricType::Gauge,
+            g(&|v| v.latest_known.get() as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_in_flight",
+            "Admitted requests not yet answered by the upstream, per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.in_flight as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_ok",
+            "1 when the last refresh of the lease's epochs succeeded",
+            MetricType::Gauge,
+            g(&|v| i64::from(v.store_ok)),
+        )?;
         let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
-            views.iter().map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc)))).collect()
+            views
+                .iter()
+                .map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc))))
+                .collect()
         };
-        emit(&mut enc, "fencegate_drains_started", "Mark raises that drained older requests", MetricType::Counter, c(&|v, _| v.gate.drains_started))?;
-        emit(&mut enc, "fencegate_drains_aborted", "Drains that timed out and aborted older requests", MetricType::Counter, c(&|v, _| v.gate.drains_aborted))?;
+        emit(
+            &mut enc,
+            "fencegate_mark_raises",
+            "High-water mark raises (a newer epoch admitted)",
+            MetricType::Counter,
+            c(&|v, _| v.gate.raises),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_drains_started",
+            "Mark raises that had to wait for older requests in flight",
+            MetricType::Counter,
+            c(&|v, _| v.gate.drains_started),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_drains_aborted",
+            "Drains that timed out and aborted older requests",
+            MetricType::Counter,
+            c(&|v, _| v.gate.drains_aborted),
+        )?;
         let mut calls = Vec::new();
         for (l, _, f) in &views {
             for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
@@ -139,18 +194,84 @@ impl Collector for StateCollector {
                 calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
             }
         }
-        emit(&mut enc, "fencegate_store_calls", "Lease store calls by lease and operation", MetricType::Counter, calls)?;
-        emit(&mut enc, "fencegate_store_errors", "Failed lease store refreshes", MetricType::Counter, c(&|_, f| f.calls.errors.load(Ordering::Relaxed)))?;
-        emit(&mut enc, "fencegate_store_on_demand_reads", "Store reads triggered by a request above the latest known epoch", MetricType::Counter, c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)))?;
-        emit(&mut enc, "fencegate_store_clock_offset_milliseconds", "Estimated store clock minus local clock", MetricType::Gauge, vec![(vec![], ConstGauge::new(proxy.store_clock_offset_ms()))])?;
+        emit(
+            &mut enc,
+            "fencegate_store_calls",
+            "Lease store calls by lease and operation",
+            MetricType::Counter,
+            calls,
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_errors",
+            "Failed lease store refreshes",
+            MetricType::Counter,
+            c(&|_, f| f.calls.errors.load(Ordering::Relaxed)),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_on_demand_reads",
+            "Store reads triggered by a request above the latest known epoch",
+            MetricType::Counter,
+            c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_clock_offset_milliseconds",
+            "Estimated store clock minus local clock",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(proxy.store_clock_offset_ms()))],
+        )?;
         let s = proxy.durable_stats();
-        emit(&mut enc, "fencegate_flush_batches", "Group commits (sled flush + fdatasync)", MetricType::Counter, vec![(vec![], ConstCounter::new(s.batches))])?;
-        emit(&mut enc, "fencegate_flush_records", "Writes made durable by group commits (records per flush = records / batches)", MetricType::Counter, vec![(vec![], ConstCounter::new(s.records))])?;
+        emit(
+            &mut enc,
+            "fencegate_flush_batches",
+            "Group commits (sled flush + fdatasync)",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(s.batches))],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_flush_records",
+            "Writes made durable by group commits (records per flush = records / batches)",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(s.records))],
+        )?;
         let d = &proxy.dedup.counters;
-        emit(&mut enc, "fencegate_dedup_replays", "Responses answered from a done dedup record", MetricType::Counter, vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))])?;
-        emit(&mut enc, "fencegate_dedup_conflicts", "Dedup keys refused as in flight or reused", MetricType::Counter, vec![(vec![], ConstCounter::new(d.conflicts.load(Ordering::Relaxed)))])?;
-        emit(&mut enc, "fencegate_dedup_in_doubt", "Dedup records that became in doubt", MetricType::Counter, vec![(vec![], ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)))])?;
-        emit(&mut enc, "fencegate_dedup_swept", "Expired dedup records removed", MetricType::Counter, vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))])?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_replays",
+            "Responses answered from a done dedup record",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_conflicts",
+            "Dedup keys refused as in flight or reused",
+            MetricType::Counter,
+            vec![(
+                vec![],
+                ConstCounter::new(d.conflicts.load(Ordering::Relaxed)),
+            )],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_in_doubt",
+            "Dedup records that became in doubt",
+            MetricType::Counter,
+            vec![(
+                vec![],
+                ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)),
+            )],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_swept",
+            "Expired dedup records removed",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
+        )?;
         Ok(())
     }
 }

@@ -126,7 +126,11 @@ impl Proxy {
 
     /// Serves one request. Runs to completion even if the client goes away (the
     /// caller spawns it): dedup records and the gate must never be left half-done.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Response<Full<Bytes>> {
         let started = Instant::now();
         let Some(route) = self.route_for(req.method(), req.uri().path()) else {
             self.metrics.request("", "refused", "route_not_found");
@@ -139,7 +143,12 @@ impl Proxy {
         match result {
             Ok((resp, outcome)) => {
                 self.metrics.request(&route.name, outcome, "");
-                tracing::debug!(status = resp.status().as_u16(), outcome, elapsed_ms = started.elapsed().as_millis() as u64, "done");
+                tracing::debug!(
+                    status = resp.status().as_u16(),
+                    outcome,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "done"
+                );
                 resp
             }
             Err(e) => {
@@ -151,17 +160,25 @@ impl Proxy {
         }
     }
 
-    async fn serve(&self, route: &Route, req: Request<Incoming>, peer: SocketAddr) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
+    async fn serve(
+        &self,
+        route: &Route,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
         let epoch = single_header(&parts.headers, forward::LEASE_EPOCH)
             .map_err(|_| ProxyError::EpochMalformed("repeated"))?
             .ok_or(ProxyError::EpochMissing)?;
-        let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed("not a plain decimal u64"))?;
+        let epoch = Epoch::parse_header(epoch.as_bytes())
+            .ok_or(ProxyError::EpochMalformed("not a plain decimal u64"))?;
         tracing::Span::current().record("epoch", epoch.get());
         let worker_key = match single_header(&parts.headers, "idempotency-key") {
             Err(()) => return Err(ProxyError::DedupKeyMalformed("repeated")),
             Ok(None) => None,
-            Ok(Some(v)) => Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?),
+            Ok(Some(v)) => {
+                Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?)
+            }
         };
         let token = match single_header(&parts.headers, forward::LEASE_TOKEN) {
             Ok(t) => t.map(|v| v.as_bytes().to_vec()),
@@ -175,19 +192,29 @@ impl Proxy {
             epoch,
             token: token.as_deref(),
         };
-        let pass = route.fence.admit(claim, route.require_token, route.drain_timeout).await?;
+        let pass = route
+            .fence
+            .admit(claim, route.require_token, route.drain_timeout)
+            .await?;
         self.metrics.admission_latency(admit_started.elapsed());
 
-        let path_query = parts.uri.path_and_query().map_or(parts.uri.path(), |pq| pq.as_str());
+        let path_query = parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |pq| pq.as_str());
         let method = parts.method.as_str();
         let (key, record) = match (worker_key, route.derive_key) {
             (Some(k), _) => (k, true),
-            (None, DeriveKey::Content) => (DedupKey::derive(&route.name, method, path_query, &body), true),
+            (None, DeriveKey::Content) => (
+                DedupKey::derive(&route.name, method, path_query, &body),
+                true,
+            ),
             (None, DeriveKey::None) => (DedupKey::fresh(), false),
         };
         tracing::Span::current().record("key", key.as_str());
-        let upstream_req = forward::build_request(&route.target, &parts, body.clone(), peer, key.as_str())
-            .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
+        let upstream_req =
+            forward::build_request(&route.target, &parts, body.clone(), peer, key.as_str())
+                .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
 
         let ticket = if record {
             let fp = dedup::fingerprint(method, path_query, &body);
@@ -235,13 +262,21 @@ impl Proxy {
             Err(e) => {
                 let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;
                 if let Some(t) = ticket {
-                    let outcome = if not_sent { Outcome::NotSent } else { Outcome::Unknown };
+                    let outcome = if not_sent {
+                        Outcome::NotSent
+                    } else {
+                        Outcome::Unknown
+                    };
                     self.dedup.finish(t, outcome).await?;
                 }
                 Err(match (aborted_err, e) {
                     (Some(a), _) => a,
-                    (None, UpstreamError::Unreachable(d)) => ProxyError::UpstreamUnreachable { detail: d },
-                    (None, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+                    (None, UpstreamError::Unreachable(d)) => {
+                        ProxyError::UpstreamUnreachable { detail: d }
+                    }
+                    (None, UpstreamError::Uncertain(d)) => {
+                        ProxyError::UpstreamTimeout { detail: d }
+                    }
                 })
             }
         }
@@ -257,7 +292,10 @@ fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
 }
 
 /// The single value of a header: `Ok(None)` if absent, `Err` if repeated.
-fn single_header<'a>(h: &'a http::HeaderMap, name: &str) -> Result<Option<&'a http::HeaderValue>, ()> {
+fn single_header<'a>(
+    h: &'a http::HeaderMap,
+    name: &str,
+) -> Result<Option<&'a http::HeaderValue>, ()> {
     let mut it = h.get_all(name).iter();
     match (it.next(), it.next()) {
         (None, _) => Ok(None),
@@ -267,7 +305,12 @@ fn single_header<'a>(h: &'a http::HeaderMap, name: &str) -> Result<Option<&'a ht
 }
 
 /// Reads the whole request body, refusing more than `limit` bytes (413).
-async fn read_body(parts: &http::request::Parts, body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, ProxyError> {
+async fn read_body(
+    parts: &http::request::Parts,
+    body: Incoming,
+    limit: usize,
+    timeout: Duration,
+) -> Result<Bytes, ProxyError> {
     if let Some(len) = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
@@ -280,9 +323,16 @@ async fn read_body(parts: &http::request::Parts, body: Incoming, limit: usize, t
     }
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(ProxyError::BodyTooLarge { limit }),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(ProxyError::BodyTooLarge { limit })
+        }
         // The client went away or sent a broken body: nothing was admitted.
-        Ok(Err(e)) => Err(ProxyError::BodyUnreadable { detail: e.to_string() }),
+        Ok(Err(e)) => Err(ProxyError::BodyUnreadable {
+            detail: e.to_string(),
+        }),
         Err(_) => Err(ProxyError::BodyTimeout),
     }
 }

@@ -69,11 +69,15 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
     let recovered = dedup.recover().await?;
     if recovered > 0 {
-        tracing::warn!(records = recovered, "dedup records left in flight by a previous run are now in doubt");
+        tracing::warn!(
+            records = recovered,
+            "dedup records left in flight by a previous run are now in doubt"
+        );
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
     let mut fences: HashMap<String, Arc<Fence>> = HashMap::new();
-    let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> = HashMap::new();
+    let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
+        HashMap::new();
     let mut routes = Vec::new();
     for rc in &cfg.routes {
         let fence = match fences.get(rc.lease.as_str()) {
@@ -100,19 +104,33 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         routes.push(Route::new(rc, fence, client).map_err(route_err)?);
     }
     let metrics = Metrics::new();
-    let proxy = Arc::new(Proxy::new(routes, durable.clone(), store.clone(), dedup.clone(), metrics.clone()));
+    let proxy = Arc::new(Proxy::new(
+        routes,
+        durable.clone(),
+        store.clone(),
+        dedup.clone(),
+        metrics.clone(),
+    ));
     metrics.attach(&proxy);
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     for f in fences.values() {
         tasks.push(f.start());
     }
-    tasks.push(tokio::spawn(dedup.clone().run_sweeper(cfg.dedup.sweep_interval, stop.clone())));
+    tasks.push(tokio::spawn(
+        dedup
+            .clone()
+            .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
+    ));
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
         .or_else(|| cfg.server.admin_token.clone());
-    let admin = Arc::new(Admin::new(proxy.clone(), admin_token, Duration::from_millis(cfg.store.timeout_ms)));
+    let admin = Arc::new(Admin::new(
+        proxy.clone(),
+        admin_token,
+        Duration::from_millis(cfg.store.timeout_ms),
+    ));
     Ok(App {
         proxy,
         admin,
@@ -126,7 +144,9 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
 
 /// Binds a listener, naming the address on failure.
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
 }
 
 fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
@@ -177,7 +197,9 @@ async fn accept_loop<F, Fut>(
             let h = h.clone();
             async move { Ok::<_, Infallible>(h(req, peer).await) }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -191,7 +213,12 @@ async fn accept_loop<F, Fut>(
 impl App {
     /// Serves on the given listeners until `shutdown` resolves, then stops
     /// accepting, lets in-flight requests finish up to the deadline, and flushes.
-    pub async fn run(self, proxy_l: TcpListener, admin_l: TcpListener, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    pub async fn run(
+        self,
+        proxy_l: TcpListener,
+        admin_l: TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), StartError> {
         let builder = Arc::new(http_builder(self.header_read_timeout));
         let graceful = GracefulShutdown::new();
         let admin_graceful = GracefulShutdown::new();
@@ -219,8 +246,22 @@ impl App {
         };
         let serve = async {
             tokio::join!(
-                accept_loop(proxy_l, builder.clone(), proxy_handler, &graceful, accept_stop.clone(), limit.clone()),
-                accept_loop(admin_l, builder.clone(), admin_handler, &admin_graceful, accept_stop.clone(), Arc::new(Semaphore::new(256))),
+                accept_loop(
+                    proxy_l,
+                    builder.clone(),
+                    proxy_handler,
+                    &graceful,
+                    accept_stop.clone(),
+                    limit.clone()
+                ),
+                accept_loop(
+                    admin_l,
+                    builder.clone(),
+                    admin_handler,
+                    &admin_graceful,
+                    accept_stop.clone(),
+                    Arc::new(Semaphore::new(256))
+                ),
             )
         };
         tokio::select! {
@@ -228,8 +269,14 @@ impl App {
             _ = shutdown => {}
         }
         accept_stop.cancel();
-        tracing::info!(timeout_ms = self.shutdown_timeout.as_millis() as u64, "shutting down: finishing in-flight requests");
-        if tokio::time::timeout(self.shutdown_timeout, graceful.shutdown()).await.is_err() {
+        tracing::info!(
+            timeout_ms = self.shutdown_timeout.as_millis() as u64,
+            "shutting down: finishing in-flight requests"
+        );
+        if tokio::time::timeout(self.shutdown_timeout, graceful.shutdown())
+            .await
+            .is_err()
+        {
             tracing::warn!("in-flight requests did not finish before the shutdown deadline");
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;

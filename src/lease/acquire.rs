@@ -38,7 +38,11 @@ pub enum AcquireError {
     },
     /// The caller claimed a tenure it does not hold (renew/release).
     #[error("not the holder of lease {lease} at epoch {epoch}: {why}")]
-    NotHolder { lease: LeaseName, epoch: Epoch, why: String },
+    NotHolder {
+        lease: LeaseName,
+        epoch: Epoch,
+        why: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     /// Lost too many races in a row, or epoch numbers ran out.
@@ -49,7 +53,10 @@ pub enum AcquireError {
 impl AcquireError {
     /// True when the answer is "someone else has it" (CLI exit code 3).
     pub fn is_held(&self) -> bool {
-        matches!(self, AcquireError::Held { .. } | AcquireError::NotHolder { .. })
+        matches!(
+            self,
+            AcquireError::Held { .. } | AcquireError::NotHolder { .. }
+        )
     }
 }
 
@@ -82,7 +89,11 @@ pub fn fresh_token() -> String {
 /// Steps 1–2 of SPEC §2: the latest epoch and its object.
 pub async fn status(epochs: &Epochs, lease: &LeaseName) -> Result<LeaseStatus, StoreError> {
     let latest = epochs.latest_after(lease, Epoch::NONE).await?;
-    let object = if latest == Epoch::NONE { None } else { epochs.read(lease, latest).await? };
+    let object = if latest == Epoch::NONE {
+        None
+    } else {
+        epochs.read(lease, latest).await?
+    };
     Ok(LeaseStatus {
         latest,
         object,
@@ -113,7 +124,9 @@ async fn create_decided(
             tokio::time::sleep(Duration::from_millis(20 * (1 << attempt.min(5)))).await;
         }
         match epochs.create(lease, epoch, body.clone()).await {
-            Ok(CreateOutcome::Created) | Ok(CreateOutcome::AlreadyExists) | Err(StoreError::Unavailable(_)) => {}
+            Ok(CreateOutcome::Created)
+            | Ok(CreateOutcome::AlreadyExists)
+            | Err(StoreError::Unavailable(_)) => {}
             Err(e @ StoreError::Refused(_)) => return Err(e.into()),
         }
         // Read back whatever the create said: a 412 may hide our own earlier
@@ -136,10 +149,12 @@ async fn create_decided(
             Err(e) => last_err = Some(e),
         }
     }
-    Err(last_err.map(AcquireError::Store).unwrap_or_else(|| AcquireError::GaveUp {
-        lease: lease.clone(),
-        why: format!("could not create epoch {epoch}"),
-    }))
+    Err(last_err
+        .map(AcquireError::Store)
+        .unwrap_or_else(|| AcquireError::GaveUp {
+            lease: lease.clone(),
+            why: format!("could not create epoch {epoch}"),
+        }))
 }
 
 /// Acquires `lease` if it is free (SPEC §2 steps 1–3). `current` is a tenure the
@@ -165,7 +180,10 @@ pub async fn acquire(
                 return Err(AcquireError::NotHolder {
                     lease: lease.clone(),
                     epoch: e,
-                    why: format!("the latest epoch is {} and it is not this tenure", st.latest),
+                    why: format!(
+                        "the latest epoch is {} and it is not this tenure",
+                        st.latest
+                    ),
                 });
             }
             if let Some(EpochObject::Acquire { expires_at, .. }) = &st.object {
@@ -178,7 +196,10 @@ pub async fn acquire(
                 }
             }
         } else if !st.is_free(grace) {
-            if let Some(EpochObject::Acquire { holder, expires_at, .. }) = &st.object {
+            if let Some(EpochObject::Acquire {
+                holder, expires_at, ..
+            }) = &st.object
+            {
                 return Err(AcquireError::Held {
                     lease: lease.clone(),
                     epoch: st.latest,
@@ -195,7 +216,8 @@ pub async fn acquire(
         };
         let token = fresh_token();
         let hash = TokenHash::of(token.as_bytes());
-        let body = Bytes::from(EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl).to_json());
+        let body =
+            Bytes::from(EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl).to_json());
         let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
         match create_decided(epochs, lease, next, body, ours).await? {
             Created::Won(expires_at) => {
@@ -226,11 +248,25 @@ pub async fn renew(
     token: &str,
     ttl: Duration,
 ) -> Result<Holding, AcquireError> {
-    acquire(epochs, lease, holder, ttl, Duration::ZERO, Some((epoch, token))).await
+    acquire(
+        epochs,
+        lease,
+        holder,
+        ttl,
+        Duration::ZERO,
+        Some((epoch, token)),
+    )
+    .await
 }
 
 /// Releases a tenure: creates L+1 with `kind: "release"`. Returns the release epoch.
-pub async fn release(epochs: &Epochs, lease: &LeaseName, holder: &str, epoch: Epoch, token: &str) -> Result<Epoch, AcquireError> {
+pub async fn release(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    holder: &str,
+    epoch: Epoch,
+    token: &str,
+) -> Result<Epoch, AcquireError> {
     let st = status(epochs, lease).await?;
     let mine = matches!(&st.object, Some(EpochObject::Acquire { token: t, .. }) if st.latest == epoch && t.matches(&TokenHash::of(token.as_bytes())));
     if !mine {
@@ -246,7 +282,11 @@ pub async fn release(epochs: &Epochs, lease: &LeaseName, holder: &str, epoch: Ep
     })?;
     let body = Bytes::from(EpochRecord::release(lease, next, holder).to_json());
     let expected = body.clone();
-    match create_decided(epochs, lease, next, body, move |_, raw| raw == &expected[..]).await? {
+    match create_decided(epochs, lease, next, body, move |_, raw| {
+        raw == &expected[..]
+    })
+    .await?
+    {
         Created::Won(_) => Ok(next),
         Created::Lost => Err(AcquireError::NotHolder {
             lease: lease.clone(),

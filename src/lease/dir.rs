@@ -37,11 +37,13 @@ impl DirStore {
     fn path_of(&self, key: &str) -> Result<PathBuf, StoreError> {
         let rel = Path::new(key);
         let safe = !key.is_empty()
-            && rel
-                .components()
-                .all(|c| matches!(c, Component::Normal(s) if !s.to_string_lossy().starts_with(".tmp-")));
+            && rel.components().all(
+                |c| matches!(c, Component::Normal(s) if !s.to_string_lossy().starts_with(".tmp-")),
+            );
         if !safe {
-            return Err(StoreError::Refused(format!("key {key:?} is not a safe relative path")));
+            return Err(StoreError::Refused(format!(
+                "key {key:?} is not a safe relative path"
+            )));
         }
         Ok(self.root.join(rel))
     }
@@ -51,7 +53,9 @@ fn io_err(e: io::Error) -> StoreError {
     StoreError::Unavailable(format!("dir store I/O error: {e}"))
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, StoreError> + Send + 'static) -> Result<T, StoreError> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| StoreError::Unavailable(format!("dir store task failed: {e}")))?
@@ -64,7 +68,10 @@ fn create_if_absent_sync(path: &Path, body: &[u8]) -> Result<CreateOutcome, Stor
     fs::create_dir_all(dir).map_err(io_err)?;
     let tmp = dir.join(format!(".tmp-{:016x}", rand::thread_rng().next_u64()));
     let result = (|| {
-        let mut f = fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         f.write_all(body)?;
         f.sync_all()?;
         drop(f);
@@ -83,13 +90,21 @@ fn create_if_absent_sync(path: &Path, body: &[u8]) -> Result<CreateOutcome, Stor
 
 #[async_trait]
 impl LeaseStore for DirStore {
-    async fn list(&self, prefix: &str, start_after: Option<&str>) -> Result<Vec<String>, StoreError> {
+    async fn list(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+    ) -> Result<Vec<String>, StoreError> {
         // Split "a/b/c" into directory "a/b/" and name prefix "c".
         let (dir_key, name_prefix) = match prefix.rfind('/') {
             Some(i) => (&prefix[..=i], &prefix[i + 1..]),
             None => ("", prefix),
         };
-        let dir = if dir_key.is_empty() { self.root.clone() } else { self.path_of(dir_key.trim_end_matches('/'))? };
+        let dir = if dir_key.is_empty() {
+            self.root.clone()
+        } else {
+            self.path_of(dir_key.trim_end_matches('/'))?
+        };
         let (dir_key, name_prefix) = (dir_key.to_owned(), name_prefix.to_owned());
         let start_after = start_after.map(str::to_owned);
         blocking(move || {
@@ -120,7 +135,9 @@ impl LeaseStore for DirStore {
         let path = self.path_of(key)?;
         blocking(move || match fs::read(&path) {
             Ok(body) => {
-                let mtime = fs::metadata(&path).and_then(|m| m.modified()).map_err(io_err)?;
+                let mtime = fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .map_err(io_err)?;
                 Ok(Some(StoredObject {
                     body: Bytes::from(body),
                     last_modified: mtime,
@@ -166,13 +183,28 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let s = DirStore::open(tmp.path(), Arc::new(SystemClock)).unwrap();
         let k = "p/l/00000000000000000001.json";
-        assert_eq!(s.create_if_absent(k, Bytes::from_static(b"a")).await.unwrap(), CreateOutcome::Created);
-        assert_eq!(s.create_if_absent(k, Bytes::from_static(b"b")).await.unwrap(), CreateOutcome::AlreadyExists);
+        assert_eq!(
+            s.create_if_absent(k, Bytes::from_static(b"a"))
+                .await
+                .unwrap(),
+            CreateOutcome::Created
+        );
+        assert_eq!(
+            s.create_if_absent(k, Bytes::from_static(b"b"))
+                .await
+                .unwrap(),
+            CreateOutcome::AlreadyExists
+        );
         assert_eq!(&s.get(k).await.unwrap().unwrap().body[..], b"a");
         assert!(s.get("p/l/none.json").await.unwrap().is_none());
-        s.create_if_absent("p/l/00000000000000000002.json", Bytes::new()).await.unwrap();
+        s.create_if_absent("p/l/00000000000000000002.json", Bytes::new())
+            .await
+            .unwrap();
         assert_eq!(s.list("p/l/", None).await.unwrap().len(), 2);
-        assert_eq!(s.list("p/l/", Some(k)).await.unwrap(), vec!["p/l/00000000000000000002.json".to_string()]);
+        assert_eq!(
+            s.list("p/l/", Some(k)).await.unwrap(),
+            vec!["p/l/00000000000000000002.json".to_string()]
+        );
         assert!(s.list("p/other/", None).await.unwrap().is_empty());
         assert!(s.path_of("../escape").is_err());
     }

@@ -56,7 +56,11 @@ pub enum StoreError {
 #[async_trait]
 pub trait LeaseStore: Send + Sync + 'static {
     /// All keys under `prefix` that sort after `start_after`, ascending.
-    async fn list(&self, prefix: &str, start_after: Option<&str>) -> Result<Vec<String>, StoreError>;
+    async fn list(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+    ) -> Result<Vec<String>, StoreError>;
     /// The object at `key`, or `None` when it does not exist.
     async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError>;
     /// Creates `key` only if it does not exist (`If-None-Match: *`).
@@ -107,7 +111,11 @@ impl Epochs {
     }
 
     /// Reads and interprets one epoch object; `None` when it does not exist.
-    pub async fn read(&self, lease: &LeaseName, epoch: Epoch) -> Result<Option<EpochObject>, StoreError> {
+    pub async fn read(
+        &self,
+        lease: &LeaseName,
+        epoch: Epoch,
+    ) -> Result<Option<EpochObject>, StoreError> {
         let key = object_key(&self.prefix, lease, epoch);
         Ok(self
             .store
@@ -117,7 +125,12 @@ impl Epochs {
     }
 
     /// Conditionally creates an epoch object.
-    pub async fn create(&self, lease: &LeaseName, epoch: Epoch, body: Bytes) -> Result<CreateOutcome, StoreError> {
+    pub async fn create(
+        &self,
+        lease: &LeaseName,
+        epoch: Epoch,
+        body: Bytes,
+    ) -> Result<CreateOutcome, StoreError> {
         self.store
             .create_if_absent(&object_key(&self.prefix, lease, epoch), body)
             .await
@@ -129,13 +142,15 @@ impl Epochs {
 }
 
 /// Opens the store named by the `[store]` section.
-pub async fn open(cfg: &crate::config::StoreConfig, clock: Arc<dyn crate::clock::Clock>) -> Result<Arc<dyn LeaseStore>, StoreError> {
+pub async fn open(
+    cfg: &crate::config::StoreConfig,
+    clock: Arc<dyn crate::clock::Clock>,
+) -> Result<Arc<dyn LeaseStore>, StoreError> {
     use crate::config::StoreKind;
     Ok(match cfg.kind {
-        StoreKind::Dir => Arc::new(
-            dir::DirStore::open(&cfg.path, clock)
-                .map_err(|e| StoreError::Refused(format!("cannot open dir store {}: {e}", cfg.path.display())))?,
-        ),
+        StoreKind::Dir => Arc::new(dir::DirStore::open(&cfg.path, clock).map_err(|e| {
+            StoreError::Refused(format!("cannot open dir store {}: {e}", cfg.path.display()))
+        })?),
         StoreKind::S3 => {
             let settings = s3::S3Settings {
                 bucket: cfg.bucket.clone().unwrap_or_default(),

@@ -35,7 +35,10 @@ pub async fn self_test(store: &dyn LeaseStore, prefix: &str) -> Result<(), Probe
         source,
     };
     let body = Bytes::from_static(br#"{"probe":true}"#);
-    let first = store.create_if_absent(&key, body.clone()).await.map_err(wrap)?;
+    let first = store
+        .create_if_absent(&key, body.clone())
+        .await
+        .map_err(wrap)?;
     let second = store.create_if_absent(&key, body).await;
     let _ = store.delete(&key).await;
     match (first, second.map_err(wrap)?) {

@@ -76,7 +76,9 @@ impl Intercept for DateObserver {
 impl S3Store {
     pub async fn connect(s: &S3Settings, local: Arc<dyn Clock>) -> S3Store {
         let http_client = aws_smithy_http_client::Builder::new()
-            .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
+            .tls_provider(tls::Provider::Rustls(
+                tls::rustls_provider::CryptoMode::Ring,
+            ))
             .build_https();
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
             .http_client(http_client)
@@ -123,9 +125,22 @@ impl S3Store {
     pub async fn ensure_bucket(&self) -> Result<(), StoreError> {
         match self.client.head_bucket().bucket(&self.bucket).send().await {
             Ok(_) => Ok(()),
-            Err(_) => match self.client.create_bucket().bucket(&self.bucket).send().await {
+            Err(_) => match self
+                .client
+                .create_bucket()
+                .bucket(&self.bucket)
+                .send()
+                .await
+            {
                 Ok(_) => Ok(()),
-                Err(e) if matches!(e.code(), Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")) => Ok(()),
+                Err(e)
+                    if matches!(
+                        e.code(),
+                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                    ) =>
+                {
+                    Ok(())
+                }
                 Err(e) => Err(classify(e)),
             },
         }
@@ -147,14 +162,20 @@ impl HasStatus for aws_smithy_runtime_api::client::orchestrator::HttpResponse {
 }
 
 /// Maps an SDK error to what a caller may conclude from it.
-fn classify<E: ProvideErrorMetadata + std::error::Error + 'static, R: HasStatus + std::fmt::Debug>(
+fn classify<
+    E: ProvideErrorMetadata + std::error::Error + 'static,
+    R: HasStatus + std::fmt::Debug,
+>(
     e: SdkError<E, R>,
 ) -> StoreError {
     let status = status_of(&e);
     let detail = match (e.code(), e.message()) {
         (Some(c), Some(m)) => format!("{c}: {m}"),
         (Some(c), None) => c.to_owned(),
-        _ => format!("{}", aws_smithy_types::error::display::DisplayErrorContext(&e)),
+        _ => format!(
+            "{}",
+            aws_smithy_types::error::display::DisplayErrorContext(&e)
+        ),
     };
     match (&e, status) {
         (SdkError::ConstructionFailure(_), _) => StoreError::Refused(detail),
@@ -167,18 +188,28 @@ fn classify<E: ProvideErrorMetadata + std::error::Error + 'static, R: HasStatus 
 }
 
 fn is_precondition_conflict(status: Option<u16>, code: Option<&str>) -> bool {
-    matches!(code, Some("PreconditionFailed" | "ConditionalRequestConflict"))
-        || matches!(status, Some(412))
+    matches!(
+        code,
+        Some("PreconditionFailed" | "ConditionalRequestConflict")
+    ) || matches!(status, Some(412))
         || (status == Some(409) && code == Some("ConditionalRequestConflict"))
 }
 
 #[async_trait]
 impl LeaseStore for S3Store {
-    async fn list(&self, prefix: &str, start_after: Option<&str>) -> Result<Vec<String>, StoreError> {
+    async fn list(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+    ) -> Result<Vec<String>, StoreError> {
         let mut keys = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let mut req = self.client.list_objects_v2().bucket(&self.bucket).prefix(prefix);
+            let mut req = self
+                .client
+                .list_objects_v2()
+                .bucket(&self.bucket)
+                .prefix(prefix);
             if let Some(s) = start_after {
                 req = req.start_after(s);
             }
@@ -186,7 +217,11 @@ impl LeaseStore for S3Store {
                 req = req.continuation_token(t);
             }
             let out = req.send().await.map_err(classify)?;
-            keys.extend(out.contents().iter().filter_map(|o| o.key().map(str::to_owned)));
+            keys.extend(
+                out.contents()
+                    .iter()
+                    .filter_map(|o| o.key().map(str::to_owned)),
+            );
             match out.next_continuation_token() {
                 Some(t) if out.is_truncated() == Some(true) => token = Some(t.to_owned()),
                 _ => break,
@@ -197,19 +232,31 @@ impl LeaseStore for S3Store {
     }
 
     async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
-        match self.client.get_object().bucket(&self.bucket).key(key).send().await {
+        match self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+        {
             Ok(out) => {
                 let last_modified = out
                     .last_modified()
                     .and_then(|d| SystemTime::try_from(*d).ok())
-                    .ok_or_else(|| StoreError::Unavailable(format!("object {key} has no LastModified")))?;
+                    .ok_or_else(|| {
+                        StoreError::Unavailable(format!("object {key} has no LastModified"))
+                    })?;
                 let body = out
                     .body
                     .collect()
                     .await
                     .map_err(|e| StoreError::Unavailable(format!("reading {key}: {e}")))?
                     .into_bytes();
-                Ok(Some(StoredObject { body, last_modified }))
+                Ok(Some(StoredObject {
+                    body,
+                    last_modified,
+                }))
             }
             Err(e) if e.code() == Some("NoSuchKey") || status_of(&e) == Some(404) => Ok(None),
             Err(e) => Err(classify(e)),
@@ -229,7 +276,9 @@ impl LeaseStore for S3Store {
             .await;
         match res {
             Ok(_) => Ok(CreateOutcome::Created),
-            Err(e) if is_precondition_conflict(status_of(&e), e.code()) => Ok(CreateOutcome::AlreadyExists),
+            Err(e) if is_precondition_conflict(status_of(&e), e.code()) => {
+                Ok(CreateOutcome::AlreadyExists)
+            }
             Err(e) => Err(classify(e)),
         }
     }

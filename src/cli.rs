@@ -14,6 +14,7 @@ use crate::clock::{rfc3339, SystemClock};
 use crate::config::{Config, LogFormat};
 use crate::epoch::{Epoch, EpochObject, LeaseName};
 use crate::lease::acquire::{self, AcquireError};
+use crate::lease::probe::ProbeError;
 use crate::lease::{self, Epochs};
 
 #[derive(Parser)]
@@ -151,12 +152,13 @@ pub fn main() -> ExitCode {
                 Ok(code) => code,
                 Err(e) => {
                     eprintln!("fencegate: {e:#}");
-                    ExitCode::from(EXIT_ERROR)
+                    ExitCode::from(lease_error_code(&e))
                 }
             }
         }
         Command::Demo => {
-            init_tracing(LogFormat::Human);
+            // The demo's story goes to stdout; fencegate's own logs only when asked.
+            init_tracing_with(LogFormat::Human, "warn");
             match runtime().and_then(|rt| rt.block_on(crate::demo::run())) {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::from(EXIT_ERROR),
@@ -188,10 +190,15 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn init_tracing(format: LogFormat) {
+    init_tracing_with(format, "info,aws_config=warn,aws_smithy_runtime=warn");
+}
+
+/// Logs to stderr; `FENCEGATE_LOG` (or `RUST_LOG`) overrides `default_filter`.
+fn init_tracing_with(format: LogFormat, default_filter: &str) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_env("FENCEGATE_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new("info,aws_config=warn,aws_smithy_runtime=warn"));
+        .unwrap_or_else(|_| EnvFilter::new(default_filter));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -243,14 +250,34 @@ async fn shutdown_signal() {
     });
 }
 
+/// A bad config file or argument for a lease command (exit code 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct UsageError(String);
+
+/// Exit code for a failed lease command: 2 for configuration problems (a bad
+/// config, a bad lease name, a store that cannot fence), 1 for the rest.
+fn lease_error_code(e: &anyhow::Error) -> u8 {
+    let config = e.downcast_ref::<UsageError>().is_some()
+        || matches!(
+            e.downcast_ref::<ProbeError>(),
+            Some(ProbeError::NotFencing { .. })
+        );
+    if config {
+        EXIT_CONFIG
+    } else {
+        EXIT_ERROR
+    }
+}
+
 /// Loads only what the lease commands need: the `[store]` section.
-fn load_store_config(path: &Path) -> anyhow::Result<Config> {
+fn load_store_config(path: &Path) -> Result<Config, UsageError> {
     let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading config {}", path.display()))?;
+        .map_err(|e| UsageError(format!("cannot read config {}: {e}", path.display())))?;
     let cfg =
-        Config::parse(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+        Config::parse(&text).map_err(|e| UsageError(format!("config {}: {e}", path.display())))?;
     cfg.validate_store()
-        .map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))?;
+        .map_err(|e| UsageError(format!("config {}: {e}", path.display())))?;
     Ok(cfg)
 }
 
@@ -262,7 +289,7 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
         | LeaseCommand::Show { store } => store,
     };
     let cfg = load_store_config(&store_args.config)?;
-    let lease = LeaseName::parse(&store_args.lease).map_err(|e| anyhow::anyhow!(e))?;
+    let lease = LeaseName::parse(&store_args.lease).map_err(UsageError)?;
     let store = lease::open(&cfg.store, Arc::new(SystemClock)).await?;
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store, cfg.store.prefix.clone());
@@ -278,6 +305,12 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
             println!(
                 "{}",
                 json!({"lease": lease.as_str(), "epoch": epoch.get(), "holder": holder, "expires_at": rfc3339(*expires_at)})
+            );
+        }
+        if let AcquireError::NotHolder { lease, epoch, why } = &e {
+            println!(
+                "{}",
+                json!({"lease": lease.as_str(), "epoch": epoch.get(), "held": false, "reason": why})
             );
         }
         if e.is_held() {
@@ -326,7 +359,8 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                             .unwrap_or(Duration::ZERO);
                         let pause = until.clamp(Duration::from_millis(50), backoff);
                         eprintln!(
-                            "fencegate: lease {lease} held by {other:?} at epoch {epoch} until {}; waiting {} ms",
+                            "fencegate: lease {lease} held by {other:?} at epoch {epoch}, expiring {}; free after grace at {}; waiting {} ms",
+                            rfc3339(expires_at),
                             rfc3339(free_at),
                             pause.as_millis()
                         );

@@ -54,6 +54,16 @@ pub struct ServerConfig {
     pub header_read_timeout_ms: u64,
     /// `human` or `json`.
     pub log_format: LogFormat,
+    /// TLS on the proxy listener (HTTP/1.1 and HTTP/2 via ALPN).
+    pub tls: Option<TlsConfig>,
+}
+
+/// `[server.tls]`: PEM certificate chain and private key for the proxy listener.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +77,7 @@ impl Default for ServerConfig {
             max_connections: 20_000,
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
+            tls: None,
         }
     }
 }
@@ -293,8 +304,28 @@ impl Config {
 
     /// Checks what serde cannot: cross-field rules, URLs, header names, env values.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_server()?;
         self.validate_store()?;
         self.validate_routes()
+    }
+
+    fn validate_server(&self) -> Result<(), String> {
+        if let Some(tls) = &self.server.tls {
+            for (what, p) in [("cert", &tls.cert), ("key", &tls.key)] {
+                if !p.exists() {
+                    return Err(format!(
+                        "[server.tls] {what} {} does not exist",
+                        p.display()
+                    ));
+                }
+            }
+        }
+        if self.server.max_connections == 0 || self.server.header_read_timeout_ms == 0 {
+            return Err(
+                "[server] max_connections and header_read_timeout_ms must be positive".into(),
+            );
+        }
+        Ok(())
     }
 
     /// The `[store]` section alone (all the `lease` commands need).
@@ -402,7 +433,16 @@ impl Config {
         use std::fmt::Write;
         let mut out = String::new();
         let s = &self.store;
-        let _ = writeln!(out, "listen        {}", self.server.listen);
+        let _ = writeln!(
+            out,
+            "listen        {}{}",
+            self.server.listen,
+            if self.server.tls.is_some() {
+                " (TLS: HTTP/1.1 and HTTP/2 via ALPN)"
+            } else {
+                ""
+            }
+        );
         let _ = writeln!(out, "admin_listen  {}", self.server.admin_listen);
         let _ = writeln!(out, "data_dir      {}", self.server.data_dir.display());
         let _ = writeln!(

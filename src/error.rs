@@ -56,7 +56,7 @@ pub enum ProxyError {
         epoch: Epoch,
         newer: Epoch,
     },
-    #[error("fencegate is shutting down; the outcome is unknown")]
+    #[error("fencegate shut down while this request was at the upstream; the outcome is unknown")]
     ShuttingDown,
 }
 
@@ -87,9 +87,11 @@ impl ProxyError {
                 Refusal::Stale { .. } => (StatusCode::CONFLICT, "epoch_stale"),
                 Refusal::Expired { .. } => (StatusCode::CONFLICT, "lease_expired"),
             },
-            E::StoreUnavailable { .. } | E::StateUnavailable { .. } | E::ShuttingDown => {
+            E::StoreUnavailable { .. } | E::StateUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
             }
+            // Sent, then abandoned: like a timeout, the outcome is unknown.
+            E::ShuttingDown => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
             E::DedupInDoubt { .. } => (StatusCode::CONFLICT, "dedup_in_doubt"),
             E::DedupKeyReused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "dedup_key_reused"),

@@ -205,6 +205,7 @@ pub fn build_request(
     parts: &http::request::Parts,
     body: Bytes,
     peer: SocketAddr,
+    proto: &str,
     dedup_key: &str,
 ) -> Result<Request<Full<Bytes>>, String> {
     let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
@@ -227,7 +228,7 @@ pub fn build_request(
     } else {
         ip
     };
-    let mut fwd = format!("for={for_};proto=http");
+    let mut fwd = format!("for={for_};proto={proto}");
     if let Some(h) = orig_host.as_ref().and_then(|h| h.to_str().ok()) {
         if !h.contains(['"', ';', ',']) {
             fwd.push_str(&format!(";host=\"{h}\""));
@@ -379,6 +380,7 @@ mod tests {
             &parts,
             Bytes::new(),
             "127.0.0.1:5555".parse().unwrap(),
+            "http",
             "k1",
         )
         .unwrap();

@@ -68,6 +68,10 @@ pub struct Proxy {
     pub fences: HashMap<String, Arc<Fence>>,
     pub dedup: Arc<Dedup>,
     pub metrics: Arc<Metrics>,
+    /// Cancelled when shutdown gives up on in-flight requests.
+    abandon: tokio_util::sync::CancellationToken,
+    /// `http` or `https`: how workers reach us (for `Forwarded`).
+    proto: &'static str,
 }
 
 impl Proxy {
@@ -90,7 +94,20 @@ impl Proxy {
             fences,
             dedup,
             metrics,
+            abandon: tokio_util::sync::CancellationToken::new(),
+            proto: "http",
         }
+    }
+
+    /// Marks the proxy listener as TLS (for `Forwarded: proto=https`).
+    pub fn with_tls(mut self, tls: bool) -> Proxy {
+        self.proto = if tls { "https" } else { "http" };
+        self
+    }
+
+    /// Shutdown's last resort: every request still forwarding ends now, in doubt.
+    pub fn abandon_all(&self) {
+        self.abandon.cancel();
     }
 
     pub fn durable(&self) -> &Arc<crate::durable::Durable> {
@@ -212,9 +229,15 @@ impl Proxy {
             (None, DeriveKey::None) => (DedupKey::fresh(), false),
         };
         tracing::Span::current().record("key", key.as_str());
-        let upstream_req =
-            forward::build_request(&route.target, &parts, body.clone(), peer, key.as_str())
-                .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
+        let upstream_req = forward::build_request(
+            &route.target,
+            &parts,
+            body.clone(),
+            peer,
+            self.proto,
+            key.as_str(),
+        )
+        .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
 
         let ticket = if record {
             let fp = dedup::fingerprint(method, path_query, &body);
@@ -234,7 +257,9 @@ impl Proxy {
         let result = tokio::select! {
             r = forward::send(&route.client, upstream_req, route.timeout, MAX_UPSTREAM_BODY) => r,
             _ = pass.aborted() => Err(UpstreamError::Uncertain("drain aborted".into())),
+            _ = self.abandon.cancelled() => Err(UpstreamError::Uncertain("abandoned at shutdown".into())),
         };
+        let abandoned = self.abandon.is_cancelled() && result.is_err();
         let aborted = pass.is_aborted() && result.is_err();
         let aborted_err = aborted.then(|| drain_aborted(route, &pass));
         // In flight ends with the complete response (or the failure).
@@ -271,6 +296,7 @@ impl Proxy {
                 }
                 Err(match (aborted_err, e) {
                     (Some(a), _) => a,
+                    (None, _) if abandoned => ProxyError::ShuttingDown,
                     (None, UpstreamError::Unreachable(d)) => {
                         ProxyError::UpstreamUnreachable { detail: d }
                     }

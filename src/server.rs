@@ -41,6 +41,8 @@ pub enum StartError {
     Probe(#[from] lease::probe::ProbeError),
     #[error("route {route}: {message}")]
     Route { route: String, message: String },
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -58,6 +60,28 @@ pub struct App {
     shutdown_timeout: Duration,
     max_connections: usize,
     header_read_timeout: Duration,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+/// Loads the listener's certificate and key and advertises h2 and http/1.1.
+fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAcceptor, StartError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cfg.cert)
+        .and_then(|it| it.collect::<Result<_, _>>())
+        .map_err(|e| StartError::Tls(format!("reading certificate {}: {e}", cfg.cert.display())))?;
+    let key = PrivateKeyDer::from_pem_file(&cfg.key)
+        .map_err(|e| StartError::Tls(format!("reading private key {}: {e}", cfg.key.display())))?;
+    let mut sc = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| StartError::Tls(e.to_string()))?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .map_err(|e| StartError::Tls(format!("certificate and key do not form a valid pair: {e}")))?;
+    sc.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(sc)))
 }
 
 /// Builds the app from a validated config: nothing listens yet.
@@ -103,6 +127,7 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         };
         routes.push(Route::new(rc, fence, client).map_err(route_err)?);
     }
+    let tls = cfg.server.tls.as_ref().map(tls_acceptor).transpose()?;
     let metrics = Metrics::new();
     let proxy = Arc::new(Proxy::new(
         routes,
@@ -139,6 +164,7 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
         max_connections: cfg.server.max_connections,
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+        tls,
     })
 }
 
@@ -163,6 +189,7 @@ fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
     b
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
     builder: Arc<auto::Builder<TokioExecutor>>,
@@ -170,6 +197,8 @@ async fn accept_loop<F, Fut>(
     graceful: &GracefulShutdown,
     stop: CancellationToken,
     limit: Arc<Semaphore>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    handshake_timeout: Duration,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
@@ -197,12 +226,40 @@ async fn accept_loop<F, Fut>(
             let h = h.clone();
             async move { Ok::<_, Infallible>(h(req, peer).await) }
         });
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), svc)
-            .into_owned();
-        let conn = graceful.watch(conn);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let result = match tls {
+                None => {
+                    watcher
+                        .watch(
+                            builder
+                                .serve_connection(TokioIo::new(stream), svc)
+                                .into_owned(),
+                        )
+                        .await
+                }
+                Some(acceptor) => {
+                    match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                        Ok(Ok(tls_stream)) => {
+                            watcher
+                                .watch(
+                                    builder
+                                        .serve_connection(TokioIo::new(tls_stream), svc)
+                                        .into_owned(),
+                                )
+                                .await
+                        }
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            Ok(())
+                        }
+                        Err(_) => Ok(()),
+                    }
+                }
+            };
+            if let Err(e) = result {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
             drop(permit);
@@ -252,7 +309,9 @@ impl App {
                     proxy_handler,
                     &graceful,
                     accept_stop.clone(),
-                    limit.clone()
+                    limit.clone(),
+                    self.tls.clone(),
+                    self.header_read_timeout,
                 ),
                 accept_loop(
                     admin_l,
@@ -260,7 +319,9 @@ impl App {
                     admin_handler,
                     &admin_graceful,
                     accept_stop.clone(),
-                    Arc::new(Semaphore::new(256))
+                    Arc::new(Semaphore::new(256)),
+                    None,
+                    self.header_read_timeout,
                 ),
             )
         };
@@ -273,11 +334,19 @@ impl App {
             timeout_ms = self.shutdown_timeout.as_millis() as u64,
             "shutting down: finishing in-flight requests"
         );
-        if tokio::time::timeout(self.shutdown_timeout, graceful.shutdown())
+        let finishing = graceful.shutdown();
+        tokio::pin!(finishing);
+        if tokio::time::timeout(self.shutdown_timeout, &mut finishing)
             .await
             .is_err()
         {
-            tracing::warn!("in-flight requests did not finish before the shutdown deadline");
+            // Abandon what is left: each such request's dedup record becomes in
+            // doubt and its worker is told the outcome is unknown.
+            tracing::warn!(
+                "in-flight requests did not finish before the shutdown deadline; abandoning them"
+            );
+            self.proxy.abandon_all();
+            let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
         self.stop.cancel();

@@ -3,8 +3,13 @@
 
 mod support;
 
+mod campaign;
+mod corpus;
 mod dedup;
 mod dir_store;
+mod disk;
 mod errors;
 mod fencing;
 mod hygiene;
+mod lease_cli;
+mod ops;

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The recording origin of the fault campaign (tests/it/campaign): the destination
+that cannot fence itself.
+
+A threaded HTTP/1.1 server (keep-alive, so fencegate's pooled connections are
+exercised) that answers every request after a small random delay, sometimes long
+enough for fencegate's drain or upstream timeout to fire. It appends JSON lines to
+--log, flushed one by one, so the file survives SIGSTOP and kill:
+
+  {"ev": "arrive", "seq", "path", "req", "epoch", "key", "arrive"}
+  {"ev": "done", "seq", "complete", "status", "body"}
+
+`arrive` and `complete` are time.monotonic_ns() (CLOCK_MONOTONIC, comparable
+across processes on Linux); `complete` is taken before the response is written, so
+it precedes fencegate's receipt of the answer. `req` is the worker's
+X-Campaign-Req header, `epoch` the forwarded X-Lease-Epoch, `key` the forwarded
+Idempotency-Key. The response body is unique per request; statuses are 200, 201,
+202, 409 or 422 (never one of fencegate's retryable statuses, so every answered
+key is recorded `done` and may be replayed).
+
+Usage: origin.py --log FILE [--seed N] [--port 0]; prints `LISTENING host:port`.
+"""
+import argparse
+import json
+import random
+import secrets
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+STATE = {"seq": 0, "rng": random.Random(0), "log": None}
+
+
+def write(rec):
+    line = json.dumps(rec, separators=(",", ":")) + "\n"
+    with LOCK:
+        STATE["log"].write(line)
+        STATE["log"].flush()
+
+
+def draw():
+    """(seq, delay in seconds, status) for one request."""
+    with LOCK:
+        STATE["seq"] += 1
+        rng = STATE["rng"]
+        x = rng.random()
+        if x < 0.60:
+            delay = rng.uniform(0, 0.01)
+        elif x < 0.90:
+            delay = rng.uniform(0.02, 0.3)
+        elif x < 0.98:
+            delay = rng.uniform(0.3, 0.9)
+        else:
+            delay = rng.uniform(1.0, 1.5)  # past the route's timeout
+        status = rng.choices([200, 201, 202, 409, 422], [80, 8, 4, 5, 3])[0]
+        return STATE["seq"], delay, status
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        arrive = time.monotonic_ns()
+        seq, delay, status = draw()
+        h = self.headers
+        write({"ev": "arrive", "seq": seq, "path": self.path, "req": h.get("x-campaign-req"),
+               "epoch": h.get("x-lease-epoch"), "key": h.get("idempotency-key"), "arrive": arrive})
+        length = int(h.get("content-length") or 0)
+        self.rfile.read(length)
+        time.sleep(delay)
+        body = json.dumps({"seq": seq, "req": h.get("x-campaign-req"),
+                           "nonce": secrets.token_hex(8)}).encode()
+        write({"ev": "done", "seq": seq, "complete": time.monotonic_ns(), "status": status,
+               "body": body.decode("latin-1")})
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.send_header("x-origin-seq", str(seq))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_PUT = do_POST
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--log", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args()
+    STATE["rng"] = random.Random(args.seed)
+    STATE["log"] = open(args.log, "a", encoding="utf-8")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    srv = Server(("127.0.0.1", args.port), Handler)
+    host, port = srv.server_address[:2]
+    print(f"LISTENING {host}:{port}", flush=True)
+    srv.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""A fault-campaign worker (tests/it/campaign): contends for leases with SPEC §2
+(boto3, conditional PutObject, the uncertain-result read-back) and sends requests
+through fencegate to the recording origin.
+
+Every request attempt is one JSON line in --log:
+  {"ev": "attempt", "w", "req", "kind", "route", "lease", "epoch", "token", "key",
+   "body", "invoke", "complete", "outcome", "status", "error", "replayed",
+   "resp_body", "detail"}
+`outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
+`kind` is "op" (first send), "retry" (same key and body after a timeout, a
+connection error, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
+"forged" (a wrong token) or "future" (an epoch that does not exist yet).
+Tenures are logged too ({"ev": "tenure", ...}) for humans.
+
+Expiry without the Date header (the store is on this host): LastModified is the
+creation time truncated to the second and creation happens after we send the PUT,
+so our epoch is valid at least until t0 + ttl - 1 s, t0 = local time before the PUT.
+A worker stops using a tenure then — except a "sloppy" send (10%), which skips the
+check, and the nemesis may SIGSTOP us anywhere, e.g. between check and send.
+"""
+import argparse
+import hashlib
+import http.client
+import itertools
+import json
+import os
+import random
+import secrets
+import threading
+import time
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+LOG_LOCK = threading.Lock()
+
+
+class Store:
+    """SPEC §2 on S3: list, read, conditional create with the uncertain-result read-back."""
+
+    def __init__(self, endpoint, bucket, prefix):
+        self.s3 = boto3.client(
+            "s3", endpoint_url=endpoint, region_name="us-east-1",
+            aws_access_key_id="test", aws_secret_access_key="test",
+            config=Config(connect_timeout=1, read_timeout=1.5, s3={"addressing_style": "path"},
+                          retries={"max_attempts": 2, "mode": "standard"}))
+        self.bucket, self.prefix = bucket, prefix
+
+    def key(self, lease, epoch):
+        return f"{self.prefix}{lease}/{epoch:020}.json"
+
+    def latest(self, lease):
+        r = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}{lease}/")
+        keys = [o["Key"] for o in r.get("Contents", [])]
+        while r.get("IsTruncated"):
+            r = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}{lease}/",
+                                        ContinuationToken=r["NextContinuationToken"])
+            keys += [o["Key"] for o in r.get("Contents", [])]
+        return max((int(k.rsplit("/", 1)[1][:20]) for k in keys), default=0)
+
+    def read(self, lease, epoch):
+        """(object as dict, LastModified as Unix seconds), or None if absent."""
+        try:
+            r = self.s3.get_object(Bucket=self.bucket, Key=self.key(lease, epoch))
+        except ClientError as e:
+            if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        return json.loads(r["Body"].read()), r["LastModified"].timestamp()
+
+    def create(self, lease, epoch, obj, ours):
+        """True if we created it, False if someone else did; raises if unknown."""
+        body = json.dumps(obj).encode()
+        for _ in range(5):
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self.key(lease, epoch), Body=body,
+                                   IfNoneMatch="*", ContentType="application/json")
+                return True
+            except ClientError as e:
+                status = e.response["ResponseMetadata"].get("HTTPStatusCode", 0)
+                retried = e.response["ResponseMetadata"].get("RetryAttempts", 0) > 0
+                if status in (409, 412) and not retried:
+                    return False  # lost the race (no hidden earlier attempt)
+                if status not in (409, 412) and status < 500:
+                    raise
+            except BotoCoreError:
+                pass
+            # The uncertain result: read it back.
+            try:
+                found = self.read(lease, epoch)
+            except (BotoCoreError, ClientError):
+                time.sleep(0.2)
+                continue
+            if found is not None:
+                return ours(found[0])
+        raise RuntimeError(f"could not decide the create of {lease} epoch {epoch}")
+
+
+class Tenure:
+    def __init__(self, lease, epoch, token, deadline):
+        self.lease, self.epoch, self.token, self.deadline = lease, epoch, token, deadline
+
+    def left(self):
+        return self.deadline - time.monotonic()
+
+
+class Worker:
+    def __init__(self, a):
+        self.a, self.id = a, a.id
+        self.rng = random.Random(a.seed)
+        self.store = Store(a.endpoint, a.bucket, a.prefix)
+        self.log = open(a.log, "a", encoding="utf-8")
+        self.counter = itertools.count(1)
+        self.stop_at = time.monotonic() + a.secs
+
+    def holding(self, ten):
+        """Tells the nemesis which lease we hold (it prefers to pause holders)."""
+        with open(self.a.state_file + ".tmp", "w") as f:
+            f.write(f"{ten.lease} {ten.epoch}" if ten else "")
+        os.replace(self.a.state_file + ".tmp", self.a.state_file)
+
+    def emit(self, rec):
+        with LOG_LOCK:
+            self.log.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            self.log.flush()
+
+    def create_epoch(self, lease, epoch, kind):
+        token = secrets.token_hex(32)
+        obj = {"v": 1, "lease": lease, "epoch": epoch, "kind": kind, "holder": f"w{self.id}",
+               "nonce": token}
+        if kind == "acquire":
+            obj["token_sha256"] = hashlib.sha256(token.encode()).hexdigest()
+            obj["ttl_ms"] = self.rng.randint(2000, 4000)
+        t0 = time.monotonic()
+        won = self.store.create(lease, epoch, obj, lambda o: o.get("nonce") == token)
+        if not won or kind != "acquire":
+            return None
+        ten = Tenure(lease, epoch, token, t0 + obj["ttl_ms"] / 1000 - 1.0)
+        self.emit({"ev": "tenure", "w": self.id, "lease": lease, "epoch": epoch,
+                   "ttl_ms": obj["ttl_ms"], "at": time.monotonic_ns()})
+        return ten
+
+    def acquire(self, lease, current=None):
+        """SPEC §2 steps 1-4 (renewal when `current`); None when held, lost or unsure."""
+        try:
+            latest = self.store.latest(lease)
+            if current is not None and (latest != current.epoch or current.left() <= 0):
+                return None  # someone took over, or our tenure is over
+            if current is None and latest > 0:
+                found = self.store.read(lease, latest)
+                if found and found[0].get("kind") == "acquire":
+                    expiry = found[1] + found[0].get("ttl_ms", 0) / 1000
+                    if expiry + self.a.grace_ms / 1000 >= time.time():
+                        return None  # held
+            return self.create_epoch(lease, latest + 1, "acquire")
+        except (BotoCoreError, ClientError, RuntimeError, ValueError):
+            return None
+
+    def release(self, ten):
+        try:
+            if ten.left() > 0.3 and self.store.latest(ten.lease) == ten.epoch:
+                self.create_epoch(ten.lease, ten.epoch + 1, "release")
+        except (BotoCoreError, ClientError, RuntimeError, ValueError):
+            pass
+
+    def send(self, ten, kind, key, body, epoch=None, token=None):
+        req = f"w{self.id}-{next(self.counter)}"
+        epoch = ten.epoch if epoch is None else epoch
+        token = ten.token if token is None else token
+        route = "r" + ten.lease[1:]
+        rec = {"ev": "attempt", "w": self.id, "req": req, "kind": kind, "route": route,
+               "lease": ten.lease, "epoch": epoch, "token": token, "key": key, "body": body,
+               "status": None, "error": None, "replayed": False, "resp_body": None, "detail": None}
+        rec["invoke"] = time.monotonic_ns()
+        try:
+            with open(self.a.addr_file) as f:
+                host, port = f.read().strip().rsplit(":", 1)
+            conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
+            conn.request("POST", f"/{route}/op", body=body.encode(), headers={
+                "x-lease-epoch": str(epoch), "x-lease-token": token, "idempotency-key": key,
+                "x-campaign-req": req, "content-type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            conn.close()
+            rec.update(outcome="response", status=r.status, error=r.getheader("x-fencegate-error"),
+                       replayed=r.getheader("x-fencegate-replayed") == "true",
+                       resp_body=data.decode("latin-1"))
+        except TimeoutError as e:
+            rec.update(outcome="timeout", detail=repr(e))
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            rec.update(outcome="conn_error", detail=repr(e))
+        rec["complete"] = time.monotonic_ns()
+        self.emit(rec)
+        return rec
+
+    def operation(self, ten, opn):
+        """One action: a fresh key and body, retried with the same key until decided."""
+        key = f"w{self.id}-op{opn}-{secrets.token_hex(4)}"
+        body = json.dumps({"w": self.id, "lease": ten.lease, "op": opn, "data": secrets.token_hex(6)})
+        x = self.rng.random()
+        if x < 0.03:
+            return self.send(ten, "forged", key, body, token=secrets.token_hex(32))
+        if x < 0.05:
+            return self.send(ten, "future", key, body, epoch=ten.epoch + self.rng.randint(2, 6))
+        if x < 0.12:
+            dup = threading.Thread(target=self.send, args=(ten, "dup", key, body))
+            dup.start()
+            rec = self.send(ten, "op", key, body)
+            dup.join()
+        else:
+            rec = self.send(ten, "op", key, body)
+        for _ in range(3):
+            again = rec["outcome"] != "response" or rec["error"] in (
+                "store_unavailable", "dedup_in_flight")
+            if not again or time.monotonic() > self.stop_at:
+                return rec
+            time.sleep(self.rng.uniform(0.2, 0.8))
+            if ten.left() <= 0 and self.rng.random() > 0.2:
+                return rec  # our tenure is over: a careful worker stops here
+            rec = self.send(ten, "retry", key, body)
+        return rec
+
+    def run(self):
+        leases = self.a.leases.split(",")
+        while time.monotonic() < self.stop_at:
+            lease = self.rng.choice(leases)
+            ten = None
+            for _ in range(10):
+                ten = self.acquire(lease)
+                if ten or time.monotonic() > self.stop_at:
+                    break
+                time.sleep(self.rng.uniform(0.1, 0.4))
+            if ten is None:
+                continue
+            self.holding(ten)
+            for opn in range(self.rng.randint(3, 12)):
+                if time.monotonic() > self.stop_at:
+                    break
+                if ten.left() < 1.0:
+                    ten = self.acquire(lease, current=ten) or ten  # renew (SPEC §2 step 4)
+                    self.holding(ten)
+                sloppy = self.rng.random() < 0.1
+                if ten.left() <= 0 and not sloppy:
+                    break
+                time.sleep(self.rng.uniform(0, 0.15))  # work; a SIGSTOP here makes a late worker
+                self.operation(ten, f"{ten.epoch}.{opn}")
+            if self.rng.random() < 0.5:
+                self.release(ten)
+            self.holding(None)
+            time.sleep(self.rng.uniform(0, 0.3))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name in ("--endpoint", "--addr-file", "--log", "--state-file", "--leases"):
+        p.add_argument(name, required=True)
+    p.add_argument("--id", type=int, required=True)
+    p.add_argument("--bucket", default="leases")
+    p.add_argument("--prefix", default="fencegate/")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--secs", type=float, default=20)
+    p.add_argument("--grace-ms", type=int, default=500)
+    p.add_argument("--client-timeout", type=float, default=8)
+    Worker(p.parse_args()).run()
+
+
+if __name__ == "__main__":
+    main()

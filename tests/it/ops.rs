@@ -1,0 +1,578 @@
+//! SPEC §8 and issue 7: the admin API, metrics, shutdown, TLS, secrets, container.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+use crate::support::*;
+
+fn get(url: String) -> Request<Full<Bytes>> {
+    Request::get(url).body(Full::default()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_answer_and_readyz_follows_the_store() {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&format!(
+        "{}{}",
+        s3.store_toml(200),
+        route_toml("billing", "billing", &origin, "")
+    ));
+    let a = acquire(
+        &s3.epochs().await,
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(post(&fg, "/billing/x", &a, "one").await.status, 200);
+
+    assert_eq!(send(get(fg.admin_url("/healthz"))).await.status, 200);
+    assert_eq!(send(get(fg.admin_url("/readyz"))).await.status, 200);
+    let leases = fg.admin_json("/v1/leases").await;
+    let l = &leases["leases"][0];
+    assert_eq!(l["lease"], "billing");
+    assert_eq!(l["high_water_mark"], a.epoch.get());
+    assert_eq!(l["latest_epoch"], a.epoch.get());
+    assert_eq!(l["holder"], "worker-a");
+    assert!(l["expires_at"].is_string());
+    assert_eq!(l["in_flight"], 0);
+
+    s3.pause();
+    let r = send(get(fg.admin_url("/readyz"))).await;
+    assert_eq!(r.status, 503);
+    assert!(
+        r.json()["problems"][0]
+            .as_str()
+            .unwrap()
+            .contains("lease store"),
+        "{}",
+        r.json()
+    );
+    s3.resume();
+    assert_eq!(send(get(fg.admin_url("/readyz"))).await.status, 200);
+
+    // Dedup records: unknown route, unknown key, and mutations disabled without a token.
+    assert_eq!(
+        send(get(fg.admin_url("/v1/dedup/nope/k"))).await.status,
+        404
+    );
+    assert_eq!(
+        send(get(fg.admin_url("/v1/dedup/billing/never-used")))
+            .await
+            .status,
+        404
+    );
+    let r = send(
+        Request::post(fg.admin_url("/v1/dedup/billing/k/resolve"))
+            .header("authorization", "Bearer anything")
+            .body(body(r#"{"outcome":"delivered"}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 403);
+    assert_eq!(r.json()["error"], "admin_disabled");
+    assert_eq!(send(get(fg.admin_url("/nope"))).await.status, 404);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_with_a_real_prometheus_parser_and_move() {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&format!(
+        "{}{}",
+        s3.store_toml(200),
+        route_toml("billing", "billing", &origin, "")
+    ));
+    let a = acquire(
+        &s3.epochs().await,
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let parse = |text: Bytes| {
+        let script = r#"
+import sys, json
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = {}
+for fam in text_string_to_metric_families(sys.stdin.read()):
+    for s in fam.samples:
+        key = s.name + json.dumps(s.labels, sort_keys=True)
+        out[key] = s.value
+print(json.dumps(out))
+"#;
+        let python = std::env::var("FENCEGATE_TEST_PYTHON")
+            .unwrap_or_else(|_| repo_root().join(".venv/bin/python").display().to_string());
+        let mut child = std::process::Command::new(python)
+            .args(["-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(&text).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "prometheus_client rejected the exposition:\n{}",
+            String::from_utf8_lossy(&text)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let before = parse(send(get(fg.admin_url("/metrics"))).await.body);
+    assert_eq!(post(&fg, "/billing/x", &a, "one").await.status, 200);
+    assert_eq!(
+        post(&fg, "/billing/x", &a, "one").await.headers["x-fencegate-replayed"],
+        "true"
+    );
+    send(
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), "bad", "")
+            .body(body("x"))
+            .unwrap(),
+    )
+    .await
+    .assert_error(403, "token_invalid");
+    let after = parse(send(get(fg.admin_url("/metrics"))).await.body);
+    let v = |m: &serde_json::Value, k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+    let fwd = r#"fencegate_requests_total{"code": "", "outcome": "forwarded", "route": "billing"}"#;
+    let rep = r#"fencegate_requests_total{"code": "", "outcome": "replayed", "route": "billing"}"#;
+    let bad = r#"fencegate_requests_total{"code": "token_invalid", "outcome": "refused", "route": "billing"}"#;
+    assert_eq!(v(&after, fwd) - v(&before, fwd), 1.0, "{after}");
+    assert_eq!(v(&after, rep) - v(&before, rep), 1.0);
+    assert_eq!(v(&after, bad) - v(&before, bad), 1.0);
+    assert_eq!(
+        v(&after, r#"fencegate_high_water_mark{"lease": "billing"}"#),
+        a.epoch.get() as f64
+    );
+    assert!(v(&after, "fencegate_flush_batches_total{}") >= 1.0);
+    assert!(v(&after, "fencegate_admission_duration_seconds_count{}") >= 2.0);
+    assert!(v(&after, "fencegate_upstream_duration_seconds_count{}") >= 1.0);
+    assert!(
+        v(
+            &after,
+            r#"fencegate_store_calls_total{"lease": "billing", "op": "list"}"#
+        ) >= 1.0
+    );
+    for name in [
+        "fencegate_in_flight",
+        "fencegate_latest_known_epoch",
+        "fencegate_drains_started_total",
+        "fencegate_drains_aborted_total",
+        "fencegate_mark_raises_total",
+        "fencegate_dedup_replays_total",
+        "fencegate_dedup_conflicts_total",
+        "fencegate_dedup_in_doubt_total",
+        "fencegate_store_errors_total",
+        "fencegate_flush_records_total",
+        "fencegate_store_clock_offset_milliseconds",
+    ] {
+        assert!(
+            after
+                .as_object()
+                .unwrap()
+                .keys()
+                .any(|k| k.starts_with(name)),
+            "missing metric {name}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_in_flight_request_finish_and_flushes() {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let mut fg = Fencegate::start(&format!(
+        "{}{}",
+        s3.store_toml(200),
+        route_toml("billing", "billing", &origin, "")
+    ));
+    let a = acquire(
+        &s3.epochs().await,
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let slow = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+        .header("idempotency-key", "during-shutdown")
+        .header("x-test-hold", "slow")
+        .body(body("p"))
+        .unwrap();
+    let in_flight = tokio::spawn(send(slow));
+    origin.wait_for(1).await;
+    let pid = fg.pid();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    // The listener stops accepting; the admitted request is still answered.
+    eventually("fencegate stopped accepting", || {
+        let addr = fg.proxy;
+        async move { tokio::net::TcpStream::connect(addr).await.is_err() }
+    })
+    .await;
+    origin.release("slow");
+    assert_eq!(in_flight.await.unwrap().status, 200);
+    assert!(fg.wait_exit().success(), "exit 0 after SIGTERM");
+    assert!(fg.stderr().contains("durable state flushed"));
+    fg.spawn(None).unwrap();
+    let rec = fg.admin_json("/v1/dedup/billing/during-shutdown").await;
+    assert_eq!(rec["state"], "done", "{rec}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let store = s3.store_toml(200);
+    let mut fg = Fencegate::start(&format!(
+        "{store}{}",
+        route_toml("billing", "billing", &origin, "timeout_ms = 20000")
+    ));
+    // Shorten the shutdown deadline for this test.
+    let cfg = std::fs::read_to_string(&fg.config)
+        .unwrap()
+        .replace("shutdown_timeout_ms = 5000", "shutdown_timeout_ms = 300");
+    std::fs::write(&fg.config, cfg).unwrap();
+    fg.restart();
+    let a = acquire(
+        &s3.epochs().await,
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let stuck = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+        .header("idempotency-key", "abandoned")
+        .header("x-test-hold", "never")
+        .body(body("p"))
+        .unwrap();
+    let in_flight = tokio::spawn(send(stuck));
+    origin.wait_for(1).await;
+    let status = fg.terminate();
+    assert!(status.success());
+    in_flight
+        .await
+        .unwrap()
+        .assert_error(504, "upstream_timeout");
+    fg.spawn(None).unwrap();
+    assert_eq!(
+        fg.admin_json("/v1/dedup/billing/abandoned").await["state"],
+        "in_doubt"
+    );
+    origin.release("never");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_never_appear_in_logs_config_output_or_admin() {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let secret = "sk_live_very_secret_value";
+    let mut fg = Fencegate::start_with_env(
+        &format!(
+            "{}{}",
+            s3.store_toml(200),
+            route_toml(
+                "billing",
+                "billing",
+                &origin,
+                "upstream_headers = { Authorization = \"${PAY_KEY}\" }"
+            )
+        ),
+        &[
+            ("PAY_KEY", secret),
+            ("FENCEGATE_ADMIN_TOKEN", "admin-token-value"),
+            ("FENCEGATE_LOG", "debug"),
+        ],
+    );
+    // FENCEGATE_LOG from the harness is overridden above: restart to be sure it applies.
+    fg.restart();
+    let a = acquire(
+        &s3.epochs().await,
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let r = send(
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+            .header("authorization", "Bearer worker-own")
+            .body(body("p"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        origin.log()[0].header("authorization").as_deref(),
+        Some(secret)
+    );
+    send(
+        worker_req(
+            &fg.url("/billing/x"),
+            a.epoch.get(),
+            "wrong-token-value",
+            "",
+        )
+        .body(body("q"))
+        .unwrap(),
+    )
+    .await;
+    let _ = send(
+        Request::post(fg.admin_url("/v1/dedup/billing/k/resolve"))
+            .header("authorization", "Bearer admin-token-value")
+            .body(body("{}"))
+            .unwrap(),
+    )
+    .await;
+    let mut seen = fg.stderr();
+    for path in ["/v1/leases", "/metrics", "/readyz"] {
+        seen.push_str(&String::from_utf8_lossy(
+            &send(get(fg.admin_url(path))).await.body,
+        ));
+    }
+    let check = std::process::Command::new(bin())
+        .args(["check-config", "--config"])
+        .arg(&fg.config)
+        .env("PAY_KEY", secret)
+        .output()
+        .unwrap();
+    assert!(check.status.success());
+    seen.push_str(&String::from_utf8_lossy(&check.stdout));
+    assert!(seen.contains("Authorization"), "the header name is shown");
+    for s in [
+        secret,
+        a.token.as_str(),
+        "wrong-token-value",
+        "admin-token-value",
+    ] {
+        assert!(!seen.contains(s), "secret {s:?} leaked");
+    }
+    // A missing ${VAR} is a start-up error that names the variable, not a value.
+    let bad = std::process::Command::new(bin())
+        .args(["check-config", "--config"])
+        .arg(&fg.config)
+        .env_remove("PAY_KEY")
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("PAY_KEY"));
+}
+
+struct TestPki {
+    ca_pem: String,
+    cert_pem: String,
+    key_pem: String,
+}
+
+fn pki() -> TestPki {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&leaf_key, &Issuer::new(ca_params, ca_key))
+        .unwrap();
+    TestPki {
+        ca_pem: ca_cert.pem(),
+        cert_pem: leaf.pem(),
+        key_pem: leaf_key.serialize_pem(),
+    }
+}
+
+fn client_trusting(
+    ca_pem: &str,
+) -> Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1()
+        .enable_http2()
+        .build();
+    Client::builder(TokioExecutor::new()).build(https)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_listener_speaks_h2_and_https_upstreams_need_their_ca() {
+    let s3 = S3Server::start();
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key, ca) = (
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+        dir.path().join("ca.pem"),
+    );
+    std::fs::write(&cert, &pki.cert_pem).unwrap();
+    std::fs::write(&key, &pki.key_pem).unwrap();
+    std::fs::write(&ca, &pki.ca_pem).unwrap();
+
+    // An https origin with a certificate from the test CA.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up_addr = listener.local_addr().unwrap();
+    let acceptor = {
+        use rustls_pki_types::pem::PemObject;
+        let certs = rustls_pki_types::CertificateDer::pem_slice_iter(pki.cert_pem.as_bytes())
+            .map(Result::unwrap)
+            .collect();
+        let k = rustls_pki_types::PrivateKeyDer::from_pem_slice(pki.key_pem.as_bytes()).unwrap();
+        let sc = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, k)
+        .unwrap();
+        tokio_rustls::TlsAcceptor::from(Arc::new(sc))
+    };
+    tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else {
+                continue;
+            };
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(s).await else {
+                    return;
+                };
+                let svc = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                        Bytes::from_static(b"secure origin"),
+                    )))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+
+    let routes = format!(
+        "[[route]]\nname = \"trusted\"\npath_prefix = \"/trusted/\"\nupstream = \"https://localhost:{port}/\"\nlease = \"l\"\nca_file = \"{ca}\"\n\n\
+         [[route]]\nname = \"untrusted\"\npath_prefix = \"/untrusted/\"\nupstream = \"https://localhost:{port}/\"\nlease = \"l\"\n",
+        port = up_addr.port(),
+        ca = ca.display()
+    );
+    let store = s3.store_toml(200);
+    let fg = Fencegate::start(&format!("{store}{routes}"));
+    // Re-start with TLS on the listener ([server.tls] lives in [server], which the harness writes).
+    let cfg = std::fs::read_to_string(&fg.config).unwrap().replacen(
+        "shutdown_timeout_ms = 5000\n",
+        &format!(
+            "shutdown_timeout_ms = 5000\n\n[server.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            cert.display(),
+            key.display()
+        ),
+        1,
+    );
+    std::fs::write(&fg.config, cfg).unwrap();
+    let mut fg = fg;
+    fg.restart();
+    let a = acquire(&s3.epochs().await, "l", "w", Duration::from_secs(60)).await;
+    let client = client_trusting(&pki.ca_pem);
+    let call = |path: &str| {
+        Request::post(format!("https://localhost:{}{path}", fg.proxy.port()))
+            .header("x-lease-epoch", a.epoch.get().to_string())
+            .header("x-lease-token", &a.token)
+            .body(body("hello"))
+            .unwrap()
+    };
+    let resp = client.request(call("/trusted/x")).await.unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2, "ALPN negotiates h2");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        &resp.into_body().collect().await.unwrap().to_bytes()[..],
+        b"secure origin"
+    );
+    let resp = client.request(call("/untrusted/x")).await.unwrap();
+    assert_eq!(
+        resp.status(),
+        502,
+        "an https upstream with an unknown CA is refused"
+    );
+    assert_eq!(resp.headers()["x-fencegate-error"], "upstream_unreachable");
+}
+
+#[test]
+fn dockerfile_runtime_stage_matches_the_binary() {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap();
+    let runtime = text.rsplit("FROM ").next().unwrap();
+    let line = |prefix: &str| {
+        runtime
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} line"))
+            .to_owned()
+    };
+    let parse_array = |l: &str| -> Vec<String> {
+        serde_json::from_str(l.split_once(' ').unwrap().1.trim()).unwrap()
+    };
+    let entry = parse_array(&line("ENTRYPOINT"));
+    let cmd = parse_array(&line("CMD"));
+    assert_eq!(entry, vec!["/usr/local/bin/fencegate"]);
+    assert!(line("USER").trim() != "USER root", "runs as non-root");
+    assert!(runtime.contains("ca-certificates"));
+    // The CMD's flags are the binary's flags: parse them with --help appended.
+    let mut args: Vec<String> = cmd.clone();
+    args.push("--help".into());
+    let help = std::process::Command::new(bin())
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        help.status.success(),
+        "CMD {cmd:?} does not parse: {}",
+        String::from_utf8_lossy(&help.stderr)
+    );
+    // The config the CMD names is the one the image installs, and it is valid.
+    let cfg_path = &cmd[cmd.iter().position(|a| a == "--config").unwrap() + 1];
+    assert!(
+        runtime.contains(&format!("/src/config/container.toml {cfg_path}")),
+        "COPY installs {cfg_path}"
+    );
+    let check = std::process::Command::new(bin())
+        .args(["check-config", "--config"])
+        .arg(repo_root().join("config/container.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    // EXPOSE and HEALTHCHECK agree with the config's ports.
+    let cfg = fencegate::config::Config::load(&repo_root().join("config/container.toml")).unwrap();
+    let expose = line("EXPOSE");
+    for port in [cfg.server.listen.port(), cfg.server.admin_listen.port()] {
+        assert!(expose.contains(&port.to_string()), "EXPOSE {port}");
+    }
+    assert!(runtime.contains(&format!(
+        "http://127.0.0.1:{}/healthz",
+        cfg.server.admin_listen.port()
+    )));
+    // Every path the image uses for state is under the declared volume.
+    assert!(cfg.server.data_dir.starts_with("/var/lib/fencegate"));
+    assert!(runtime.contains("VOLUME [\"/var/lib/fencegate\"]"));
+}

@@ -7,26 +7,64 @@
 //! *barrier*), makes e' durable, then waits until no pass below e' remains — or,
 //! after the drain timeout, aborts them — and only then lets e' through.
 //!
-//! No I/O happens here except the caller's `persist` future; the admission
-//! decision is passed in and evaluated under the gate's lock, so a decision and the
-//! registration of its pass cannot be separated by an epoch change.
+//! The state machine is [`Core`]: synchronous, every transition one critical
+//! section, model-checked with loom (`scripts/loom.sh`). [`Gate`] is the async
+//! shell around it (waiting, timeouts, one raise at a time). No I/O happens here
+//! except the caller's `persist` future; the admission decision is passed in and
+//! evaluated under the lock, so a decision and the registration of its pass cannot
+//! be separated by an epoch change.
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Admit, Refusal};
 use crate::durable::DurableError;
 use crate::epoch::Epoch;
 
+#[cfg(not(fencegate_loom))]
+use std::sync::{atomic::AtomicBool, atomic::Ordering, Mutex, MutexGuard};
+
+#[cfg(fencegate_loom)]
+use loom::sync::{atomic::AtomicBool, atomic::Ordering, Mutex, MutexGuard};
+
+/// The abort signal shared by the passes of one epoch.
+#[derive(Debug, Default)]
+pub struct AbortSignal {
+    aborted: AtomicBool,
+    notify: Notify,
+}
+
+impl AbortSignal {
+    fn abort(&self) {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
+    async fn wait(&self) {
+        loop {
+            let n = self.notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.is_aborted() {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Slot {
     count: usize,
-    abort: CancellationToken,
+    abort: Arc<AbortSignal>,
 }
 
 #[derive(Debug)]
@@ -39,19 +77,6 @@ struct State {
     raises: u64,
     drains_started: u64,
     drains_aborted: u64,
-}
-
-pub struct Gate {
-    state: Mutex<State>,
-    drained: Notify,
-    raising: tokio::sync::Mutex<()>,
-}
-
-/// Why a raise did not produce a pass.
-#[derive(Debug)]
-pub enum RaiseError {
-    Refused(Refusal),
-    Durable(DurableError),
 }
 
 /// Counters for metrics and the admin API.
@@ -67,50 +92,31 @@ pub struct GateStats {
     pub drains_aborted: u64,
 }
 
-/// Admission to forward at `epoch`. Dropping it ends the request's time in flight.
-pub struct Pass {
-    gate: Arc<Gate>,
-    epoch: Epoch,
-    abort: CancellationToken,
+/// One registered request in flight (the core's half of a [`Pass`]).
+#[derive(Debug)]
+pub struct Entry {
+    pub epoch: Epoch,
+    pub abort: Arc<AbortSignal>,
 }
 
-impl Pass {
-    pub fn epoch(&self) -> Epoch {
-        self.epoch
-    }
-
-    /// Resolves when a newer epoch's drain timed out and aborted this request.
-    pub async fn aborted(&self) {
-        self.abort.cancelled().await
-    }
-
-    pub fn is_aborted(&self) -> bool {
-        self.abort.is_cancelled()
-    }
-
-    /// The epoch that aborted (or is draining) this one.
-    pub fn newer_epoch(&self) -> Epoch {
-        self.gate.lock().barrier
-    }
+/// What starting a raise decided.
+#[derive(Debug)]
+pub enum RaiseStart {
+    /// Someone already raised to this epoch: admitted at the mark.
+    Entered(Entry),
+    /// The barrier is now at the epoch; persist, then drain.
+    Raising,
 }
 
-impl Drop for Pass {
-    fn drop(&mut self) {
-        let mut st = self.gate.lock();
-        if let Some(slot) = st.inflight.get_mut(&self.epoch) {
-            slot.count -= 1;
-            if slot.count == 0 {
-                st.inflight.remove(&self.epoch);
-            }
-        }
-        drop(st);
-        self.gate.drained.notify_waiters();
-    }
+/// The gate's state machine. Every method is one critical section.
+#[derive(Debug)]
+pub struct Core {
+    state: Mutex<State>,
 }
 
-impl Gate {
-    pub fn new(mark: Epoch) -> Arc<Gate> {
-        Arc::new(Gate {
+impl Core {
+    pub fn new(mark: Epoch) -> Core {
+        Core {
             state: Mutex::new(State {
                 mark,
                 barrier: mark,
@@ -119,15 +125,96 @@ impl Gate {
                 drains_started: 0,
                 drains_aborted: 0,
             }),
-            drained: Notify::new(),
-            raising: tokio::sync::Mutex::new(()),
-        })
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state stays consistent under every panic-free path; a poisoned lock
         // only means another thread panicked elsewhere.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn register(st: &mut State, epoch: Epoch) -> Entry {
+        let slot = st.inflight.entry(epoch).or_insert_with(|| Slot {
+            count: 0,
+            abort: Arc::new(AbortSignal::default()),
+        });
+        slot.count += 1;
+        Entry {
+            epoch,
+            abort: slot.abort.clone(),
+        }
+    }
+
+    /// Admits at the current mark; `Ok(None)` means a raise is needed.
+    pub fn try_enter(
+        &self,
+        epoch: Epoch,
+        decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
+    ) -> Result<Option<Entry>, Refusal> {
+        let mut st = self.lock();
+        let admit = decide(st.barrier)?;
+        if admit == Admit::AtMark && epoch == st.mark && st.barrier == st.mark {
+            return Ok(Some(Self::register(&mut st, epoch)));
+        }
+        Ok(None)
+    }
+
+    /// Starts a raise to `epoch` (callers serialize raises): sets the barrier.
+    pub fn begin_raise(
+        &self,
+        epoch: Epoch,
+        decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
+    ) -> Result<RaiseStart, Refusal> {
+        let mut st = self.lock();
+        match decide(st.barrier)? {
+            Admit::AtMark => Ok(RaiseStart::Entered(Self::register(&mut st, epoch))),
+            Admit::Raise => {
+                st.barrier = epoch;
+                st.raises += 1;
+                if st.inflight.range(..epoch).next().is_some() {
+                    st.drains_started += 1;
+                }
+                Ok(RaiseStart::Raising)
+            }
+        }
+    }
+
+    /// Undoes a raise whose mark could not be made durable.
+    pub fn cancel_raise(&self) {
+        let mut st = self.lock();
+        st.barrier = st.mark;
+    }
+
+    /// Completes the raise if nothing older is in flight: the mark moves and the
+    /// raiser is registered, atomically.
+    pub fn try_finish_raise(&self, epoch: Epoch) -> Option<Entry> {
+        let mut st = self.lock();
+        if st.inflight.range(..epoch).next().is_some() {
+            return None;
+        }
+        st.mark = epoch;
+        Some(Self::register(&mut st, epoch))
+    }
+
+    /// Drain timeout: aborts every request older than `epoch`.
+    pub fn abort_older(&self, epoch: Epoch) {
+        let mut st = self.lock();
+        st.drains_aborted += 1;
+        for slot in st.inflight.range(..epoch).map(|(_, s)| s) {
+            slot.abort.abort();
+        }
+    }
+
+    /// A request's time in flight ended.
+    pub fn leave(&self, epoch: Epoch) {
+        let mut st = self.lock();
+        if let Some(slot) = st.inflight.get_mut(&epoch) {
+            slot.count -= 1;
+            if slot.count == 0 {
+                st.inflight.remove(&epoch);
+            }
+        }
     }
 
     pub fn stats(&self) -> GateStats {
@@ -141,21 +228,76 @@ impl Gate {
             drains_aborted: st.drains_aborted,
         }
     }
+}
 
-    pub fn mark(&self) -> Epoch {
-        self.lock().mark
+/// The async shell: waits for drains, times them out, runs one raise at a time.
+pub struct Gate {
+    core: Core,
+    drained: Notify,
+    raising: tokio::sync::Mutex<()>,
+}
+
+/// Why a raise did not produce a pass.
+#[derive(Debug)]
+pub enum RaiseError {
+    Refused(Refusal),
+    Durable(DurableError),
+}
+
+/// Admission to forward at `epoch`. Dropping it ends the request's time in flight.
+pub struct Pass {
+    gate: Arc<Gate>,
+    entry: Entry,
+}
+
+impl Pass {
+    pub fn epoch(&self) -> Epoch {
+        self.entry.epoch
     }
 
-    fn register(self: &Arc<Self>, st: &mut State, epoch: Epoch) -> Pass {
-        let slot = st.inflight.entry(epoch).or_insert_with(|| Slot {
-            count: 0,
-            abort: CancellationToken::new(),
-        });
-        slot.count += 1;
+    /// Resolves when a newer epoch's drain timed out and aborted this request.
+    pub async fn aborted(&self) {
+        self.entry.abort.wait().await
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.entry.abort.is_aborted()
+    }
+
+    /// The epoch that aborted (or is draining) this one.
+    pub fn newer_epoch(&self) -> Epoch {
+        self.gate.core.stats().barrier
+    }
+}
+
+impl Drop for Pass {
+    fn drop(&mut self) {
+        self.gate.core.leave(self.entry.epoch);
+        self.gate.drained.notify_waiters();
+    }
+}
+
+impl Gate {
+    pub fn new(mark: Epoch) -> Arc<Gate> {
+        Arc::new(Gate {
+            core: Core::new(mark),
+            drained: Notify::new(),
+            raising: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    pub fn stats(&self) -> GateStats {
+        self.core.stats()
+    }
+
+    pub fn mark(&self) -> Epoch {
+        self.core.stats().mark
+    }
+
+    fn pass(self: &Arc<Self>, entry: Entry) -> Pass {
         Pass {
             gate: self.clone(),
-            epoch,
-            abort: slot.abort.clone(),
+            entry,
         }
     }
 
@@ -167,12 +309,7 @@ impl Gate {
         epoch: Epoch,
         decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
     ) -> Result<Option<Pass>, Refusal> {
-        let mut st = self.lock();
-        let admit = decide(st.barrier)?;
-        if admit == Admit::AtMark && epoch == st.mark && st.barrier == st.mark {
-            return Ok(Some(self.register(&mut st, epoch)));
-        }
-        Ok(None)
+        Ok(self.core.try_enter(epoch, decide)?.map(|e| self.pass(e)))
     }
 
     /// The slow path: raises the mark to `epoch` (made durable by `persist`), drains
@@ -191,23 +328,16 @@ impl Gate {
         P: Future<Output = Result<(), DurableError>>,
     {
         let _one_at_a_time = self.raising.lock().await;
+        match self
+            .core
+            .begin_raise(epoch, decide)
+            .map_err(RaiseError::Refused)?
         {
-            let mut st = self.lock();
-            match decide(st.barrier).map_err(RaiseError::Refused)? {
-                // Someone raised to our epoch while we waited.
-                Admit::AtMark => return Ok(self.register(&mut st, epoch)),
-                Admit::Raise => {
-                    st.barrier = epoch;
-                    st.raises += 1;
-                    if st.inflight.range(..epoch).next().is_some() {
-                        st.drains_started += 1;
-                    }
-                }
-            }
+            RaiseStart::Entered(e) => return Ok(self.pass(e)),
+            RaiseStart::Raising => {}
         }
         if let Err(e) = persist().await {
-            let mut st = self.lock();
-            st.barrier = st.mark;
+            self.core.cancel_raise();
             return Err(RaiseError::Durable(e));
         }
         let deadline = tokio::time::Instant::now() + drain_timeout;
@@ -216,12 +346,8 @@ impl Gate {
             let notified = self.drained.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            {
-                let mut st = self.lock();
-                if st.inflight.range(..epoch).next().is_none() {
-                    st.mark = epoch;
-                    return Ok(self.register(&mut st, epoch));
-                }
+            if let Some(e) = self.core.try_finish_raise(epoch) {
+                return Ok(self.pass(e));
             }
             if aborted {
                 notified.await;
@@ -230,11 +356,7 @@ impl Gate {
             tokio::select! {
                 _ = &mut notified => {}
                 _ = tokio::time::sleep_until(deadline) => {
-                    let mut st = self.lock();
-                    st.drains_aborted += 1;
-                    for slot in st.inflight.range(..epoch).map(|(_, s)| s) {
-                        slot.abort.cancel();
-                    }
+                    self.core.abort_older(epoch);
                     aborted = true;
                 }
             }
@@ -242,7 +364,7 @@ impl Gate {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(fencegate_loom)))]
 mod tests {
     use super::*;
     use crate::epoch::LeaseName;
@@ -374,5 +496,153 @@ mod tests {
         assert_eq!(g.stats().drains_started, 0);
         drop((pa, pb));
         assert_eq!(g.stats().in_flight, 0);
+    }
+}
+
+/// Model checking of the gate's state machine: every interleaving of a request
+/// entering at e and leaving, a raise to e' (barrier, drain check, finish), and a
+/// drain-timeout abort. Run with `scripts/loom.sh`.
+#[cfg(all(test, fencegate_loom))]
+mod loom_tests {
+    use super::*;
+    use crate::epoch::LeaseName;
+    use loom::sync::atomic::AtomicUsize;
+    use loom::sync::Arc as LArc;
+
+    fn decide_for(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
+        move |mark| {
+            if epoch < mark {
+                Err(Refusal::Stale {
+                    lease: LeaseName::parse("l").unwrap(),
+                    epoch,
+                    high_water_mark: mark,
+                    latest_epoch: mark,
+                })
+            } else if epoch == mark {
+                Ok(Admit::AtMark)
+            } else {
+                Ok(Admit::Raise)
+            }
+        }
+    }
+
+    /// The destination, as the property sees it: how many e-requests are "at the
+    /// origin" right now, and whether e' ever arrived while one was.
+    struct Destination {
+        old_active: AtomicUsize,
+        violated: AtomicBool,
+    }
+
+    #[test]
+    fn a_newer_epoch_never_overlaps_an_older_request_unless_aborted() {
+        loom::model(|| {
+            let core = LArc::new(Core::new(Epoch::new(1)));
+            let dest = LArc::new(Destination {
+                old_active: AtomicUsize::new(0),
+                violated: AtomicBool::new(false),
+            });
+            // A request at the current epoch 1: check, forward, finish.
+            let old = {
+                let (core, dest) = (core.clone(), dest.clone());
+                loom::thread::spawn(move || {
+                    if let Ok(Some(entry)) =
+                        core.try_enter(Epoch::new(1), decide_for(Epoch::new(1)))
+                    {
+                        // Forwarded: at the destination until its response is complete.
+                        dest.old_active.store(1, Ordering::SeqCst);
+                        loom::thread::yield_now();
+                        dest.old_active.store(0, Ordering::SeqCst);
+                        core.leave(entry.epoch);
+                    }
+                })
+            };
+            // A raise to epoch 2 that polls its drain a bounded number of times,
+            // then aborts what is left, then waits for the aborted to leave.
+            let new = {
+                let (core, dest) = (core.clone(), dest.clone());
+                loom::thread::spawn(move || {
+                    let e2 = Epoch::new(2);
+                    match core.begin_raise(e2, decide_for(e2)).unwrap() {
+                        RaiseStart::Entered(_) => unreachable!("nobody else raises"),
+                        RaiseStart::Raising => {}
+                    }
+                    let mut tries = 0;
+                    let entry = loop {
+                        if let Some(e) = core.try_finish_raise(e2) {
+                            break e;
+                        }
+                        tries += 1;
+                        if tries == 2 {
+                            core.abort_older(e2);
+                        }
+                        loom::thread::yield_now();
+                    };
+                    // Epoch 2 "arrives at the destination". Even an aborted request
+                    // must have left (its forward dropped) before the raise finishes.
+                    if dest.old_active.load(Ordering::SeqCst) != 0 {
+                        dest.violated.store(true, Ordering::SeqCst);
+                    }
+                    core.leave(entry.epoch);
+                })
+            };
+            // A late epoch-1 request arriving at any point: once the barrier is up it
+            // must be refused.
+            let late = {
+                let core = core.clone();
+                loom::thread::spawn(move || {
+                    let before = core.stats().barrier;
+                    let r = core.try_enter(Epoch::new(1), decide_for(Epoch::new(1)));
+                    if before == Epoch::new(2) {
+                        assert!(r.is_err(), "admitted below the barrier");
+                    }
+                    if let Ok(Some(e)) = r {
+                        core.leave(e.epoch);
+                    }
+                })
+            };
+            old.join().unwrap();
+            new.join().unwrap();
+            late.join().unwrap();
+            assert!(
+                !dest.violated.load(Ordering::SeqCst),
+                "epoch 2 reached the destination while epoch 1 was there"
+            );
+            let st = core.stats();
+            assert_eq!(st.mark, Epoch::new(2));
+            assert_eq!(st.in_flight, 0);
+        });
+    }
+
+    #[test]
+    fn a_failed_persist_restores_admission_at_the_old_mark() {
+        loom::model(|| {
+            let core = LArc::new(Core::new(Epoch::new(3)));
+            let raiser = {
+                let core = core.clone();
+                loom::thread::spawn(move || {
+                    let e4 = Epoch::new(4);
+                    assert!(matches!(
+                        core.begin_raise(e4, decide_for(e4)),
+                        Ok(RaiseStart::Raising)
+                    ));
+                    core.cancel_raise();
+                })
+            };
+            let req = {
+                let core = core.clone();
+                loom::thread::spawn(move || {
+                    if let Ok(Some(e)) = core.try_enter(Epoch::new(3), decide_for(Epoch::new(3))) {
+                        core.leave(e.epoch);
+                    }
+                })
+            };
+            raiser.join().unwrap();
+            req.join().unwrap();
+            let st = core.stats();
+            assert_eq!(
+                (st.mark, st.barrier, st.in_flight),
+                (Epoch::new(3), Epoch::new(3), 0)
+            );
+        });
     }
 }

@@ -355,7 +355,7 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                     }) if wait => {
                         let free_at = expires_at + grace;
                         let until = free_at
-                            .duration_since(epochs.store_now())
+                            .duration_since(epochs.store().clock().earliest())
                             .unwrap_or(Duration::ZERO);
                         let pause = until.clamp(Duration::from_millis(50), backoff);
                         eprintln!(

@@ -2,7 +2,7 @@
 //! fencegate estimates from the `Date` header of store responses; tests swap the
 //! local clock for a manual one instead of sleeping through TTLs.
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -49,9 +49,14 @@ impl Clock for ManualClock {
 /// store's clock reads somewhere in `[Date, Date + 1 s + transit)`. We keep the
 /// *upper* end: fencegate then believes an epoch expired slightly early, never late,
 /// which is the safe side for a fence (contenders wait a further `grace_ms`).
+/// A contender asks the opposite question ("has someone else's tenure expired?"),
+/// whose safe side is the lower end: [`StoreClock::earliest`].
 pub struct StoreClock {
     local: Arc<dyn Clock>,
     offset_ms: AtomicI64,
+    /// Whether the offset came from a `Date` header (and so carries its 1 s
+    /// uncertainty); a store that is the local clock (`dir`) never sets it.
+    from_date: AtomicBool,
 }
 
 impl StoreClock {
@@ -59,6 +64,19 @@ impl StoreClock {
         StoreClock {
             local,
             offset_ms: AtomicI64::new(0),
+            from_date: AtomicBool::new(false),
+        }
+    }
+
+    /// The earliest the store's clock may read: [`StoreClock::now`] less the `Date`
+    /// header's one-second resolution. For deciding that *another* holder's tenure
+    /// has expired (SPEC §2 step 2), so that contenders take over late, never early.
+    pub fn earliest(&self) -> SystemTime {
+        let now = self.now();
+        if self.from_date.load(Ordering::Relaxed) {
+            now - Duration::from_secs(1)
+        } else {
+            now
         }
     }
 
@@ -87,6 +105,7 @@ impl StoreClock {
             Err(e) => -i64::try_from(e.duration().as_millis()).unwrap_or(i64::MAX),
         };
         self.offset_ms.store(off, Ordering::Relaxed);
+        self.from_date.store(true, Ordering::Relaxed);
     }
 
     /// Records a `Date` header value (RFC 9110 IMF-fixdate); unparsable values are ignored.
@@ -123,10 +142,14 @@ mod tests {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
         let local = ManualClock::new(t0 + Duration::from_millis(300));
         let sc = StoreClock::new(local.clone());
+        // No Date seen (the dir store): the local clock, exactly.
+        assert_eq!(sc.earliest(), sc.now());
         // The store says 10_000 s (truncated); we received it locally at 10_000.3 s.
         sc.observe_date(t0, t0 + Duration::from_millis(300));
         assert_eq!(sc.offset_ms(), 700);
         assert_eq!(sc.now(), t0 + Duration::from_secs(1));
+        // A contender's view: the lower end of the Date second.
+        assert_eq!(sc.earliest(), t0);
         // A store clock behind ours gives a negative offset.
         sc.observe_date(t0 - Duration::from_secs(5), t0);
         assert_eq!(sc.offset_ms(), -4000);

@@ -6,7 +6,7 @@
 //! for longer than its lease; worker B waits for A's expiry plus the grace period,
 //! acquires the next epoch and publishes; A wakes and sends its stale result, and
 //! fencegate refuses it with 409 `epoch_stale`. The destination's log shows that
-//! nothing from epoch A reached it after B's epoch. [`run`] returns `Ok(true)` when
+//! nothing from A's epoch reached it after B's. [`run`] returns `Ok(true)` when
 //! the story came out that way.
 //!
 //! The workers use the library's SPEC §2 algorithm ([`crate::lease::acquire`]) on
@@ -98,7 +98,8 @@ async fn story(
     t0: Instant,
 ) -> anyhow::Result<bool> {
     let lease = LeaseName::parse(LEASE).map_err(anyhow::Error::msg)?;
-    // Each worker opens the store itself, as a separate process would.
+    // The workers reach the store on their own handle (shared by A and B here),
+    // not through fencegate: exactly what separate worker processes do.
     let store = lease::open(&cfg.store, Arc::new(SystemClock)).await?;
     let epochs = Epochs::new(store, cfg.store.prefix.clone());
     let client: Client<HttpConnector, Full<Bytes>> =
@@ -121,17 +122,18 @@ async fn story(
             clock_of(a.expires_at)
         ),
     );
-    let a_result = "total=100 (computed by A)";
-    let first = publish(&client, &url, &a, "a-report-1", a_result).await?;
+    let a_start = "status=running (from A)";
+    let first = publish(&client, &url, &a, "a-status-1", a_start).await?;
     say(
         "A",
-        format!("POST {PATH} {a_result:?} -> {}", first.describe()),
+        format!("POST {PATH} {a_start:?} -> {}", first.describe()),
     );
 
     // 2. A pauses (GC, VM freeze, network) for longer than its lease.
     say(
         "A",
-        "pauses (a GC pause, a frozen VM...) and keeps its result in memory".into(),
+        "pauses (GC, a frozen VM, a partition) for longer than its lease, its result in memory"
+            .into(),
     );
 
     // 3. B sees the lease held, waits for expiry plus grace, and takes over.
@@ -146,7 +148,7 @@ async fn story(
             }) => {
                 let free_at = expires_at + GRACE;
                 let wait = free_at
-                    .duration_since(epochs.store_now())
+                    .duration_since(epochs.store().clock().earliest())
                     .unwrap_or(Duration::ZERO)
                     .max(Duration::from_millis(20));
                 say(
@@ -171,7 +173,7 @@ async fn story(
             clock_of(b.expires_at)
         ),
     );
-    let b_result = "total=120 (computed by B)";
+    let b_result = "total=120 (from B)";
     let second = publish(&client, &url, &b, "b-report-1", b_result).await?;
     say(
         "B",
@@ -182,11 +184,12 @@ async fn story(
     say(
         "A",
         format!(
-            "wakes up, still believing it holds epoch {}, and sends its old result",
+            "wakes up, still believing it holds epoch {}, and sends the result it computed before",
             a.epoch
         ),
     );
-    let late = publish(&client, &url, &a, "a-report-2", a_result).await?;
+    let a_result = "total=100 (from A)";
+    let late = publish(&client, &url, &a, "a-report-1", a_result).await?;
     say(
         "A",
         format!("POST {PATH} {a_result:?} -> {}", late.describe()),
@@ -225,7 +228,8 @@ async fn story(
     if ok {
         println!(
             "OK: A's stale write (epoch {}) was refused with 409 epoch_stale; the destination \
-             saw epoch {} then epoch {} and nothing older after that.",
+             saw epoch {} then epoch {} and nothing older after that.\n    Without fencegate, \
+             A's stale {a_result:?} would have overwritten B's {b_result:?}.",
             a.epoch, a.epoch, b.epoch
         );
     } else {

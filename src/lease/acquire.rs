@@ -65,15 +65,21 @@ impl AcquireError {
 pub struct LeaseStatus {
     pub latest: Epoch,
     pub object: Option<EpochObject>,
+    /// The store's clock, upper estimate (for judging one's own tenure).
     pub store_now: SystemTime,
+    /// The store's clock, lower estimate (for judging someone else's tenure).
+    pub store_earliest: SystemTime,
 }
 
 impl LeaseStatus {
     /// Whether a contender may take the lease now: no epoch, a release, an
-    /// unparsable latest object, or an acquire expired by more than `grace`.
+    /// unparsable latest object, or an acquire expired by more than `grace` even on
+    /// the earliest reading of the store's clock.
     pub fn is_free(&self, grace: Duration) -> bool {
         match &self.object {
-            Some(EpochObject::Acquire { expires_at, .. }) => self.store_now > *expires_at + grace,
+            Some(EpochObject::Acquire { expires_at, .. }) => {
+                self.store_earliest > *expires_at + grace
+            }
             _ => true,
         }
     }
@@ -98,6 +104,7 @@ pub async fn status(epochs: &Epochs, lease: &LeaseName) -> Result<LeaseStatus, S
         latest,
         object,
         store_now: epochs.store_now(),
+        store_earliest: epochs.store().clock().earliest(),
     })
 }
 

@@ -706,3 +706,23 @@ pub fn keyed(
         .body(body(payload))
         .unwrap()
 }
+
+/// The Python that runs the test servers (for the campaign's worker and origin processes).
+pub fn test_python() -> PathBuf {
+    python()
+}
+
+impl Fencegate {
+    /// Whether the process has exited by itself (e.g. a failpoint abort); reaps it,
+    /// so that [`Fencegate::spawn`] may start it again.
+    pub fn exited(&mut self) -> bool {
+        match self.child.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(None)) => false,
+            Some(_) => {
+                self.child = None;
+                true
+            }
+            None => true,
+        }
+    }
+}

@@ -10,13 +10,25 @@
 //!
 //! Start-up refuses a store that cannot be opened, reports corruption, or lost
 //! its sentinel key — never a silent start from an empty mark.
+//!
+//! sled alone cannot promise that: on recovery it treats the first message that
+//! fails its checksum as a torn write and silently drops it and everything after
+//! it, so one flipped byte in the middle of `db` reopens with older marks, or none
+//! (measured: tests/it/disk.rs). Hence the *witness*, a small checksummed record
+//! kept outside sled: the number of the last group commit and every mark as of
+//! that commit. Each commit stores its number in sled, flushes, and only then
+//! rewrites the witness, so sled is never behind a witness it wrote; at start-up a
+//! sled that is behind its witness (an older commit number, or a lower mark) has
+//! lost committed writes and is refused. The witness alternates between two files,
+//! so a write torn by a power loss leaves the other, one commit older, intact. It
+//! is not synced itself: after a power loss it may lag sled, never lead it.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 
 use crate::epoch::{Epoch, LeaseName};
 
@@ -31,28 +43,38 @@ pub enum DurableError {
 }
 
 const SENTINEL: &[u8] = b"fencegate-state-v1";
+/// In sled's `meta` tree: the number of the last group commit (u64, big-endian).
+const COMMIT_SEQ: &[u8] = b"commit-seq";
 
-/// What the flusher publishes to waiters.
-#[derive(Debug, Clone, Default)]
-struct Flushed {
+/// A commit waiting for the flush that covers its write sequence number.
+struct Waiter {
+    seq: u64,
+    done: oneshot::Sender<Result<(), Arc<str>>>,
+}
+
+/// Shared by writers and the flusher, under one lock.
+#[derive(Default)]
+struct Requests {
+    requested: u64,
+    stop: bool,
     /// Every write with sequence ≤ this is durable.
     through: u64,
     /// Every write with sequence ≤ this (and > `through`) failed to become durable.
     failed_through: u64,
     last_error: Option<Arc<str>>,
-}
-
-#[derive(Default)]
-struct Requests {
-    requested: u64,
-    stop: bool,
+    /// Commits not yet covered by a flush. A flush wakes only the ones it covers,
+    /// not every waiter (which cost a poll of each waiting request per flush).
+    waiters: Vec<Waiter>,
+    /// The flusher is waiting for `wake` (only then does a commit notify it).
+    idle: bool,
+    /// The flusher has stopped: commits fail instead of waiting forever.
+    exited: bool,
 }
 
 struct GroupCommit {
     written: AtomicU64,
     requests: Mutex<Requests>,
     wake: Condvar,
-    flushed: watch::Sender<Flushed>,
     batches: AtomicU64,
     records: AtomicU64,
     healthy: AtomicBool,
@@ -82,24 +104,24 @@ impl Durable {
             path: path.clone(),
             detail,
         };
+        // sled reports damage when it opens and also later, when it first reads a
+        // damaged page (here, while the checks below read the trees).
+        let sled_err = |e: sled::Error| match e {
+            sled::Error::Corruption { .. } => DurableError::Damaged {
+                path: path.clone(),
+                detail: e.to_string(),
+            },
+            other => open_err(other.to_string()),
+        };
         let existed = dir.join("db").exists() || dir.join("conf").exists();
         std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
         let db = sled::Config::new()
             .path(dir)
             .flush_every_ms(Some(1000))
             .open()
-            .map_err(|e| match e {
-                sled::Error::Corruption { .. } => DurableError::Damaged {
-                    path: path.clone(),
-                    detail: e.to_string(),
-                },
-                other => open_err(other.to_string()),
-            })?;
-        let meta = db.open_tree("meta").map_err(|e| open_err(e.to_string()))?;
-        let has_sentinel = meta
-            .get(SENTINEL)
-            .map_err(|e| open_err(e.to_string()))?
-            .is_some();
+            .map_err(sled_err)?;
+        let meta = db.open_tree("meta").map_err(sled_err)?;
+        let has_sentinel = meta.get(SENTINEL).map_err(sled_err)?.is_some();
         if existed && !has_sentinel {
             return Err(DurableError::Damaged {
                 path,
@@ -107,12 +129,11 @@ impl Durable {
             });
         }
         if !has_sentinel {
-            meta.insert(SENTINEL, &b"1"[..])
-                .map_err(|e| open_err(e.to_string()))?;
-            db.flush().map_err(|e| open_err(e.to_string()))?;
+            meta.insert(SENTINEL, &b"1"[..]).map_err(sled_err)?;
+            db.flush().map_err(sled_err)?;
         }
-        let marks = db.open_tree("marks").map_err(|e| open_err(e.to_string()))?;
-        let dedup = db.open_tree("dedup").map_err(|e| open_err(e.to_string()))?;
+        let marks = db.open_tree("marks").map_err(sled_err)?;
+        let dedup = db.open_tree("dedup").map_err(sled_err)?;
         // Reading every mark once checks they decode before we serve.
         for item in marks.iter() {
             let (k, v) = item.map_err(|e| DurableError::Damaged {
@@ -130,23 +151,75 @@ impl Durable {
                 });
             }
         }
+        let damaged = |detail: String| DurableError::Damaged {
+            path: path.clone(),
+            detail,
+        };
+        let seq = match meta.get(COMMIT_SEQ).map_err(sled_err)? {
+            None => 0,
+            Some(v) => <[u8; 8]>::try_from(&v[..])
+                .map(u64::from_be_bytes)
+                .map_err(|_| damaged("the commit number in sled is not 8 bytes".into()))?,
+        };
+        let current = mark_snapshot(&marks).map_err(sled_err)?;
+        match witness::read(dir).map_err(&damaged)? {
+            // A new store, or one written before the witness existed.
+            None if seq == 0 => {}
+            None => {
+                return Err(damaged(format!(
+                    "sled has {seq} group commits but the witness files ({} and {}) are missing or empty",
+                    witness::FILES[0],
+                    witness::FILES[1]
+                )))
+            }
+            Some(w) => {
+                if seq < w.seq {
+                    return Err(damaged(format!(
+                        "sled lost committed writes: its last group commit is number {seq}, the witness says {}",
+                        w.seq
+                    )));
+                }
+                for (lease, mark) in &w.marks {
+                    let in_sled = current
+                        .iter()
+                        .find(|(l, _)| l == lease)
+                        .map_or(0, |(_, m)| *m);
+                    if in_sled < *mark {
+                        return Err(damaged(format!(
+                            "sled lost the high-water mark of lease {:?}: it has {in_sled}, the witness says {mark}",
+                            String::from_utf8_lossy(lease)
+                        )));
+                    }
+                }
+            }
+        }
+        let witness = witness::Writer::open(dir).map_err(|e| open_err(format!("witness: {e}")))?;
+        witness
+            .write(seq, &current)
+            .map_err(|e| open_err(format!("writing the witness: {e}")))?;
         let data_file = File::open(dir.join("db"))
             .map_err(|e| open_err(format!("opening sled's data file: {e}")))?;
-        let (tx, _) = watch::channel(Flushed::default());
         let commit = Arc::new(GroupCommit {
             written: AtomicU64::new(0),
             requests: Mutex::new(Requests::default()),
             wake: Condvar::new(),
-            flushed: tx,
             batches: AtomicU64::new(0),
             records: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
         });
         let flusher = {
-            let (db, commit) = (db.clone(), commit.clone());
+            let durable = Flusher {
+                db: db.clone(),
+                meta,
+                marks: marks.clone(),
+                data_file,
+                witness,
+                seq,
+            };
+            let commit = commit.clone();
             std::thread::Builder::new()
                 .name("fencegate-flusher".into())
-                .spawn(move || flusher_loop(db, data_file, commit))
+                .spawn(move || flusher_loop(durable, commit))
                 .map_err(|e| open_err(format!("starting the flusher: {e}")))?
         };
         Ok(Arc::new(Durable {
@@ -214,33 +287,37 @@ impl Durable {
     /// Waits until every write made before this call is durable (group commit).
     pub async fn commit(&self) -> Result<(), DurableError> {
         let seq = self.commit.written.fetch_add(1, Ordering::SeqCst) + 1;
-        {
+        let done = {
             let mut r = self
                 .commit
                 .requests
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            if r.requested < seq {
-                r.requested = seq;
-                self.commit.wake.notify_one();
+            if r.through >= seq {
+                return Ok(());
             }
-        }
-        let mut rx = self.commit.flushed.subscribe();
-        loop {
-            {
-                let f = rx.borrow_and_update();
-                if f.through >= seq {
-                    return Ok(());
-                }
-                if f.failed_through >= seq {
-                    return Err(DurableError::Write(
-                        f.last_error.as_deref().unwrap_or("flush failed").to_owned(),
-                    ));
-                }
+            if r.failed_through >= seq {
+                return Err(DurableError::Write(
+                    r.last_error.as_deref().unwrap_or("flush failed").to_owned(),
+                ));
             }
-            if rx.changed().await.is_err() {
+            if r.exited {
                 return Err(DurableError::Write("the flusher has stopped".into()));
             }
+            if r.requested < seq {
+                r.requested = seq;
+            }
+            let (tx, rx) = oneshot::channel();
+            r.waiters.push(Waiter { seq, done: tx });
+            if r.idle {
+                self.commit.wake.notify_one();
+            }
+            rx
+        };
+        match done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(DurableError::Write(e.to_string())),
+            Err(_) => Err(DurableError::Write("the flusher has stopped".into())),
         }
     }
 
@@ -285,46 +362,239 @@ impl Durable {
     }
 }
 
-fn flusher_loop(db: sled::Db, data_file: File, c: Arc<GroupCommit>) {
+/// Every mark, as (lease, epoch).
+fn mark_snapshot(marks: &sled::Tree) -> Result<Vec<(Vec<u8>, u64)>, sled::Error> {
+    marks
+        .iter()
+        .filter_map(|item| match item {
+            Ok((k, v)) => <[u8; 8]>::try_from(&v[..])
+                .ok()
+                .map(|b| Ok((k.to_vec(), u64::from_be_bytes(b)))),
+            Err(e) => Some(Err(e)),
+        })
+        .collect()
+}
+
+/// What the flusher thread owns.
+struct Flusher {
+    db: sled::Db,
+    meta: sled::Tree,
+    marks: sled::Tree,
+    data_file: File,
+    witness: witness::Writer,
+    /// The number of the last group commit.
+    seq: u64,
+}
+
+impl Flusher {
+    /// One group commit: number it in sled, flush, fdatasync, then the witness.
+    fn commit(&mut self) -> Result<(), String> {
+        self.seq += 1;
+        // Read before the flush: every mark in it is made durable by this flush.
+        let marks = mark_snapshot(&self.marks).map_err(|e| e.to_string())?;
+        self.meta
+            .insert(COMMIT_SEQ, &self.seq.to_be_bytes()[..])
+            .map_err(|e| e.to_string())?;
+        self.db.flush().map_err(|e| e.to_string())?;
+        self.data_file
+            .sync_data()
+            .map_err(|e| format!("fdatasync: {e}"))?;
+        self.witness
+            .write(self.seq, &marks)
+            .map_err(|e| format!("writing the witness: {e}"))
+    }
+}
+
+fn flusher_loop(mut f: Flusher, c: Arc<GroupCommit>) {
     let mut through = 0u64;
     loop {
         {
             let mut r = c.requests.lock().unwrap_or_else(|p| p.into_inner());
             while r.requested <= through && !r.stop {
+                r.idle = true;
                 r = c.wake.wait(r).unwrap_or_else(|p| p.into_inner());
+                r.idle = false;
             }
             if r.stop && r.requested <= through {
+                r.exited = true;
+                let stopped: Arc<str> = "the flusher has stopped".into();
+                for w in r.waiters.drain(..) {
+                    let _ = w.done.send(Err(stopped.clone()));
+                }
                 return;
             }
         }
+        // Let writers that are ready to run join this batch first. When they share
+        // the CPU with this thread (one core, or a busy machine) this turns one
+        // flush per commit into one flush per burst of commits; on an idle CPU it
+        // returns at once.
+        std::thread::yield_now();
         // Every write numbered ≤ target was inserted before it was numbered.
         let target = c.written.load(Ordering::SeqCst);
-        let res = db
-            .flush()
-            .map_err(|e| e.to_string())
-            .and_then(|_| data_file.sync_data().map_err(|e| format!("fdatasync: {e}")));
+        let res = f.commit();
         match res {
             Ok(()) => {
                 c.batches.fetch_add(1, Ordering::Relaxed);
                 c.records.fetch_add(target - through, Ordering::Relaxed);
                 through = target;
                 c.healthy.store(true, Ordering::Relaxed);
-                c.flushed.send_modify(|f| f.through = target);
+                let mut r = c.requests.lock().unwrap_or_else(|p| p.into_inner());
+                r.through = target;
+                let covered = take_covered(&mut r.waiters, target);
+                drop(r);
+                for w in covered {
+                    let _ = w.done.send(Ok(()));
+                }
             }
             Err(e) => {
                 tracing::error!(error = %e, "durable flush failed");
                 c.healthy.store(false, Ordering::Relaxed);
-                c.flushed.send_modify(|f| {
-                    f.failed_through = target;
-                    f.last_error = Some(e.into());
-                });
-                // Do not spin on a broken disk: the next request retries.
+                let e: Arc<str> = e.into();
                 let mut r = c.requests.lock().unwrap_or_else(|p| p.into_inner());
+                r.failed_through = target;
+                r.last_error = Some(e.clone());
+                // Do not spin on a broken disk: the next request retries.
                 if r.requested <= target {
                     r.requested = target;
                 }
+                let covered = take_covered(&mut r.waiters, target);
+                drop(r);
+                for w in covered {
+                    let _ = w.done.send(Err(e.clone()));
+                }
                 through = target;
             }
+        }
+    }
+}
+
+/// Removes and returns the waiters whose writes are numbered ≤ `target`.
+fn take_covered(waiters: &mut Vec<Waiter>, target: u64) -> Vec<Waiter> {
+    let mut covered = Vec::new();
+    let mut i = 0;
+    while i < waiters.len() {
+        if waiters[i].seq <= target {
+            covered.push(waiters.swap_remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    covered
+}
+
+/// The witness files (see the module documentation).
+mod witness {
+    use std::fs::{File, OpenOptions};
+    use std::os::unix::fs::FileExt;
+    use std::path::Path;
+
+    use sha2::{Digest, Sha256};
+
+    pub const FILES: [&str; 2] = ["witness.0", "witness.1"];
+    const MAGIC: &[u8; 8] = b"FGWITNS1";
+
+    #[derive(Debug, PartialEq, Eq)]
+    pub struct Witness {
+        pub seq: u64,
+        pub marks: Vec<(Vec<u8>, u64)>,
+    }
+
+    /// `MAGIC, seq u64, n u32, n × (len u16, lease, mark u64), SHA-256 of the rest`.
+    pub fn encode(seq: u64, marks: &[(Vec<u8>, u64)]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(52 + marks.len() * 80);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&seq.to_be_bytes());
+        out.extend_from_slice(&(marks.len() as u32).to_be_bytes());
+        for (lease, mark) in marks {
+            out.extend_from_slice(&(lease.len() as u16).to_be_bytes());
+            out.extend_from_slice(lease);
+            out.extend_from_slice(&mark.to_be_bytes());
+        }
+        let sum = Sha256::digest(&out);
+        out.extend_from_slice(&sum);
+        out
+    }
+
+    pub fn decode(raw: &[u8]) -> Option<Witness> {
+        let (body, sum) = raw.split_at_checked(raw.len().checked_sub(32)?)?;
+        if Sha256::digest(body)[..] != sum[..] || !body.starts_with(MAGIC) {
+            return None;
+        }
+        let mut r = &body[MAGIC.len()..];
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let (a, b) = r.split_at_checked(n)?;
+            r = b;
+            Some(a)
+        };
+        let seq = u64::from_be_bytes(take(8)?.try_into().ok()?);
+        let n = u32::from_be_bytes(take(4)?.try_into().ok()?);
+        let mut marks = Vec::new();
+        for _ in 0..n {
+            let len = u16::from_be_bytes(take(2)?.try_into().ok()?);
+            let lease = take(usize::from(len))?.to_vec();
+            marks.push((lease, u64::from_be_bytes(take(8)?.try_into().ok()?)));
+        }
+        r.is_empty().then_some(Witness { seq, marks })
+    }
+
+    /// The newest valid witness; `None` when both files are absent or empty.
+    pub fn read(dir: &Path) -> Result<Option<Witness>, String> {
+        let mut best: Option<Witness> = None;
+        let mut invalid = Vec::new();
+        for name in FILES {
+            let raw = match std::fs::read(dir.join(name)) {
+                Ok(raw) => raw,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(format!("reading the witness {name}: {e}")),
+            };
+            if raw.is_empty() {
+                continue;
+            }
+            match decode(&raw) {
+                Some(w) if best.as_ref().is_none_or(|b| b.seq < w.seq) => best = Some(w),
+                Some(_) => {}
+                None => invalid.push(name),
+            }
+        }
+        match best {
+            // One slot torn or damaged: the other is at most one commit older.
+            Some(w) => Ok(Some(w)),
+            None if invalid.is_empty() => Ok(None),
+            None => Err(format!(
+                "the witness is unreadable ({} failed its checksum)",
+                invalid.join(" and ")
+            )),
+        }
+    }
+
+    pub struct Writer {
+        files: [File; 2],
+    }
+
+    impl Writer {
+        pub fn open(dir: &Path) -> std::io::Result<Writer> {
+            let open = |name: &str| {
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(dir.join(name))
+            };
+            Ok(Writer {
+                files: [open(FILES[0])?, open(FILES[1])?],
+            })
+        }
+
+        /// Overwrites the slot of `seq` (the other keeps the previous commit).
+        pub fn write(&self, seq: u64, marks: &[(Vec<u8>, u64)]) -> std::io::Result<()> {
+            let buf = encode(seq, marks);
+            let f = &self.files[(seq % 2) as usize];
+            f.write_all_at(&buf, 0)?;
+            if f.metadata()?.len() > buf.len() as u64 {
+                f.set_len(buf.len() as u64)?;
+            }
+            Ok(())
         }
     }
 }
@@ -356,5 +626,107 @@ mod tests {
         }
         let d = Durable::open(dir.path()).unwrap();
         assert_eq!(d.mark(&lease).unwrap(), Epoch::new(5));
+    }
+    /// Copies sled's own files (everything but the witness) from `from` to `to`.
+    fn copy_sled_files(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            if e.path().is_file() && !witness::FILES.contains(&name.as_str()) {
+                std::fs::copy(e.path(), to.join(&name)).unwrap();
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sled_behind_its_witness_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        {
+            let d = Durable::open(dir.path()).unwrap();
+            d.raise_mark(&lease, Epoch::new(3)).await.unwrap();
+            d.close().await.unwrap();
+        }
+        copy_sled_files(dir.path(), old.path());
+        {
+            let d = Durable::open(dir.path()).unwrap();
+            d.raise_mark(&lease, Epoch::new(9)).await.unwrap();
+            d.close().await.unwrap();
+        }
+        // sled's files roll back to mark 3 (as a silently dropped log tail would);
+        // the witness remembers 9.
+        copy_sled_files(old.path(), dir.path());
+        match Durable::open(dir.path()) {
+            Err(DurableError::Damaged { detail, .. }) => {
+                assert!(detail.contains("lost"), "{detail}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("opened a sled that lost mark 9"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_witness_must_exist_and_one_damaged_slot_is_survivable() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        {
+            let d = Durable::open(dir.path()).unwrap();
+            d.raise_mark(&lease, Epoch::new(4)).await.unwrap();
+            d.close().await.unwrap();
+        }
+        let slots: Vec<Vec<u8>> = witness::FILES
+            .iter()
+            .map(|f| std::fs::read(dir.path().join(f)).unwrap())
+            .collect();
+        let newest = (0..2)
+            .max_by_key(|&i| witness::decode(&slots[i]).unwrap().seq)
+            .unwrap();
+        // Both gone: refused.
+        for f in witness::FILES {
+            std::fs::remove_file(dir.path().join(f)).unwrap();
+        }
+        assert!(matches!(
+            Durable::open(dir.path()),
+            Err(DurableError::Damaged { .. })
+        ));
+        // The newest slot torn: the other one (one commit older) still vouches.
+        for (i, f) in witness::FILES.iter().enumerate() {
+            let mut b = slots[i].clone();
+            if i == newest {
+                let mid = b.len() / 2;
+                b[mid] ^= 0x40;
+            }
+            std::fs::write(dir.path().join(f), b).unwrap();
+        }
+        let d = Durable::open(dir.path()).unwrap();
+        assert_eq!(d.mark(&lease).unwrap(), Epoch::new(4));
+        d.close().await.unwrap();
+        drop(d);
+        // Both damaged: refused.
+        for f in witness::FILES {
+            std::fs::write(dir.path().join(f), b"not a witness").unwrap();
+        }
+        assert!(matches!(
+            Durable::open(dir.path()),
+            Err(DurableError::Damaged { .. })
+        ));
+    }
+
+    #[test]
+    fn witness_codec_round_trips_and_rejects_damage() {
+        let marks = vec![(b"billing".to_vec(), 7), (b"a".to_vec(), u64::MAX)];
+        let raw = witness::encode(42, &marks);
+        assert_eq!(
+            witness::decode(&raw),
+            Some(witness::Witness { seq: 42, marks })
+        );
+        for i in 0..raw.len() {
+            let mut b = raw.clone();
+            b[i] ^= 1;
+            assert_eq!(witness::decode(&b), None, "flip at {i}");
+            assert_eq!(witness::decode(&raw[..i]), None, "cut at {i}");
+        }
     }
 }

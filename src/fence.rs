@@ -62,19 +62,22 @@ pub struct FenceView {
 }
 
 impl Fence {
-    /// Creates the fence of `lease` from its durable mark.
+    /// Creates the fence of `lease` from its durable mark. `settle` is the longest
+    /// drain timeout of its routes: after a restart the first raise waits that long
+    /// for requests the previous process may have left at the destination.
     pub fn new(
         lease: LeaseName,
         epochs: Epochs,
         durable: Arc<Durable>,
         refresh_interval: Duration,
+        settle: Duration,
     ) -> Result<Arc<Fence>, crate::durable::DurableError> {
         let mark = durable.mark(&lease)?;
         Ok(Arc::new(Fence {
             lease,
             epochs,
             durable,
-            gate: Gate::new(mark),
+            gate: Gate::restarted(mark, settle),
             known: Mutex::new(Known {
                 latest: mark,
                 ..Known::default()

@@ -235,6 +235,10 @@ pub struct Gate {
     core: Core,
     drained: Notify,
     raising: tokio::sync::Mutex<()>,
+    /// After a restart with a mark already set, requests of the previous process
+    /// may still be at the destination, invisible to us. The first raise waits
+    /// until this instant (start + drain timeout), as a drain would have.
+    settle_until: Option<tokio::time::Instant>,
 }
 
 /// Why a raise did not produce a pass.
@@ -279,10 +283,18 @@ impl Drop for Pass {
 
 impl Gate {
     pub fn new(mark: Epoch) -> Arc<Gate> {
+        Gate::restarted(mark, Duration::ZERO)
+    }
+
+    /// A gate whose previous process may have left requests in flight: with a
+    /// mark already set, the first raise waits `settle` (the drain timeout) from now.
+    pub fn restarted(mark: Epoch, settle: Duration) -> Arc<Gate> {
+        let settle_until = (mark != Epoch::NONE && !settle.is_zero()).then(|| tokio::time::Instant::now() + settle);
         Arc::new(Gate {
             core: Core::new(mark),
             drained: Notify::new(),
             raising: tokio::sync::Mutex::new(()),
+            settle_until,
         })
     }
 
@@ -339,6 +351,9 @@ impl Gate {
         if let Err(e) = persist().await {
             self.core.cancel_raise();
             return Err(RaiseError::Durable(e));
+        }
+        if let Some(until) = self.settle_until {
+            tokio::time::sleep_until(until).await;
         }
         let deadline = tokio::time::Instant::now() + drain_timeout;
         let mut aborted = false;
@@ -461,6 +476,22 @@ mod tests {
             .try_enter(Epoch::new(3), admit_if(Epoch::new(3)))
             .unwrap()
             .is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn after_a_restart_the_first_raise_waits_out_a_drain() {
+        let start = tokio::time::Instant::now();
+        let g = Gate::restarted(Epoch::new(4), Duration::from_secs(3));
+        // Requests at the mark need no ordering: admitted at once.
+        assert!(g.try_enter(Epoch::new(4), admit_if(Epoch::new(4))).unwrap().is_some());
+        let p = g.raise(Epoch::new(5), Duration::from_secs(1), admit_if(Epoch::new(5)), ok).await.unwrap();
+        assert!(start.elapsed() >= Duration::from_secs(3));
+        drop(p);
+        // A fresh gate (no mark: nothing can have been forwarded) does not wait.
+        let start = tokio::time::Instant::now();
+        let g = Gate::restarted(Epoch::NONE, Duration::from_secs(3));
+        g.raise(Epoch::new(1), Duration::from_secs(1), admit_if(Epoch::new(1)), ok).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

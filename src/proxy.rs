@@ -241,17 +241,22 @@ impl Proxy {
 
         let ticket = if record {
             let fp = dedup::fingerprint(method, path_query, &body);
-            let begun = tokio::select! {
-                b = self.dedup.begin(&route.name, &key, fp, epoch, route.in_doubt) => b?,
-                _ = pass.aborted() => return Err(drain_aborted(route, &pass)),
-            };
-            match begun {
+            // Not raced against a drain abort: a record must never be left
+            // `in_flight` by a request that stopped halfway through writing it.
+            match self.dedup.begin(&route.name, &key, fp, epoch, route.in_doubt).await? {
                 Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),
                 Begin::Forward(t) => Some(t),
             }
         } else {
             None
         };
+        if pass.is_aborted() {
+            // Aborted before anything was sent: the key is free again.
+            if let Some(t) = ticket {
+                self.finish_quietly(t, Outcome::NotSent).await;
+            }
+            return Err(drain_aborted(route, &pass));
+        }
 
         let upstream_started = Instant::now();
         let result = tokio::select! {
@@ -269,42 +274,42 @@ impl Proxy {
         match result {
             Ok(resp) => {
                 if let Some(t) = ticket {
-                    self.dedup
-                        .finish(
-                            t,
-                            Outcome::Response {
-                                status: resp.status,
-                                headers: &resp.headers,
-                                body: &resp.body,
-                                retryable: route.retryable.contains(&resp.status.as_u16()),
-                                max_replay_bytes: route.max_replay_bytes,
-                            },
-                        )
-                        .await?;
+                    let retryable = route.retryable.contains(&resp.status.as_u16());
+                    let outcome = Outcome::Response {
+                        status: resp.status,
+                        headers: &resp.headers,
+                        body: &resp.body,
+                        retryable,
+                        max_replay_bytes: route.max_replay_bytes,
+                    };
+                    self.finish_quietly(t, outcome).await;
                 }
                 Ok((forward::to_response(&resp), "forwarded"))
             }
             Err(e) => {
                 let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;
                 if let Some(t) = ticket {
-                    let outcome = if not_sent {
-                        Outcome::NotSent
-                    } else {
-                        Outcome::Unknown
-                    };
-                    self.dedup.finish(t, outcome).await?;
+                    let outcome = if not_sent { Outcome::NotSent } else { Outcome::Unknown };
+                    self.finish_quietly(t, outcome).await;
                 }
                 Err(match (aborted_err, e) {
                     (Some(a), _) => a,
                     (None, _) if abandoned => ProxyError::ShuttingDown,
-                    (None, UpstreamError::Unreachable(d)) => {
-                        ProxyError::UpstreamUnreachable { detail: d }
-                    }
-                    (None, UpstreamError::Uncertain(d)) => {
-                        ProxyError::UpstreamTimeout { detail: d }
-                    }
+                    (None, UpstreamError::Unreachable(d)) => ProxyError::UpstreamUnreachable { detail: d },
+                    (None, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
                 })
             }
+        }
+    }
+
+    /// Records a forward's outcome. A failure here must not change the worker's
+    /// answer: the upstream's response (or the forwarding error) is the truth
+    /// about the action. The `in_flight` record was durable before forwarding, so
+    /// a retry is refused (`dedup_in_flight`, or `dedup_in_doubt` after a restart),
+    /// never repeated.
+    async fn finish_quietly(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) {
+        if let Err(e) = self.dedup.finish(ticket, outcome).await {
+            tracing::error!(error = %e, "could not record the outcome of a forwarded request; its key stays in flight until restart");
         }
     }
 }

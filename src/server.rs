@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,6 +100,15 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         );
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
+    // The longest drain timeout among a lease's routes (see Gate::restarted).
+    let settle_for = |lease: &crate::epoch::LeaseName| {
+        cfg.routes
+            .iter()
+            .filter(|r| &r.lease == lease)
+            .map(|r| r.drain_timeout())
+            .max()
+            .unwrap_or_default()
+    };
     let mut fences: HashMap<String, Arc<Fence>> = HashMap::new();
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
@@ -107,7 +117,7 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         let fence = match fences.get(rc.lease.as_str()) {
             Some(f) => f.clone(),
             None => {
-                let f = Fence::new(rc.lease.clone(), epochs.clone(), durable.clone(), refresh)?;
+                let f = Fence::new(rc.lease.clone(), epochs.clone(), durable.clone(), refresh, settle_for(&rc.lease))?;
                 fences.insert(rc.lease.as_str().to_owned(), f.clone());
                 f
             }
@@ -189,6 +199,28 @@ fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
     b
 }
 
+/// Serves `conn`, but closes it if no request head has arrived within `limit`.
+///
+/// hyper's `header_read_timeout` only starts once the auto builder has told
+/// HTTP/1 from HTTP/2, and that sniffing waits for the first bytes without any
+/// deadline: a client that connects and sends nothing (or part of the HTTP/2
+/// preface) would otherwise hold a connection slot forever (slowloris).
+async fn first_request_within<F, E>(conn: F, seen: &AtomicBool, limit: Duration) -> Result<(), E>
+where
+    F: Future<Output = Result<(), E>>,
+{
+    tokio::pin!(conn);
+    tokio::select! {
+        r = &mut conn => return r,
+        _ = tokio::time::sleep(limit) => {}
+    }
+    if seen.load(Ordering::Relaxed) {
+        return conn.await;
+    }
+    tracing::debug!("no request head within the header read timeout; closing the connection");
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
@@ -222,7 +254,10 @@ async fn accept_loop<F, Fut>(
         };
         let _ = stream.set_nodelay(true);
         let h = handler.clone();
+        let first_request = Arc::new(AtomicBool::new(false));
+        let seen = first_request.clone();
         let svc = service_fn(move |req| {
+            seen.store(true, Ordering::Relaxed);
             let h = h.clone();
             async move { Ok::<_, Infallible>(h(req, peer).await) }
         });
@@ -232,24 +267,24 @@ async fn accept_loop<F, Fut>(
         tokio::spawn(async move {
             let result = match tls {
                 None => {
-                    watcher
-                        .watch(
-                            builder
-                                .serve_connection(TokioIo::new(stream), svc)
-                                .into_owned(),
-                        )
+                    let conn = builder
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .into_owned();
+                    first_request_within(watcher.watch(conn), &first_request, handshake_timeout)
                         .await
                 }
                 Some(acceptor) => {
                     match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(tls_stream)) => {
-                            watcher
-                                .watch(
-                                    builder
-                                        .serve_connection(TokioIo::new(tls_stream), svc)
-                                        .into_owned(),
-                                )
-                                .await
+                            let conn = builder
+                                .serve_connection(TokioIo::new(tls_stream), svc)
+                                .into_owned();
+                            first_request_within(
+                                watcher.watch(conn),
+                                &first_request,
+                                handshake_timeout,
+                            )
+                            .await
                         }
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");

@@ -9,7 +9,7 @@ Every request attempt is one JSON line in --log:
    "resp_body", "detail"}
 `outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
-connection error, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
+connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
 "forged" (a wrong token) or "future" (an epoch that does not exist yet).
 Tenures are logged too ({"ev": "tenure", ...}) for humans.
 
@@ -47,18 +47,27 @@ class Store:
             config=Config(connect_timeout=1, read_timeout=1.5, s3={"addressing_style": "path"},
                           retries={"max_attempts": 2, "mode": "standard"}))
         self.bucket, self.prefix = bucket, prefix
+        self.known = {}
 
     def key(self, lease, epoch):
         return f"{self.prefix}{lease}/{epoch:020}.json"
 
     def latest(self, lease):
-        r = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}{lease}/")
-        keys = [o["Key"] for o in r.get("Contents", [])]
-        while r.get("IsTruncated"):
-            r = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=f"{self.prefix}{lease}/",
-                                        ContinuationToken=r["NextContinuationToken"])
-            keys += [o["Key"] for o in r.get("Contents", [])]
-        return max((int(k.rsplit("/", 1)[1][:20]) for k in keys), default=0)
+        """The greatest epoch of `lease`. Listing starts after the latest one we have
+        seen: epoch objects are never deleted while they matter (SPEC §2)."""
+        known = self.known.get(lease, 0)
+        args = {"Bucket": self.bucket, "Prefix": f"{self.prefix}{lease}/"}
+        if known:
+            args["StartAfter"] = self.key(lease, known)
+        while True:
+            r = self.s3.list_objects_v2(**args)
+            for o in r.get("Contents", []):
+                known = max(known, int(o["Key"].rsplit("/", 1)[1][:20]))
+            if not r.get("IsTruncated"):
+                break
+            args["ContinuationToken"] = r["NextContinuationToken"]
+        self.known[lease] = known
+        return known
 
     def read(self, lease, epoch):
         """(object as dict, LastModified as Unix seconds), or None if absent."""
@@ -213,7 +222,7 @@ class Worker:
             rec = self.send(ten, "op", key, body)
         for _ in range(3):
             again = rec["outcome"] != "response" or rec["error"] in (
-                "store_unavailable", "dedup_in_flight")
+                "upstream_timeout", "drain_aborted", "store_unavailable", "dedup_in_flight")
             if not again or time.monotonic() > self.stop_at:
                 return rec
             time.sleep(self.rng.uniform(0.2, 0.8))
@@ -231,22 +240,32 @@ class Worker:
                 ten = self.acquire(lease)
                 if ten or time.monotonic() > self.stop_at:
                     break
-                time.sleep(self.rng.uniform(0.1, 0.4))
+                time.sleep(self.rng.uniform(0.2, 0.6))  # moto is single-threaded: poll gently
             if ten is None:
                 continue
             self.holding(ten)
-            for opn in range(self.rng.randint(3, 12)):
+            live = []  # operations still in flight: a renewal may overtake them (the drain)
+            for opn in range(self.rng.randint(5, 25)):
                 if time.monotonic() > self.stop_at:
                     break
-                if ten.left() < 1.0:
+                if ten.left() < 1.0 or (live and self.rng.random() < 0.3):
                     ten = self.acquire(lease, current=ten) or ten  # renew (SPEC §2 step 4)
                     self.holding(ten)
                 sloppy = self.rng.random() < 0.1
                 if ten.left() <= 0 and not sloppy:
                     break
                 time.sleep(self.rng.uniform(0, 0.15))  # work; a SIGSTOP here makes a late worker
-                self.operation(ten, f"{ten.epoch}.{opn}")
-            if self.rng.random() < 0.5:
+                for j in range(self.rng.choice((1, 1, 2, 3))):
+                    live.append(threading.Thread(target=self.operation,
+                                                 args=(ten, f"{ten.epoch}.{opn}.{j}")))
+                    live[-1].start()
+                if self.rng.random() < 0.6 or len(live) > 6:
+                    for t in live:
+                        t.join()
+                live = [t for t in live if t.is_alive()]
+            for t in live:
+                t.join()
+            if self.rng.random() < 0.7:
                 self.release(ten)
             self.holding(None)
             time.sleep(self.rng.uniform(0, 0.3))

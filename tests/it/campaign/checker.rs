@@ -1,0 +1,781 @@
+//! The history checker of the fault campaign: given what the destination recorded,
+//! what every worker saw, the epoch objects in the store and when fencegate died,
+//! it verifies per lease the properties fencegate promises (SPEC §1, §4–§6).
+//!
+//! # Rules
+//!
+//! - **R1 epoch order** — arrivals at the destination never go back in epoch: no
+//!   request of epoch e arrives after a request of a newer epoch e' > e arrived.
+//! - **R2 drain** — for epochs e < e', every e request finished at the destination
+//!   (the origin wrote its answer) before the first e' request arrived. R1 is the
+//!   special case where the e request had not even arrived yet; both are reported
+//!   from the same comparison, with the same exemptions (an arrival is what the
+//!   destination's application saw: bytes fencegate wrote to a stopped or slow
+//!   origin before giving up on them can be read after newer ones):
+//!   - its worker was answered 504 `drain_aborted` (SPEC §5: aborted requests are
+//!     exempt), or 504 `upstream_timeout` (fencegate gave up on the upstream; SPEC
+//!     §5 counts a request in flight "until the response head has arrived (or it
+//!     failed)", so a timed-out request is abandoned exactly like an aborted one);
+//!   - **a fencegate crash**: the process that admitted the e request died (kill -9
+//!     or a failpoint abort) between the worker invoking the request and the first
+//!     e' arrival. The in-flight table dies with the process, so the restarted
+//!     fencegate cannot drain what the old one had sent: a restart is a drain abort
+//!     of every request in flight at the kill. Crash times are intervals (a
+//!     failpoint abort is only known to lie between the process's start and the
+//!     moment its exit was noticed); any overlap with `[invoke, first e' arrival]`
+//!     exempts;
+//!   - the worker's own client timed out: it never learnt the answer, which may
+//!     have been one of the aborts above (counted separately so a campaign shows
+//!     whether this exemption carried any weight).
+//! - **R3 token** — every request that reached the destination was sent by a known
+//!   worker attempt on the same route, with the epoch fencegate forwarded, and that
+//!   epoch's object in the store is an acquire whose `token_sha256` is the SHA-256
+//!   of the token the worker sent.
+//! - **R4 dedup** — each (route, Idempotency-Key) reached the destination at most
+//!   once (the campaign's routes use the default `in_doubt = "reject"` and the
+//!   origin never answers a retryable status, so no key is ever legitimately
+//!   forwarded twice), and every replay (`X-Fencegate-Replayed: true`) has the
+//!   status and byte-identical body of the origin's answer to the key's first
+//!   arrival.
+//! - **R5 outcome** — an answer that is the origin's (no `X-Fencegate-Error`, not
+//!   replayed) belongs to a request that is at the destination, with that status
+//!   and body; a replay, or a refusal whose code means "not forwarded", belongs to
+//!   a request that is not. 504 `upstream_timeout`/`drain_aborted`, connection
+//!   errors and client timeouts are indeterminate. An unknown fencegate code is a
+//!   violation (the checker must be able to classify every answer).
+//!
+//! The checker is pure: the campaign builds a [`History`] from the logs, and the
+//! unit tests at the bottom build small ones by hand, one per rule broken.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// Fencegate codes that mean the request was not forwarded (SPEC §6, §7).
+pub const NOT_FORWARDED: [&str; 18] = [
+    "route_not_found",
+    "epoch_missing",
+    "epoch_malformed",
+    "dedup_key_malformed",
+    "body_too_large",
+    "body_malformed",
+    "body_timeout",
+    "token_missing",
+    "token_invalid",
+    "epoch_unknown",
+    "epoch_invalid",
+    "epoch_stale",
+    "lease_expired",
+    "store_unavailable",
+    "dedup_in_flight",
+    "dedup_in_doubt",
+    "dedup_key_reused",
+    "upstream_unreachable",
+];
+
+/// Fencegate codes after which the request may or may not be at the destination.
+pub const INDETERMINATE: [&str; 2] = ["upstream_timeout", "drain_aborted"];
+
+/// What one worker attempt came to, as the worker saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Response {
+        status: u16,
+        /// `X-Fencegate-Error`, when fencegate answered itself.
+        error: Option<String>,
+        replayed: bool,
+        body: String,
+    },
+    ConnError(String),
+    /// The worker's own client timeout.
+    Timeout,
+}
+
+/// One request a worker sent (a retry or a duplicate is its own attempt).
+#[derive(Debug, Clone)]
+pub struct Attempt {
+    pub worker: u32,
+    /// Unique per attempt; sent as `X-Campaign-Req` and recorded by the origin.
+    pub req: String,
+    /// op, retry, dup, forged, future.
+    pub kind: String,
+    pub route: String,
+    pub epoch: u64,
+    pub token: String,
+    pub key: String,
+    /// CLOCK_MONOTONIC ns.
+    pub invoke: u64,
+    pub complete: u64,
+    pub outcome: Outcome,
+}
+
+/// One request as the destination recorded it.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub seq: u64,
+    pub route: String,
+    pub req: Option<String>,
+    pub epoch: Option<u64>,
+    pub key: Option<String>,
+    pub arrive: u64,
+    /// When the origin wrote its answer; `None` if it never did.
+    pub complete: Option<u64>,
+    pub status: Option<u16>,
+    pub body: Option<String>,
+}
+
+/// An epoch object as read from the store at the end of the campaign.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoredEpoch {
+    Acquire { token_sha256: String },
+    Release,
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    /// route → lease.
+    pub routes: BTreeMap<String, String>,
+    pub attempts: Vec<Attempt>,
+    pub arrivals: Vec<Arrival>,
+    /// (lease, epoch) → object.
+    pub epochs: BTreeMap<(String, u64), StoredEpoch>,
+    /// `[lo, hi]` (CLOCK_MONOTONIC ns): a fencegate process died within each.
+    pub crashes: Vec<(u64, u64)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Violation {
+    pub rule: &'static str,
+    pub what: String,
+    pub entries: Vec<String>,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "[{}] {}", self.rule, self.what)?;
+        for e in &self.entries {
+            writeln!(f, "    {e}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Per-lease figures.
+#[derive(Debug, Clone, Default)]
+pub struct LeaseFigures {
+    pub epochs_in_store: usize,
+    pub epochs_at_destination: usize,
+    pub arrivals: usize,
+    pub attempts: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub violations: Vec<Violation>,
+    pub leases: BTreeMap<String, LeaseFigures>,
+    /// Attempts by outcome ("200 origin", "409 epoch_stale", "replayed 200", ...).
+    pub outcomes: BTreeMap<String, usize>,
+    pub kinds: BTreeMap<String, usize>,
+    /// R1/R2 comparisons that an exemption settled, by reason.
+    pub exempt: BTreeMap<&'static str, usize>,
+    /// R1/R2 comparisons made (arrivals with a newer epoch after them).
+    pub ordered_pairs: usize,
+    pub replays_checked: usize,
+    pub keys_at_destination: usize,
+}
+
+fn sha256_hex(s: &str) -> String {
+    hex::encode(Sha256::digest(s.as_bytes()))
+}
+
+/// Formats times relative to the start of the history, in seconds.
+struct Clock(u64);
+
+impl Clock {
+    fn t(&self, ns: u64) -> String {
+        format!("{:+.3}s", (ns as f64 - self.0 as f64) / 1e9)
+    }
+
+    fn arrival(&self, a: &Arrival) -> String {
+        format!(
+            "arrival #{} route {} epoch {:?} key {:?} req {:?} arrived {} completed {} status {:?} body {:?}",
+            a.seq,
+            a.route,
+            a.epoch,
+            a.key,
+            a.req,
+            self.t(a.arrive),
+            a.complete.map_or("never".into(), |c| self.t(c)),
+            a.status,
+            a.body
+        )
+    }
+
+    fn attempt(&self, a: &Attempt) -> String {
+        format!(
+            "attempt {} ({}) worker {} route {} epoch {} key {} invoked {} completed {} -> {:?}",
+            a.req,
+            a.kind,
+            a.worker,
+            a.route,
+            a.epoch,
+            a.key,
+            self.t(a.invoke),
+            self.t(a.complete),
+            a.outcome
+        )
+    }
+}
+
+fn outcome_label(o: &Outcome) -> String {
+    match o {
+        Outcome::Response {
+            status,
+            replayed: true,
+            ..
+        } => format!("replayed {status}"),
+        Outcome::Response {
+            status,
+            error: Some(code),
+            ..
+        } => format!("{status} {code}"),
+        Outcome::Response { status, .. } => format!("{status} origin"),
+        Outcome::ConnError(_) => "connection error".into(),
+        Outcome::Timeout => "client timeout".into(),
+    }
+}
+
+/// Checks every rule; see the module documentation.
+pub fn check(h: &History) -> Report {
+    let start = h
+        .attempts
+        .iter()
+        .map(|a| a.invoke)
+        .chain(h.arrivals.iter().map(|a| a.arrive))
+        .min()
+        .unwrap_or(0);
+    let clk = Clock(start);
+    let mut r = Report::default();
+    let mut v = |rule: &'static str, what: String, entries: Vec<String>| {
+        r.violations.push(Violation {
+            rule,
+            what,
+            entries,
+        })
+    };
+
+    let mut by_req: HashMap<&str, &Attempt> = HashMap::new();
+    for a in &h.attempts {
+        if let Some(prev) = by_req.insert(&a.req, a) {
+            v(
+                "history",
+                format!("two attempts share the request id {}", a.req),
+                vec![clk.attempt(prev), clk.attempt(a)],
+            );
+        }
+    }
+    let mut arrivals_by_req: HashMap<&str, Vec<&Arrival>> = HashMap::new();
+    for a in &h.arrivals {
+        if let Some(req) = &a.req {
+            arrivals_by_req.entry(req).or_default().push(a);
+        }
+    }
+    let attempt_of = |a: &Arrival| a.req.as_deref().and_then(|r| by_req.get(r).copied());
+
+    // R3: every arrival was admitted with the token that won its epoch.
+    for a in &h.arrivals {
+        let Some(at) = attempt_of(a) else {
+            v(
+                "R3 token",
+                "a request reached the destination that no worker attempt sent".into(),
+                vec![clk.arrival(a)],
+            );
+            continue;
+        };
+        let entries = || vec![clk.arrival(a), clk.attempt(at)];
+        if at.route != a.route || a.epoch != Some(at.epoch) {
+            v(
+                "R3 token",
+                "the destination saw another route or epoch than the worker sent".into(),
+                entries(),
+            );
+            continue;
+        }
+        let Some(lease) = h.routes.get(&a.route) else {
+            v("R3 token", "arrival on an unknown route".into(), entries());
+            continue;
+        };
+        match h.epochs.get(&(lease.clone(), at.epoch)) {
+            Some(StoredEpoch::Acquire { token_sha256 })
+                if *token_sha256 == sha256_hex(&at.token) => {}
+            Some(StoredEpoch::Acquire { .. }) => v(
+                "R3 token",
+                format!(
+                    "admitted with a token that did not win epoch {} of lease {lease}",
+                    at.epoch
+                ),
+                entries(),
+            ),
+            other => v(
+                "R3 token",
+                format!(
+                    "admitted at epoch {} of lease {lease}, whose object is {other:?}",
+                    at.epoch
+                ),
+                entries(),
+            ),
+        }
+    }
+
+    // R1 + R2, per lease.
+    let mut per_lease: BTreeMap<&str, Vec<&Arrival>> = BTreeMap::new();
+    for a in &h.arrivals {
+        if let (Some(lease), Some(_)) = (h.routes.get(&a.route), a.epoch) {
+            per_lease.entry(lease).or_default().push(a);
+        }
+    }
+    for (lease, arrivals) in &per_lease {
+        // The first arrival of each epoch, then for each epoch the first arrival of
+        // any newer epoch.
+        let mut first: BTreeMap<u64, &Arrival> = BTreeMap::new();
+        for a in arrivals {
+            let e = a.epoch.unwrap_or(0);
+            if first.get(&e).is_none_or(|f| a.arrive < f.arrive) {
+                first.insert(e, a);
+            }
+        }
+        let mut newer_first: BTreeMap<u64, &Arrival> = BTreeMap::new();
+        let mut running: Option<&Arrival> = None;
+        for (e, f) in first.iter().rev() {
+            if let Some(n) = running {
+                newer_first.insert(*e, n);
+            }
+            if running.is_none_or(|n| f.arrive < n.arrive) {
+                running = Some(f);
+            }
+        }
+        for a in arrivals {
+            let Some(b) = newer_first.get(&a.epoch.unwrap_or(0)) else {
+                continue;
+            };
+            r.ordered_pairs += 1;
+            if a.complete.is_some_and(|c| c < b.arrive) {
+                continue;
+            }
+            let at = attempt_of(a);
+            let reason = at.and_then(|at| {
+                let crashed = h
+                    .crashes
+                    .iter()
+                    .any(|(lo, hi)| *hi >= at.invoke && *lo <= b.arrive);
+                match &at.outcome {
+                    Outcome::Response { error: Some(c), .. } if c == "drain_aborted" => {
+                        Some("drain_aborted")
+                    }
+                    Outcome::Response { error: Some(c), .. } if c == "upstream_timeout" => {
+                        Some("upstream_timeout")
+                    }
+                    _ if crashed => Some("fencegate crash"),
+                    Outcome::Timeout => Some("client timeout"),
+                    _ => None,
+                }
+            });
+            if let Some(reason) = reason {
+                *r.exempt.entry(reason).or_default() += 1;
+                continue;
+            }
+            let mut entries = vec![clk.arrival(a)];
+            entries.extend(at.map(|at| clk.attempt(at)));
+            entries.push(format!("first newer: {}", clk.arrival(b)));
+            entries.extend(attempt_of(b).map(|bt| clk.attempt(bt)));
+            if a.arrive > b.arrive {
+                v(
+                    "R1 epoch order",
+                    format!(
+                        "lease {lease}: an epoch-{} request arrived after an epoch-{} request",
+                        a.epoch.unwrap_or(0),
+                        b.epoch.unwrap_or(0)
+                    ),
+                    entries,
+                );
+            } else {
+                v(
+                    "R2 drain",
+                    format!(
+                        "lease {lease}: an epoch-{} request was still at the destination when the first epoch-{} request arrived",
+                        a.epoch.unwrap_or(0),
+                        b.epoch.unwrap_or(0)
+                    ),
+                    entries,
+                );
+            }
+        }
+    }
+
+    // R4: at most once per key, and replays are the first answer.
+    let mut by_key: BTreeMap<(&str, &str), Vec<&Arrival>> = BTreeMap::new();
+    for a in &h.arrivals {
+        match &a.key {
+            Some(k) => by_key.entry((&a.route, k)).or_default().push(a),
+            None => v(
+                "R4 dedup",
+                "forwarded without a dedup key".into(),
+                vec![clk.arrival(a)],
+            ),
+        }
+    }
+    r.keys_at_destination = by_key.len();
+    for ((route, key), list) in by_key.iter_mut() {
+        list.sort_by_key(|a| a.arrive);
+        if list.len() > 1 {
+            let mut entries = Vec::new();
+            for a in list.iter() {
+                entries.push(clk.arrival(a));
+                entries.extend(attempt_of(a).map(|at| clk.attempt(at)));
+            }
+            v(
+                "R4 dedup",
+                format!(
+                    "key {key} on route {route} reached the destination {} times",
+                    list.len()
+                ),
+                entries,
+            );
+        }
+    }
+    for at in &h.attempts {
+        let Outcome::Response {
+            status,
+            replayed: true,
+            body,
+            ..
+        } = &at.outcome
+        else {
+            continue;
+        };
+        r.replays_checked += 1;
+        let first = by_key
+            .get(&(at.route.as_str(), at.key.as_str()))
+            .and_then(|l| l.first());
+        match first {
+            None => v(
+                "R4 dedup",
+                "a replay of a key that never reached the destination".into(),
+                vec![clk.attempt(at)],
+            ),
+            Some(f) if f.status != Some(*status) || f.body.as_deref() != Some(body) => v(
+                "R4 dedup",
+                "a replay differs from the origin's first answer for its key".into(),
+                vec![clk.attempt(at), clk.arrival(f)],
+            ),
+            Some(_) => {}
+        }
+    }
+
+    // R5: outcomes against the destination.
+    for at in &h.attempts {
+        *r.outcomes.entry(outcome_label(&at.outcome)).or_default() += 1;
+        *r.kinds.entry(at.kind.clone()).or_default() += 1;
+        let arrived = arrivals_by_req
+            .get(at.req.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let entries = || {
+            let mut e = vec![clk.attempt(at)];
+            e.extend(arrived.iter().map(|a| clk.arrival(a)));
+            e
+        };
+        match &at.outcome {
+            Outcome::Response {
+                status,
+                error: None,
+                replayed: false,
+                body,
+            } => match arrived {
+                [] => v(
+                    "R5 outcome",
+                    format!(
+                        "answered {status} by the origin, but it never reached the destination"
+                    ),
+                    entries(),
+                ),
+                [a] if a.status != Some(*status) || a.body.as_deref() != Some(body) => v(
+                    "R5 outcome",
+                    "the answer differs from what the origin sent".into(),
+                    entries(),
+                ),
+                _ => {}
+            },
+            Outcome::Response { replayed: true, .. } if !arrived.is_empty() => v(
+                "R5 outcome",
+                "answered with a replay, but the request reached the destination".into(),
+                entries(),
+            ),
+            Outcome::Response {
+                error: Some(code), ..
+            } => {
+                if NOT_FORWARDED.contains(&code.as_str()) {
+                    if !arrived.is_empty() {
+                        v(
+                            "R5 outcome",
+                            format!("refused with {code} (not forwarded), but it reached the destination"),
+                            entries(),
+                        );
+                    }
+                } else if !INDETERMINATE.contains(&code.as_str()) {
+                    v(
+                        "R5 outcome",
+                        format!("an error code the checker cannot classify: {code}"),
+                        entries(),
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+
+    // Figures.
+    for (route, lease) in &h.routes {
+        let f = r.leases.entry(lease.clone()).or_default();
+        f.attempts += h.attempts.iter().filter(|a| &a.route == route).count();
+        f.arrivals += h.arrivals.iter().filter(|a| &a.route == route).count();
+    }
+    for (lease, _) in h.epochs.keys() {
+        r.leases.entry(lease.clone()).or_default().epochs_in_store += 1;
+    }
+    for (lease, arrivals) in &per_lease {
+        let mut epochs: Vec<u64> = arrivals.iter().filter_map(|a| a.epoch).collect();
+        epochs.sort_unstable();
+        epochs.dedup();
+        r.leases
+            .entry(lease.to_string())
+            .or_default()
+            .epochs_at_destination = epochs.len();
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn attempt(
+        req: &str,
+        epoch: u64,
+        token: &str,
+        key: &str,
+        t: (u64, u64),
+        o: Outcome,
+    ) -> Attempt {
+        Attempt {
+            worker: 1,
+            req: req.into(),
+            kind: "op".into(),
+            route: "r0".into(),
+            epoch,
+            token: token.into(),
+            key: key.into(),
+            invoke: t.0 * MS,
+            complete: t.1 * MS,
+            outcome: o,
+        }
+    }
+
+    fn ok(body: &str) -> Outcome {
+        Outcome::Response {
+            status: 200,
+            error: None,
+            replayed: false,
+            body: body.into(),
+        }
+    }
+
+    fn refused(status: u16, code: &str) -> Outcome {
+        Outcome::Response {
+            status,
+            error: Some(code.into()),
+            replayed: false,
+            body: format!("{{\"error\":\"{code}\"}}"),
+        }
+    }
+
+    fn arrival(seq: u64, req: &str, epoch: u64, key: &str, t: (u64, u64), body: &str) -> Arrival {
+        Arrival {
+            seq,
+            route: "r0".into(),
+            req: Some(req.into()),
+            epoch: Some(epoch),
+            key: Some(key.into()),
+            arrive: t.0 * MS,
+            complete: Some(t.1 * MS),
+            status: Some(200),
+            body: Some(body.into()),
+        }
+    }
+
+    /// A correct history: epoch 1 works, is drained, epoch 2 takes over; a late
+    /// epoch-1 request is refused; a retry is replayed.
+    fn good() -> History {
+        let mut h = History::default();
+        h.routes.insert("r0".into(), "l0".into());
+        h.epochs.insert(
+            ("l0".into(), 1),
+            StoredEpoch::Acquire {
+                token_sha256: sha256_hex("tokA"),
+            },
+        );
+        h.epochs.insert(
+            ("l0".into(), 2),
+            StoredEpoch::Acquire {
+                token_sha256: sha256_hex("tokB"),
+            },
+        );
+        h.attempts = vec![
+            attempt("a1", 1, "tokA", "k1", (0, 30), ok("one")),
+            attempt("a2", 1, "tokA", "k1", (40, 45), {
+                let mut o = ok("one");
+                if let Outcome::Response { replayed, .. } = &mut o {
+                    *replayed = true;
+                }
+                o
+            }),
+            attempt("b1", 2, "tokB", "k2", (50, 80), ok("two")),
+            attempt("a3", 1, "tokA", "k3", (90, 91), refused(409, "epoch_stale")),
+        ];
+        h.arrivals = vec![
+            arrival(1, "a1", 1, "k1", (10, 20), "one"),
+            arrival(2, "b1", 2, "k2", (60, 70), "two"),
+        ];
+        h
+    }
+
+    fn rules(r: &Report) -> Vec<&'static str> {
+        r.violations.iter().map(|v| v.rule).collect()
+    }
+
+    #[test]
+    fn a_correct_history_passes() {
+        let r = check(&good());
+        assert!(r.violations.is_empty(), "{:#?}", r.violations);
+        assert_eq!(r.ordered_pairs, 1);
+        assert_eq!(r.replays_checked, 1);
+        assert_eq!(r.outcomes["409 epoch_stale"], 1);
+    }
+
+    #[test]
+    fn r1_an_arrival_that_goes_back_in_epoch() {
+        let mut h = good();
+        // The late epoch-1 request was admitted and arrived after epoch 2.
+        h.attempts[3].outcome = ok("late");
+        h.arrivals.push(arrival(3, "a3", 1, "k3", (95, 96), "late"));
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R1 epoch order"], "{:#?}", r.violations);
+        let text = r.violations[0].to_string();
+        assert!(
+            text.contains("req Some(\"a3\")") && text.contains("req Some(\"b1\")"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn r2_an_older_request_still_at_the_destination() {
+        let mut h = good();
+        // a1 completed at 65 ms, after b1 arrived at 60 ms, and its worker got 200.
+        h.arrivals[0].complete = Some(65 * MS);
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R2 drain"], "{:#?}", r.violations);
+        assert!(r.violations[0].to_string().contains("completed +0.065s"));
+    }
+
+    #[test]
+    fn r2_exemptions_drain_abort_and_crash_but_not_an_earlier_crash() {
+        let mut h = good();
+        h.arrivals[0].complete = Some(65 * MS);
+        // Drain-aborted: exempt (its replay is gone too: the key is in doubt).
+        h.attempts[0].outcome = refused(504, "drain_aborted");
+        h.attempts.remove(1);
+        let r = check(&h);
+        assert!(r.violations.is_empty(), "{:#?}", r.violations);
+        assert_eq!(r.exempt["drain_aborted"], 1);
+        // Connection reset because fencegate was killed at 35 ms: exempt.
+        h.attempts[0].outcome = Outcome::ConnError("reset".into());
+        h.crashes = vec![(35 * MS, 36 * MS)];
+        let r = check(&h);
+        assert!(r.violations.is_empty(), "{:#?}", r.violations);
+        assert_eq!(r.exempt["fencegate crash"], 1);
+        // A crash before the request was even sent protects nothing.
+        h.crashes = vec![(0, MS / 2)];
+        h.attempts[0].invoke = MS;
+        assert_eq!(rules(&check(&h)), vec!["R2 drain"]);
+    }
+
+    #[test]
+    fn r3_a_request_admitted_with_a_token_that_did_not_win() {
+        let mut h = good();
+        h.attempts[2].token = "forged".into();
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R3 token"], "{:#?}", r.violations);
+        assert!(r.violations[0].to_string().contains("attempt b1"));
+        // An epoch that is a release admits nothing.
+        let mut h = good();
+        h.epochs.insert(("l0".into(), 2), StoredEpoch::Release);
+        assert_eq!(rules(&check(&h)), vec!["R3 token"]);
+        // Nobody sent it.
+        let mut h = good();
+        h.arrivals[1].req = Some("ghost".into());
+        assert!(rules(&check(&h)).contains(&"R3 token"));
+    }
+
+    #[test]
+    fn r4_a_key_that_reached_the_destination_twice() {
+        let mut h = good();
+        // The retry was forwarded again instead of replayed.
+        h.attempts[1].outcome = ok("one again");
+        h.arrivals
+            .insert(1, arrival(3, "a2", 1, "k1", (41, 42), "one again"));
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R4 dedup"], "{:#?}", r.violations);
+        assert!(r.violations[0].what.contains("2 times"));
+    }
+
+    #[test]
+    fn r4_a_replay_that_is_not_the_first_answer() {
+        let mut h = good();
+        if let Outcome::Response { body, .. } = &mut h.attempts[1].outcome {
+            *body = "one!".into();
+        }
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R4 dedup"], "{:#?}", r.violations);
+        assert!(r.violations[0].what.contains("differs"));
+    }
+
+    #[test]
+    fn r5_an_answered_request_missing_at_the_destination() {
+        let mut h = good();
+        h.arrivals.remove(1);
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R5 outcome"], "{:#?}", r.violations);
+        assert!(r.violations[0].what.contains("never reached"));
+    }
+
+    #[test]
+    fn r5_a_refused_request_present_at_the_destination() {
+        let mut h = good();
+        // Refused as stale, yet the destination saw it (before epoch 2: no R1/R2).
+        h.attempts[3].invoke = 31 * MS;
+        h.arrivals.push(arrival(3, "a3", 1, "k3", (32, 33), "x"));
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R5 outcome"], "{:#?}", r.violations);
+        assert!(r.violations[0].what.contains("epoch_stale"));
+        // Indeterminate codes say nothing.
+        h.attempts[3].outcome = refused(504, "upstream_timeout");
+        assert!(check(&h).violations.is_empty());
+        // A code the checker does not know is reported.
+        h.attempts[3].outcome = refused(500, "mystery");
+        assert_eq!(rules(&check(&h)), vec!["R5 outcome"]);
+    }
+}

@@ -289,7 +289,8 @@ impl Gate {
     /// A gate whose previous process may have left requests in flight: with a
     /// mark already set, the first raise waits `settle` (the drain timeout) from now.
     pub fn restarted(mark: Epoch, settle: Duration) -> Arc<Gate> {
-        let settle_until = (mark != Epoch::NONE && !settle.is_zero()).then(|| tokio::time::Instant::now() + settle);
+        let settle_until = (mark != Epoch::NONE && !settle.is_zero())
+            .then(|| tokio::time::Instant::now() + settle);
         Arc::new(Gate {
             core: Core::new(mark),
             drained: Notify::new(),
@@ -483,14 +484,32 @@ mod tests {
         let start = tokio::time::Instant::now();
         let g = Gate::restarted(Epoch::new(4), Duration::from_secs(3));
         // Requests at the mark need no ordering: admitted at once.
-        assert!(g.try_enter(Epoch::new(4), admit_if(Epoch::new(4))).unwrap().is_some());
-        let p = g.raise(Epoch::new(5), Duration::from_secs(1), admit_if(Epoch::new(5)), ok).await.unwrap();
+        assert!(g
+            .try_enter(Epoch::new(4), admit_if(Epoch::new(4)))
+            .unwrap()
+            .is_some());
+        let p = g
+            .raise(
+                Epoch::new(5),
+                Duration::from_secs(1),
+                admit_if(Epoch::new(5)),
+                ok,
+            )
+            .await
+            .unwrap();
         assert!(start.elapsed() >= Duration::from_secs(3));
         drop(p);
         // A fresh gate (no mark: nothing can have been forwarded) does not wait.
         let start = tokio::time::Instant::now();
         let g = Gate::restarted(Epoch::NONE, Duration::from_secs(3));
-        g.raise(Epoch::new(1), Duration::from_secs(1), admit_if(Epoch::new(1)), ok).await.unwrap();
+        g.raise(
+            Epoch::new(1),
+            Duration::from_secs(1),
+            admit_if(Epoch::new(1)),
+            ok,
+        )
+        .await
+        .unwrap();
         assert_eq!(start.elapsed(), Duration::ZERO);
     }
 

@@ -243,7 +243,11 @@ impl Proxy {
             let fp = dedup::fingerprint(method, path_query, &body);
             // Not raced against a drain abort: a record must never be left
             // `in_flight` by a request that stopped halfway through writing it.
-            match self.dedup.begin(&route.name, &key, fp, epoch, route.in_doubt).await? {
+            match self
+                .dedup
+                .begin(&route.name, &key, fp, epoch, route.in_doubt)
+                .await?
+            {
                 Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),
                 Begin::Forward(t) => Some(t),
             }
@@ -289,14 +293,22 @@ impl Proxy {
             Err(e) => {
                 let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;
                 if let Some(t) = ticket {
-                    let outcome = if not_sent { Outcome::NotSent } else { Outcome::Unknown };
+                    let outcome = if not_sent {
+                        Outcome::NotSent
+                    } else {
+                        Outcome::Unknown
+                    };
                     self.finish_quietly(t, outcome).await;
                 }
                 Err(match (aborted_err, e) {
                     (Some(a), _) => a,
                     (None, _) if abandoned => ProxyError::ShuttingDown,
-                    (None, UpstreamError::Unreachable(d)) => ProxyError::UpstreamUnreachable { detail: d },
-                    (None, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+                    (None, UpstreamError::Unreachable(d)) => {
+                        ProxyError::UpstreamUnreachable { detail: d }
+                    }
+                    (None, UpstreamError::Uncertain(d)) => {
+                        ProxyError::UpstreamTimeout { detail: d }
+                    }
                 })
             }
         }

@@ -117,7 +117,13 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         let fence = match fences.get(rc.lease.as_str()) {
             Some(f) => f.clone(),
             None => {
-                let f = Fence::new(rc.lease.clone(), epochs.clone(), durable.clone(), refresh, settle_for(&rc.lease))?;
+                let f = Fence::new(
+                    rc.lease.clone(),
+                    epochs.clone(),
+                    durable.clone(),
+                    refresh,
+                    settle_for(&rc.lease),
+                )?;
                 fences.insert(rc.lease.as_str().to_owned(), f.clone());
                 f
             }

@@ -211,6 +211,11 @@ fn init_tracing_with(format: LogFormat, default_filter: &str) {
 }
 
 async fn serve(cfg: Config) -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Installed before anything listens, so a SIGTERM right after the ready line
+    // is a graceful shutdown, not the default kill.
+    let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let app = crate::server::build(&cfg, Arc::new(SystemClock)).await?;
     let proxy_l = crate::server::bind(cfg.server.listen).await?;
     let admin_l = crate::server::bind(cfg.server.admin_listen).await?;
@@ -221,20 +226,16 @@ async fn serve(cfg: Config) -> anyhow::Result<()> {
         "{}",
         json!({"event": "listening", "proxy": p.to_string(), "admin": a.to_string()})
     );
-    app.run(proxy_l, admin_l, shutdown_signal()).await?;
+    app.run(proxy_l, admin_l, shutdown_signal(term, int))
+        .await?;
     Ok(())
 }
 
 /// Resolves on the first SIGTERM or SIGINT; a second one exits at once.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
+async fn shutdown_signal(
+    mut term: tokio::signal::unix::Signal,
+    mut int: tokio::signal::unix::Signal,
+) {
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}

@@ -31,7 +31,7 @@ async fn setup(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_worker_is_refused_and_absent_at_origin() {
     let (_s3, origin, fg, epochs) = setup(200, "").await;
-    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(2500)).await;
+    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     post(&fg, "/billing/publish", &a, "A: result v1")
         .await
         .status
@@ -59,7 +59,7 @@ async fn late_worker_is_refused_and_absent_at_origin() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_worker_refused_before_the_new_leader_sends_anything() {
     let (_s3, origin, fg, epochs) = setup(100, "").await;
-    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(2000)).await;
+    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "A1").await.status, 200);
     let b = acquire(&epochs, LEASE, "worker-b", Duration::from_secs(30)).await;
     // B has not sent anything yet: A is refused anyway (expired, or a newer epoch is known).
@@ -78,7 +78,9 @@ async fn late_worker_refused_before_the_new_leader_sends_anything() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expiry_is_enforced_with_nobody_taking_over() {
     let (_s3, origin, fg, epochs) = setup(200, "").await;
-    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(1500)).await;
+    // fencegate judges expiry up to ~1 s early (the Date header's resolution) and
+    // LastModified is truncated to the second: a TTL under ~3 s may be spent on arrival.
+    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "in time").await.status, 200);
     // The condition is time itself: wait until the tenure is over on the store's clock.
     let wait = a

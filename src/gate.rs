@@ -380,12 +380,13 @@ impl Gate {
     }
 }
 
-#[cfg(all(test, not(fencegate_loom)))]
-mod tests {
+/// The admission decision by epoch alone, for the gate's tests and loom model.
+#[cfg(test)]
+mod test_support {
     use super::*;
     use crate::epoch::LeaseName;
 
-    fn admit_if(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
+    pub fn admit_if(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
         move |mark| {
             if epoch < mark {
                 Err(Refusal::Stale {
@@ -401,6 +402,12 @@ mod tests {
             }
         }
     }
+}
+
+#[cfg(all(test, not(fencegate_loom)))]
+mod tests {
+    use super::test_support::admit_if;
+    use super::*;
 
     async fn ok() -> Result<(), DurableError> {
         Ok(())
@@ -555,26 +562,10 @@ mod tests {
 #[cfg(all(test, fencegate_loom))]
 mod loom_tests {
     use super::*;
-    use crate::epoch::LeaseName;
     use loom::sync::atomic::AtomicUsize;
     use loom::sync::Arc as LArc;
 
-    fn decide_for(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
-        move |mark| {
-            if epoch < mark {
-                Err(Refusal::Stale {
-                    lease: LeaseName::parse("l").unwrap(),
-                    epoch,
-                    high_water_mark: mark,
-                    latest_epoch: mark,
-                })
-            } else if epoch == mark {
-                Ok(Admit::AtMark)
-            } else {
-                Ok(Admit::Raise)
-            }
-        }
-    }
+    use super::test_support::admit_if as decide_for;
 
     /// The destination, as the property sees it: how many e-requests are "at the
     /// origin" right now, and whether e' ever arrived while one was.

@@ -12,12 +12,13 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::support::*;
 
-fn get(url: String) -> Request<Full<Bytes>> {
-    Request::get(url).body(Full::default()).unwrap()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admin_endpoints_answer_and_readyz_follows_the_store() {
+/// An S3 server, an origin, and fencegate with one route `billing`; worker-a holds it.
+async fn billing() -> (
+    S3Server,
+    Origin,
+    Fencegate,
+    fencegate::lease::acquire::Holding,
+) {
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&format!(
@@ -32,6 +33,16 @@ async fn admin_endpoints_answer_and_readyz_follows_the_store() {
         Duration::from_secs(60),
     )
     .await;
+    (s3, origin, fg, a)
+}
+
+fn get(url: String) -> Request<Full<Bytes>> {
+    Request::get(url).body(Full::default()).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_answer_and_readyz_follows_the_store() {
+    let (s3, _origin, fg, a) = billing().await;
     assert_eq!(post(&fg, "/billing/x", &a, "one").await.status, 200);
 
     assert_eq!(send(get(fg.admin_url("/healthz"))).await.status, 200);
@@ -84,20 +95,7 @@ async fn admin_endpoints_answer_and_readyz_follows_the_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_with_a_real_prometheus_parser_and_move() {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = Fencegate::start(&format!(
-        "{}{}",
-        s3.store_toml(200),
-        route_toml("billing", "billing", &origin, "")
-    ));
-    let a = acquire(
-        &s3.epochs().await,
-        "billing",
-        "worker-a",
-        Duration::from_secs(60),
-    )
-    .await;
+    let (_s3, _origin, fg, a) = billing().await;
     let parse = |text: Bytes| {
         let script = r#"
 import sys, json

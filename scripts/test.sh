@@ -13,4 +13,6 @@ export FENCEGATE_TEST_PYTHON
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
 
 cargo build --locked --all-targets
-cargo test --locked "$@"
+# --all-targets: also runs the load bench's smoke mode (a few seconds, no timing
+# assertions) and the criterion benches once each, so the benches cannot rot.
+cargo test --locked --all-targets "$@"

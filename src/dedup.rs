@@ -57,10 +57,16 @@ impl DedupKey {
 
     /// A fresh unique key (`derive_key = "none"`): forwarded, never recorded.
     pub fn fresh() -> DedupKey {
-        DedupKey(format!(
-            "fg-{}",
-            &crate::lease::acquire::fresh_token()[..32]
-        ))
+        // `fg-` and 128 random bits in lowercase hex, built without formatting (it
+        // runs on every such request).
+        let mut bits = [0u8; 16];
+        rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut bits);
+        let mut hex = [0u8; 32];
+        let _ = hex::encode_to_slice(bits, &mut hex);
+        let mut key = String::with_capacity(35);
+        key.push_str("fg-");
+        key.push_str(std::str::from_utf8(&hex).unwrap_or_default());
+        DedupKey(key)
     }
 
     pub fn as_str(&self) -> &str {
@@ -625,6 +631,20 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use proptest::prelude::*;
+
+    #[test]
+    fn fresh_keys_are_fg_and_128_bits_of_lowercase_hex() {
+        let (a, b) = (DedupKey::fresh(), DedupKey::fresh());
+        for k in [&a, &b] {
+            let hex = k.as_str().strip_prefix("fg-").unwrap();
+            assert_eq!(hex.len(), 32);
+            assert!(hex
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)));
+            assert!(DedupKey::parse(k.as_str().as_bytes()).is_ok());
+        }
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn keys_are_validated() {

@@ -22,19 +22,22 @@ pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<
 pub const LEASE_TOKEN: &str = "x-lease-token";
 pub const LEASE_EPOCH: &str = "x-lease-epoch";
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-hop credentials.
-const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-authenticate",
-    "expect",
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-hop credentials. Typed
+/// names: removing by `&str` parses the name again on every request.
+const HOP_BY_HOP: [HeaderName; 10] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::EXPECT,
 ];
+const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// How an upstream exchange failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -175,11 +178,26 @@ impl Target {
 /// True when a path contains `.`/`..` segments, plain or percent-encoded: such a
 /// path could escape the route's prefix at the upstream, so it matches no route.
 pub fn has_dot_segments(path: &str) -> bool {
-    path.split('/').any(|seg| {
-        let lower = seg.to_ascii_lowercase();
-        let decoded = lower.replace("%2e", ".");
-        decoded == "." || decoded == ".."
-    }) || path.to_ascii_lowercase().contains("%2f")
+    // Allocation-free (it runs on every request): a segment is a dot segment when
+    // it is one or two dots, each plain or `%2e` in any case; `%2f` in any case
+    // anywhere also counts.
+    fn is_dot_segment(seg: &[u8]) -> bool {
+        let (mut rest, mut dots) = (seg, 0);
+        while !rest.is_empty() {
+            rest = match rest {
+                [b'.', tail @ ..] => tail,
+                [b'%', b'2', e, tail @ ..] if e.eq_ignore_ascii_case(&b'e') => tail,
+                _ => return false,
+            };
+            dots += 1;
+        }
+        dots == 1 || dots == 2
+    }
+    path.split('/').any(|seg| is_dot_segment(seg.as_bytes()))
+        || path
+            .as_bytes()
+            .windows(3)
+            .any(|w| w[0] == b'%' && w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
 }
 
 /// Removes hop-by-hop headers and every header named in `Connection`.
@@ -194,7 +212,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for n in named {
         headers.remove(n);
     }
-    for h in HOP_BY_HOP {
+    for h in &HOP_BY_HOP {
         headers.remove(h);
     }
 }
@@ -212,15 +230,15 @@ pub fn build_request(
     let mut headers = parts.headers.clone();
     strip_hop_by_hop(&mut headers);
     let orig_host = headers.remove(header::HOST);
-    headers.remove(LEASE_TOKEN);
+    headers.remove(LEASE_TOKEN_NAME);
     headers.remove(header::CONTENT_LENGTH);
     let ip = peer.ip().to_string();
-    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+    let xff = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {ip}"),
         None => ip.clone(),
     };
     headers.insert(
-        "x-forwarded-for",
+        X_FORWARDED_FOR,
         HeaderValue::from_str(&xff).map_err(|e| e.to_string())?,
     );
     let for_ = if peer.is_ipv6() {
@@ -357,6 +375,27 @@ mod tests {
             assert!(has_dot_segments(p), "{p}");
         }
         assert!(!has_dot_segments("/billing/a.b/..c"));
+    }
+
+    /// The definition `has_dot_segments` must agree with (it was the implementation
+    /// until an allocation-free one replaced it).
+    fn has_dot_segments_by_definition(path: &str) -> bool {
+        path.split('/').any(|seg| {
+            let lower = seg.to_ascii_lowercase();
+            let decoded = lower.replace("%2e", ".");
+            decoded == "." || decoded == ".."
+        }) || path.to_ascii_lowercase().contains("%2f")
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn dot_segments_match_their_definition(path in "[./%2eEfFa]{0,16}") {
+            proptest::prop_assert_eq!(
+                has_dot_segments(&path),
+                has_dot_segments_by_definition(&path),
+                "{}", path
+            );
+        }
     }
 
     #[test]

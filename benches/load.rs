@@ -1,0 +1,888 @@
+//! Load bench (issue 6): fencegate measured against a bare hyper pass-through and
+//! nginx, in the same run, on loopback.
+//!
+//! Separate processes: a fast origin (100-byte answers) and the bare pass-through
+//! are this binary re-executed with `--role`; fencegate is the crate's own binary,
+//! twice — fencing only (`derive_key = "none"`) and durable dedup (the default
+//! `derive_key = "content"`, every body unique); nginx `proxy_pass` when `nginx` is
+//! on the PATH. A closed-loop generator in this process drives each with N
+//! keep-alive connections, interleaving the targets A B C D A B C D… for several
+//! rounds so the VM's drift cancels out of the ratios. Every request carries a valid
+//! epoch and token from the `dir` store. All processes are pinned to one CPU
+//! (NOTES, "Measuring here"); CPU per request is read from /proc/PID/stat.
+//!
+//! ```text
+//! cargo bench --bench load                 # full run (~5 min): table + target/bench-load.json
+//! cargo bench --bench load -- --quick      # a few seconds: one round, c=64
+//! cargo bench --bench load -- --scaling    # leases, 1M dedup records, 10k idle
+//!                                          # connections, epoch changes under load
+//! ```
+//! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
+//! `--only passthrough,fencing,dedup,nginx`, `--cpu N` (pin to CPU N, default 0),
+//! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
+//! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
+//! figures; `BENCH_B_LOG=warn` sets build B's log filter). `BENCH_WRAP="valgrind
+//! --tool=callgrind"` runs the proxies under a wrapper (profiling).
+//!
+//! Under `cargo test --all-targets` (no `--bench` in argv) it runs a smoke instead:
+//! one short round at c=8, asserting only that every target answered, with zero
+//! errors. No timing is asserted.
+
+#[path = "load/loadgen.rs"]
+mod loadgen;
+#[path = "load/procs.rs"]
+mod procs;
+#[path = "load/roles.rs"]
+mod roles;
+#[path = "load/scaling.rs"]
+mod scaling;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use http::Uri;
+use serde_json::{json, Value};
+
+use loadgen::{Creds, MakeReq, Plan};
+use procs::{Proc, RouteSpec};
+
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Run by `cargo test`: quick, unpinned, assert zero errors.
+    pub smoke: bool,
+    pub quick: bool,
+    pub scaling: bool,
+    pub rounds: usize,
+    pub secs: f64,
+    pub warmup: f64,
+    pub conc: Vec<usize>,
+    pub only: Option<Vec<String>>,
+    pub cpu: Option<usize>,
+    pub nginx: bool,
+    /// Another fencegate binary, measured beside this build (A/B).
+    pub fencegate_b: Option<String>,
+}
+
+impl Args {
+    fn parse(argv: &[String]) -> Args {
+        let has = |f: &str| argv.iter().any(|a| a == f);
+        let val = |f: &str| {
+            argv.iter()
+                .position(|a| a == f)
+                .and_then(|i| argv.get(i + 1))
+                .cloned()
+        };
+        let smoke = !has("--bench");
+        let quick = smoke || has("--quick");
+        let mut a = Args {
+            smoke,
+            quick,
+            scaling: has("--scaling"),
+            rounds: if quick { 1 } else { 5 },
+            secs: if smoke {
+                0.4
+            } else if quick {
+                1.5
+            } else {
+                4.0
+            },
+            warmup: if smoke { 0.2 } else { 0.5 },
+            conc: if smoke {
+                vec![8]
+            } else if quick {
+                vec![64]
+            } else {
+                vec![8, 64, 256]
+            },
+            only: None,
+            cpu: if smoke || has("--no-pin") {
+                None
+            } else {
+                Some(0)
+            },
+            nginx: !has("--no-nginx"),
+            fencegate_b: val("--fencegate-b"),
+        };
+        if let Some(v) = val("--rounds").and_then(|v| v.parse().ok()) {
+            a.rounds = v;
+        }
+        if let Some(v) = val("--secs").and_then(|v| v.parse().ok()) {
+            a.secs = v;
+        }
+        if let Some(v) = val("--conc") {
+            a.conc = v.split(',').filter_map(|c| c.trim().parse().ok()).collect();
+        }
+        if let Some(v) = val("--only") {
+            a.only = Some(v.split(',').map(|s| s.trim().to_owned()).collect());
+        }
+        if let Some(v) = val("--cpu").and_then(|v| v.parse().ok()) {
+            if !has("--no-pin") {
+                a.cpu = Some(v);
+            }
+        }
+        a
+    }
+
+    fn wants(&self, key: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|k| k == key))
+    }
+
+    pub fn measure(&self) -> Duration {
+        Duration::from_secs_f64(self.secs)
+    }
+
+    pub fn warm(&self) -> Duration {
+        Duration::from_secs_f64(self.warmup)
+    }
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = argv.iter().position(|a| a == "--role") {
+        if let Err(e) = roles::run(&argv[i + 1..]) {
+            eprintln!("bench role: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
+    let args = Args::parse(&argv);
+    if let Some(cpu) = args.cpu {
+        if let Err(e) = procs::pin_to_cpu(cpu) {
+            eprintln!("bench load: cannot pin to CPU {cpu} ({e}); running unpinned");
+        }
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let started = std::time::Instant::now();
+    // Every child is owned by the future below and killed when it is dropped, on
+    // success, error or panic alike.
+    let res = rt.block_on(async {
+        if args.scaling {
+            scaling::run(&args).await
+        } else {
+            main_run(&args).await
+        }
+    });
+    drop(rt);
+    match res {
+        Ok(()) if args.smoke => {
+            println!(
+                "bench load smoke: every target answered with zero errors ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        Ok(()) => {}
+        Err(e) => {
+            if args.smoke {
+                panic!("bench load smoke failed: {e}");
+            }
+            eprintln!("bench load: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// `target/` (next to `target/tmp`).
+pub fn target_dir() -> PathBuf {
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    tmp.parent().unwrap_or(tmp).to_owned()
+}
+
+/// A scratch directory under `target/tmp` (same disk as the project, so fsync
+/// costs what it costs; /tmp may be a tmpfs elsewhere).
+pub fn scratch(name: &str) -> Result<tempfile::TempDir, String> {
+    std::fs::create_dir_all(env!("CARGO_TARGET_TMPDIR")).map_err(|e| e.to_string())?;
+    tempfile::Builder::new()
+        .prefix(name)
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .map_err(|e| e.to_string())
+}
+
+/// The machine, for the report.
+pub fn machine() -> Value {
+    json!({
+        "nproc": nproc(),
+        "online_cpus": std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default().trim(),
+        "model": procs::cpu_model(),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+    })
+}
+
+/// CPUs online (not the affinity mask: this process may be pinned).
+pub fn nproc() -> i64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }
+}
+
+struct Target {
+    key: String,
+    label: String,
+    proc_: Proc,
+    creds: Creds,
+}
+
+fn factory(creds: Creds, tag: u64) -> MakeReq {
+    let uri = Uri::from_static("/bench/charge");
+    Arc::new(move |conn, seq| {
+        loadgen::request(uri.clone(), &creds, loadgen::body(tag, conn, seq), None)
+    })
+}
+
+/// One measured window of one target.
+struct Sample {
+    round: usize,
+    rps: f64,
+    ok: u64,
+    secs: f64,
+    cpu: f64,
+    origin_cpu: f64,
+    errors: u64,
+    by_code: BTreeMap<String, u64>,
+    first_error: Option<String>,
+    replayed: u64,
+    hist: Histogram<u64>,
+    flush: Option<(f64, f64)>,
+}
+
+impl Sample {
+    fn cpu_us(&self) -> f64 {
+        self.cpu * 1e6 / self.ok.max(1) as f64
+    }
+    fn p99(&self) -> f64 {
+        self.hist.value_at_quantile(0.99) as f64
+    }
+}
+
+async fn flush_stats(p: &Proc) -> Option<(f64, f64)> {
+    let text = loadgen::get_text(p.admin?, "/metrics").await.ok()?;
+    Some((
+        loadgen::metric(&text, "fencegate_flush_records_total")?,
+        loadgen::metric(&text, "fencegate_flush_batches_total")?,
+    ))
+}
+
+async fn main_run(args: &Args) -> Result<(), String> {
+    let load_before = procs::loadavg();
+    let dir = scratch("bench-load-")?;
+    let store_root = dir.path().join("leases");
+    let epochs = procs::store(&store_root)?;
+
+    let origin = procs::spawn_role("origin", &["origin"], dir.path(), false)?;
+    let mut targets: Vec<Target> = Vec::new();
+    let (fe, ft) = procs::acquire(&epochs, "bench-fencing").await?;
+    let fencing_creds = Creds::new(fe, &ft);
+    if args.wants("passthrough") {
+        let up = origin.addr.to_string();
+        targets.push(Target {
+            key: "passthrough".into(),
+            label: "bare pass-through".into(),
+            proc_: procs::spawn_role(
+                "passthrough",
+                &["passthrough", "--upstream", &up],
+                dir.path(),
+                true,
+            )?,
+            creds: fencing_creds.clone(),
+        });
+    }
+    // fencegate: this build, and optionally another build for an interleaved A/B
+    // (`--fencegate-b PATH`: targets `fencing-b`, `dedup-b`).
+    let mut builds: Vec<(&str, PathBuf)> =
+        vec![("", PathBuf::from(env!("CARGO_BIN_EXE_fencegate")))];
+    if let Some(b) = &args.fencegate_b {
+        builds.push(("-b", PathBuf::from(b)));
+    }
+    for (suffix, exe) in &builds {
+        for (kind, label, derive_key) in [
+            ("fencing", "fencegate, fencing only", "none"),
+            ("dedup", "fencegate, durable dedup", "content"),
+        ] {
+            let key = format!("{kind}{suffix}");
+            if !args.wants(kind) && !args.wants(&key) {
+                continue;
+            }
+            let lease = format!("bench-{key}");
+            let creds = if key == "fencing" {
+                fencing_creds.clone()
+            } else {
+                let (e, t) = procs::acquire(&epochs, &lease).await?;
+                Creds::new(e, &t)
+            };
+            let lease = if key == "fencing" {
+                "bench-fencing".to_owned()
+            } else {
+                lease
+            };
+            // `BENCH_B_LOG=warn` runs build B with that log filter (e.g. to see what
+            // the per-request span costs at the default `info`).
+            let b_log = std::env::var("BENCH_B_LOG").unwrap_or_default();
+            let envs: Vec<(&str, &str)> = if !suffix.is_empty() && !b_log.is_empty() {
+                vec![("FENCEGATE_LOG", b_log.as_str())]
+            } else {
+                vec![]
+            };
+            targets.push(Target {
+                label: if suffix.is_empty() {
+                    label.to_owned()
+                } else {
+                    format!("{label} [B: {}]", exe.display())
+                },
+                proc_: procs::spawn_fencegate(
+                    exe,
+                    &key,
+                    dir.path(),
+                    &store_root,
+                    &dir.path().join(format!("state-{key}")),
+                    origin.addr,
+                    &[RouteSpec {
+                        name: "bench".into(),
+                        prefix: "/bench/".into(),
+                        lease,
+                        derive_key,
+                    }],
+                    "",
+                    &envs,
+                )?,
+                key,
+                creds,
+            });
+        }
+    }
+    let nginx_path = procs::find_nginx().filter(|_| args.nginx && args.wants("nginx"));
+    if let Some(n) = &nginx_path {
+        // A reference, not the subject: if it will not start here, say so and go on.
+        match procs::spawn_nginx(n, dir.path(), origin.addr) {
+            Ok(p) => targets.push(Target {
+                key: "nginx".into(),
+                label: "nginx proxy_pass".into(),
+                proc_: p,
+                creds: fencing_creds.clone(),
+            }),
+            Err(e) => eprintln!("bench load: skipping nginx, it did not start: {e}"),
+        }
+    } else if !args.smoke {
+        eprintln!("bench load: nginx is not on the PATH (or --no-nginx): skipping it");
+    }
+    if targets.is_empty() {
+        return Err("no target selected".into());
+    }
+    eprintln!(
+        "bench load: origin {}, {}; pinned to CPU {:?}; load average {load_before}",
+        origin.addr,
+        targets
+            .iter()
+            .map(|t| format!("{} {} (pid {})", t.key, t.proc_.addr, t.proc_.pid))
+            .collect::<Vec<_>>()
+            .join(", "),
+        args.cpu
+    );
+
+    let mut tag = 0u64;
+    let mut plan_for = |t: &Target, c: usize, warm: Duration, measure: Duration| {
+        tag += 1;
+        Plan {
+            addr: t.proc_.addr,
+            conns: c,
+            warmup: warm,
+            measure,
+            make: factory(t.creds.clone(), tag),
+            pids: vec![t.proc_.pid, origin.pid],
+        }
+    };
+
+    // Warm every target once (pools, allocators, the first epoch's mark).
+    if !args.smoke {
+        for t in &targets {
+            let c = args.conc.iter().copied().max().unwrap_or(64);
+            loadgen::run(&plan_for(t, c, Duration::ZERO, Duration::from_millis(700))).await;
+        }
+    }
+
+    let mut samples: BTreeMap<(usize, usize), Vec<Sample>> = BTreeMap::new();
+    for round in 0..args.rounds {
+        for &c in &args.conc {
+            for (ti, t) in targets.iter().enumerate() {
+                let before = if t.key.starts_with("dedup") {
+                    flush_stats(&t.proc_).await
+                } else {
+                    None
+                };
+                let out = loadgen::run(&plan_for(t, c, args.warm(), args.measure())).await;
+                let flush = match (before, flush_stats(&t.proc_).await) {
+                    (Some(b), Some(a)) => Some((a.0 - b.0, a.1 - b.1)),
+                    _ => None,
+                };
+                let s = Sample {
+                    round,
+                    rps: out.rps(),
+                    ok: out.counts.ok,
+                    secs: out.secs,
+                    cpu: out.cpu[0],
+                    origin_cpu: out.cpu[1],
+                    errors: out.counts.errors,
+                    by_code: out.counts.by_code.clone(),
+                    first_error: out.counts.first_error.clone(),
+                    replayed: out.counts.replayed,
+                    hist: out.hist,
+                    flush,
+                };
+                eprintln!(
+                    "  round {round} c={c:<3} {:<12} {:>8.0} req/s  p99 {:>7.2} ms  cpu {:>5.1} µs/req  errors {}",
+                    t.key,
+                    s.rps,
+                    s.p99() / 1000.0,
+                    s.cpu_us(),
+                    s.errors
+                );
+                samples.entry((ti, c)).or_default().push(s);
+            }
+        }
+    }
+
+    // The time from a newer epoch's first request to its forward, nothing older in
+    // flight (mark flush + an empty drain), on the fencing-only target.
+    let epoch_idle = match targets.iter().find(|t| t.key == "fencing") {
+        Some(t) => Some(
+            epoch_idle(
+                &t.proc_,
+                &epochs,
+                "bench-fencing",
+                (fe, ft.clone()),
+                if args.smoke { 1 } else { 20 },
+            )
+            .await?,
+        ),
+        None => None,
+    };
+
+    // Every proxy must still be alive.
+    for t in &mut targets {
+        if !t.proc_.is_running() {
+            return Err(format!(
+                "{} exited during the run:\n{}",
+                t.key,
+                t.proc_.log_tail()
+            ));
+        }
+    }
+    let load_after = procs::loadavg();
+    let report = report(
+        args,
+        &targets,
+        &samples,
+        epoch_idle,
+        &load_before,
+        &load_after,
+    );
+    let json_path = target_dir().join(if args.smoke {
+        "bench-load-smoke.json"
+    } else {
+        "bench-load.json"
+    });
+    std::fs::write(
+        &json_path,
+        serde_json::to_vec_pretty(&report.json).unwrap_or_default(),
+    )
+    .map_err(|e| format!("{}: {e}", json_path.display()))?;
+    println!("{}", report.markdown);
+    println!("JSON: {}", json_path.display());
+
+    if args.smoke {
+        for (ti, t) in targets.iter().enumerate() {
+            for c in &args.conc {
+                let ss = &samples[&(ti, *c)];
+                let ok: u64 = ss.iter().map(|s| s.ok).sum();
+                let errors: u64 = ss.iter().map(|s| s.errors).sum();
+                let replayed: u64 = ss.iter().map(|s| s.replayed).sum();
+                if ok == 0 || errors > 0 || replayed > 0 {
+                    return Err(format!(
+                        "{} at c={c}: {ok} answered, {errors} errors ({:?}), {replayed} replayed; log:\n{}",
+                        t.key,
+                        ss.iter().find_map(|s| s.first_error.clone()),
+                        t.proc_.log_tail()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the epoch-change measurement with nothing in flight found.
+struct EpochIdle {
+    /// First request of a new epoch that fencegate had not yet seen: on-demand
+    /// store read + mark flush + drain + forward.
+    unseen_us: Vec<f64>,
+    /// First request of a new epoch the refresher already knew: mark flush + drain
+    /// + forward.
+    known_us: Vec<f64>,
+    /// Later requests at the same epoch: forward only.
+    steady_us: Vec<f64>,
+}
+
+async fn epoch_idle(
+    p: &Proc,
+    epochs: &fencegate::lease::Epochs,
+    lease: &str,
+    mut held: (u64, String),
+    samples: usize,
+) -> Result<EpochIdle, String> {
+    let admin = p.admin.ok_or("fencegate without an admin address")?;
+    let mut s = loadgen::connect(p.addr).await?;
+    let uri = Uri::from_static("/bench/charge");
+    let mut out = EpochIdle {
+        unseen_us: vec![],
+        known_us: vec![],
+        steady_us: vec![],
+    };
+    for i in 0..samples * 2 {
+        held = procs::renew(epochs, lease, held.0, &held.1).await?;
+        let creds = Creds::new(held.0, &held.1);
+        let known = i % 2 == 1;
+        if known {
+            // Wait for the refresher (every 1 s) to have listed and read the epoch.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let text = loadgen::get_text(admin, "/v1/leases").await?;
+                let v: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+                let latest = v["leases"][0]["latest_epoch"].as_u64().unwrap_or(0);
+                if latest >= held.0 || tokio::time::Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        for n in 0..6 {
+            let req = loadgen::request(
+                uri.clone(),
+                &creds,
+                loadgen::body(9_000 + i as u64, 0, n),
+                None,
+            );
+            let t0 = std::time::Instant::now();
+            let a = loadgen::exchange(&mut s, req).await?;
+            let us = t0.elapsed().as_secs_f64() * 1e6;
+            if !a.status.is_success() {
+                return Err(format!(
+                    "epoch {} request {n}: {} {:?}",
+                    held.0, a.status, a.code
+                ));
+            }
+            match (n, known) {
+                (0, false) => out.unseen_us.push(us),
+                (0, true) => out.known_us.push(us),
+                _ => out.steady_us.push(us),
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v: Vec<f64> = v.to_vec();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+struct Report {
+    markdown: String,
+    json: Value,
+}
+
+/// One row of the table: a target at one concurrency, over every round.
+struct Row {
+    rps: f64,
+    cpu_us: f64,
+    origin_cpu_us: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    errors: u64,
+    ok: u64,
+}
+
+fn row(ss: &[Sample]) -> Row {
+    let mut h = loadgen::histogram();
+    for s in ss {
+        let _ = h.add(&s.hist);
+    }
+    let ok: u64 = ss.iter().map(|s| s.ok).sum();
+    let secs: f64 = ss.iter().map(|s| s.secs).sum();
+    Row {
+        rps: ok as f64 / secs.max(1e-9),
+        cpu_us: ss.iter().map(|s| s.cpu).sum::<f64>() * 1e6 / ok.max(1) as f64,
+        origin_cpu_us: ss.iter().map(|s| s.origin_cpu).sum::<f64>() * 1e6 / ok.max(1) as f64,
+        p50: h.value_at_quantile(0.5) as f64,
+        p99: h.value_at_quantile(0.99) as f64,
+        p999: h.value_at_quantile(0.999) as f64,
+        errors: ss.iter().map(|s| s.errors).sum(),
+        ok,
+    }
+}
+
+/// Median over rounds of the paired ratio a/b of one figure (same round, same
+/// concurrency: drift cancels).
+fn paired(a: &[Sample], b: &[Sample], f: impl Fn(&Sample) -> f64) -> f64 {
+    let ratios: Vec<f64> = a
+        .iter()
+        .filter_map(|x| {
+            let y = b.iter().find(|y| y.round == x.round)?;
+            Some(f(x) / f(y))
+        })
+        .collect();
+    median(&ratios)
+}
+
+fn fmt_ratio(r: f64) -> String {
+    if r.is_finite() {
+        format!("{r:.2}")
+    } else {
+        "–".into()
+    }
+}
+
+fn report(
+    args: &Args,
+    targets: &[Target],
+    samples: &BTreeMap<(usize, usize), Vec<Sample>>,
+    epoch_idle: Option<EpochIdle>,
+    load_before: &str,
+    load_after: &str,
+) -> Report {
+    let idx = |key: &str| targets.iter().position(|t| t.key == key);
+    let (pass, nginx) = (idx("passthrough"), idx("nginx"));
+    let mut md = String::new();
+    md.push_str(&format!(
+        "### fencegate load bench ({} round(s) × {} s per target and concurrency, interleaved; 100-byte answers; all processes on CPU {:?})\n\n",
+        args.rounds, args.secs, args.cpu
+    ));
+    md.push_str("| target | conns | req/s | p50 ms | p99 ms | p99.9 ms | errors | CPU µs/req | req/s ÷ pass | CPU ÷ pass | p99 ÷ pass | req/s ÷ nginx | CPU ÷ nginx |\n");
+    md.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    let mut rows_json = Vec::new();
+    let mut ratio_of = BTreeMap::new();
+    for &c in &args.conc {
+        for (ti, t) in targets.iter().enumerate() {
+            let Some(ss) = samples.get(&(ti, c)) else {
+                continue;
+            };
+            let r = row(ss);
+            let vs = |other: Option<usize>, f: &dyn Fn(&Sample) -> f64| {
+                other
+                    .and_then(|o| samples.get(&(o, c)))
+                    .map_or(f64::NAN, |os| paired(ss, os, f))
+            };
+            let (pr, pc, pp) = (
+                vs(pass, &|s| s.rps),
+                vs(pass, &|s| s.cpu_us()),
+                vs(pass, &|s| s.p99()),
+            );
+            let (nr, nc) = (vs(nginx, &|s| s.rps), vs(nginx, &|s| s.cpu_us()));
+            ratio_of.insert((t.key.as_str(), c), (pr, pc, pp));
+            md.push_str(&format!(
+                "| {} | {c} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:.1} | {} | {} | {} | {} | {} |\n",
+                t.label,
+                r.rps,
+                r.p50 / 1e3,
+                r.p99 / 1e3,
+                r.p999 / 1e3,
+                r.errors,
+                r.cpu_us,
+                fmt_ratio(pr),
+                fmt_ratio(pc),
+                fmt_ratio(pp),
+                fmt_ratio(nr),
+                fmt_ratio(nc),
+            ));
+            let flush: Option<(f64, f64)> = ss
+                .iter()
+                .filter_map(|s| s.flush)
+                .reduce(|a, b| (a.0 + b.0, a.1 + b.1));
+            let mut codes = BTreeMap::new();
+            for s in ss {
+                for (k, v) in &s.by_code {
+                    *codes.entry(k.clone()).or_insert(0u64) += v;
+                }
+            }
+            rows_json.push(json!({
+                "target": t.key,
+                "label": t.label,
+                "concurrency": c,
+                "requests": r.ok,
+                "rps": r.rps,
+                "p50_us": r.p50,
+                "p99_us": r.p99,
+                "p999_us": r.p999,
+                "errors": r.errors,
+                "errors_by_code": codes,
+                "cpu_us_per_request": r.cpu_us,
+                "origin_cpu_us_per_request": r.origin_cpu_us,
+                "vs_passthrough": {"rps": pr, "cpu": pc, "p99": pp},
+                "vs_nginx": {"rps": nr, "cpu": nc},
+                "flush": flush.map(|(rec, b)| json!({"records": rec, "batches": b, "records_per_flush": rec / b.max(1.0)})),
+                "rounds": ss.iter().map(|s| json!({
+                    "round": s.round, "rps": s.rps, "cpu_us_per_request": s.cpu_us(),
+                    "p99_us": s.p99(), "errors": s.errors,
+                })).collect::<Vec<_>>(),
+            }));
+        }
+    }
+    md.push_str(
+        "\nreq/s and CPU µs/req: totals over all rounds; percentiles: all rounds' latencies merged; \
+         ratios: median over rounds of the ratio within one round (drift cancels). \
+         CPU is the proxy process's utime+stime (/proc/PID/stat) ÷ answered requests.\n",
+    );
+
+    // Records per flush for the dedup target.
+    let mut flush_json = Value::Null;
+    if let Some(d) = idx("dedup-b") {
+        md.push_str("\nBuild B, durable dedup, records per flush:");
+        for &c in &args.conc {
+            if let Some((rec, b)) = samples
+                .get(&(d, c))
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s.flush)
+                .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
+            {
+                md.push_str(&format!(" c={c}: {:.1};", rec / b.max(1.0)));
+            }
+        }
+        md.push('\n');
+    }
+    if let Some(d) = idx("dedup") {
+        md.push_str("\nDurable dedup, records per flush (fencegate_flush_records_total / fencegate_flush_batches_total over the windows):");
+        let mut per_c = serde_json::Map::new();
+        for &c in &args.conc {
+            if let Some((rec, b)) = samples
+                .get(&(d, c))
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s.flush)
+                .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
+            {
+                md.push_str(&format!(" c={c}: {:.1};", rec / b.max(1.0)));
+                per_c.insert(c.to_string(), json!(rec / b.max(1.0)));
+            }
+        }
+        md.push('\n');
+        flush_json = Value::Object(per_c);
+    }
+
+    // The issue's targets.
+    let mut checks = Vec::new();
+    let mut check = |name: String, value: f64, ok: bool| {
+        checks.push(json!({"target": name, "value": value, "met": ok}));
+        format!(
+            "- {} {name}: {}\n",
+            if ok { "met" } else { "MISSED" },
+            fmt_ratio(value)
+        )
+    };
+    let mut tmd = String::from("\nTargets (bench figures, not test assertions):\n");
+    for &c in &args.conc {
+        if let Some(&(pr, pc, pp)) = ratio_of.get(&("fencing", c)) {
+            if pass.is_some() {
+                tmd.push_str(&check(
+                    format!("fencing only c={c}: CPU/req ≤ 1.10× pass-through"),
+                    pc,
+                    pc <= 1.10,
+                ));
+                tmd.push_str(&check(
+                    format!("fencing only c={c}: req/s ≥ 0.95× pass-through"),
+                    pr,
+                    pr >= 0.95,
+                ));
+                if c == 64 {
+                    tmd.push_str(&check(
+                        format!("fencing only c={c}: p99 ≤ 1.20× pass-through"),
+                        pp,
+                        pp <= 1.20,
+                    ));
+                }
+            }
+        }
+        if let Some(&(pr, _, _)) = ratio_of.get(&("dedup", c)) {
+            if pass.is_some() {
+                tmd.push_str(&check(
+                    format!("durable dedup c={c}: req/s ≥ 0.80× pass-through"),
+                    pr,
+                    pr >= 0.80,
+                ));
+            }
+        }
+    }
+    if let Some(rpf) = flush_json.get("64").and_then(Value::as_f64) {
+        tmd.push_str(&check(
+            "durable dedup c=64: ≥ 8 records per flush".into(),
+            rpf,
+            rpf >= 8.0,
+        ));
+    }
+    md.push_str(&tmd);
+
+    let mut idle_json = Value::Null;
+    if let Some(e) = epoch_idle {
+        let base = median(&e.steady_us);
+        md.push_str(&format!(
+            "\nNewer epoch, nothing older in flight (fencing only, {} samples each; one connection): \
+             first request after the refresher saw the epoch (mark flush + drain + forward) p50 {:.0} µs, max {:.0} µs; \
+             first request of an epoch fencegate had not seen (+ on-demand store read) p50 {:.0} µs, max {:.0} µs; \
+             a request at an admitted epoch p50 {:.0} µs. Added by the epoch change: {:.0} µs (known), {:.0} µs (unseen).\n",
+            e.known_us.len(),
+            median(&e.known_us),
+            quantile(&e.known_us, 1.0),
+            median(&e.unseen_us),
+            quantile(&e.unseen_us, 1.0),
+            base,
+            median(&e.known_us) - base,
+            median(&e.unseen_us) - base,
+        ));
+        idle_json = json!({
+            "known_first_us": e.known_us, "unseen_first_us": e.unseen_us,
+            "steady_p50_us": base,
+            "known_added_p50_us": median(&e.known_us) - base,
+            "unseen_added_p50_us": median(&e.unseen_us) - base,
+        });
+    }
+    md.push_str(&format!(
+        "\nMachine: nproc {}, {}; load average before {load_before}, after {load_after}.\n",
+        nproc(),
+        procs::cpu_model(),
+    ));
+    let json = json!({
+        "bench": "load",
+        "args": format!("{args:?}"),
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_after},
+        "results": rows_json,
+        "records_per_flush": flush_json,
+        "epoch_change_idle": idle_json,
+        "targets": checks,
+    });
+    Report { markdown: md, json }
+}

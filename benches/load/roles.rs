@@ -1,0 +1,146 @@
+//! The helper processes, run by re-executing this binary with `--role`:
+//!
+//! - `origin`: answers every request with the same 100-byte body.
+//! - `passthrough --upstream ADDR`: the reference a proxy is compared with — a bare
+//!   hyper HTTP/1.1 server that forwards every request to ADDR through
+//!   [`fencegate::forward::client`] (the very pool fencegate uses: nodelay, 60 s idle,
+//!   same connector) and streams the answer back. No route, no checks, no state.
+//!
+//! Each prints `{"event":"listening","proxy":ADDR}` on stdout when ready, like
+//! fencegate, and runs on a multi-threaded tokio runtime, like fencegate (one
+//! worker when pinned to one CPU).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Either, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+/// The origin's answer: exactly 100 bytes.
+pub const ORIGIN_BODY: &[u8; 100] =
+    b"{\"ok\":true,\"id\":\"ch_0123456789abcdef\",\"amount\":4200,\"currency\":\"eur\",\"pad\":\"xxxxxxxxxxxxxxxxxxxxxx\"}";
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    let role = args.first().map(String::as_str).unwrap_or("");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    match role {
+        "origin" => rt.block_on(origin()),
+        "passthrough" => {
+            let upstream: SocketAddr = args
+                .iter()
+                .position(|a| a == "--upstream")
+                .and_then(|i| args.get(i + 1))
+                .and_then(|a| a.parse().ok())
+                .ok_or("passthrough needs --upstream ADDR")?;
+            rt.block_on(passthrough(upstream))
+        }
+        other => Err(format!("unknown role {other:?}")),
+    }
+}
+
+async fn listen() -> Result<TcpListener, String> {
+    let l = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = l.local_addr().map_err(|e| e.to_string())?;
+    println!(
+        "{}",
+        serde_json::json!({"event": "listening", "proxy": addr.to_string()})
+    );
+    Ok(l)
+}
+
+async fn origin() -> Result<(), String> {
+    let l = listen().await?;
+    loop {
+        let Ok((s, _)) = l.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let _ = s.set_nodelay(true);
+        tokio::spawn(async move {
+            let svc = service_fn(|req: Request<Incoming>| async move {
+                let _ = req.into_body().collect().await;
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .header("content-type", "application/json")
+                        .body(Full::new(Bytes::from_static(ORIGIN_BODY)))
+                        .expect("static response"),
+                )
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(s), svc)
+                .await;
+        });
+    }
+}
+
+async fn passthrough(upstream: SocketAddr) -> Result<(), String> {
+    let tls = fencegate::forward::tls_config(None)?;
+    let client = fencegate::forward::client(tls, Duration::from_secs(5));
+    let authority: http::uri::Authority = upstream
+        .to_string()
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    let l = listen().await?;
+    loop {
+        let Ok((s, _)) = l.accept().await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        let _ = s.set_nodelay(true);
+        let (client, authority) = (client.clone(), authority.clone());
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let (client, authority) = (client.clone(), authority.clone());
+                async move {
+                    let (mut parts, body) = req.into_parts();
+                    let body = body.collect().await.map(|c| c.to_bytes());
+                    let pq = parts
+                        .uri
+                        .path_and_query()
+                        .map_or("/", |p| p.as_str())
+                        .to_owned();
+                    let uri = Uri::builder()
+                        .scheme("http")
+                        .authority(authority)
+                        .path_and_query(pq)
+                        .build();
+                    let (Ok(body), Ok(uri)) = (body, uri) else {
+                        return Ok::<_, Infallible>(bad_gateway());
+                    };
+                    parts.uri = uri;
+                    parts.headers.remove(http::header::HOST);
+                    Ok(
+                        match client
+                            .request(Request::from_parts(parts, Full::new(body)))
+                            .await
+                        {
+                            Ok(resp) => resp.map(Either::Left),
+                            Err(_) => bad_gateway(),
+                        },
+                    )
+                }
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(s), svc)
+                .await;
+        });
+    }
+}
+
+fn bad_gateway() -> Response<Either<Incoming, Full<Bytes>>> {
+    let mut r = Response::new(Either::Right(Full::new(Bytes::from_static(b"bad gateway"))));
+    *r.status_mut() = StatusCode::BAD_GATEWAY;
+    r
+}

@@ -843,7 +843,10 @@ fn report(
             rpf >= 8.0,
         ));
     }
-    md.push_str(&tmd);
+    // A smoke's figures mean nothing: no verdicts on them.
+    if !args.smoke {
+        md.push_str(&tmd);
+    }
 
     let mut idle_json = Value::Null;
     if let Some(e) = epoch_idle {

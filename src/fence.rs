@@ -203,7 +203,7 @@ impl Fence {
         }
         // Stale without I/O: below the barrier or below a known epoch.
         {
-            let barrier = self.gate.stats().barrier;
+            let barrier = self.gate.barrier();
             let latest = self.known().latest;
             if admission::stale(epoch, barrier, latest) {
                 return Err(Refusal::Stale {

@@ -328,10 +328,10 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// The worker-facing response for an upstream answer.
-pub fn to_response(u: &UpstreamResponse) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(u.body.clone()));
+pub fn to_response(u: UpstreamResponse) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(u.body));
     *resp.status_mut() = u.status;
-    *resp.headers_mut() = u.headers.clone();
+    *resp.headers_mut() = u.headers;
     resp
 }
 

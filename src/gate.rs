@@ -217,6 +217,11 @@ impl Core {
         }
     }
 
+    /// The mark, or the epoch a raise in progress is moving to.
+    pub fn barrier(&self) -> Epoch {
+        self.lock().barrier
+    }
+
     pub fn stats(&self) -> GateStats {
         let st = self.lock();
         GateStats {
@@ -270,7 +275,7 @@ impl Pass {
 
     /// The epoch that aborted (or is draining) this one.
     pub fn newer_epoch(&self) -> Epoch {
-        self.gate.core.stats().barrier
+        self.gate.core.barrier()
     }
 }
 
@@ -305,6 +310,10 @@ impl Gate {
 
     pub fn mark(&self) -> Epoch {
         self.core.stats().mark
+    }
+
+    pub fn barrier(&self) -> Epoch {
+        self.core.barrier()
     }
 
     fn pass(self: &Arc<Self>, entry: Entry) -> Pass {
@@ -523,7 +532,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn concurrent_raisers_to_one_epoch_both_pass() {
         let g = Gate::new(Epoch::new(1));
-        let a = {
+        let raiser = || {
             let g = g.clone();
             tokio::spawn(async move {
                 g.raise(
@@ -535,18 +544,7 @@ mod tests {
                 .await
             })
         };
-        let b = {
-            let g = g.clone();
-            tokio::spawn(async move {
-                g.raise(
-                    Epoch::new(5),
-                    Duration::from_secs(1),
-                    admit_if(Epoch::new(5)),
-                    ok,
-                )
-                .await
-            })
-        };
+        let (a, b) = (raiser(), raiser());
         let (pa, pb) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());
         assert_eq!(g.stats().in_flight, 2);
         assert_eq!(g.stats().raises, 1);

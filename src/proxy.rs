@@ -229,16 +229,6 @@ impl Proxy {
             (None, DeriveKey::None) => (DedupKey::fresh(), false),
         };
         tracing::Span::current().record("key", key.as_str());
-        let upstream_req = forward::build_request(
-            &route.target,
-            &parts,
-            body.clone(),
-            peer,
-            self.proto,
-            key.as_str(),
-        )
-        .map_err(|e| ProxyError::UpstreamUnreachable { detail: e })?;
-
         let ticket = if record {
             let fp = dedup::fingerprint(method, path_query, &body);
             // Not raced against a drain abort: a record must never be left
@@ -253,6 +243,23 @@ impl Proxy {
             }
         } else {
             None
+        };
+        // Built only once the request will really be forwarded (not for a replay).
+        let upstream_req = match forward::build_request(
+            &route.target,
+            &parts,
+            body.clone(),
+            peer,
+            self.proto,
+            key.as_str(),
+        ) {
+            Ok(r) => r,
+            Err(detail) => {
+                if let Some(t) = ticket {
+                    self.finish_quietly(t, Outcome::NotSent).await;
+                }
+                return Err(ProxyError::UpstreamUnreachable { detail });
+            }
         };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
@@ -288,7 +295,7 @@ impl Proxy {
                     };
                     self.finish_quietly(t, outcome).await;
                 }
-                Ok((forward::to_response(&resp), "forwarded"))
+                Ok((forward::to_response(resp), "forwarded"))
             }
             Err(e) => {
                 let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;

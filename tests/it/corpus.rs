@@ -664,7 +664,7 @@ async fn ten_thousand_connections_opened_and_dropped() {
     let url = fg.url("/billing/after-churn");
     eventually("a valid request is served after the churn", || async {
         try_send(
-            worker_req(&url, a.epoch.get(), &a.token, "")
+            worker_req(&url, a.epoch.get(), &a.token)
                 .body(body("valid"))
                 .unwrap(),
         )

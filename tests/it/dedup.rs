@@ -76,7 +76,7 @@ async fn done_key_is_replayed_byte_identical() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_key_is_refused_until_the_first_finishes() {
     let (_s3, origin, fg, a) = setup("").await;
-    let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token, "")
+    let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
         .header("idempotency-key", "k-slow")
         .header("x-test-hold", "slow")
         .body(body("p"))
@@ -132,7 +132,7 @@ async fn derived_key_catches_a_blind_retry_and_none_forwards_both() {
 async fn retryable_status_deletes_the_record() {
     let (_s3, origin, fg, a) = setup("").await;
     let mk = |status: &str| {
-        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
             .header("idempotency-key", "k-retry")
             .header("x-test-status", status)
             .body(body("p"))
@@ -147,7 +147,7 @@ async fn retryable_status_deletes_the_record() {
     assert_eq!(origin.count(), 2);
     // A non-retryable error status is a response like any other: kept and replayed.
     let mk2 = |status: &str| {
-        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
             .header("idempotency-key", "k-400")
             .header("x-test-status", status)
             .body(body("p"))
@@ -166,7 +166,7 @@ async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
     let (_s3, origin, fg, a) = setup("timeout_ms = 300").await;
     // reject (default): the timed-out key is in doubt; a retry is refused.
     let slow = |path: &str, hold: &str| {
-        worker_req(&fg.url(path), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url(path), a.epoch.get(), &a.token)
             .header("idempotency-key", "k-doubt")
             .header("x-test-hold", hold)
             .body(body("p"))
@@ -207,7 +207,7 @@ async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
         .assert_error(504, "upstream_timeout");
     origin.release("h2");
     let again = send(
-        worker_req(&fg.url("/resend/x"), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url("/resend/x"), a.epoch.get(), &a.token)
             .header("idempotency-key", "k-doubt")
             .header("x-test-hold", "h2")
             .body(body("p"))
@@ -277,7 +277,7 @@ async fn crash_on_each_durable_boundary_is_at_most_once() {
 async fn resolved_delivered_replays_without_a_body() {
     let (_s3, origin, fg, a) = setup("timeout_ms = 300").await;
     let req = || {
-        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
             .header("idempotency-key", "k-deliv")
             .header("x-test-hold", "hd")
             .body(body("p"))

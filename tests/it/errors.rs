@@ -71,7 +71,7 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "tab\tkey".into(),
     ] {
         let r = send(
-            worker_req(&url, e, tok, "")
+            worker_req(&url, e, tok)
                 .header("idempotency-key", bad.as_str())
                 .body(body("x"))
                 .unwrap(),
@@ -88,10 +88,10 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     )
     .await;
     r.assert_error(401, "token_missing");
-    send(worker_req(&url, e, "wrong", "").body(body("x")).unwrap())
+    send(worker_req(&url, e, "wrong").body(body("x")).unwrap())
         .await
         .assert_error(403, "token_invalid");
-    send(worker_req(&url, e + 7, tok, "").body(body("x")).unwrap())
+    send(worker_req(&url, e + 7, tok).body(body("x")).unwrap())
         .await
         .assert_error(403, "epoch_unknown");
 
@@ -102,17 +102,12 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "/billing/../admin",
         "/billing/%2e%2e/admin",
     ] {
-        let r = send(
-            worker_req(&fg.url(path), e, tok, "")
-                .body(body("x"))
-                .unwrap(),
-        )
-        .await;
+        let r = send(worker_req(&fg.url(path), e, tok).body(body("x")).unwrap()).await;
         r.assert_error(404, "route_not_found");
     }
 
     let big = send(
-        worker_req(&url, e, tok, "")
+        worker_req(&url, e, tok)
             .body(body("seventeen bytes!!"))
             .unwrap(),
     )
@@ -127,14 +122,14 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
 
     // Upstream failures are classified.
     let r = send(
-        worker_req(&fg.url("/dead/x"), e, tok, "")
+        worker_req(&fg.url("/dead/x"), e, tok)
             .body(body("x"))
             .unwrap(),
     )
     .await;
     r.assert_error(502, "upstream_unreachable");
     let r = send(
-        worker_req(&url, e, tok, "")
+        worker_req(&url, e, tok)
             .header("x-test-hold", "forever")
             .header("idempotency-key", "t1")
             .body(body("x"))

@@ -101,7 +101,7 @@ async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);
     for forged in [a.epoch.get() + 1, a.epoch.get() + 1000, u64::MAX] {
         let r = send(
-            worker_req(&fg.url("/billing/x"), forged, &a.token, "")
+            worker_req(&fg.url("/billing/x"), forged, &a.token)
                 .body(body("forged"))
                 .unwrap(),
         )
@@ -110,7 +110,7 @@ async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
         assert_eq!(r.json()["epoch"], forged);
     }
     let zero = send(
-        worker_req(&fg.url("/billing/x"), 0, &a.token, "")
+        worker_req(&fg.url("/billing/x"), 0, &a.token)
             .body(body("zero"))
             .unwrap(),
     )
@@ -118,7 +118,7 @@ async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
     zero.assert_error(409, "epoch_stale");
     // Wrong and missing token.
     let r = send(
-        worker_req(&fg.url("/billing/x"), a.epoch.get(), "not-the-token", "")
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), "not-the-token")
             .body(body("x"))
             .unwrap(),
     )
@@ -147,7 +147,7 @@ async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale()
     let garbage = a.epoch.get() + 1;
     put_raw(&epochs, LEASE, garbage, b"{not json").await;
     let r = send(
-        worker_req(&fg.url("/billing/x"), garbage, &a.token, "")
+        worker_req(&fg.url("/billing/x"), garbage, &a.token)
             .body(body("g"))
             .unwrap(),
     )
@@ -171,7 +171,7 @@ async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale()
     );
     put_raw(&epochs, LEASE, garbage + 1, &rel.to_json()).await;
     let r = send(
-        worker_req(&fg.url("/billing/x"), garbage + 1, &a.token, "")
+        worker_req(&fg.url("/billing/x"), garbage + 1, &a.token)
             .body(body("r"))
             .unwrap(),
     )
@@ -188,7 +188,7 @@ async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin()
     let (ea, ta) = (a.epoch.get(), a.token.clone());
     let slow = tokio::spawn(async move {
         send(
-            worker_req(&url, ea, &ta, "")
+            worker_req(&url, ea, &ta)
                 .header("x-test-hold", "slow-a")
                 .body(body("A slow"))
                 .unwrap(),
@@ -200,9 +200,7 @@ async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin()
     let url = fg.url("/billing/x");
     let (eb, tb) = (b.epoch.get(), b.token.clone());
     let newer =
-        tokio::spawn(
-            async move { send(worker_req(&url, eb, &tb, "").body(body("B")).unwrap()).await },
-        );
+        tokio::spawn(async move { send(worker_req(&url, eb, &tb).body(body("B")).unwrap()).await });
     // B is admitted to the drain and waits there; it has not reached the origin.
     eventually("the drain started", || async {
         fg.metric_sum("fencegate_drains_started_total").await >= 1.0
@@ -238,7 +236,7 @@ async fn drain_timeout_aborts_the_older_request() {
     let (ea, ta) = (a.epoch.get(), a.token.clone());
     let stuck = tokio::spawn(async move {
         send(
-            worker_req(&url, ea, &ta, "")
+            worker_req(&url, ea, &ta)
                 .header("x-test-hold", "never")
                 .body(body("A stuck"))
                 .unwrap(),
@@ -291,7 +289,7 @@ async fn mark_survives_kill_9_and_does_not_depend_on_old_objects() {
     put_raw(&epochs, LEASE, a.epoch.get(), &rec.to_json()).await;
     fg.restart();
     let r = send(
-        worker_req(&fg.url("/billing/x"), a.epoch.get(), zombie_token, "")
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), zombie_token)
             .body(body("zombie"))
             .unwrap(),
     )

@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use http::Request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::*;
@@ -31,7 +30,6 @@ async fn forwarded_headers_follow_the_rules() {
             &fg.url("/billing/charges/42?currency=eur&x=1"),
             a.epoch.get(),
             &a.token,
-            "",
         )
         .header("connection", "x-hop-secret")
         .header("x-hop-secret", "must not pass")
@@ -121,5 +119,4 @@ async fn never_an_open_proxy() {
     assert_eq!(elsewhere.count(), 0);
     assert_eq!(origin.count(), 1);
     assert_eq!(origin.log()[0].path, "/v1/x");
-    let _ = Request::get("/").body(()).unwrap();
 }

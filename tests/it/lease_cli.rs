@@ -289,7 +289,7 @@ async fn round_trip(cli: &LeaseCli, epochs: &Epochs) {
     let epoch_b = b["epoch"].as_u64().unwrap();
     let token_b = b["token"].as_str().unwrap();
     let r = send(
-        worker_req(&fg.url("/jobs/run"), epoch_b, token_b, "from the shell")
+        worker_req(&fg.url("/jobs/run"), epoch_b, token_b)
             .body(body("from the shell"))
             .unwrap(),
     )
@@ -301,14 +301,9 @@ async fn round_trip(cli: &LeaseCli, epochs: &Epochs) {
     assert_eq!(log[0].path, "/v1/run");
     // And the superseded tenure is fenced off.
     let stale = send(
-        worker_req(
-            &fg.url("/jobs/run"),
-            2,
-            a2["token"].as_str().unwrap(),
-            "old",
-        )
-        .body(body("old"))
-        .unwrap(),
+        worker_req(&fg.url("/jobs/run"), 2, a2["token"].as_str().unwrap())
+            .body(body("old"))
+            .unwrap(),
     )
     .await;
     stale.assert_error(409, "epoch_stale");

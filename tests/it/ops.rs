@@ -132,7 +132,7 @@ print(json.dumps(out))
         "true"
     );
     send(
-        worker_req(&fg.url("/billing/x"), a.epoch.get(), "bad", "")
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), "bad")
             .body(body("x"))
             .unwrap(),
     )
@@ -185,21 +185,8 @@ print(json.dumps(out))
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_the_in_flight_request_finish_and_flushes() {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let mut fg = Fencegate::start(&format!(
-        "{}{}",
-        s3.store_toml(200),
-        route_toml("billing", "billing", &origin, "")
-    ));
-    let a = acquire(
-        &s3.epochs().await,
-        "billing",
-        "worker-a",
-        Duration::from_secs(60),
-    )
-    .await;
-    let slow = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+    let (_s3, origin, mut fg, a) = billing().await;
+    let slow = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
         .header("idempotency-key", "during-shutdown")
         .header("x-test-hold", "slow")
         .body(body("p"))
@@ -248,7 +235,7 @@ async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
         Duration::from_secs(60),
     )
     .await;
-    let stuck = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+    let stuck = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
         .header("idempotency-key", "abandoned")
         .header("x-test-hold", "never")
         .body(body("p"))
@@ -301,7 +288,7 @@ async fn secrets_never_appear_in_logs_config_output_or_admin() {
     )
     .await;
     let r = send(
-        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token, "")
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
             .header("authorization", "Bearer worker-own")
             .body(body("p"))
             .unwrap(),
@@ -313,14 +300,9 @@ async fn secrets_never_appear_in_logs_config_output_or_admin() {
         Some(secret)
     );
     send(
-        worker_req(
-            &fg.url("/billing/x"),
-            a.epoch.get(),
-            "wrong-token-value",
-            "",
-        )
-        .body(body("q"))
-        .unwrap(),
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), "wrong-token-value")
+            .body(body("q"))
+            .unwrap(),
     )
     .await;
     let _ = send(

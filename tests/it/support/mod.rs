@@ -589,8 +589,7 @@ pub async fn send(req: Request<Full<Bytes>>) -> Reply {
 }
 
 /// A request builder for a worker at `epoch` with `token`.
-pub fn worker_req(url: &str, epoch: u64, token: &str, body: &str) -> http::request::Builder {
-    let _ = body;
+pub fn worker_req(url: &str, epoch: u64, token: &str) -> http::request::Builder {
     Request::post(url)
         .header("x-lease-epoch", epoch.to_string())
         .header("x-lease-token", token)
@@ -603,7 +602,7 @@ pub fn body(s: &str) -> Full<Bytes> {
 /// Sends a worker's POST through fencegate.
 pub async fn post(fg: &Fencegate, path: &str, h: &Holding, payload: &str) -> Reply {
     send(
-        worker_req(&fg.url(path), h.epoch.get(), &h.token, payload)
+        worker_req(&fg.url(path), h.epoch.get(), &h.token)
             .body(body(payload))
             .unwrap(),
     )
@@ -701,7 +700,7 @@ pub fn keyed(
     key: &str,
     payload: &str,
 ) -> Request<Full<Bytes>> {
-    worker_req(&fg.url(path), h.epoch.get(), &h.token, payload)
+    worker_req(&fg.url(path), h.epoch.get(), &h.token)
         .header("idempotency-key", key)
         .body(body(payload))
         .unwrap()

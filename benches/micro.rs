@@ -182,12 +182,12 @@ fn bookkeeping(c: &mut Criterion) {
         .expect("request");
     let (parts, _) = req.into_parts();
     let body = bytes::Bytes::from_static(&[b'x'; 100]);
-    let peer = "127.0.0.1:40000".parse().expect("peer");
+    let peer = fencegate::forward::Peer::new("127.0.0.1:40000".parse().expect("peer"), "http");
     c.bench_function("forward/build_request", |b| {
         b.iter_batched(
-            || body.clone(),
-            |body| {
-                fencegate::forward::build_request(&target, &parts, body, peer, "http", "fg-0123")
+            || (parts.clone(), body.clone()),
+            |(parts, body)| {
+                fencegate::forward::build_request(&target, parts, body, &peer, "fg-0123")
             },
             BatchSize::SmallInput,
         )

@@ -217,48 +217,83 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Builds the upstream request from the worker's, per SPEC §3.
+/// What the forwarding headers say about one client connection, worked out once
+/// per connection rather than formatted again for every request on it.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The client's IP, as appended to `X-Forwarded-For`.
+    ip: HeaderValue,
+    /// `for=...;proto=...`, the start of this hop's `Forwarded` element.
+    forwarded: String,
+}
+
+impl Peer {
+    /// `proto` is how the client reached fencegate (`http` or `https`).
+    pub fn new(addr: SocketAddr, proto: &str) -> Peer {
+        let ip = addr.ip().to_string();
+        let forwarded = if addr.is_ipv6() {
+            format!("for=\"[{ip}]\";proto={proto}")
+        } else {
+            format!("for={ip};proto={proto}")
+        };
+        Peer {
+            // An IP address is always a valid header value.
+            ip: HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")),
+            forwarded,
+        }
+    }
+}
+
+/// Builds the upstream request from the worker's, per SPEC §3. Takes the worker's
+/// head by value: its header map becomes the upstream's, edited in place.
 pub fn build_request(
     target: &Target,
-    parts: &http::request::Parts,
+    parts: http::request::Parts,
     body: Bytes,
-    peer: SocketAddr,
-    proto: &str,
+    peer: &Peer,
     dedup_key: &str,
 ) -> Result<Request<Full<Bytes>>, String> {
     let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
-    let mut headers = parts.headers.clone();
+    let mut headers = parts.headers;
     strip_hop_by_hop(&mut headers);
     let orig_host = headers.remove(header::HOST);
     headers.remove(LEASE_TOKEN_NAME);
     headers.remove(header::CONTENT_LENGTH);
-    let ip = peer.ip().to_string();
-    let xff = match headers.get(X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip.clone(),
-    };
-    headers.insert(
-        X_FORWARDED_FOR,
-        HeaderValue::from_str(&xff).map_err(|e| e.to_string())?,
-    );
-    let for_ = if peer.is_ipv6() {
-        format!("\"[{ip}]\"")
-    } else {
-        ip
-    };
-    let mut fwd = format!("for={for_};proto={proto}");
-    if let Some(h) = orig_host.as_ref().and_then(|h| h.to_str().ok()) {
-        if !h.contains(['"', ';', ',']) {
-            fwd.push_str(&format!(";host=\"{h}\""));
+    let xff = match headers.get(X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
+        Some(prev) => {
+            let mut v = Vec::with_capacity(prev.len() + 2 + peer.ip.len());
+            v.extend_from_slice(prev);
+            v.extend_from_slice(b", ");
+            v.extend_from_slice(peer.ip.as_bytes());
+            HeaderValue::from_maybe_shared(Bytes::from(v)).map_err(|e| e.to_string())?
         }
-    }
-    let fwd = match headers.get(header::FORWARDED).and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {fwd}"),
-        None => fwd,
+        None => peer.ip.clone(),
     };
+    headers.insert(X_FORWARDED_FOR, xff);
+    let prev = headers
+        .get(header::FORWARDED)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty());
+    let host = orig_host
+        .as_ref()
+        .and_then(|h| h.to_str().ok())
+        .filter(|h| !h.contains(['"', ';', ',']));
+    let mut fwd = String::with_capacity(
+        prev.map_or(0, |p| p.len() + 2) + peer.forwarded.len() + host.map_or(0, |h| h.len() + 8),
+    );
+    if let Some(p) = prev {
+        fwd.push_str(p);
+        fwd.push_str(", ");
+    }
+    fwd.push_str(&peer.forwarded);
+    if let Some(h) = host {
+        fwd.push_str(";host=\"");
+        fwd.push_str(h);
+        fwd.push('"');
+    }
     headers.insert(
         header::FORWARDED,
-        HeaderValue::from_str(&fwd).map_err(|e| e.to_string())?,
+        HeaderValue::from_maybe_shared(Bytes::from(fwd)).map_err(|e| e.to_string())?,
     );
     headers.insert(
         target.dedup_header.clone(),
@@ -268,7 +303,7 @@ pub fn build_request(
         headers.insert(n.clone(), v.clone());
     }
     let mut req = Request::new(Full::new(body));
-    *req.method_mut() = parts.method.clone();
+    *req.method_mut() = parts.method;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     Ok(req)
@@ -416,10 +451,9 @@ mod tests {
         let (parts, _) = req.into_parts();
         let out = build_request(
             &target(),
-            &parts,
+            parts,
             Bytes::new(),
-            "127.0.0.1:5555".parse().unwrap(),
-            "http",
+            &Peer::new("127.0.0.1:5555".parse().unwrap(), "http"),
             "k1",
         )
         .unwrap();
@@ -441,5 +475,22 @@ mod tests {
             "for=127.0.0.1;proto=http;host=\"fencegate.local\""
         );
         assert_eq!(h["idempotency-key"], "k1");
+    }
+
+    #[test]
+    fn forwarded_elements_are_appended_and_ipv6_is_quoted() {
+        let req = Request::builder()
+            .uri("/billing/x")
+            .header("forwarded", "for=10.0.0.1")
+            .header("host", "bad\"host")
+            .body(())
+            .unwrap();
+        let (parts, _) = req.into_parts();
+        let peer = Peer::new("[::1]:5555".parse().unwrap(), "https");
+        let out = build_request(&target(), parts, Bytes::new(), &peer, "k1").unwrap();
+        let h = out.headers();
+        // A host that would break the element's syntax is left out.
+        assert_eq!(h["forwarded"], "for=10.0.0.1, for=\"[::1]\";proto=https");
+        assert_eq!(h["x-forwarded-for"], "::1");
     }
 }

@@ -73,13 +73,18 @@ impl Metrics {
     }
 
     pub fn request(&self, route: &str, outcome: &str, code: &str) {
+        self.request_counter(route, outcome, code).inc();
+    }
+
+    /// The counter behind one label set, to keep and increment without the lookup.
+    pub fn request_counter(&self, route: &str, outcome: &str, code: &str) -> Counter {
         self.requests
             .get_or_create(&RequestLabels {
                 route: route.to_owned(),
                 outcome: outcome.to_owned(),
                 code: code.to_owned(),
             })
-            .inc();
+            .clone()
     }
 
     pub fn admission_latency(&self, d: Duration) {

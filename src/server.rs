@@ -6,8 +6,10 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -28,6 +30,7 @@ use crate::config::Config;
 use crate::dedup::Dedup;
 use crate::durable::{Durable, DurableError};
 use crate::fence::Fence;
+use crate::forward::Peer;
 use crate::lease::{self, Epochs, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
@@ -211,20 +214,84 @@ fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
 /// HTTP/1 from HTTP/2, and that sniffing waits for the first bytes without any
 /// deadline: a client that connects and sends nothing (or part of the HTTP/2
 /// preface) would otherwise hold a connection slot forever (slowloris).
+///
+/// The timer is dropped as soon as a request has been seen, so that the
+/// connection's later wake-ups do not poll it.
 async fn first_request_within<F, E>(conn: F, seen: &AtomicBool, limit: Duration) -> Result<(), E>
 where
     F: Future<Output = Result<(), E>>,
 {
     tokio::pin!(conn);
-    tokio::select! {
-        r = &mut conn => return r,
-        _ = tokio::time::sleep(limit) => {}
+    let mut deadline = Some(Box::pin(tokio::time::sleep(limit)));
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = conn.as_mut().poll(cx) {
+            return Poll::Ready(r);
+        }
+        if seen.load(Ordering::Relaxed) {
+            deadline = None;
+        } else if let Some(d) = deadline.as_mut() {
+            if d.as_mut().poll(cx).is_ready() {
+                tracing::debug!(
+                    "no request head within the header read timeout; closing the connection"
+                );
+                return Poll::Ready(Ok(()));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// A request's future that, if dropped before it finished (its client went
+/// away), is finished on its own task instead of being cancelled: gate and
+/// dedup transitions must never stop halfway. Cheaper than spawning every request
+/// (no extra task, no extra wake-up); only abandoned requests pay for a spawn.
+struct FinishOnDrop<F>(Option<Pin<Box<F>>>)
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static;
+
+impl<F> FinishOnDrop<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn new(f: F) -> Self {
+        FinishOnDrop(Some(Box::pin(f)))
     }
-    if seen.load(Ordering::Relaxed) {
-        return conn.await;
+}
+
+impl<F> Future for FinishOnDrop<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.get_mut();
+        let Some(f) = this.0.as_mut() else {
+            // Polled after completion: never ready again.
+            return Poll::Pending;
+        };
+        let out = f.as_mut().poll(cx);
+        if out.is_ready() {
+            this.0 = None;
+        }
+        out
     }
-    tracing::debug!("no request head within the header read timeout; closing the connection");
-    Ok(())
+}
+
+impl<F> Drop for FinishOnDrop<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        if let (Some(f), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
+            rt.spawn(f);
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -238,9 +305,10 @@ async fn accept_loop<F, Fut>(
     tls: Option<tokio_rustls::TlsAcceptor>,
     handshake_timeout: Duration,
 ) where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
+    let proto = if tls.is_some() { "https" } else { "http" };
     loop {
         let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => return,
@@ -262,10 +330,11 @@ async fn accept_loop<F, Fut>(
         let h = handler.clone();
         let first_request = Arc::new(AtomicBool::new(false));
         let seen = first_request.clone();
+        let conn_peer = Arc::new(Peer::new(peer, proto));
         let svc = service_fn(move |req| {
             seen.store(true, Ordering::Relaxed);
-            let h = h.clone();
-            async move { Ok::<_, Infallible>(h(req, peer).await) }
+            let fut = h(req, conn_peer.clone());
+            async move { Ok::<_, Infallible>(fut.await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
@@ -323,22 +392,13 @@ impl App {
         let accept_stop = CancellationToken::new();
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let proxy = self.proxy.clone();
-        let proxy_handler = move |req: Request<Incoming>, peer: SocketAddr| {
-            let p = proxy.clone();
-            async move {
-                // Spawned so that a client going away cannot cancel a request
-                // halfway through its gate or dedup transitions.
-                match tokio::spawn(p.handle(req, peer)).await {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::error!(error = %e, "request task failed");
-                        crate::error::ProxyError::ShuttingDown.to_response()
-                    }
-                }
-            }
+        let proxy_handler = move |req: Request<Incoming>, peer: Arc<Peer>| {
+            // A client going away must not cancel a request halfway through its
+            // gate or dedup transitions.
+            FinishOnDrop::new(proxy.clone().handle(req, peer))
         };
         let admin = self.admin.clone();
-        let admin_handler = move |req: Request<Incoming>, _peer: SocketAddr| {
+        let admin_handler = move |req: Request<Incoming>, _peer: Arc<Peer>| {
             let a = admin.clone();
             async move { a.handle(req).await }
         };
@@ -400,5 +460,38 @@ impl App {
         self.proxy.durable().close().await?;
         tracing::info!("stopped; durable state flushed");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request whose connection drops it halfway still runs to its end.
+    #[tokio::test]
+    async fn a_dropped_request_is_finished_in_the_background() {
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let fut = FinishOnDrop::new(async move {
+            let _ = started_tx.send(());
+            let _ = go_rx.await;
+            let _ = done_tx.send("finished");
+        });
+        let client = tokio::spawn(fut);
+        started_rx.await.unwrap();
+        client.abort(); // the client went away
+        assert!(client.await.unwrap_err().is_cancelled());
+        go_tx.send(()).unwrap();
+        assert_eq!(done_rx.await.unwrap(), "finished");
+    }
+
+    #[tokio::test]
+    async fn a_finished_request_is_not_run_again() {
+        let runs = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let r = runs.clone();
+        let out = FinishOnDrop::new(async move { r.fetch_add(1, Ordering::SeqCst) + 1 }).await;
+        tokio::task::yield_now().await;
+        assert_eq!((out, runs.load(Ordering::SeqCst)), (1, 1));
     }
 }

@@ -437,10 +437,19 @@ async fn tls_listener_speaks_h2_and_https_upstreams_need_their_ca() {
                 let Ok(tls) = acceptor.accept(s).await else {
                     return;
                 };
-                let svc = hyper::service::service_fn(|_req| async {
-                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
-                        Bytes::from_static(b"secure origin"),
-                    )))
+                // Answers with the `Forwarded` header it received.
+                let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| {
+                    let fwd = req
+                        .headers()
+                        .get("forwarded")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from(format!("secure origin; forwarded: {fwd}")),
+                        )))
+                    }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(tls), svc)
@@ -482,9 +491,12 @@ async fn tls_listener_speaks_h2_and_https_upstreams_need_their_ca() {
     let resp = client.request(call("/trusted/x")).await.unwrap();
     assert_eq!(resp.version(), http::Version::HTTP_2, "ALPN negotiates h2");
     assert_eq!(resp.status(), 200);
-    assert_eq!(
-        &resp.into_body().collect().await.unwrap().to_bytes()[..],
-        b"secure origin"
+    let got = resp.into_body().collect().await.unwrap().to_bytes();
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("secure origin"), "{got}");
+    assert!(
+        got.contains(";proto=https"),
+        "the worker reached fencegate over TLS: {got}"
     );
     let resp = client.request(call("/untrusted/x")).await.unwrap();
     assert_eq!(

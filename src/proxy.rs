@@ -249,7 +249,7 @@ impl Proxy {
             // `in_flight` by a request that stopped halfway through writing it.
             match self
                 .dedup
-                .begin(&route.name, &key, fp, epoch, route.in_doubt)
+                .begin(&route.name, key, fp, epoch, route.in_doubt)
                 .await?
             {
                 Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),

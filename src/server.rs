@@ -338,41 +338,57 @@ async fn accept_loop<F, Fut>(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();
-        tokio::spawn(async move {
-            let result = match tls {
-                None => {
+        // Plain and TLS connections are separate tasks: one future holding both
+        // would make every plain connection as large as a TLS one.
+        match tls {
+            None => {
+                tokio::spawn(async move {
                     let conn = builder
                         .serve_connection(TokioIo::new(stream), svc)
                         .into_owned();
-                    first_request_within(watcher.watch(conn), &first_request, handshake_timeout)
-                        .await
-                }
-                Some(acceptor) => {
-                    match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
-                        Ok(Ok(tls_stream)) => {
-                            let conn = builder
-                                .serve_connection(TokioIo::new(tls_stream), svc)
-                                .into_owned();
-                            first_request_within(
-                                watcher.watch(conn),
-                                &first_request,
-                                handshake_timeout,
-                            )
-                            .await
-                        }
+                    let result = first_request_within(
+                        watcher.watch(conn),
+                        &first_request,
+                        handshake_timeout,
+                    )
+                    .await;
+                    if let Err(e) = result {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                    drop(permit);
+                });
+            }
+            Some(acceptor) => {
+                tokio::spawn(async move {
+                    let tls_stream = match tokio::time::timeout(
+                        handshake_timeout,
+                        acceptor.accept(stream),
+                    )
+                    .await
+                    {
+                        Ok(Ok(s)) => s,
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                            Ok(())
+                            return;
                         }
-                        Err(_) => Ok(()),
+                        Err(_) => return,
+                    };
+                    let conn = builder
+                        .serve_connection(TokioIo::new(tls_stream), svc)
+                        .into_owned();
+                    let result = first_request_within(
+                        watcher.watch(conn),
+                        &first_request,
+                        handshake_timeout,
+                    )
+                    .await;
+                    if let Err(e) = result {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
-                }
-            };
-            if let Err(e) = result {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    drop(permit);
+                });
             }
-            drop(permit);
-        });
+        }
     }
 }
 

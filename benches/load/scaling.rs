@@ -89,8 +89,15 @@ fn signal(pid: u32, sig: libc::c_int) {
     }
 }
 
+/// This build's fencegate, or `--fencegate-b PATH`'s when given (scaling runs one build).
 fn fencegate_exe() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_BIN_EXE_fencegate"))
+    std::env::args()
+        .skip_while(|a| a != "--fencegate-b")
+        .nth(1)
+        .map_or_else(
+            || std::path::PathBuf::from(env!("CARGO_BIN_EXE_fencegate")),
+            std::path::PathBuf::from,
+        )
 }
 
 fn fencing_route(name: &str, lease: &str) -> RouteSpec {

@@ -368,9 +368,28 @@ impl Dedup {
     ) -> Result<Begin, ProxyError> {
         use std::sync::atomic::Ordering::Relaxed;
         let k = db_key(route, key);
+        // Most keys are new: claim them with one compare-and-swap from "absent"
+        // instead of a read and then a swap (each walks sled's tree). A key that
+        // exists comes back with its current value and takes the general path.
+        let now = self.now_ms();
+        let fresh = Record {
+            state: State::InFlight,
+            fingerprint: fp,
+            epoch,
+            created_ms: now,
+            updated_ms: now,
+            response: None,
+        };
+        let mut current = match self
+            .tree()
+            .compare_and_swap(&k, None::<&[u8]>, Some(codec::encode(&fresh)))
+            .map_err(write_err)?
+        {
+            Ok(()) => return self.in_flight_written(k, fresh).await,
+            Err(e) => e.current,
+        };
         loop {
             let now = self.now_ms();
-            let current = self.tree().get(&k).map_err(write_err)?;
             let existing = current.as_ref().and_then(|v| codec::decode(v));
             if let Some(rec) = existing.as_ref().filter(|r| !self.expired(r, now)) {
                 if rec.fingerprint != fp {
@@ -408,22 +427,28 @@ impl Dedup {
                 updated_ms: now,
                 response: None,
             };
-            let swapped = self
+            match self
                 .tree()
-                .compare_and_swap(&k, current, Some(codec::encode(&record)))
-                .map_err(write_err)?;
-            if swapped.is_err() {
-                continue; // raced with another request of this key: look again
+                .compare_and_swap(&k, current.as_ref(), Some(codec::encode(&record)))
+                .map_err(write_err)?
+            {
+                Ok(()) => return self.in_flight_written(k, record).await,
+                // Raced with another request of this key: look again.
+                Err(e) => current = e.current,
             }
-            crate::failpoint::hit("dedup_in_flight_written");
-            self.durable.commit().await.map_err(|e| {
-                // Not durable: do not forward. Leave the record in flight; it turns
-                // in doubt at the next start-up if it did reach the disk.
-                durable_err(e)
-            })?;
-            crate::failpoint::hit("dedup_in_flight_flushed");
-            return Ok(Begin::Forward(Ticket { key: k, record }));
         }
+    }
+
+    /// The `in_flight` record is written: makes it durable before the forward.
+    async fn in_flight_written(&self, key: Vec<u8>, record: Record) -> Result<Begin, ProxyError> {
+        crate::failpoint::hit("dedup_in_flight_written");
+        self.durable.commit().await.map_err(|e| {
+            // Not durable: do not forward. Leave the record in flight; it turns
+            // in doubt at the next start-up if it did reach the disk.
+            durable_err(e)
+        })?;
+        crate::failpoint::hit("dedup_in_flight_flushed");
+        Ok(Begin::Forward(Ticket { key, record }))
     }
 
     /// Records how a forwarded request ended; for `done`, durable on return.

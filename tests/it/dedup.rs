@@ -9,6 +9,15 @@ use http::Request;
 use crate::support::*;
 
 async fn setup(route_extra: &str) -> (S3Server, Origin, Fencegate, Holding) {
+    setup_with_env(route_extra, &[]).await
+}
+
+async fn setup_with_env(
+    route_extra: &str,
+    env: &[(&str, &str)],
+) -> (S3Server, Origin, Fencegate, Holding) {
+    let mut env = env.to_vec();
+    env.push(("FENCEGATE_ADMIN_TOKEN", "admin-secret"));
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let fg = Fencegate::start_with_env(
@@ -23,7 +32,7 @@ async fn setup(route_extra: &str) -> (S3Server, Origin, Fencegate, Holding) {
                 "in_doubt = \"resend\"\ntimeout_ms = 300"
             ),
         ),
-        &[("FENCEGATE_ADMIN_TOKEN", "admin-secret")],
+        &env,
     );
     let epochs = s3.epochs().await;
     let a = acquire(&epochs, "pay", "worker-a", Duration::from_secs(60)).await;
@@ -297,4 +306,36 @@ async fn resolved_delivered_replays_without_a_body() {
     assert_eq!(replay.headers["x-fencegate-replay-body"], "not-stored");
     assert_eq!(origin.count(), 1);
     origin.release("hd");
+}
+
+/// A worker that gives up and hangs up mid-forward must not cut the forward short:
+/// the upstream's answer is still recorded, so the retry is answered from the
+/// record, never repeated and never stuck `in_flight`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_does_not_cut_a_forward_short() {
+    let (_s3, origin, fg, a) = setup_with_env("", &[("FENCEGATE_LOG", "debug")]).await;
+    let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+        .header("idempotency-key", "k-gone")
+        .header("x-test-hold", "gone")
+        .body(body("p"))
+        .unwrap();
+    let client = tokio::spawn(send(req));
+    origin.wait_for(1).await;
+    client.abort(); // the worker hangs up while the origin works
+    assert!(client.await.unwrap_err().is_cancelled());
+    eventually("fencegate saw the connection close", || async {
+        fg.stderr().contains("connection ended")
+    })
+    .await;
+    origin.release("gone");
+    eventually("the abandoned forward recorded its answer", || async {
+        let r = send(keyed(&fg, "/pay/x", &a, "k-gone", "p")).await;
+        r.headers.get("x-fencegate-replayed").is_some()
+    })
+    .await;
+    assert_eq!(
+        origin.count(),
+        1,
+        "the retry must not reach the destination"
+    );
 }

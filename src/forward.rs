@@ -36,7 +36,11 @@ const HOP_BY_HOP: [HeaderName; 10] = [
     header::PROXY_AUTHENTICATE,
     header::EXPECT,
 ];
-const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+/// Typed names of the headers read on every request: looking up by `&str` parses
+/// and validates the name again each time.
+pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
+pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// How an upstream exchange failed.

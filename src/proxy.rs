@@ -206,20 +206,20 @@ impl Proxy {
         seen: &'s mut Seen,
     ) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
-        let epoch = single_header(&parts.headers, forward::LEASE_EPOCH)
+        let epoch = single_header(&parts.headers, &forward::LEASE_EPOCH_NAME)
             .map_err(|_| ProxyError::EpochMalformed("repeated"))?
             .ok_or(ProxyError::EpochMissing)?;
         let epoch = Epoch::parse_header(epoch.as_bytes())
             .ok_or(ProxyError::EpochMalformed("not a plain decimal u64"))?;
         seen.epoch = Some(epoch.get());
-        let worker_key = match single_header(&parts.headers, "idempotency-key") {
+        let worker_key = match single_header(&parts.headers, &forward::IDEMPOTENCY_KEY_NAME) {
             Err(()) => return Err(ProxyError::DedupKeyMalformed("repeated")),
             Ok(None) => None,
             Ok(Some(v)) => {
                 Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?)
             }
         };
-        let token: Option<&[u8]> = match single_header(&parts.headers, forward::LEASE_TOKEN) {
+        let token: Option<&[u8]> = match single_header(&parts.headers, &forward::LEASE_TOKEN_NAME) {
             Ok(t) => t.map(http::HeaderValue::as_bytes),
             // Two tokens: neither can be trusted.
             Err(()) => Some(&[]),
@@ -423,7 +423,7 @@ fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
 /// The single value of a header: `Ok(None)` if absent, `Err` if repeated.
 fn single_header<'a>(
     h: &'a http::HeaderMap,
-    name: &str,
+    name: &http::HeaderName,
 ) -> Result<Option<&'a http::HeaderValue>, ()> {
     let mut it = h.get_all(name).iter();
     match (it.next(), it.next()) {

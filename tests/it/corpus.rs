@@ -675,3 +675,108 @@ async fn ten_thousand_connections_opened_and_dropped() {
     assert_eq!(origin.count(), 1);
     assert_eq!(lease_mark(&fg).await, (a.epoch.get(), 0));
 }
+
+/// Reads one HTTP/1.1 response (head and a Content-Length body); its status.
+async fn read_response(s: &mut TcpStream) -> u16 {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed before a response");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    while buf.len() < head_end + len {
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed mid-body");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    head[9..12].parse().unwrap()
+}
+
+/// Waits for the peer to close; how long that took (panics after 5 s).
+async fn closed_after(s: &mut TcpStream, from: Instant) -> Duration {
+    let mut chunk = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(CASE_DEADLINE, s.read(&mut chunk)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return from.elapsed(),
+            Ok(Ok(_)) => {}
+            Err(_) => panic!("the connection was left open"),
+        }
+    }
+}
+
+/// The header read timeout (500 ms here) also runs between requests: a keep-alive
+/// connection that goes quiet after an answer, or that trickles its next request
+/// head, is closed; so is an HTTP/2 connection with no stream open. fencegate
+/// enforces this with one timer per connection, so the close comes between one
+/// and two timeouts after the last answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_trickling_keep_alive_connections_are_closed() {
+    let (_s3, origin, fg, a, w) = setup().await;
+    let keep_alive = |path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: fencegate.test\r\n{}Content-Length: 2\r\n\r\nok",
+            w.auth
+        )
+    };
+    // Quiet after one answer.
+    let mut s = TcpStream::connect(fg.proxy).await.unwrap();
+    s.write_all(keep_alive("/billing/first").as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut s).await, 200);
+    let idle = closed_after(&mut s, Instant::now()).await;
+    assert!(idle < Duration::from_secs(3), "closed after {idle:?}");
+
+    // The next head trickles in after an answer.
+    let mut s = TcpStream::connect(fg.proxy).await.unwrap();
+    s.write_all(keep_alive("/billing/second").as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_response(&mut s).await, 200);
+    let started = Instant::now();
+    let next = keep_alive("/billing/trickled");
+    let writer = async {
+        for b in next.as_bytes() {
+            if s.write_all(&[*b]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(4), writer).await;
+    let trickled = closed_after(&mut s, started).await;
+    assert!(
+        trickled < Duration::from_secs(4),
+        "closed after {trickled:?}"
+    );
+    assert_eq!(origin.count(), 2, "the trickled request never got through");
+
+    // HTTP/2 (prior knowledge) with no stream open.
+    let tcp = TcpStream::connect(fg.proxy).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = worker_req(&fg.url("/billing/h2"), a.epoch.get(), &a.token)
+        .body(body("h2"))
+        .unwrap();
+    assert_eq!(send.send_request(req).await.unwrap().status(), 200);
+    let started = Instant::now();
+    let _ = tokio::time::timeout(CASE_DEADLINE, conn)
+        .await
+        .expect("the idle HTTP/2 connection was left open");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert_eq!(origin.count(), 3);
+}

@@ -118,6 +118,9 @@ pub struct Target {
     pub prefix: String,
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
+    /// `Host` for the upstream, made once: left to the client, it is formatted
+    /// for every request.
+    pub host: HeaderValue,
     /// Path of the upstream base URL, ending in `/`.
     pub base_path: String,
     pub dedup_header: HeaderName,
@@ -137,6 +140,17 @@ impl Target {
             .map_err(|e| format!("upstream {upstream:?}: {e}"))?;
         let scheme = uri.scheme().cloned().ok_or("upstream needs a scheme")?;
         let authority = uri.authority().cloned().ok_or("upstream needs a host")?;
+        // The client's own rule: the port only when it is not the scheme's default.
+        let default_port = if scheme == http::uri::Scheme::HTTPS {
+            443
+        } else {
+            80
+        };
+        let host = match authority.port_u16() {
+            Some(p) if p != default_port => format!("{}:{p}", authority.host()),
+            _ => authority.host().to_owned(),
+        };
+        let host = HeaderValue::from_str(&host).map_err(|e| format!("upstream host: {e}"))?;
         let mut base_path = uri.path().to_owned();
         if !base_path.ends_with('/') {
             base_path.push('/');
@@ -145,6 +159,7 @@ impl Target {
             prefix: prefix.to_owned(),
             scheme,
             authority,
+            host,
             base_path,
             dedup_header: HeaderName::from_bytes(dedup_header.as_bytes())
                 .map_err(|e| e.to_string())?,
@@ -304,6 +319,7 @@ pub fn build_request(
         header::FORWARDED,
         HeaderValue::from_maybe_shared(Bytes::from(fwd)).map_err(|e| e.to_string())?,
     );
+    headers.insert(header::HOST, target.host.clone());
     headers.insert(
         target.dedup_header.clone(),
         HeaderValue::from_str(dedup_key).map_err(|e| e.to_string())?,
@@ -473,10 +489,11 @@ mod tests {
             "keep-alive",
             "proxy-authorization",
             "x-lease-token",
-            "host",
         ] {
             assert!(h.get(gone).is_none(), "{gone}");
         }
+        // The worker's Host names fencegate; the upstream gets its own.
+        assert_eq!(h["host"], "up:9");
         assert_eq!(h["x-lease-epoch"], "7");
         assert_eq!(h["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
         assert_eq!(
@@ -501,5 +518,19 @@ mod tests {
         // A host that would break the element's syntax is left out.
         assert_eq!(h["forwarded"], "for=10.0.0.1, for=\"[::1]\";proto=https");
         assert_eq!(h["x-forwarded-for"], "::1");
+    }
+
+    #[test]
+    fn upstream_host_omits_the_default_port() {
+        for (up, host) in [
+            ("http://up/v1", "up"),
+            ("http://up:80/", "up"),
+            ("https://up:443/", "up"),
+            ("https://up:8443/", "up:8443"),
+            ("http://[::1]:9/", "[::1]:9"),
+        ] {
+            let t = Target::new("/b/", up, "Idempotency-Key", vec![]).unwrap();
+            assert_eq!(t.host, host, "{up}");
+        }
     }
 }

@@ -59,6 +59,8 @@ async fn forwarded_headers_follow_the_rules() {
         assert_eq!(got.header(gone), None, "{gone} must not be forwarded");
     }
     assert_eq!(got.header("x-lease-epoch"), Some(a.epoch.get().to_string()));
+    // The worker's Host named fencegate; the destination gets its own.
+    assert_eq!(got.header("host"), Some(origin.addr.to_string()));
     assert_eq!(got.header("x-end-to-end").as_deref(), Some("kept"));
     assert_eq!(got.header("x-dedup").as_deref(), Some("worker-key-1"));
     assert_eq!(

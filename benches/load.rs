@@ -21,7 +21,8 @@
 //! `--only passthrough,fencing,dedup,nginx`, `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
-//! figures; `BENCH_B_LOG=warn` sets build B's log filter). `BENCH_WRAP="valgrind
+//! figures; `BENCH_B_LOG=warn` sets build B's log filter; with `--scaling` it is
+//! the build measured instead of this one). `BENCH_WRAP="valgrind
 //! --tool=callgrind"` runs the proxies under a wrapper (profiling).
 //!
 //! Under `cargo test --all-targets` (no `--bench` in argv) it runs a smoke instead:

@@ -73,6 +73,10 @@ struct Requests {
 
 struct GroupCommit {
     written: AtomicU64,
+    /// Bumped after every change to the marks tree, so that the flusher reads the
+    /// marks (for the witness) only when they changed: with 10,000 leases reading
+    /// them made every group commit cost 6.5 ms instead of 0.5.
+    marks_version: AtomicU64,
     requests: Mutex<Requests>,
     wake: Condvar,
     batches: AtomicU64,
@@ -206,6 +210,7 @@ impl Durable {
             batches: AtomicU64::new(0),
             records: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
+            marks_version: AtomicU64::new(0),
         });
         let flusher = {
             let durable = Flusher {
@@ -215,6 +220,7 @@ impl Durable {
                 data_file,
                 witness,
                 seq,
+                marks_cache: None,
             };
             let commit = commit.clone();
             std::thread::Builder::new()
@@ -278,6 +284,8 @@ impl Durable {
                 Some(old.max(epoch.get()).to_be_bytes().to_vec())
             })
             .map_err(|e| DurableError::Write(e.to_string()))?;
+        // After the write: a flusher that sees this version reads this mark.
+        self.commit.marks_version.fetch_add(1, Ordering::SeqCst);
         crate::failpoint::hit("mark_written_before_flush");
         self.commit().await?;
         crate::failpoint::hit("mark_flushed");
@@ -384,14 +392,23 @@ struct Flusher {
     witness: witness::Writer,
     /// The number of the last group commit.
     seq: u64,
+    /// The marks as last read, with the `marks_version` read before reading them.
+    marks_cache: Option<(u64, Vec<(Vec<u8>, u64)>)>,
 }
 
 impl Flusher {
     /// One group commit: number it in sled, flush, fdatasync, then the witness.
-    fn commit(&mut self) -> Result<(), String> {
+    fn commit(&mut self, marks_version: u64) -> Result<(), String> {
         self.seq += 1;
         // Read before the flush: every mark in it is made durable by this flush.
-        let marks = mark_snapshot(&self.marks).map_err(|e| e.to_string())?;
+        // Unchanged since the last read (same version): the cached copy is exact.
+        // A raise whose write has not bumped the version yet is missing from it,
+        // which the witness allows (it is a lower bound on what sled holds); that
+        // raise's own commit comes later and reads it.
+        let marks = match self.marks_cache.take() {
+            Some((v, m)) if v == marks_version => m,
+            _ => mark_snapshot(&self.marks).map_err(|e| e.to_string())?,
+        };
         self.meta
             .insert(COMMIT_SEQ, &self.seq.to_be_bytes()[..])
             .map_err(|e| e.to_string())?;
@@ -399,9 +416,12 @@ impl Flusher {
         self.data_file
             .sync_data()
             .map_err(|e| format!("fdatasync: {e}"))?;
-        self.witness
+        let written = self
+            .witness
             .write(self.seq, &marks)
-            .map_err(|e| format!("writing the witness: {e}"))
+            .map_err(|e| format!("writing the witness: {e}"));
+        self.marks_cache = Some((marks_version, marks));
+        written
     }
 }
 
@@ -431,7 +451,7 @@ fn flusher_loop(mut f: Flusher, c: Arc<GroupCommit>) {
         std::thread::yield_now();
         // Every write numbered ≤ target was inserted before it was numbered.
         let target = c.written.load(Ordering::SeqCst);
-        let res = f.commit();
+        let res = f.commit(c.marks_version.load(Ordering::SeqCst));
         match res {
             Ok(()) => {
                 c.batches.fetch_add(1, Ordering::Relaxed);
@@ -602,6 +622,36 @@ mod witness {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The flusher reads the marks only when they changed; a raise after a commit
+    /// that used the cached copy still reaches the witness, and commits without a
+    /// raise carry the marks along.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_witness_follows_every_raise() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            LeaseName::parse("a").unwrap(),
+            LeaseName::parse("b").unwrap(),
+        );
+        let d = Durable::open(dir.path()).unwrap();
+        let witnessed = || {
+            let w = witness::read(dir.path()).unwrap().unwrap();
+            (w.seq, w.marks)
+        };
+        d.raise_mark(&a, Epoch::new(5)).await.unwrap();
+        d.commit().await.unwrap();
+        d.commit().await.unwrap();
+        let (seq1, marks) = witnessed();
+        assert_eq!(marks, vec![(b"a".to_vec(), 5)]);
+        d.raise_mark(&b, Epoch::new(2)).await.unwrap();
+        d.raise_mark(&a, Epoch::new(9)).await.unwrap();
+        let (seq2, marks) = witnessed();
+        assert!(seq2 > seq1);
+        assert_eq!(marks, vec![(b"a".to_vec(), 9), (b"b".to_vec(), 2)]);
+        d.commit().await.unwrap();
+        assert_eq!(witnessed().1, marks);
+        d.close().await.unwrap();
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn marks_survive_reopen_and_batches_form() {

@@ -371,7 +371,10 @@ impl Durable {
 }
 
 /// Every mark, as (lease, epoch).
-fn mark_snapshot(marks: &sled::Tree) -> Result<Vec<(Vec<u8>, u64)>, sled::Error> {
+/// Every mark, as (lease, epoch): what the witness records.
+type Marks = Vec<(Vec<u8>, u64)>;
+
+fn mark_snapshot(marks: &sled::Tree) -> Result<Marks, sled::Error> {
     marks
         .iter()
         .filter_map(|item| match item {
@@ -393,7 +396,7 @@ struct Flusher {
     /// The number of the last group commit.
     seq: u64,
     /// The marks as last read, with the `marks_version` read before reading them.
-    marks_cache: Option<(u64, Vec<(Vec<u8>, u64)>)>,
+    marks_cache: Option<(u64, Marks)>,
 }
 
 impl Flusher {

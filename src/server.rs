@@ -20,6 +20,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -216,6 +217,9 @@ struct Activity {
     in_flight: AtomicUsize,
     /// Milliseconds after `started` when the connection last became idle.
     idle_since_ms: AtomicU64,
+    /// Milliseconds after `started` of the last write that moved bytes: a large
+    /// answer still going out to a slow reader is not idleness.
+    wrote_ms: AtomicU64,
 }
 
 impl Activity {
@@ -224,6 +228,7 @@ impl Activity {
             started: Instant::now(),
             in_flight: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(0),
+            wrote_ms: AtomicU64::new(0),
         })
     }
 
@@ -236,8 +241,75 @@ impl Activity {
         if self.in_flight.load(Ordering::SeqCst) > 0 {
             return None;
         }
-        let since = self.idle_since_ms.load(Ordering::SeqCst);
+        let since = self
+            .idle_since_ms
+            .load(Ordering::SeqCst)
+            .max(self.wrote_ms.load(Ordering::Relaxed));
         Some(Duration::from_millis(self.now_ms().saturating_sub(since)))
+    }
+}
+
+/// The connection's socket, noting in its [`Activity`] when a write moves bytes.
+struct Tracked<S> {
+    io: S,
+    activity: Arc<Activity>,
+}
+
+impl<S> Tracked<S> {
+    fn wrote(&self, r: &Poll<std::io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = r {
+            if *n > 0 {
+                self.activity
+                    .wrote_ms
+                    .store(self.activity.now_ms(), Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.wrote(&r);
+        r
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.wrote(&r);
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 
@@ -264,9 +336,9 @@ impl Drop for Busy {
 
 /// Serves `conn`, but closes it once it has gone `limit` without a request: after
 /// accepting (a client that sends nothing, or part of an HTTP/2 preface, which
-/// hyper's auto builder would wait for forever), and after each answer (an idle
-/// keep-alive connection, or a request head trickling in — slowloris). HTTP/1 and
-/// HTTP/2 alike.
+/// hyper's auto builder would wait for forever), and after each answer has gone
+/// out (an idle keep-alive connection, a request head trickling in — slowloris —
+/// or a client that stopped reading its answer). HTTP/1 and HTTP/2 alike.
 ///
 /// One timer per connection, re-armed only when it fires (at most once per
 /// `limit`), not per request: a connection is closed between `limit` and twice
@@ -408,7 +480,13 @@ async fn accept_loop<F, Fut>(
             None => {
                 tokio::spawn(async move {
                     let conn = builder
-                        .serve_connection(TokioIo::new(stream), svc)
+                        .serve_connection(
+                            TokioIo::new(Tracked {
+                                io: stream,
+                                activity: activity.clone(),
+                            }),
+                            svc,
+                        )
                         .into_owned();
                     let result =
                         close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;
@@ -434,7 +512,13 @@ async fn accept_loop<F, Fut>(
                         Err(_) => return,
                     };
                     let conn = builder
-                        .serve_connection(TokioIo::new(tls_stream), svc)
+                        .serve_connection(
+                            TokioIo::new(Tracked {
+                                io: tls_stream,
+                                activity: activity.clone(),
+                            }),
+                            svc,
+                        )
                         .into_owned();
                     let result =
                         close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;

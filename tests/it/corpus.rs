@@ -780,3 +780,40 @@ async fn idle_and_trickling_keep_alive_connections_are_closed() {
     assert!(started.elapsed() < Duration::from_secs(3));
     assert_eq!(origin.count(), 3);
 }
+
+/// The idle limit starts once an answer has gone out, not when it was handed to
+/// the connection: a client reading a large answer slowly (for longer than two
+/// header read timeouts) gets all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_gets_its_whole_answer() {
+    let (_s3, _origin, fg, _a, w) = setup().await;
+    const SIZE: usize = 24 << 20;
+    let mut s = TcpStream::connect(fg.proxy).await.unwrap();
+    let req = format!(
+        "POST /billing/big HTTP/1.1\r\nHost: fencegate.test\r\n{}X-Test-Size: {SIZE}\r\nContent-Length: 2\r\n\r\nok",
+        w.auth
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let mut got = 0usize;
+    let mut chunk = vec![0u8; 256 << 10];
+    // ~1 MiB every 100 ms: about 2.4 s, well past 2 × 500 ms.
+    loop {
+        let n = s.read(&mut chunk).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        got += n;
+        if got >= SIZE {
+            break;
+        }
+        if got % (1 << 20) < n {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert!(got >= SIZE, "got {got} of {SIZE} bytes");
+    assert!(
+        started.elapsed() > Duration::from_millis(1000),
+        "the read was meant to be slow"
+    );
+}

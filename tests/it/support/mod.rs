@@ -4,7 +4,8 @@
 //!   test, pausable with SIGSTOP to make the store unreachable.
 //! - [`Origin`]: a recording HTTP origin (arrival and completion times, headers,
 //!   body). A request header `x-test-hold: NAME` makes it wait until the test calls
-//!   [`Origin::release`]; `x-test-status` and `x-test-body` choose the answer.
+//!   [`Origin::release`]; `x-test-status` and `x-test-body` (or `x-test-size`: that
+//!   many bytes) choose the answer.
 //! - [`Fencegate`]: the real `fencegate` binary, started from a written config, with
 //!   kill -9, SIGTERM and restart on the same data directory.
 
@@ -332,11 +333,16 @@ async fn origin_handle(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
-    let body = parts
+    let size: Option<usize> = parts
         .headers
-        .get("x-test-body")
-        .map(|v| Bytes::copy_from_slice(v.as_bytes()))
-        .unwrap_or_else(|| Bytes::from(format!("origin saw request #{idx}")));
+        .get("x-test-size")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    let body = match (size, parts.headers.get("x-test-body")) {
+        (Some(n), _) => Bytes::from(vec![b'z'; n]),
+        (None, Some(v)) => Bytes::copy_from_slice(v.as_bytes()),
+        (None, None) => Bytes::from(format!("origin saw request #{idx}")),
+    };
     st.lock().unwrap().log[idx].completed = Some(Instant::now());
     Response::builder()
         .status(status)

@@ -194,7 +194,7 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-fn http_builder() -> auto::Builder<TokioExecutor> {
+fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     // hyper's own header read timeout is off: it arms a timer for every request,
     // which cost ~5% of a forwarded request's CPU. `close_when_idle` enforces the
@@ -206,7 +206,9 @@ fn http_builder() -> auto::Builder<TokioExecutor> {
     b.http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(256)
-        .keep_alive_interval(Duration::from_secs(30));
+        // Pings are writes, and writes count as activity for `close_when_idle`:
+        // kept above its limit, they cannot keep an idle connection open.
+        .keep_alive_interval(Duration::from_secs(30).max(idle_limit * 2));
     b
 }
 
@@ -541,7 +543,7 @@ impl App {
         admin_l: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), StartError> {
-        let builder = Arc::new(http_builder());
+        let builder = Arc::new(http_builder(self.header_read_timeout));
         let graceful = GracefulShutdown::new();
         let admin_graceful = GracefulShutdown::new();
         let accept_stop = CancellationToken::new();

@@ -23,6 +23,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
@@ -476,61 +477,35 @@ async fn accept_loop<F, Fut>(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();
-        // Plain and TLS connections are separate tasks: one future holding both
-        // would make every plain connection as large as a TLS one.
-        match tls {
-            None => {
-                tokio::spawn(async move {
-                    let conn = builder
-                        .serve_connection(
-                            TokioIo::new(Tracked {
-                                io: stream,
-                                activity: activity.clone(),
-                            }),
-                            svc,
-                        )
-                        .into_owned();
-                    let result =
-                        close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;
-                    if let Err(e) = result {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
-                    }
-                    drop(permit);
-                });
-            }
-            Some(acceptor) => {
-                tokio::spawn(async move {
-                    let tls_stream = match tokio::time::timeout(
-                        handshake_timeout,
-                        acceptor.accept(stream),
-                    )
-                    .await
+        tokio::spawn(async move {
+            // The TLS stream is boxed (and its handshake too): a plain connection's
+            // task stays as small as if TLS did not exist.
+            let io = match tls {
+                None => Either::Left(stream),
+                Some(acceptor) => {
+                    match tokio::time::timeout(handshake_timeout, Box::pin(acceptor.accept(stream)))
+                        .await
                     {
-                        Ok(Ok(s)) => s,
+                        Ok(Ok(s)) => Either::Right(Box::new(s)),
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
                             return;
                         }
                         Err(_) => return,
-                    };
-                    let conn = builder
-                        .serve_connection(
-                            TokioIo::new(Tracked {
-                                io: tls_stream,
-                                activity: activity.clone(),
-                            }),
-                            svc,
-                        )
-                        .into_owned();
-                    let result =
-                        close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;
-                    if let Err(e) = result {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
                     }
-                    drop(permit);
-                });
+                }
+            };
+            let io = TokioIo::new(Tracked {
+                io,
+                activity: activity.clone(),
+            });
+            let conn = builder.serve_connection(io, svc).into_owned();
+            let result = close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;
+            if let Err(e) = result {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-        }
+            drop(permit);
+        });
     }
 }
 

@@ -758,37 +758,35 @@ fn report(
          CPU is the proxy process's utime+stime (/proc/PID/stat) ÷ answered requests.\n",
     );
 
-    // Records per flush for the dedup target.
+    // Records per flush for the dedup target(s), summed over each one's windows.
+    let per_flush = |d: usize| -> Vec<(usize, f64)> {
+        args.conc
+            .iter()
+            .filter_map(|&c| {
+                samples
+                    .get(&(d, c))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|s| s.flush)
+                    .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
+                    .map(|(rec, b)| (c, rec / b.max(1.0)))
+            })
+            .collect()
+    };
     let mut flush_json = Value::Null;
     if let Some(d) = idx("dedup-b") {
         md.push_str("\nBuild B, durable dedup, records per flush:");
-        for &c in &args.conc {
-            if let Some((rec, b)) = samples
-                .get(&(d, c))
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s.flush)
-                .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
-            {
-                md.push_str(&format!(" c={c}: {:.1};", rec / b.max(1.0)));
-            }
+        for (c, r) in per_flush(d) {
+            md.push_str(&format!(" c={c}: {r:.1};"));
         }
         md.push('\n');
     }
     if let Some(d) = idx("dedup") {
         md.push_str("\nDurable dedup, records per flush (fencegate_flush_records_total / fencegate_flush_batches_total over the windows):");
         let mut per_c = serde_json::Map::new();
-        for &c in &args.conc {
-            if let Some((rec, b)) = samples
-                .get(&(d, c))
-                .into_iter()
-                .flatten()
-                .filter_map(|s| s.flush)
-                .reduce(|a, b| (a.0 + b.0, a.1 + b.1))
-            {
-                md.push_str(&format!(" c={c}: {:.1};", rec / b.max(1.0)));
-                per_c.insert(c.to_string(), json!(rec / b.max(1.0)));
-            }
+        for (c, r) in per_flush(d) {
+            md.push_str(&format!(" c={c}: {r:.1};"));
+            per_c.insert(c.to_string(), json!(r));
         }
         md.push('\n');
         flush_json = Value::Object(per_c);

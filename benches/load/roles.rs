@@ -60,14 +60,23 @@ async fn listen() -> Result<TcpListener, String> {
     Ok(l)
 }
 
+/// The next connection, with Nagle off (accept errors are retried after a pause).
+async fn accept(l: &TcpListener) -> tokio::net::TcpStream {
+    loop {
+        match l.accept().await {
+            Ok((s, _)) => {
+                let _ = s.set_nodelay(true);
+                return s;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+}
+
 async fn origin() -> Result<(), String> {
     let l = listen().await?;
     loop {
-        let Ok((s, _)) = l.accept().await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        let _ = s.set_nodelay(true);
+        let s = accept(&l).await;
         tokio::spawn(async move {
             let svc = service_fn(|req: Request<Incoming>| async move {
                 let _ = req.into_body().collect().await;
@@ -94,11 +103,7 @@ async fn passthrough(upstream: SocketAddr) -> Result<(), String> {
         .map_err(|e: http::uri::InvalidUri| e.to_string())?;
     let l = listen().await?;
     loop {
-        let Ok((s, _)) = l.accept().await else {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        let _ = s.set_nodelay(true);
+        let s = accept(&l).await;
         let (client, authority) = (client.clone(), authority.clone());
         tokio::spawn(async move {
             let svc = service_fn(move |req: Request<Incoming>| {

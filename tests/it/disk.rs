@@ -20,6 +20,7 @@ use fencegate::config::InDoubtPolicy;
 use fencegate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
 use fencegate::durable::{Durable, DurableError};
 use fencegate::epoch::{Epoch, LeaseName};
+use fencegate::lease::acquire::Holding;
 use http::Request;
 
 use crate::support::*;
@@ -60,6 +61,33 @@ async fn hwm(admin: SocketAddr, lease: &str) -> u64 {
         .and_then(|a| a.iter().find(|l| l["lease"] == lease))
         .and_then(|l| l["high_water_mark"].as_u64())
         .unwrap_or_else(|| panic!("no lease {lease} in {v}"))
+}
+
+/// With the state unwritable, after one forwarded request: a new dedup key (the
+/// worker's own, then a derived one) at the admitted epoch and a newer epoch
+/// (whose mark cannot be made durable) are refused with 503 `store_unavailable`,
+/// nothing more reaches the origin, the mark stays and readyz says 503. Returns
+/// the newer epoch's holding.
+async fn new_work_is_refused(
+    fg: &Fencegate,
+    origin: &Origin,
+    epochs: &fencegate::lease::Epochs,
+    a: &Holding,
+) -> Holding {
+    send(keyed(fg, "/billing/k", a, "fresh-key", "one"))
+        .await
+        .assert_error(503, "store_unavailable");
+    let r = post(fg, "/billing/derived", a, "two").await;
+    r.assert_error(503, "store_unavailable");
+    assert!(r.headers.contains_key("retry-after"));
+    let b = force_next_epoch(epochs, "billing", "worker-b", Duration::from_secs(60)).await;
+    post(fg, "/billing/newer", &b, "three")
+        .await
+        .assert_error(503, "store_unavailable");
+    assert_eq!(origin.count(), 1, "{:?}", origin.log());
+    assert_eq!(hwm(fg.admin, "billing").await, a.epoch.get());
+    assert_eq!(admin_get(fg.admin, "/readyz").await.status, 503);
+    b
 }
 
 fn run(cmd: &str, args: &[&str]) -> Result<(), String> {
@@ -133,21 +161,7 @@ async fn unwritable_data_directory_refuses_new_epochs_and_keys() {
     assert_eq!(hwm(fg.admin, "billing").await, a.epoch.get());
 
     let frozen = Immutable::set(&fg.dir.path().join("state"));
-    // A new dedup key (the worker's own, then a derived one) at the admitted epoch.
-    send(keyed(&fg, "/billing/k", &a, "fresh-key", "one"))
-        .await
-        .assert_error(503, "store_unavailable");
-    let r = post(&fg, "/billing/derived", &a, "two").await;
-    r.assert_error(503, "store_unavailable");
-    assert!(r.headers.contains_key("retry-after"));
-    // A new epoch: its mark cannot be made durable.
-    let b = force_next_epoch(&epochs, "billing", "worker-b", Duration::from_secs(60)).await;
-    post(&fg, "/billing/newer", &b, "three")
-        .await
-        .assert_error(503, "store_unavailable");
-    assert_eq!(origin.count(), 1, "{:?}", origin.log());
-    assert_eq!(hwm(fg.admin, "billing").await, a.epoch.get());
-    assert_eq!(admin_get(fg.admin, "/readyz").await.status, 503);
+    let b = new_work_is_refused(&fg, &origin, &epochs, &a).await;
 
     // The fault goes away; a restart reopens the intact state: the mark is the
     // durable one, and the newer epoch is served.
@@ -258,19 +272,7 @@ async fn full_data_directory_refuses_new_epochs_and_keys() {
     }
     println!("full tmpfs: {burned} records still fit before the first refusal");
 
-    send(keyed(&fg, "/billing/k", &a, "fresh-key", "one"))
-        .await
-        .assert_error(503, "store_unavailable");
-    post(&fg, "/billing/derived", &a, "two")
-        .await
-        .assert_error(503, "store_unavailable");
-    let b = force_next_epoch(&epochs, "billing", "worker-b", Duration::from_secs(60)).await;
-    post(&fg, "/billing/newer", &b, "three")
-        .await
-        .assert_error(503, "store_unavailable");
-    assert_eq!(origin.count(), 1, "{:?}", origin.log());
-    assert_eq!(hwm(fg.admin, "billing").await, a.epoch.get());
-    assert_eq!(admin_get(fg.admin, "/readyz").await.status, 503);
+    let b = new_work_is_refused(&fg, &origin, &epochs, &a).await;
 
     // Space comes back; a restart reopens what was made durable.
     std::fs::remove_file(filler).unwrap();

@@ -313,3 +313,38 @@ pub async fn refresh_all(fences: Vec<Arc<Fence>>, interval: Duration, stop: Canc
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SystemClock;
+    use crate::lease::dir::DirStore;
+
+    /// One round lists every running fence once and skips a stopped one; with the
+    /// stop token already cancelled, `refresh_all` returns after that round.
+    #[tokio::test]
+    async fn a_round_lists_each_running_fence_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DirStore::open(dir.path().join("store"), Arc::new(SystemClock)).unwrap();
+        let epochs = Epochs::new(Arc::new(store), "p/");
+        let durable = Durable::open(&dir.path().join("state")).unwrap();
+        let fences: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|l| {
+                let lease = LeaseName::parse(l).unwrap();
+                Fence::new(lease, epochs.clone(), durable.clone(), Duration::ZERO).unwrap()
+            })
+            .collect();
+        fences[2].stop();
+        let stop = CancellationToken::new();
+        stop.cancel();
+        refresh_all(fences.clone(), Duration::from_secs(3600), stop).await;
+        let lists: Vec<u64> = fences
+            .iter()
+            .map(|f| f.calls.lists.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(lists, vec![1, 1, 0]);
+        assert!(fences[0].view().store_ok);
+        durable.close().await.unwrap();
+    }
+}

@@ -167,7 +167,8 @@ impl Target {
         })
     }
 
-    /// Whether `path` belongs to this route (`/billing/...` or exactly `/billing`).
+    /// Whether `path` belongs to this route (`/billing/...` or exactly `/billing`):
+    /// the definition the proxy's route index is tested against.
     pub fn matches(&self, path: &str) -> bool {
         path.starts_with(&self.prefix)
             || path.len() + 1 == self.prefix.len() && self.prefix.starts_with(path)

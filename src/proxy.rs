@@ -472,8 +472,10 @@ mod tests {
 
     /// The definition the index must agree with: the longest matching prefix.
     fn linear(prefixes: &[String], path: &str) -> Option<usize> {
-        let matches =
-            |p: &str| path.starts_with(p) || path.len() + 1 == p.len() && p.starts_with(path);
+        let matches = |p: &str| {
+            Target::new(p, "http://upstream/", "Idempotency-Key", vec![])
+                .is_ok_and(|t| t.matches(path))
+        };
         (0..prefixes.len())
             .filter(|&i| matches(&prefixes[i]))
             .max_by_key(|&i| prefixes[i].len())

@@ -3,10 +3,16 @@
 //! current (one [`refresh_all`] task paces the listings of every fence). One
 //! [`Fence`] per lease can be stopped on its own — the unit a future multi-instance
 //! mode hands from one owner to another.
+//!
+//! Locks: a fence has one std mutex (its known epochs) and its gate has another.
+//! A thread never holds both (`lock_order`, checked in debug builds): the
+//! admission decision runs under the gate's lock, so it reads the latest known
+//! epoch from an atomic mirror, never from `known`; and [`Fence::view`] copies out
+//! of `known` and releases it before it reads the gate.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio_util::sync::CancellationToken;
@@ -17,6 +23,7 @@ use crate::epoch::{Epoch, EpochObject, LeaseName};
 use crate::error::ProxyError;
 use crate::gate::{Gate, GateStats, Pass, RaiseError};
 use crate::lease::{Epochs, StoreError};
+use crate::lock_order::Ordered;
 
 #[derive(Default)]
 struct Known {
@@ -43,6 +50,9 @@ pub struct Fence {
     durable: Arc<Durable>,
     gate: Arc<Gate>,
     known: Mutex<Known>,
+    /// `known.latest`, readable without the lock (raised only under it): the
+    /// admission decision reads it under the gate's lock.
+    latest: AtomicU64,
     refresh_lock: tokio::sync::Mutex<()>,
     refreshes_started: AtomicU64,
     stop: CancellationToken,
@@ -81,6 +91,7 @@ impl Fence {
                 latest: mark,
                 ..Known::default()
             }),
+            latest: AtomicU64::new(mark.get()),
             refresh_lock: tokio::sync::Mutex::new(()),
             refreshes_started: AtomicU64::new(0),
             stop: CancellationToken::new(),
@@ -92,8 +103,13 @@ impl Fence {
         &self.lease
     }
 
-    fn known(&self) -> MutexGuard<'_, Known> {
-        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    fn known(&self) -> Ordered<'_, Known> {
+        crate::lock_order::lock("fence known", &self.known)
+    }
+
+    /// The latest epoch known for the lease, without taking `known`.
+    fn latest(&self) -> Epoch {
+        Epoch::new(self.latest.load(Ordering::SeqCst))
     }
 
     /// Takes this lease out of the background refresh (see [`refresh_all`]).
@@ -142,6 +158,7 @@ impl Fence {
         let mut k = self.known();
         if latest > k.latest {
             k.latest = latest;
+            self.latest.fetch_max(latest.get(), Ordering::SeqCst);
         }
         if let Some(o) = object {
             k.objects.insert(latest, Arc::new(o));
@@ -191,7 +208,7 @@ impl Fence {
         // Stale without I/O: below the barrier or below a known epoch.
         {
             let barrier = self.gate.barrier();
-            let latest = self.known().latest;
+            let latest = self.latest();
             if admission::stale(epoch, barrier, latest) {
                 return Err(Refusal::Stale {
                     lease: self.lease.clone(),
@@ -214,8 +231,9 @@ impl Fence {
         }
         let object = self.known().objects.get(&epoch).cloned();
         let store_now = self.epochs.store_now();
+        // Runs under the gate's lock: takes no other lock (module doc).
         let decide = |mark: Epoch| {
-            let latest = self.known().latest;
+            let latest = self.latest();
             admission::decide(
                 claim,
                 Facts {
@@ -245,23 +263,31 @@ impl Fence {
     }
 
     /// A snapshot for the admin API and metrics.
+    ///
+    /// Copies out of `known` and releases it before reading the gate (module doc).
     pub fn view(&self) -> FenceView {
-        let k = self.known();
-        let (holder, expires_at) = match k.objects.get(&k.latest).map(|o| o.as_ref()) {
-            Some(EpochObject::Acquire {
-                holder, expires_at, ..
-            }) => (Some(holder.clone()), Some(*expires_at)),
-            Some(o) => (o.holder().map(str::to_owned), None),
-            None => (None, None),
+        let view = {
+            let k = self.known();
+            let (holder, expires_at) = match k.objects.get(&k.latest).map(|o| o.as_ref()) {
+                Some(EpochObject::Acquire {
+                    holder, expires_at, ..
+                }) => (Some(holder.clone()), Some(*expires_at)),
+                Some(o) => (o.holder().map(str::to_owned), None),
+                None => (None, None),
+            };
+            FenceView {
+                lease: self.lease.clone(),
+                gate: GateStats::default(),
+                latest_known: k.latest,
+                holder,
+                expires_at,
+                store_ok: k.last_error.is_none() && k.last_ok.is_some(),
+                last_error: k.last_error.clone(),
+            }
         };
         FenceView {
-            lease: self.lease.clone(),
             gate: self.gate.stats(),
-            latest_known: k.latest,
-            holder,
-            expires_at,
-            store_ok: k.last_error.is_none() && k.last_ok.is_some(),
-            last_error: k.last_error.clone(),
+            ..view
         }
     }
 
@@ -270,7 +296,7 @@ impl Fence {
     }
 
     pub fn latest_known(&self) -> Epoch {
-        self.known().latest
+        self.latest()
     }
 }
 
@@ -319,6 +345,76 @@ mod tests {
     use super::*;
     use crate::clock::SystemClock;
     use crate::lease::dir::DirStore;
+
+    async fn create_epoch(epochs: &Epochs, e: u64) {
+        let lease = LeaseName::parse("l").unwrap();
+        let token = format!("t{e}");
+        let rec = crate::epoch::EpochRecord::acquire(
+            &lease,
+            Epoch::new(e),
+            "w",
+            token.as_bytes(),
+            Duration::from_secs(60),
+        );
+        epochs
+            .create(&lease, Epoch::new(e), rec.to_json().into())
+            .await
+            .unwrap();
+    }
+
+    fn fence_on(dir: &std::path::Path) -> (Arc<Fence>, Epochs, Arc<Durable>) {
+        let store = DirStore::open(dir.join("store"), Arc::new(SystemClock)).unwrap();
+        let epochs = Epochs::new(Arc::new(store), "p/");
+        let lease = LeaseName::parse("l").unwrap();
+        let durable = Durable::open(&dir.join("state")).unwrap();
+        let fence = Fence::new(lease, epochs.clone(), durable.clone(), Duration::ZERO).unwrap();
+        (fence, epochs, durable)
+    }
+
+    /// The lock-order rule (module doc) on every path where the fence's `known`
+    /// and the gate's lock meet: admission at the mark and by a raise (the
+    /// decision runs under the gate's lock), the admin/metrics snapshot, and the
+    /// refresh. In debug builds nesting the two panics (`lock_order`), so this
+    /// fails on a `decide` that reads `known` or a `view` that reads the gate
+    /// while holding it — whichever interleaving the threads happen to take.
+    #[tokio::test]
+    async fn admission_view_and_refresh_never_hold_both_locks() {
+        let dir = tempfile::tempdir().unwrap();
+        let (fence, epochs, durable) = fence_on(dir.path());
+        create_epoch(&epochs, 1).await;
+        let claim = |e: u64, t: &'static [u8]| Claim {
+            epoch: Epoch::new(e),
+            token: Some(t),
+        };
+        let p1 = fence
+            .admit(claim(1, b"t1"), true, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(fence.view().gate.in_flight, 1);
+        drop(p1);
+        let again = fence
+            .admit(claim(1, b"t1"), true, Duration::from_secs(1))
+            .await
+            .unwrap();
+        drop(again);
+        create_epoch(&epochs, 2).await;
+        fence.refresh_now().await.unwrap();
+        let p2 = fence
+            .admit(claim(2, b"t2"), true, Duration::from_secs(1))
+            .await
+            .unwrap();
+        let v = fence.view();
+        assert_eq!(
+            (v.gate.mark, v.latest_known),
+            (Epoch::new(2), Epoch::new(2))
+        );
+        drop(p2);
+        assert!(fence
+            .admit(claim(1, b"t1"), true, Duration::from_secs(1))
+            .await
+            .is_err());
+        durable.close().await.unwrap();
+    }
 
     /// One round lists every running fence once and skips a stopped one; with the
     /// stop token already cancelled, `refresh_all` returns after that round.

@@ -26,10 +26,12 @@ use crate::durable::DurableError;
 use crate::epoch::Epoch;
 
 #[cfg(not(fencegate_loom))]
-use std::sync::{atomic::AtomicBool, atomic::Ordering, Mutex, MutexGuard};
+use crate::lock_order::Ordered as Guard;
+#[cfg(not(fencegate_loom))]
+use std::sync::{atomic::AtomicBool, atomic::Ordering, Mutex};
 
 #[cfg(fencegate_loom)]
-use loom::sync::{atomic::AtomicBool, atomic::Ordering, Mutex, MutexGuard};
+use loom::sync::{atomic::AtomicBool, atomic::Ordering, Mutex, MutexGuard as Guard};
 
 /// The abort signal shared by the passes of one epoch.
 #[derive(Debug, Default)]
@@ -128,10 +130,15 @@ impl Core {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    /// Under the one-lock-at-a-time rule (`lock_order`): `decide` closures run
+    /// under this lock and must take no other.
+    fn lock(&self) -> Guard<'_, State> {
+        #[cfg(not(fencegate_loom))]
+        return crate::lock_order::lock("gate", &self.state);
         // The state stays consistent under every panic-free path; a poisoned lock
         // only means another thread panicked elsewhere.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        #[cfg(fencegate_loom)]
+        return self.state.lock().unwrap_or_else(|p| p.into_inner());
     }
 
     fn register(st: &mut State, epoch: Epoch) -> Entry {

@@ -13,6 +13,7 @@
 //! - [`proxy`] — the request path tying the above together.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
+//! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 
 #![forbid(unsafe_code)]
@@ -32,6 +33,7 @@ pub mod fence;
 pub mod forward;
 pub mod gate;
 pub mod lease;
+pub mod lock_order;
 pub mod metrics;
 pub mod proxy;
 pub mod server;

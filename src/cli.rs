@@ -121,6 +121,9 @@ pub fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(cfg) => {
+                for w in cfg.warnings() {
+                    eprintln!("fencegate: warning: {w}");
+                }
                 print!("{}", cfg.summary());
                 println!("config {} is valid", config.display());
                 ExitCode::SUCCESS

@@ -428,6 +428,26 @@ impl Config {
         Ok(())
     }
 
+    /// Settings that are valid but probably not what the operator meant; printed
+    /// by `check-config` and logged by `serve`.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for r in &self.routes {
+            let longest = r.timeout() + r.drain_timeout();
+            if self.dedup.ttl < longest {
+                out.push(format!(
+                    "[dedup] ttl ({}) is shorter than route {:?}'s timeout_ms + drain_timeout_ms ({}): \
+                     a finished key can be forgotten while a retry of it may still come; \
+                     in-flight and in-doubt records never expire",
+                    humantime::format_duration(self.dedup.ttl),
+                    r.name,
+                    humantime::format_duration(longest),
+                ));
+            }
+        }
+        out
+    }
+
     /// A readable summary for `check-config` (never prints secret values).
     pub fn summary(&self) -> String {
         use std::fmt::Write;
@@ -536,6 +556,19 @@ lease = "billing"
         assert_eq!(c.store.refresh_interval_ms, 1000);
         assert_eq!(c.store.grace_ms, 2000);
         assert_eq!(c.dedup.ttl, Duration::from_secs(86400));
+    }
+
+    #[test]
+    fn a_dedup_ttl_shorter_than_a_request_can_last_is_warned_about() {
+        assert!(Config::parse(MIN).unwrap().warnings().is_empty());
+        let c = Config::parse(&format!("[dedup]\nttl = \"15s\"\n{MIN}")).unwrap();
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("\"billing\"") && w[0].contains("20s"),
+            "{}",
+            w[0]
+        );
     }
 
     #[test]

@@ -351,10 +351,14 @@ impl Dedup {
         unix_ms(self.clock.now())
     }
 
+    /// Only a `done` record expires: an `in_flight` or `in_doubt` one never turns
+    /// into "absent" (SPEC §6) — its request may still be at the destination, and
+    /// treating it as absent would forward the key again.
     fn expired(&self, r: &Record, now_ms: u64) -> bool {
-        r.created_ms
-            .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX))
-            <= now_ms
+        r.state == State::Done
+            && r.created_ms
+                .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX))
+                <= now_ms
     }
 
     /// Claims `key` for a new forward, or answers from its record (SPEC §6).
@@ -529,8 +533,7 @@ impl Dedup {
         let now = self.now_ms();
         let mut n = 0;
         for (k, v) in self.tree().iter().filter_map(Result::ok) {
-            let expired = codec::decode(&v)
-                .is_none_or(|r| self.expired(&r, now) && r.state != State::InFlight);
+            let expired = codec::decode(&v).is_none_or(|r| self.expired(&r, now));
             if expired
                 && self
                     .tree()
@@ -775,5 +778,38 @@ mod tests {
         // r2's record is still in flight: never swept from under a live request.
         assert_eq!(d.sweep(), 1);
         assert!(d.get("r", &key).unwrap().is_none());
+    }
+
+    /// An `in_flight` or `in_doubt` record past the TTL is still what it was: a
+    /// retry is refused (never forwarded a second time), and the sweep keeps it.
+    #[tokio::test]
+    async fn in_flight_and_in_doubt_records_never_expire_into_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let durable = Durable::open(dir.path()).unwrap();
+        let clock = ManualClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000));
+        let d = Dedup::new(durable, clock.clone(), Duration::from_secs(2));
+        let fp = fingerprint("POST", "/x", b"a");
+        let (flying, doubtful) = (
+            DedupKey::parse(b"flying").unwrap(),
+            DedupKey::parse(b"doubtful").unwrap(),
+        );
+        let begin = |k| d.begin("r", k, fp, Epoch::new(1), InDoubtPolicy::Reject);
+        let Ok(Begin::Forward(_in_flight)) = begin(&flying).await else {
+            panic!("expected forward")
+        };
+        let Ok(Begin::Forward(t)) = begin(&doubtful).await else {
+            panic!("expected forward")
+        };
+        d.finish(t, Outcome::Unknown).await.unwrap();
+        clock.advance(Duration::from_secs(4));
+        assert!(matches!(
+            begin(&flying).await,
+            Err(ProxyError::DedupInFlight { .. })
+        ));
+        assert!(matches!(
+            begin(&doubtful).await,
+            Err(ProxyError::DedupInDoubt { .. })
+        ));
+        assert_eq!(d.sweep(), 0);
     }
 }

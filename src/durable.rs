@@ -95,6 +95,10 @@ pub struct Durable {
     path: PathBuf,
     db: sled::Db,
     marks: sled::Tree,
+    /// Per lease, the epoch its drains completed through (SPEC §5: a drain
+    /// interrupted by a crash is not forgotten). Never above the mark; when it is
+    /// lost or behind, a restart only settles longer, so it needs no flush of its own.
+    drained: sled::Tree,
     dedup: sled::Tree,
     commit: Arc<GroupCommit>,
     flusher: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -138,6 +142,7 @@ impl Durable {
         }
         let marks = db.open_tree("marks").map_err(sled_err)?;
         let dedup = db.open_tree("dedup").map_err(sled_err)?;
+        let drained = db.open_tree("drained").map_err(sled_err)?;
         // Reading every mark once checks they decode before we serve.
         for item in marks.iter() {
             let (k, v) = item.map_err(|e| DurableError::Damaged {
@@ -232,6 +237,7 @@ impl Durable {
             path,
             db,
             marks,
+            drained,
             dedup,
             commit,
             flusher: Mutex::new(Some(flusher)),
@@ -249,13 +255,20 @@ impl Durable {
 
     /// The durable high-water mark of `lease` (0 when none).
     pub fn mark(&self, lease: &LeaseName) -> Result<Epoch, DurableError> {
-        let v = self
-            .marks
-            .get(lease.as_str())
-            .map_err(|e| DurableError::Write(e.to_string()))?;
-        Ok(v.and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
-            .map(|b| Epoch::new(u64::from_be_bytes(b)))
-            .unwrap_or(Epoch::NONE))
+        epoch_in(&self.marks, lease)
+    }
+
+    /// The epoch `lease`'s drains completed through (0 when none recorded), never
+    /// above its mark.
+    pub fn drained(&self, lease: &LeaseName) -> Result<Epoch, DurableError> {
+        Ok(epoch_in(&self.drained, lease)?.min(self.mark(lease)?))
+    }
+
+    /// Records that a drain of `lease` completed through `epoch`. Not flushed here:
+    /// the next group commit (or sled's own flusher) takes it along, and a record
+    /// lost in a crash only makes the restart settle (module doc of `gate`).
+    pub fn note_drained(&self, lease: &LeaseName, epoch: Epoch) -> Result<(), DurableError> {
+        raise_to(&self.drained, lease, epoch)
     }
 
     /// Every lease with a mark.
@@ -275,15 +288,7 @@ impl Durable {
 
     /// Raises the mark of `lease` to at least `epoch` and waits until it is durable.
     pub async fn raise_mark(&self, lease: &LeaseName, epoch: Epoch) -> Result<(), DurableError> {
-        self.marks
-            .fetch_and_update(lease.as_str(), |old| {
-                let old = old
-                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
-                    .map(u64::from_be_bytes)
-                    .unwrap_or(0);
-                Some(old.max(epoch.get()).to_be_bytes().to_vec())
-            })
-            .map_err(|e| DurableError::Write(e.to_string()))?;
+        raise_to(&self.marks, lease, epoch)?;
         // After the write: a flusher that sees this version reads this mark.
         self.commit.marks_version.fetch_add(1, Ordering::SeqCst);
         crate::failpoint::hit("mark_written_before_flush");
@@ -370,7 +375,29 @@ impl Durable {
     }
 }
 
-/// Every mark, as (lease, epoch).
+/// The epoch kept for `lease` in `tree` (0 when none).
+fn epoch_in(tree: &sled::Tree, lease: &LeaseName) -> Result<Epoch, DurableError> {
+    let v = tree
+        .get(lease.as_str())
+        .map_err(|e| DurableError::Write(e.to_string()))?;
+    Ok(v.and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+        .map(|b| Epoch::new(u64::from_be_bytes(b)))
+        .unwrap_or(Epoch::NONE))
+}
+
+/// Raises the epoch kept for `lease` in `tree` to at least `epoch`.
+fn raise_to(tree: &sled::Tree, lease: &LeaseName, epoch: Epoch) -> Result<(), DurableError> {
+    tree.fetch_and_update(lease.as_str(), |old| {
+        let old = old
+            .and_then(|v| <[u8; 8]>::try_from(v).ok())
+            .map(u64::from_be_bytes)
+            .unwrap_or(0);
+        Some(old.max(epoch.get()).to_be_bytes().to_vec())
+    })
+    .map(drop)
+    .map_err(|e| DurableError::Write(e.to_string()))
+}
+
 /// Every mark, as (lease, epoch): what the witness records.
 type Marks = Vec<(Vec<u8>, u64)>;
 

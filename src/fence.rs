@@ -74,7 +74,8 @@ pub struct FenceView {
 impl Fence {
     /// Creates the fence of `lease` from its durable mark. `settle` is the longest
     /// drain timeout of its routes: after a restart the first raise waits that long
-    /// for requests the previous process may have left at the destination.
+    /// for requests the previous process may have left at the destination, and so
+    /// does any request above the epoch its drains had completed through.
     pub fn new(
         lease: LeaseName,
         epochs: Epochs,
@@ -82,11 +83,12 @@ impl Fence {
         settle: Duration,
     ) -> Result<Arc<Fence>, crate::durable::DurableError> {
         let mark = durable.mark(&lease)?;
+        let drained = durable.drained(&lease)?;
         Ok(Arc::new(Fence {
             lease,
             epochs,
             durable,
-            gate: Gate::restarted(mark, settle),
+            gate: Gate::restarted(mark, drained, settle),
             known: Mutex::new(Known {
                 latest: mark,
                 ..Known::default()
@@ -230,18 +232,19 @@ impl Fence {
             }
         }
         let object = self.known().objects.get(&epoch).cloned();
-        let store_now = self.epochs.store_now();
-        // Runs under the gate's lock: takes no other lock (module doc).
+        // Runs under the gate's lock (takes no other lock: module doc), at the
+        // check and again when a raise's drain completes: the store's clock and the
+        // latest known epoch are read each time, so a claim that expired or became
+        // stale while it waited for the drain is refused, not forwarded.
         let decide = |mark: Epoch| {
-            let latest = self.latest();
             admission::decide(
                 claim,
                 Facts {
                     lease: &self.lease,
                     high_water_mark: mark,
-                    latest_known: latest,
+                    latest_known: self.latest(),
                     object: object.as_deref(),
-                    store_now,
+                    store_now: self.epochs.store_now(),
                     require_token,
                 },
             )
@@ -250,9 +253,18 @@ impl Fence {
             return Ok(pass);
         }
         self.gate
-            .raise(epoch, drain_timeout, decide, || {
-                self.durable.raise_mark(&self.lease, epoch)
-            })
+            .raise(
+                epoch,
+                drain_timeout,
+                decide,
+                || self.durable.raise_mark(&self.lease, epoch),
+                |through| {
+                    if let Err(e) = self.durable.note_drained(&self.lease, through) {
+                        // Only costs a longer settle after a restart.
+                        tracing::warn!(lease = %self.lease, error = %e, "could not record a completed drain");
+                    }
+                },
+            )
             .await
             .map_err(|e| match e {
                 RaiseError::Refused(r) => ProxyError::Refused(r),

@@ -2,6 +2,7 @@
 //! the path-prefix mapping, header hygiene, and upstream failures classified by
 //! what the worker may conclude (nothing sent vs. outcome unknown).
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,13 +11,15 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{capture_connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
-pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+use crate::cutoff::{self, CuttableConnector};
+
+pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, Full<Bytes>>;
 
 /// Headers fencegate reads from workers and never forwards.
 pub const LEASE_TOKEN: &str = "x-lease-token";
@@ -103,7 +106,7 @@ pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClie
         .https_or_http()
         .enable_http1()
         .enable_http2()
-        .wrap_connector(http);
+        .wrap_connector(CuttableConnector(http));
     Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
@@ -335,13 +338,18 @@ pub fn build_request(
     Ok(req)
 }
 
-/// Sends `req` and reads the whole response within `timeout`.
+/// Sends `req` and reads the whole response within `timeout`, unless `cancel`
+/// (a drain abort, shutdown) resolves first with its reason. A timeout or a cancel
+/// cuts the connection the request was on (`cutoff`): not one more byte of it is
+/// written.
 pub async fn send(
     client: &HttpsClient,
-    req: Request<Full<Bytes>>,
+    mut req: Request<Full<Bytes>>,
     timeout: Duration,
     max_body: usize,
+    cancel: impl Future<Output = &'static str>,
 ) -> Result<UpstreamResponse, UpstreamError> {
+    let captured = capture_connection(&mut req);
     let exchange = async {
         let resp = client.request(req).await.map_err(|e| {
             let detail = error_chain(&e);
@@ -368,13 +376,19 @@ pub async fn send(
             body,
         })
     };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(r) => r,
-        Err(_) => Err(UpstreamError::Uncertain(format!(
-            "no complete response within {} ms",
-            timeout.as_millis()
-        ))),
+    let result = tokio::select! {
+        r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| {
+            Err(UpstreamError::Uncertain(format!(
+                "no complete response within {} ms",
+                timeout.as_millis()
+            )))
+        }),
+        why = cancel => Err(UpstreamError::Uncertain(why.to_owned())),
+    };
+    if let Err(UpstreamError::Uncertain(_)) = &result {
+        cutoff::cut(&captured);
     }
+    result
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -5,7 +5,19 @@
 //! holds a [`Pass`] from its admission check until the upstream's response has
 //! arrived. Raising the mark to e' first stops admitting anything below e' (the
 //! *barrier*), makes e' durable, then waits until no pass below e' remains — or,
-//! after the drain timeout, aborts them — and only then lets e' through.
+//! after the drain timeout, aborts them — and only then decides the raiser's claim
+//! again (it may have expired, or a newer epoch become known, while it waited) and
+//! lets e' through.
+//!
+//! A request whose outcome is unknown (the route's timeout, a reset) may still be
+//! executing at the destination: its pass [lingers](Pass::linger) — it still counts
+//! for a drain — until a drain's timeout aborts it.
+//!
+//! A drain interrupted by a crash is not forgotten: the epoch the drains completed
+//! through is kept beside the mark, and a gate restarted with that epoch below its
+//! mark forwards nothing above it until the drain timeout has passed since the
+//! start (*settling*); the first raise after a restart waits as long, for requests
+//! the previous process may have left at the destination.
 //!
 //! The state machine is [`Core`]: synchronous, every transition one critical
 //! section, model-checked with loom (`scripts/loom.sh`). [`Gate`] is the async
@@ -65,7 +77,11 @@ impl AbortSignal {
 
 #[derive(Debug)]
 struct Slot {
+    /// Passes held by requests being forwarded.
     count: usize,
+    /// Passes of requests whose outcome is unknown: their workers were answered,
+    /// the destination may still be executing them. Only a drain abort ends them.
+    lingering: usize,
     abort: Arc<AbortSignal>,
 }
 
@@ -75,6 +91,9 @@ struct State {
     mark: Epoch,
     /// `mark`, or the epoch a raise in progress is moving to: nothing below it is admitted.
     barrier: Epoch,
+    /// Nothing above this epoch is admitted: below `mark` only while a restarted
+    /// gate settles (a drain of the previous process may not have completed).
+    settled: Epoch,
     inflight: BTreeMap<Epoch, Slot>,
     raises: u64,
     drains_started: u64,
@@ -87,6 +106,8 @@ pub struct GateStats {
     pub mark: Epoch,
     pub barrier: Epoch,
     pub in_flight: usize,
+    /// Requests whose outcome is unknown, still counted by a drain (lingering).
+    pub in_doubt: usize,
     /// Mark raises (one per newer epoch admitted).
     pub raises: u64,
     /// Raises that had to wait for older requests in flight.
@@ -106,8 +127,21 @@ pub struct Entry {
 pub enum RaiseStart {
     /// Someone already raised to this epoch: admitted at the mark.
     Entered(Entry),
+    /// At the mark, but the gate is settling after a restart: wait, then retry.
+    Settling,
     /// The barrier is now at the epoch; persist, then drain.
     Raising,
+}
+
+/// What a look at a raise's drain found.
+#[derive(Debug)]
+pub enum FinishRaise {
+    /// Older requests are still in flight (or lingering).
+    Draining,
+    /// Drained: the mark moved, and the raiser's claim, decided again, holds.
+    Entered(Entry),
+    /// Drained: the mark moved, but the raiser's claim no longer holds.
+    Refused(Refusal),
 }
 
 /// The gate's state machine. Every method is one critical section.
@@ -118,10 +152,16 @@ pub struct Core {
 
 impl Core {
     pub fn new(mark: Epoch) -> Core {
+        Core::settling(mark, mark)
+    }
+
+    /// A core that admits nothing above `settled` until [`Core::settle`].
+    pub fn settling(mark: Epoch, settled: Epoch) -> Core {
         Core {
             state: Mutex::new(State {
                 mark,
                 barrier: mark,
+                settled: settled.min(mark),
                 inflight: BTreeMap::new(),
                 raises: 0,
                 drains_started: 0,
@@ -144,6 +184,7 @@ impl Core {
     fn register(st: &mut State, epoch: Epoch) -> Entry {
         let slot = st.inflight.entry(epoch).or_insert_with(|| Slot {
             count: 0,
+            lingering: 0,
             abort: Arc::new(AbortSignal::default()),
         });
         slot.count += 1;
@@ -161,7 +202,11 @@ impl Core {
     ) -> Result<Option<Entry>, Refusal> {
         let mut st = self.lock();
         let admit = decide(st.barrier)?;
-        if admit == Admit::AtMark && epoch == st.mark && st.barrier == st.mark {
+        if admit == Admit::AtMark
+            && epoch == st.mark
+            && st.barrier == st.mark
+            && epoch <= st.settled
+        {
             return Ok(Some(Self::register(&mut st, epoch)));
         }
         Ok(None)
@@ -175,6 +220,7 @@ impl Core {
     ) -> Result<RaiseStart, Refusal> {
         let mut st = self.lock();
         match decide(st.barrier)? {
+            Admit::AtMark if epoch > st.settled => Ok(RaiseStart::Settling),
             Admit::AtMark => Ok(RaiseStart::Entered(Self::register(&mut st, epoch))),
             Admit::Raise => {
                 st.barrier = epoch;
@@ -193,32 +239,64 @@ impl Core {
         st.barrier = st.mark;
     }
 
-    /// Completes the raise if nothing older is in flight: the mark moves and the
-    /// raiser is registered, atomically.
-    pub fn try_finish_raise(&self, epoch: Epoch) -> Option<Entry> {
+    /// Completes the raise if nothing older is in flight: the mark moves (the
+    /// drain is complete, and the gate settled through `epoch`), the raiser's
+    /// claim is decided again and, if it holds, registered — atomically.
+    pub fn try_finish_raise(
+        &self,
+        epoch: Epoch,
+        decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
+    ) -> FinishRaise {
         let mut st = self.lock();
         if st.inflight.range(..epoch).next().is_some() {
-            return None;
+            return FinishRaise::Draining;
         }
         st.mark = epoch;
-        Some(Self::register(&mut st, epoch))
+        st.settled = epoch;
+        match decide(epoch) {
+            Ok(_) => FinishRaise::Entered(Self::register(&mut st, epoch)),
+            Err(r) => FinishRaise::Refused(r),
+        }
     }
 
-    /// Drain timeout: aborts every request older than `epoch`.
+    /// The restart's settling time has passed: admits up to the mark again.
+    pub fn settle(&self) {
+        let mut st = self.lock();
+        st.settled = st.settled.max(st.mark);
+    }
+
+    /// Drain timeout: aborts every request older than `epoch`, and stops counting
+    /// the lingering ones (whose workers were answered long ago).
     pub fn abort_older(&self, epoch: Epoch) {
         let mut st = self.lock();
         st.drains_aborted += 1;
-        for slot in st.inflight.range(..epoch).map(|(_, s)| s) {
+        for slot in st.inflight.range_mut(..epoch).map(|(_, s)| s) {
             slot.abort.abort();
+            slot.lingering = 0;
         }
+        st.inflight
+            .retain(|e, s| *e >= epoch || s.count > 0 || s.lingering > 0);
     }
 
     /// A request's time in flight ended.
     pub fn leave(&self, epoch: Epoch) {
+        self.end(epoch, false);
+    }
+
+    /// A request's outcome is unknown: it keeps counting for a drain (lingers)
+    /// until a drain's timeout aborts it.
+    pub fn linger(&self, epoch: Epoch) {
+        self.end(epoch, true);
+    }
+
+    fn end(&self, epoch: Epoch, linger: bool) {
         let mut st = self.lock();
         if let Some(slot) = st.inflight.get_mut(&epoch) {
             slot.count -= 1;
-            if slot.count == 0 {
+            if linger {
+                slot.lingering += 1;
+            }
+            if slot.count == 0 && slot.lingering == 0 {
                 st.inflight.remove(&epoch);
             }
         }
@@ -235,6 +313,7 @@ impl Core {
             mark: st.mark,
             barrier: st.barrier,
             in_flight: st.inflight.values().map(|s| s.count).sum(),
+            in_doubt: st.inflight.values().map(|s| s.lingering).sum(),
             raises: st.raises,
             drains_started: st.drains_started,
             drains_aborted: st.drains_aborted,
@@ -248,8 +327,9 @@ pub struct Gate {
     drained: Notify,
     raising: tokio::sync::Mutex<()>,
     /// After a restart with a mark already set, requests of the previous process
-    /// may still be at the destination, invisible to us. The first raise waits
-    /// until this instant (start + drain timeout), as a drain would have.
+    /// may still be at the destination, invisible to us. Until this instant
+    /// (start + drain timeout) no raise completes, and nothing above the epoch the
+    /// previous process's drains completed through is forwarded (module doc).
     settle_until: Option<tokio::time::Instant>,
 }
 
@@ -264,6 +344,7 @@ pub enum RaiseError {
 pub struct Pass {
     gate: Arc<Gate>,
     entry: Entry,
+    lingers: bool,
 }
 
 impl Pass {
@@ -284,27 +365,45 @@ impl Pass {
     pub fn newer_epoch(&self) -> Epoch {
         self.gate.core.barrier()
     }
+
+    /// Ends the request's time in flight with its outcome unknown (a timeout or a
+    /// reset after bytes were sent): the destination may still be executing it, so
+    /// a drain keeps waiting for it until the drain's own timeout (SPEC §5).
+    pub fn linger(mut self) {
+        self.lingers = true;
+    }
 }
 
 impl Drop for Pass {
     fn drop(&mut self) {
-        self.gate.core.leave(self.entry.epoch);
+        if self.lingers {
+            self.gate.core.linger(self.entry.epoch);
+        } else {
+            self.gate.core.leave(self.entry.epoch);
+        }
         self.gate.drained.notify_waiters();
     }
 }
 
 impl Gate {
     pub fn new(mark: Epoch) -> Arc<Gate> {
-        Gate::restarted(mark, Duration::ZERO)
+        Gate::restarted(mark, mark, Duration::ZERO)
     }
 
     /// A gate whose previous process may have left requests in flight: with a
-    /// mark already set, the first raise waits `settle` (the drain timeout) from now.
-    pub fn restarted(mark: Epoch, settle: Duration) -> Arc<Gate> {
+    /// mark already set, for `settle` (the drain timeout) from now the first raise
+    /// waits and nothing above `drained` (the epoch the previous process's drains
+    /// completed through) is admitted.
+    pub fn restarted(mark: Epoch, drained: Epoch, settle: Duration) -> Arc<Gate> {
         let settle_until = (mark != Epoch::NONE && !settle.is_zero())
             .then(|| tokio::time::Instant::now() + settle);
+        let settled = if settle_until.is_some() {
+            drained
+        } else {
+            mark
+        };
         Arc::new(Gate {
-            core: Core::new(mark),
+            core: Core::settling(mark, settled),
             drained: Notify::new(),
             raising: tokio::sync::Mutex::new(()),
             settle_until,
@@ -327,6 +426,7 @@ impl Gate {
         Pass {
             gate: self.clone(),
             entry,
+            lingers: false,
         }
     }
 
@@ -342,7 +442,9 @@ impl Gate {
     }
 
     /// The slow path: raises the mark to `epoch` (made durable by `persist`), drains
-    /// older requests, and admits. Concurrent raises of one lease run one at a time.
+    /// older requests, decides the claim again and admits. Concurrent raises of one
+    /// lease run one at a time. `drained` is told once the drain has completed
+    /// (whether the claim then holds or not), to keep that epoch beside the mark.
     ///
     /// Must run to completion once started (the server finishes a request its client dropped), or the
     /// barrier may be left above the mark.
@@ -352,34 +454,44 @@ impl Gate {
         drain_timeout: Duration,
         decide: impl Fn(Epoch) -> Result<Admit, Refusal>,
         persist: impl FnOnce() -> P,
+        drained: impl FnOnce(Epoch),
     ) -> Result<Pass, RaiseError>
     where
         P: Future<Output = Result<(), DurableError>>,
     {
         let _one_at_a_time = self.raising.lock().await;
-        match self
-            .core
-            .begin_raise(epoch, decide)
-            .map_err(RaiseError::Refused)?
-        {
-            RaiseStart::Entered(e) => return Ok(self.pass(e)),
-            RaiseStart::Raising => {}
+        loop {
+            match self
+                .core
+                .begin_raise(epoch, &decide)
+                .map_err(RaiseError::Refused)?
+            {
+                RaiseStart::Entered(e) => return Ok(self.pass(e)),
+                RaiseStart::Settling => self.settle().await,
+                RaiseStart::Raising => break,
+            }
         }
         if let Err(e) = persist().await {
             self.core.cancel_raise();
             return Err(RaiseError::Durable(e));
         }
-        if let Some(until) = self.settle_until {
-            tokio::time::sleep_until(until).await;
-        }
+        self.settle().await;
         let deadline = tokio::time::Instant::now() + drain_timeout;
         let mut aborted = false;
         loop {
             let notified = self.drained.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(e) = self.core.try_finish_raise(epoch) {
-                return Ok(self.pass(e));
+            match self.core.try_finish_raise(epoch, &decide) {
+                FinishRaise::Entered(e) => {
+                    drained(epoch);
+                    return Ok(self.pass(e));
+                }
+                FinishRaise::Refused(r) => {
+                    drained(epoch);
+                    return Err(RaiseError::Refused(r));
+                }
+                FinishRaise::Draining => {}
             }
             if aborted {
                 notified.await;
@@ -393,6 +505,14 @@ impl Gate {
                 }
             }
         }
+    }
+
+    /// Waits out a restart's settling time, if any is left.
+    async fn settle(&self) {
+        if let Some(until) = self.settle_until {
+            tokio::time::sleep_until(until).await;
+        }
+        self.core.settle();
     }
 }
 
@@ -443,6 +563,7 @@ mod tests {
                 Duration::from_secs(10),
                 admit_if(Epoch::new(8)),
                 ok,
+                |_| {},
             )
             .await
         });
@@ -471,6 +592,7 @@ mod tests {
                 Duration::from_millis(500),
                 admit_if(Epoch::new(2)),
                 ok,
+                |_| {},
             )
             .await
         });
@@ -492,6 +614,7 @@ mod tests {
                 Duration::from_secs(1),
                 admit_if(Epoch::new(4)),
                 || async { Err(DurableError::Write("disk full".into())) },
+                |_| {},
             )
             .await;
         assert!(matches!(res, Err(RaiseError::Durable(_))));
@@ -505,7 +628,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn after_a_restart_the_first_raise_waits_out_a_drain() {
         let start = tokio::time::Instant::now();
-        let g = Gate::restarted(Epoch::new(4), Duration::from_secs(3));
+        let g = Gate::restarted(Epoch::new(4), Epoch::new(4), Duration::from_secs(3));
         // Requests at the mark need no ordering: admitted at once.
         assert!(g
             .try_enter(Epoch::new(4), admit_if(Epoch::new(4)))
@@ -517,6 +640,7 @@ mod tests {
                 Duration::from_secs(1),
                 admit_if(Epoch::new(5)),
                 ok,
+                |_| {},
             )
             .await
             .unwrap();
@@ -524,16 +648,127 @@ mod tests {
         drop(p);
         // A fresh gate (no mark: nothing can have been forwarded) does not wait.
         let start = tokio::time::Instant::now();
-        let g = Gate::restarted(Epoch::NONE, Duration::from_secs(3));
+        let g = Gate::restarted(Epoch::NONE, Epoch::NONE, Duration::from_secs(3));
         g.raise(
             Epoch::new(1),
             Duration::from_secs(1),
             admit_if(Epoch::new(1)),
             ok,
+            |_| {},
         )
         .await
         .unwrap();
         assert_eq!(start.elapsed(), Duration::ZERO);
+    }
+
+    /// A crash interrupted the drain to 5 (mark 5, drains completed through 4):
+    /// after the restart nothing at 5 is forwarded until the settle time has
+    /// passed, while a request at 4 is refused as stale as ever.
+    #[tokio::test(start_paused = true)]
+    async fn after_a_crash_mid_drain_the_raised_epoch_waits_out_the_drain() {
+        let start = tokio::time::Instant::now();
+        let g = Gate::restarted(Epoch::new(5), Epoch::new(4), Duration::from_secs(3));
+        assert!(g
+            .try_enter(Epoch::new(5), admit_if(Epoch::new(5)))
+            .unwrap()
+            .is_none());
+        assert!(g.try_enter(Epoch::new(4), admit_if(Epoch::new(4))).is_err());
+        let p = g
+            .raise(
+                Epoch::new(5),
+                Duration::from_secs(1),
+                admit_if(Epoch::new(5)),
+                ok,
+                |_| panic!("no drain ran"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::from_secs(3));
+        // Settled: the next one goes straight through.
+        assert!(g
+            .try_enter(Epoch::new(5), admit_if(Epoch::new(5)))
+            .unwrap()
+            .is_some());
+        drop(p);
+    }
+
+    /// A request whose outcome is unknown keeps the drain waiting until the
+    /// drain's timeout, which then ends it (its worker was answered long ago).
+    #[tokio::test(start_paused = true)]
+    async fn a_lingering_request_holds_the_drain_until_its_timeout() {
+        let g = Gate::new(Epoch::new(1));
+        let old = g
+            .try_enter(Epoch::new(1), admit_if(Epoch::new(1)))
+            .unwrap()
+            .unwrap();
+        old.linger();
+        assert_eq!((g.stats().in_flight, g.stats().in_doubt), (0, 1));
+        let start = tokio::time::Instant::now();
+        let drained = std::sync::atomic::AtomicU64::new(0);
+        let p = g
+            .raise(
+                Epoch::new(2),
+                Duration::from_millis(700),
+                admit_if(Epoch::new(2)),
+                ok,
+                |e| drained.store(e.get(), Ordering::SeqCst),
+            )
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(700));
+        assert_eq!(drained.load(Ordering::SeqCst), 2);
+        let st = g.stats();
+        assert_eq!((st.drains_aborted, st.in_doubt, st.in_flight), (1, 0, 1));
+        drop(p);
+    }
+
+    /// The raiser's claim is decided again when the drain completes: an epoch
+    /// that expired (or was superseded) while it waited is refused, not forwarded,
+    /// and the mark stays raised.
+    #[tokio::test(start_paused = true)]
+    async fn a_raise_is_decided_again_when_its_drain_completes() {
+        let g = Gate::new(Epoch::new(1));
+        let old = g
+            .try_enter(Epoch::new(1), admit_if(Epoch::new(1)))
+            .unwrap()
+            .unwrap();
+        let expired = Arc::new(AtomicBool::new(false));
+        let g2 = g.clone();
+        let exp = expired.clone();
+        let raise = tokio::spawn(async move {
+            let e2 = Epoch::new(2);
+            g2.raise(
+                e2,
+                Duration::from_secs(10),
+                move |mark| {
+                    if exp.load(Ordering::SeqCst) {
+                        Err(Refusal::Expired {
+                            lease: crate::epoch::LeaseName::parse("l").unwrap(),
+                            epoch: e2,
+                            expired_at: std::time::SystemTime::UNIX_EPOCH,
+                        })
+                    } else {
+                        admit_if(e2)(mark)
+                    }
+                },
+                ok,
+                |_| {},
+            )
+            .await
+        });
+        tokio::task::yield_now().await;
+        expired.store(true, Ordering::SeqCst);
+        drop(old);
+        let res = raise.await.unwrap();
+        assert!(matches!(
+            res,
+            Err(RaiseError::Refused(Refusal::Expired { .. }))
+        ));
+        let st = g.stats();
+        assert_eq!(
+            (st.mark, st.barrier, st.in_flight),
+            (Epoch::new(2), Epoch::new(2), 0)
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -547,6 +782,7 @@ mod tests {
                     Duration::from_secs(1),
                     admit_if(Epoch::new(5)),
                     ok,
+                    |_| {},
                 )
                 .await
             })
@@ -609,13 +845,17 @@ mod loom_tests {
                 loom::thread::spawn(move || {
                     let e2 = Epoch::new(2);
                     match core.begin_raise(e2, decide_for(e2)).unwrap() {
-                        RaiseStart::Entered(_) => unreachable!("nobody else raises"),
+                        RaiseStart::Entered(_) | RaiseStart::Settling => {
+                            unreachable!("nobody else raises; nothing to settle")
+                        }
                         RaiseStart::Raising => {}
                     }
                     let mut tries = 0;
                     let entry = loop {
-                        if let Some(e) = core.try_finish_raise(e2) {
-                            break e;
+                        match core.try_finish_raise(e2, decide_for(e2)) {
+                            FinishRaise::Entered(e) => break e,
+                            FinishRaise::Refused(r) => panic!("refused after the drain: {r}"),
+                            FinishRaise::Draining => {}
                         }
                         tries += 1;
                         if tries == 2 {

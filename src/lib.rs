@@ -10,6 +10,7 @@
 //! - [`durable`] — sled and its group commit (marks and dedup records).
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
 //! - [`forward`] — the pooled upstream client and header hygiene (SPEC §3).
+//! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
 //! - [`proxy`] — the request path tying the above together.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
@@ -23,6 +24,7 @@ pub mod admission;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod cutoff;
 pub mod dedup;
 pub mod demo;
 pub mod durable;

@@ -283,16 +283,31 @@ impl Proxy {
         }
 
         let upstream_started = Instant::now();
-        let result = tokio::select! {
-            r = forward::send(&route.client, upstream_req, route.timeout, MAX_UPSTREAM_BODY) => r,
-            _ = pass.aborted() => Err(UpstreamError::Uncertain("drain aborted".into())),
-            _ = self.abandon.cancelled() => Err(UpstreamError::Uncertain("abandoned at shutdown".into())),
+        let cancel = async {
+            tokio::select! {
+                _ = pass.aborted() => "drain aborted",
+                _ = self.abandon.cancelled() => "abandoned at shutdown",
+            }
         };
+        let result = forward::send(
+            &route.client,
+            upstream_req,
+            route.timeout,
+            MAX_UPSTREAM_BODY,
+            cancel,
+        )
+        .await;
         let abandoned = self.abandon.is_cancelled() && result.is_err();
         let aborted = pass.is_aborted() && result.is_err();
         let aborted_err = aborted.then(|| drain_aborted(route, &pass));
-        // In flight ends with the complete response (or the failure).
-        drop(pass);
+        // In flight ends with the complete response or a failure — except that a
+        // request whose outcome is unknown may still be executing at the
+        // destination: it keeps counting for a drain until the drain's timeout.
+        if matches!(result, Err(UpstreamError::Uncertain(_))) && !aborted {
+            pass.linger();
+        } else {
+            drop(pass);
+        }
         self.metrics.upstream_latency(upstream_started.elapsed());
 
         match result {

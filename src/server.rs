@@ -92,6 +92,9 @@ fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAccep
 
 /// Builds the app from a validated config: nothing listens yet.
 pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
+    for w in cfg.warnings() {
+        tracing::warn!("{w}");
+    }
     let durable = Durable::open(&cfg.server.data_dir)?;
     let store = lease::open(&cfg.store, clock.clone()).await?;
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;

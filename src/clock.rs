@@ -2,6 +2,7 @@
 //! fencegate estimates from the `Date` header of store responses; tests swap the
 //! local clock for a manual one instead of sleeping through TTLs.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -45,18 +46,45 @@ impl Clock for ManualClock {
 /// An estimate of the store's clock: local time plus an offset learned from the
 /// `Date` header of store responses.
 ///
-/// `Date` has one-second resolution and is truncated, so when a response arrives the
-/// store's clock reads somewhere in `[Date, Date + 1 s + transit)`. We keep the
-/// *upper* end: fencegate then believes an epoch expired slightly early, never late,
-/// which is the safe side for a fence (contenders wait a further `grace_ms`).
-/// A contender asks the opposite question ("has someone else's tenure expired?"),
-/// whose safe side is the lower end: [`StoreClock::earliest`].
+/// `Date` has one-second resolution and is truncated, and the store stamped it
+/// somewhere between the request leaving and the response arriving. So when a
+/// response arrives after a round trip `rtt`, the store's clock reads somewhere in
+/// `[Date, Date + 1 s + rtt)`. fencegate judges its own admissions on the *upper*
+/// end: it then believes an epoch expired slightly early, never late, which is the
+/// safe side for a fence (contenders wait a further `grace_ms`). A contender asks
+/// the opposite question ("has someone else's tenure expired?"), whose safe side is
+/// the lower end: [`StoreClock::earliest`]. Each end is the most cautious over the
+/// last [`SAMPLES`] responses, so one quick response cannot move the estimate to
+/// the unsafe side of an earlier, slower one.
 pub struct StoreClock {
     local: Arc<dyn Clock>,
+    /// Upper end of the offset (store minus local), ms: read on every admission.
     offset_ms: AtomicI64,
-    /// Whether the offset came from a `Date` header (and so carries its 1 s
+    /// Lower end of the offset, ms.
+    lower_ms: AtomicI64,
+    /// Whether the offset came from a `Date` header (and so carries its
     /// uncertainty); a store that is the local clock (`dir`) never sets it.
     from_date: AtomicBool,
+    /// The recent samples' (lower, upper) offsets, newest last.
+    samples: Mutex<VecDeque<(i64, i64)>>,
+}
+
+/// How many recent `Date` samples the estimate takes its bounds over.
+pub const SAMPLES: usize = 8;
+
+fn signed_ms(later: SystemTime, earlier: SystemTime) -> i64 {
+    match later.duration_since(earlier) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_millis()).unwrap_or(i64::MAX),
+    }
+}
+
+fn plus_ms(t: SystemTime, ms: i64) -> SystemTime {
+    if ms >= 0 {
+        t + Duration::from_millis(ms as u64)
+    } else {
+        t - Duration::from_millis(ms.unsigned_abs())
+    }
 }
 
 impl StoreClock {
@@ -64,58 +92,62 @@ impl StoreClock {
         StoreClock {
             local,
             offset_ms: AtomicI64::new(0),
+            lower_ms: AtomicI64::new(0),
             from_date: AtomicBool::new(false),
+            samples: Mutex::new(VecDeque::with_capacity(SAMPLES)),
         }
     }
 
-    /// The earliest the store's clock may read: [`StoreClock::now`] less the `Date`
-    /// header's one-second resolution. For deciding that *another* holder's tenure
-    /// has expired (SPEC §2 step 2), so that contenders take over late, never early.
+    /// The earliest the store's clock may read: the lower end of the estimate. For
+    /// deciding that *another* holder's tenure has expired (SPEC §2 step 2), so
+    /// that contenders take over late, never early.
     pub fn earliest(&self) -> SystemTime {
-        let now = self.now();
         if self.from_date.load(Ordering::Relaxed) {
-            now - Duration::from_secs(1)
+            plus_ms(self.local.now(), self.lower_ms.load(Ordering::Relaxed))
         } else {
-            now
+            self.now()
         }
     }
 
-    /// The store's clock, estimated.
+    /// The store's clock, estimated on the late side (the upper end).
     pub fn now(&self) -> SystemTime {
-        let local = self.local.now();
-        let off = self.offset_ms.load(Ordering::Relaxed);
-        if off >= 0 {
-            local + Duration::from_millis(off as u64)
-        } else {
-            local - Duration::from_millis(off.unsigned_abs())
+        plus_ms(self.local.now(), self.offset_ms.load(Ordering::Relaxed))
+    }
+
+    /// Records a `Date` header seen on a store response to a request sent at
+    /// `sent` that arrived at `received` (local times).
+    pub fn observe_date(&self, date: SystemTime, sent: SystemTime, received: SystemTime) {
+        let rtt = received.duration_since(sent).unwrap_or_default();
+        let lower = signed_ms(date, received);
+        let upper = signed_ms(date + Duration::from_secs(1) + rtt, received);
+        // Rounded outwards to whole milliseconds.
+        let upper = upper.saturating_add(1);
+        let mut samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        if samples.len() == SAMPLES {
+            samples.pop_front();
+        }
+        samples.push_back((lower, upper));
+        let lo = samples.iter().map(|s| s.0).min().unwrap_or(lower);
+        let hi = samples.iter().map(|s| s.1).max().unwrap_or(upper);
+        self.lower_ms.store(lo, Ordering::Relaxed);
+        self.offset_ms.store(hi, Ordering::Relaxed);
+        self.from_date.store(true, Ordering::Relaxed);
+    }
+
+    /// Records a `Date` header value (RFC 9110 IMF-fixdate) of a response to a
+    /// request sent at `sent`; unparsable values are ignored.
+    pub fn observe_date_header(&self, value: &str, sent: SystemTime) {
+        if let Ok(date) = httpdate::parse_http_date(value) {
+            self.observe_date(date, sent, self.local.now());
         }
     }
 
-    /// The local clock (for callers that need both).
+    /// The local clock, to time a store request with.
     pub fn local_now(&self) -> SystemTime {
         self.local.now()
     }
 
-    /// Records a `Date` header seen on a store response that arrived at `received`
-    /// (local time).
-    pub fn observe_date(&self, date: SystemTime, received: SystemTime) {
-        let upper = date + Duration::from_secs(1);
-        let off = match upper.duration_since(received) {
-            Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
-            Err(e) => -i64::try_from(e.duration().as_millis()).unwrap_or(i64::MAX),
-        };
-        self.offset_ms.store(off, Ordering::Relaxed);
-        self.from_date.store(true, Ordering::Relaxed);
-    }
-
-    /// Records a `Date` header value (RFC 9110 IMF-fixdate); unparsable values are ignored.
-    pub fn observe_date_header(&self, value: &str) {
-        if let Ok(date) = httpdate::parse_http_date(value) {
-            self.observe_date(date, self.local.now());
-        }
-    }
-
-    /// The current offset estimate in milliseconds (store minus local).
+    /// The current offset estimate in milliseconds (store minus local, upper end).
     pub fn offset_ms(&self) -> i64 {
         self.offset_ms.load(Ordering::Relaxed)
     }
@@ -138,20 +170,47 @@ mod tests {
     use super::*;
 
     #[test]
-    fn offset_takes_the_upper_end_of_the_date_second() {
+    fn offset_takes_the_upper_end_of_the_date_second_and_the_round_trip() {
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
         let local = ManualClock::new(t0 + Duration::from_millis(300));
         let sc = StoreClock::new(local.clone());
         // No Date seen (the dir store): the local clock, exactly.
         assert_eq!(sc.earliest(), sc.now());
-        // The store says 10_000 s (truncated); we received it locally at 10_000.3 s.
-        sc.observe_date(t0, t0 + Duration::from_millis(300));
-        assert_eq!(sc.offset_ms(), 700);
-        assert_eq!(sc.now(), t0 + Duration::from_secs(1));
-        // A contender's view: the lower end of the Date second.
+        // The store says 10_000 s (truncated); the request left at 10_000.1 s and
+        // the answer arrived at 10_000.3 s: the store's clock then read at most
+        // 10_000 s + 1 s + 200 ms (+1 ms rounding).
+        sc.observe_date(
+            t0,
+            t0 + Duration::from_millis(100),
+            t0 + Duration::from_millis(300),
+        );
+        assert_eq!(sc.offset_ms(), 901);
+        assert_eq!(sc.now(), t0 + Duration::from_millis(1201));
+        // A contender's view: the lower end, the Date itself.
         assert_eq!(sc.earliest(), t0);
+    }
+
+    #[test]
+    fn the_most_cautious_bound_of_recent_samples_wins() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(10_000);
+        let local = ManualClock::new(t0);
+        let sc = StoreClock::new(local.clone());
+        // A slow answer (rtt 500 ms), then a quick one: the later sample would pull
+        // the upper end back by the round trip; the estimate keeps the slow one's.
+        sc.observe_date(t0, t0 - Duration::from_millis(500), t0);
+        assert_eq!(sc.offset_ms(), 1501);
+        sc.observe_date(t0, t0, t0);
+        assert_eq!(sc.offset_ms(), 1501);
+        // Once it has aged out of the window, the quick samples' bound holds.
+        for _ in 0..SAMPLES {
+            sc.observe_date(t0, t0, t0);
+        }
+        assert_eq!(sc.offset_ms(), 1001);
         // A store clock behind ours gives a negative offset.
-        sc.observe_date(t0 - Duration::from_secs(5), t0);
-        assert_eq!(sc.offset_ms(), -4000);
+        for _ in 0..SAMPLES {
+            sc.observe_date(t0 - Duration::from_secs(5), t0, t0);
+        }
+        assert_eq!(sc.offset_ms(), -3999);
+        assert_eq!(sc.earliest(), t0 - Duration::from_secs(5));
     }
 }

@@ -16,10 +16,12 @@ use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use aws_smithy_http_client::tls;
 use aws_smithy_runtime_api::box_error::BoxError;
-use aws_smithy_runtime_api::client::interceptors::context::BeforeDeserializationInterceptorContextRef;
+use aws_smithy_runtime_api::client::interceptors::context::{
+    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
+};
 use aws_smithy_runtime_api::client::interceptors::Intercept;
 use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
-use aws_smithy_types::config_bag::ConfigBag;
+use aws_smithy_types::config_bag::{ConfigBag, Storable, StoreReplace};
 use bytes::Bytes;
 
 use super::{CreateOutcome, LeaseStore, StoreError, StoredObject};
@@ -45,9 +47,18 @@ pub struct S3Store {
     clock: Arc<StoreClock>,
 }
 
-/// Feeds each store response's `Date` header into the store-clock estimate.
+/// Feeds each store response's `Date` header, with the request's round trip, into
+/// the store-clock estimate.
 #[derive(Debug)]
 struct DateObserver(Arc<StoreClock>);
+
+/// When the request of a store call was handed to the HTTP client (local clock).
+#[derive(Debug, Clone, Copy)]
+struct SentAt(std::time::SystemTime);
+
+impl Storable for SentAt {
+    type Storer = StoreReplace<Self>;
+}
 
 impl std::fmt::Debug for StoreClock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -60,14 +71,30 @@ impl Intercept for DateObserver {
         "fencegate::DateObserver"
     }
 
+    fn read_before_transmit(
+        &self,
+        _ctx: &BeforeTransmitInterceptorContextRef<'_>,
+        _rc: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        cfg.interceptor_state()
+            .store_put(SentAt(self.0.local_now()));
+        Ok(())
+    }
+
     fn read_after_transmit(
         &self,
         ctx: &BeforeDeserializationInterceptorContextRef<'_>,
         _rc: &RuntimeComponents,
-        _cfg: &mut ConfigBag,
+        cfg: &mut ConfigBag,
     ) -> Result<(), BoxError> {
+        // Without the send time (never, in practice) the round trip counts as 0,
+        // which only narrows the window the estimate allows for.
+        let sent = cfg
+            .load::<SentAt>()
+            .map_or_else(|| self.0.local_now(), |s| s.0);
         if let Some(date) = ctx.response().headers().get("date") {
-            self.0.observe_date_header(date);
+            self.0.observe_date_header(date, sent);
         }
         Ok(())
     }

@@ -8,6 +8,7 @@ mod corpus;
 mod dedup;
 mod dir_store;
 mod disk;
+mod edges;
 mod errors;
 mod fencing;
 mod hygiene;

@@ -174,6 +174,10 @@ pub struct Arrival {
     pub path: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// Bytes of the body the origin read, and whether it read the whole body
+    /// (differs from `body` only under `x-test-hold-body`).
+    pub body_read: usize,
+    pub body_whole: bool,
     pub arrived: Instant,
     pub completed: Option<Instant>,
 }
@@ -291,6 +295,15 @@ async fn origin_handle(
     arrived: Arc<Notify>,
 ) -> Response<Full<Bytes>> {
     let (parts, body) = req.into_parts();
+    // `x-test-hold-body: NAME`: the request is logged when its head arrives, and its
+    // body is read only once NAME is released (a destination that reads slowly).
+    if let Some(name) = parts
+        .headers
+        .get("x-test-hold-body")
+        .and_then(|v| v.to_str().ok())
+    {
+        return origin_hold_body(name.to_owned(), parts, body, st, arrived).await;
+    }
     let body = body
         .collect()
         .await
@@ -306,6 +319,8 @@ async fn origin_handle(
                 .map(|p| p.to_string())
                 .unwrap_or_default(),
             headers: parts.headers.clone(),
+            body_read: body.len(),
+            body_whole: true,
             body,
             arrived: Instant::now(),
             completed: None,
@@ -350,6 +365,50 @@ async fn origin_handle(
         .header("content-type", "text/plain")
         .body(Full::new(body))
         .unwrap()
+}
+
+async fn origin_hold_body(
+    name: String,
+    parts: http::request::Parts,
+    mut body: Incoming,
+    st: Arc<Mutex<OriginState>>,
+    arrived: Arc<Notify>,
+) -> Response<Full<Bytes>> {
+    let idx = {
+        let mut s = st.lock().unwrap();
+        s.log.push(Arrival {
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_owned(),
+            headers: parts.headers.clone(),
+            body: Bytes::new(),
+            body_read: 0,
+            body_whole: false,
+            arrived: Instant::now(),
+            completed: None,
+        });
+        s.log.len() - 1
+    };
+    arrived.notify_waiters();
+    let hold = st.lock().unwrap().holds.entry(name).or_default().clone();
+    hold.notified().await;
+    let mut whole = true;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Some(d) = f.data_ref() {
+                    st.lock().unwrap().log[idx].body_read += d.len();
+                }
+            }
+            Err(_) => {
+                whole = false;
+                break;
+            }
+        }
+    }
+    let mut s = st.lock().unwrap();
+    s.log[idx].body_whole = whole;
+    s.log[idx].completed = Some(Instant::now());
+    Response::new(Full::new(Bytes::from_static(b"read")))
 }
 
 /// A running fencegate process.

@@ -422,8 +422,14 @@ pub struct Fencegate {
     pub stderr_path: PathBuf,
 }
 
+/// The fencegate binary under test: this build's, or `FENCEGATE_TEST_BIN` (to
+/// show a test, or the campaign's checker, failing on another build).
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_fencegate")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        std::env::var("FENCEGATE_TEST_BIN")
+            .unwrap_or_else(|_| env!("CARGO_BIN_EXE_fencegate").to_owned())
+    })
 }
 
 /// A route section pointing at `origin` with extra TOML lines.

@@ -165,6 +165,7 @@ impl Admin {
                     "holder": v.holder,
                     "expires_at": v.expires_at.map(rfc3339),
                     "in_flight": v.gate.in_flight,
+                    "in_doubt": v.gate.in_doubt,
                     "drains_started": v.gate.drains_started,
                     "drains_aborted": v.gate.drains_aborted,
                     "store_ok": v.store_ok,

@@ -159,6 +159,13 @@ impl Collector for StateCollector {
         )?;
         emit(
             &mut enc,
+            "fencegate_in_doubt_in_drain",
+            "Requests whose outcome is unknown (timed out, reset) that a drain still waits for, per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.in_doubt as i64),
+        )?;
+        emit(
+            &mut enc,
             "fencegate_store_ok",
             "1 when the last refresh of the lease's epochs succeeded",
             MetricType::Gauge,

@@ -96,6 +96,11 @@ async fn a_timed_out_request_keeps_the_drain_waiting_until_the_drain_timeout() {
         .unwrap()
         .unwrap()
         .assert_error(504, "upstream_timeout");
+    assert_eq!(
+        fg.admin_json("/v1/leases").await["leases"][0]["in_doubt"],
+        1
+    );
+    assert_eq!(fg.metric_sum("fencegate_in_doubt_in_drain").await, 1.0);
     let b = force_next_epoch(&epochs, LEASE, "worker-b", Duration::from_secs(30)).await;
     let raised = Instant::now();
     let r = post(&fg, "/billing/x", &b, "B").await;

@@ -17,10 +17,12 @@ use serde_json::{json, Value};
 use crate::clock::rfc3339;
 use crate::dedup::{ms_to_system, DedupKey, Resolution};
 use crate::epoch::TokenHash;
-use crate::proxy::Proxy;
+use crate::metrics::Metrics;
+use crate::shared::Shared;
 
 pub struct Admin {
-    proxy: Arc<Proxy>,
+    shared: Arc<Shared>,
+    metrics: Arc<Metrics>,
     /// Hash of the admin token: compared in constant time, never kept in clear.
     token: Option<TokenHash>,
     store_timeout: Duration,
@@ -48,9 +50,15 @@ fn error(status: StatusCode, code: &'static str, message: &str) -> Response<Full
 }
 
 impl Admin {
-    pub fn new(proxy: Arc<Proxy>, token: Option<String>, store_timeout: Duration) -> Admin {
+    pub fn new(
+        shared: Arc<Shared>,
+        metrics: Arc<Metrics>,
+        token: Option<String>,
+        store_timeout: Duration,
+    ) -> Admin {
         Admin {
-            proxy,
+            shared,
+            metrics,
             token: token.map(|t| TokenHash::of(t.as_bytes())),
             store_timeout,
         }
@@ -63,7 +71,7 @@ impl Admin {
             (Method::GET, ["healthz"]) => json_response(StatusCode::OK, json!({"status": "ok"})),
             (Method::GET, ["readyz"]) => self.readyz().await,
             (Method::GET, ["metrics"]) => {
-                let mut r = Response::new(Full::new(Bytes::from(self.proxy.metrics.render())));
+                let mut r = Response::new(Full::new(Bytes::from(self.metrics.render())));
                 r.headers_mut().insert(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static(
@@ -125,10 +133,10 @@ impl Admin {
 
     async fn readyz(&self) -> Response<Full<Bytes>> {
         let mut problems = Vec::new();
-        if !self.proxy.durable().is_healthy() {
+        if !self.shared.state.is_healthy() {
             problems.push("durable state: the last flush failed".to_owned());
         }
-        let store = self.proxy.store().clone();
+        let store = self.shared.store.clone();
         let probe = tokio::time::timeout(self.store_timeout, async move {
             store.list("fencegate-readyz-probe/", None).await
         })
@@ -152,8 +160,7 @@ impl Admin {
     }
 
     fn leases(&self) -> Response<Full<Bytes>> {
-        let mut fences: Vec<_> = self.proxy.fences.values().collect();
-        fences.sort_by(|a, b| a.lease().cmp(b.lease()));
+        let fences = self.shared.fences.all();
         let leases: Vec<Value> = fences
             .iter()
             .map(|f| {
@@ -177,7 +184,7 @@ impl Admin {
     }
 
     fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, Response<Full<Bytes>>> {
-        if self.proxy.route_named(route).is_none() {
+        if !self.shared.has_route(route) {
             return Err(error(
                 StatusCode::NOT_FOUND,
                 "route_not_found",
@@ -194,7 +201,7 @@ impl Admin {
             Ok(k) => k,
             Err(r) => return r,
         };
-        match self.proxy.dedup.get(route, &k) {
+        match self.shared.dedup.get(route, &k) {
             Ok(None) => error(
                 StatusCode::NOT_FOUND,
                 "dedup_record_not_found",
@@ -242,7 +249,7 @@ impl Admin {
                 )
             }
         };
-        match self.proxy.dedup.resolve(route, &k, how).await {
+        match self.shared.dedup.resolve(route, &k, how).await {
             Ok(Ok(state)) => {
                 tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
                 json_response(

@@ -10,6 +10,7 @@ use serde_json::{json, Map, Value};
 
 use crate::admission::Refusal;
 use crate::epoch::{Epoch, LeaseName};
+use crate::fence::FenceError;
 
 pub const ERROR_HEADER: &str = "x-fencegate-error";
 
@@ -58,11 +59,34 @@ pub enum ProxyError {
     },
     #[error("fencegate shut down while this request was at the upstream; the outcome is unknown")]
     ShuttingDown,
+    #[error("lease {lease} is not served here right now; retry shortly")]
+    ShardUnavailable { lease: LeaseName },
 }
 
 impl From<Refusal> for ProxyError {
     fn from(r: Refusal) -> Self {
         ProxyError::Refused(r)
+    }
+}
+
+impl From<FenceError> for ProxyError {
+    fn from(e: FenceError) -> Self {
+        match e {
+            FenceError::Refused(r) => ProxyError::Refused(r),
+            FenceError::StoreUnavailable {
+                lease,
+                epoch,
+                detail,
+            } => ProxyError::StoreUnavailable {
+                lease,
+                epoch,
+                detail,
+            },
+            FenceError::State(d) => ProxyError::StateUnavailable {
+                detail: d.to_string(),
+            },
+            FenceError::Stopped { lease } => ProxyError::ShardUnavailable { lease },
+        }
     }
 }
 
@@ -90,6 +114,7 @@ impl ProxyError {
             E::StoreUnavailable { .. } | E::StateUnavailable { .. } => {
                 (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
             }
+            E::ShardUnavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
             // Sent, then abandoned: like a timeout, the outcome is unknown.
             E::ShuttingDown => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
@@ -140,6 +165,7 @@ impl ProxyError {
                 ctx.insert("epoch".into(), json!(epoch.get()));
                 ctx.insert("latest_epoch".into(), json!(newer.get()));
             }
+            E::ShardUnavailable { lease: l } => lease(ctx, l),
             E::RouteNotFound
             | E::EpochMissing
             | E::EpochMalformed(_)

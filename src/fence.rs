@@ -1,8 +1,10 @@
 //! Everything fencegate keeps for one lease: its gate (mark, in-flight, drain), the
 //! epochs it knows (cached forever: objects are immutable), and how they are kept
-//! current (one [`refresh_all`] task paces the listings of every fence). One
-//! [`Fence`] per lease can be stopped on its own — the unit a future multi-instance
-//! mode hands from one owner to another.
+//! current (one [`refresh_all`] task paces the listings of every fence). The
+//! running fences are kept in [`Fences`]: one per lease, started (its mark loaded
+//! from the state store) and stopped (its requests drained or aborted) as a unit
+//! at run time — start-up uses exactly this, a config reload and a cluster's shard
+//! handover will too.
 //!
 //! Locks: a fence has one std mutex (its known epochs) and its gate has another.
 //! A thread never holds both (`lock_order`, checked in debug builds): the
@@ -19,11 +21,35 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::{self, Claim, Facts, Refusal};
 use crate::durable::Durable;
+use crate::durable::DurableError;
 use crate::epoch::{Epoch, EpochObject, LeaseName};
-use crate::error::ProxyError;
-use crate::gate::{Gate, GateStats, Pass, RaiseError};
+use crate::gate::{Denied, Gate, GateStats, Pass, RaiseError};
 use crate::lease::{Epochs, StoreError};
 use crate::lock_order::Ordered;
+
+/// Why a fence admitted nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    #[error("{0}")]
+    Refused(Refusal),
+    #[error("the lease store cannot be reached and epoch {epoch} of lease {lease} cannot be validated from cache: {detail}")]
+    StoreUnavailable {
+        lease: LeaseName,
+        epoch: Epoch,
+        detail: String,
+    },
+    #[error("the high-water mark cannot be made durable: {0}")]
+    State(DurableError),
+    /// The fence is stopping or stopped: this instance does not serve the lease now.
+    #[error("lease {lease} is not served by this instance right now")]
+    Stopped { lease: LeaseName },
+}
+
+impl From<Refusal> for FenceError {
+    fn from(r: Refusal) -> Self {
+        FenceError::Refused(r)
+    }
+}
 
 #[derive(Default)]
 struct Known {
@@ -81,7 +107,7 @@ impl Fence {
         epochs: Epochs,
         durable: Arc<Durable>,
         settle: Duration,
-    ) -> Result<Arc<Fence>, crate::durable::DurableError> {
+    ) -> Result<Arc<Fence>, DurableError> {
         let mark = durable.mark(&lease)?;
         let drained = durable.drained(&lease)?;
         Ok(Arc::new(Fence {
@@ -114,13 +140,24 @@ impl Fence {
         Epoch::new(self.latest.load(Ordering::SeqCst))
     }
 
-    /// Takes this lease out of the background refresh (see [`refresh_all`]).
-    pub fn stop(&self) {
+    /// Stops the fence: out of the background refresh, nothing more admitted, the
+    /// requests in flight finished — or aborted after `drain_timeout`.
+    pub async fn stop(&self, drain_timeout: Duration) {
         self.stop.cancel();
+        self.gate.close(drain_timeout).await;
     }
 
     pub fn is_stopped(&self) -> bool {
         self.stop.is_cancelled()
+    }
+
+    fn denied(&self, d: Denied) -> FenceError {
+        match d {
+            Denied::Refused(r) => FenceError::Refused(r),
+            Denied::Closed => FenceError::Stopped {
+                lease: self.lease.clone(),
+            },
+        }
     }
 
     /// Lists newer epochs and reads the latest one's object, under the refresh lock.
@@ -199,7 +236,7 @@ impl Fence {
         claim: Claim<'_>,
         require_token: bool,
         drain_timeout: Duration,
-    ) -> Result<Pass, ProxyError> {
+    ) -> Result<Pass, FenceError> {
         let epoch = claim.epoch;
         if require_token && claim.token.is_none() {
             return Err(Refusal::TokenMissing {
@@ -224,7 +261,7 @@ impl Fence {
         // Needs the store: an epoch above what we know, or an object not yet read.
         if !self.has_answer_for(epoch) {
             if let Err(e) = self.refresh_for().await {
-                return Err(ProxyError::StoreUnavailable {
+                return Err(FenceError::StoreUnavailable {
                     lease: self.lease.clone(),
                     epoch,
                     detail: e.to_string(),
@@ -249,7 +286,11 @@ impl Fence {
                 },
             )
         };
-        if let Some(pass) = self.gate.try_enter(epoch, decide)? {
+        if let Some(pass) = self
+            .gate
+            .try_enter(epoch, decide)
+            .map_err(|d| self.denied(d))?
+        {
             return Ok(pass);
         }
         self.gate
@@ -267,10 +308,8 @@ impl Fence {
             )
             .await
             .map_err(|e| match e {
-                RaiseError::Refused(r) => ProxyError::Refused(r),
-                RaiseError::Durable(d) => ProxyError::StateUnavailable {
-                    detail: d.to_string(),
-                },
+                RaiseError::Denied(d) => self.denied(d),
+                RaiseError::Durable(d) => FenceError::State(d),
             })
     }
 
@@ -302,13 +341,65 @@ impl Fence {
             ..view
         }
     }
+}
 
-    pub fn gate(&self) -> &Arc<Gate> {
-        &self.gate
+/// The running fences, one per lease.
+pub struct Fences {
+    epochs: Epochs,
+    state: Arc<Durable>,
+    running: Mutex<BTreeMap<LeaseName, Arc<Fence>>>,
+}
+
+impl Fences {
+    pub fn new(epochs: Epochs, state: Arc<Durable>) -> Arc<Fences> {
+        Arc::new(Fences {
+            epochs,
+            state,
+            running: Mutex::new(BTreeMap::new()),
+        })
     }
 
-    pub fn latest_known(&self) -> Epoch {
-        self.latest()
+    fn running(&self) -> Ordered<'_, BTreeMap<LeaseName, Arc<Fence>>> {
+        crate::lock_order::lock("fences", &self.running)
+    }
+
+    /// Starts the fence of `lease` from its durable mark, or returns the running
+    /// one. `settle` is the longest drain timeout of its routes ([`Fence::new`]).
+    pub fn start(&self, lease: &LeaseName, settle: Duration) -> Result<Arc<Fence>, DurableError> {
+        if let Some(f) = self.get(lease) {
+            return Ok(f);
+        }
+        let fence = Fence::new(
+            lease.clone(),
+            self.epochs.clone(),
+            self.state.clone(),
+            settle,
+        )?;
+        // Two starters of one lease: the first one in wins, the other's is dropped
+        // unused (nothing was admitted through it).
+        Ok(self.running().entry(lease.clone()).or_insert(fence).clone())
+    }
+
+    pub fn get(&self, lease: &LeaseName) -> Option<Arc<Fence>> {
+        self.running().get(lease).cloned()
+    }
+
+    /// Every running fence, by lease name.
+    pub fn all(&self) -> Vec<Arc<Fence>> {
+        self.running().values().cloned().collect()
+    }
+
+    /// Stops the fence of `lease` ([`Fence::stop`]) and forgets it. Returns
+    /// whether it was running.
+    pub async fn stop(&self, lease: &LeaseName, drain_timeout: Duration) -> bool {
+        let fence = self.running().remove(lease);
+        match fence {
+            Some(f) => {
+                f.stop(drain_timeout).await;
+                true
+            }
+            None => false,
+        }
     }
 }
 
@@ -320,9 +411,10 @@ const REFRESH_CONCURRENCY: usize = 32;
 /// but one task with a bounded number of calls in flight costs far less than a task
 /// and a timer per lease (10,000 leases were 30% of a core idle), and a store
 /// outage is logged once per round, not once per lease. Stopped fences are skipped.
-pub async fn refresh_all(fences: Vec<Arc<Fence>>, interval: Duration, stop: CancellationToken) {
+pub async fn refresh_all(fences: Arc<Fences>, interval: Duration, stop: CancellationToken) {
     loop {
         let round = Instant::now();
+        let fences = fences.all();
         let mut calls = tokio::task::JoinSet::new();
         let mut failed = 0usize;
         let mut first_error: Option<(LeaseName, StoreError)> = None;
@@ -436,17 +528,27 @@ mod tests {
         let store = DirStore::open(dir.path().join("store"), Arc::new(SystemClock)).unwrap();
         let epochs = Epochs::new(Arc::new(store), "p/");
         let durable = Durable::open(&dir.path().join("state")).unwrap();
+        let registry = Fences::new(epochs, durable.clone());
         let fences: Vec<_> = ["a", "b", "c"]
             .iter()
             .map(|l| {
-                let lease = LeaseName::parse(l).unwrap();
-                Fence::new(lease, epochs.clone(), durable.clone(), Duration::ZERO).unwrap()
+                registry
+                    .start(&LeaseName::parse(l).unwrap(), Duration::ZERO)
+                    .unwrap()
             })
             .collect();
-        fences[2].stop();
+        assert!(Arc::ptr_eq(
+            &fences[0],
+            &registry
+                .start(&LeaseName::parse("a").unwrap(), Duration::ZERO)
+                .unwrap()
+        ));
+        assert!(registry.stop(fences[2].lease(), Duration::ZERO).await);
+        assert!(fences[2].is_stopped());
+        assert_eq!(registry.all().len(), 2);
         let stop = CancellationToken::new();
         stop.cancel();
-        refresh_all(fences.clone(), Duration::from_secs(3600), stop).await;
+        refresh_all(registry.clone(), Duration::from_secs(3600), stop).await;
         let lists: Vec<u64> = fences
             .iter()
             .map(|f| f.calls.lists.load(Ordering::Relaxed))

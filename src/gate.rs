@@ -98,6 +98,8 @@ struct State {
     raises: u64,
     drains_started: u64,
     drains_aborted: u64,
+    /// Admits nothing more (the fence is stopping).
+    closed: bool,
 }
 
 /// Counters for metrics and the admin API.
@@ -122,6 +124,22 @@ pub struct Entry {
     pub abort: Arc<AbortSignal>,
 }
 
+/// Why the gate admitted nothing.
+#[derive(Debug)]
+pub enum Denied {
+    /// The admission decision refused the claim.
+    Refused(Refusal),
+    /// The gate is closed: its fence is stopping (a reload removed the lease, or
+    /// the instance no longer owns it).
+    Closed,
+}
+
+impl From<Refusal> for Denied {
+    fn from(r: Refusal) -> Self {
+        Denied::Refused(r)
+    }
+}
+
 /// What starting a raise decided.
 #[derive(Debug)]
 pub enum RaiseStart {
@@ -142,6 +160,8 @@ pub enum FinishRaise {
     Entered(Entry),
     /// Drained: the mark moved, but the raiser's claim no longer holds.
     Refused(Refusal),
+    /// The gate closed while the raise waited.
+    Closed,
 }
 
 /// The gate's state machine. Every method is one critical section.
@@ -166,6 +186,7 @@ impl Core {
                 raises: 0,
                 drains_started: 0,
                 drains_aborted: 0,
+                closed: false,
             }),
         }
     }
@@ -199,8 +220,11 @@ impl Core {
         &self,
         epoch: Epoch,
         decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
-    ) -> Result<Option<Entry>, Refusal> {
+    ) -> Result<Option<Entry>, Denied> {
         let mut st = self.lock();
+        if st.closed {
+            return Err(Denied::Closed);
+        }
         let admit = decide(st.barrier)?;
         if admit == Admit::AtMark
             && epoch == st.mark
@@ -217,8 +241,11 @@ impl Core {
         &self,
         epoch: Epoch,
         decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
-    ) -> Result<RaiseStart, Refusal> {
+    ) -> Result<RaiseStart, Denied> {
         let mut st = self.lock();
+        if st.closed {
+            return Err(Denied::Closed);
+        }
         match decide(st.barrier)? {
             Admit::AtMark if epoch > st.settled => Ok(RaiseStart::Settling),
             Admit::AtMark => Ok(RaiseStart::Entered(Self::register(&mut st, epoch))),
@@ -248,6 +275,10 @@ impl Core {
         decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
     ) -> FinishRaise {
         let mut st = self.lock();
+        if st.closed {
+            st.barrier = st.mark;
+            return FinishRaise::Closed;
+        }
         if st.inflight.range(..epoch).next().is_some() {
             return FinishRaise::Draining;
         }
@@ -257,6 +288,18 @@ impl Core {
             Ok(_) => FinishRaise::Entered(Self::register(&mut st, epoch)),
             Err(r) => FinishRaise::Refused(r),
         }
+    }
+
+    /// Admits nothing more; returns how many requests are still in flight.
+    pub fn close(&self) -> usize {
+        let mut st = self.lock();
+        st.closed = true;
+        st.inflight.values().map(|s| s.count).sum()
+    }
+
+    /// Requests in flight (not counting lingering ones).
+    pub fn in_flight(&self) -> usize {
+        self.lock().inflight.values().map(|s| s.count).sum()
     }
 
     /// The restart's settling time has passed: admits up to the mark again.
@@ -336,7 +379,7 @@ pub struct Gate {
 /// Why a raise did not produce a pass.
 #[derive(Debug)]
 pub enum RaiseError {
-    Refused(Refusal),
+    Denied(Denied),
     Durable(DurableError),
 }
 
@@ -437,8 +480,37 @@ impl Gate {
         self: &Arc<Self>,
         epoch: Epoch,
         decide: impl FnOnce(Epoch) -> Result<Admit, Refusal>,
-    ) -> Result<Option<Pass>, Refusal> {
+    ) -> Result<Option<Pass>, Denied> {
         Ok(self.core.try_enter(epoch, decide)?.map(|e| self.pass(e)))
+    }
+
+    /// Closes the gate (nothing more is admitted, a raise waiting in a drain gives
+    /// up) and waits for the requests in flight to finish; after `drain_timeout`
+    /// aborts them (`drain_aborted`) and waits for them to leave.
+    pub async fn close(&self, drain_timeout: Duration) {
+        self.core.close();
+        self.drained.notify_waiters();
+        let deadline = tokio::time::Instant::now() + drain_timeout;
+        let mut aborted = false;
+        loop {
+            let notified = self.drained.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.core.in_flight() == 0 {
+                return;
+            }
+            if aborted {
+                notified.await;
+                continue;
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    self.core.abort_older(Epoch::new(u64::MAX));
+                    aborted = true;
+                }
+            }
+        }
     }
 
     /// The slow path: raises the mark to `epoch` (made durable by `persist`), drains
@@ -464,7 +536,7 @@ impl Gate {
             match self
                 .core
                 .begin_raise(epoch, &decide)
-                .map_err(RaiseError::Refused)?
+                .map_err(RaiseError::Denied)?
             {
                 RaiseStart::Entered(e) => return Ok(self.pass(e)),
                 RaiseStart::Settling => self.settle().await,
@@ -489,8 +561,9 @@ impl Gate {
                 }
                 FinishRaise::Refused(r) => {
                     drained(epoch);
-                    return Err(RaiseError::Refused(r));
+                    return Err(RaiseError::Denied(Denied::Refused(r)));
                 }
+                FinishRaise::Closed => return Err(RaiseError::Denied(Denied::Closed)),
                 FinishRaise::Draining => {}
             }
             if aborted {
@@ -762,13 +835,52 @@ mod tests {
         let res = raise.await.unwrap();
         assert!(matches!(
             res,
-            Err(RaiseError::Refused(Refusal::Expired { .. }))
+            Err(RaiseError::Denied(Denied::Refused(Refusal::Expired { .. })))
         ));
         let st = g.stats();
         assert_eq!(
             (st.mark, st.barrier, st.in_flight),
             (Epoch::new(2), Epoch::new(2), 0)
         );
+    }
+
+    /// Closing admits nothing more, lets a raise waiting in a drain give up, and
+    /// aborts what is still in flight after the drain timeout.
+    #[tokio::test(start_paused = true)]
+    async fn closing_refuses_new_requests_and_aborts_the_rest_after_the_timeout() {
+        let g = Gate::new(Epoch::new(1));
+        let old = g
+            .try_enter(Epoch::new(1), admit_if(Epoch::new(1)))
+            .unwrap()
+            .unwrap();
+        let g2 = g.clone();
+        let raise = tokio::spawn(async move {
+            g2.raise(
+                Epoch::new(2),
+                Duration::from_secs(60),
+                admit_if(Epoch::new(2)),
+                ok,
+                |_| {},
+            )
+            .await
+        });
+        tokio::task::yield_now().await;
+        let start = tokio::time::Instant::now();
+        let g3 = g.clone();
+        let closing = tokio::spawn(async move { g3.close(Duration::from_secs(2)).await });
+        assert!(matches!(
+            raise.await.unwrap(),
+            Err(RaiseError::Denied(Denied::Closed))
+        ));
+        assert!(matches!(
+            g.try_enter(Epoch::new(1), admit_if(Epoch::new(1))),
+            Err(Denied::Closed)
+        ));
+        old.aborted().await;
+        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        drop(old);
+        closing.await.unwrap();
+        assert_eq!(g.stats().in_flight, 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -855,6 +967,7 @@ mod loom_tests {
                         match core.try_finish_raise(e2, decide_for(e2)) {
                             FinishRaise::Entered(e) => break e,
                             FinishRaise::Refused(r) => panic!("refused after the drain: {r}"),
+                            FinishRaise::Closed => unreachable!("nobody closes the gate"),
                             FinishRaise::Draining => {}
                         }
                         tries += 1;

@@ -13,6 +13,8 @@
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
 //! - [`proxy`] — the request path tying the above together.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
+//! - [`shared`] — the one value built at start-up and handed to the proxy, the
+//!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
 //! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
@@ -39,3 +41,4 @@ pub mod lock_order;
 pub mod metrics;
 pub mod proxy;
 pub mod server;
+pub mod shared;

@@ -6,7 +6,7 @@
 //! path pays nothing for them.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -18,7 +18,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::proxy::Proxy;
+use crate::shared::Shared;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -32,11 +32,21 @@ pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
     admission: Histogram,
     upstream: Histogram,
-    proxy: Arc<OnceLock<Weak<Proxy>>>,
 }
 
 impl Metrics {
-    pub fn new() -> Arc<Metrics> {
+    /// Metrics whose collector reads `shared` at scrape time.
+    pub fn new(shared: Arc<Shared>) -> Arc<Metrics> {
+        Metrics::build(Some(shared))
+    }
+
+    /// The request path's counters and histograms only, with no state to read at
+    /// scrape time (for benches of the request path).
+    pub fn without_state() -> Arc<Metrics> {
+        Metrics::build(None)
+    }
+
+    fn build(shared: Option<Arc<Shared>>) -> Arc<Metrics> {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -56,20 +66,15 @@ impl Metrics {
             "Time from forwarding to the complete upstream response (or failure)",
             upstream.clone(),
         );
-        let proxy = Arc::new(OnceLock::new());
-        registry.register_collector(Box::new(StateCollector(proxy.clone())));
+        if let Some(shared) = shared {
+            registry.register_collector(Box::new(StateCollector(shared)));
+        }
         Arc::new(Metrics {
             registry,
             requests,
             admission,
             upstream,
-            proxy,
         })
-    }
-
-    /// Lets the collector read the proxy's state at scrape time.
-    pub fn attach(&self, proxy: &Arc<Proxy>) {
-        let _ = self.proxy.set(Arc::downgrade(proxy));
     }
 
     pub fn request(&self, route: &str, outcome: &str, code: &str) {
@@ -103,8 +108,14 @@ impl Metrics {
     }
 }
 
-#[derive(Debug)]
-struct StateCollector(Arc<OnceLock<Weak<Proxy>>>);
+/// Reads marks, drains, store calls, flushes and dedup counters at scrape time.
+struct StateCollector(Arc<Shared>);
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
 
 fn emit<M: EncodeMetric>(
     enc: &mut DescriptorEncoder,
@@ -123,11 +134,8 @@ fn emit<M: EncodeMetric>(
 
 impl Collector for StateCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(proxy) = self.0.get().and_then(Weak::upgrade) else {
-            return Ok(());
-        };
-        let mut fences: Vec<_> = proxy.fences.values().cloned().collect();
-        fences.sort_by(|a, b| a.lease().cmp(b.lease()));
+        let shared = &self.0;
+        let fences = shared.fences.all();
         let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
         let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
         let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
@@ -232,9 +240,9 @@ impl Collector for StateCollector {
             "fencegate_store_clock_offset_milliseconds",
             "Estimated store clock minus local clock",
             MetricType::Gauge,
-            vec![(vec![], ConstGauge::new(proxy.store_clock_offset_ms()))],
+            vec![(vec![], ConstGauge::new(shared.store.clock().offset_ms()))],
         )?;
-        let s = proxy.durable_stats();
+        let s = shared.state.stats();
         emit(
             &mut enc,
             "fencegate_flush_batches",
@@ -249,7 +257,7 @@ impl Collector for StateCollector {
             MetricType::Counter,
             vec![(vec![], ConstCounter::new(s.records))],
         )?;
-        let d = &proxy.dedup.counters;
+        let d = &shared.dedup.counters;
         emit(
             &mut enc,
             "fencegate_dedup_replays",

@@ -20,6 +20,7 @@ use crate::error::ProxyError;
 use crate::fence::Fence;
 use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
 use crate::metrics::Metrics;
+use crate::shared::Shared;
 
 /// Upper bound on an upstream response body fencegate will buffer.
 const MAX_UPSTREAM_BODY: usize = 64 << 20;
@@ -69,39 +70,23 @@ pub struct Proxy {
     routes: Vec<Route>,
     /// Indexes into `routes` by path prefix.
     index: RouteIndex,
-    durable: Arc<crate::durable::Durable>,
-    store: Arc<dyn crate::lease::LeaseStore>,
-    pub fences: HashMap<String, Arc<Fence>>,
-    pub dedup: Arc<Dedup>,
-    pub metrics: Arc<Metrics>,
+    dedup: Arc<Dedup>,
+    metrics: Arc<Metrics>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
 }
 
 impl Proxy {
-    pub fn new(
-        mut routes: Vec<Route>,
-        durable: Arc<crate::durable::Durable>,
-        store: Arc<dyn crate::lease::LeaseStore>,
-        dedup: Arc<Dedup>,
-        metrics: Arc<Metrics>,
-    ) -> Proxy {
+    pub fn new(mut routes: Vec<Route>, shared: &Shared, metrics: Arc<Metrics>) -> Proxy {
         routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
         for r in &mut routes {
             r.forwarded = metrics.request_counter(&r.name, "forwarded", "");
         }
         let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
-        let fences = routes
-            .iter()
-            .map(|r| (r.fence.lease().as_str().to_owned(), r.fence.clone()))
-            .collect();
         Proxy {
             routes,
             index,
-            durable,
-            store,
-            fences,
-            dedup,
+            dedup: shared.dedup.clone(),
             metrics,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
@@ -110,30 +95,6 @@ impl Proxy {
     /// Shutdown's last resort: every request still forwarding ends now, in doubt.
     pub fn abandon_all(&self) {
         self.abandon.cancel();
-    }
-
-    pub fn durable(&self) -> &Arc<crate::durable::Durable> {
-        &self.durable
-    }
-
-    pub fn store(&self) -> &Arc<dyn crate::lease::LeaseStore> {
-        &self.store
-    }
-
-    pub fn durable_stats(&self) -> crate::durable::CommitStats {
-        self.durable.stats()
-    }
-
-    pub fn store_clock_offset_ms(&self) -> i64 {
-        self.store.clock().offset_ms()
-    }
-
-    pub fn routes(&self) -> &[Route] {
-        &self.routes
-    }
-
-    pub fn route_named(&self, name: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.name == name)
     }
 
     fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {

@@ -31,11 +31,13 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::dedup::Dedup;
 use crate::durable::{Durable, DurableError};
-use crate::fence::Fence;
+use crate::epoch::LeaseName;
+use crate::fence::Fences;
 use crate::forward::Peer;
 use crate::lease::{self, Epochs, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
+use crate::shared::Shared;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -59,8 +61,12 @@ pub enum StartError {
 
 /// Everything a running fencegate owns.
 pub struct App {
+    pub shared: Arc<Shared>,
     pub proxy: Arc<Proxy>,
     pub admin: Arc<Admin>,
+    /// The longest drain timeout of each lease's routes: how long stopping a fence
+    /// waits for its requests before aborting them.
+    drain_timeouts: HashMap<LeaseName, Duration>,
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     shutdown_timeout: Duration,
@@ -109,29 +115,20 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
     // The longest drain timeout among a lease's routes (see Gate::restarted).
-    let mut settle: HashMap<&str, Duration> = HashMap::new();
+    let mut settle: HashMap<LeaseName, Duration> = HashMap::new();
     for r in &cfg.routes {
-        let s = settle.entry(r.lease.as_str()).or_default();
+        let s = settle.entry(r.lease.clone()).or_default();
         *s = (*s).max(r.drain_timeout());
     }
-    let mut fences: HashMap<String, Arc<Fence>> = HashMap::new();
+    let fences = Fences::new(epochs.clone(), durable.clone());
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
     let mut routes = Vec::new();
     for rc in &cfg.routes {
-        let fence = match fences.get(rc.lease.as_str()) {
-            Some(f) => f.clone(),
-            None => {
-                let f = Fence::new(
-                    rc.lease.clone(),
-                    epochs.clone(),
-                    durable.clone(),
-                    settle.get(rc.lease.as_str()).copied().unwrap_or_default(),
-                )?;
-                fences.insert(rc.lease.as_str().to_owned(), f.clone());
-                f
-            }
-        };
+        let fence = fences.start(
+            &rc.lease,
+            settle.get(&rc.lease).copied().unwrap_or_default(),
+        )?;
         let route_err = |message: String| StartError::Route {
             route: rc.name.clone(),
             message,
@@ -148,22 +145,18 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         routes.push(Route::new(rc, fence, client).map_err(route_err)?);
     }
     let tls = cfg.server.tls.as_ref().map(tls_acceptor).transpose()?;
-    let metrics = Metrics::new();
-    let proxy = Arc::new(Proxy::new(
-        routes,
-        durable.clone(),
-        store.clone(),
-        dedup.clone(),
-        metrics.clone(),
-    ));
-    metrics.attach(&proxy);
+    let shared = Arc::new(Shared {
+        state: durable,
+        store,
+        fences: fences.clone(),
+        dedup: dedup.clone(),
+        routes: cfg.routes.iter().map(|r| r.name.clone()).collect(),
+    });
+    let metrics = Metrics::new(shared.clone());
+    let proxy = Arc::new(Proxy::new(routes, &shared, metrics.clone()));
     let stop = CancellationToken::new();
     let tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(
-            fences.values().cloned().collect(),
-            refresh,
-            stop.clone(),
-        )),
+        tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
         tokio::spawn(
             dedup
                 .clone()
@@ -175,13 +168,16 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         .filter(|t| !t.is_empty())
         .or_else(|| cfg.server.admin_token.clone());
     let admin = Arc::new(Admin::new(
-        proxy.clone(),
+        shared.clone(),
+        metrics,
         admin_token,
         Duration::from_millis(cfg.store.timeout_ms),
     ));
     Ok(App {
+        shared,
         proxy,
         admin,
+        drain_timeouts: settle,
         stop,
         tasks,
         shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
@@ -586,13 +582,18 @@ impl App {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
         self.stop.cancel();
-        for f in self.proxy.fences.values() {
-            f.stop();
+        // Nothing is in flight any more: each fence stops at once.
+        for f in self.shared.fences.all() {
+            let timeout = self.drain_timeouts.get(f.lease()).copied();
+            self.shared
+                .fences
+                .stop(f.lease(), timeout.unwrap_or_default())
+                .await;
         }
         for t in self.tasks {
             t.abort();
         }
-        self.proxy.durable().close().await?;
+        self.shared.state.close().await?;
         tracing::info!("stopped; durable state flushed");
         Ok(())
     }

@@ -118,7 +118,8 @@ fn group_commit(c: &mut Criterion) {
         .enable_all()
         .build()
         .expect("runtime");
-    let durable = fencegate::durable::Durable::open(dir.path()).expect("durable");
+    use fencegate::state::StateStore;
+    let durable = fencegate::state::sled::SledState::open(dir.path()).expect("durable");
     let mut n = 0u64;
     let before = durable.stats();
     let mut group = c.benchmark_group("durable");
@@ -131,9 +132,20 @@ fn group_commit(c: &mut Criterion) {
                     .map(|_| {
                         n += 1;
                         let d = durable.clone();
-                        let key = n.to_be_bytes();
+                        let key = fencegate::state::RecordKey {
+                            route: "micro".into(),
+                            key: n.to_string(),
+                        };
+                        let rec = fencegate::state::Record {
+                            state: fencegate::state::State::Done,
+                            fingerprint: [0; 32],
+                            epoch: Epoch::new(1),
+                            created_ms: n,
+                            updated_ms: n,
+                            response: None,
+                        };
                         tokio::spawn(async move {
-                            d.dedup_tree().insert(key, &[0u8; 120][..]).expect("insert");
+                            d.put_record(&key, &rec).expect("insert");
                             d.commit().await.expect("commit");
                         })
                     })

@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 
 use crate::clock::rfc3339;
-use crate::dedup::{ms_to_system, DedupKey, Resolution};
+use crate::dedup::{ms_to_system, DedupKey, Resolution, Resolved, State};
 use crate::epoch::TokenHash;
 use crate::metrics::Metrics;
 use crate::shared::Shared;
@@ -81,7 +81,7 @@ impl Admin {
                 r
             }
             (Method::GET, ["v1", "leases"]) => self.leases(),
-            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key),
+            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key).await,
             (Method::POST, ["v1", "dedup", route, key, "resolve"]) => {
                 if let Err(r) = self.authorize(&req) {
                     return r;
@@ -196,12 +196,12 @@ impl Admin {
             .map_err(|why| error(StatusCode::BAD_REQUEST, "dedup_key_malformed", why))
     }
 
-    fn dedup_get(&self, route: &str, key: &str) -> Response<Full<Bytes>> {
+    async fn dedup_get(&self, route: &str, key: &str) -> Response<Full<Bytes>> {
         let k = match self.parse_route_key(route, key) {
             Ok(k) => k,
             Err(r) => return r,
         };
-        match self.shared.dedup.get(route, &k) {
+        match self.shared.dedup.get(route, &k).await {
             Ok(None) => error(
                 StatusCode::NOT_FOUND,
                 "dedup_record_not_found",
@@ -249,20 +249,28 @@ impl Admin {
                 )
             }
         };
-        match self.shared.dedup.resolve(route, &k, how).await {
-            Ok(Ok(state)) => {
+        let Some(owner) = self.shared.owner_of_route(route) else {
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shard_unavailable",
+                "this instance does not serve the route's lease right now",
+            );
+        };
+        match self.shared.dedup.resolve(owner, route, &k, how).await {
+            Ok(r @ (Resolved::Done | Resolved::Deleted)) => {
                 tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
+                let state = (r == Resolved::Done).then_some(State::Done.as_str());
                 json_response(
                     StatusCode::OK,
-                    json!({"route": route, "key": k.as_str(), "state": state.map(|s| s.as_str())}),
+                    json!({"route": route, "key": k.as_str(), "state": state}),
                 )
             }
-            Ok(Err(None)) => error(
+            Ok(Resolved::Missing) => error(
                 StatusCode::NOT_FOUND,
                 "dedup_record_not_found",
                 "no record for that key",
             ),
-            Ok(Err(Some(s))) => error(
+            Ok(Resolved::NotInDoubt(s)) => error(
                 StatusCode::CONFLICT,
                 "dedup_not_in_doubt",
                 &format!("the record is {}, not in_doubt", s.as_str()),

@@ -1,11 +1,12 @@
-//! Deduplication (SPEC §6): one record per (route, key) in sled, so that a retry of
-//! the *same* action is answered from the record instead of repeated.
+//! Deduplication (SPEC §6): one record per (route, key) in the state store, so
+//! that a retry of the *same* action is answered from the record instead of
+//! repeated: keys, fingerprints, and what a record found means for the request.
 //!
-//! `in_flight` is durable (group commit) before the request is forwarded; `done`
-//! is durable before the worker gets its answer. A record's transitions are
-//! compare-and-swap on its key, so two concurrent requests with one key cannot
-//! both forward.
+//! `in_flight` is durable before the request is forwarded; `done` is durable
+//! before the worker gets its answer ([`crate::state`]); two concurrent requests
+//! with one key never both forward.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -15,9 +16,9 @@ use sha2::{Digest, Sha256};
 
 use crate::clock::{unix_ms, Clock};
 use crate::config::InDoubtPolicy;
-use crate::durable::{Durable, DurableError};
 use crate::epoch::Epoch;
-use crate::error::ProxyError;
+pub use crate::state::{codec, Record, Resolution, Resolved, State, StoredResponse};
+use crate::state::{Begun, End, Owner, RecordKey, StateError, StateStore, TakeOver};
 
 /// A validated dedup key: 1–255 visible ASCII characters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,184 +84,11 @@ pub fn fingerprint(method: &str, path_query: &str, body: &[u8]) -> [u8; 32] {
     h.finalize().into()
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
-    InFlight,
-    Done,
-    InDoubt,
-}
-
-impl State {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::InFlight => "in_flight",
-            State::Done => "done",
-            State::InDoubt => "in_doubt",
-        }
-    }
-}
-
-/// A stored response (for `done`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, Vec<u8>)>,
-    /// `None` when the body exceeded `max_replay_bytes` or an operator resolved the
-    /// key as delivered.
-    pub body: Option<Bytes>,
-}
-
-/// One dedup record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Record {
-    pub state: State,
-    pub fingerprint: [u8; 32],
-    pub epoch: Epoch,
-    pub created_ms: u64,
-    pub updated_ms: u64,
-    pub response: Option<StoredResponse>,
-}
-
-/// The binary record codec: versioned, length-prefixed, bounds-checked on decode.
-pub mod codec {
-    use super::*;
-
-    const VERSION: u8 = 1;
-
-    pub fn encode(r: &Record) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            64 + r
-                .response
-                .as_ref()
-                .map_or(0, |s| s.body.as_ref().map_or(0, Bytes::len)),
-        );
-        out.push(VERSION);
-        out.push(match r.state {
-            State::InFlight => 0,
-            State::Done => 1,
-            State::InDoubt => 2,
-        });
-        out.extend_from_slice(&r.fingerprint);
-        out.extend_from_slice(&r.epoch.get().to_be_bytes());
-        out.extend_from_slice(&r.created_ms.to_be_bytes());
-        out.extend_from_slice(&r.updated_ms.to_be_bytes());
-        match &r.response {
-            None => out.push(0),
-            Some(s) => {
-                out.push(1);
-                out.extend_from_slice(&s.status.to_be_bytes());
-                out.extend_from_slice(&(s.headers.len() as u32).to_be_bytes());
-                for (n, v) in &s.headers {
-                    out.extend_from_slice(&(n.len() as u32).to_be_bytes());
-                    out.extend_from_slice(n.as_bytes());
-                    out.extend_from_slice(&(v.len() as u32).to_be_bytes());
-                    out.extend_from_slice(v);
-                }
-                match &s.body {
-                    None => out.push(0),
-                    Some(b) => {
-                        out.push(1);
-                        out.extend_from_slice(&(b.len() as u32).to_be_bytes());
-                        out.extend_from_slice(b);
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    struct Reader<'a>(&'a [u8]);
-
-    impl<'a> Reader<'a> {
-        fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-            if self.0.len() < n {
-                return None;
-            }
-            let (a, b) = self.0.split_at(n);
-            self.0 = b;
-            Some(a)
-        }
-        fn u8(&mut self) -> Option<u8> {
-            self.take(1).map(|b| b[0])
-        }
-        fn u16(&mut self) -> Option<u16> {
-            self.take(2)
-                .and_then(|b| b.try_into().ok())
-                .map(u16::from_be_bytes)
-        }
-        fn u32(&mut self) -> Option<u32> {
-            self.take(4)
-                .and_then(|b| b.try_into().ok())
-                .map(u32::from_be_bytes)
-        }
-        fn u64(&mut self) -> Option<u64> {
-            self.take(8)
-                .and_then(|b| b.try_into().ok())
-                .map(u64::from_be_bytes)
-        }
-    }
-
-    pub fn decode(raw: &[u8]) -> Option<Record> {
-        let mut r = Reader(raw);
-        if r.u8()? != VERSION {
-            return None;
-        }
-        let state = match r.u8()? {
-            0 => State::InFlight,
-            1 => State::Done,
-            2 => State::InDoubt,
-            _ => return None,
-        };
-        let fingerprint: [u8; 32] = r.take(32)?.try_into().ok()?;
-        let epoch = Epoch::new(r.u64()?);
-        let created_ms = r.u64()?;
-        let updated_ms = r.u64()?;
-        let response = match r.u8()? {
-            0 => None,
-            1 => {
-                let status = r.u16()?;
-                let n = r.u32()? as usize;
-                let mut headers = Vec::with_capacity(n.min(128));
-                for _ in 0..n {
-                    let nl = r.u32()? as usize;
-                    let name = std::str::from_utf8(r.take(nl)?).ok()?.to_owned();
-                    let vl = r.u32()? as usize;
-                    headers.push((name, r.take(vl)?.to_vec()));
-                }
-                let body = match r.u8()? {
-                    0 => None,
-                    1 => {
-                        let bl = r.u32()? as usize;
-                        Some(Bytes::copy_from_slice(r.take(bl)?))
-                    }
-                    _ => return None,
-                };
-                Some(StoredResponse {
-                    status,
-                    headers,
-                    body,
-                })
-            }
-            _ => return None,
-        };
-        if !r.0.is_empty() {
-            return None;
-        }
-        Some(Record {
-            state,
-            fingerprint,
-            epoch,
-            created_ms,
-            updated_ms,
-            response,
-        })
-    }
-}
-
 /// Granted the right to forward a key: the holder must finish it.
 #[derive(Debug)]
 pub struct Ticket {
-    key: Vec<u8>,
+    key: RecordKey,
+    owner: Owner,
     record: Record,
 }
 
@@ -289,92 +117,78 @@ pub enum Outcome<'a> {
     Unknown,
 }
 
+/// Why a key may not be forwarded now (SPEC §6).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DedupError {
+    #[error("a request with this idempotency key is already in flight")]
+    InFlight { key: String },
+    #[error("the outcome of an earlier request with this idempotency key is unknown")]
+    InDoubt { key: String },
+    #[error("this idempotency key was used for a different request")]
+    KeyReused { key: String },
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
 /// Counters for metrics.
 #[derive(Debug, Default)]
 pub struct DedupCounters {
-    pub replays: std::sync::atomic::AtomicU64,
-    pub conflicts: std::sync::atomic::AtomicU64,
-    pub in_doubt: std::sync::atomic::AtomicU64,
-    pub swept: std::sync::atomic::AtomicU64,
+    pub replays: AtomicU64,
+    pub conflicts: AtomicU64,
+    pub in_doubt: AtomicU64,
+    pub swept: AtomicU64,
 }
 
+/// The dedup rules of SPEC §6 over a [`StateStore`].
 pub struct Dedup {
-    durable: Arc<Durable>,
+    state: Arc<dyn StateStore>,
     clock: Arc<dyn Clock>,
     ttl: Duration,
     pub counters: DedupCounters,
 }
 
-/// An operator's resolution of an in-doubt key (SPEC §8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Resolution {
-    Delivered,
-    NotDelivered,
-}
-
-fn db_key(route: &str, key: &DedupKey) -> Vec<u8> {
-    let mut k = Vec::with_capacity(route.len() + 1 + key.0.len());
-    k.extend_from_slice(route.as_bytes());
-    k.push(0);
-    k.extend_from_slice(key.0.as_bytes());
-    k
-}
-
-fn write_err(e: sled::Error) -> ProxyError {
-    ProxyError::StateUnavailable {
-        detail: e.to_string(),
-    }
-}
-
-fn durable_err(e: DurableError) -> ProxyError {
-    ProxyError::StateUnavailable {
-        detail: e.to_string(),
+fn record_key(route: &str, key: &DedupKey) -> RecordKey {
+    RecordKey {
+        route: route.to_owned(),
+        key: key.0.clone(),
     }
 }
 
 impl Dedup {
-    pub fn new(durable: Arc<Durable>, clock: Arc<dyn Clock>, ttl: Duration) -> Dedup {
+    pub fn new(state: Arc<dyn StateStore>, clock: Arc<dyn Clock>, ttl: Duration) -> Dedup {
         Dedup {
-            durable,
+            state,
             clock,
             ttl,
             counters: DedupCounters::default(),
         }
     }
 
-    fn tree(&self) -> &sled::Tree {
-        self.durable.dedup_tree()
-    }
-
     fn now_ms(&self) -> u64 {
         unix_ms(self.clock.now())
     }
 
-    /// Only a `done` record expires: an `in_flight` or `in_doubt` one never turns
-    /// into "absent" (SPEC §6) — its request may still be at the destination, and
-    /// treating it as absent would forward the key again.
-    fn expired(&self, r: &Record, now_ms: u64) -> bool {
-        r.state == State::Done
-            && r.created_ms
-                .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX))
-                <= now_ms
+    /// When a claim may take over an existing record, as of now.
+    fn rules(&self, now_ms: u64, policy: InDoubtPolicy) -> TakeOver {
+        let ttl = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
+        TakeOver {
+            in_doubt: policy == InDoubtPolicy::Resend,
+            // Expired when created + ttl <= now.
+            done_created_before_ms: now_ms.saturating_add(1).saturating_sub(ttl),
+        }
     }
 
     /// Claims `key` for a new forward, or answers from its record (SPEC §6).
     pub async fn begin(
         &self,
+        owner: Owner,
         route: &str,
         key: &DedupKey,
         fp: [u8; 32],
         epoch: Epoch,
         policy: InDoubtPolicy,
-    ) -> Result<Begin, ProxyError> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let k = db_key(route, key);
-        // Most keys are new: claim them with one compare-and-swap from "absent"
-        // instead of a read and then a swap (each walks sled's tree). A key that
-        // exists comes back with its current value and takes the general path.
+    ) -> Result<Begin, DedupError> {
+        let k = record_key(route, key);
         let now = self.now_ms();
         let fresh = Record {
             state: State::InFlight,
@@ -384,100 +198,58 @@ impl Dedup {
             updated_ms: now,
             response: None,
         };
-        let mut current = match self
-            .tree()
-            .compare_and_swap(&k, None::<&[u8]>, Some(codec::encode(&fresh)))
-            .map_err(write_err)?
+        let rec = match self
+            .state
+            .begin(owner, &k, &fresh, self.rules(now, policy))
+            .await?
         {
-            Ok(()) => return self.in_flight_written(k, fresh).await,
-            Err(e) => e.current,
+            Begun::Claimed => {
+                return Ok(Begin::Forward(Ticket {
+                    key: k,
+                    owner,
+                    record: fresh,
+                }))
+            }
+            Begun::Exists(rec) => rec,
         };
-        loop {
-            let now = self.now_ms();
-            let existing = current.as_ref().and_then(|v| codec::decode(v));
-            if let Some(rec) = existing.as_ref().filter(|r| !self.expired(r, now)) {
-                if rec.fingerprint != fp {
-                    self.counters.conflicts.fetch_add(1, Relaxed);
-                    return Err(ProxyError::DedupKeyReused { key: key.0.clone() });
-                }
-                match rec.state {
-                    State::Done => {
-                        self.counters.replays.fetch_add(1, Relaxed);
-                        let resp = rec.response.clone().unwrap_or(StoredResponse {
-                            status: 200,
-                            headers: Vec::new(),
-                            body: None,
-                        });
-                        return Ok(Begin::Replay(resp));
-                    }
-                    State::InFlight => {
-                        self.counters.conflicts.fetch_add(1, Relaxed);
-                        return Err(ProxyError::DedupInFlight { key: key.0.clone() });
-                    }
-                    State::InDoubt if policy == InDoubtPolicy::Reject => {
-                        return Err(ProxyError::DedupInDoubt { key: key.0.clone() });
-                    }
-                    State::InDoubt => {}
-                }
+        if rec.fingerprint != fp {
+            self.counters.conflicts.fetch_add(1, Relaxed);
+            return Err(DedupError::KeyReused { key: k.key });
+        }
+        match rec.state {
+            State::Done => {
+                self.counters.replays.fetch_add(1, Relaxed);
+                Ok(Begin::Replay(rec.response.unwrap_or(StoredResponse {
+                    status: 200,
+                    headers: Vec::new(),
+                    body: None,
+                })))
             }
-            let record = Record {
-                state: State::InFlight,
-                fingerprint: fp,
-                epoch,
-                created_ms: existing
-                    .as_ref()
-                    .filter(|r| !self.expired(r, now))
-                    .map_or(now, |r| r.created_ms),
-                updated_ms: now,
-                response: None,
-            };
-            match self
-                .tree()
-                .compare_and_swap(&k, current.as_ref(), Some(codec::encode(&record)))
-                .map_err(write_err)?
-            {
-                Ok(()) => return self.in_flight_written(k, record).await,
-                // Raced with another request of this key: look again.
-                Err(e) => current = e.current,
+            State::InFlight => {
+                self.counters.conflicts.fetch_add(1, Relaxed);
+                Err(DedupError::InFlight { key: k.key })
             }
+            State::InDoubt => Err(DedupError::InDoubt { key: k.key }),
         }
     }
 
-    /// The `in_flight` record is written: makes it durable before the forward.
-    async fn in_flight_written(&self, key: Vec<u8>, record: Record) -> Result<Begin, ProxyError> {
-        crate::failpoint::hit("dedup_in_flight_written");
-        self.durable.commit().await.map_err(|e| {
-            // Not durable: do not forward. Leave the record in flight; it turns
-            // in doubt at the next start-up if it did reach the disk.
-            durable_err(e)
-        })?;
-        crate::failpoint::hit("dedup_in_flight_flushed");
-        Ok(Begin::Forward(Ticket { key, record }))
-    }
-
     /// Records how a forwarded request ended; for `done`, durable on return.
-    pub async fn finish(&self, ticket: Ticket, outcome: Outcome<'_>) -> Result<(), ProxyError> {
-        let Ticket { key, mut record } = ticket;
+    pub async fn finish(&self, ticket: Ticket, outcome: Outcome<'_>) -> Result<(), StateError> {
+        let Ticket {
+            key,
+            owner,
+            mut record,
+        } = ticket;
         record.updated_ms = self.now_ms();
-        match outcome {
+        let end = match outcome {
             Outcome::Response {
                 retryable: true, ..
             }
-            | Outcome::NotSent => {
-                self.tree().remove(&key).map_err(write_err)?;
-                Ok(())
-            }
+            | Outcome::NotSent => End::Delete,
             Outcome::Unknown => {
-                self.counters
-                    .in_doubt
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.counters.in_doubt.fetch_add(1, Relaxed);
                 record.state = State::InDoubt;
-                self.tree()
-                    .insert(&key, codec::encode(&record))
-                    .map_err(write_err)?;
-                // Not awaited as durable: a crash here leaves `in_flight`, which
-                // start-up turns into `in_doubt` anyway.
-                Ok(())
+                End::InDoubt(record)
             }
             Outcome::Response {
                 status,
@@ -496,108 +268,44 @@ impl Dedup {
                         .collect(),
                     body: (body.len() <= max_replay_bytes).then(|| body.clone()),
                 });
-                self.tree()
-                    .insert(&key, codec::encode(&record))
-                    .map_err(write_err)?;
-                self.durable.commit().await.map_err(durable_err)?;
-                crate::failpoint::hit("dedup_done_flushed");
-                Ok(())
+                End::Done(record)
             }
-        }
+        };
+        self.state.finish(owner, &key, end).await
     }
 
     /// Start-up: every `in_flight` record becomes `in_doubt` (we died mid-request).
-    pub async fn recover(&self) -> Result<usize, DurableError> {
-        let mut n = 0;
-        for item in self.tree().iter() {
-            let (k, v) = item.map_err(|e| DurableError::Write(e.to_string()))?;
-            if let Some(mut r) = codec::decode(&v) {
-                if r.state == State::InFlight {
-                    r.state = State::InDoubt;
-                    r.updated_ms = self.now_ms();
-                    self.tree()
-                        .insert(k, codec::encode(&r))
-                        .map_err(|e| DurableError::Write(e.to_string()))?;
-                    n += 1;
-                }
-            }
-        }
-        if n > 0 {
-            self.durable.commit().await?;
-        }
+    pub async fn recover(&self, owner: Owner) -> Result<usize, StateError> {
+        self.state.recover(owner, self.now_ms()).await
+    }
+
+    /// Removes expired records. Returns how many.
+    pub async fn sweep(&self) -> Result<usize, StateError> {
+        let n = self
+            .state
+            .sweep(self.rules(self.now_ms(), InDoubtPolicy::Reject))
+            .await?;
+        self.counters.swept.fetch_add(n as u64, Relaxed);
         Ok(n)
     }
 
-    /// Removes records older than the TTL. Returns how many.
-    pub fn sweep(&self) -> usize {
-        let now = self.now_ms();
-        let mut n = 0;
-        for (k, v) in self.tree().iter().filter_map(Result::ok) {
-            let expired = codec::decode(&v).is_none_or(|r| self.expired(&r, now));
-            if expired
-                && self
-                    .tree()
-                    .compare_and_swap(&k, Some(v), None::<&[u8]>)
-                    .is_ok_and(|r| r.is_ok())
-            {
-                n += 1;
-            }
-        }
-        self.counters
-            .swept
-            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-        n
-    }
-
     /// The record of `key` on `route`, if any (admin API).
-    pub fn get(&self, route: &str, key: &DedupKey) -> Result<Option<Record>, DurableError> {
-        let v = self
-            .tree()
-            .get(db_key(route, key))
-            .map_err(|e| DurableError::Write(e.to_string()))?;
-        Ok(v.and_then(|v| codec::decode(&v)))
+    pub async fn get(&self, route: &str, key: &DedupKey) -> Result<Option<Record>, StateError> {
+        self.state.get(&record_key(route, key)).await
     }
 
     /// An operator resolves an in-doubt key: delivered → `done` without a stored
-    /// body; not delivered → deleted. Returns the new state (None = deleted), or
-    /// `Err(Some(state))` when the key is not in doubt.
+    /// body; not delivered → deleted.
     pub async fn resolve(
         &self,
+        owner: Owner,
         route: &str,
         key: &DedupKey,
         how: Resolution,
-    ) -> Result<Result<Option<State>, Option<State>>, DurableError> {
-        let k = db_key(route, key);
-        let wr = |e: sled::Error| DurableError::Write(e.to_string());
-        let current = self.tree().get(&k).map_err(wr)?;
-        let Some(mut rec) = current.as_ref().and_then(|v| codec::decode(v)) else {
-            return Ok(Err(None));
-        };
-        if rec.state != State::InDoubt {
-            return Ok(Err(Some(rec.state)));
-        }
-        let new = match how {
-            Resolution::NotDelivered => None,
-            Resolution::Delivered => {
-                rec.state = State::Done;
-                rec.updated_ms = self.now_ms();
-                rec.response = None;
-                Some(codec::encode(&rec))
-            }
-        };
-        if self
-            .tree()
-            .compare_and_swap(&k, current, new)
-            .map_err(wr)?
-            .is_err()
-        {
-            return Ok(Err(Some(State::InFlight)));
-        }
-        self.durable.commit().await?;
-        Ok(Ok(match how {
-            Resolution::Delivered => Some(State::Done),
-            Resolution::NotDelivered => None,
-        }))
+    ) -> Result<Resolved, StateError> {
+        self.state
+            .resolve(owner, &record_key(route, key), how, self.now_ms())
+            .await
     }
 
     /// Runs the retention sweep every `every` until `stop`.
@@ -611,12 +319,10 @@ impl Dedup {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            let me = self.clone();
-            let n = tokio::task::spawn_blocking(move || me.sweep())
-                .await
-                .unwrap_or(0);
-            if n > 0 {
-                tracing::info!(removed = n, "dedup sweep removed expired records");
+            match self.sweep().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(removed = n, "dedup sweep removed expired records"),
+                Err(e) => tracing::warn!(error = %e, "dedup sweep failed"),
             }
         }
     }
@@ -717,22 +423,36 @@ mod tests {
     #[tokio::test]
     async fn lifecycle_and_sweep_with_injected_clock() {
         let dir = tempfile::tempdir().unwrap();
-        let durable = Durable::open(dir.path()).unwrap();
+        let durable = crate::state::sled::SledState::open(dir.path()).unwrap();
         let clock = ManualClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000));
         let d = Dedup::new(durable, clock.clone(), Duration::from_secs(3600));
         let key = DedupKey::parse(b"k1").unwrap();
         let fp = fingerprint("POST", "/x", b"a");
         let Begin::Forward(t) = d
-            .begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
+            .begin(
+                Owner::SINGLE,
+                "r",
+                &key,
+                fp,
+                Epoch::new(1),
+                InDoubtPolicy::Reject,
+            )
             .await
             .unwrap()
         else {
             panic!("expected forward")
         };
         assert!(matches!(
-            d.begin("r", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
-                .await,
-            Err(ProxyError::DedupInFlight { .. })
+            d.begin(
+                Owner::SINGLE,
+                "r",
+                &key,
+                fp,
+                Epoch::new(1),
+                InDoubtPolicy::Reject
+            )
+            .await,
+            Err(DedupError::InFlight { .. })
         ));
         let headers = HeaderMap::new();
         let body = Bytes::from_static(b"ok");
@@ -749,7 +469,14 @@ mod tests {
         .await
         .unwrap();
         match d
-            .begin("r", &key, fp, Epoch::new(2), InDoubtPolicy::Reject)
+            .begin(
+                Owner::SINGLE,
+                "r",
+                &key,
+                fp,
+                Epoch::new(2),
+                InDoubtPolicy::Reject,
+            )
             .await
             .unwrap()
         {
@@ -758,6 +485,7 @@ mod tests {
         }
         assert!(matches!(
             d.begin(
+                Owner::SINGLE,
                 "r",
                 &key,
                 fingerprint("POST", "/x", b"b"),
@@ -765,19 +493,26 @@ mod tests {
                 InDoubtPolicy::Reject
             )
             .await,
-            Err(ProxyError::DedupKeyReused { .. })
+            Err(DedupError::KeyReused { .. })
         ));
         // Another route is another scope.
         assert!(matches!(
-            d.begin("r2", &key, fp, Epoch::new(1), InDoubtPolicy::Reject)
-                .await,
+            d.begin(
+                Owner::SINGLE,
+                "r2",
+                &key,
+                fp,
+                Epoch::new(1),
+                InDoubtPolicy::Reject
+            )
+            .await,
             Ok(Begin::Forward(_))
         ));
-        assert_eq!(d.sweep(), 0);
+        assert_eq!(d.sweep().await.unwrap(), 0);
         clock.advance(Duration::from_secs(3601));
         // r2's record is still in flight: never swept from under a live request.
-        assert_eq!(d.sweep(), 1);
-        assert!(d.get("r", &key).unwrap().is_none());
+        assert_eq!(d.sweep().await.unwrap(), 1);
+        assert!(d.get("r", &key).await.unwrap().is_none());
     }
 
     /// An `in_flight` or `in_doubt` record past the TTL is still what it was: a
@@ -785,7 +520,7 @@ mod tests {
     #[tokio::test]
     async fn in_flight_and_in_doubt_records_never_expire_into_absent() {
         let dir = tempfile::tempdir().unwrap();
-        let durable = Durable::open(dir.path()).unwrap();
+        let durable = crate::state::sled::SledState::open(dir.path()).unwrap();
         let clock = ManualClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000));
         let d = Dedup::new(durable, clock.clone(), Duration::from_secs(2));
         let fp = fingerprint("POST", "/x", b"a");
@@ -793,7 +528,16 @@ mod tests {
             DedupKey::parse(b"flying").unwrap(),
             DedupKey::parse(b"doubtful").unwrap(),
         );
-        let begin = |k| d.begin("r", k, fp, Epoch::new(1), InDoubtPolicy::Reject);
+        let begin = |k| {
+            d.begin(
+                Owner::SINGLE,
+                "r",
+                k,
+                fp,
+                Epoch::new(1),
+                InDoubtPolicy::Reject,
+            )
+        };
         let Ok(Begin::Forward(_in_flight)) = begin(&flying).await else {
             panic!("expected forward")
         };
@@ -804,12 +548,12 @@ mod tests {
         clock.advance(Duration::from_secs(4));
         assert!(matches!(
             begin(&flying).await,
-            Err(ProxyError::DedupInFlight { .. })
+            Err(DedupError::InFlight { .. })
         ));
         assert!(matches!(
             begin(&doubtful).await,
-            Err(ProxyError::DedupInDoubt { .. })
+            Err(DedupError::InDoubt { .. })
         ));
-        assert_eq!(d.sweep(), 0);
+        assert_eq!(d.sweep().await.unwrap(), 0);
     }
 }

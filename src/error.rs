@@ -9,6 +9,7 @@ use http_body_util::Full;
 use serde_json::{json, Map, Value};
 
 use crate::admission::Refusal;
+use crate::dedup::DedupError;
 use crate::epoch::{Epoch, LeaseName};
 use crate::fence::FenceError;
 
@@ -66,6 +67,19 @@ pub enum ProxyError {
 impl From<Refusal> for ProxyError {
     fn from(r: Refusal) -> Self {
         ProxyError::Refused(r)
+    }
+}
+
+impl From<DedupError> for ProxyError {
+    fn from(e: DedupError) -> Self {
+        match e {
+            DedupError::InFlight { key } => ProxyError::DedupInFlight { key },
+            DedupError::InDoubt { key } => ProxyError::DedupInDoubt { key },
+            DedupError::KeyReused { key } => ProxyError::DedupKeyReused { key },
+            DedupError::State(e) => ProxyError::StateUnavailable {
+                detail: e.to_string(),
+            },
+        }
     }
 }
 

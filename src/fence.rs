@@ -20,12 +20,11 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::{self, Claim, Facts, Refusal};
-use crate::durable::Durable;
-use crate::durable::DurableError;
 use crate::epoch::{Epoch, EpochObject, LeaseName};
 use crate::gate::{Denied, Gate, GateStats, Pass, RaiseError};
 use crate::lease::{Epochs, StoreError};
 use crate::lock_order::Ordered;
+use crate::state::{Owner, StateError, StateStore};
 
 /// Why a fence admitted nothing.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +38,7 @@ pub enum FenceError {
         detail: String,
     },
     #[error("the high-water mark cannot be made durable: {0}")]
-    State(DurableError),
+    State(StateError),
     /// The fence is stopping or stopped: this instance does not serve the lease now.
     #[error("lease {lease} is not served by this instance right now")]
     Stopped { lease: LeaseName },
@@ -73,7 +72,9 @@ pub struct StoreCalls {
 pub struct Fence {
     lease: LeaseName,
     epochs: Epochs,
-    durable: Arc<Durable>,
+    state: Arc<dyn StateStore>,
+    /// The generation every state write of this fence carries (`state::Owner`).
+    owner: Owner,
     gate: Arc<Gate>,
     known: Mutex<Known>,
     /// `known.latest`, readable without the lock (raised only under it): the
@@ -102,18 +103,20 @@ impl Fence {
     /// drain timeout of its routes: after a restart the first raise waits that long
     /// for requests the previous process may have left at the destination, and so
     /// does any request above the epoch its drains had completed through.
-    pub fn new(
+    pub async fn new(
         lease: LeaseName,
         epochs: Epochs,
-        durable: Arc<Durable>,
+        state: Arc<dyn StateStore>,
+        owner: Owner,
         settle: Duration,
-    ) -> Result<Arc<Fence>, DurableError> {
-        let mark = durable.mark(&lease)?;
-        let drained = durable.drained(&lease)?;
+    ) -> Result<Arc<Fence>, StateError> {
+        let marks = state.marks(&lease).await?;
+        let (mark, drained) = (marks.mark, marks.drained);
         Ok(Arc::new(Fence {
             lease,
             epochs,
-            durable,
+            state,
+            owner,
             gate: Gate::restarted(mark, drained, settle),
             known: Mutex::new(Known {
                 latest: mark,
@@ -129,6 +132,11 @@ impl Fence {
 
     pub fn lease(&self) -> &LeaseName {
         &self.lease
+    }
+
+    /// The generation this fence's state writes carry.
+    pub fn owner(&self) -> Owner {
+        self.owner
     }
 
     fn known(&self) -> Ordered<'_, Known> {
@@ -298,9 +306,9 @@ impl Fence {
                 epoch,
                 drain_timeout,
                 decide,
-                || self.durable.raise_mark(&self.lease, epoch),
-                |through| {
-                    if let Err(e) = self.durable.note_drained(&self.lease, through) {
+                || self.state.raise_mark(self.owner, &self.lease, epoch),
+                |through| async move {
+                    if let Err(e) = self.state.note_drained(self.owner, &self.lease, through).await {
                         // Only costs a longer settle after a restart.
                         tracing::warn!(lease = %self.lease, error = %e, "could not record a completed drain");
                     }
@@ -309,7 +317,7 @@ impl Fence {
             .await
             .map_err(|e| match e {
                 RaiseError::Denied(d) => self.denied(d),
-                RaiseError::Durable(d) => FenceError::State(d),
+                RaiseError::State(d) => FenceError::State(d),
             })
     }
 
@@ -346,12 +354,12 @@ impl Fence {
 /// The running fences, one per lease.
 pub struct Fences {
     epochs: Epochs,
-    state: Arc<Durable>,
+    state: Arc<dyn StateStore>,
     running: Mutex<BTreeMap<LeaseName, Arc<Fence>>>,
 }
 
 impl Fences {
-    pub fn new(epochs: Epochs, state: Arc<Durable>) -> Arc<Fences> {
+    pub fn new(epochs: Epochs, state: Arc<dyn StateStore>) -> Arc<Fences> {
         Arc::new(Fences {
             epochs,
             state,
@@ -365,7 +373,11 @@ impl Fences {
 
     /// Starts the fence of `lease` from its durable mark, or returns the running
     /// one. `settle` is the longest drain timeout of its routes ([`Fence::new`]).
-    pub fn start(&self, lease: &LeaseName, settle: Duration) -> Result<Arc<Fence>, DurableError> {
+    pub async fn start(
+        &self,
+        lease: &LeaseName,
+        settle: Duration,
+    ) -> Result<Arc<Fence>, StateError> {
         if let Some(f) = self.get(lease) {
             return Ok(f);
         }
@@ -373,8 +385,10 @@ impl Fences {
             lease.clone(),
             self.epochs.clone(),
             self.state.clone(),
+            Owner::SINGLE,
             settle,
-        )?;
+        )
+        .await?;
         // Two starters of one lease: the first one in wins, the other's is dropped
         // unused (nothing was admitted through it).
         Ok(self.running().entry(lease.clone()).or_insert(fence).clone())
@@ -449,6 +463,7 @@ mod tests {
     use super::*;
     use crate::clock::SystemClock;
     use crate::lease::dir::DirStore;
+    use crate::state::sled::SledState;
 
     async fn create_epoch(epochs: &Epochs, e: u64) {
         let lease = LeaseName::parse("l").unwrap();
@@ -466,12 +481,20 @@ mod tests {
             .unwrap();
     }
 
-    fn fence_on(dir: &std::path::Path) -> (Arc<Fence>, Epochs, Arc<Durable>) {
+    async fn fence_on(dir: &std::path::Path) -> (Arc<Fence>, Epochs, Arc<SledState>) {
         let store = DirStore::open(dir.join("store"), Arc::new(SystemClock)).unwrap();
         let epochs = Epochs::new(Arc::new(store), "p/");
         let lease = LeaseName::parse("l").unwrap();
-        let durable = Durable::open(&dir.join("state")).unwrap();
-        let fence = Fence::new(lease, epochs.clone(), durable.clone(), Duration::ZERO).unwrap();
+        let durable = SledState::open(&dir.join("state")).unwrap();
+        let fence = Fence::new(
+            lease,
+            epochs.clone(),
+            durable.clone(),
+            Owner::SINGLE,
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
         (fence, epochs, durable)
     }
 
@@ -484,7 +507,7 @@ mod tests {
     #[tokio::test]
     async fn admission_view_and_refresh_never_hold_both_locks() {
         let dir = tempfile::tempdir().unwrap();
-        let (fence, epochs, durable) = fence_on(dir.path());
+        let (fence, epochs, durable) = fence_on(dir.path()).await;
         create_epoch(&epochs, 1).await;
         let claim = |e: u64, t: &'static [u8]| Claim {
             epoch: Epoch::new(e),
@@ -527,22 +550,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DirStore::open(dir.path().join("store"), Arc::new(SystemClock)).unwrap();
         let epochs = Epochs::new(Arc::new(store), "p/");
-        let durable = Durable::open(&dir.path().join("state")).unwrap();
+        let durable = SledState::open(&dir.path().join("state")).unwrap();
         let registry = Fences::new(epochs, durable.clone());
-        let fences: Vec<_> = ["a", "b", "c"]
-            .iter()
-            .map(|l| {
-                registry
-                    .start(&LeaseName::parse(l).unwrap(), Duration::ZERO)
-                    .unwrap()
-            })
-            .collect();
-        assert!(Arc::ptr_eq(
-            &fences[0],
-            &registry
-                .start(&LeaseName::parse("a").unwrap(), Duration::ZERO)
-                .unwrap()
-        ));
+        let mut fences = Vec::new();
+        for l in ["a", "b", "c", "a"] {
+            let lease = LeaseName::parse(l).unwrap();
+            fences.push(registry.start(&lease, Duration::ZERO).await.unwrap());
+        }
+        assert!(Arc::ptr_eq(&fences[0], &fences[3]));
+        fences.pop();
         assert!(registry.stop(fences[2].lease(), Duration::ZERO).await);
         assert!(fences[2].is_stopped());
         assert_eq!(registry.all().len(), 2);

@@ -34,8 +34,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::admission::{Admit, Refusal};
-use crate::durable::DurableError;
 use crate::epoch::Epoch;
+use crate::state::StateError;
 
 #[cfg(not(fencegate_loom))]
 use crate::lock_order::Ordered as Guard;
@@ -380,7 +380,7 @@ pub struct Gate {
 #[derive(Debug)]
 pub enum RaiseError {
     Denied(Denied),
-    Durable(DurableError),
+    State(StateError),
 }
 
 /// Admission to forward at `epoch`. Dropping it ends the request's time in flight.
@@ -520,16 +520,17 @@ impl Gate {
     ///
     /// Must run to completion once started (the server finishes a request its client dropped), or the
     /// barrier may be left above the mark.
-    pub async fn raise<P>(
+    pub async fn raise<P, D>(
         self: &Arc<Self>,
         epoch: Epoch,
         drain_timeout: Duration,
         decide: impl Fn(Epoch) -> Result<Admit, Refusal>,
         persist: impl FnOnce() -> P,
-        drained: impl FnOnce(Epoch),
+        drained: impl FnOnce(Epoch) -> D,
     ) -> Result<Pass, RaiseError>
     where
-        P: Future<Output = Result<(), DurableError>>,
+        P: Future<Output = Result<(), StateError>>,
+        D: Future<Output = ()>,
     {
         let _one_at_a_time = self.raising.lock().await;
         loop {
@@ -545,7 +546,7 @@ impl Gate {
         }
         if let Err(e) = persist().await {
             self.core.cancel_raise();
-            return Err(RaiseError::Durable(e));
+            return Err(RaiseError::State(e));
         }
         self.settle().await;
         let deadline = tokio::time::Instant::now() + drain_timeout;
@@ -556,11 +557,12 @@ impl Gate {
             notified.as_mut().enable();
             match self.core.try_finish_raise(epoch, &decide) {
                 FinishRaise::Entered(e) => {
-                    drained(epoch);
-                    return Ok(self.pass(e));
+                    let pass = self.pass(e);
+                    drained(epoch).await;
+                    return Ok(pass);
                 }
                 FinishRaise::Refused(r) => {
-                    drained(epoch);
+                    drained(epoch).await;
                     return Err(RaiseError::Denied(Denied::Refused(r)));
                 }
                 FinishRaise::Closed => return Err(RaiseError::Denied(Denied::Closed)),
@@ -618,7 +620,7 @@ mod tests {
     use super::test_support::admit_if;
     use super::*;
 
-    async fn ok() -> Result<(), DurableError> {
+    async fn ok() -> Result<(), StateError> {
         Ok(())
     }
 
@@ -636,7 +638,7 @@ mod tests {
                 Duration::from_secs(10),
                 admit_if(Epoch::new(8)),
                 ok,
-                |_| {},
+                |_| async {},
             )
             .await
         });
@@ -665,7 +667,7 @@ mod tests {
                 Duration::from_millis(500),
                 admit_if(Epoch::new(2)),
                 ok,
-                |_| {},
+                |_| async {},
             )
             .await
         });
@@ -686,11 +688,11 @@ mod tests {
                 Epoch::new(4),
                 Duration::from_secs(1),
                 admit_if(Epoch::new(4)),
-                || async { Err(DurableError::Write("disk full".into())) },
-                |_| {},
+                || async { Err(StateError::Write("disk full".into())) },
+                |_| async {},
             )
             .await;
-        assert!(matches!(res, Err(RaiseError::Durable(_))));
+        assert!(matches!(res, Err(RaiseError::State(_))));
         assert_eq!(g.stats().barrier, Epoch::new(3));
         assert!(g
             .try_enter(Epoch::new(3), admit_if(Epoch::new(3)))
@@ -713,7 +715,7 @@ mod tests {
                 Duration::from_secs(1),
                 admit_if(Epoch::new(5)),
                 ok,
-                |_| {},
+                |_| async {},
             )
             .await
             .unwrap();
@@ -727,7 +729,7 @@ mod tests {
             Duration::from_secs(1),
             admit_if(Epoch::new(1)),
             ok,
-            |_| {},
+            |_| async {},
         )
         .await
         .unwrap();
@@ -752,7 +754,7 @@ mod tests {
                 Duration::from_secs(1),
                 admit_if(Epoch::new(5)),
                 ok,
-                |_| panic!("no drain ran"),
+                |_| async { panic!("no drain ran") },
             )
             .await
             .unwrap();
@@ -784,7 +786,10 @@ mod tests {
                 Duration::from_millis(700),
                 admit_if(Epoch::new(2)),
                 ok,
-                |e| drained.store(e.get(), Ordering::SeqCst),
+                |e| {
+                    drained.store(e.get(), Ordering::SeqCst);
+                    async {}
+                },
             )
             .await
             .unwrap();
@@ -825,7 +830,7 @@ mod tests {
                     }
                 },
                 ok,
-                |_| {},
+                |_| async {},
             )
             .await
         });
@@ -860,7 +865,7 @@ mod tests {
                 Duration::from_secs(60),
                 admit_if(Epoch::new(2)),
                 ok,
-                |_| {},
+                |_| async {},
             )
             .await
         });
@@ -894,7 +899,7 @@ mod tests {
                     Duration::from_secs(1),
                     admit_if(Epoch::new(5)),
                     ok,
-                    |_| {},
+                    |_| async {},
                 )
                 .await
             })

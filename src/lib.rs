@@ -7,7 +7,8 @@
 //! - [`admission`] — the pure admission decision (SPEC §4).
 //! - [`gate`] — per-lease high-water mark, in-flight tracking and the drain (§4–§5).
 //! - [`fence`] — everything kept for one lease: gate, known epochs, refresher.
-//! - [`durable`] — sled and its group commit (marks and dedup records).
+//! - [`state`] — marks and dedup records behind one trait; `sled` (group commit,
+//!   witness) is the embedded backend.
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
 //! - [`forward`] — the pooled upstream client and header hygiene (SPEC §3).
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
@@ -29,7 +30,6 @@ pub mod config;
 pub mod cutoff;
 pub mod dedup;
 pub mod demo;
-pub mod durable;
 pub mod epoch;
 pub mod error;
 pub mod failpoint;
@@ -42,3 +42,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod server;
 pub mod shared;
+pub mod state;

@@ -215,7 +215,14 @@ impl Proxy {
             // `in_flight` by a request that stopped halfway through writing it.
             match self
                 .dedup
-                .begin(&route.name, key, fp, epoch, route.in_doubt)
+                .begin(
+                    route.fence.owner(),
+                    &route.name,
+                    key,
+                    fp,
+                    epoch,
+                    route.in_doubt,
+                )
                 .await?
             {
                 Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),

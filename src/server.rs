@@ -30,7 +30,6 @@ use crate::admin::Admin;
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::dedup::Dedup;
-use crate::durable::{Durable, DurableError};
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::forward::Peer;
@@ -38,11 +37,13 @@ use crate::lease::{self, Epochs, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
 use crate::shared::Shared;
+use crate::state::sled::SledState;
+use crate::state::{Owner, StateError, StateStore};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error(transparent)]
-    Durable(#[from] DurableError),
+    State(#[from] StateError),
     #[error("lease store: {0}")]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -101,12 +102,12 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
-    let durable = Durable::open(&cfg.server.data_dir)?;
+    let durable: Arc<dyn StateStore> = SledState::open(&cfg.server.data_dir)?;
     let store = lease::open(&cfg.store, clock.clone()).await?;
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
-    let recovered = dedup.recover().await?;
+    let recovered = dedup.recover(Owner::SINGLE).await?;
     if recovered > 0 {
         tracing::warn!(
             records = recovered,
@@ -125,10 +126,12 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         HashMap::new();
     let mut routes = Vec::new();
     for rc in &cfg.routes {
-        let fence = fences.start(
-            &rc.lease,
-            settle.get(&rc.lease).copied().unwrap_or_default(),
-        )?;
+        let fence = fences
+            .start(
+                &rc.lease,
+                settle.get(&rc.lease).copied().unwrap_or_default(),
+            )
+            .await?;
         let route_err = |message: String| StartError::Route {
             route: rc.name.clone(),
             message,
@@ -150,7 +153,11 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         store,
         fences: fences.clone(),
         dedup: dedup.clone(),
-        routes: cfg.routes.iter().map(|r| r.name.clone()).collect(),
+        routes: cfg
+            .routes
+            .iter()
+            .map(|r| (r.name.clone(), r.lease.clone()))
+            .collect(),
     });
     let metrics = Metrics::new(shared.clone());
     let proxy = Arc::new(Proxy::new(routes, &shared, metrics.clone()));

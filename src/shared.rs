@@ -6,23 +6,31 @@
 use std::sync::Arc;
 
 use crate::dedup::Dedup;
-use crate::durable::Durable;
+use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::lease::LeaseStore;
+use crate::state::{Owner, StateStore};
 
 pub struct Shared {
     /// Marks and dedup records, durable.
-    pub state: Arc<Durable>,
+    pub state: Arc<dyn StateStore>,
     /// The lease store (epoch objects).
     pub store: Arc<dyn LeaseStore>,
     pub fences: Arc<Fences>,
     pub dedup: Arc<Dedup>,
-    /// The configured route names (dedup records are scoped by route).
-    pub routes: Vec<String>,
+    /// The configured routes' names and leases (dedup records are scoped by route).
+    pub routes: Vec<(String, LeaseName)>,
 }
 
 impl Shared {
     pub fn has_route(&self, name: &str) -> bool {
-        self.routes.iter().any(|r| r == name)
+        self.routes.iter().any(|(r, _)| r == name)
+    }
+
+    /// The owner generation under which this instance writes the records of
+    /// `route`; `None` when its lease's fence is not running here.
+    pub fn owner_of_route(&self, name: &str) -> Option<Owner> {
+        let (_, lease) = self.routes.iter().find(|(r, _)| r == name)?;
+        self.fences.get(lease).map(|f| f.owner())
     }
 }

@@ -314,16 +314,19 @@ struct Agg {
 /// Writes `n` realistic `done` records (content-derived keys, a 100-byte stored
 /// answer) straight into sled, as fencegate would have left them.
 async fn prepopulate(data_dir: &std::path::Path, n: u64) -> Result<(), String> {
-    use fencegate::dedup::{codec, DedupKey, Record, State, StoredResponse};
-    let d = fencegate::durable::Durable::open(data_dir).map_err(|e| e.to_string())?;
+    use fencegate::dedup::{DedupKey, Record, State, StoredResponse};
+    use fencegate::state::StateStore;
+    let d = fencegate::state::sled::SledState::open(data_dir).map_err(|e| e.to_string())?;
     let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     let body = bytes::Bytes::from_static(super::roles::ORIGIN_BODY);
     for i in 0..n {
         let key = DedupKey::derive("bench", "POST", "/bench/charge", &i.to_be_bytes());
-        let mut k = b"bench\0".to_vec();
-        k.extend_from_slice(key.as_str().as_bytes());
+        let k = fencegate::state::RecordKey {
+            route: "bench".into(),
+            key: key.as_str().to_owned(),
+        };
         let rec = Record {
             state: State::Done,
             fingerprint: fencegate::dedup::fingerprint("POST", "/bench/charge", &i.to_be_bytes()),
@@ -339,9 +342,7 @@ async fn prepopulate(data_dir: &std::path::Path, n: u64) -> Result<(), String> {
                 body: Some(body.clone()),
             }),
         };
-        d.dedup_tree()
-            .insert(k, codec::encode(&rec))
-            .map_err(|e| e.to_string())?;
+        d.put_record(&k, &rec).map_err(|e| e.to_string())?;
     }
     d.commit().await.map_err(|e| e.to_string())?;
     d.close().await.map_err(|e| e.to_string())

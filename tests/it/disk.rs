@@ -18,9 +18,10 @@ use std::time::Duration;
 use fencegate::clock::SystemClock;
 use fencegate::config::InDoubtPolicy;
 use fencegate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
-use fencegate::durable::{Durable, DurableError};
 use fencegate::epoch::{Epoch, LeaseName};
 use fencegate::lease::acquire::Holding;
+use fencegate::state::sled::SledState;
+use fencegate::state::{Owner, StateError, StateStore};
 use http::Request;
 
 use crate::support::*;
@@ -485,18 +486,25 @@ async fn no_flipped_or_cut_byte_lowers_a_mark() {
         .map(|l| LeaseName::parse(l).unwrap())
         .collect();
     {
-        let d = Durable::open(&pristine).unwrap();
+        let d = SledState::open(&pristine).unwrap();
         let dd = Dedup::new(d.clone(), Arc::new(SystemClock), Duration::from_secs(3600));
         for round in 1..=5u64 {
             for (i, l) in leases.iter().enumerate() {
-                d.raise_mark(l, Epoch::new(round * 10 + i as u64))
+                d.raise_mark(Owner::SINGLE, l, Epoch::new(round * 10 + i as u64))
                     .await
                     .unwrap();
             }
             let key = DedupKey::parse(format!("key-{round}").as_bytes()).unwrap();
             let fp = dedup::fingerprint("POST", "/x", b"b");
             let Begin::Forward(t) = dd
-                .begin("r", &key, fp, Epoch::new(round), InDoubtPolicy::Reject)
+                .begin(
+                    Owner::SINGLE,
+                    "r",
+                    &key,
+                    fp,
+                    Epoch::new(round),
+                    InDoubtPolicy::Reject,
+                )
                 .await
                 .unwrap()
             else {
@@ -533,11 +541,14 @@ async fn no_flipped_or_cut_byte_lowers_a_mark() {
         let dir = base.path().join("try");
         replace_dir(&pristine, &dir);
         std::fs::write(dir.join("db"), bytes).unwrap();
-        match Durable::open(&dir) {
-            Err(DurableError::Damaged { .. }) | Err(DurableError::Open { .. }) => refused += 1,
+        match SledState::open(&dir) {
+            Err(StateError::Damaged { .. }) | Err(StateError::Open { .. }) => refused += 1,
             Err(e) => panic!("{what}: {e}"),
             Ok(d) => {
-                let marks: Vec<Epoch> = leases.iter().map(|l| d.mark(l).unwrap()).collect();
+                let mut marks = Vec::new();
+                for l in &leases {
+                    marks.push(d.marks(l).await.unwrap().mark);
+                }
                 d.close().await.unwrap();
                 assert_eq!(
                     marks,

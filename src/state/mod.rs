@@ -1,0 +1,198 @@
+//! fencegate's own state (SPEC §4–§6): each lease's high-water mark (and the epoch
+//! its drains completed through) and the dedup records, behind one trait so that
+//! a backend can be an embedded store ([`sled`](self::sled), the default) or a
+//! database several instances share.
+//!
+//! Every write carries an [`Owner`]: the generation under which the writer holds
+//! the lease's shard (SPEC §10.2: the gate epoch; constant in single-instance
+//! mode). A backend refuses a write whose generation is older than the one it has
+//! stored for that shard ([`StateError::OwnerLost`]), so an instance that lost a
+//! shard cannot change its state.
+//!
+//! What a backend must make durable, and when: a raised mark and a claimed
+//! (`in_flight`) record before the call returns (the request is forwarded right
+//! after); a `done` record before the call returns (the worker is answered right
+//! after). Everything else may be made durable later: a lost `in_doubt` leaves
+//! `in_flight`, which start-up turns into `in_doubt`; a lost "drained through"
+//! only makes a restart settle longer.
+
+pub mod codec;
+pub mod record;
+pub mod sled;
+
+mod flusher;
+mod witness;
+
+use async_trait::async_trait;
+
+use crate::epoch::{Epoch, LeaseName};
+pub use record::{Record, State, StoredResponse, TakeOver};
+
+/// The generation under which an instance writes the state of one shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Owner {
+    pub shard: u32,
+    pub generation: u64,
+}
+
+impl Owner {
+    /// A single instance (SPEC §10.1): one shard, one generation.
+    pub const SINGLE: Owner = Owner {
+        shard: 0,
+        generation: 0,
+    };
+}
+
+/// What is kept for one lease.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseMarks {
+    /// The durable high-water mark (SPEC §4).
+    pub mark: Epoch,
+    /// The epoch the lease's drains completed through (SPEC §5); never above `mark`.
+    pub drained: Epoch,
+}
+
+/// A dedup record's key: route and the worker's (or derived) key.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RecordKey {
+    pub route: String,
+    pub key: String,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot open the state in {path}: {detail}")]
+    Open {
+        path: std::path::PathBuf,
+        detail: String,
+    },
+    #[error("the state in {path} is damaged ({detail}); refusing to start from an empty high-water mark. Restore the directory from a backup or, if every lease's epochs are known to be safe, move it aside")]
+    Damaged {
+        path: std::path::PathBuf,
+        detail: String,
+    },
+    #[error("state write failed: {0}")]
+    Write(String),
+    #[error("shard {} is owned under generation {stored}, newer than this instance's {}", .ours.shard, .ours.generation)]
+    OwnerLost { ours: Owner, stored: u64 },
+}
+
+/// What [`StateStore::begin`] found.
+#[derive(Debug)]
+pub enum Begun {
+    /// The key is claimed (`in_flight`, durable): forward.
+    Claimed,
+    /// A record the claim may not take over: answer from it.
+    Exists(Record),
+}
+
+/// How a claimed key ends ([`StateStore::finish`]).
+#[derive(Debug)]
+pub enum End {
+    /// The key is free again (nothing sent, or a retryable status).
+    Delete,
+    /// The outcome is unknown.
+    InDoubt(Record),
+    /// The upstream answered: durable on return.
+    Done(Record),
+}
+
+/// An operator's resolution of an in-doubt key (SPEC §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resolution {
+    Delivered,
+    NotDelivered,
+}
+
+/// What [`StateStore::resolve`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolved {
+    /// Delivered: the record is `done`, without a stored response body.
+    Done,
+    /// Not delivered: the record is gone.
+    Deleted,
+    /// No such key.
+    Missing,
+    /// The key is not in doubt (its state, as found).
+    NotInDoubt(State),
+}
+
+/// Group-commit figures, for metrics and benches.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitStats {
+    pub batches: u64,
+    pub records: u64,
+}
+
+/// Marks and dedup records. See the module documentation for durability.
+#[async_trait]
+pub trait StateStore: Send + Sync + 'static {
+    /// The lease's mark and drained-through epoch (zero when none).
+    async fn marks(&self, lease: &LeaseName) -> Result<LeaseMarks, StateError>;
+
+    /// Raises the mark of `lease` to at least `epoch`; durable on return.
+    async fn raise_mark(
+        &self,
+        owner: Owner,
+        lease: &LeaseName,
+        epoch: Epoch,
+    ) -> Result<(), StateError>;
+
+    /// Records that a drain of `lease` completed through `epoch`.
+    async fn note_drained(
+        &self,
+        owner: Owner,
+        lease: &LeaseName,
+        epoch: Epoch,
+    ) -> Result<(), StateError>;
+
+    /// Claims `key` with `fresh` (an `in_flight` record), unless a record exists
+    /// that `fresh` may not take over ([`Record::taken_over_by`]). Atomic: two
+    /// concurrent claims of one key never both succeed.
+    async fn begin(
+        &self,
+        owner: Owner,
+        key: &RecordKey,
+        fresh: &Record,
+        rules: TakeOver,
+    ) -> Result<Begun, StateError>;
+
+    /// Ends a claimed key.
+    async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError>;
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError>;
+
+    /// Resolves an in-doubt key; durable on return.
+    async fn resolve(
+        &self,
+        owner: Owner,
+        key: &RecordKey,
+        how: Resolution,
+        now_ms: u64,
+    ) -> Result<Resolved, StateError>;
+
+    /// Up to `limit` records in `state`, by key, after `after`, on `route` if given.
+    async fn list(
+        &self,
+        state: State,
+        route: Option<&str>,
+        after: Option<&RecordKey>,
+        limit: usize,
+    ) -> Result<Vec<(RecordKey, Record)>, StateError>;
+
+    /// Removes expired records ([`Record::expired`]); returns how many.
+    async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError>;
+
+    /// Start-up: every `in_flight` record of `owner`'s shard becomes `in_doubt`
+    /// (its writer died mid-request); returns how many. Durable on return.
+    async fn recover(&self, owner: Owner, now_ms: u64) -> Result<usize, StateError>;
+
+    /// Whether the last write reached the disk or database (readiness).
+    fn is_healthy(&self) -> bool;
+
+    fn stats(&self) -> CommitStats;
+
+    /// Makes everything durable and stops background work (shutdown).
+    async fn close(&self) -> Result<(), StateError>;
+}

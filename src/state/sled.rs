@@ -1,0 +1,708 @@
+//! The embedded backend: marks and dedup records in sled under `data_dir`, made
+//! durable by one [group commit](super::flusher) and vouched for by a
+//! [witness](super::witness).
+//!
+//! Start-up refuses a store that cannot be opened, reports corruption, lost its
+//! sentinel key, or is behind its witness — never a silent start from an empty
+//! mark. A record's transitions are compare-and-swap on its key, so two
+//! concurrent requests with one key cannot both forward.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+
+use super::flusher::{mark_snapshot, Flusher, GroupCommit, COMMIT_SEQ};
+use super::{
+    codec, witness, Begun, CommitStats, End, LeaseMarks, Owner, Record, RecordKey, Resolution,
+    Resolved, State, StateError, StateStore, TakeOver,
+};
+use crate::epoch::{Epoch, LeaseName};
+
+const SENTINEL: &[u8] = b"fencegate-state-v1";
+/// In sled's `meta` tree, per shard: the newest owner generation that wrote.
+const OWNER_PREFIX: &[u8] = b"owner/";
+
+pub struct SledState {
+    path: PathBuf,
+    meta: sled::Tree,
+    marks: sled::Tree,
+    /// Per lease, the epoch its drains completed through (SPEC §5: a drain
+    /// interrupted by a crash is not forgotten). Never above the mark; when it is
+    /// lost or behind, a restart only settles longer, so it needs no flush of its own.
+    drained: sled::Tree,
+    dedup: sled::Tree,
+    commit: Arc<GroupCommit>,
+    /// Newest owner generation per shard (a leaf lock: nothing else is taken
+    /// under it).
+    owners: Mutex<HashMap<u32, u64>>,
+}
+
+fn write_err(e: sled::Error) -> StateError {
+    StateError::Write(e.to_string())
+}
+
+/// `route \0 key`: records of one route are adjacent, ordered by key.
+fn db_key(k: &RecordKey) -> Vec<u8> {
+    let mut v = Vec::with_capacity(k.route.len() + 1 + k.key.len());
+    v.extend_from_slice(k.route.as_bytes());
+    v.push(0);
+    v.extend_from_slice(k.key.as_bytes());
+    v
+}
+
+fn record_key(raw: &[u8]) -> Option<RecordKey> {
+    let at = raw.iter().position(|b| *b == 0)?;
+    Some(RecordKey {
+        route: String::from_utf8(raw[..at].to_vec()).ok()?,
+        key: String::from_utf8(raw[at + 1..].to_vec()).ok()?,
+    })
+}
+
+/// The epoch kept for `lease` in `tree` (0 when none).
+fn epoch_in(tree: &sled::Tree, lease: &LeaseName) -> Result<Epoch, StateError> {
+    let v = tree.get(lease.as_str()).map_err(write_err)?;
+    Ok(v.and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+        .map(|b| Epoch::new(u64::from_be_bytes(b)))
+        .unwrap_or(Epoch::NONE))
+}
+
+/// Raises the epoch kept for `lease` in `tree` to at least `epoch`.
+fn raise_to(tree: &sled::Tree, lease: &LeaseName, epoch: Epoch) -> Result<(), StateError> {
+    tree.fetch_and_update(lease.as_str(), |old| {
+        let old = old
+            .and_then(|v| <[u8; 8]>::try_from(v).ok())
+            .map(u64::from_be_bytes)
+            .unwrap_or(0);
+        Some(old.max(epoch.get()).to_be_bytes().to_vec())
+    })
+    .map(drop)
+    .map_err(write_err)
+}
+
+impl SledState {
+    /// Opens (or creates) the state under `dir` and starts the flusher.
+    pub fn open(dir: &Path) -> Result<Arc<SledState>, StateError> {
+        let path = dir.to_owned();
+        let open_err = |detail: String| StateError::Open {
+            path: path.clone(),
+            detail,
+        };
+        // sled reports damage when it opens and also later, when it first reads a
+        // damaged page (here, while the checks below read the trees).
+        let sled_err = |e: sled::Error| match e {
+            sled::Error::Corruption { .. } => StateError::Damaged {
+                path: path.clone(),
+                detail: e.to_string(),
+            },
+            other => open_err(other.to_string()),
+        };
+        let damaged = |detail: String| StateError::Damaged {
+            path: path.clone(),
+            detail,
+        };
+        let existed = dir.join("db").exists() || dir.join("conf").exists();
+        std::fs::create_dir_all(dir).map_err(|e| open_err(e.to_string()))?;
+        let db = sled::Config::new()
+            .path(dir)
+            .flush_every_ms(Some(1000))
+            .open()
+            .map_err(sled_err)?;
+        let meta = db.open_tree("meta").map_err(sled_err)?;
+        let has_sentinel = meta.get(SENTINEL).map_err(sled_err)?.is_some();
+        if existed && !has_sentinel {
+            return Err(damaged(
+                "sentinel key missing from an existing store".into(),
+            ));
+        }
+        if !has_sentinel {
+            meta.insert(SENTINEL, &b"1"[..]).map_err(sled_err)?;
+            db.flush().map_err(sled_err)?;
+        }
+        let marks = db.open_tree("marks").map_err(sled_err)?;
+        let dedup = db.open_tree("dedup").map_err(sled_err)?;
+        let drained = db.open_tree("drained").map_err(sled_err)?;
+        // Reading every mark once checks they decode before we serve.
+        for item in marks.iter() {
+            let (k, v) = item.map_err(|e| damaged(e.to_string()))?;
+            if v.len() != 8 {
+                return Err(damaged(format!(
+                    "mark for {:?} has {} bytes",
+                    String::from_utf8_lossy(&k),
+                    v.len()
+                )));
+            }
+        }
+        let seq = match meta.get(COMMIT_SEQ).map_err(sled_err)? {
+            None => 0,
+            Some(v) => <[u8; 8]>::try_from(&v[..])
+                .map(u64::from_be_bytes)
+                .map_err(|_| damaged("the commit number in sled is not 8 bytes".into()))?,
+        };
+        let current = mark_snapshot(&marks).map_err(sled_err)?;
+        match witness::read(dir).map_err(&damaged)? {
+            // A new store, or one written before the witness existed.
+            None if seq == 0 => {}
+            None => {
+                return Err(damaged(format!(
+                    "sled has {seq} group commits but the witness files ({} and {}) are missing or empty",
+                    witness::FILES[0],
+                    witness::FILES[1]
+                )))
+            }
+            Some(w) => {
+                if seq < w.seq {
+                    return Err(damaged(format!(
+                        "sled lost committed writes: its last group commit is number {seq}, the witness says {}",
+                        w.seq
+                    )));
+                }
+                for (lease, mark) in &w.marks {
+                    let in_sled = current
+                        .iter()
+                        .find(|(l, _)| l == lease)
+                        .map_or(0, |(_, m)| *m);
+                    if in_sled < *mark {
+                        return Err(damaged(format!(
+                            "sled lost the high-water mark of lease {:?}: it has {in_sled}, the witness says {mark}",
+                            String::from_utf8_lossy(lease)
+                        )));
+                    }
+                }
+            }
+        }
+        let mut owners = HashMap::new();
+        for item in meta.scan_prefix(OWNER_PREFIX) {
+            let (k, v) = item.map_err(sled_err)?;
+            let shard = <[u8; 4]>::try_from(&k[OWNER_PREFIX.len()..]).map(u32::from_be_bytes);
+            let generation = <[u8; 8]>::try_from(&v[..]).map(u64::from_be_bytes);
+            if let (Ok(s), Ok(g)) = (shard, generation) {
+                owners.insert(s, g);
+            }
+        }
+        let witness = witness::Writer::open(dir).map_err(|e| open_err(format!("witness: {e}")))?;
+        witness
+            .write(seq, &current)
+            .map_err(|e| open_err(format!("writing the witness: {e}")))?;
+        let data_file = File::open(dir.join("db"))
+            .map_err(|e| open_err(format!("opening sled's data file: {e}")))?;
+        let commit = GroupCommit::start(Flusher {
+            db: db.clone(),
+            meta: meta.clone(),
+            marks: marks.clone(),
+            data_file,
+            witness,
+            seq,
+            marks_cache: None,
+        })
+        .map_err(|e| open_err(format!("starting the flusher: {e}")))?;
+        Ok(Arc::new(SledState {
+            path,
+            meta,
+            marks,
+            drained,
+            dedup,
+            commit,
+            owners: Mutex::new(owners),
+        }))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Waits until every write made before this call is durable (group commit).
+    pub async fn commit(&self) -> Result<(), StateError> {
+        self.commit.commit().await
+    }
+
+    /// Writes a record without waiting for it to be durable (tools and benches
+    /// that fill a store, then [`SledState::commit`] once).
+    pub fn put_record(&self, key: &RecordKey, record: &Record) -> Result<(), StateError> {
+        self.dedup
+            .insert(db_key(key), codec::encode(record))
+            .map(drop)
+            .map_err(write_err)
+    }
+
+    /// Refuses a write of an owner generation older than the shard's newest.
+    fn check_owner(&self, owner: Owner) -> Result<(), StateError> {
+        let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
+        let stored = owners.entry(owner.shard).or_insert(0);
+        if owner.generation < *stored {
+            return Err(StateError::OwnerLost {
+                ours: owner,
+                stored: *stored,
+            });
+        }
+        if owner.generation > *stored {
+            *stored = owner.generation;
+            let mut k = OWNER_PREFIX.to_vec();
+            k.extend_from_slice(&owner.shard.to_be_bytes());
+            self.meta
+                .insert(k, &owner.generation.to_be_bytes()[..])
+                .map_err(write_err)?;
+        }
+        Ok(())
+    }
+
+    /// The `in_flight` record is written: makes it durable before the forward.
+    async fn claimed(&self) -> Result<Begun, StateError> {
+        crate::failpoint::hit("dedup_in_flight_written");
+        // Not durable: do not forward. The record stays in flight; it turns in
+        // doubt at the next start-up if it did reach the disk.
+        self.commit.commit().await?;
+        crate::failpoint::hit("dedup_in_flight_flushed");
+        Ok(Begun::Claimed)
+    }
+}
+
+#[async_trait]
+impl StateStore for SledState {
+    async fn marks(&self, lease: &LeaseName) -> Result<LeaseMarks, StateError> {
+        let mark = epoch_in(&self.marks, lease)?;
+        Ok(LeaseMarks {
+            mark,
+            drained: epoch_in(&self.drained, lease)?.min(mark),
+        })
+    }
+
+    async fn raise_mark(
+        &self,
+        owner: Owner,
+        lease: &LeaseName,
+        epoch: Epoch,
+    ) -> Result<(), StateError> {
+        self.check_owner(owner)?;
+        raise_to(&self.marks, lease, epoch)?;
+        // After the write: a flusher that sees this version reads this mark.
+        self.commit.marks_changed();
+        crate::failpoint::hit("mark_written_before_flush");
+        self.commit.commit().await?;
+        crate::failpoint::hit("mark_flushed");
+        Ok(())
+    }
+
+    async fn note_drained(
+        &self,
+        owner: Owner,
+        lease: &LeaseName,
+        epoch: Epoch,
+    ) -> Result<(), StateError> {
+        self.check_owner(owner)?;
+        raise_to(&self.drained, lease, epoch)
+    }
+
+    async fn begin(
+        &self,
+        owner: Owner,
+        key: &RecordKey,
+        fresh: &Record,
+        rules: TakeOver,
+    ) -> Result<Begun, StateError> {
+        self.check_owner(owner)?;
+        let k = db_key(key);
+        // Most keys are new: claim them with one compare-and-swap from "absent"
+        // instead of a read and then a swap (each walks sled's tree). A key that
+        // exists comes back with its current value and takes the general path.
+        let mut current = match self
+            .dedup
+            .compare_and_swap(&k, None::<&[u8]>, Some(codec::encode(fresh)))
+            .map_err(write_err)?
+        {
+            Ok(()) => return self.claimed().await,
+            Err(e) => e.current,
+        };
+        loop {
+            let existing = current.as_ref().and_then(|v| codec::decode(v));
+            let write = match &existing {
+                // An undecodable record is treated as absent.
+                None => fresh.clone(),
+                Some(rec) => match rec.taken_over_by(fresh, &rules) {
+                    Some(r) => r,
+                    None => return Ok(Begun::Exists(rec.clone())),
+                },
+            };
+            match self
+                .dedup
+                .compare_and_swap(&k, current.as_ref(), Some(codec::encode(&write)))
+                .map_err(write_err)?
+            {
+                Ok(()) => return self.claimed().await,
+                // Raced with another request of this key: look again.
+                Err(e) => current = e.current,
+            }
+        }
+    }
+
+    async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError> {
+        self.check_owner(owner)?;
+        let k = db_key(key);
+        match end {
+            End::Delete => self.dedup.remove(&k).map(drop).map_err(write_err),
+            // Not awaited as durable: a crash here leaves `in_flight`, which
+            // start-up turns into `in_doubt` anyway.
+            End::InDoubt(r) => self
+                .dedup
+                .insert(&k, codec::encode(&r))
+                .map(drop)
+                .map_err(write_err),
+            End::Done(r) => {
+                self.dedup
+                    .insert(&k, codec::encode(&r))
+                    .map_err(write_err)?;
+                self.commit.commit().await?;
+                crate::failpoint::hit("dedup_done_flushed");
+                Ok(())
+            }
+        }
+    }
+
+    async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError> {
+        let v = self.dedup.get(db_key(key)).map_err(write_err)?;
+        Ok(v.and_then(|v| codec::decode(&v)))
+    }
+
+    async fn resolve(
+        &self,
+        owner: Owner,
+        key: &RecordKey,
+        how: Resolution,
+        now_ms: u64,
+    ) -> Result<Resolved, StateError> {
+        self.check_owner(owner)?;
+        let k = db_key(key);
+        let current = self.dedup.get(&k).map_err(write_err)?;
+        let Some(mut rec) = current.as_ref().and_then(|v| codec::decode(v)) else {
+            return Ok(Resolved::Missing);
+        };
+        if rec.state != State::InDoubt {
+            return Ok(Resolved::NotInDoubt(rec.state));
+        }
+        let new = match how {
+            Resolution::NotDelivered => None,
+            Resolution::Delivered => {
+                rec.state = State::Done;
+                rec.updated_ms = now_ms;
+                rec.response = None;
+                Some(codec::encode(&rec))
+            }
+        };
+        if self
+            .dedup
+            .compare_and_swap(&k, current, new)
+            .map_err(write_err)?
+            .is_err()
+        {
+            // Changed under us: a resend claimed it.
+            return Ok(Resolved::NotInDoubt(State::InFlight));
+        }
+        self.commit.commit().await?;
+        Ok(match how {
+            Resolution::Delivered => Resolved::Done,
+            Resolution::NotDelivered => Resolved::Deleted,
+        })
+    }
+
+    async fn list(
+        &self,
+        state: State,
+        route: Option<&str>,
+        after: Option<&RecordKey>,
+        limit: usize,
+    ) -> Result<Vec<(RecordKey, Record)>, StateError> {
+        let prefix = route.map(|r| {
+            let mut p = r.as_bytes().to_vec();
+            p.push(0);
+            p
+        });
+        let start = match (after, &prefix) {
+            (Some(a), _) => {
+                let mut k = db_key(a);
+                k.push(0); // just past `a`
+                k
+            }
+            (None, Some(p)) => p.clone(),
+            (None, None) => Vec::new(),
+        };
+        // May scan far for a rare state: off the runtime's threads.
+        let tree = self.dedup.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for item in tree.range(start..) {
+                let (k, v) = item.map_err(write_err)?;
+                if prefix.as_ref().is_some_and(|p| !k.starts_with(p)) {
+                    break;
+                }
+                let (Some(key), Some(rec)) = (record_key(&k), codec::decode(&v)) else {
+                    continue;
+                };
+                if rec.state == state {
+                    out.push((key, rec));
+                    if out.len() == limit {
+                        break;
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| StateError::Write(format!("the listing stopped: {e}")))?
+    }
+
+    async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError> {
+        // A full scan: off the runtime's threads.
+        let tree = self.dedup.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut n = 0;
+            for item in tree.iter() {
+                let (k, v) = item.map_err(write_err)?;
+                let expired = codec::decode(&v).is_none_or(|r| r.expired(&rules));
+                if expired
+                    && tree
+                        .compare_and_swap(&k, Some(v), None::<&[u8]>)
+                        .is_ok_and(|r| r.is_ok())
+                {
+                    n += 1;
+                }
+            }
+            Ok(n)
+        })
+        .await
+        .map_err(|e| StateError::Write(format!("the sweep stopped: {e}")))?
+    }
+
+    async fn recover(&self, owner: Owner, now_ms: u64) -> Result<usize, StateError> {
+        self.check_owner(owner)?;
+        let mut n = 0;
+        for item in self.dedup.iter() {
+            let (k, v) = item.map_err(write_err)?;
+            if let Some(mut r) = codec::decode(&v) {
+                if r.state == State::InFlight {
+                    r.state = State::InDoubt;
+                    r.updated_ms = now_ms;
+                    self.dedup.insert(k, codec::encode(&r)).map_err(write_err)?;
+                    n += 1;
+                }
+            }
+        }
+        if n > 0 {
+            self.commit.commit().await?;
+        }
+        Ok(n)
+    }
+
+    fn is_healthy(&self) -> bool {
+        self.commit.is_healthy()
+    }
+
+    fn stats(&self) -> CommitStats {
+        self.commit.stats()
+    }
+
+    async fn close(&self) -> Result<(), StateError> {
+        self.commit.close().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::witness;
+
+    /// The flusher reads the marks only when they changed; a raise after a commit
+    /// that used the cached copy still reaches the witness, and commits without a
+    /// raise carry the marks along.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_witness_follows_every_raise() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (
+            LeaseName::parse("a").unwrap(),
+            LeaseName::parse("b").unwrap(),
+        );
+        let d = SledState::open(dir.path()).unwrap();
+        let witnessed = || {
+            let w = witness::read(dir.path()).unwrap().unwrap();
+            (w.seq, w.marks)
+        };
+        d.raise_mark(Owner::SINGLE, &a, Epoch::new(5))
+            .await
+            .unwrap();
+        d.commit().await.unwrap();
+        d.commit().await.unwrap();
+        let (seq1, marks) = witnessed();
+        assert_eq!(marks, vec![(b"a".to_vec(), 5)]);
+        d.raise_mark(Owner::SINGLE, &b, Epoch::new(2))
+            .await
+            .unwrap();
+        d.raise_mark(Owner::SINGLE, &a, Epoch::new(9))
+            .await
+            .unwrap();
+        let (seq2, marks) = witnessed();
+        assert!(seq2 > seq1);
+        assert_eq!(marks, vec![(b"a".to_vec(), 9), (b"b".to_vec(), 2)]);
+        d.commit().await.unwrap();
+        assert_eq!(witnessed().1, marks);
+        d.close().await.unwrap();
+    }
+
+    /// A write under an older owner generation than the shard's newest is
+    /// refused, and the newest generation survives a reopen.
+    #[tokio::test]
+    async fn a_write_of_a_superseded_owner_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        let gen = |generation| Owner {
+            shard: 3,
+            generation,
+        };
+        {
+            let d = SledState::open(dir.path()).unwrap();
+            d.raise_mark(gen(5), &lease, Epoch::new(1)).await.unwrap();
+            let r = d.raise_mark(gen(4), &lease, Epoch::new(2)).await;
+            assert!(
+                matches!(r, Err(StateError::OwnerLost { stored: 5, .. })),
+                "{r:?}"
+            );
+            // Another shard has its own generation.
+            d.raise_mark(
+                Owner {
+                    shard: 1,
+                    generation: 0,
+                },
+                &lease,
+                Epoch::new(1),
+            )
+            .await
+            .unwrap();
+            d.close().await.unwrap();
+        }
+        let d = SledState::open(dir.path()).unwrap();
+        assert!(d.note_drained(gen(4), &lease, Epoch::new(1)).await.is_err());
+        assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(1));
+        d.close().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn marks_survive_reopen_and_batches_form() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        {
+            let d = SledState::open(dir.path()).unwrap();
+            assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::NONE);
+            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(5))
+                .await
+                .unwrap();
+            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(3))
+                .await
+                .unwrap(); // never lowers
+            let mut tasks = Vec::new();
+            for _ in 0..64 {
+                let d = d.clone();
+                tasks.push(tokio::spawn(async move { d.commit().await }));
+            }
+            for t in tasks {
+                t.await.unwrap().unwrap();
+            }
+            let s = d.stats();
+            assert!(s.batches < 66, "{s:?}");
+            d.close().await.unwrap();
+        }
+        let d = SledState::open(dir.path()).unwrap();
+        assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(5));
+    }
+    /// Copies sled's own files (everything but the witness) from `from` to `to`.
+    fn copy_sled_files(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            let name = e.file_name().into_string().unwrap();
+            if e.path().is_file() && !witness::FILES.contains(&name.as_str()) {
+                std::fs::copy(e.path(), to.join(&name)).unwrap();
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sled_behind_its_witness_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        {
+            let d = SledState::open(dir.path()).unwrap();
+            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(3))
+                .await
+                .unwrap();
+            d.close().await.unwrap();
+        }
+        copy_sled_files(dir.path(), old.path());
+        {
+            let d = SledState::open(dir.path()).unwrap();
+            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(9))
+                .await
+                .unwrap();
+            d.close().await.unwrap();
+        }
+        // sled's files roll back to mark 3 (as a silently dropped log tail would);
+        // the witness remembers 9.
+        copy_sled_files(old.path(), dir.path());
+        match SledState::open(dir.path()) {
+            Err(StateError::Damaged { detail, .. }) => {
+                assert!(detail.contains("lost"), "{detail}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("opened a sled that lost mark 9"),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_witness_must_exist_and_one_damaged_slot_is_survivable() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = LeaseName::parse("l").unwrap();
+        {
+            let d = SledState::open(dir.path()).unwrap();
+            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(4))
+                .await
+                .unwrap();
+            d.close().await.unwrap();
+        }
+        let slots: Vec<Vec<u8>> = witness::FILES
+            .iter()
+            .map(|f| std::fs::read(dir.path().join(f)).unwrap())
+            .collect();
+        let newest = (0..2)
+            .max_by_key(|&i| witness::decode(&slots[i]).unwrap().seq)
+            .unwrap();
+        // Both gone: refused.
+        for f in witness::FILES {
+            std::fs::remove_file(dir.path().join(f)).unwrap();
+        }
+        assert!(matches!(
+            SledState::open(dir.path()),
+            Err(StateError::Damaged { .. })
+        ));
+        // The newest slot torn: the other one (one commit older) still vouches.
+        for (i, f) in witness::FILES.iter().enumerate() {
+            let mut b = slots[i].clone();
+            if i == newest {
+                let mid = b.len() / 2;
+                b[mid] ^= 0x40;
+            }
+            std::fs::write(dir.path().join(f), b).unwrap();
+        }
+        let d = SledState::open(dir.path()).unwrap();
+        assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(4));
+        d.close().await.unwrap();
+        drop(d);
+        // Both damaged: refused.
+        for f in witness::FILES {
+            std::fs::write(dir.path().join(f), b"not a witness").unwrap();
+        }
+        assert!(matches!(
+            SledState::open(dir.path()),
+            Err(StateError::Damaged { .. })
+        ));
+    }
+}

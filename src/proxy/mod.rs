@@ -1,8 +1,6 @@
 //! The request path (SPEC §3–§6): route → validate headers → read body → admit
 //! (fence) → dedup → forward (abortable by a drain) → record → answer.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +10,10 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use prometheus_client::metrics::counter::Counter;
 
+mod routes;
+
+use routes::RouteIndex;
+
 use crate::admission::Claim;
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
@@ -19,6 +21,7 @@ use crate::epoch::Epoch;
 use crate::error::ProxyError;
 use crate::fence::Fence;
 use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
+use crate::gate::Pass;
 use crate::metrics::Metrics;
 use crate::shared::Shared;
 
@@ -231,25 +234,52 @@ impl Proxy {
         } else {
             None
         };
+        let (result, sent) = self.forward(route, parts, body, peer, key, pass).await;
+        // The key's record follows from how the forward ended, in one place.
+        if let Some(t) = ticket {
+            let outcome = match (&result, sent) {
+                (Ok(resp), _) => Outcome::Response {
+                    status: resp.status,
+                    headers: &resp.headers,
+                    body: &resp.body,
+                    retryable: route.retryable.contains(&resp.status.as_u16()),
+                    max_replay_bytes: route.max_replay_bytes,
+                },
+                (Err(_), Sent::Nothing) => Outcome::NotSent,
+                (Err(_), Sent::Maybe) => Outcome::Unknown,
+            };
+            self.finish_quietly(t, outcome).await;
+        }
+        result.map(|resp| (forward::to_response(resp), "forwarded"))
+    }
+
+    /// Forwards the admitted request under its pass: ends the pass (or leaves it
+    /// lingering when the outcome is unknown) and says whether anything may have
+    /// been sent.
+    async fn forward(
+        &self,
+        route: &Route,
+        parts: http::request::Parts,
+        body: Bytes,
+        peer: &Peer,
+        key: &DedupKey,
+        pass: Pass,
+    ) -> (Result<forward::UpstreamResponse, ProxyError>, Sent) {
         // Built only once the request will really be forwarded (not for a replay).
         let upstream_req =
             match forward::build_request(&route.target, parts, body, peer, key.as_str()) {
                 Ok(r) => r,
                 Err(detail) => {
-                    if let Some(t) = ticket {
-                        self.finish_quietly(t, Outcome::NotSent).await;
-                    }
-                    return Err(ProxyError::UpstreamUnreachable { detail });
+                    return (
+                        Err(ProxyError::UpstreamUnreachable { detail }),
+                        Sent::Nothing,
+                    )
                 }
             };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
-            if let Some(t) = ticket {
-                self.finish_quietly(t, Outcome::NotSent).await;
-            }
-            return Err(drain_aborted(route, &pass));
+            return (Err(drain_aborted(route, &pass)), Sent::Nothing);
         }
-
         let upstream_started = Instant::now();
         let cancel = async {
             tokio::select! {
@@ -265,8 +295,8 @@ impl Proxy {
             cancel,
         )
         .await;
-        let abandoned = self.abandon.is_cancelled() && result.is_err();
         let aborted = pass.is_aborted() && result.is_err();
+        let abandoned = self.abandon.is_cancelled() && result.is_err();
         let aborted_err = aborted.then(|| drain_aborted(route, &pass));
         // In flight ends with the complete response or a failure — except that a
         // request whose outcome is unknown may still be executing at the
@@ -277,33 +307,14 @@ impl Proxy {
             drop(pass);
         }
         self.metrics.upstream_latency(upstream_started.elapsed());
-
         match result {
-            Ok(resp) => {
-                if let Some(t) = ticket {
-                    let retryable = route.retryable.contains(&resp.status.as_u16());
-                    let outcome = Outcome::Response {
-                        status: resp.status,
-                        headers: &resp.headers,
-                        body: &resp.body,
-                        retryable,
-                        max_replay_bytes: route.max_replay_bytes,
-                    };
-                    self.finish_quietly(t, outcome).await;
-                }
-                Ok((forward::to_response(resp), "forwarded"))
-            }
+            Ok(resp) => (Ok(resp), Sent::Maybe),
             Err(e) => {
-                let not_sent = matches!(e, UpstreamError::Unreachable(_)) && !aborted;
-                if let Some(t) = ticket {
-                    let outcome = if not_sent {
-                        Outcome::NotSent
-                    } else {
-                        Outcome::Unknown
-                    };
-                    self.finish_quietly(t, outcome).await;
-                }
-                Err(match (aborted_err, e) {
+                let sent = match e {
+                    UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
+                    _ => Sent::Maybe,
+                };
+                let err = match (aborted_err, e) {
                     (Some(a), _) => a,
                     (None, _) if abandoned => ProxyError::ShuttingDown,
                     (None, UpstreamError::Unreachable(d)) => {
@@ -312,7 +323,8 @@ impl Proxy {
                     (None, UpstreamError::Uncertain(d)) => {
                         ProxyError::UpstreamTimeout { detail: d }
                     }
-                })
+                };
+                (Err(err), sent)
             }
         }
     }
@@ -329,63 +341,11 @@ impl Proxy {
     }
 }
 
-/// Routes by `path_prefix` (each ends in `/`, config validation): the longest
-/// prefix of a path wins, found with one hash probe per path segment whatever the
-/// number of routes (a linear scan was ~15% of a request's CPU at 10,000 routes).
-struct RouteIndex {
-    /// Prefix without its final `/` → position of the route.
-    by_prefix: HashMap<String, usize, BuildHasherDefault<Fnv1a>>,
-}
-
-/// FNV-1a: paths are short, and SipHash's flood resistance buys nothing here (the
-/// table holds configured prefixes only; a request can only look up).
-#[derive(Default)]
-struct Fnv1a(u64);
-
-impl Hasher for Fnv1a {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = if self.0 == 0 {
-            0xcbf2_9ce4_8422_2325
-        } else {
-            self.0
-        };
-        for b in bytes {
-            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-        }
-        self.0 = h;
-    }
-}
-
-impl RouteIndex {
-    fn new<'a>(prefixes: impl Iterator<Item = &'a str>) -> RouteIndex {
-        let mut by_prefix = HashMap::default();
-        for (i, p) in prefixes.enumerate() {
-            by_prefix
-                .entry(p.strip_suffix('/').unwrap_or(p).to_owned())
-                .or_insert(i);
-        }
-        RouteIndex { by_prefix }
-    }
-
-    /// The route whose prefix is the longest one `path` starts with, or whose
-    /// prefix is `path` plus `/` (`/billing` names the root of `/billing/`).
-    fn find(&self, path: &str) -> Option<usize> {
-        // `path` itself first (the root case, and the longest candidate), then
-        // every ancestor that ends before a '/', longest first.
-        std::iter::once(path)
-            .chain(
-                path.bytes()
-                    .enumerate()
-                    .rev()
-                    .filter(|&(_, b)| b == b'/')
-                    .map(|(i, _)| &path[..i]),
-            )
-            .find_map(|c| self.by_prefix.get(c).copied())
-    }
+/// Whether any byte of a request may have reached the upstream.
+#[derive(Debug, Clone, Copy)]
+enum Sent {
+    Nothing,
+    Maybe,
 }
 
 /// What a request revealed about itself before it ended, for its log line.
@@ -446,54 +406,5 @@ async fn read_body(
             detail: e.to_string(),
         }),
         Err(_) => Err(ProxyError::BodyTimeout),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The definition the index must agree with: the longest matching prefix.
-    fn linear(prefixes: &[String], path: &str) -> Option<usize> {
-        let matches = |p: &str| {
-            Target::new(p, "http://upstream/", "Idempotency-Key", vec![])
-                .is_ok_and(|t| t.matches(path))
-        };
-        (0..prefixes.len())
-            .filter(|&i| matches(&prefixes[i]))
-            .max_by_key(|&i| prefixes[i].len())
-    }
-
-    #[test]
-    fn longest_prefix_and_the_root_case() {
-        let prefixes = ["/", "/billing/", "/billing/refunds/", "//"];
-        let idx = RouteIndex::new(prefixes.into_iter());
-        for (path, want) in [
-            ("/billing/x", Some(1)),
-            ("/billing", Some(1)),
-            ("/billing/", Some(1)),
-            ("/billing/refunds", Some(2)),
-            ("/billing/refunds/1", Some(2)),
-            ("/billingx", Some(0)),
-            ("/a", Some(0)),
-            // `/` is the root of `//`, the longer prefix.
-            ("/", Some(3)),
-            ("//x", Some(3)),
-        ] {
-            assert_eq!(idx.find(path), want, "{path}");
-        }
-        assert_eq!(RouteIndex::new(["/a/"].into_iter()).find("/b"), None);
-    }
-
-    proptest::proptest! {
-        #[test]
-        fn index_matches_the_linear_definition(
-            prefixes in proptest::collection::hash_set("/([ab]{1,2}/){0,3}", 1..6),
-            path in "/[ab/]{0,9}",
-        ) {
-            let prefixes: Vec<String> = prefixes.into_iter().collect();
-            let idx = RouteIndex::new(prefixes.iter().map(String::as_str));
-            proptest::prop_assert_eq!(idx.find(&path), linear(&prefixes, &path), "{}", path);
-        }
     }
 }

@@ -1,11 +1,9 @@
-//! Start-up and the listeners: open durable state, open and self-test the store,
-//! build one fence per lease, then serve the proxy and admin listeners until a
-//! shutdown signal, and drain.
+//! One client connection: the idle limit (one timer per connection, counted from
+//! the last request or the last byte written), the request future that is
+//! finished even when its client goes away, and the accept loop.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -26,182 +24,9 @@ use tokio::sync::Semaphore;
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::Admin;
-use crate::clock::Clock;
-use crate::config::Config;
-use crate::dedup::Dedup;
-use crate::epoch::LeaseName;
-use crate::fence::Fences;
 use crate::forward::Peer;
-use crate::lease::{self, Epochs, StoreError};
-use crate::metrics::Metrics;
-use crate::proxy::{Proxy, Route};
-use crate::shared::Shared;
-use crate::state::sled::SledState;
-use crate::state::{Owner, StateError, StateStore};
 
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error(transparent)]
-    State(#[from] StateError),
-    #[error("lease store: {0}")]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Probe(#[from] lease::probe::ProbeError),
-    #[error("route {route}: {message}")]
-    Route { route: String, message: String },
-    #[error("TLS: {0}")]
-    Tls(String),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-/// Everything a running fencegate owns.
-pub struct App {
-    pub shared: Arc<Shared>,
-    pub proxy: Arc<Proxy>,
-    pub admin: Arc<Admin>,
-    /// The longest drain timeout of each lease's routes: how long stopping a fence
-    /// waits for its requests before aborting them.
-    drain_timeouts: HashMap<LeaseName, Duration>,
-    stop: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    shutdown_timeout: Duration,
-    max_connections: usize,
-    header_read_timeout: Duration,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-}
-
-/// Loads the listener's certificate and key and advertises h2 and http/1.1.
-fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAcceptor, StartError> {
-    use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&cfg.cert)
-        .and_then(|it| it.collect::<Result<_, _>>())
-        .map_err(|e| StartError::Tls(format!("reading certificate {}: {e}", cfg.cert.display())))?;
-    let key = PrivateKeyDer::from_pem_file(&cfg.key)
-        .map_err(|e| StartError::Tls(format!("reading private key {}: {e}", cfg.key.display())))?;
-    let mut sc = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|e| StartError::Tls(e.to_string()))?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)
-    .map_err(|e| StartError::Tls(format!("certificate and key do not form a valid pair: {e}")))?;
-    sc.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(sc)))
-}
-
-/// Builds the app from a validated config: nothing listens yet.
-pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
-    for w in cfg.warnings() {
-        tracing::warn!("{w}");
-    }
-    let durable: Arc<dyn StateStore> = SledState::open(&cfg.server.data_dir)?;
-    let store = lease::open(&cfg.store, clock.clone()).await?;
-    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
-    let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
-    let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
-    let recovered = dedup.recover(Owner::SINGLE).await?;
-    if recovered > 0 {
-        tracing::warn!(
-            records = recovered,
-            "dedup records left in flight by a previous run are now in doubt"
-        );
-    }
-    let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
-    // The longest drain timeout among a lease's routes (see Gate::restarted).
-    let mut settle: HashMap<LeaseName, Duration> = HashMap::new();
-    for r in &cfg.routes {
-        let s = settle.entry(r.lease.clone()).or_default();
-        *s = (*s).max(r.drain_timeout());
-    }
-    let fences = Fences::new(epochs.clone(), durable.clone());
-    let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
-        HashMap::new();
-    let mut routes = Vec::new();
-    for rc in &cfg.routes {
-        let fence = fences
-            .start(
-                &rc.lease,
-                settle.get(&rc.lease).copied().unwrap_or_default(),
-            )
-            .await?;
-        let route_err = |message: String| StartError::Route {
-            route: rc.name.clone(),
-            message,
-        };
-        let client = match clients.get(&rc.ca_file) {
-            Some(c) => c.clone(),
-            None => {
-                let tls = crate::forward::tls_config(rc.ca_file.as_deref()).map_err(route_err)?;
-                let c = crate::forward::client(tls, (rc.timeout() / 2).min(Duration::from_secs(5)));
-                clients.insert(rc.ca_file.clone(), c.clone());
-                c
-            }
-        };
-        routes.push(Route::new(rc, fence, client).map_err(route_err)?);
-    }
-    let tls = cfg.server.tls.as_ref().map(tls_acceptor).transpose()?;
-    let shared = Arc::new(Shared {
-        state: durable,
-        store,
-        fences: fences.clone(),
-        dedup: dedup.clone(),
-        routes: cfg
-            .routes
-            .iter()
-            .map(|r| (r.name.clone(), r.lease.clone()))
-            .collect(),
-    });
-    let metrics = Metrics::new(shared.clone());
-    let proxy = Arc::new(Proxy::new(routes, &shared, metrics.clone()));
-    let stop = CancellationToken::new();
-    let tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
-        tokio::spawn(
-            dedup
-                .clone()
-                .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
-        ),
-    ];
-    let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
-        .ok()
-        .filter(|t| !t.is_empty())
-        .or_else(|| cfg.server.admin_token.clone());
-    let admin = Arc::new(Admin::new(
-        shared.clone(),
-        metrics,
-        admin_token,
-        Duration::from_millis(cfg.store.timeout_ms),
-    ));
-    Ok(App {
-        shared,
-        proxy,
-        admin,
-        drain_timeouts: settle,
-        stop,
-        tasks,
-        shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
-        max_connections: cfg.server.max_connections,
-        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-        tls,
-    })
-}
-
-/// Binds a listener, naming the address on failure.
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })
-}
-
-fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor> {
+pub(super) fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor> {
     let mut b = auto::Builder::new(TokioExecutor::new());
     // hyper's own header read timeout is off: it arms a timer for every request,
     // which cost ~5% of a forwarded request's CPU. `close_when_idle` enforces the
@@ -386,7 +211,7 @@ where
 /// away), is finished on its own task instead of being cancelled: gate and
 /// dedup transitions must never stop halfway. Cheaper than spawning every request
 /// (no extra task, no extra wake-up); only abandoned requests pay for a spawn.
-struct FinishOnDrop<F>(Option<Pin<Box<F>>>)
+pub(super) struct FinishOnDrop<F>(Option<Pin<Box<F>>>)
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static;
@@ -396,7 +221,7 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    fn new(f: F) -> Self {
+    pub(super) fn new(f: F) -> Self {
         FinishOnDrop(Some(Box::pin(f)))
     }
 }
@@ -434,20 +259,35 @@ where
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn accept_loop<F, Fut>(
-    listener: TcpListener,
-    builder: Arc<auto::Builder<TokioExecutor>>,
-    handler: F,
-    graceful: &GracefulShutdown,
-    stop: CancellationToken,
-    limit: Arc<Semaphore>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    handshake_timeout: Duration,
-) where
+/// How one listener serves its connections.
+pub(super) struct Listener {
+    pub listener: TcpListener,
+    pub builder: Arc<auto::Builder<TokioExecutor>>,
+    /// Stops accepting (connections already open go on).
+    pub stop: CancellationToken,
+    /// At most this many connections at once; more are closed at accept.
+    pub limit: Arc<Semaphore>,
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The TLS handshake's bound, and how long a connection may go without a
+    /// request.
+    pub idle_limit: Duration,
+}
+
+/// Accepts connections until `l.stop`, serving each request with `handler`;
+/// `graceful` tracks the connections for shutdown.
+pub(super) async fn accept_loop<F, Fut>(l: Listener, handler: F, graceful: &GracefulShutdown)
+where
     F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
 {
+    let Listener {
+        listener,
+        builder,
+        stop,
+        limit,
+        tls,
+        idle_limit: handshake_timeout,
+    } = l;
     let proto = if tls.is_some() { "https" } else { "http" };
     loop {
         let (stream, peer) = tokio::select! {
@@ -512,97 +352,6 @@ async fn accept_loop<F, Fut>(
             }
             drop(permit);
         });
-    }
-}
-
-impl App {
-    /// Serves on the given listeners until `shutdown` resolves, then stops
-    /// accepting, lets in-flight requests finish up to the deadline, and flushes.
-    pub async fn run(
-        self,
-        proxy_l: TcpListener,
-        admin_l: TcpListener,
-        shutdown: impl Future<Output = ()>,
-    ) -> Result<(), StartError> {
-        let builder = Arc::new(http_builder(self.header_read_timeout));
-        let graceful = GracefulShutdown::new();
-        let admin_graceful = GracefulShutdown::new();
-        let accept_stop = CancellationToken::new();
-        let limit = Arc::new(Semaphore::new(self.max_connections));
-        let proxy = self.proxy.clone();
-        let proxy_handler = move |req: Request<Incoming>, peer: Arc<Peer>| {
-            // A client going away must not cancel a request halfway through its
-            // gate or dedup transitions.
-            FinishOnDrop::new(proxy.clone().handle(req, peer))
-        };
-        let admin = self.admin.clone();
-        let admin_handler = move |req: Request<Incoming>, _peer: Arc<Peer>| {
-            let a = admin.clone();
-            async move { a.handle(req).await }
-        };
-        let serve = async {
-            tokio::join!(
-                accept_loop(
-                    proxy_l,
-                    builder.clone(),
-                    proxy_handler,
-                    &graceful,
-                    accept_stop.clone(),
-                    limit.clone(),
-                    self.tls.clone(),
-                    self.header_read_timeout,
-                ),
-                accept_loop(
-                    admin_l,
-                    builder.clone(),
-                    admin_handler,
-                    &admin_graceful,
-                    accept_stop.clone(),
-                    Arc::new(Semaphore::new(256)),
-                    None,
-                    self.header_read_timeout,
-                ),
-            )
-        };
-        tokio::select! {
-            _ = serve => {}
-            _ = shutdown => {}
-        }
-        accept_stop.cancel();
-        tracing::info!(
-            timeout_ms = self.shutdown_timeout.as_millis() as u64,
-            "shutting down: finishing in-flight requests"
-        );
-        let finishing = graceful.shutdown();
-        tokio::pin!(finishing);
-        if tokio::time::timeout(self.shutdown_timeout, &mut finishing)
-            .await
-            .is_err()
-        {
-            // Abandon what is left: each such request's dedup record becomes in
-            // doubt and its worker is told the outcome is unknown.
-            tracing::warn!(
-                "in-flight requests did not finish before the shutdown deadline; abandoning them"
-            );
-            self.proxy.abandon_all();
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
-        self.stop.cancel();
-        // Nothing is in flight any more: each fence stops at once.
-        for f in self.shared.fences.all() {
-            let timeout = self.drain_timeouts.get(f.lease()).copied();
-            self.shared
-                .fences
-                .stop(f.lease(), timeout.unwrap_or_default())
-                .await;
-        }
-        for t in self.tasks {
-            t.abort();
-        }
-        self.shared.state.close().await?;
-        tracing::info!("stopped; durable state flushed");
-        Ok(())
     }
 }
 

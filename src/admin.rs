@@ -1,9 +1,6 @@
 //! The admin listener (SPEC §8): health, readiness, metrics, lease state, and the
 //! dedup records an operator may need to inspect or resolve.
 
-// Early-return helpers hand back a ready response; admin calls are rare, so the
-// size of that `Err` does not matter.
-#![allow(clippy::result_large_err)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +14,7 @@ use serde_json::{json, Value};
 use crate::clock::rfc3339;
 use crate::dedup::{ms_to_system, DedupKey, Resolution, Resolved, State};
 use crate::epoch::TokenHash;
+use crate::error::AdminError;
 use crate::metrics::Metrics;
 use crate::shared::Shared;
 
@@ -42,13 +40,6 @@ fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
     r
 }
 
-fn error(status: StatusCode, code: &'static str, message: &str) -> Response<Full<Bytes>> {
-    let mut r = json_response(status, json!({"error": code, "message": message}));
-    r.headers_mut()
-        .insert(crate::error::ERROR_HEADER, HeaderValue::from_static(code));
-    r
-}
-
 impl Admin {
     pub fn new(
         shared: Arc<Shared>,
@@ -65,9 +56,13 @@ impl Admin {
     }
 
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        self.route(req).await.unwrap_or_else(|e| e.to_response())
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, AdminError> {
         let path = req.uri().path().to_owned();
         let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        match (req.method().clone(), segs.as_slice()) {
+        Ok(match (req.method().clone(), segs.as_slice()) {
             (Method::GET, ["healthz"]) => json_response(StatusCode::OK, json!({"status": "ok"})),
             (Method::GET, ["readyz"]) => self.readyz().await,
             (Method::GET, ["metrics"]) => {
@@ -81,36 +76,23 @@ impl Admin {
                 r
             }
             (Method::GET, ["v1", "leases"]) => self.leases(),
-            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key).await,
+            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key).await?,
             (Method::POST, ["v1", "dedup", route, key, "resolve"]) => {
-                if let Err(r) = self.authorize(&req) {
-                    return r;
-                }
+                self.authorize(&req)?;
                 let (route, key) = (route.to_string(), key.to_string());
-                let body = match Limited::new(req.into_body(), 4096).collect().await {
-                    Ok(b) => b.to_bytes(),
-                    Err(_) => {
-                        return error(
-                            StatusCode::BAD_REQUEST,
-                            "bad_request",
-                            "body unreadable or over 4 KiB",
-                        )
-                    }
-                };
-                self.dedup_resolve(&route, &key, &body).await
+                let body = Limited::new(req.into_body(), 4096)
+                    .collect()
+                    .await
+                    .map_err(|_| AdminError::BadRequest("body unreadable or over 4 KiB"))?
+                    .to_bytes();
+                self.dedup_resolve(&route, &key, &body).await?
             }
-            _ => error(StatusCode::NOT_FOUND, "not_found", "no such admin endpoint"),
-        }
+            _ => return Err(AdminError::NoSuchEndpoint),
+        })
     }
 
-    fn authorize(&self, req: &Request<Incoming>) -> Result<(), Response<Full<Bytes>>> {
-        let Some(expected) = &self.token else {
-            return Err(error(
-                StatusCode::FORBIDDEN,
-                "admin_disabled",
-                "mutating admin calls are disabled: set [server] admin_token or FENCEGATE_ADMIN_TOKEN",
-            ));
-        };
+    fn authorize(&self, req: &Request<Incoming>) -> Result<(), AdminError> {
+        let expected = self.token.as_ref().ok_or(AdminError::Disabled)?;
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -118,16 +100,7 @@ impl Admin {
             .and_then(|v| v.strip_prefix("Bearer "));
         match presented {
             Some(t) if expected.matches(&TokenHash::of(t.as_bytes())) => Ok(()),
-            _ => {
-                let mut r = error(
-                    StatusCode::UNAUTHORIZED,
-                    "unauthorized",
-                    "a valid Authorization: Bearer token is required",
-                );
-                r.headers_mut()
-                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-                Err(r)
-            }
+            _ => Err(AdminError::Unauthorized),
         }
     }
 
@@ -183,104 +156,71 @@ impl Admin {
         json_response(StatusCode::OK, json!({"leases": leases}))
     }
 
-    fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, Response<Full<Bytes>>> {
+    fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, AdminError> {
         if !self.shared.has_route(route) {
-            return Err(error(
-                StatusCode::NOT_FOUND,
-                "route_not_found",
-                "no route with that name",
-            ));
+            return Err(AdminError::RouteNotFound(route.to_owned()));
         }
-        let decoded = percent_decode(key);
-        DedupKey::parse(&decoded)
-            .map_err(|why| error(StatusCode::BAD_REQUEST, "dedup_key_malformed", why))
+        DedupKey::parse(&percent_decode(key)).map_err(AdminError::DedupKeyMalformed)
     }
 
-    async fn dedup_get(&self, route: &str, key: &str) -> Response<Full<Bytes>> {
-        let k = match self.parse_route_key(route, key) {
-            Ok(k) => k,
-            Err(r) => return r,
-        };
-        match self.shared.dedup.get(route, &k).await {
-            Ok(None) => error(
-                StatusCode::NOT_FOUND,
-                "dedup_record_not_found",
-                "no record for that key",
-            ),
-            Ok(Some(r)) => json_response(
-                StatusCode::OK,
-                json!({
-                    "route": route,
-                    "key": k.as_str(),
-                    "state": r.state.as_str(),
-                    "epoch": r.epoch.get(),
-                    "fingerprint": hex::encode(r.fingerprint),
-                    "created_at": rfc3339(ms_to_system(r.created_ms)),
-                    "updated_at": rfc3339(ms_to_system(r.updated_ms)),
-                    "response_status": r.response.as_ref().map(|s| s.status),
-                    "response_body_stored": r.response.as_ref().map(|s| s.body.is_some()),
-                }),
-            ),
-            Err(e) => error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "state_unavailable",
-                &e.to_string(),
-            ),
-        }
+    async fn dedup_get(&self, route: &str, key: &str) -> Result<Response<Full<Bytes>>, AdminError> {
+        let k = self.parse_route_key(route, key)?;
+        let r = self
+            .shared
+            .dedup
+            .get(route, &k)
+            .await?
+            .ok_or(AdminError::RecordNotFound)?;
+        Ok(json_response(
+            StatusCode::OK,
+            json!({
+                "route": route,
+                "key": k.as_str(),
+                "state": r.state.as_str(),
+                "epoch": r.epoch.get(),
+                "fingerprint": hex::encode(r.fingerprint),
+                "created_at": rfc3339(ms_to_system(r.created_ms)),
+                "updated_at": rfc3339(ms_to_system(r.updated_ms)),
+                "response_status": r.response.as_ref().map(|s| s.status),
+                "response_body_stored": r.response.as_ref().map(|s| s.body.is_some()),
+            }),
+        ))
     }
 
-    async fn dedup_resolve(&self, route: &str, key: &str, body: &[u8]) -> Response<Full<Bytes>> {
-        let k = match self.parse_route_key(route, key) {
-            Ok(k) => k,
-            Err(r) => return r,
-        };
+    async fn dedup_resolve(
+        &self,
+        route: &str,
+        key: &str,
+        body: &[u8],
+    ) -> Result<Response<Full<Bytes>>, AdminError> {
+        let k = self.parse_route_key(route, key)?;
         #[derive(serde::Deserialize)]
         #[serde(deny_unknown_fields)]
         struct Body {
             outcome: Resolution,
         }
-        let how = match serde_json::from_slice::<Body>(body) {
-            Ok(b) => b.outcome,
-            Err(_) => {
-                return error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_request",
+        let how = serde_json::from_slice::<Body>(body)
+            .map_err(|_| {
+                AdminError::BadRequest(
                     r#"body must be {"outcome": "delivered"} or {"outcome": "not_delivered"}"#,
                 )
-            }
+            })?
+            .outcome;
+        let owner = self
+            .shared
+            .owner_of_route(route)
+            .ok_or(AdminError::ShardUnavailable)?;
+        let state = match self.shared.dedup.resolve(owner, route, &k, how).await? {
+            Resolved::Done => Some(State::Done.as_str()),
+            Resolved::Deleted => None,
+            Resolved::Missing => return Err(AdminError::RecordNotFound),
+            Resolved::NotInDoubt(s) => return Err(AdminError::NotInDoubt(s)),
         };
-        let Some(owner) = self.shared.owner_of_route(route) else {
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shard_unavailable",
-                "this instance does not serve the route's lease right now",
-            );
-        };
-        match self.shared.dedup.resolve(owner, route, &k, how).await {
-            Ok(r @ (Resolved::Done | Resolved::Deleted)) => {
-                tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
-                let state = (r == Resolved::Done).then_some(State::Done.as_str());
-                json_response(
-                    StatusCode::OK,
-                    json!({"route": route, "key": k.as_str(), "state": state}),
-                )
-            }
-            Ok(Resolved::Missing) => error(
-                StatusCode::NOT_FOUND,
-                "dedup_record_not_found",
-                "no record for that key",
-            ),
-            Ok(Resolved::NotInDoubt(s)) => error(
-                StatusCode::CONFLICT,
-                "dedup_not_in_doubt",
-                &format!("the record is {}, not in_doubt", s.as_str()),
-            ),
-            Err(e) => error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "state_unavailable",
-                &e.to_string(),
-            ),
-        }
+        tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"route": route, "key": k.as_str(), "state": state}),
+        ))
     }
 }
 

@@ -12,6 +12,7 @@ use crate::admission::Refusal;
 use crate::dedup::DedupError;
 use crate::epoch::{Epoch, LeaseName};
 use crate::fence::FenceError;
+use crate::state::{State, StateError};
 
 pub const ERROR_HEADER: &str = "x-fencegate-error";
 
@@ -62,6 +63,92 @@ pub enum ProxyError {
     ShuttingDown,
     #[error("lease {lease} is not served here right now; retry shortly")]
     ShardUnavailable { lease: LeaseName },
+}
+
+/// Why the admin API answered with an error (SPEC §8), mapped here like
+/// [`ProxyError`] and with the same body.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("no such admin endpoint")]
+    NoSuchEndpoint,
+    #[error("no route named {0:?}")]
+    RouteNotFound(String),
+    #[error("the dedup key is malformed ({0})")]
+    DedupKeyMalformed(&'static str),
+    #[error("no record for that key")]
+    RecordNotFound,
+    #[error("the record is {}, not in_doubt", .0.as_str())]
+    NotInDoubt(State),
+    #[error("{0}")]
+    BadRequest(&'static str),
+    #[error(
+        "mutating admin calls are disabled: set [server] admin_token or FENCEGATE_ADMIN_TOKEN"
+    )]
+    Disabled,
+    #[error("a valid Authorization: Bearer token is required")]
+    Unauthorized,
+    #[error("the state store: {0}")]
+    State(#[from] StateError),
+    #[error("this instance does not serve the route's lease right now")]
+    ShardUnavailable,
+}
+
+impl AdminError {
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        use AdminError as E;
+        match self {
+            E::NoSuchEndpoint => (StatusCode::NOT_FOUND, "not_found"),
+            E::RouteNotFound(_) => (StatusCode::NOT_FOUND, "route_not_found"),
+            E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
+            E::RecordNotFound => (StatusCode::NOT_FOUND, "dedup_record_not_found"),
+            E::NotInDoubt(_) => (StatusCode::CONFLICT, "dedup_not_in_doubt"),
+            E::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            E::Disabled => (StatusCode::FORBIDDEN, "admin_disabled"),
+            E::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            E::State(_) => (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable"),
+            E::ShardUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
+        }
+    }
+
+    pub fn to_response(&self) -> Response<Full<Bytes>> {
+        let (status, code) = self.status_and_code();
+        let mut resp = error_response(status, code, self.to_string(), Map::new());
+        if status == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer"),
+            );
+        }
+        resp
+    }
+}
+
+/// The body and headers every fencegate-made error shares (SPEC §7).
+fn error_response(
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    mut body: Map<String, Value>,
+) -> Response<Full<Bytes>> {
+    body.insert("error".into(), json!(code));
+    body.insert("message".into(), json!(message));
+    let bytes = serde_json::to_vec(&Value::Object(body)).unwrap_or_default();
+    let mut resp = Response::new(Full::new(Bytes::from(bytes)));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        http::header::CACHE_CONTROL,
+        HeaderValue::from_static("no-store"),
+    );
+    h.insert(ERROR_HEADER, HeaderValue::from_static(code));
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    resp
 }
 
 impl From<Refusal> for ProxyError {
@@ -192,27 +279,9 @@ impl ProxyError {
     /// The response fencegate sends for this error.
     pub fn to_response(&self) -> Response<Full<Bytes>> {
         let (status, code) = self.status_and_code();
-        let mut body = Map::new();
-        body.insert("error".into(), json!(code));
-        body.insert("message".into(), json!(self.to_string()));
-        self.context(&mut body);
-        let bytes = serde_json::to_vec(&Value::Object(body)).unwrap_or_default();
-        let mut resp = Response::new(Full::new(Bytes::from(bytes)));
-        *resp.status_mut() = status;
-        let h = resp.headers_mut();
-        h.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        h.insert(
-            http::header::CACHE_CONTROL,
-            HeaderValue::from_static("no-store"),
-        );
-        h.insert(ERROR_HEADER, HeaderValue::from_static(code));
-        if status == StatusCode::SERVICE_UNAVAILABLE {
-            h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        resp
+        let mut ctx = Map::new();
+        self.context(&mut ctx);
+        error_response(status, code, self.to_string(), ctx)
     }
 }
 

@@ -1,7 +1,6 @@
 //! The admin listener (SPEC §8): health, readiness, metrics, lease state, and the
 //! dedup records an operator may need to inspect or resolve.
 
-
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -8,6 +8,10 @@
 //! ```
 //! Under `cargo test --all-targets` criterion runs each once, as a test.
 
+// Tests and benches may read the wall clock and sleep (clippy.toml bans both in
+// the library, where time is injected).
+#![allow(clippy::disallowed_methods)]
+
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant, SystemTime};

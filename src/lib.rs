@@ -22,24 +22,24 @@
 
 #![forbid(unsafe_code)]
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod admission;
 pub mod cli;
 pub mod clock;
 pub mod config;
-pub mod cutoff;
+pub(crate) mod cutoff;
 pub mod dedup;
-pub mod demo;
+pub(crate) mod demo;
 pub mod epoch;
-pub mod error;
-pub mod failpoint;
-pub mod fence;
+pub(crate) mod error;
+pub(crate) mod failpoint;
+pub(crate) mod fence;
 pub mod forward;
 pub mod gate;
 pub mod lease;
-pub mod lock_order;
+pub(crate) mod lock_order;
 pub mod metrics;
-pub mod proxy;
-pub mod server;
-pub mod shared;
+pub(crate) mod proxy;
+pub(crate) mod server;
+pub(crate) mod shared;
 pub mod state;

@@ -147,31 +147,6 @@ impl S3Store {
             clock,
         }
     }
-
-    /// Creates the bucket if missing (tests and first runs against a fresh server).
-    pub async fn ensure_bucket(&self) -> Result<(), StoreError> {
-        match self.client.head_bucket().bucket(&self.bucket).send().await {
-            Ok(_) => Ok(()),
-            Err(_) => match self
-                .client
-                .create_bucket()
-                .bucket(&self.bucket)
-                .send()
-                .await
-            {
-                Ok(_) => Ok(()),
-                Err(e)
-                    if matches!(
-                        e.code(),
-                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
-                    ) =>
-                {
-                    Ok(())
-                }
-                Err(e) => Err(classify(e)),
-            },
-        }
-    }
 }
 
 fn status_of<E, R: HasStatus>(e: &SdkError<E, R>) -> Option<u16> {

@@ -1,6 +1,10 @@
 //! Integration tests: a real S3-compatible server, a real fencegate process and a
 //! recording origin, all on loopback. One binary, one module per SPEC section.
 
+// Tests and benches may read the wall clock and sleep (clippy.toml bans both in
+// the library, where time is injected).
+#![allow(clippy::disallowed_methods)]
+
 mod support;
 
 mod campaign;

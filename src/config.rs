@@ -34,6 +34,8 @@ pub struct Config {
     pub store: StoreConfig,
     #[serde(default)]
     pub dedup: DedupConfig,
+    #[serde(default)]
+    pub state: StateConfig,
     #[serde(rename = "route", default)]
     pub routes: Vec<RouteConfig>,
 }
@@ -127,6 +129,63 @@ impl Default for StoreConfig {
             grace_ms: 2000,
             timeout_ms: 2000,
         }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StateKind {
+    /// sled under `data_dir` (one instance).
+    #[default]
+    Sled,
+    /// A PostgreSQL database (SPEC §10).
+    Postgres,
+}
+
+/// `[state]`: where marks and dedup records live.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StateConfig {
+    pub kind: StateKind,
+    /// PostgreSQL connection string (`postgres://…` or `key=value …`); `${NAME}`
+    /// is read from the environment. Never logged or shown.
+    pub url: Option<String>,
+    pub pool_size: usize,
+    /// Extra CA bundle (PEM) trusted for the database's TLS certificate.
+    pub ca_file: Option<PathBuf>,
+    /// Bound on connecting and on every statement.
+    pub timeout_ms: u64,
+}
+
+impl Default for StateConfig {
+    fn default() -> Self {
+        StateConfig {
+            kind: StateKind::Sled,
+            url: None,
+            pool_size: 16,
+            ca_file: None,
+            timeout_ms: 2000,
+        }
+    }
+}
+
+impl StateConfig {
+    /// The connection string with `${NAME}` read from the environment.
+    pub fn resolved_url(&self) -> Result<String, String> {
+        let raw = self
+            .url
+            .as_deref()
+            .ok_or("[state] kind = \"postgres\" needs url")?;
+        match raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+            Some(var) => std::env::var(var).map_err(|_| {
+                format!("[state] url reads ${{{var}}}, which is not set in the environment")
+            }),
+            None => Ok(raw.to_owned()),
+        }
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.timeout_ms)
     }
 }
 
@@ -306,7 +365,35 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         self.validate_server()?;
         self.validate_store()?;
+        self.validate_state()?;
         self.validate_routes()
+    }
+
+    fn validate_state(&self) -> Result<(), String> {
+        let s = &self.state;
+        if s.kind == StateKind::Postgres {
+            s.resolved_url()?;
+            if s.pool_size == 0 {
+                return Err("[state] pool_size must be at least 1".into());
+            }
+            if s.timeout_ms == 0 {
+                return Err("[state] timeout_ms must be at least 1".into());
+            }
+            if let Some(ca) = &s.ca_file {
+                if !ca.is_file() {
+                    return Err(format!(
+                        "[state] ca_file {} is not a readable file",
+                        ca.display()
+                    ));
+                }
+            }
+        } else if s.url.is_some() {
+            return Err(
+                "[state] url is set but kind is \"sled\": set kind = \"postgres\" or remove url"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     fn validate_server(&self) -> Result<(), String> {
@@ -505,6 +592,20 @@ impl Config {
             "dedup ttl     {}",
             humantime::format_duration(self.dedup.ttl)
         );
+        let _ = match self.state.kind {
+            StateKind::Sled => writeln!(out, "state         sled in data_dir"),
+            // The connection string may hold a password: never shown.
+            StateKind::Postgres => writeln!(
+                out,
+                "state         postgres (url hidden), pool {}, timeout {} ms{}",
+                self.state.pool_size,
+                self.state.timeout_ms,
+                self.state
+                    .ca_file
+                    .as_ref()
+                    .map_or(String::new(), |c| format!(", CA {}", c.display()))
+            ),
+        };
         for r in &self.routes {
             let _ = writeln!(out, "route {:?}", r.name);
             let _ = writeln!(

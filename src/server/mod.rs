@@ -22,6 +22,7 @@ use conn::{accept_loop, http_builder, FinishOnDrop, Listener};
 use crate::admin::Admin;
 use crate::clock::Clock;
 use crate::config::Config;
+use crate::config::StateKind;
 use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
@@ -30,6 +31,7 @@ use crate::lease::{self, Epochs, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
 use crate::shared::Shared;
+use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
 use crate::state::{Owner, StateError, StateStore};
 
@@ -95,7 +97,10 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
-    let durable: Arc<dyn StateStore> = SledState::open(&cfg.server.data_dir)?;
+    let durable: Arc<dyn StateStore> = match cfg.state.kind {
+        StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
+        StateKind::Postgres => PostgresState::connect(&cfg.state).await?,
+    };
     let store = lease::open(&cfg.store, clock.clone()).await?;
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());

@@ -17,7 +17,9 @@
 //! only makes a restart settle longer.
 
 pub mod codec;
+pub mod postgres;
 pub mod record;
+pub mod schema;
 pub mod sled;
 
 mod flusher;

@@ -1,0 +1,125 @@
+//! The PostgreSQL schema fencegate owns: created or migrated at start-up, inside
+//! one transaction holding an advisory lock (several instances starting at once
+//! do not race), its version kept in a table of its own. A database whose schema
+//! is newer than this build understands is refused.
+
+use tokio_postgres::Client;
+
+use super::StateError;
+
+/// The schema version this build writes and understands.
+pub const VERSION: i32 = 1;
+
+/// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
+const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
+
+/// Epochs are u64; PostgreSQL has no unsigned type. This maps them onto `bigint`
+/// keeping their order (so `GREATEST` and `<` work on marks).
+pub fn epoch_to_sql(e: u64) -> i64 {
+    (e ^ (1 << 63)) as i64
+}
+
+pub fn epoch_from_sql(v: i64) -> u64 {
+    (v as u64) ^ (1 << 63)
+}
+
+/// Each step takes the schema from version `i` to `i + 1`.
+const MIGRATIONS: &[&str] = &[
+    // 0 → 1
+    "CREATE TABLE fencegate_owners (
+        shard integer PRIMARY KEY,
+        generation bigint NOT NULL
+    );
+    CREATE TABLE fencegate_marks (
+        lease text PRIMARY KEY,
+        shard integer NOT NULL,
+        mark bigint NOT NULL,
+        drained bigint NOT NULL,
+        owner_generation bigint NOT NULL
+    );
+    CREATE TABLE fencegate_dedup (
+        route text NOT NULL,
+        key text NOT NULL,
+        shard integer NOT NULL,
+        state smallint NOT NULL,
+        fingerprint bytea NOT NULL,
+        epoch bigint NOT NULL,
+        owner_generation bigint NOT NULL,
+        created_ms bigint NOT NULL,
+        updated_ms bigint NOT NULL,
+        status smallint,
+        header_names text[],
+        header_values bytea[],
+        body bytea,
+        PRIMARY KEY (route, key)
+    );
+    CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key);
+    CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1;
+    CREATE INDEX fencegate_dedup_in_flight_by_shard ON fencegate_dedup (shard) WHERE state = 0;",
+];
+
+/// Creates or migrates the schema; returns the version found before.
+pub async fn migrate(client: &mut Client) -> Result<i32, StateError> {
+    let err = |e: tokio_postgres::Error| StateError::Write(format!("schema migration: {e}"));
+    let tx = client.transaction().await.map_err(err)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
+        .await
+        .map_err(err)?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL)")
+        .await
+        .map_err(err)?;
+    let found: i32 = match tx
+        .query_opt("SELECT version FROM fencegate_schema", &[])
+        .await
+        .map_err(err)?
+    {
+        Some(row) => row.get(0),
+        None => {
+            tx.execute("INSERT INTO fencegate_schema (version) VALUES (0)", &[])
+                .await
+                .map_err(err)?;
+            0
+        }
+    };
+    if found > VERSION {
+        return Err(StateError::Open {
+            path: "[state] url".into(),
+            detail: format!(
+                "the database's fencegate schema is version {found}, newer than this build understands ({VERSION}): run a newer fencegate"
+            ),
+        });
+    }
+    for step in &MIGRATIONS[usize::try_from(found).unwrap_or(0)..] {
+        tx.batch_execute(step).await.map_err(err)?;
+    }
+    tx.execute("UPDATE fencegate_schema SET version = $1", &[&VERSION])
+        .await
+        .map_err(err)?;
+    tx.commit().await.map_err(err)?;
+    Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epochs_keep_their_order_in_sql() {
+        let es = [
+            0,
+            1,
+            7,
+            1 << 62,
+            (1 << 63) - 1,
+            1 << 63,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
+        for w in es.windows(2) {
+            assert!(epoch_to_sql(w[0]) < epoch_to_sql(w[1]), "{w:?}");
+        }
+        for e in es {
+            assert_eq!(epoch_from_sql(epoch_to_sql(e)), e);
+        }
+    }
+}

@@ -18,7 +18,7 @@
 //!
 //! At the end every fault is healed, the workers finish, and [`checker::check`]
 //! verifies the history (origin log, every worker's log, the epoch objects in the
-//! store, the crash intervals). Any violation fails the test with the offending
+//! store, each route's drain timeout). Any violation fails the test with the offending
 //! entries printed and the run's directory kept.
 //!
 //! The CI smoke is 30 s of faults (~45 s in all). The long run:
@@ -45,6 +45,27 @@ use crate::support::{repo_root, test_python, Fencegate, S3Server, BUCKET, PREFIX
 use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 
 const LEASES: [&str; 3] = ["l0", "l1", "l2"];
+
+/// One route of the campaign's fencegate: route `r{i}` protects lease `LEASES[i]`.
+struct RouteConf {
+    timeout_ms: u64,
+    drain_timeout_ms: u64,
+}
+
+const ROUTES: [RouteConf; 3] = [
+    RouteConf {
+        timeout_ms: 1000,
+        drain_timeout_ms: 600,
+    },
+    RouteConf {
+        timeout_ms: 1000,
+        drain_timeout_ms: 600,
+    },
+    RouteConf {
+        timeout_ms: 1000,
+        drain_timeout_ms: 600,
+    },
+];
 const FAILPOINTS: [&str; 6] = [
     "mark_written_before_flush",
     "mark_flushed",
@@ -211,16 +232,16 @@ struct Nemesis<'a> {
     worker_resume: Vec<Option<Instant>>,
     store_resume: Option<Instant>,
     origin_resume: Option<Instant>,
-    /// Since when (mono ns) the running fencegate has been up, and its failpoint.
-    started: u64,
+    /// The failpoint armed in the running fencegate.
     armed: Option<&'static str>,
     /// Fencegate is down; restart at this instant (once the store answers).
     down: Option<(Instant, Option<&'static str>)>,
-    crashes: Vec<(u64, u64)>,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
     t0: Instant,
+    /// `t0` on CLOCK_MONOTONIC, in ns.
+    t0_ns: u64,
 }
 
 impl Nemesis<'_> {
@@ -248,11 +269,7 @@ impl Nemesis<'_> {
         // Start-up needs the store (the self-test); a busy single-threaded moto, or a
         // worker SIGSTOPped in the middle of a store call, can make it time out.
         let mut tries = 0;
-        loop {
-            self.started = mono_ns();
-            let Err(stderr) = self.fg.spawn(failpoint) else {
-                break;
-            };
+        while let Err(stderr) = self.fg.spawn(failpoint) {
             tries += 1;
             assert!(tries < 30, "fencegate did not restart:\n{stderr}");
             let last = stderr.lines().last().unwrap_or_default().to_owned();
@@ -300,7 +317,6 @@ impl Nemesis<'_> {
             self.origin.cont();
         }
         if self.down.is_none() && self.fg.exited() {
-            self.crashes.push((self.started, mono_ns()));
             match self.armed {
                 Some(fp) => self.note(&format!("failpoint abort {fp}"), String::new()),
                 None => {
@@ -341,12 +357,6 @@ impl Nemesis<'_> {
 
     fn kill_fencegate(&mut self, restart_with: Option<&'static str>) {
         self.scrape();
-        // An armed process may already have aborted unnoticed: its whole life counts.
-        let lo = if self.armed.is_some() {
-            self.started
-        } else {
-            mono_ns()
-        };
         if self.armed.is_some() && self.fg.exited() {
             self.note(
                 &format!("failpoint abort {}", self.armed.unwrap_or_default()),
@@ -356,7 +366,6 @@ impl Nemesis<'_> {
             self.fg.kill9();
             self.note("kill -9 fencegate", String::new());
         }
-        self.crashes.push((lo, mono_ns()));
         let delay = Duration::from_millis(self.rng.gen_range(0..400));
         self.down = Some((Instant::now() + delay, restart_with));
     }
@@ -424,11 +433,6 @@ impl Nemesis<'_> {
     /// as in doubt), then a restart. For the checker it is a restart like any other.
     fn terminate_fencegate(&mut self) {
         self.scrape();
-        let lo = if self.armed.is_some() {
-            self.started
-        } else {
-            mono_ns()
-        };
         if self.fg.exited() {
             let fp = self.armed.unwrap_or("none");
             self.note(&format!("failpoint abort {fp}"), String::new());
@@ -436,7 +440,6 @@ impl Nemesis<'_> {
             let status = self.fg.terminate();
             self.note("SIGTERM fencegate (graceful restart)", format!("{status}"));
         }
-        self.crashes.push((lo, mono_ns()));
         self.down = Some((Instant::now(), None));
     }
 
@@ -645,12 +648,12 @@ async fn fault_campaign() {
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
     let mut config = s3.store_toml(200);
-    for (i, lease) in LEASES.iter().enumerate() {
+    for (i, (lease, r)) in LEASES.iter().zip(&ROUTES).enumerate() {
         config.push_str(&format!(
-            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = 1000\ndrain_timeout_ms = 600\n{extra}\n"
+            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n{extra}\n",
+            r.timeout_ms, r.drain_timeout_ms
         ));
     }
-    let started = mono_ns();
     let fg = Fencegate::start(&config);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
@@ -668,6 +671,11 @@ async fn fault_campaign() {
         .enumerate()
         .map(|(i, l)| (format!("r{i}"), l.to_string()))
         .collect();
+    let drain_timeout_ns: BTreeMap<String, u64> = ROUTES
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
+        .collect();
 
     let mut nemesis = Nemesis {
         rng: StdRng::seed_from_u64(seed),
@@ -679,14 +687,13 @@ async fn fault_campaign() {
         worker_resume: vec![None; n_workers],
         store_resume: None,
         origin_resume: None,
-        started,
         armed: None,
         down: None,
-        crashes: Vec::new(),
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
         t0: Instant::now(),
+        t0_ns: mono_ns(),
     };
     nemesis.write_addr();
     nemesis.workers = (0..n_workers)
@@ -698,9 +705,9 @@ async fn fault_campaign() {
     });
     let fg_stderr = nemesis.fg.stderr();
     let Nemesis {
-        crashes,
         events,
         timeline,
+        t0_ns,
         unexpected_exits,
         origin,
         workers,
@@ -710,7 +717,14 @@ async fn fault_campaign() {
     drop(workers);
     drop(origin);
     drop(fg);
-    fs::write(dir.join("nemesis.log"), timeline.join("\n")).unwrap();
+    fs::write(
+        dir.join("nemesis.log"),
+        format!(
+            "# seconds since CLOCK_MONOTONIC {t0_ns} ns\n{}\n",
+            timeline.join("\n")
+        ),
+    )
+    .unwrap();
     fs::write(dir.join("fencegate.stderr"), &fg_stderr).unwrap();
 
     let mut history = History {
@@ -718,7 +732,7 @@ async fn fault_campaign() {
         attempts: Vec::new(),
         arrivals: read_arrivals(&dir.join("origin.jsonl")),
         epochs: read_epochs(&s3).await,
-        crashes,
+        drain_timeout_ns,
     };
     for i in 0..n_workers {
         history
@@ -754,7 +768,12 @@ async fn fault_campaign() {
     for (k, n) in &report.exempt {
         println!("  {n:>6}  {k}");
     }
-    println!("violations: {}", report.violations.len());
+    println!(
+        "violations: {} (times in seconds since CLOCK_MONOTONIC {} ns; add {:.3} s for nemesis.log)",
+        report.violations.len(),
+        report.start,
+        (report.start as f64 - t0_ns as f64) / 1e9
+    );
     for v in &report.violations {
         println!("{v}");
     }

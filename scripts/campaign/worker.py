@@ -24,9 +24,10 @@ acquire and the renewals that follow it) are short: a TTL of 0.9-1.3 s, shorter
 than a route's drain timeout, used until t0 + ttl - 0.25 s (an optimistic worker
 that ignores LastModified's truncation: fencegate, which does not, may find such an
 epoch expired up to 1 s before the worker does, and must refuse it). Such a worker
-renews before every operation, each renewal is a raise that may have to drain the
-previous epoch's requests, and the raiser may still be waiting in that drain when
-its epoch expires (fencegate must then refuse it, SPEC §5). Tenure lines say
+renews before every operation, mostly without waiting for the previous ones, so
+each renewal is a raise that may have to drain the previous epoch's requests, and
+the raiser may still be waiting in that drain when its epoch expires (fencegate
+must then refuse it, SPEC §5). Tenure lines say
 `"short": true`.
 """
 import argparse
@@ -273,7 +274,9 @@ class Worker:
                     live.append(threading.Thread(target=self.operation,
                                                  args=(ten, f"{ten.epoch}.{opn}.{j}")))
                     live[-1].start()
-                if self.rng.random() < 0.6 or len(live) > 6:
+                # A short tenure mostly keeps its operations in flight across the
+                # renewal: the raise then has a drain to wait in.
+                if self.rng.random() < (0.2 if ten.short else 0.6) or len(live) > 6:
                     for t in live:
                         t.join()
                 live = [t for t in live if t.is_alive()]

@@ -14,7 +14,8 @@
 //!   process then aborts at a durable boundary of its own choosing, SPEC §6), and
 //!   now and then a graceful restart (SIGTERM, SPEC §8);
 //! - SIGSTOP of the S3 server (store unavailable) and of the origin (a slow
-//!   destination: upstream timeouts and drain aborts);
+//!   destination: upstream timeouts and drain aborts), and slow windows of the
+//!   origin (every request arriving in the window takes 1–3 s: long drains);
 //! - kill -9 of fencegate *during a drain*: the origin is made slow for a moment
 //!   (every request arriving in a short window takes seconds), and as soon as
 //!   fencegate's `fencegate_drains_started` goes up — a raise is waiting for an
@@ -519,7 +520,17 @@ impl Nemesis<'_> {
             self.note("pause origin", format!("{ms} ms"));
         } else if x < 61 && self.down.is_none() && self.drain_watch.is_none() {
             self.terminate_fencegate();
-        } else if x < 69 && self.down.is_none() && self.drain_watch.is_none() {
+        } else if x < 66 {
+            // Long drains for a moment: raises wait their full drain timeout (and
+            // short-TTL raisers past their expiry); r1's requests time out first.
+            let window = self.rng.gen_range(500..1500);
+            let slow = self.rng.gen_range(1000..2500);
+            self.slow_origin(now + Duration::from_millis(window), (slow, slow + 500));
+            self.note(
+                "slow origin",
+                format!("{window} ms window, answers in {slow}-{} ms", slow + 500),
+            );
+        } else if x < 74 && self.down.is_none() && self.drain_watch.is_none() {
             let Some((started, _)) = drain_counters(self.fg.admin) else {
                 return;
             };

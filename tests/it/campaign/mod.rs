@@ -3,7 +3,7 @@
 //! Real processes on loopback: the single-threaded moto S3 server, the real
 //! fencegate binary (its data directory kept across restarts), a recording origin
 //! (`scripts/campaign/origin.py`) and N worker processes
-//! (`scripts/campaign/worker.py`) that contend for three leases with short TTLs
+//! (`scripts/campaign/worker.py`) that contend for four leases with short TTLs
 //! through SPEC §2 and send requests (with retries and concurrent duplicates of the
 //! same Idempotency-Key) through fencegate. Meanwhile a nemesis driven by a seeded
 //! RNG injects, at random:
@@ -18,15 +18,17 @@
 //!   origin (every request arriving in the window takes 1–3 s: long drains);
 //! - kill -9 of fencegate *during a drain*: the origin is made slow for a moment
 //!   (every request arriving in a short window takes seconds), and as soon as
-//!   fencegate's `fencegate_drains_started` goes up — a raise is waiting for an
-//!   older request still executing at the destination — fencegate is killed and
-//!   restarted at once. After the restart nothing above the epoch whose drain
+//!   fencegate's `fencegate_drains_started` goes up for a lease with a wide drain
+//!   timeout (`l1`, `l3`) — a raise is waiting for an older request still
+//!   executing at the destination — fencegate is killed and restarted at once. After the restart nothing above the epoch whose drain
 //!   completed may be forwarded before the drain timeout has passed (SPEC §5).
 //!
 //! Two edges are exercised by the set-up rather than by events: route `r1` has a
 //! route timeout (300 ms) well below its drain timeout (1200 ms) and below many of
 //! the origin's delays, so older requests time out while the destination still
-//! executes them, in the middle of drains; and the odd workers take some short-TTL
+//! executes them, in the middle of drains (`r0` and `r2` keep 1000/600 ms; `r3`
+//! has a 2 s drain under a 3 s timeout, so that a forgotten drain or settle shows
+//! after a kill -9 during a drain); and the odd workers take some short-TTL
 //! tenures (0.9–1.3 s, about r1's drain timeout), renewing before every operation,
 //! so a raiser may wait in a drain past its own expiry. The summary counts both
 //! (in parentheses, with the nemesis events), and the arrivals that came after
@@ -61,7 +63,7 @@ use rand::{Rng, SeedableRng};
 use crate::support::{repo_root, test_python, Fencegate, S3Server, BUCKET, PREFIX};
 use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 
-const LEASES: [&str; 3] = ["l0", "l1", "l2"];
+const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
 
 /// One route of the campaign's fencegate: route `r{i}` protects lease `LEASES[i]`.
 struct RouteConf {
@@ -69,7 +71,7 @@ struct RouteConf {
     drain_timeout_ms: u64,
 }
 
-const ROUTES: [RouteConf; 3] = [
+const ROUTES: [RouteConf; 4] = [
     RouteConf {
         timeout_ms: 1000,
         drain_timeout_ms: 600,
@@ -85,7 +87,26 @@ const ROUTES: [RouteConf; 3] = [
         timeout_ms: 1000,
         drain_timeout_ms: 600,
     },
+    // A long drain timeout under a longer route timeout: a restart's settle window
+    // (and a drain's) is wide enough for the kill -9 during a drain to show when
+    // it is forgotten, and for short-TTL raisers to outlive their epoch in it.
+    RouteConf {
+        timeout_ms: 3000,
+        drain_timeout_ms: 2000,
+    },
 ];
+
+/// The leases whose drain timeout (≥ 1 s) is wide enough for a drain forgotten in
+/// a restart to show: after a kill -9 during a drain, a worker's next request
+/// comes 0.4–1.2 s after the older one it should have waited for.
+fn wide_drain_leases() -> Vec<&'static str> {
+    LEASES
+        .iter()
+        .zip(&ROUTES)
+        .filter(|(_, r)| r.drain_timeout_ms >= 1000)
+        .map(|(l, _)| *l)
+        .collect()
+}
 
 /// The share of tenures a short-TTL worker (every odd one) takes with a TTL of
 /// 0.9–1.3 s, about r1's drain timeout: it renews before every operation, and its
@@ -103,8 +124,9 @@ const FAILPOINTS: [&str; 6] = [
 /// `[store] grace_ms` in [`S3Server::store_toml`].
 const GRACE_MS: u64 = 500;
 
-/// fencegate's drain counters (started, aborted) from `/metrics`, if it answers.
-fn drain_counters(admin: std::net::SocketAddr) -> Option<(u64, u64)> {
+/// fencegate's drain counters (started, aborted) from `/metrics`, if it answers:
+/// summed over `leases`, or over all leases if empty.
+fn drain_counters(admin: std::net::SocketAddr, leases: &[&str]) -> Option<(u64, u64)> {
     use std::io::{Read, Write};
     let mut conn = std::net::TcpStream::connect_timeout(&admin, Duration::from_millis(300)).ok()?;
     conn.set_read_timeout(Some(Duration::from_millis(500)))
@@ -116,6 +138,12 @@ fn drain_counters(admin: std::net::SocketAddr) -> Option<(u64, u64)> {
     let sum = |name: &str| -> u64 {
         text.lines()
             .filter(|l| l.starts_with(name))
+            .filter(|l| {
+                leases.is_empty()
+                    || leases
+                        .iter()
+                        .any(|lease| l.contains(&format!("lease=\"{lease}\"")))
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64
     };
@@ -383,8 +411,9 @@ impl Nemesis<'_> {
         self.watch_drain(now);
     }
 
-    /// The kill -9 during a drain: once a raise is waiting for older requests
-    /// (which the slow window keeps at the destination), kill and restart at once.
+    /// The kill -9 during a drain: once a raise of a lease with a wide drain
+    /// timeout is waiting for older requests (which the slow window keeps at the
+    /// destination), kill and restart at once.
     fn watch_drain(&mut self, now: Instant) {
         let Some((until, baseline)) = self.drain_watch else {
             return;
@@ -393,7 +422,7 @@ impl Nemesis<'_> {
             self.drain_watch = None;
             return;
         }
-        match drain_counters(self.fg.admin) {
+        match drain_counters(self.fg.admin, &wide_drain_leases()) {
             Some((started, _)) if started > baseline => {
                 self.drain_watch = None;
                 self.kill_fencegate(None, false);
@@ -427,7 +456,7 @@ impl Nemesis<'_> {
 
     /// Adds the running fencegate's drain counters to the totals (before it dies).
     fn scrape(&mut self) {
-        if let Some((started, aborted)) = drain_counters(self.fg.admin) {
+        if let Some((started, aborted)) = drain_counters(self.fg.admin, &[]) {
             *self
                 .events
                 .entry("(fencegate drains started)".into())
@@ -531,15 +560,15 @@ impl Nemesis<'_> {
                 format!("{window} ms window, answers in {slow}-{} ms", slow + 500),
             );
         } else if x < 74 && self.down.is_none() && self.drain_watch.is_none() {
-            let Some((started, _)) = drain_counters(self.fg.admin) else {
+            let Some((started, _)) = drain_counters(self.fg.admin, &wide_drain_leases()) else {
                 return;
             };
             // Slow answers for the requests of the next moment, so that a raise
             // soon finds one still executing at the destination.
-            let window = self.rng.gen_range(800..1600);
+            let window = self.rng.gen_range(1000..2000);
             let slow = self.rng.gen_range(2500..3500);
             self.slow_origin(now + Duration::from_millis(window), (slow, slow + 1000));
-            self.drain_watch = Some((now + Duration::from_millis(window + 1000), started));
+            self.drain_watch = Some((now + Duration::from_millis(window + 1500), started));
             self.note(
                 "slow origin, kill -9 at the next drain",
                 format!("{window} ms window, answers in {slow}-{} ms", slow + 1000),

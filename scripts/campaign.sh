@@ -9,7 +9,8 @@
 # same fault schedule (timing still varies: it is a real system). Set
 # FENCEGATE_CAMPAIGN_WORKERS (default 6) for more contention and
 # FENCEGATE_CAMPAIGN_KEEP=1 to keep the logs of a passing run (a failing run always
-# keeps them and prints where: origin.jsonl, w*.jsonl, nemesis.log, fencegate.stderr).
+# keeps them and prints where: origin.jsonl, w*.jsonl, nemesis.log, epochs.jsonl,
+# fencegate.stderr).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 secs=${1:-600}

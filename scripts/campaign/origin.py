@@ -18,7 +18,14 @@ Idempotency-Key. The response body is unique per request; statuses are 200, 201,
 202, 409 or 422 (never one of fencegate's retryable statuses, so every answered
 key is recorded `done` and may be replayed).
 
-Usage: origin.py --log FILE [--seed N] [--port 0]; prints `LISTENING host:port`.
+Delays: 60% under 10 ms, 25% 20-300 ms, 12% 0.3-0.9 s, 3% 1.0-1.5 s (past the
+1 s route timeouts; a route with a 300 ms timeout sees 15% of its requests outlive
+it). --slow-file names a file the nemesis may write, `UNTIL_NS MIN_MS MAX_MS`: a
+request arriving before UNTIL_NS (time.monotonic_ns()) takes MIN_MS-MAX_MS
+instead, so that a drain starting meanwhile finds it still executing.
+
+Usage: origin.py --log FILE [--seed N] [--port 0] [--slow-file FILE];
+prints `LISTENING host:port`.
 """
 import argparse
 import json
@@ -31,7 +38,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"seq": 0, "rng": random.Random(0), "log": None}
+STATE = {"seq": 0, "rng": random.Random(0), "log": None, "slow_file": None}
 
 
 def write(rec):
@@ -41,8 +48,22 @@ def write(rec):
         STATE["log"].flush()
 
 
-def draw():
+def slow_window(arrive):
+    """(min, max) delay in seconds if `arrive` falls in the nemesis's slow window."""
+    path = STATE["slow_file"]
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            until, lo, hi = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return (lo / 1000, hi / 1000) if arrive < until else None
+
+
+def draw(arrive):
     """(seq, delay in seconds, status) for one request."""
+    slow = slow_window(arrive)
     with LOCK:
         STATE["seq"] += 1
         rng = STATE["rng"]
@@ -55,6 +76,8 @@ def draw():
             delay = rng.uniform(0.3, 0.9)
         else:
             delay = rng.uniform(1.0, 1.5)  # past the route's timeout
+        if slow:
+            delay = rng.uniform(*slow)
         status = rng.choices([200, 201, 202, 409, 422], [80, 8, 4, 5, 3])[0]
         return STATE["seq"], delay, status
 
@@ -67,7 +90,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         arrive = time.monotonic_ns()
-        seq, delay, status = draw()
+        seq, delay, status = draw(arrive)
         h = self.headers
         write({"ev": "arrive", "seq": seq, "path": self.path, "req": h.get("x-campaign-req"),
                "epoch": h.get("x-lease-epoch"), "key": h.get("idempotency-key"), "arrive": arrive})
@@ -101,7 +124,9 @@ def main():
     p.add_argument("--log", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--slow-file")
     args = p.parse_args()
+    STATE["slow_file"] = args.slow_file
     STATE["rng"] = random.Random(args.seed)
     STATE["log"] = open(args.log, "a", encoding="utf-8")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

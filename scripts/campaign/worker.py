@@ -18,6 +18,17 @@ creation time truncated to the second and creation happens after we send the PUT
 so our epoch is valid at least until t0 + ttl - 1 s, t0 = local time before the PUT.
 A worker stops using a tenure then — except a "sloppy" send (10%), which skips the
 check, and the nemesis may SIGSTOP us anywhere, e.g. between check and send.
+
+TTLs are 2-4 s. With --short-ttl P, a share P of the worker's tenures (a first
+acquire and the renewals that follow it) are short: a TTL of 0.9-1.3 s, shorter
+than a route's drain timeout, used until t0 + ttl - 0.25 s (an optimistic worker
+that ignores LastModified's truncation: fencegate, which does not, may find such an
+epoch expired up to 1 s before the worker does, and must refuse it). Such a worker
+renews before every operation, mostly without waiting for the previous ones, so
+each renewal is a raise that may have to drain the previous epoch's requests, and
+the raiser may still be waiting in that drain when its epoch expires (fencegate
+must then refuse it, SPEC §5). Tenure lines say
+`"short": true`.
 """
 import argparse
 import hashlib
@@ -108,8 +119,9 @@ class Store:
 
 
 class Tenure:
-    def __init__(self, lease, epoch, token, deadline):
+    def __init__(self, lease, epoch, token, deadline, short=False):
         self.lease, self.epoch, self.token, self.deadline = lease, epoch, token, deadline
+        self.short = short
 
     def left(self):
         return self.deadline - time.monotonic()
@@ -135,23 +147,24 @@ class Worker:
             self.log.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self.log.flush()
 
-    def create_epoch(self, lease, epoch, kind):
+    def create_epoch(self, lease, epoch, kind, short=False):
         token = secrets.token_hex(32)
         obj = {"v": 1, "lease": lease, "epoch": epoch, "kind": kind, "holder": f"w{self.id}",
                "nonce": token}
         if kind == "acquire":
             obj["token_sha256"] = hashlib.sha256(token.encode()).hexdigest()
-            obj["ttl_ms"] = self.rng.randint(2000, 4000)
+            obj["ttl_ms"] = self.rng.randint(900, 1300) if short else self.rng.randint(2000, 4000)
         t0 = time.monotonic()
         won = self.store.create(lease, epoch, obj, lambda o: o.get("nonce") == token)
         if not won or kind != "acquire":
             return None
-        ten = Tenure(lease, epoch, token, t0 + obj["ttl_ms"] / 1000 - 1.0)
+        margin = 0.25 if short else 1.0
+        ten = Tenure(lease, epoch, token, t0 + obj["ttl_ms"] / 1000 - margin, short)
         self.emit({"ev": "tenure", "w": self.id, "lease": lease, "epoch": epoch,
-                   "ttl_ms": obj["ttl_ms"], "at": time.monotonic_ns()})
+                   "ttl_ms": obj["ttl_ms"], "short": short, "at": time.monotonic_ns()})
         return ten
 
-    def acquire(self, lease, current=None):
+    def acquire(self, lease, current=None, short=False):
         """SPEC §2 steps 1-4 (renewal when `current`); None when held, lost or unsure."""
         try:
             latest = self.store.latest(lease)
@@ -163,7 +176,8 @@ class Worker:
                     expiry = found[1] + found[0].get("ttl_ms", 0) / 1000
                     if expiry + self.a.grace_ms / 1000 >= time.time():
                         return None  # held
-            return self.create_epoch(lease, latest + 1, "acquire")
+            short = current.short if current is not None else short
+            return self.create_epoch(lease, latest + 1, "acquire", short)
         except (BotoCoreError, ClientError, RuntimeError, ValueError):
             return None
 
@@ -235,9 +249,10 @@ class Worker:
         leases = self.a.leases.split(",")
         while time.monotonic() < self.stop_at:
             lease = self.rng.choice(leases)
+            short = self.a.short_ttl > 0 and self.rng.random() < self.a.short_ttl
             ten = None
             for _ in range(10):
-                ten = self.acquire(lease)
+                ten = self.acquire(lease, short=short)
                 if ten or time.monotonic() > self.stop_at:
                     break
                 time.sleep(self.rng.uniform(0.2, 0.6))  # moto is single-threaded: poll gently
@@ -259,7 +274,9 @@ class Worker:
                     live.append(threading.Thread(target=self.operation,
                                                  args=(ten, f"{ten.epoch}.{opn}.{j}")))
                     live[-1].start()
-                if self.rng.random() < 0.6 or len(live) > 6:
+                # A short tenure mostly keeps its operations in flight across the
+                # renewal: the raise then has a drain to wait in.
+                if self.rng.random() < (0.2 if ten.short else 0.6) or len(live) > 6:
                     for t in live:
                         t.join()
                 live = [t for t in live if t.is_alive()]
@@ -282,6 +299,8 @@ def main():
     p.add_argument("--secs", type=float, default=20)
     p.add_argument("--grace-ms", type=int, default=500)
     p.add_argument("--client-timeout", type=float, default=8)
+    p.add_argument("--short-ttl", type=float, default=0.0,
+                   help="share of tenures with a 0.9-1.3 s TTL")
     Worker(p.parse_args()).run()
 
 

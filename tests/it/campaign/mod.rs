@@ -3,7 +3,7 @@
 //! Real processes on loopback: the single-threaded moto S3 server, the real
 //! fencegate binary (its data directory kept across restarts), a recording origin
 //! (`scripts/campaign/origin.py`) and N worker processes
-//! (`scripts/campaign/worker.py`) that contend for three leases with short TTLs
+//! (`scripts/campaign/worker.py`) that contend for four leases with short TTLs
 //! through SPEC §2 and send requests (with retries and concurrent duplicates of the
 //! same Idempotency-Key) through fencegate. Meanwhile a nemesis driven by a seeded
 //! RNG injects, at random:
@@ -14,12 +14,31 @@
 //!   process then aborts at a durable boundary of its own choosing, SPEC §6), and
 //!   now and then a graceful restart (SIGTERM, SPEC §8);
 //! - SIGSTOP of the S3 server (store unavailable) and of the origin (a slow
-//!   destination: upstream timeouts and drain aborts).
+//!   destination: upstream timeouts and drain aborts), and slow windows of the
+//!   origin (every request arriving in the window takes 1–3 s: long drains);
+//! - kill -9 of fencegate *during a drain*: the origin is made slow for a moment
+//!   (every request arriving in a short window takes seconds), and as soon as
+//!   fencegate's `fencegate_drains_started` goes up for a lease with a wide drain
+//!   timeout (`l1`, `l3`) — a raise is waiting for an older request still
+//!   executing at the destination — fencegate is killed and restarted at once. After the restart nothing above the epoch whose drain
+//!   completed may be forwarded before the drain timeout has passed (SPEC §5).
+//!
+//! Two edges are exercised by the set-up rather than by events: route `r1` has a
+//! route timeout (300 ms) well below its drain timeout (1200 ms) and below many of
+//! the origin's delays, so older requests time out while the destination still
+//! executes them, in the middle of drains (`r0` and `r2` keep 1000/600 ms; `r3`
+//! has a 2 s drain under a 3 s timeout, so that a forgotten drain or settle shows
+//! after a kill -9 during a drain); and the odd workers take some short-TTL
+//! tenures (0.9–1.3 s, about r1's drain timeout), renewing before every operation,
+//! so a raiser may wait in a drain past its own expiry. The summary counts both
+//! (in parentheses, with the nemesis events), and the arrivals that came after
+//! their epoch's expiry on the store's clock — forwarded after it, which no rule
+//! checks (SPEC §4 is judged on fencegate's estimate of the store's clock).
 //!
 //! At the end every fault is healed, the workers finish, and [`checker::check`]
 //! verifies the history (origin log, every worker's log, the epoch objects in the
-//! store, the crash intervals). Any violation fails the test with the offending
-//! entries printed and the run's directory kept.
+//! store, each route's drain timeout). Any violation fails the test with the
+//! offending entries printed and the run's directory kept.
 //!
 //! The CI smoke is 30 s of faults (~45 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables
@@ -44,7 +63,55 @@ use rand::{Rng, SeedableRng};
 use crate::support::{repo_root, test_python, Fencegate, S3Server, BUCKET, PREFIX};
 use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 
-const LEASES: [&str; 3] = ["l0", "l1", "l2"];
+const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
+
+/// One route of the campaign's fencegate: route `r{i}` protects lease `LEASES[i]`.
+struct RouteConf {
+    timeout_ms: u64,
+    drain_timeout_ms: u64,
+}
+
+const ROUTES: [RouteConf; 4] = [
+    RouteConf {
+        timeout_ms: 1000,
+        drain_timeout_ms: 600,
+    },
+    // A route timeout well below the drain timeout and below many of the origin's
+    // delays (scripts/campaign/origin.py): older requests time out at fencegate
+    // while the destination still executes them, which must not end a drain.
+    RouteConf {
+        timeout_ms: 300,
+        drain_timeout_ms: 1200,
+    },
+    RouteConf {
+        timeout_ms: 1000,
+        drain_timeout_ms: 600,
+    },
+    // A long drain timeout under a longer route timeout: a restart's settle window
+    // (and a drain's) is wide enough for the kill -9 during a drain to show when
+    // it is forgotten, and for short-TTL raisers to outlive their epoch in it.
+    RouteConf {
+        timeout_ms: 3000,
+        drain_timeout_ms: 2000,
+    },
+];
+
+/// The leases whose drain timeout (≥ 1 s) is wide enough for a drain forgotten in
+/// a restart to show: after a kill -9 during a drain, a worker's next request
+/// comes 0.4–1.2 s after the older one it should have waited for.
+fn wide_drain_leases() -> Vec<&'static str> {
+    LEASES
+        .iter()
+        .zip(&ROUTES)
+        .filter(|(_, r)| r.drain_timeout_ms >= 1000)
+        .map(|(l, _)| *l)
+        .collect()
+}
+
+/// The share of tenures a short-TTL worker (every odd one) takes with a TTL of
+/// 0.9–1.3 s, about r1's drain timeout: it renews before every operation, and its
+/// raises can wait in a drain past the epoch's expiry (scripts/campaign/worker.py).
+const SHORT_TTL_SHARE: f64 = 0.5;
 const FAILPOINTS: [&str; 6] = [
     "mark_written_before_flush",
     "mark_flushed",
@@ -57,8 +124,9 @@ const FAILPOINTS: [&str; 6] = [
 /// `[store] grace_ms` in [`S3Server::store_toml`].
 const GRACE_MS: u64 = 500;
 
-/// fencegate's drain counters (started, aborted) from `/metrics`, if it answers.
-fn drain_counters(admin: std::net::SocketAddr) -> Option<(u64, u64)> {
+/// fencegate's drain counters (started, aborted) from `/metrics`, if it answers:
+/// summed over `leases`, or over all leases if empty.
+fn drain_counters(admin: std::net::SocketAddr, leases: &[&str]) -> Option<(u64, u64)> {
     use std::io::{Read, Write};
     let mut conn = std::net::TcpStream::connect_timeout(&admin, Duration::from_millis(300)).ok()?;
     conn.set_read_timeout(Some(Duration::from_millis(500)))
@@ -70,6 +138,12 @@ fn drain_counters(admin: std::net::SocketAddr) -> Option<(u64, u64)> {
     let sum = |name: &str| -> u64 {
         text.lines()
             .filter(|l| l.starts_with(name))
+            .filter(|l| {
+                leases.is_empty()
+                    || leases
+                        .iter()
+                        .any(|lease| l.contains(&format!("lease=\"{lease}\"")))
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum::<f64>() as u64
     };
@@ -146,12 +220,17 @@ impl Drop for Proc {
     }
 }
 
+/// The origin's slow window (`--slow-file`), written by the nemesis.
+const SLOW_FILE: &str = "origin.slow";
+
 /// The recording origin, started and its `LISTENING host:port` line read.
 fn start_origin(dir: &Path, seed: u64) -> (Proc, String) {
     let mut child = Command::new(test_python())
         .arg(repo_root().join("scripts/campaign/origin.py"))
         .arg("--log")
         .arg(dir.join("origin.jsonl"))
+        .arg("--slow-file")
+        .arg(dir.join(SLOW_FILE))
         .args(["--seed", &seed.to_string()])
         .stdout(Stdio::piped())
         .stderr(fs::File::create(dir.join("origin.stderr")).unwrap())
@@ -188,6 +267,10 @@ fn start_worker(dir: &Path, i: usize, s3: &S3Server, secs: u64, seed: u64) -> Pr
         .arg(dir.join(format!("w{i}.state")))
         .args(["--seed", &seed.to_string(), "--secs", &secs.to_string()])
         .args(["--grace-ms", &GRACE_MS.to_string()])
+        .args([
+            "--short-ttl",
+            &(if i % 2 == 1 { SHORT_TTL_SHARE } else { 0.0 }).to_string(),
+        ])
         .env("AWS_EC2_METADATA_DISABLED", "true")
         .stdout(Stdio::null())
         .stderr(fs::File::create(dir.join(format!("w{i}.stderr"))).unwrap())
@@ -211,16 +294,21 @@ struct Nemesis<'a> {
     worker_resume: Vec<Option<Instant>>,
     store_resume: Option<Instant>,
     origin_resume: Option<Instant>,
-    /// Since when (mono ns) the running fencegate has been up, and its failpoint.
-    started: u64,
+    /// `[stop, cont]` of each origin pause, in mono ns (`cont` 0 while paused).
+    origin_pauses: Vec<(u64, u64)>,
+    /// The failpoint armed in the running fencegate.
     armed: Option<&'static str>,
     /// Fencegate is down; restart at this instant (once the store answers).
     down: Option<(Instant, Option<&'static str>)>,
-    crashes: Vec<(u64, u64)>,
+    /// Kill fencegate as soon as its drains-started counter exceeds this value,
+    /// unless the instant passes first.
+    drain_watch: Option<(Instant, u64)>,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
     t0: Instant,
+    /// `t0` on CLOCK_MONOTONIC, in ns.
+    t0_ns: u64,
 }
 
 impl Nemesis<'_> {
@@ -248,11 +336,7 @@ impl Nemesis<'_> {
         // Start-up needs the store (the self-test); a busy single-threaded moto, or a
         // worker SIGSTOPped in the middle of a store call, can make it time out.
         let mut tries = 0;
-        loop {
-            self.started = mono_ns();
-            let Err(stderr) = self.fg.spawn(failpoint) else {
-                break;
-            };
+        while let Err(stderr) = self.fg.spawn(failpoint) {
             tries += 1;
             assert!(tries < 30, "fencegate did not restart:\n{stderr}");
             let last = stderr.lines().last().unwrap_or_default().to_owned();
@@ -298,9 +382,10 @@ impl Nemesis<'_> {
         if self.origin_resume.is_some_and(|t| now >= t) {
             self.origin_resume = None;
             self.origin.cont();
+            self.origin_resumed();
         }
         if self.down.is_none() && self.fg.exited() {
-            self.crashes.push((self.started, mono_ns()));
+            self.drain_watch = None;
             match self.armed {
                 Some(fp) => self.note(&format!("failpoint abort {fp}"), String::new()),
                 None => {
@@ -323,11 +408,55 @@ impl Nemesis<'_> {
                 self.restart(fp);
             }
         }
+        self.watch_drain(now);
+    }
+
+    /// The kill -9 during a drain: once a raise of a lease with a wide drain
+    /// timeout is waiting for older requests (which the slow window keeps at the
+    /// destination), kill and restart at once.
+    fn watch_drain(&mut self, now: Instant) {
+        let Some((until, baseline)) = self.drain_watch else {
+            return;
+        };
+        if self.down.is_some() {
+            self.drain_watch = None;
+            return;
+        }
+        match drain_counters(self.fg.admin, &wide_drain_leases()) {
+            Some((started, _)) if started > baseline => {
+                self.drain_watch = None;
+                self.kill_fencegate(None, false);
+                self.note(
+                    "kill -9 fencegate during a drain",
+                    format!("drains started {baseline} -> {started}"),
+                );
+            }
+            _ if now >= until => {
+                self.drain_watch = None;
+                self.note("drain kill: no drain started in time", String::new());
+            }
+            _ => {}
+        }
+    }
+
+    fn origin_resumed(&mut self) {
+        if let Some(p) = self.origin_pauses.last_mut().filter(|p| p.1 == 0) {
+            p.1 = mono_ns();
+        }
+    }
+
+    /// Every request arriving at the origin before `until` takes `ms` (a range).
+    fn slow_origin(&self, until: Instant, ms: (u64, u64)) {
+        let until_ns =
+            mono_ns() + until.saturating_duration_since(Instant::now()).as_nanos() as u64;
+        let tmp = self.dir.join(format!("{SLOW_FILE}.tmp"));
+        fs::write(&tmp, format!("{until_ns} {} {}\n", ms.0, ms.1)).unwrap();
+        fs::rename(tmp, self.dir.join(SLOW_FILE)).unwrap();
     }
 
     /// Adds the running fencegate's drain counters to the totals (before it dies).
     fn scrape(&mut self) {
-        if let Some((started, aborted)) = drain_counters(self.fg.admin) {
+        if let Some((started, aborted)) = drain_counters(self.fg.admin, &[]) {
             *self
                 .events
                 .entry("(fencegate drains started)".into())
@@ -339,14 +468,11 @@ impl Nemesis<'_> {
         }
     }
 
-    fn kill_fencegate(&mut self, restart_with: Option<&'static str>) {
+    /// kill -9 (noted by the caller when `!note`), then a restart after a random
+    /// delay, or at once.
+    fn kill_fencegate(&mut self, restart_with: Option<&'static str>, note: bool) {
         self.scrape();
-        // An armed process may already have aborted unnoticed: its whole life counts.
-        let lo = if self.armed.is_some() {
-            self.started
-        } else {
-            mono_ns()
-        };
+        self.drain_watch = None;
         if self.armed.is_some() && self.fg.exited() {
             self.note(
                 &format!("failpoint abort {}", self.armed.unwrap_or_default()),
@@ -354,10 +480,15 @@ impl Nemesis<'_> {
             );
         } else {
             self.fg.kill9();
-            self.note("kill -9 fencegate", String::new());
+            if note {
+                self.note("kill -9 fencegate", String::new());
+            }
         }
-        self.crashes.push((lo, mono_ns()));
-        let delay = Duration::from_millis(self.rng.gen_range(0..400));
+        let delay = if note {
+            Duration::from_millis(self.rng.gen_range(0..400))
+        } else {
+            Duration::ZERO
+        };
         self.down = Some((Instant::now() + delay, restart_with));
     }
 
@@ -391,14 +522,14 @@ impl Nemesis<'_> {
             };
             self.note(kind, format!("w{i} for {ms} ms"));
         } else if x < 40 {
-            if self.down.is_some() {
+            if self.down.is_some() || self.drain_watch.is_some() {
                 return;
             }
             let fp = self
                 .rng
                 .gen_bool(0.5)
                 .then(|| FAILPOINTS[self.rng.gen_range(0..FAILPOINTS.len())]);
-            self.kill_fencegate(fp);
+            self.kill_fencegate(fp, true);
         } else if x < 48 {
             if self.store_resume.is_some() {
                 return;
@@ -413,10 +544,35 @@ impl Nemesis<'_> {
             }
             let ms = self.rng.gen_range(200..2000);
             self.origin.stop();
+            self.origin_pauses.push((mono_ns(), 0));
             self.origin_resume = Some(now + Duration::from_millis(ms));
             self.note("pause origin", format!("{ms} ms"));
-        } else if x < 61 && self.down.is_none() {
+        } else if x < 61 && self.down.is_none() && self.drain_watch.is_none() {
             self.terminate_fencegate();
+        } else if x < 66 {
+            // Long drains for a moment: raises wait their full drain timeout (and
+            // short-TTL raisers past their expiry); r1's requests time out first.
+            let window = self.rng.gen_range(500..1500);
+            let slow = self.rng.gen_range(1000..2500);
+            self.slow_origin(now + Duration::from_millis(window), (slow, slow + 500));
+            self.note(
+                "slow origin",
+                format!("{window} ms window, answers in {slow}-{} ms", slow + 500),
+            );
+        } else if x < 74 && self.down.is_none() && self.drain_watch.is_none() {
+            let Some((started, _)) = drain_counters(self.fg.admin, &wide_drain_leases()) else {
+                return;
+            };
+            // Slow answers for the requests of the next moment, so that a raise
+            // soon finds one still executing at the destination.
+            let window = self.rng.gen_range(1000..2000);
+            let slow = self.rng.gen_range(2500..3500);
+            self.slow_origin(now + Duration::from_millis(window), (slow, slow + 1000));
+            self.drain_watch = Some((now + Duration::from_millis(window + 1500), started));
+            self.note(
+                "slow origin, kill -9 at the next drain",
+                format!("{window} ms window, answers in {slow}-{} ms", slow + 1000),
+            );
         }
     }
 
@@ -424,11 +580,7 @@ impl Nemesis<'_> {
     /// as in doubt), then a restart. For the checker it is a restart like any other.
     fn terminate_fencegate(&mut self) {
         self.scrape();
-        let lo = if self.armed.is_some() {
-            self.started
-        } else {
-            mono_ns()
-        };
+        self.drain_watch = None;
         if self.fg.exited() {
             let fp = self.armed.unwrap_or("none");
             self.note(&format!("failpoint abort {fp}"), String::new());
@@ -436,7 +588,6 @@ impl Nemesis<'_> {
             let status = self.fg.terminate();
             self.note("SIGTERM fencegate (graceful restart)", format!("{status}"));
         }
-        self.crashes.push((lo, mono_ns()));
         self.down = Some((Instant::now(), None));
     }
 
@@ -464,9 +615,12 @@ impl Nemesis<'_> {
         }
         self.origin_resume = None;
         self.origin.cont();
+        self.origin_resumed();
         if self.down.is_none() && self.armed.is_some() && !self.fg.exited() {
-            self.kill_fencegate(None);
+            self.kill_fencegate(None, true);
         }
+        self.drain_watch = None;
+        let _ = fs::remove_file(self.dir.join(SLOW_FILE));
         self.tick();
         if self.down.is_some() {
             self.restart(None);
@@ -494,9 +648,26 @@ impl Nemesis<'_> {
         } else {
             self.scrape();
         }
-        // The origin answers within 1.5 s; let the last answers be written.
-        std::thread::sleep(Duration::from_millis(2000));
+        // Let the origin write its last answers (slow ones take up to 4.5 s).
+        wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
         failures
+    }
+}
+
+/// Waits until every request the origin logged has its answer logged, and nothing
+/// new arrived for a moment (bounded by `max`).
+fn wait_for_origin(log: &Path, max: Duration) {
+    let deadline = Instant::now() + max;
+    let mut last = (usize::MAX, usize::MAX);
+    while Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(300));
+        let text = fs::read_to_string(log).unwrap_or_default();
+        let count = |ev: &str| text.matches(&format!("{{\"ev\":\"{ev}\"")).count();
+        let now = (count("arrive"), count("done"));
+        if now.0 == now.1 && now == last {
+            return;
+        }
+        last = now;
     }
 }
 
@@ -540,6 +711,116 @@ fn read_attempts(path: &Path) -> Vec<Attempt> {
         .collect()
 }
 
+/// The tenures a worker won (its `tenure` log lines): whether each was short-TTL.
+fn read_tenures(path: &Path) -> Vec<bool> {
+    json_lines(path)
+        .into_iter()
+        .filter(|v| v["ev"] == "tenure")
+        .map(|v| v["short"].as_bool().unwrap_or(false))
+        .collect()
+}
+
+/// How much the run exercised the edges that are set up rather than injected
+/// (counted with the nemesis events, in parentheses). `expiry`: (lease, epoch) →
+/// its expiry on the store's clock (LastModified + ttl_ms), in mono ns.
+///
+/// Arrivals well past their epoch's expiry, with the origin running all along
+/// (a SIGSTOPped origin reads a request late), are requests forwarded after it:
+/// in practice raisers that waited in a drain past their expiry and were not
+/// decided again (SPEC §5). A figure, not a checked rule: a request admitted just
+/// before the expiry legitimately arrives a little after it.
+fn edge_figures(
+    h: &History,
+    tenures: &[bool],
+    expiry: &BTreeMap<(String, u64), u64>,
+    origin_pauses: &[(u64, u64)],
+    events: &mut BTreeMap<String, usize>,
+) {
+    let mut add = |k: &str, n: usize| *events.entry(format!("({k})")).or_default() += n;
+    add("tenures won", tenures.len());
+    add(
+        "short-TTL tenures won",
+        tenures.iter().filter(|&&short| short).count(),
+    );
+    let paused = |from: u64, to: u64| {
+        origin_pauses
+            .iter()
+            .any(|&(stop, cont)| stop <= to && (cont == 0 || cont >= from))
+    };
+    let late = |slack_ms: u64| {
+        h.arrivals
+            .iter()
+            .filter(|a| {
+                let lease = h.routes.get(&a.route).cloned().unwrap_or_default();
+                let late = |&x: &u64| a.arrive > x + slack_ms * 1_000_000;
+                a.epoch
+                    .and_then(|e| expiry.get(&(lease, e)))
+                    .is_some_and(|x| late(x) && !paused(*x, a.arrive))
+            })
+            .count()
+    };
+    add(
+        "arrivals after their epoch's expiry, origin running",
+        late(0),
+    );
+    add(
+        "arrivals over 300 ms after their epoch's expiry, origin running",
+        late(300),
+    );
+    // Requests sent before their epoch's expiry that had not reached a running
+    // origin by then, and later did or were refused as expired: they outlived
+    // their epoch inside fencegate (a raise waiting in a drain, typically).
+    let mut first_arrival: BTreeMap<&str, u64> = BTreeMap::new();
+    for a in &h.arrivals {
+        if let Some(req) = &a.req {
+            let e = first_arrival.entry(req).or_insert(a.arrive);
+            *e = (*e).min(a.arrive);
+        }
+    }
+    let outlived = h
+        .attempts
+        .iter()
+        .filter(|at| {
+            let lease = h.routes.get(&at.route).cloned().unwrap_or_default();
+            let Some(&x) = expiry.get(&(lease, at.epoch)) else {
+                return false;
+            };
+            let expired = matches!(
+                &at.outcome,
+                Outcome::Response { error: Some(c), .. } if c == "lease_expired"
+            );
+            at.invoke < x
+                && match first_arrival.get(at.req.as_str()) {
+                    Some(&arrive) => arrive > x && !paused(at.invoke, arrive),
+                    None => expired && at.complete > x,
+                }
+        })
+        .count();
+    add("requests that outlived their epoch in fencegate", outlived);
+    for (i, r) in ROUTES.iter().enumerate() {
+        if r.timeout_ms >= r.drain_timeout_ms {
+            continue;
+        }
+        let route = format!("r{i}");
+        let slow = h
+            .arrivals
+            .iter()
+            .filter(|a| a.route == route)
+            .filter(|a| {
+                a.complete
+                    .is_none_or(|c| c > a.arrive + r.timeout_ms * 1_000_000)
+            })
+            .count();
+        add(
+            &format!(
+                "{route} answers slower than its {} ms route timeout",
+                r.timeout_ms
+            ),
+            slow,
+        );
+    }
+}
+
 fn read_arrivals(path: &Path) -> Vec<Arrival> {
     let mut by_seq: BTreeMap<u64, Arrival> = BTreeMap::new();
     let lines = json_lines(path);
@@ -573,10 +854,28 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
     by_seq.into_values().collect()
 }
 
-/// Every epoch object of the campaign's leases (nothing is garbage-collected).
-async fn read_epochs(s3: &S3Server) -> BTreeMap<(String, u64), StoredEpoch> {
+/// CLOCK_REALTIME − CLOCK_MONOTONIC, in ns.
+fn wall_minus_mono() -> i128 {
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i128;
+    wall - mono_ns() as i128
+}
+
+/// Every epoch object of the campaign's leases (nothing is garbage-collected),
+/// and each acquire's expiry on the store's clock (LastModified + ttl_ms) in mono
+/// ns (the store is on this host: its clock is ours).
+async fn read_epochs(
+    s3: &S3Server,
+) -> (
+    BTreeMap<(String, u64), StoredEpoch>,
+    BTreeMap<(String, u64), u64>,
+) {
     let store = s3.store().await;
+    let offset = wall_minus_mono();
     let mut out = BTreeMap::new();
+    let mut expiry = BTreeMap::new();
     for lease in LEASES {
         let prefix = format!("{PREFIX}{lease}/");
         for key in store.list(&prefix, None).await.expect("listing epochs") {
@@ -589,6 +888,13 @@ async fn read_epochs(s3: &S3Server) -> BTreeMap<(String, u64), StoredEpoch> {
             };
             let obj = store.get(&key).await.expect("reading an epoch").unwrap();
             let v: serde_json::Value = serde_json::from_slice(&obj.body).unwrap_or_default();
+            if let (Some(ttl), Ok(lm)) = (
+                v["ttl_ms"].as_u64(),
+                obj.last_modified.duration_since(std::time::UNIX_EPOCH),
+            ) {
+                let wall = lm.as_nanos() as i128 + ttl as i128 * 1_000_000;
+                expiry.insert((lease.to_owned(), epoch), (wall - offset).max(0) as u64);
+            }
             let parsed = match (v["kind"].as_str(), v["token_sha256"].as_str()) {
                 _ if v["lease"] != lease || v["epoch"] != epoch => {
                     StoredEpoch::Invalid(String::from_utf8_lossy(&obj.body).into_owned())
@@ -602,7 +908,7 @@ async fn read_epochs(s3: &S3Server) -> BTreeMap<(String, u64), StoredEpoch> {
             out.insert((lease.to_owned(), epoch), parsed);
         }
     }
-    out
+    (out, expiry)
 }
 
 fn print_counts(title: &str, m: &BTreeMap<String, usize>) {
@@ -645,12 +951,12 @@ async fn fault_campaign() {
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
     let mut config = s3.store_toml(200);
-    for (i, lease) in LEASES.iter().enumerate() {
+    for (i, (lease, r)) in LEASES.iter().zip(&ROUTES).enumerate() {
         config.push_str(&format!(
-            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = 1000\ndrain_timeout_ms = 600\n{extra}\n"
+            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n{extra}\n",
+            r.timeout_ms, r.drain_timeout_ms
         ));
     }
-    let started = mono_ns();
     let fg = Fencegate::start(&config);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
@@ -668,6 +974,11 @@ async fn fault_campaign() {
         .enumerate()
         .map(|(i, l)| (format!("r{i}"), l.to_string()))
         .collect();
+    let drain_timeout_ns: BTreeMap<String, u64> = ROUTES
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
+        .collect();
 
     let mut nemesis = Nemesis {
         rng: StdRng::seed_from_u64(seed),
@@ -679,14 +990,15 @@ async fn fault_campaign() {
         worker_resume: vec![None; n_workers],
         store_resume: None,
         origin_resume: None,
-        started,
+        origin_pauses: Vec::new(),
         armed: None,
         down: None,
-        crashes: Vec::new(),
+        drain_watch: None,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
         t0: Instant::now(),
+        t0_ns: mono_ns(),
     };
     nemesis.write_addr();
     nemesis.workers = (0..n_workers)
@@ -698,9 +1010,10 @@ async fn fault_campaign() {
     });
     let fg_stderr = nemesis.fg.stderr();
     let Nemesis {
-        crashes,
-        events,
+        mut events,
         timeline,
+        t0_ns,
+        origin_pauses,
         unexpected_exits,
         origin,
         workers,
@@ -710,21 +1023,45 @@ async fn fault_campaign() {
     drop(workers);
     drop(origin);
     drop(fg);
-    fs::write(dir.join("nemesis.log"), timeline.join("\n")).unwrap();
+    fs::write(
+        dir.join("nemesis.log"),
+        format!(
+            "# seconds since CLOCK_MONOTONIC {t0_ns} ns\n{}\n",
+            timeline.join("\n")
+        ),
+    )
+    .unwrap();
     fs::write(dir.join("fencegate.stderr"), &fg_stderr).unwrap();
 
+    let (epochs, expiry) = read_epochs(&s3).await;
+    // For humans: each epoch's object and its expiry on the store's clock (mono ns).
+    let epochs_log: Vec<String> = epochs
+        .iter()
+        .map(|((lease, epoch), obj)| {
+            serde_json::json!({
+                "lease": lease,
+                "epoch": epoch,
+                "object": format!("{obj:?}"),
+                "expiry": expiry.get(&(lease.clone(), *epoch)),
+            })
+            .to_string()
+        })
+        .collect();
+    fs::write(dir.join("epochs.jsonl"), epochs_log.join("\n") + "\n").unwrap();
     let mut history = History {
         routes,
         attempts: Vec::new(),
         arrivals: read_arrivals(&dir.join("origin.jsonl")),
-        epochs: read_epochs(&s3).await,
-        crashes,
+        epochs,
+        drain_timeout_ns,
     };
+    let mut tenures = Vec::new();
     for i in 0..n_workers {
-        history
-            .attempts
-            .extend(read_attempts(&dir.join(format!("w{i}.jsonl"))));
+        let log = dir.join(format!("w{i}.jsonl"));
+        history.attempts.extend(read_attempts(&log));
+        tenures.extend(read_tenures(&log));
     }
+    edge_figures(&history, &tenures, &expiry, &origin_pauses, &mut events);
     let report = checker::check(&history);
 
     println!(
@@ -754,7 +1091,12 @@ async fn fault_campaign() {
     for (k, n) in &report.exempt {
         println!("  {n:>6}  {k}");
     }
-    println!("violations: {}", report.violations.len());
+    println!(
+        "violations: {} (times in seconds since CLOCK_MONOTONIC {} ns; add {:.3} s for nemesis.log)",
+        report.violations.len(),
+        report.start,
+        (report.start as f64 - t0_ns as f64) / 1e9
+    );
     for v in &report.violations {
         println!("{v}");
     }

@@ -33,7 +33,7 @@ use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::forward::Peer;
-use crate::lease::{self, Epochs, StoreError};
+use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
 use crate::shared::Shared;
@@ -99,11 +99,33 @@ fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAccep
 
 /// Builds the app from a validated config: nothing listens yet.
 pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
+    build_on(cfg, clock, None).await
+}
+
+/// [`build`] on a lease store the caller opened (tests: a fault-injecting wrapper
+/// over the `dir` store). `cfg.store` still gives the prefix and intervals; its
+/// kind and location are not used.
+pub async fn build_with_store(
+    cfg: &Config,
+    clock: Arc<dyn Clock>,
+    store: Arc<dyn LeaseStore>,
+) -> Result<App, StartError> {
+    build_on(cfg, clock, Some(store)).await
+}
+
+async fn build_on(
+    cfg: &Config,
+    clock: Arc<dyn Clock>,
+    store: Option<Arc<dyn LeaseStore>>,
+) -> Result<App, StartError> {
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
     let durable: Arc<dyn StateStore> = SledState::open(&cfg.server.data_dir)?;
-    let store = lease::open(&cfg.store, clock.clone()).await?;
+    let store = match store {
+        Some(s) => s,
+        None => lease::open(&cfg.store, clock.clone()).await?,
+    };
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));

@@ -107,9 +107,7 @@ for fam in text_string_to_metric_families(sys.stdin.read()):
         out[key] = s.value
 print(json.dumps(out))
 "#;
-        let python = std::env::var("FENCEGATE_TEST_PYTHON")
-            .unwrap_or_else(|_| repo_root().join(".venv/bin/python").display().to_string());
-        let mut child = std::process::Command::new(python)
+        let mut child = std::process::Command::new(test_python())
             .args(["-c", script])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())

@@ -24,6 +24,7 @@ async fn setup() -> (S3Server, Origin, Fencegate, Holding) {
 /// sees the action at most once, and the worker learns which case it is in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_on_each_durable_boundary_is_at_most_once() {
+    skip_without_python!();
     let (_s3, origin, mut fg, a) = setup().await;
     // Raise the mark first so the failpoints below hit the dedup path.
     assert_eq!(post(&fg, "/pay/warm", &a, "warm").await.status, 200);

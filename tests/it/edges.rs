@@ -53,6 +53,7 @@ async fn drains_started(fg: &Fencegate) -> bool {
 /// new B request waits out the drain timeout before it is forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_mid_drain_keeps_the_newer_epoch_out_until_the_drain_timeout() {
+    skip_without_python!();
     let drain = Duration::from_millis(1500);
     let (_s3, origin, mut fg, epochs) = setup(60_000, "drain_timeout_ms = 1500").await;
     let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(30)).await;

@@ -31,6 +31,7 @@ async fn setup(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mark_survives_kill_9_and_does_not_depend_on_old_objects() {
+    skip_without_python!();
     let (_s3, origin, mut fg, epochs) = setup(200, "").await;
     let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);

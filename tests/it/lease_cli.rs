@@ -334,6 +334,7 @@ async fn acquire_waits(cli: &LeaseCli, ttl_ms: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_round_trip_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let cli = LeaseCli::s3(&s3);
     round_trip(&cli, &s3.epochs().await).await;
@@ -459,6 +460,7 @@ fn dir_epochs(cli: &LeaseCli) -> (Epochs, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_cli_acquires_one_winner_per_epoch_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let line = StartLine::start(&s3.endpoint, "PUT /leases/fencegate/contended/").await;
     let cli = Arc::new(LeaseCli::with_store(
@@ -643,6 +645,7 @@ async fn take_turns(cli: Arc<LeaseCli>, epochs: &Epochs, waiters: usize, ttl_ms:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_acquirers_take_turns_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let started = Instant::now();
     // LastModified has 1 s resolution: a TTL under 1 s could be over at creation.
@@ -769,6 +772,7 @@ async fn uncertain_cases(inner: Arc<dyn LeaseStore>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncertain_create_results_are_decided_by_reading_back_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     uncertain_cases(s3.store().await).await;
 }
@@ -935,6 +939,7 @@ async fn run_python_worker(s3: &S3Server, fg: &Fencegate, extra: &[&str]) -> (i3
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_worker_example_calls_through_fencegate() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&format!(
@@ -1011,6 +1016,7 @@ async fn python_worker_example_calls_through_fencegate() {
 /// (start, SDK set-up, self-test, list, get, put, get) and the library call alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_latency_is_reported() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let cli = LeaseCli::s3(&s3);
     let mut cli_times = Vec::new();

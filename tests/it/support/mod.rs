@@ -3,7 +3,9 @@
 //! `tests/inproc` (`tests/common`, re-exported here).
 //!
 //! - [`S3Server`]: the single-threaded moto server (`scripts/s3server.py`), one per
-//!   test, pausable with SIGSTOP to make the store unreachable.
+//!   test, pausable with SIGSTOP to make the store unreachable. It needs Python with
+//!   moto: `FENCEGATE_TEST_PYTHON`, or the repository's `.venv`; without either, the
+//!   tests that need it skip with a printed reason ([`skip_without_python!`]).
 //! - [`Fencegate`]: the real `fencegate` binary, started from a written config, with
 //!   kill -9, SIGTERM and restart on the same data directory.
 
@@ -14,11 +16,11 @@ mod common;
 
 pub use common::*;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use fencegate::clock::SystemClock;
@@ -33,17 +35,69 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("FENCEGATE_TEST_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo_root().join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no S3 test server: run the tests through scripts/test.sh (it installs moto into .venv), or set FENCEGATE_TEST_PYTHON"
-    );
-    venv
+/// The Python that runs the test servers: `FENCEGATE_TEST_PYTHON` when set (then
+/// always, so that a wrong value fails instead of skipping), else the repository's
+/// `.venv` if it can import moto; `Err` says why there is none.
+fn find_python() -> &'static Result<PathBuf, String> {
+    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        if let Some(p) = std::env::var_os("FENCEGATE_TEST_PYTHON") {
+            return Ok(PathBuf::from(p));
+        }
+        let venv = repo_root().join(".venv/bin/python");
+        let usable = Command::new(&venv)
+            .args(["-c", "import moto"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if usable {
+            Ok(venv)
+        } else {
+            Err(format!(
+                "no Python with moto for the S3 test server (FENCEGATE_TEST_PYTHON is unset; {} cannot import moto); scripts/test.sh sets it up",
+                venv.display()
+            ))
+        }
+    })
 }
+
+fn python() -> PathBuf {
+    match find_python() {
+        Ok(p) => p.clone(),
+        Err(why) => {
+            panic!("{why} (a test that needs Python must start with skip_without_python!())")
+        }
+    }
+}
+
+/// Whether the Python test servers can run; if not, says so on the terminal (past
+/// the test harness's output capture) and returns `false`. See
+/// [`skip_without_python!`].
+pub fn python_or_skip() -> bool {
+    match find_python() {
+        Ok(_) => true,
+        Err(why) => {
+            let test = std::thread::current().name().unwrap_or("a test").to_owned();
+            // Straight to the file descriptor: libtest captures only print!/eprint!.
+            let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+            false
+        }
+    }
+}
+
+/// Ends the test early, with a printed reason, when there is no Python for the S3
+/// test server (or the campaign's workers): the first line of every test that
+/// needs one. With `FENCEGATE_TEST_PYTHON` set (scripts/test.sh sets it) it never
+/// skips.
+macro_rules! skip_without_python {
+    () => {
+        if !$crate::support::python_or_skip() {
+            return;
+        }
+    };
+}
+pub(crate) use skip_without_python;
 
 fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")

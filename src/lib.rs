@@ -40,6 +40,6 @@ pub mod lease;
 pub(crate) mod lock_order;
 pub mod metrics;
 pub(crate) mod proxy;
-pub(crate) mod server;
+pub mod server;
 pub(crate) mod shared;
 pub mod state;

@@ -100,6 +100,11 @@ impl Proxy {
         self.abandon.cancel();
     }
 
+    /// The token [`Proxy::abandon_all`] cancels.
+    pub fn abandon_token(&self) -> tokio_util::sync::CancellationToken {
+        self.abandon.clone()
+    }
+
     fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
         if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
             return None;

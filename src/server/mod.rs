@@ -27,7 +27,7 @@ use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::forward::Peer;
-use crate::lease::{self, Epochs, StoreError};
+use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
 use crate::shared::Shared;
@@ -57,9 +57,9 @@ pub enum StartError {
 
 /// Everything a running fencegate owns.
 pub struct App {
-    pub shared: Arc<Shared>,
-    pub proxy: Arc<Proxy>,
-    pub admin: Arc<Admin>,
+    shared: Arc<Shared>,
+    proxy: Arc<Proxy>,
+    admin: Arc<Admin>,
     /// The longest drain timeout of each lease's routes: how long stopping a fence
     /// waits for its requests before aborting them.
     drain_timeouts: HashMap<LeaseName, Duration>,
@@ -94,6 +94,25 @@ fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAccep
 
 /// Builds the app from a validated config: nothing listens yet.
 pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
+    build_on(cfg, clock, None).await
+}
+
+/// [`build`] on a lease store the caller opened (tests: a fault-injecting wrapper
+/// over the `dir` store). `cfg.store` still gives the prefix and intervals; its
+/// kind and location are not used.
+pub async fn build_with_store(
+    cfg: &Config,
+    clock: Arc<dyn Clock>,
+    store: Arc<dyn LeaseStore>,
+) -> Result<App, StartError> {
+    build_on(cfg, clock, Some(store)).await
+}
+
+async fn build_on(
+    cfg: &Config,
+    clock: Arc<dyn Clock>,
+    store: Option<Arc<dyn LeaseStore>>,
+) -> Result<App, StartError> {
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
@@ -101,7 +120,10 @@ pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartErro
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
         StateKind::Postgres => PostgresState::connect(&cfg.state).await?,
     };
-    let store = lease::open(&cfg.store, clock.clone()).await?;
+    let store = match store {
+        Some(s) => s,
+        None => lease::open(&cfg.store, clock.clone()).await?,
+    };
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
@@ -200,6 +222,12 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
 }
 
 impl App {
+    /// Cancelling this abandons every request still forwarding, as shutdown does
+    /// after its deadline (their keys become in doubt).
+    pub fn abandon_handle(&self) -> CancellationToken {
+        self.proxy.abandon_token()
+    }
+
     /// Serves on the given listeners until `shutdown` resolves, then stops
     /// accepting, lets in-flight requests finish up to the deadline, and flushes.
     pub async fn run(

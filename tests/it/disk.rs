@@ -144,6 +144,7 @@ impl Drop for Immutable {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unwritable_data_directory_refuses_new_epochs_and_keys() {
+    skip_without_python!();
     let scratch = tempfile::tempdir().unwrap();
     if let Err(why) = Immutable::probe(scratch.path()) {
         eprintln!("SKIPPED unwritable_data_directory_refuses_new_epochs_and_keys: chattr +i is unavailable here ({why}); needs root (CAP_LINUX_IMMUTABLE) and a filesystem with the immutable flag");
@@ -226,6 +227,7 @@ fn fill(dir: &Path) -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_data_directory_refuses_new_epochs_and_keys() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let routes = format!(
@@ -396,6 +398,7 @@ fn damage_patterns() -> Vec<(&'static str, Damage)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damaged_state_refuses_to_start_never_an_empty_mark() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let mut fg = Fencegate::start(&format!(

@@ -17,14 +17,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use async_trait::async_trait;
 use bytes::Bytes;
-use fencegate::clock::{StoreClock, SystemClock};
+use fencegate::clock::SystemClock;
 use fencegate::epoch::{object_key, Epoch, EpochObject, EpochRecord, LeaseName, TokenHash};
 use fencegate::lease::acquire::{self as lease_acquire, AcquireError};
 use fencegate::lease::dir::DirStore;
 use fencegate::lease::probe::{self, ProbeError};
-use fencegate::lease::{CreateOutcome, Epochs, LeaseStore, StoreError, StoredObject};
+use fencegate::lease::{Epochs, LeaseStore};
 use serde_json::Value;
 
 use crate::support::*;
@@ -171,12 +170,6 @@ fn parse_time(v: &Value) -> SystemTime {
 
 fn lease(name: &str) -> LeaseName {
     LeaseName::parse(name).unwrap()
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("FENCEGATE_TEST_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -341,6 +334,7 @@ async fn acquire_waits(cli: &LeaseCli, ttl_ms: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_round_trip_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let cli = LeaseCli::s3(&s3);
     round_trip(&cli, &s3.epochs().await).await;
@@ -466,6 +460,7 @@ fn dir_epochs(cli: &LeaseCli) -> (Epochs, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_cli_acquires_one_winner_per_epoch_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let line = StartLine::start(&s3.endpoint, "PUT /leases/fencegate/contended/").await;
     let cli = Arc::new(LeaseCli::with_store(
@@ -650,6 +645,7 @@ async fn take_turns(cli: Arc<LeaseCli>, epochs: &Epochs, waiters: usize, ttl_ms:
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_acquirers_take_turns_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let started = Instant::now();
     // LastModified has 1 s resolution: a TTL under 1 s could be over at creation.
@@ -668,9 +664,10 @@ async fn waiting_acquirers_take_turns_on_dir_store() {
 
 // ------------------------------------------------------------------ the uncertain result
 
-/// What happens to the first create of the target key.
+/// The uncertain results of a create, as [`FaultStore`] injects them on the first
+/// create of the target key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
+enum Case {
     /// Our create is applied, then the response is lost (timeout, reset, 5xx).
     AppliedThenLost,
     /// Our create is applied, the response is lost, and the SDK's automatic retry
@@ -684,109 +681,47 @@ enum Fault {
     NotAppliedLost,
 }
 
-/// A real store behind a wrapper that loses the response of one create.
-struct LostResponse {
-    inner: Arc<dyn LeaseStore>,
-    fault: Fault,
-    target: String,
-    rival_body: Bytes,
-    fired: AtomicBool,
-    creates_of_target: AtomicUsize,
-}
-
-#[async_trait]
-impl LeaseStore for LostResponse {
-    async fn list(
-        &self,
-        prefix: &str,
-        start_after: Option<&str>,
-    ) -> Result<Vec<String>, StoreError> {
-        self.inner.list(prefix, start_after).await
-    }
-
-    async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
-        self.inner.get(key).await
-    }
-
-    async fn create_if_absent(&self, key: &str, body: Bytes) -> Result<CreateOutcome, StoreError> {
-        if key != self.target {
-            return self.inner.create_if_absent(key, body).await;
-        }
-        self.creates_of_target.fetch_add(1, Ordering::SeqCst);
-        if self.fired.swap(true, Ordering::SeqCst) {
-            return self.inner.create_if_absent(key, body).await;
-        }
-        let lost = || Err(StoreError::Unavailable("injected: response lost".into()));
-        match self.fault {
-            Fault::AppliedThenLost | Fault::AppliedThenRetry412 => {
-                let out = self.inner.create_if_absent(key, body).await?;
-                assert_eq!(out, CreateOutcome::Created);
-                if self.fault == Fault::AppliedThenLost {
-                    lost()
-                } else {
-                    Ok(CreateOutcome::AlreadyExists)
-                }
-            }
-            Fault::RivalThenLost | Fault::RivalThenRetry412 => {
-                let out = self
-                    .inner
-                    .create_if_absent(key, self.rival_body.clone())
-                    .await?;
-                assert_eq!(out, CreateOutcome::Created);
-                // Ours would now be refused.
-                if self.fault == Fault::RivalThenLost {
-                    lost()
-                } else {
-                    Ok(CreateOutcome::AlreadyExists)
-                }
-            }
-            Fault::NotAppliedLost => lost(),
-        }
-    }
-
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.inner.delete(key).await
-    }
-
-    fn clock(&self) -> &StoreClock {
-        self.inner.clock()
-    }
-
-    fn describe(&self) -> String {
-        format!("lost-response wrapper over {}", self.inner.describe())
-    }
-}
-
-/// Each fault on its own lease of `inner`: the caller learns the truth from the
+/// Each case on its own lease of `inner`: the caller learns the truth from the
 /// read-back, never from the create's answer.
 async fn uncertain_cases(inner: Arc<dyn LeaseStore>) {
     let cases = [
-        (Fault::AppliedThenLost, "applied-lost"),
-        (Fault::AppliedThenRetry412, "applied-412"),
-        (Fault::RivalThenLost, "rival-lost"),
-        (Fault::RivalThenRetry412, "rival-412"),
-        (Fault::NotAppliedLost, "not-applied"),
+        (Case::AppliedThenLost, "applied-lost"),
+        (Case::AppliedThenRetry412, "applied-412"),
+        (Case::RivalThenLost, "rival-lost"),
+        (Case::RivalThenRetry412, "rival-412"),
+        (Case::NotAppliedLost, "not-applied"),
     ];
-    for (fault, name) in cases {
+    for (case, name) in cases {
         let l = lease(name);
-        let rival_token = lease_acquire::fresh_token();
-        let store = Arc::new(LostResponse {
-            inner: inner.clone(),
-            fault,
-            target: object_key(PREFIX, &l, Epoch::new(1)),
-            rival_body: Bytes::from(
+        let rival = || {
+            let token = lease_acquire::fresh_token();
+            Bytes::from(
                 EpochRecord::acquire(
                     &l,
                     Epoch::new(1),
                     "rival",
-                    rival_token.as_bytes(),
+                    token.as_bytes(),
                     Duration::from_secs(30),
                 )
                 .to_json(),
-            ),
-            fired: AtomicBool::new(false),
-            creates_of_target: AtomicUsize::new(0),
-        });
+            )
+        };
+        let fault = match case {
+            Case::AppliedThenLost => Fault::LoseResponse,
+            Case::AppliedThenRetry412 => Fault::AppliedThenExists,
+            Case::RivalThenLost => Fault::RivalFirst {
+                body: rival(),
+                lost: true,
+            },
+            Case::RivalThenRetry412 => Fault::RivalFirst {
+                body: rival(),
+                lost: false,
+            },
+            Case::NotAppliedLost => Fault::Unavailable,
+        };
+        let target = object_key(PREFIX, &l, Epoch::new(1));
+        let store = FaultStore::new(inner.clone());
+        store.add(Rule::new(Op::Create, fault).key(&target).once());
         let epochs = Epochs::new(store.clone(), PREFIX);
         let got = lease_acquire::acquire(
             &epochs,
@@ -797,50 +732,47 @@ async fn uncertain_cases(inner: Arc<dyn LeaseStore>) {
             None,
         )
         .await;
-        assert!(
-            store.fired.load(Ordering::SeqCst),
-            "{fault:?}: fault not injected"
-        );
+        assert_eq!(store.fired(), 1, "{case:?}: fault not injected");
         let latest = epochs.latest_after(&l, Epoch::NONE).await.unwrap();
         assert_eq!(
             latest,
             Epoch::new(1),
-            "{fault:?}: exactly one epoch was created"
+            "{case:?}: exactly one epoch was created"
         );
         let stored = epochs.read(&l, Epoch::new(1)).await.unwrap().unwrap();
-        match fault {
-            Fault::AppliedThenLost | Fault::AppliedThenRetry412 | Fault::NotAppliedLost => {
-                let h =
-                    got.unwrap_or_else(|e| panic!("{fault:?}: the caller won but was told {e}"));
-                assert_eq!(h.epoch, Epoch::new(1), "{fault:?}");
+        match case {
+            Case::AppliedThenLost | Case::AppliedThenRetry412 | Case::NotAppliedLost => {
+                let h = got.unwrap_or_else(|e| panic!("{case:?}: the caller won but was told {e}"));
+                assert_eq!(h.epoch, Epoch::new(1), "{case:?}");
                 match stored {
                     EpochObject::Acquire { token, holder, .. } => {
                         assert!(
                             token.matches(&TokenHash::of(h.token.as_bytes())),
-                            "{fault:?}"
+                            "{case:?}"
                         );
                         assert_eq!(holder, "me");
                     }
-                    other => panic!("{fault:?}: {other:?}"),
+                    other => panic!("{case:?}: {other:?}"),
                 }
             }
-            Fault::RivalThenLost | Fault::RivalThenRetry412 => match got {
+            Case::RivalThenLost | Case::RivalThenRetry412 => match got {
                 Err(AcquireError::Held { holder, epoch, .. }) => {
-                    assert_eq!(holder, "rival", "{fault:?}");
-                    assert_eq!(epoch, Epoch::new(1), "{fault:?}");
+                    assert_eq!(holder, "rival", "{case:?}");
+                    assert_eq!(epoch, Epoch::new(1), "{case:?}");
                 }
-                Ok(h) => panic!("{fault:?}: the caller lost but believes it holds {h:?}"),
-                Err(e) => panic!("{fault:?}: {e}"),
+                Ok(h) => panic!("{case:?}: the caller lost but believes it holds {h:?}"),
+                Err(e) => panic!("{case:?}: {e}"),
             },
         }
-        let creates = store.creates_of_target.load(Ordering::SeqCst);
-        let expected = if fault == Fault::NotAppliedLost { 2 } else { 1 };
-        assert_eq!(creates, expected, "{fault:?}: creates of epoch 1");
+        let creates = store.calls(Op::Create, Some(&target));
+        let expected = if case == Case::NotAppliedLost { 2 } else { 1 };
+        assert_eq!(creates, expected, "{case:?}: creates of epoch 1");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncertain_create_results_are_decided_by_reading_back_on_s3() {
+    skip_without_python!();
     let s3 = S3Server::start();
     uncertain_cases(s3.store().await).await;
 }
@@ -856,72 +788,26 @@ async fn uncertain_create_results_are_decided_by_reading_back_on_dir_store() {
 
 // ------------------------------------------------------------------ the self-test
 
-/// A store that ignores `If-None-Match`: every create "succeeds" and overwrites.
-struct IgnoresIfNoneMatch {
-    objects: std::sync::Mutex<BTreeMap<String, Bytes>>,
-    clock: StoreClock,
-}
-
-#[async_trait]
-impl LeaseStore for IgnoresIfNoneMatch {
-    async fn list(
-        &self,
-        prefix: &str,
-        start_after: Option<&str>,
-    ) -> Result<Vec<String>, StoreError> {
-        Ok(self
-            .objects
-            .lock()
-            .unwrap()
-            .keys()
-            .filter(|k| k.starts_with(prefix) && start_after.is_none_or(|s| k.as_str() > s))
-            .cloned()
-            .collect())
-    }
-
-    async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
-        Ok(self.objects.lock().unwrap().get(key).map(|b| StoredObject {
-            body: b.clone(),
-            last_modified: SystemTime::now(),
-        }))
-    }
-
-    async fn create_if_absent(&self, key: &str, body: Bytes) -> Result<CreateOutcome, StoreError> {
-        self.objects.lock().unwrap().insert(key.to_owned(), body);
-        Ok(CreateOutcome::Created)
-    }
-
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.objects.lock().unwrap().remove(key);
-        Ok(())
-    }
-
-    fn clock(&self) -> &StoreClock {
-        &self.clock
-    }
-
-    fn describe(&self) -> String {
-        "test store that ignores If-None-Match".into()
-    }
-}
-
+/// A store that ignores `If-None-Match` (every create "succeeds" and overwrites)
+/// is refused by the self-test; a real one passes.
 #[tokio::test]
 async fn self_test_refuses_a_store_that_ignores_if_none_match() {
-    let store = IgnoresIfNoneMatch {
-        objects: Default::default(),
-        clock: StoreClock::new(Arc::new(SystemClock)),
-    };
-    let err = probe::self_test(&store, PREFIX).await.unwrap_err();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir: Arc<dyn LeaseStore> =
+        Arc::new(DirStore::open(tmp.path(), Arc::new(SystemClock)).unwrap());
+    let store = FaultStore::new(dir.clone());
+    store.add(Rule::new(Op::Create, Fault::IgnoreIfNoneMatch));
+    let err = probe::self_test(store.as_ref(), PREFIX).await.unwrap_err();
     assert!(matches!(err, ProbeError::NotFencing { .. }), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("fencing is impossible"), "{msg}");
     assert!(msg.contains("If-None-Match"), "{msg}");
-    // It cleaned up after itself.
-    assert!(store.objects.lock().unwrap().is_empty());
+    // It created its probe object twice, and cleaned up after itself.
+    assert_eq!(store.calls(Op::Create, None), 2);
+    let probes = format!("{PREFIX}.probe/");
+    assert_eq!(dir.list(&probes, None).await.unwrap(), Vec::<String>::new());
     // A real store passes.
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = DirStore::open(tmp.path(), Arc::new(SystemClock)).unwrap();
-    probe::self_test(&dir, PREFIX).await.unwrap();
+    probe::self_test(dir.as_ref(), PREFIX).await.unwrap();
 }
 
 /// An "S3 endpoint" that answers 200 to everything, like a server that ignores
@@ -1022,7 +908,7 @@ async fn demo_tells_the_late_worker_story() {
 // ------------------------------------------------------------------ the Python worker
 
 async fn run_python_worker(s3: &S3Server, fg: &Fencegate, extra: &[&str]) -> (i32, Value, String) {
-    let out = tokio::process::Command::new(python())
+    let out = tokio::process::Command::new(test_python())
         .arg(repo_root().join("scripts/worker/fenced_worker.py"))
         .args([
             "--endpoint",
@@ -1053,6 +939,7 @@ async fn run_python_worker(s3: &S3Server, fg: &Fencegate, extra: &[&str]) -> (i3
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_worker_example_calls_through_fencegate() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&format!(
@@ -1129,6 +1016,7 @@ async fn python_worker_example_calls_through_fencegate() {
 /// (start, SDK set-up, self-test, list, get, put, get) and the library call alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_latency_is_reported() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let cli = LeaseCli::s3(&s3);
     let mut cli_times = Vec::new();

@@ -8,13 +8,10 @@
 mod support;
 
 mod campaign;
-mod corpus;
 mod dedup;
 mod dir_store;
 mod disk;
 mod edges;
-mod errors;
 mod fencing;
-mod hygiene;
 mod lease_cli;
 mod ops;

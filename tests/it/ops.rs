@@ -42,6 +42,7 @@ fn get(url: String) -> Request<Full<Bytes>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_endpoints_answer_and_readyz_follows_the_store() {
+    skip_without_python!();
     let (s3, _origin, fg, a) = billing().await;
     assert_eq!(post(&fg, "/billing/x", &a, "one").await.status, 200);
 
@@ -95,6 +96,7 @@ async fn admin_endpoints_answer_and_readyz_follows_the_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_with_a_real_prometheus_parser_and_move() {
+    skip_without_python!();
     let (_s3, _origin, fg, a) = billing().await;
     let parse = |text: Bytes| {
         let script = r#"
@@ -107,9 +109,7 @@ for fam in text_string_to_metric_families(sys.stdin.read()):
         out[key] = s.value
 print(json.dumps(out))
 "#;
-        let python = std::env::var("FENCEGATE_TEST_PYTHON")
-            .unwrap_or_else(|_| repo_root().join(".venv/bin/python").display().to_string());
-        let mut child = std::process::Command::new(python)
+        let mut child = std::process::Command::new(test_python())
             .args(["-c", script])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
@@ -185,6 +185,7 @@ print(json.dumps(out))
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_the_in_flight_request_finish_and_flushes() {
+    skip_without_python!();
     let (_s3, origin, mut fg, a) = billing().await;
     let slow = worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
         .header("idempotency-key", "during-shutdown")
@@ -215,6 +216,7 @@ async fn sigterm_lets_the_in_flight_request_finish_and_flushes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let store = s3.store_toml(200);
@@ -258,6 +260,7 @@ async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_never_appear_in_logs_config_output_or_admin() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let secret = "sk_live_very_secret_value";
@@ -396,6 +399,7 @@ fn client_trusting(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_listener_speaks_h2_and_https_upstreams_need_their_ca() {
+    skip_without_python!();
     let s3 = S3Server::start();
     let pki = pki();
     let dir = tempfile::tempdir().unwrap();

@@ -60,7 +60,9 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::support::{repo_root, test_python, Fencegate, S3Server, BUCKET, PREFIX};
+use crate::support::{
+    repo_root, skip_without_python, test_python, Fencegate, S3Server, BUCKET, PREFIX,
+};
 use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 
 const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
@@ -920,6 +922,7 @@ fn print_counts(title: &str, m: &BTreeMap<String, usize>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_campaign() {
+    skip_without_python!();
     let secs = env_u64("FENCEGATE_CAMPAIGN_SECS", 30);
     let seed = env_u64("FENCEGATE_CAMPAIGN_SEED", 5);
     let n_workers = env_u64("FENCEGATE_CAMPAIGN_WORKERS", 6).max(5) as usize;

@@ -403,27 +403,22 @@ async fn lease_mark(fg: &Fencegate) -> (u64, u64) {
 }
 
 /// A fencegate with one route to `origin`, and a valid holding of its lease.
-async fn setup() -> (
-    S3Server,
-    Origin,
-    Fencegate,
-    fencegate::lease::acquire::Holding,
-    Wire,
-) {
-    let s3 = S3Server::start();
+async fn setup() -> (Origin, Fencegate, fencegate::lease::acquire::Holding, Wire) {
     let origin = Origin::start().await;
-    let fg = Fencegate::start(&format!(
-        "{SERVER_KEYS}{}{}",
-        s3.store_toml(200),
-        route_toml(
+    let fg = Fencegate::start_with(
+        Setup {
+            server: SERVER_KEYS,
+            ..Setup::default()
+        },
+        &route_toml(
             "billing",
             "billing",
             &origin,
-            &format!("timeout_ms = {}", ROUTE_TIMEOUT.as_millis())
-        )
-    ));
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "billing", "corpus", Duration::from_secs(60)).await;
+            &format!("timeout_ms = {}", ROUTE_TIMEOUT.as_millis()),
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "corpus", Duration::from_secs(60)).await;
     let w = Wire {
         auth: format!(
             "X-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\n",
@@ -431,12 +426,12 @@ async fn setup() -> (
             a.token
         ),
     };
-    (s3, origin, fg, a, w)
+    (origin, fg, a, w)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_refused_and_reach_nothing() {
-    let (_s3, origin, fg, a, w) = setup().await;
+    let (origin, fg, a, w) = setup().await;
 
     let mut report = Vec::new();
     let mut failures = Vec::new();
@@ -495,7 +490,7 @@ async fn malformed_requests_are_refused_and_reach_nothing() {
 /// Transfer-Encoding) and never the smuggled second request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ambiguous_framing_is_normalized_never_smuggled() {
-    let (_s3, origin, fg, _a, w) = setup().await;
+    let (origin, fg, _a, w) = setup().await;
     let smuggled = format!(
         "POST /billing/smuggled HTTP/1.1\r\nHost: fencegate.test\r\n{}Content-Length: 0\r\n\r\n",
         w.auth
@@ -616,7 +611,7 @@ async fn ambiguous_framing_is_normalized_never_smuggled() {
 async fn ten_thousand_connections_opened_and_dropped() {
     const TOTAL: usize = 10_000;
     const WINDOW: usize = 64;
-    let (_s3, origin, fg, a, w) = setup().await;
+    let (origin, fg, a, w) = setup().await;
     let partial = Arc::new(w.head("/billing/x", "Content-Length: 5\r\n"));
     let addr = fg.proxy;
     let window = Arc::new(tokio::sync::Semaphore::new(WINDOW));
@@ -720,7 +715,7 @@ async fn closed_after(s: &mut TcpStream, from: Instant) -> Duration {
 /// and two timeouts after the last answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_trickling_keep_alive_connections_are_closed() {
-    let (_s3, origin, fg, a, w) = setup().await;
+    let (origin, fg, a, w) = setup().await;
     let keep_alive = |path: &str| {
         format!(
             "POST {path} HTTP/1.1\r\nHost: fencegate.test\r\n{}Content-Length: 2\r\n\r\nok",
@@ -786,7 +781,7 @@ async fn idle_and_trickling_keep_alive_connections_are_closed() {
 /// header read timeouts) gets all of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_reader_gets_its_whole_answer() {
-    let (_s3, _origin, fg, _a, w) = setup().await;
+    let (_origin, fg, _a, w) = setup().await;
     const SIZE: usize = 24 << 20;
     let mut s = TcpStream::connect(fg.proxy).await.unwrap();
     let req = format!(

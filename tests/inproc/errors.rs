@@ -9,7 +9,6 @@ use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_a_clear_error_and_changes_nothing() {
-    let s3 = S3Server::start();
     let origin = Origin::start().await;
     let routes = format!(
         "{}{}",
@@ -17,9 +16,8 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         // Nothing listens on port 1: connect fails before any byte is sent.
         "[[route]]\nname = \"dead\"\npath_prefix = \"/dead/\"\nupstream = \"http://127.0.0.1:1/\"\nlease = \"billing\"\ntimeout_ms = 2000\n"
     );
-    let fg = Fencegate::start(&format!("{}{routes}", s3.store_toml(200)));
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "billing", "worker-a", Duration::from_secs(30)).await;
+    let fg = Fencegate::start(200, &routes).await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(30)).await;
     let (e, tok) = (a.epoch.get(), a.token.as_str());
     let url = fg.url("/billing/x");
 

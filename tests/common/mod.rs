@@ -1,0 +1,506 @@
+//! What both test binaries share: the recording origin, the HTTP client side
+//! (requests, replies, SPEC §7 error checks), epoch objects written straight into
+//! a store, and [`FaultStore`]. `tests/it` (fencegate as a process) and
+//! `tests/inproc` (fencegate in the test process) include this file with `#[path]`.
+//!
+//! - [`Origin`]: a recording HTTP origin (arrival and completion times, headers,
+//!   body). A request header `x-test-hold: NAME` makes it wait until the test calls
+//!   [`Origin::release`]; `x-test-status` and `x-test-body` (or `x-test-size`: that
+//!   many bytes) choose the answer.
+//! - [`Gateway`]: what a running fencegate is to a test, whichever harness runs it
+//!   (its URLs, the admin API, metrics).
+
+#![allow(dead_code)]
+
+mod fault_store;
+
+pub use fault_store::{Fault, FaultStore, Op, Rule};
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use fencegate::epoch::LeaseName;
+use fencegate::lease::acquire::{self, Holding};
+use fencegate::lease::Epochs;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::sync::Notify;
+
+/// The key prefix of epoch objects in every test store.
+pub const PREFIX: &str = "fencegate/";
+
+/// A running fencegate, as the tests talk to it.
+pub trait Gateway {
+    fn proxy_addr(&self) -> SocketAddr;
+    fn admin_addr(&self) -> SocketAddr;
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.proxy_addr())
+    }
+
+    fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin_addr())
+    }
+
+    /// GET an admin endpoint and parse JSON.
+    fn admin_json(&self, path: &str) -> impl Future<Output = serde_json::Value> + Send {
+        let url = self.admin_url(path);
+        async move {
+            let r = send(Request::get(url).body(Full::default()).unwrap()).await;
+            serde_json::from_slice(&r.body).unwrap_or(serde_json::Value::Null)
+        }
+    }
+
+    /// The value of an unlabelled metric, or the sum of a labelled one.
+    fn metric_sum(&self, name: &str) -> impl Future<Output = f64> + Send {
+        let url = self.admin_url("/metrics");
+        let name = name.to_owned();
+        async move {
+            let r = send(Request::get(url).body(Full::default()).unwrap()).await;
+            let text = String::from_utf8_lossy(&r.body).into_owned();
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .filter(|l| {
+                    l.starts_with(&name)
+                        && (l[name.len()..].starts_with('{') || l[name.len()..].starts_with(' '))
+                })
+                .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+                .sum()
+        }
+    }
+}
+
+/// A route section pointing at `origin` with extra TOML lines.
+pub fn route_toml(name: &str, lease: &str, origin: &Origin, extra: &str) -> String {
+    let timeout = if extra.lines().any(|l| l.starts_with("timeout_ms")) {
+        ""
+    } else {
+        "timeout_ms = 3000\n"
+    };
+    format!(
+        "[[route]]\nname = \"{name}\"\npath_prefix = \"/{name}/\"\nupstream = \"{}\"\nlease = \"{lease}\"\n{timeout}{extra}\n",
+        origin.url("/v1/")
+    )
+}
+
+/// What the origin received.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub method: String,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    /// Bytes of the body the origin read, and whether it read the whole body
+    /// (differs from `body` only under `x-test-hold-body`).
+    pub body_read: usize,
+    pub body_whole: bool,
+    pub arrived: Instant,
+    pub completed: Option<Instant>,
+}
+
+impl Arrival {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap_or("<binary>").to_owned())
+    }
+
+    pub fn epoch(&self) -> Option<u64> {
+        self.header("x-lease-epoch").and_then(|e| e.parse().ok())
+    }
+}
+
+#[derive(Default)]
+struct OriginState {
+    log: Vec<Arrival>,
+    holds: HashMap<String, Arc<Notify>>,
+}
+
+/// A recording origin on a free loopback port.
+#[derive(Clone)]
+pub struct Origin {
+    pub addr: SocketAddr,
+    state: Arc<Mutex<OriginState>>,
+    arrived: Arc<Notify>,
+    task: Arc<tokio::task::JoinHandle<()>>,
+}
+
+impl Origin {
+    pub async fn start() -> Origin {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = Arc::new(Mutex::new(OriginState::default()));
+        let arrived = Arc::new(Notify::new());
+        let (st, ar) = (state.clone(), arrived.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (st, ar) = (st.clone(), ar.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| {
+                        let (st, ar) = (st.clone(), ar.clone());
+                        async move {
+                            Ok::<_, std::convert::Infallible>(origin_handle(req, st, ar).await)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Origin {
+            addr,
+            state,
+            arrived,
+            task: Arc::new(task),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn log(&self) -> Vec<Arrival> {
+        self.state.lock().unwrap().log.clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.state.lock().unwrap().log.len()
+    }
+
+    fn hold(&self, name: &str) -> Arc<Notify> {
+        self.state
+            .lock()
+            .unwrap()
+            .holds
+            .entry(name.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Lets requests held under `name` answer.
+    pub fn release(&self, name: &str) {
+        self.hold(name).notify_waiters();
+        // A permit for a holder that has not started waiting yet.
+        self.hold(name).notify_one();
+    }
+
+    /// Waits (bounded) until at least `n` requests have arrived.
+    pub async fn wait_for(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let notified = self.arrived.notified();
+            if self.count() >= n {
+                return;
+            }
+            assert!(
+                tokio::time::timeout_at(deadline, notified).await.is_ok() || self.count() >= n,
+                "origin: waited 20 s for {n} arrivals, have {}",
+                self.count()
+            );
+        }
+    }
+}
+
+async fn origin_handle(
+    req: Request<Incoming>,
+    st: Arc<Mutex<OriginState>>,
+    arrived: Arc<Notify>,
+) -> Response<Full<Bytes>> {
+    let (parts, body) = req.into_parts();
+    // `x-test-hold-body: NAME`: the request is logged when its head arrives, and its
+    // body is read only once NAME is released (a destination that reads slowly).
+    if let Some(name) = parts
+        .headers
+        .get("x-test-hold-body")
+        .and_then(|v| v.to_str().ok())
+    {
+        return origin_hold_body(name.to_owned(), parts, body, st, arrived).await;
+    }
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let idx = {
+        let mut s = st.lock().unwrap();
+        s.log.push(Arrival {
+            method: parts.method.to_string(),
+            path: parts
+                .uri
+                .path_and_query()
+                .map(|p| p.to_string())
+                .unwrap_or_default(),
+            headers: parts.headers.clone(),
+            body_read: body.len(),
+            body_whole: true,
+            body,
+            arrived: Instant::now(),
+            completed: None,
+        });
+        s.log.len() - 1
+    };
+    arrived.notify_waiters();
+    if let Some(name) = parts
+        .headers
+        .get("x-test-hold")
+        .and_then(|v| v.to_str().ok())
+    {
+        let n = st
+            .lock()
+            .unwrap()
+            .holds
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
+        n.notified().await;
+    }
+    let status = parts
+        .headers
+        .get("x-test-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let size: Option<usize> = parts
+        .headers
+        .get("x-test-size")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    let body = match (size, parts.headers.get("x-test-body")) {
+        (Some(n), _) => Bytes::from(vec![b'z'; n]),
+        (None, Some(v)) => Bytes::copy_from_slice(v.as_bytes()),
+        (None, None) => Bytes::from(format!("origin saw request #{idx}")),
+    };
+    st.lock().unwrap().log[idx].completed = Some(Instant::now());
+    Response::builder()
+        .status(status)
+        .header("x-origin-seq", idx.to_string())
+        .header("content-type", "text/plain")
+        .body(Full::new(body))
+        .unwrap()
+}
+
+async fn origin_hold_body(
+    name: String,
+    parts: http::request::Parts,
+    mut body: Incoming,
+    st: Arc<Mutex<OriginState>>,
+    arrived: Arc<Notify>,
+) -> Response<Full<Bytes>> {
+    let idx = {
+        let mut s = st.lock().unwrap();
+        s.log.push(Arrival {
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_owned(),
+            headers: parts.headers.clone(),
+            body: Bytes::new(),
+            body_read: 0,
+            body_whole: false,
+            arrived: Instant::now(),
+            completed: None,
+        });
+        s.log.len() - 1
+    };
+    arrived.notify_waiters();
+    let hold = st.lock().unwrap().holds.entry(name).or_default().clone();
+    hold.notified().await;
+    let mut whole = true;
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => {
+                if let Some(d) = f.data_ref() {
+                    st.lock().unwrap().log[idx].body_read += d.len();
+                }
+            }
+            Err(_) => {
+                whole = false;
+                break;
+            }
+        }
+    }
+    let mut s = st.lock().unwrap();
+    s.log[idx].body_whole = whole;
+    s.log[idx].completed = Some(Instant::now());
+    Response::new(Full::new(Bytes::from_static(b"read")))
+}
+
+/// A response, fully read.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+
+    pub fn error_code(&self) -> Option<String> {
+        self.headers
+            .get("x-fencegate-error")
+            .map(|v| v.to_str().unwrap().to_owned())
+    }
+
+    /// Asserts a fencegate-made error: status, code in header and body.
+    pub fn assert_error(&self, status: u16, code: &str) {
+        assert_eq!(
+            self.status.as_u16(),
+            status,
+            "body: {}",
+            String::from_utf8_lossy(&self.body)
+        );
+        assert_eq!(self.error_code().as_deref(), Some(code));
+        let j = self.json();
+        assert_eq!(j["error"], code, "{j}");
+        assert!(j["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
+        assert_eq!(self.headers["content-type"], "application/json");
+    }
+}
+
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+pub async fn send(req: Request<Full<Bytes>>) -> Reply {
+    let resp = tokio::time::timeout(Duration::from_secs(30), client().request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
+    let (parts, body) = resp.into_parts();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default(),
+    }
+}
+
+/// A request builder for a worker at `epoch` with `token`.
+pub fn worker_req(url: &str, epoch: u64, token: &str) -> http::request::Builder {
+    Request::post(url)
+        .header("x-lease-epoch", epoch.to_string())
+        .header("x-lease-token", token)
+}
+
+pub fn body(s: &str) -> Full<Bytes> {
+    Full::new(Bytes::from(s.to_owned()))
+}
+
+/// Sends a worker's POST through fencegate.
+pub async fn post(fg: &impl Gateway, path: &str, h: &Holding, payload: &str) -> Reply {
+    send(
+        worker_req(&fg.url(path), h.epoch.get(), &h.token)
+            .body(body(payload))
+            .unwrap(),
+    )
+    .await
+}
+
+/// A worker POST with an idempotency key.
+pub fn keyed(
+    fg: &impl Gateway,
+    path: &str,
+    h: &Holding,
+    key: &str,
+    payload: &str,
+) -> Request<Full<Bytes>> {
+    worker_req(&fg.url(path), h.epoch.get(), &h.token)
+        .header("idempotency-key", key)
+        .body(body(payload))
+        .unwrap()
+}
+
+/// Like [`send`], but a connection failure is an `Err` (fencegate crashed).
+pub async fn try_send(req: Request<Full<Bytes>>) -> Result<Reply, String> {
+    let resp = tokio::time::timeout(Duration::from_secs(30), client().request(req))
+        .await
+        .map_err(|_| "timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let (parts, body) = resp.into_parts();
+    Ok(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .map_err(|e| e.to_string())?,
+    })
+}
+
+/// Writes a raw epoch object (forged or garbage) straight into the store.
+pub async fn put_raw(epochs: &Epochs, lease: &str, epoch: u64, body: &[u8]) {
+    let key = fencegate::epoch::object_key(
+        PREFIX,
+        &LeaseName::parse(lease).unwrap(),
+        fencegate::epoch::Epoch::new(epoch),
+    );
+    epochs
+        .store()
+        .create_if_absent(&key, Bytes::copy_from_slice(body))
+        .await
+        .unwrap();
+}
+
+/// Creates the next epoch regardless of who holds the lease (a takeover by a new
+/// leader, without waiting for expiry): for tests of the gate, not of acquiring.
+pub async fn force_next_epoch(
+    epochs: &Epochs,
+    lease: &str,
+    holder: &str,
+    ttl: Duration,
+) -> Holding {
+    use fencegate::epoch::{Epoch, EpochRecord};
+    let name = LeaseName::parse(lease).unwrap();
+    let latest = epochs.latest_after(&name, Epoch::NONE).await.unwrap();
+    let next = latest.next().unwrap();
+    let token = acquire::fresh_token();
+    let rec = EpochRecord::acquire(&name, next, holder, token.as_bytes(), ttl);
+    let out = epochs
+        .create(&name, next, Bytes::from(rec.to_json()))
+        .await
+        .unwrap();
+    assert_eq!(out, fencegate::lease::CreateOutcome::Created);
+    let obj = epochs.read(&name, next).await.unwrap().unwrap();
+    let expires_at = match obj {
+        fencegate::epoch::EpochObject::Acquire { expires_at, .. } => expires_at,
+        other => panic!("{other:?}"),
+    };
+    Holding {
+        lease: name,
+        epoch: next,
+        token,
+        holder: holder.into(),
+        expires_at,
+    }
+}
+
+/// Polls `cond` every 10 ms for up to 20 s (for conditions only observable from
+/// outside, e.g. a metric); panics with `what` on timeout.
+pub async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,290 @@
+//! SPEC §6: replay, conflicts, derived keys, outcomes. Every test asserts what the
+//! origin received. (Crashes on each durable boundary: `tests/it/dedup.rs`.)
+
+use std::time::Duration;
+
+use fencegate::lease::acquire::Holding;
+use http::Request;
+
+use crate::support::*;
+
+async fn setup(route_extra: &str) -> (Origin, Fencegate, Holding) {
+    setup_with_log(route_extra, "info").await
+}
+
+async fn setup_with_log(route_extra: &str, log: &str) -> (Origin, Fencegate, Holding) {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start_with(
+        Setup {
+            server: "admin_token = \"admin-secret\"",
+            log,
+            ..Setup::default()
+        },
+        &format!(
+            "{}{}",
+            route_toml("pay", "pay", &origin, route_extra),
+            route_toml(
+                "resend",
+                "pay",
+                &origin,
+                "in_doubt = \"resend\"\ntimeout_ms = 300"
+            ),
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "pay", "worker-a", Duration::from_secs(60)).await;
+    (origin, fg, a)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn done_key_is_replayed_byte_identical() {
+    let (origin, fg, a) = setup("").await;
+    let first = send(keyed(&fg, "/pay/charge", &a, "charge-1", "amount=5")).await;
+    assert_eq!(first.status, 200);
+    assert!(first.headers.get("x-fencegate-replayed").is_none());
+    let again = send(keyed(&fg, "/pay/charge", &a, "charge-1", "amount=5")).await;
+    assert_eq!(again.status, first.status);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers["x-origin-seq"], first.headers["x-origin-seq"]);
+    assert_eq!(again.headers["content-type"], first.headers["content-type"]);
+    assert_eq!(again.headers["x-fencegate-replayed"], "true");
+    assert_eq!(
+        origin.count(),
+        1,
+        "the retry must not reach the destination"
+    );
+    assert_eq!(
+        origin.log()[0].header("idempotency-key").as_deref(),
+        Some("charge-1")
+    );
+    // Same key, another payload: 422, nothing forwarded.
+    let other = send(keyed(&fg, "/pay/charge", &a, "charge-1", "amount=500")).await;
+    other.assert_error(422, "dedup_key_reused");
+    assert_eq!(origin.count(), 1);
+    // A newer epoch retrying a done key gets the replay: the action already happened.
+    let b = force_next_epoch(&fg.epochs, "pay", "worker-b", Duration::from_secs(60)).await;
+    let r = send(keyed(&fg, "/pay/charge", &b, "charge-1", "amount=5")).await;
+    assert_eq!(r.headers["x-fencegate-replayed"], "true");
+    // Fencing first: the old epoch is refused before its key is looked at.
+    send(keyed(&fg, "/pay/charge", &a, "charge-1", "amount=5"))
+        .await
+        .assert_error(409, "epoch_stale");
+    assert_eq!(origin.count(), 1);
+    assert!(fg.metric_sum("fencegate_dedup_replays_total").await >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_key_is_refused_until_the_first_finishes() {
+    let (origin, fg, a) = setup("").await;
+    let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+        .header("idempotency-key", "k-slow")
+        .header("x-test-hold", "slow")
+        .body(body("p"))
+        .unwrap();
+    let first = tokio::spawn(send(req));
+    origin.wait_for(1).await;
+    let dup = Request::post(fg.url("/pay/x"))
+        .header("x-lease-epoch", a.epoch.get().to_string())
+        .header("x-lease-token", &a.token)
+        .header("idempotency-key", "k-slow")
+        .header("x-test-hold", "slow")
+        .body(body("p"))
+        .unwrap();
+    send(dup).await.assert_error(409, "dedup_in_flight");
+    origin.release("slow");
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(origin.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn derived_key_catches_a_blind_retry_and_none_forwards_both() {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(
+        200,
+        &format!(
+            "{}{}",
+            route_toml("derived", "l", &origin, ""),
+            route_toml("plain", "l", &origin, "derive_key = \"none\""),
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "l", "w", Duration::from_secs(60)).await;
+    assert_eq!(post(&fg, "/derived/x?n=1", &a, "same").await.status, 200);
+    let retry = post(&fg, "/derived/x?n=1", &a, "same").await;
+    assert_eq!(retry.headers["x-fencegate-replayed"], "true");
+    assert_eq!(post(&fg, "/derived/x?n=2", &a, "same").await.status, 200);
+    assert_eq!(origin.count(), 2);
+    let expect = fencegate::dedup::DedupKey::derive("derived", "POST", "/derived/x?n=1", b"same");
+    assert_eq!(
+        origin.log()[0].header("idempotency-key").as_deref(),
+        Some(expect.as_str())
+    );
+    // derive_key = "none": identical repeats are legitimate and both forwarded.
+    assert_eq!(post(&fg, "/plain/x", &a, "same").await.status, 200);
+    assert_eq!(post(&fg, "/plain/x", &a, "same").await.status, 200);
+    let log = origin.log();
+    assert_eq!(log.len(), 4);
+    assert_ne!(
+        log[2].header("idempotency-key"),
+        log[3].header("idempotency-key")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retryable_status_deletes_the_record() {
+    let (origin, fg, a) = setup("").await;
+    let mk = |status: &str| {
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-retry")
+            .header("x-test-status", status)
+            .body(body("p"))
+            .unwrap()
+    };
+    assert_eq!(send(mk("503")).await.status, 503);
+    // The 503 was not recorded: the retry is forwarded, and its 201 is.
+    assert_eq!(send(mk("201")).await.status, 201);
+    let replay = send(mk("201")).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(origin.count(), 2);
+    // A non-retryable error status is a response like any other: kept and replayed.
+    let mk2 = |status: &str| {
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-400")
+            .header("x-test-status", status)
+            .body(body("p"))
+            .unwrap()
+    };
+    assert_eq!(send(mk2("400")).await.status, 400);
+    assert_eq!(
+        send(mk2("400")).await.headers["x-fencegate-replayed"],
+        "true"
+    );
+    assert_eq!(origin.count(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
+    let (origin, fg, a) = setup("timeout_ms = 300").await;
+    // reject (default): the timed-out key is in doubt; a retry is refused.
+    let slow = |path: &str, hold: &str| {
+        worker_req(&fg.url(path), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-doubt")
+            .header("x-test-hold", hold)
+            .body(body("p"))
+            .unwrap()
+    };
+    send(slow("/pay/x", "h1"))
+        .await
+        .assert_error(504, "upstream_timeout");
+    let retry = send(slow("/pay/x", "h1")).await;
+    retry.assert_error(409, "dedup_in_doubt");
+    assert_eq!(origin.count(), 1);
+    let rec = fg.admin_json("/v1/dedup/pay/k-doubt").await;
+    assert_eq!(rec["state"], "in_doubt");
+    // The operator checks the destination and resolves it: not delivered → deleted.
+    let resolve = |outcome: &str, token: Option<&str>| {
+        let mut b = Request::post(fg.admin_url("/v1/dedup/pay/k-doubt/resolve"));
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        b.body(body(&format!("{{\"outcome\": \"{outcome}\"}}")))
+            .unwrap()
+    };
+    assert_eq!(send(resolve("not_delivered", None)).await.status, 401);
+    assert_eq!(
+        send(resolve("not_delivered", Some("wrong"))).await.status,
+        401
+    );
+    assert_eq!(
+        send(resolve("not_delivered", Some("admin-secret")))
+            .await
+            .status,
+        200
+    );
+    origin.release("h1");
+    // resend: the in-doubt key is forwarded again, with the same key.
+    send(slow("/resend/x", "h2"))
+        .await
+        .assert_error(504, "upstream_timeout");
+    origin.release("h2");
+    let again = send(
+        worker_req(&fg.url("/resend/x"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-doubt")
+            .header("x-test-hold", "h2")
+            .body(body("p"))
+            .unwrap(),
+    );
+    // h2 was released before this request arrives; release again for the new holder.
+    let origin2 = origin.clone();
+    let releaser = tokio::spawn(async move {
+        origin2.wait_for(3).await;
+        origin2.release("h2");
+    });
+    assert_eq!(again.await.status, 200);
+    releaser.await.unwrap();
+    let log = origin.log();
+    assert_eq!(log.len(), 3);
+    assert_eq!(
+        log[1].header("idempotency-key"),
+        log[2].header("idempotency-key")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolved_delivered_replays_without_a_body() {
+    let (origin, fg, a) = setup("timeout_ms = 300").await;
+    let req = || {
+        worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-deliv")
+            .header("x-test-hold", "hd")
+            .body(body("p"))
+            .unwrap()
+    };
+    send(req()).await.assert_error(504, "upstream_timeout");
+    let r = send(
+        Request::post(fg.admin_url("/v1/dedup/pay/k-deliv/resolve"))
+            .header("authorization", "Bearer admin-secret")
+            .body(body(r#"{"outcome": "delivered"}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.json());
+    let replay = send(req()).await;
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(replay.headers["x-fencegate-replay-body"], "not-stored");
+    assert_eq!(origin.count(), 1);
+    origin.release("hd");
+}
+
+/// A worker that gives up and hangs up mid-forward must not cut the forward short:
+/// the upstream's answer is still recorded, so the retry is answered from the
+/// record, never repeated and never stuck `in_flight`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hanging_up_does_not_cut_a_forward_short() {
+    let (origin, fg, a) = setup_with_log("", "debug").await;
+    let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
+        .header("idempotency-key", "k-gone")
+        .header("x-test-hold", "gone")
+        .body(body("p"))
+        .unwrap();
+    let client = tokio::spawn(send(req));
+    origin.wait_for(1).await;
+    client.abort(); // the worker hangs up while the origin works
+    assert!(client.await.unwrap_err().is_cancelled());
+    eventually("fencegate saw the connection close", || async {
+        fg.logs.text().contains("connection ended")
+    })
+    .await;
+    origin.release("gone");
+    eventually("the abandoned forward recorded its answer", || async {
+        let r = send(keyed(&fg, "/pay/x", &a, "k-gone", "p")).await;
+        r.headers.get("x-fencegate-replayed").is_some()
+    })
+    .await;
+    assert_eq!(
+        origin.count(),
+        1,
+        "the retry must not reach the destination"
+    );
+}

@@ -1,4 +1,4 @@
-//! Load bench (issue 6): fencegate measured against a bare hyper pass-through and
+//! Load bench: fencegate measured against a bare hyper pass-through and
 //! nginx, in the same run, on loopback.
 //!
 //! Separate processes: a fast origin (100-byte answers) and the bare pass-through

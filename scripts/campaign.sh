@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long fault campaign of issue 5 (tests/it/campaign): the same seeded test as
+# The long fault campaign (tests/it/campaign): the same seeded test as
 # the CI smoke (30 s of faults), run for longer.
 #
 #   scripts/campaign.sh [secs] [seed]      # defaults: 600 s, a random seed

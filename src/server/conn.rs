@@ -253,6 +253,11 @@ where
     F::Output: Send + 'static,
 {
     fn drop(&mut self) {
+        // Dropped while unwinding from a panic inside the future: resuming it
+        // would only panic again ("async fn resumed after panicking").
+        if std::thread::panicking() {
+            return;
+        }
         if let (Some(f), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
             rt.spawn(f);
         }

@@ -1,4 +1,4 @@
-//! SPEC §8 and issue 7: the admin API, metrics, shutdown, TLS, secrets, container.
+//! SPEC §8: the admin API, metrics, shutdown, TLS, secrets, container.
 
 use std::sync::Arc;
 use std::time::Duration;

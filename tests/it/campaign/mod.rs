@@ -1,4 +1,5 @@
-//! Issue 5, "Prove it under failure": a Jepsen-style fault campaign.
+//! A Jepsen-style fault campaign: SPEC §1, §4–§6 checked at the destination under
+//! crashes, pauses, slow origins and short leases.
 //!
 //! Real processes on loopback: the single-threaded moto S3 server, the real
 //! fencegate binary (its data directory kept across restarts), a recording origin

@@ -54,6 +54,13 @@
 //!   a request that is not. 504 `upstream_timeout`/`drain_aborted`, connection
 //!   errors and client timeouts are indeterminate. An unknown fencegate code is a
 //!   violation (the checker must be able to classify every answer).
+//! - **R6 expiry** — no request reaches a running destination more than
+//!   [`EXPIRY_SLACK_NS`] after its epoch's expiry on the store's clock
+//!   (`LastModified + ttl_ms`, the very bound fencegate admits against; SPEC §4).
+//!   A raise that waited in a drain past its expiry must be decided again and
+//!   refused, not forwarded. Exempt: an arrival whose `[expiry, arrival]` overlaps
+//!   a pause of the origin (a stopped origin reads a request late). The slack
+//!   covers a request admitted just before the expiry and forwarded after it.
 //!
 //! The checker is pure: the campaign builds a [`History`] from the logs, and the
 //! unit tests at the bottom build small ones by hand, one per rule broken.
@@ -157,7 +164,15 @@ pub struct History {
     pub epochs: BTreeMap<(String, u64), StoredEpoch>,
     /// route → its `drain_timeout_ms`, in ns (the R1/R2 exemption bound).
     pub drain_timeout_ns: BTreeMap<String, u64>,
+    /// (lease, epoch) → the acquire's expiry on the store's clock, in mono ns (R6).
+    pub expiry_ns: BTreeMap<(String, u64), u64>,
+    /// `[stop, cont]` of each pause of the origin, in mono ns (`cont` 0: never resumed).
+    pub origin_pauses: Vec<(u64, u64)>,
 }
+
+/// R6: how long after its epoch's expiry a forwarded request may still reach a
+/// running destination (admitted just before the expiry, then forwarded).
+pub const EXPIRY_SLACK_NS: u64 = 500_000_000;
 
 #[derive(Debug, Clone)]
 pub struct Violation {
@@ -436,6 +451,32 @@ pub fn check(h: &History) -> Report {
                     entries,
                 );
             }
+        }
+    }
+
+    // R6: nothing arrives well after its epoch's expiry (origin running).
+    for a in &h.arrivals {
+        let (Some(lease), Some(e)) = (h.routes.get(&a.route), a.epoch) else {
+            continue;
+        };
+        let Some(&x) = h.expiry_ns.get(&(lease.clone(), e)) else {
+            continue;
+        };
+        let paused = h
+            .origin_pauses
+            .iter()
+            .any(|&(stop, cont)| stop <= a.arrive && (cont == 0 || cont >= x));
+        if a.arrive > x + EXPIRY_SLACK_NS && !paused {
+            let mut entries = vec![clk.arrival(a)];
+            entries.extend(attempt_of(a).map(|at| clk.attempt(at)));
+            v(
+                "R6 expiry",
+                format!(
+                    "lease {lease}: an epoch-{e} request arrived {:.3}s after the epoch expired",
+                    (a.arrive - x) as f64 / 1e9
+                ),
+                entries,
+            );
         }
     }
 
@@ -814,6 +855,40 @@ mod tests {
         // A route of another lease does not count.
         h.routes.insert("r0b".into(), "l9".into());
         assert_eq!(rules(&check(&h)), vec!["R2 drain"]);
+    }
+
+    /// R6: an arrival past its epoch's expiry (plus the slack) is a violation
+    /// unless the origin was paused in between.
+    #[test]
+    fn r6_nothing_reaches_a_running_origin_well_after_its_epoch_expired() {
+        let mut h = good();
+        // Later on the clock, so that an expiry can lie well before the arrivals.
+        for a in &mut h.attempts {
+            a.invoke += 10_000 * MS;
+            a.complete += 10_000 * MS;
+        }
+        for a in &mut h.arrivals {
+            a.arrive += 10_000 * MS;
+            a.complete = a.complete.map(|c| c + 10_000 * MS);
+        }
+        assert!(check(&h).violations.is_empty());
+        let first = h.arrivals[0].arrive;
+        // Epoch 1 expired just before its first arrival, within the slack: fine.
+        h.expiry_ns
+            .insert(("l0".into(), 1), first - EXPIRY_SLACK_NS / 2);
+        assert!(
+            check(&h).violations.is_empty(),
+            "{:#?}",
+            check(&h).violations
+        );
+        // Well before it: a request forwarded after its epoch expired.
+        h.expiry_ns
+            .insert(("l0".into(), 1), first - EXPIRY_SLACK_NS - MS);
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R6 expiry"], "{:#?}", r.violations);
+        // A pause of the origin in between: it read the request late.
+        h.origin_pauses = vec![(first - 2 * MS, first - MS)];
+        assert!(check(&h).violations.is_empty());
     }
 
     #[test]

@@ -1058,6 +1058,8 @@ async fn fault_campaign() {
         arrivals: read_arrivals(&dir.join("origin.jsonl")),
         epochs,
         drain_timeout_ns,
+        expiry_ns: expiry.clone(),
+        origin_pauses: origin_pauses.clone(),
     };
     let mut tenures = Vec::new();
     for i in 0..n_workers {

@@ -7,12 +7,14 @@
 //!   body). A request header `x-test-hold: NAME` makes it wait until the test calls
 //!   [`Origin::release`]; `x-test-status` and `x-test-body` (or `x-test-size`: that
 //!   many bytes) choose the answer.
+//! - [`postgres::PgServer`]: a real PostgreSQL on a free loopback port.
 //! - [`Gateway`]: what a running fencegate is to a test, whichever harness runs it
 //!   (its URLs, the admin API, metrics).
 
 #![allow(dead_code)]
 
 mod fault_store;
+pub mod postgres;
 
 pub use fault_store::{Fault, FaultStore, Op, Rule};
 

@@ -36,7 +36,7 @@ async fn setup_with_log(route_extra: &str, log: &str) -> (Origin, Fencegate, Hol
     (origin, fg, a)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn done_key_is_replayed_byte_identical() {
     let (origin, fg, a) = setup("").await;
     let first = send(keyed(&fg, "/pay/charge", &a, "charge-1", "amount=5")).await;
@@ -72,8 +72,9 @@ async fn done_key_is_replayed_byte_identical() {
     assert_eq!(origin.count(), 1);
     assert!(fg.metric_sum("fencegate_dedup_replays_total").await >= 2.0);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn in_flight_key_is_refused_until_the_first_finishes() {
     let (origin, fg, a) = setup("").await;
     let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
@@ -95,8 +96,9 @@ async fn in_flight_key_is_refused_until_the_first_finishes() {
     assert_eq!(first.await.unwrap().status, 200);
     assert_eq!(origin.count(), 1);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn derived_key_catches_a_blind_retry_and_none_forwards_both() {
     let origin = Origin::start().await;
     let fg = Fencegate::start(
@@ -129,8 +131,9 @@ async fn derived_key_catches_a_blind_retry_and_none_forwards_both() {
         log[3].header("idempotency-key")
     );
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn retryable_status_deletes_the_record() {
     let (origin, fg, a) = setup("").await;
     let mk = |status: &str| {
@@ -162,8 +165,9 @@ async fn retryable_status_deletes_the_record() {
     );
     assert_eq!(origin.count(), 3);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
     let (origin, fg, a) = setup("timeout_ms = 300").await;
     // reject (default): the timed-out key is in doubt; a retry is refused.
@@ -230,8 +234,9 @@ async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
         log[2].header("idempotency-key")
     );
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn resolved_delivered_replays_without_a_body() {
     let (origin, fg, a) = setup("timeout_ms = 300").await;
     let req = || {
@@ -256,11 +261,12 @@ async fn resolved_delivered_replays_without_a_body() {
     assert_eq!(origin.count(), 1);
     origin.release("hd");
 }
+}
 
+on_both_backends! {
 /// A worker that gives up and hangs up mid-forward must not cut the forward short:
 /// the upstream's answer is still recorded, so the retry is answered from the
 /// record, never repeated and never stuck `in_flight`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_hanging_up_does_not_cut_a_forward_short() {
     let (origin, fg, a) = setup_with_log("", "debug").await;
     let req = worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)
@@ -287,4 +293,5 @@ async fn a_client_hanging_up_does_not_cut_a_forward_short() {
         1,
         "the retry must not reach the destination"
     );
+}
 }

@@ -43,9 +43,9 @@ async fn drains_started(fg: &Fencegate) -> bool {
     fg.metric_sum("fencegate_drains_started_total").await >= 1.0
 }
 
+on_both_backends! {
 /// SPEC §5: a request whose route timeout fired may still be executing at the
 /// destination; a newer epoch waits for it until the drain's own timeout.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_request_keeps_the_drain_waiting_until_the_drain_timeout() {
     let drain = Duration::from_millis(1500);
     let (origin, fg) = setup(60_000, "timeout_ms = 300\ndrain_timeout_ms = 1500").await;
@@ -77,11 +77,12 @@ async fn a_timed_out_request_keeps_the_drain_waiting_until_the_drain_timeout() {
     assert_eq!(fg.metric_sum("fencegate_drains_aborted_total").await, 1.0);
     origin.release("stuck");
 }
+}
 
+on_both_backends! {
 /// SPEC §5/§6: an abort stops writing at once. A's large body is being read
 /// slowly when B's drain times out: the connection is cut, and the destination
 /// never gets A whole — not even after B has completed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abort_stops_writing_the_older_request() {
     const SIZE: usize = 24 << 20;
     let (origin, fg) = setup(
@@ -116,10 +117,11 @@ async fn an_abort_stops_writing_the_older_request() {
     let rec = fg.admin_json(&format!("/v1/dedup/billing/{key}")).await;
     assert_eq!(rec["state"], "in_doubt", "{rec}");
 }
+}
 
+on_both_backends! {
 /// SPEC §4: a raiser's claim is decided again when its drain completes. B waited
 /// behind A for longer than B's own lease: it is refused, never forwarded.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raise_that_outlives_its_epoch_is_refused_when_the_drain_ends() {
     let (origin, fg) = setup(60_000, "drain_timeout_ms = 30000").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
@@ -142,9 +144,10 @@ async fn a_raise_that_outlives_its_epoch_is_refused_when_the_drain_ends() {
         .assert_error(409, "lease_expired");
     assert_eq!(origin.count(), 1, "only A reached the origin");
 }
+}
 
+on_both_backends! {
 /// SPEC §4: the same, when a newer epoch became known while the raise waited.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raise_superseded_while_it_drains_is_refused_when_the_drain_ends() {
     let (origin, fg) = setup(100, "drain_timeout_ms = 30000").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
@@ -168,10 +171,11 @@ async fn a_raise_superseded_while_it_drains_is_refused_when_the_drain_ends() {
     assert_eq!(r.json()["latest_epoch"], c.epoch.get());
     assert_eq!(origin.count(), 1, "only A reached the origin");
 }
+}
 
+on_both_backends! {
 /// SPEC §6: an `in_flight` record never expires into "absent": a retry of a key
 /// still at the destination past the dedup TTL is refused, not sent again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_flight_key_past_the_dedup_ttl_is_not_forwarded_again() {
     let origin = Origin::start().await;
     let fg = Fencegate::start(
@@ -197,4 +201,5 @@ async fn an_in_flight_key_past_the_dedup_ttl_is_not_forwarded_again() {
     origin.release("first");
     assert_eq!(first.await.unwrap().unwrap().status, 200);
     assert_eq!(origin.count(), 1, "the key reached the destination once");
+}
 }

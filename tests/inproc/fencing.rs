@@ -24,7 +24,7 @@ async fn setup(refresh_ms: u64, route_extra: &str) -> (Origin, Fencegate) {
     (origin, fg)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn late_worker_is_refused_and_absent_at_origin() {
     let (origin, fg) = setup(200, "").await;
     let epochs = &fg.epochs;
@@ -53,8 +53,9 @@ async fn late_worker_is_refused_and_absent_at_origin() {
     assert_eq!(late.json()["high_water_mark"], b.epoch.get());
     assert_eq!(bodies(&origin), vec!["A: result v1", "B: result v2"]);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn late_worker_refused_before_the_new_leader_sends_anything() {
     let (origin, fg) = setup(100, "").await;
     let epochs = &fg.epochs;
@@ -74,8 +75,9 @@ async fn late_worker_refused_before_the_new_leader_sends_anything() {
     assert_eq!(bodies(&origin), vec!["A1"]);
     assert_eq!(post(&fg, "/billing/x", &b, "B1").await.status, 200);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn expiry_is_enforced_with_nobody_taking_over() {
     let (origin, fg) = setup(200, "").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
@@ -93,8 +95,9 @@ async fn expiry_is_enforced_with_nobody_taking_over() {
     assert!(r.json()["expired_at"].is_string());
     assert_eq!(bodies(&origin), vec!["in time", "just in time"]);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
     let (origin, fg) = setup(200, "").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
@@ -138,8 +141,9 @@ async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
     let leases = fg.admin_json("/v1/leases").await;
     assert_eq!(leases["leases"][0]["high_water_mark"], a.epoch.get());
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale() {
     let (origin, fg) = setup(100, "").await;
     let epochs = &fg.epochs;
@@ -180,8 +184,9 @@ async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale()
     r.assert_error(403, "epoch_invalid");
     assert_eq!(bodies(&origin), vec!["a1"]);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin() {
     let (origin, fg) = setup(60_000, "").await;
     let epochs = &fg.epochs;
@@ -229,8 +234,9 @@ async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin()
         "A's response was complete before B arrived"
     );
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn drain_timeout_aborts_the_older_request() {
     let (origin, fg) = setup(60_000, "drain_timeout_ms = 300").await;
     let epochs = &fg.epochs;
@@ -259,11 +265,12 @@ async fn drain_timeout_aborts_the_older_request() {
     assert_eq!(log[1].epoch(), Some(b.epoch.get()));
     origin.release("never");
 }
+}
 
+on_both_backends! {
 /// The store is down (every list and read fails before reaching it, as when it
 /// does not answer within its timeout): an epoch fencegate has not validated yet
 /// is refused, one validated from cache is still admitted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn store_unreachable_fails_closed_for_unvalidated_epochs() {
     let (origin, fg) = setup(60_000, "").await;
     let epochs = &fg.epochs;
@@ -282,8 +289,9 @@ async fn store_unreachable_fails_closed_for_unvalidated_epochs() {
     assert_eq!(post(&fg, "/billing/x", &b, "b1").await.status, 200);
     assert_eq!(bodies(&origin), vec!["a1", "a2-cached", "b1"]);
 }
+}
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+on_both_backends! {
 async fn steady_state_requests_make_no_store_calls() {
     let (origin, fg) = setup(60_000, "derive_key = \"none\"").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(60)).await;
@@ -315,4 +323,5 @@ async fn steady_state_requests_make_no_store_calls() {
         "calls the store saw during 200 steady-state requests"
     );
     assert_eq!(origin.count(), 201);
+}
 }

@@ -17,6 +17,9 @@
 //!   the test when the harness is dropped: bad input must never crash anything.
 //! - Stopping: [`Fencegate::stop`] is the graceful shutdown; dropping it abandons
 //!   whatever is still in flight, then shuts down the same way.
+//! - State: sled in the temporary directory, or — inside a test declared with
+//!   [`on_both_backends!`], once per backend — a fresh database on the test run's
+//!   PostgreSQL ([`PgServer::shared`]).
 
 use std::cell::RefCell;
 use std::io::Write;
@@ -33,11 +36,65 @@ use fencegate::lease::dir::DirStore;
 use fencegate::lease::{Epochs, LeaseStore};
 use fencegate::server;
 
+pub use crate::common::postgres::PgServer;
 pub use crate::common::*;
 
 /// The `grace_ms` of the harness's `[store]`: contenders wait this long past an
 /// expiry.
 pub const GRACE: Duration = Duration::from_millis(500);
+
+/// Where marks and dedup records live (`[state]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sled,
+    Postgres,
+}
+
+tokio::task_local! {
+    /// The backend of the test running on this task ([`on_both_backends!`]).
+    pub static BACKEND: Backend;
+}
+
+/// Declares each test twice, `NAME::sled` and `NAME::postgres`: the same body
+/// with the in-process fencegate's state on each backend (the PostgreSQL one
+/// skips, saying why, where no PostgreSQL is installed).
+macro_rules! on_both_backends {
+    ($( $(#[doc = $doc:expr])* async fn $name:ident() { $($body:tt)* } )*) => {$(
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $(#[doc = $doc])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sled() {
+                $crate::support::BACKEND
+                    .scope($crate::support::Backend::Sled, async { $($body)* })
+                    .await
+            }
+            $(#[doc = $doc])*
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                if !$crate::common::postgres::available_or_skip() {
+                    return;
+                }
+                $crate::support::BACKEND
+                    .scope($crate::support::Backend::Postgres, async { $($body)* })
+                    .await
+            }
+        }
+    )*};
+}
+pub(crate) use on_both_backends;
+
+/// The `[state]` section for the running test's backend.
+fn state_section() -> String {
+    match BACKEND.try_with(|b| *b).unwrap_or(Backend::Sled) {
+        Backend::Sled => String::new(),
+        Backend::Postgres => format!(
+            "[state]\nkind = \"postgres\"\nurl = \"{}\"\n",
+            PgServer::shared().database()
+        ),
+    }
+}
 
 /// How one in-process fencegate is set up; the routes and any other sections are
 /// the `rest` argument of [`Fencegate::start_with`].
@@ -98,12 +155,13 @@ impl Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let leases = dir.path().join("leases");
         let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n{}\n\n[store]\nkind = \"dir\"\npath = \"{}\"\nprefix = \"{PREFIX}\"\nrefresh_interval_ms = {}\ngrace_ms = {}\n\n{rest}",
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n{}\n\n[store]\nkind = \"dir\"\npath = \"{}\"\nprefix = \"{PREFIX}\"\nrefresh_interval_ms = {}\ngrace_ms = {}\n\n{}{rest}",
             dir.path().join("state").display(),
             setup.server,
             leases.display(),
             setup.refresh_ms,
             GRACE.as_millis(),
+            state_section(),
         );
         let cfg = Config::parse(&text).unwrap_or_else(|e| panic!("config: {e}\n{text}"));
         cfg.validate()

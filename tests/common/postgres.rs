@@ -1,0 +1,313 @@
+//! A real PostgreSQL for tests: `initdb` into a temporary directory and `postgres`
+//! on a free loopback port, run as the unprivileged `postgres` user when the tests
+//! run as root (the server refuses root). Binaries from Debian's `postgresql`
+//! package (`pg_config --bindir`, else the PATH); `scripts/test.sh` installs it.
+//!
+//! [`PgServer::shared`] is one server per test process, with a fresh database per
+//! call ([`PgServer::database`]); a test that stops, pauses or kills the server
+//! starts its own with [`PgServer::start`]. The server dies with the test process
+//! (parent-death signal) and is killed when dropped.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub struct PgServer {
+    child: Mutex<Option<Child>>,
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    pub port: u16,
+    /// The unprivileged account the server runs as (`None`: this user).
+    account: Option<(u32, u32)>,
+}
+
+/// The folder of PostgreSQL's server binaries, if installed.
+pub fn bindir() -> Option<PathBuf> {
+    let from_pg_config = Command::new("pg_config")
+        .arg("--bindir")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    let candidates = from_pg_config.into_iter().chain(
+        std::fs::read_dir("/usr/lib/postgresql")
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .map(|e| e.path().join("bin")),
+    );
+    candidates
+        .chain(std::iter::once(PathBuf::from("/usr/local/bin")))
+        .find(|d| d.join("initdb").is_file() && d.join("postgres").is_file())
+}
+
+/// Why PostgreSQL tests cannot run here, if they cannot.
+pub fn unavailable() -> Option<String> {
+    if std::env::var_os("FENCEGATE_TEST_NO_POSTGRES").is_some() {
+        return Some("FENCEGATE_TEST_NO_POSTGRES is set".into());
+    }
+    bindir().is_none().then(|| {
+        "no PostgreSQL server binaries (initdb, postgres); scripts/test.sh installs Debian's postgresql package".into()
+    })
+}
+
+/// False, after printing why, when PostgreSQL tests cannot run here: the caller
+/// returns (skips). With `FENCEGATE_TEST_REQUIRE_POSTGRES` set (CI), panics
+/// instead, so that a missing install fails rather than skips.
+pub fn available_or_skip() -> bool {
+    let Some(why) = unavailable() else {
+        return true;
+    };
+    if std::env::var_os("FENCEGATE_TEST_REQUIRE_POSTGRES").is_some() {
+        panic!("PostgreSQL is required here: {why}");
+    }
+    eprintln!("SKIPPED (PostgreSQL): {why}");
+    false
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn postgres_account() -> Option<(u32, u32)> {
+    // Only root needs another account; `id` avoids unsafe code for getuid().
+    let uid = Command::new("id").arg("-u").output().ok()?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        return None;
+    }
+    let id = |flag: &str| -> Option<u32> {
+        let o = Command::new("id").args([flag, "postgres"]).output().ok()?;
+        String::from_utf8_lossy(&o.stdout).trim().parse().ok()
+    };
+    Some((id("-u")?, id("-g")?))
+}
+
+impl PgServer {
+    /// One server for the whole test process.
+    pub fn shared() -> &'static PgServer {
+        static SHARED: OnceLock<PgServer> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            // The parent-death signal fires when the *thread* that spawned the
+            // server exits: start it from one that lives as long as the process.
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(PgServer::start());
+                loop {
+                    std::thread::park();
+                }
+            });
+            rx.recv().expect("starting the shared PostgreSQL")
+        })
+    }
+
+    /// A new server of its own (for tests that stop or kill it).
+    pub fn start() -> PgServer {
+        let bin = bindir().expect("PostgreSQL binaries (see unavailable())");
+        let account = postgres_account();
+        let dir = tempfile::tempdir().expect("tempdir");
+        if let Some((uid, gid)) = account {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown");
+        }
+        let data = dir.path().join("data");
+        let out = Self::command(&bin, "initdb", account)
+            .args(["-D"])
+            .arg(&data)
+            .args(["-A", "trust", "-U", "fg", "--no-sync", "-E", "UTF8"])
+            .output()
+            .expect("running initdb");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let server = PgServer {
+            child: Mutex::new(None),
+            dir,
+            bin,
+            port: free_port(),
+            account,
+        };
+        server.spawn();
+        server
+    }
+
+    fn command(bin: &Path, name: &str, account: Option<(u32, u32)>) -> Command {
+        let mut cmd = Command::new(bin.join(name));
+        if let Some((uid, gid)) = account {
+            cmd.uid(uid).gid(gid);
+        }
+        cmd.env_remove("PGDATA").env("LC_ALL", "C");
+        cmd
+    }
+
+    fn spawn(&self) {
+        let data = self.dir.path().join("data");
+        let mut cmd = Self::command(&self.bin, "postgres", self.account);
+        cmd.arg("-D")
+            .arg(&data)
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(self.dir.path())
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "max_connections=200",
+                "-c",
+                "fsync=on",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // Dies with the thread that spawned it (see `shared`).
+        // SAFETY: prctl is async-signal-safe; nothing else runs in the child.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("starting postgres");
+        *self.child.lock().unwrap() = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = Command::new(self.bin.join("pg_isready"))
+                .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "fg"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "postgres did not become ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.lock().unwrap().as_ref().map_or(0, Child::id)
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.pid() as libc::pid_t, sig);
+        }
+    }
+
+    /// SIGSTOP: the database stops answering, connections stay open.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// kill -9 of the postmaster (its backends exit when they notice), then wait.
+    pub fn kill9(&self) {
+        if let Some(mut c) = self.child.lock().unwrap().take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Backends of a killed postmaster linger until they notice; the next
+        // start waits for the data directory's lock (`postmaster.pid`) to clear.
+    }
+
+    /// Starts again on the same data directory (crash recovery).
+    pub fn restart(&self) {
+        let pidfile = self.dir.path().join("data/postmaster.pid");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut child = self.child.lock().unwrap();
+            if child.is_none() {
+                drop(child);
+                if !pidfile.exists() || Instant::now() > deadline {
+                    let _ = std::fs::remove_file(&pidfile);
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            let _ = child.as_mut().map(|c| c.kill());
+            *child = None;
+        }
+        self.spawn();
+    }
+
+    /// A connection string for `dbname` as the test superuser.
+    pub fn url(&self, dbname: &str) -> String {
+        format!(
+            "host=127.0.0.1 port={} user=fg dbname={dbname} sslmode=disable connect_timeout=5",
+            self.port
+        )
+    }
+
+    /// A fresh, empty database on this server; returns its connection string.
+    pub fn database(&self) -> String {
+        self.new_database().1
+    }
+
+    /// A fresh, empty database: its name and connection string.
+    pub fn new_database(&self) -> (String, String) {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "t{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        self.psql("postgres", &format!("CREATE DATABASE {name}"));
+        let url = self.url(&name);
+        (name, url)
+    }
+
+    /// Runs one SQL command with psql; panics on failure.
+    pub fn psql(&self, dbname: &str, sql: &str) -> String {
+        let out = Command::new(self.bin.join("psql"))
+            .args([
+                "-X",
+                "-q",
+                "-A",
+                "-t",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "fg",
+                "-d",
+                dbname,
+                "-c",
+                sql,
+            ])
+            .output()
+            .expect("running psql");
+        assert!(
+            out.status.success(),
+            "psql {sql:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        self.resume();
+        if let Some(mut c) = self.child.get_mut().unwrap().take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

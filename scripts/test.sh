@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one test command: sets up the S3 test server's venv, builds, runs all tests.
+# The one test command: sets up the S3 test server's venv and PostgreSQL, builds,
+# runs all tests.
 # Extra arguments go to `cargo test`, e.g. `scripts/test.sh fencing -- --nocapture`.
 # The test harness starts `$FENCEGATE_TEST_PYTHON scripts/s3server.py --port 0` per test.
 set -euo pipefail
@@ -9,6 +10,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 FENCEGATE_TEST_PYTHON=$(bash scripts/setup-s3server.sh)
 export FENCEGATE_TEST_PYTHON
+# PostgreSQL for the shared-state tests: installed when missing (root + apt-get);
+# once it is there, its tests must run, not skip.
+if [ "$(bash scripts/setup-postgres.sh)" = yes ]; then
+    export FENCEGATE_TEST_REQUIRE_POSTGRES=1
+fi
 # Same as `-- --test-threads 4`, but leaves "$@" free to carry its own `--`.
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
 

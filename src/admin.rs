@@ -105,8 +105,8 @@ impl Admin {
 
     async fn readyz(&self) -> Response<Full<Bytes>> {
         let mut problems = Vec::new();
-        if !self.shared.state.is_healthy() {
-            problems.push("durable state: the last flush failed".to_owned());
+        if let Err(e) = self.shared.state.check().await {
+            problems.push(format!("state: {e}"));
         }
         let store = self.shared.store.clone();
         let probe = tokio::time::timeout(self.store_timeout, async move {

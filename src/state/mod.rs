@@ -190,8 +190,11 @@ pub trait StateStore: Send + Sync + 'static {
     /// (its writer died mid-request); returns how many. Durable on return.
     async fn recover(&self, owner: Owner, now_ms: u64) -> Result<usize, StateError>;
 
-    /// Whether the last write reached the disk or database (readiness).
+    /// Whether the last write reached the disk or database.
     fn is_healthy(&self) -> bool;
+
+    /// Readiness: the backend can take a write now (the database answers).
+    async fn check(&self) -> Result<(), StateError>;
 
     fn stats(&self) -> CommitStats;
 

@@ -694,6 +694,13 @@ impl StateStore for PostgresState {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    async fn check(&self) -> Result<(), StateError> {
+        self.with("readiness check", |c| async move {
+            c.simple_query("SELECT 1").await.map(drop)
+        })
+        .await
+    }
+
     fn stats(&self) -> CommitStats {
         // Each statement is its own commit; PostgreSQL groups their WAL flushes.
         let n = self.commits.load(Ordering::Relaxed);

@@ -498,6 +498,14 @@ impl StateStore for SledState {
         self.commit.is_healthy()
     }
 
+    async fn check(&self) -> Result<(), StateError> {
+        if self.commit.is_healthy() {
+            Ok(())
+        } else {
+            Err(StateError::Write("the last flush failed".into()))
+        }
+    }
+
     fn stats(&self) -> CommitStats {
         self.commit.stats()
     }

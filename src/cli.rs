@@ -180,7 +180,16 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
         Err(e) => {
             eprintln!("fencegate: {e:#}");
             tracing::error!("{e:#}");
-            ExitCode::from(EXIT_ERROR)
+            // A state backend that cannot be opened as configured (a database
+            // unreachable, a newer schema, synchronous_commit off) is the
+            // operator's to fix, like a bad config file.
+            let config_like = matches!(
+                e.downcast_ref::<crate::server::StartError>(),
+                Some(crate::server::StartError::State(
+                    crate::state::StateError::Open { .. }
+                ))
+            );
+            ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })
         }
     }
 }

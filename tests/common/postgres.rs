@@ -5,8 +5,10 @@
 //!
 //! [`PgServer::shared`] is one server per test process, with a fresh database per
 //! call ([`PgServer::database`]); a test that stops, pauses or kills the server
-//! starts its own with [`PgServer::start`]. The server dies with the test process
-//! (parent-death signal) and is killed when dropped.
+//! starts its own with [`PgServer::start`]: [`PgServer::pause`] and
+//! [`PgServer::kill9`] reach every process of the server (postmaster and
+//! backends), as a frozen or crashed machine would. The server dies with the test
+//! process (parent-death signal) and is killed when dropped.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -197,50 +199,66 @@ impl PgServer {
         self.child.lock().unwrap().as_ref().map_or(0, Child::id)
     }
 
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's pid.
+    fn signal(pid: u32, sig: libc::c_int) {
+        if pid == 0 {
+            return;
+        }
+        // SAFETY: kill(2) on a pid of this server's.
         unsafe {
-            libc::kill(self.pid() as libc::pid_t, sig);
+            libc::kill(pid as libc::pid_t, sig);
         }
     }
 
-    /// SIGSTOP: the database stops answering, connections stay open.
+    /// SIGSTOP of the postmaster and every backend: the database stops answering,
+    /// on open connections as on new ones (which the kernel still accepts).
     pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
+        // The postmaster first, so that it forks no backend we would miss.
+        Self::signal(self.pid(), libc::SIGSTOP);
+        for c in children_of(self.pid()) {
+            Self::signal(c, libc::SIGSTOP);
+        }
     }
 
     pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
+        for c in children_of(self.pid()) {
+            Self::signal(c, libc::SIGCONT);
+        }
+        Self::signal(self.pid(), libc::SIGCONT);
     }
 
-    /// kill -9 of the postmaster (its backends exit when they notice), then wait.
+    /// kill -9 of the whole server at once (postmaster and every backend, as in a
+    /// machine's crash), then waits until none of them runs. Open connections
+    /// break; new ones are refused until [`PgServer::restart`].
     pub fn kill9(&self) {
-        if let Some(mut c) = self.child.lock().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        let Some(mut postmaster) = self.child.lock().unwrap().take() else {
+            return;
+        };
+        Self::signal(postmaster.id(), libc::SIGSTOP);
+        let children = children_of(postmaster.id());
+        for &c in &children {
+            Self::signal(c, libc::SIGKILL);
         }
-        // Backends of a killed postmaster linger until they notice; the next
-        // start waits for the data directory's lock (`postmaster.pid`) to clear.
+        let _ = postmaster.kill();
+        let _ = postmaster.wait();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // Orphans are reparented and reaped elsewhere: gone, or a zombie, is dead.
+        while children
+            .iter()
+            .any(|&c| proc_stat(c).is_some_and(|(state, _)| state != 'Z'))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "postgres backends outlived kill -9"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
-    /// Starts again on the same data directory (crash recovery).
+    /// Starts again on the same data directory (crash recovery): kills what still
+    /// runs first. The stale `postmaster.pid` of a killed server is PostgreSQL's
+    /// to clear (its pid no longer runs).
     pub fn restart(&self) {
-        let pidfile = self.dir.path().join("data/postmaster.pid");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let mut child = self.child.lock().unwrap();
-            if child.is_none() {
-                drop(child);
-                if !pidfile.exists() || Instant::now() > deadline {
-                    let _ = std::fs::remove_file(&pidfile);
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-            let _ = child.as_mut().map(|c| c.kill());
-            *child = None;
-        }
+        self.kill9();
         self.spawn();
     }
 
@@ -302,12 +320,34 @@ impl PgServer {
     }
 }
 
+/// The postmaster's children (backends, checkpointer, WAL writer, …), from
+/// `/proc`: the processes that answer queries on open connections.
+fn children_of(parent: u32) -> Vec<u32> {
+    if parent == 0 {
+        return Vec::new();
+    }
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| proc_stat(pid).is_some_and(|(_, ppid)| ppid == parent))
+        .collect()
+}
+
+/// `(state, ppid)` of a process, from `/proc/PID/stat`.
+fn proc_stat(pid: u32) -> Option<(char, u32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "PID (COMM) STATE PPID …"; COMM may hold spaces and parentheses.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split(' ');
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
 impl Drop for PgServer {
     fn drop(&mut self) {
-        self.resume();
-        if let Some(mut c) = self.child.get_mut().unwrap().take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.kill9();
     }
 }

@@ -7,12 +7,16 @@
 //!   moto: `FENCEGATE_TEST_PYTHON`, or the repository's `.venv`; without either, the
 //!   tests that need it skip with a printed reason ([`skip_without_python!`]).
 //! - [`Fencegate`]: the real `fencegate` binary, started from a written config, with
-//!   kill -9, SIGTERM and restart on the same data directory.
+//!   kill -9, SIGTERM and restart on the same data directory; its state in sled or
+//!   in PostgreSQL ([`Backend`], [`postgres::PgServer`]).
+//! - [`relay::Relay`]: a TCP relay to PostgreSQL that holds bytes and cuts
+//!   connections on the test's word.
 
 #![allow(dead_code)]
 
 #[path = "../../common/mod.rs"]
 mod common;
+pub mod relay;
 
 pub use common::*;
 
@@ -387,4 +391,41 @@ impl Fencegate {
             None => true,
         }
     }
+}
+
+/// Where a fencegate process keeps marks and dedup records (`[state]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sled,
+    Postgres,
+}
+
+impl Backend {
+    /// The `[state]` section: none for sled (the default); for PostgreSQL, a fresh
+    /// database on the test process's shared server.
+    pub fn state_toml(self) -> String {
+        match self {
+            Backend::Sled => String::new(),
+            Backend::Postgres => state_toml(&postgres::PgServer::shared().database(), ""),
+        }
+    }
+}
+
+/// A `[state]` section on PostgreSQL at `url`, with extra lines.
+pub fn state_toml(url: &str, extra: &str) -> String {
+    format!("[state]\nkind = \"postgres\"\nurl = \"{url}\"\n{extra}\n")
+}
+
+/// A `[store]` section on the `dir` lease store at `path` (no Python needed).
+pub fn dir_store_toml(path: &Path) -> String {
+    format!(
+        "[store]\nkind = \"dir\"\npath = \"{}\"\nprefix = \"{PREFIX}\"\nrefresh_interval_ms = 100\ngrace_ms = 200\n",
+        path.display()
+    )
+}
+
+/// The workers' handle on a `dir` lease store.
+pub fn dir_epochs(path: &Path) -> Epochs {
+    let store = fencegate::lease::dir::DirStore::open(path, Arc::new(SystemClock)).unwrap();
+    Epochs::new(Arc::new(store), PREFIX)
 }

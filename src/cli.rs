@@ -183,11 +183,14 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
             // A state backend that cannot be opened as configured (a database
             // unreachable, a newer schema, synchronous_commit off) is the
             // operator's to fix, like a bad config file.
+            use crate::guard::GuardError;
+            use crate::server::StartError;
             let config_like = matches!(
-                e.downcast_ref::<crate::server::StartError>(),
-                Some(crate::server::StartError::State(
-                    crate::state::StateError::Open { .. }
-                ))
+                e.downcast_ref::<StartError>(),
+                Some(
+                    StartError::State(crate::state::StateError::Open { .. })
+                        | StartError::Guard(GuardError::Held { .. } | GuardError::OtherMode { .. })
+                )
             );
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })
         }

@@ -113,6 +113,12 @@ pub struct StoreConfig {
     pub refresh_interval_ms: u64,
     pub grace_ms: u64,
     pub timeout_ms: u64,
+    /// TTL of the instance guard's (and a cluster's) gate leases (SPEC §10).
+    #[serde(with = "humantime_serde_compat")]
+    pub gate_ttl: Duration,
+    /// An instance stops forwarding this long before its gate lease ends.
+    #[serde(with = "humantime_serde_compat")]
+    pub self_fence_margin: Duration,
 }
 
 impl Default for StoreConfig {
@@ -128,6 +134,8 @@ impl Default for StoreConfig {
             refresh_interval_ms: 1000,
             grace_ms: 2000,
             timeout_ms: 2000,
+            gate_ttl: Duration::from_secs(10),
+            self_fence_margin: Duration::from_secs(2),
         }
     }
 }
@@ -429,6 +437,20 @@ impl Config {
         }
         if s.refresh_interval_ms == 0 || s.timeout_ms == 0 {
             return Err("[store] refresh_interval_ms and timeout_ms must be positive".into());
+        }
+        if s.self_fence_margin >= s.gate_ttl {
+            return Err(format!(
+                "[store] self_fence_margin ({}) must be shorter than gate_ttl ({})",
+                humantime::format_duration(s.self_fence_margin),
+                humantime::format_duration(s.gate_ttl)
+            ));
+        }
+        if s.gate_ttl < Duration::from_millis(3 * s.timeout_ms) {
+            return Err(format!(
+                "[store] gate_ttl ({}) must be at least three store call timeouts ({} ms): it is renewed every third of it",
+                humantime::format_duration(s.gate_ttl),
+                3 * s.timeout_ms
+            ));
         }
         if let Some(ep) = &s.endpoint {
             let uri: Uri = ep

@@ -145,6 +145,15 @@ pub struct EpochRecord {
     pub token_sha256: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
+    /// Gate objects only (SPEC §10.2): how peers reach the holder's proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub advertise: Option<String>,
+    /// Gate objects only: `"single"` or `"cluster"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Gate objects only: the shard count of the holder's set-up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<u32>,
 }
 
 impl EpochRecord {
@@ -163,6 +172,9 @@ impl EpochRecord {
             holder: holder.to_owned(),
             token_sha256: Some(TokenHash::of(token).to_hex()),
             ttl_ms: Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
+            advertise: None,
+            mode: None,
+            shards: None,
         }
     }
 
@@ -175,6 +187,9 @@ impl EpochRecord {
             holder: holder.to_owned(),
             token_sha256: None,
             ttl_ms: None,
+            advertise: None,
+            mode: None,
+            shards: None,
         }
     }
 

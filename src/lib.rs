@@ -17,6 +17,7 @@
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
+//! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1).
 //! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 
@@ -36,6 +37,7 @@ pub(crate) mod failpoint;
 pub(crate) mod fence;
 pub mod forward;
 pub mod gate;
+pub mod guard;
 pub mod lease;
 pub(crate) mod lock_order;
 pub mod metrics;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
+use crate::guard::Guard;
 use crate::lease::LeaseStore;
 use crate::state::{Owner, StateStore};
 
@@ -18,6 +19,8 @@ pub struct Shared {
     pub store: Arc<dyn LeaseStore>,
     pub fences: Arc<Fences>,
     pub dedup: Arc<Dedup>,
+    /// The instance guard: forwarding only while it is held (SPEC §10.1).
+    pub guard: Arc<Guard>,
     /// The configured routes' names and leases (dedup records are scoped by route).
     pub routes: Vec<(String, LeaseName)>,
 }

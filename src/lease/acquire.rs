@@ -174,6 +174,25 @@ pub async fn acquire(
     grace: Duration,
     current: Option<(Epoch, &str)>,
 ) -> Result<Holding, AcquireError> {
+    let plain = |_: &mut EpochRecord| {};
+    acquire_with(epochs, lease, holder, ttl, grace, current, false, &plain).await
+}
+
+/// [`acquire`] with two additions for gate leases (SPEC §10): `reclaim_own` takes
+/// a lease whose latest acquire names `holder` at once, expired or not (the same
+/// instance restarted without its token), and `decorate` adds fields to the
+/// object written.
+#[allow(clippy::too_many_arguments)]
+pub async fn acquire_with(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    holder: &str,
+    ttl: Duration,
+    grace: Duration,
+    current: Option<(Epoch, &str)>,
+    reclaim_own: bool,
+    decorate: &(dyn Fn(&mut EpochRecord) + Sync),
+) -> Result<Holding, AcquireError> {
     for _ in 0..MAX_ROUNDS {
         let st = status(epochs, lease).await?;
         let mine = match (current, &st.object) {
@@ -202,7 +221,10 @@ pub async fn acquire(
                     });
                 }
             }
-        } else if !st.is_free(grace) {
+        } else if !(st.is_free(grace)
+            || reclaim_own && st.object.as_ref().and_then(EpochObject::holder) == Some(holder))
+        {
+            // Neither free nor our own tenure to take back (a restart lost its token).
             if let Some(EpochObject::Acquire {
                 holder, expires_at, ..
             }) = &st.object
@@ -223,8 +245,9 @@ pub async fn acquire(
         };
         let token = fresh_token();
         let hash = TokenHash::of(token.as_bytes());
-        let body =
-            Bytes::from(EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl).to_json());
+        let mut record = EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl);
+        decorate(&mut record);
+        let body = Bytes::from(record.to_json());
         let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
         match create_decided(epochs, lease, next, body, ours).await? {
             Created::Won(expires_at) => {

@@ -74,6 +74,7 @@ pub struct Proxy {
     /// Indexes into `routes` by path prefix.
     index: RouteIndex,
     dedup: Arc<Dedup>,
+    guard: Arc<crate::guard::Guard>,
     metrics: Arc<Metrics>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
@@ -90,6 +91,7 @@ impl Proxy {
             routes,
             index,
             dedup: shared.dedup.clone(),
+            guard: shared.guard.clone(),
             metrics,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
@@ -284,6 +286,12 @@ impl Proxy {
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
             return (Err(drain_aborted(route, &pass)), Sent::Nothing);
+        }
+        if !self.guard.may_forward() {
+            // The instance guard could not be renewed in time: another instance
+            // may be serving this store now (SPEC §10.1).
+            let lease = route.fence.lease().clone();
+            return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
         let upstream_started = Instant::now();
         let cancel = async {

@@ -27,6 +27,7 @@ use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::forward::Peer;
+use crate::guard::Guard;
 use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route};
@@ -43,6 +44,8 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Probe(#[from] lease::probe::ProbeError),
+    #[error(transparent)]
+    Guard(#[from] crate::guard::GuardError),
     #[error("route {route}: {message}")]
     Route { route: String, message: String },
     #[error("TLS: {0}")]
@@ -125,6 +128,7 @@ async fn build_on(
         None => lease::open(&cfg.store, clock.clone()).await?,
     };
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
+    let guard = Guard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen)).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
     let recovered = dedup.recover(Owner::SINGLE).await?;
@@ -173,6 +177,7 @@ async fn build_on(
         store,
         fences: fences.clone(),
         dedup: dedup.clone(),
+        guard: guard.clone(),
         routes: cfg
             .routes
             .iter()
@@ -184,6 +189,7 @@ async fn build_on(
     let stop = CancellationToken::new();
     let tasks = vec![
         tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
+        tokio::spawn(guard.run(stop.clone())),
         tokio::spawn(
             dedup
                 .clone()
@@ -310,6 +316,8 @@ impl App {
         for t in self.tasks {
             t.abort();
         }
+        // Nothing is in flight: a successor may start at once.
+        self.shared.guard.release().await;
         self.shared.state.close().await?;
         tracing::info!("stopped; durable state flushed");
         Ok(())

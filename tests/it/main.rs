@@ -13,5 +13,7 @@ mod dir_store;
 mod disk;
 mod edges;
 mod fencing;
+mod guard;
 mod lease_cli;
 mod ops;
+mod postgres;

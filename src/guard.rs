@@ -1,0 +1,251 @@
+//! The instance guard (SPEC §10.1): a single instance holds the gate lease of
+//! shard 0 of a one-shard set-up, `{prefix}.gate/0000/{epoch:020}.json`, for as
+//! long as it serves, so that two instances on one lease store (each with its own
+//! marks and dedup records) cannot both forward.
+//!
+//! - The holder is an instance id generated once and kept in `data_dir`
+//!   (`instance-id`): the same instance restarted after a kill -9 takes its gate
+//!   back at once; an instance with another `data_dir` waits for the expiry plus
+//!   `grace_ms` (on the store's clock, its earliest reading), like any contender,
+//!   and then says loudly that the old instance's dedup records are elsewhere.
+//! - A gate lease held by another live instance, or a live gate object of a
+//!   cluster set-up under the same prefix, stops start-up (exit 2, naming it).
+//! - The lease is renewed every third of `gate_ttl` by creating the next gate
+//!   epoch (SPEC §2's algorithm, read-back of uncertain results included).
+//!   Forwarding is allowed only until `gate_ttl − self_fence_margin` after the
+//!   moment the latest create was *sent* (this instance's monotonic clock, so the
+//!   store's and the local wall clocks do not matter); an instance that cannot
+//!   renew stops forwarding there (503 `shard_unavailable`) and resumes when it
+//!   holds the lease again.
+//! - A graceful stop writes a `release` gate object: a successor starts at once.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::epoch::{EpochObject, EpochRecord, LeaseName};
+use crate::lease::acquire::{self, AcquireError, Holding};
+use crate::lease::{Epochs, LeaseStore, StoreError};
+
+/// The file in `data_dir` that keeps this instance's id.
+pub const ID_FILE: &str = "instance-id";
+
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("another fencegate instance ({holder:?}) holds the instance guard of this lease store and prefix until {}; two instances on one store would each keep their own marks and dedup records. Stop it, or wait until its gate lease ends (plus grace_ms)", crate::clock::rfc3339(*.until))]
+    Held {
+        holder: String,
+        until: std::time::SystemTime,
+    },
+    #[error("a fencegate cluster (mode {mode:?}, {shards} shards, instance {holder:?}) uses this lease store and prefix; a single instance and a cluster never share a prefix")]
+    OtherMode {
+        mode: String,
+        shards: u32,
+        holder: String,
+    },
+    #[error("the instance guard: {0}")]
+    Acquire(#[from] AcquireError),
+    #[error("the instance guard: {0}")]
+    Store(#[from] StoreError),
+    #[error("the instance id in {path}: {detail}")]
+    Id { path: String, detail: String },
+}
+
+pub struct Guard {
+    epochs: Epochs,
+    shard: LeaseName,
+    id: String,
+    advertise: String,
+    ttl: Duration,
+    margin: Duration,
+    grace: Duration,
+    origin: Instant,
+    /// Milliseconds after `origin` until which forwarding is allowed.
+    forward_until_ms: AtomicU64,
+    holding: tokio::sync::Mutex<Option<Holding>>,
+}
+
+/// This instance's id, created once in `data_dir`.
+pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
+    let path = data_dir.join(ID_FILE);
+    let err = |detail: String| GuardError::Id {
+        path: path.display().to_string(),
+        detail,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e.to_string())),
+    }
+    std::fs::create_dir_all(data_dir).map_err(|e| err(e.to_string()))?;
+    let id = format!("fg-{}", &acquire::fresh_token()[..16]);
+    // Written to a temporary name and renamed: never a half-written id.
+    let tmp = data_dir.join(format!("{ID_FILE}.tmp"));
+    std::fs::write(&tmp, format!("{id}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(id)
+}
+
+impl Guard {
+    /// Takes the instance guard at start-up, or says who holds it.
+    pub async fn acquire(
+        cfg: &Config,
+        store: Arc<dyn LeaseStore>,
+        advertise: String,
+    ) -> Result<Arc<Guard>, GuardError> {
+        let id = instance_id(&cfg.server.data_dir)?;
+        let guard = Arc::new(Guard {
+            epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
+            shard: LeaseName::parse("0000").map_err(|e| GuardError::Id {
+                path: "shard".into(),
+                detail: e,
+            })?,
+            id,
+            advertise,
+            ttl: cfg.store.gate_ttl,
+            margin: cfg.store.self_fence_margin,
+            grace: Duration::from_millis(cfg.store.grace_ms),
+            origin: Instant::now(),
+            forward_until_ms: AtomicU64::new(0),
+            holding: tokio::sync::Mutex::new(None),
+        });
+        let before = acquire::status(&guard.epochs, &guard.shard).await?;
+        if let Some(rec) = guard.latest_record(before.latest).await? {
+            let cluster = rec.mode.as_deref() == Some("cluster") || rec.shards.unwrap_or(1) != 1;
+            if cluster && !before.is_free(guard.grace) {
+                return Err(GuardError::OtherMode {
+                    mode: rec.mode.unwrap_or_default(),
+                    shards: rec.shards.unwrap_or(0),
+                    holder: rec.holder,
+                });
+            }
+        }
+        match guard.take(None).await {
+            Ok(()) => {}
+            Err(GuardError::Acquire(AcquireError::Held {
+                holder, expires_at, ..
+            })) => {
+                return Err(GuardError::Held {
+                    holder,
+                    until: expires_at,
+                })
+            }
+            Err(e) => return Err(e),
+        }
+        let previous = before.object.as_ref().and_then(EpochObject::holder);
+        match previous {
+            Some(h) if h != guard.id => tracing::warn!(
+                previous = h,
+                instance = %guard.id,
+                "took over the instance guard from another instance: the marks and dedup records it kept are in its own data_dir (or database), not here; retries of keys it finished are forwarded again unless both share the state"
+            ),
+            _ => tracing::info!(instance = %guard.id, "holding the instance guard"),
+        }
+        Ok(guard)
+    }
+
+    /// The raw record of the latest gate object (for its mode and shard count).
+    async fn latest_record(
+        &self,
+        latest: crate::epoch::Epoch,
+    ) -> Result<Option<EpochRecord>, StoreError> {
+        if latest == crate::epoch::Epoch::NONE {
+            return Ok(None);
+        }
+        let key = crate::epoch::object_key(self.epochs.prefix(), &self.shard, latest);
+        Ok(self
+            .epochs
+            .store()
+            .get(&key)
+            .await?
+            .and_then(|o| serde_json::from_slice(&o.body).ok()))
+    }
+
+    /// Creates the next gate epoch: a renewal of `current`, or an acquire (taking
+    /// back our own at once, anyone else's only when free). Forwarding is then
+    /// allowed until `gate_ttl − self_fence_margin` after the create was sent.
+    async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
+        let sent = Instant::now();
+        let advertise = self.advertise.clone();
+        let decorate = move |r: &mut EpochRecord| {
+            r.advertise = Some(advertise.clone());
+            r.mode = Some("single".into());
+            r.shards = Some(1);
+        };
+        let held = acquire::acquire_with(
+            &self.epochs,
+            &self.shard,
+            &self.id,
+            self.ttl,
+            self.grace,
+            current.map(|h| (h.epoch, h.token.as_str())),
+            current.is_none(),
+            &decorate,
+        )
+        .await?;
+        let until =
+            (sent + self.ttl.saturating_sub(self.margin)).saturating_duration_since(self.origin);
+        self.forward_until_ms.fetch_max(
+            u64::try_from(until.as_millis()).unwrap_or(u64::MAX),
+            Ordering::SeqCst,
+        );
+        *self.holding.lock().await = Some(held);
+        Ok(())
+    }
+
+    /// Whether this instance may start a forward now.
+    pub fn may_forward(&self) -> bool {
+        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+        now < self.forward_until_ms.load(Ordering::SeqCst)
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Renews every third of `gate_ttl` until `stop`; a failed renewal is retried
+    /// every second, taking the lease back (ours) or waiting for it (another's).
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        let mut wait = self.ttl / 3;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+            let current = self.holding.lock().await.clone();
+            let renewed = match self.take(current.as_ref()).await {
+                // Our tenure ended or was taken: acquire afresh.
+                Err(GuardError::Acquire(AcquireError::NotHolder { .. })) => self.take(None).await,
+                other => other,
+            };
+            wait = match renewed {
+                Ok(()) => self.ttl / 3,
+                Err(e) => {
+                    let deadline_passed = !self.may_forward();
+                    tracing::warn!(error = %e, stopped_forwarding = deadline_passed, "could not renew the instance guard; retrying");
+                    Duration::from_secs(1).min(self.ttl / 3)
+                }
+            };
+        }
+    }
+
+    /// Graceful stop: a `release` gate object, so that a successor starts at once.
+    pub async fn release(&self) {
+        let Some(h) = self.holding.lock().await.take() else {
+            return;
+        };
+        self.forward_until_ms.store(0, Ordering::SeqCst);
+        match acquire::release(&self.epochs, &self.shard, &self.id, h.epoch, &h.token).await {
+            Ok(e) => tracing::info!(gate_epoch = %e, "released the instance guard"),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not release the instance guard; a successor waits for its expiry")
+            }
+        }
+    }
+}

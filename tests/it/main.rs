@@ -16,4 +16,3 @@ mod fencing;
 mod guard;
 mod lease_cli;
 mod ops;
-mod postgres;

@@ -16,3 +16,4 @@ mod fencing;
 mod guard;
 mod lease_cli;
 mod ops;
+mod postgres;

@@ -3,13 +3,44 @@
 //!
 //! Separate processes: a fast origin (100-byte answers) and the bare pass-through
 //! are this binary re-executed with `--role`; fencegate is the crate's own binary,
-//! twice — fencing only (`derive_key = "none"`) and durable dedup (the default
-//! `derive_key = "content"`, every body unique); nginx `proxy_pass` when `nginx` is
-//! on the PATH. A closed-loop generator in this process drives each with N
-//! keep-alive connections, interleaving the targets A B C D A B C D… for several
-//! rounds so the VM's drift cancels out of the ratios. Every request carries a valid
-//! epoch and token from the `dir` store. All processes are pinned to one CPU
-//! (NOTES, "Measuring here"); CPU per request is read from /proc/PID/stat.
+//! three times — fencing only (`derive_key = "none"`), durable dedup on sled (the
+//! default `derive_key = "content"`, every body unique) and the same dedup route on
+//! PostgreSQL (`dedup-pg`, below); nginx `proxy_pass` when `nginx` is on the PATH.
+//! A closed-loop generator in this process drives each with N keep-alive
+//! connections, interleaving the targets A B C D A B C D… for several rounds so the
+//! VM's drift cancels out of the ratios. Every request carries a valid epoch and
+//! token from a `dir` store (one per fencegate: each holds its store's instance
+//! guard). All processes are pinned to one CPU (NOTES, "Measuring here"); CPU per
+//! request is read from /proc/PID/stat.
+//!
+//! `dedup-pg` ("fencegate, durable dedup, PostgreSQL"): the same binary and route
+//! as `dedup` with `[state] kind = "postgres"` (default pool size), on a private
+//! PostgreSQL the bench starts with the tests' harness (`tests/common/postgres.rs`:
+//! `initdb` in a temporary directory, `fsync = on`, `synchronous_commit` on, its
+//! own database). Skipped, saying why, where PostgreSQL is not installed
+//! (`FENCEGATE_TEST_REQUIRE_POSTGRES` makes the smoke fail instead, as the tests
+//! do). Besides the usual row it reports PostgreSQL's CPU µs per request — the
+//! postmaster and every process whose parent it is (backends, WAL writer,
+//! checkpointer, autovacuum), utime + stime + cutime + cstime, so backends that
+//! exit inside a window still count; also split by process kind, from the titles
+//! PostgreSQL gives its processes — and from `pg_stat_wal` /
+//! `pg_stat_database`, read over one extra connection at the window's edges:
+//! commits per WAL fsync (PostgreSQL's group commit), WAL bytes per request, and
+//! fencegate's statements per request (its `fencegate_flush_records_total`: on
+//! PostgreSQL every statement is its own commit, one record per statement).
+//! PostgreSQL publishes a backend's statistics at most once a second, so the WAL
+//! figures lag by up to a second at each edge; under steady load both edges lag
+//! alike and the ratios hold, the absolute counts of a short window less so.
+//!
+//! PostgreSQL runs on the same CPU as everything else (it inherits the bench's
+//! affinity). One core is the only setup that gave repeatable numbers here, and it
+//! keeps the rows comparable: every row's req/s is what one core does with the
+//! whole path on it (origin included), so `dedup-pg` pays for its database on the
+//! same core rather than borrowing a second, idle one — other engineers' builds
+//! run on the other cores, which would make an unpinned database's figures depend
+//! on them. The per-process CPU columns separate the two costs: fencegate's CPU
+//! µs/request is what a request costs the gateway's host, PostgreSQL's what it
+//! costs the database's. An fsync wait costs no CPU on either side.
 //!
 //! ```text
 //! cargo bench --bench load                 # full run (~5 min): table + target/bench-load.json
@@ -18,7 +49,7 @@
 //!                                          # connections, epoch changes under load
 //! ```
 //! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
-//! `--only passthrough,fencing,dedup,nginx`, `--cpu N` (pin to CPU N, default 0),
+//! `--only passthrough,fencing,dedup,dedup-pg,nginx`, `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
 //! figures; `BENCH_B_LOG=warn` sets build B's log filter; with `--scaling` it is
@@ -41,6 +72,11 @@ mod procs;
 mod roles;
 #[path = "load/scaling.rs"]
 mod scaling;
+// The tests' PostgreSQL harness, shared rather than copied; the bench uses only
+// part of it.
+#[allow(dead_code)]
+#[path = "../tests/common/postgres.rs"]
+mod pg;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -51,7 +87,7 @@ use hdrhistogram::Histogram;
 use http::Uri;
 use serde_json::{json, Value};
 
-use loadgen::{Creds, MakeReq, Plan};
+use loadgen::{Creds, MakeReq, Plan, Probe};
 use procs::{Proc, RouteSpec};
 
 #[derive(Debug, Clone)]
@@ -231,6 +267,89 @@ struct Target {
     label: String,
     proc_: Proc,
     creds: Creds,
+    /// The database this target's fencegate keeps its state in (`dedup-pg`).
+    db: Option<Db>,
+}
+
+/// What the bench watches of a PostgreSQL server.
+#[derive(Clone)]
+struct Db {
+    /// The postmaster: its tree's CPU is the database's.
+    postmaster: u32,
+    /// [`PG_PROBE`]'s counters, over a connection of the bench's own.
+    probe: Probe,
+}
+
+/// The PostgreSQL counters read at a window's edges, in this order: WAL fsyncs,
+/// WAL writes, WAL records, WAL bytes (the insert position), commits in the bench
+/// database. All cast to float8 (an LSN difference is numeric).
+const PG_PROBE: &str = "SELECT w.wal_sync::float8, w.wal_write::float8, w.wal_records::float8, \
+     (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::float8, d.xact_commit::float8 \
+     FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()";
+
+/// A private PostgreSQL for `dedup-pg`, or why there is none (`Ok(None)` after
+/// printing the reason; an error only if it is installed and fails to start, or is
+/// required and missing).
+async fn start_postgres(args: &Args) -> Result<Option<(pg::PgServer, String, Db)>, String> {
+    if let Some(why) = pg::unavailable() {
+        if args.smoke && std::env::var_os("FENCEGATE_TEST_REQUIRE_POSTGRES").is_some() {
+            return Err(format!("PostgreSQL is required here: {why}"));
+        }
+        eprintln!("bench load: skipping dedup-pg: {why}");
+        return Ok(None);
+    }
+    // The harness asserts on failure; a panic here becomes the bench's error. It
+    // blocks (initdb, readiness polling) while nothing else runs.
+    let (server, url) = std::panic::catch_unwind(|| {
+        let s = pg::PgServer::start();
+        let (_, url) = s.new_database();
+        (s, url)
+    })
+    .map_err(|e| {
+        let msg = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        format!("PostgreSQL did not start: {msg}")
+    })?;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .map_err(|e| format!("bench connection to PostgreSQL: {e}"))?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let client = Arc::new(client);
+    let probe: Probe = Arc::new(move || {
+        let c = client.clone();
+        Box::pin(async move {
+            match c.query_one(PG_PROBE, &[]).await {
+                Ok(row) => (0..5).map(|i| row.get::<_, f64>(i)).collect(),
+                Err(e) => {
+                    eprintln!("bench load: PostgreSQL counters: {e}");
+                    vec![]
+                }
+            }
+        })
+    });
+    let db = Db {
+        postmaster: server.pid(),
+        probe,
+    };
+    Ok(Some((server, url, db)))
+}
+
+/// `postgres --version`, for the report.
+fn postgres_version() -> String {
+    pg::bindir()
+        .and_then(|b| {
+            std::process::Command::new(b.join("postgres"))
+                .arg("--version")
+                .output()
+                .ok()
+        })
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
 }
 
 fn factory(creds: Creds, tag: u64) -> MakeReq {
@@ -248,6 +367,15 @@ struct Sample {
     secs: f64,
     cpu: f64,
     origin_cpu: f64,
+    /// CPU seconds of the target's database (postmaster and children), if any.
+    db_cpu: Option<f64>,
+    /// The same by kind of process (backends, walwriter, checkpointer…).
+    db_parts: BTreeMap<String, f64>,
+    /// [`PG_PROBE`]'s differences over the window, if any.
+    db_probe: Option<Vec<f64>>,
+    /// 2xx answers including the warm-up: what `flush` (read around the whole
+    /// run) is divided by.
+    ok_total: u64,
     errors: u64,
     by_code: BTreeMap<String, u64>,
     first_error: Option<String>,
@@ -262,6 +390,10 @@ impl Sample {
     }
     fn p99(&self) -> f64 {
         self.hist.value_at_quantile(0.99) as f64
+    }
+    fn db_cpu_us(&self) -> f64 {
+        self.db_cpu
+            .map_or(f64::NAN, |c| c * 1e6 / self.ok.max(1) as f64)
     }
 }
 
@@ -280,6 +412,12 @@ async fn main_run(args: &Args) -> Result<(), String> {
     let epochs = procs::store(&store_root)?;
 
     let origin = procs::spawn_role("origin", &["origin"], dir.path(), false)?;
+    // Declared before the targets, so dropped after them: fencegate goes first.
+    let postgres = if args.wants("dedup-pg") {
+        start_postgres(args).await?
+    } else {
+        None
+    };
     let mut targets: Vec<Target> = Vec::new();
     let (fe, ft) = procs::acquire(&epochs, "bench-fencing").await?;
     let fencing_creds = Creds::new(fe, &ft);
@@ -295,6 +433,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 true,
             )?,
             creds: fencing_creds.clone(),
+            db: None,
         });
     }
     // fencegate: this build, and optionally another build for an interleaved A/B
@@ -308,22 +447,39 @@ async fn main_run(args: &Args) -> Result<(), String> {
         for (kind, label, derive_key) in [
             ("fencing", "fencegate, fencing only", "none"),
             ("dedup", "fencegate, durable dedup", "content"),
+            (
+                "dedup-pg",
+                "fencegate, durable dedup, PostgreSQL",
+                "content",
+            ),
         ] {
             let key = format!("{kind}{suffix}");
+            // PostgreSQL: this build only (build B may not know `[state]`).
+            let db = match (kind, suffix.is_empty(), &postgres) {
+                ("dedup-pg", true, Some((_, url, db))) => Some((url, db)),
+                ("dedup-pg", _, _) => continue,
+                _ => None,
+            };
             if !args.wants(kind) && !args.wants(&key) {
                 continue;
             }
-            let lease = format!("bench-{key}");
-            let creds = if key == "fencing" {
-                fencing_creds.clone()
+            let extra = db.map_or(String::new(), |(url, _)| {
+                format!("[state]\nkind = \"postgres\"\nurl = {url:?}\n")
+            });
+            // One lease store per fencegate: a single instance holds its store's
+            // instance guard (SPEC §10.1), so two never share one. `fencing` has the
+            // first store (the epoch-change measurement renews its lease there).
+            let (lease, creds, store) = if key == "fencing" {
+                (
+                    "bench-fencing".to_owned(),
+                    fencing_creds.clone(),
+                    store_root.clone(),
+                )
             } else {
-                let (e, t) = procs::acquire(&epochs, &lease).await?;
-                Creds::new(e, &t)
-            };
-            let lease = if key == "fencing" {
-                "bench-fencing".to_owned()
-            } else {
-                lease
+                let lease = format!("bench-{key}");
+                let store = dir.path().join(format!("leases-{key}"));
+                let (e, t) = procs::acquire(&procs::store(&store)?, &lease).await?;
+                (lease, Creds::new(e, &t), store)
             };
             // `BENCH_B_LOG=warn` runs build B with that log filter (e.g. to see what
             // the per-request span costs at the default `info`).
@@ -343,7 +499,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     exe,
                     &key,
                     dir.path(),
-                    &store_root,
+                    &store,
                     &dir.path().join(format!("state-{key}")),
                     origin.addr,
                     &[RouteSpec {
@@ -352,11 +508,12 @@ async fn main_run(args: &Args) -> Result<(), String> {
                         lease,
                         derive_key,
                     }],
-                    "",
+                    &extra,
                     &envs,
                 )?,
                 key,
                 creds,
+                db: db.map(|(_, d)| d.clone()),
             });
         }
     }
@@ -369,6 +526,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 label: "nginx proxy_pass".into(),
                 proc_: p,
                 creds: fencing_creds.clone(),
+                db: None,
             }),
             Err(e) => eprintln!("bench load: skipping nginx, it did not start: {e}"),
         }
@@ -399,6 +557,8 @@ async fn main_run(args: &Args) -> Result<(), String> {
             measure,
             make: factory(t.creds.clone(), tag),
             pids: vec![t.proc_.pid, origin.pid],
+            trees: t.db.iter().map(|d| d.postmaster).collect(),
+            probe: t.db.as_ref().map(|d| d.probe.clone()),
         }
     };
 
@@ -431,6 +591,10 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     secs: out.secs,
                     cpu: out.cpu[0],
                     origin_cpu: out.cpu[1],
+                    db_cpu: out.tree_cpu.first().map(|m| m.values().sum()),
+                    db_parts: out.tree_cpu.first().cloned().unwrap_or_default(),
+                    db_probe: t.db.as_ref().map(|_| out.probe.clone()),
+                    ok_total: out.counts.ok_total,
                     errors: out.counts.errors,
                     by_code: out.counts.by_code.clone(),
                     first_error: out.counts.first_error.clone(),
@@ -439,12 +603,17 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     flush,
                 };
                 eprintln!(
-                    "  round {round} c={c:<3} {:<12} {:>8.0} req/s  p99 {:>7.2} ms  cpu {:>5.1} µs/req  errors {}",
+                    "  round {round} c={c:<3} {:<12} {:>8.0} req/s  p99 {:>7.2} ms  cpu {:>5.1} µs/req  errors {}{}",
                     t.key,
                     s.rps,
                     s.p99() / 1000.0,
                     s.cpu_us(),
-                    s.errors
+                    s.errors,
+                    if s.db_cpu.is_some() {
+                        format!("  PostgreSQL cpu {:.1} µs/req", s.db_cpu_us())
+                    } else {
+                        String::new()
+                    }
                 );
                 samples.entry((ti, c)).or_default().push(s);
             }
@@ -650,6 +819,109 @@ fn row(ss: &[Sample]) -> Row {
     }
 }
 
+/// The database side of a `dedup-pg` row, over every round.
+struct DbRow {
+    cpu_us: f64,
+    /// CPU µs per request by kind of PostgreSQL process.
+    parts: BTreeMap<String, f64>,
+    statements_per_request: f64,
+    records_per_statement: f64,
+    commits_per_wal_sync: f64,
+    wal_bytes_per_request: f64,
+    wal_records_per_request: f64,
+    /// [`PG_PROBE`]'s sums over the windows.
+    probe: Vec<f64>,
+    /// Paired ratios to sled dedup: req/s, fencegate CPU, fencegate + database CPU.
+    vs_sled: (f64, f64, f64),
+}
+
+impl DbRow {
+    fn json(&self) -> Value {
+        let nan_null = |v: f64| if v.is_finite() { json!(v) } else { Value::Null };
+        json!({
+            "cpu_us_per_request": nan_null(self.cpu_us),
+            "cpu_us_per_request_by_process": self.parts,
+            "statements_per_request": nan_null(self.statements_per_request),
+            "records_per_statement": nan_null(self.records_per_statement),
+            "commits_per_wal_sync": nan_null(self.commits_per_wal_sync),
+            "wal_bytes_per_request": nan_null(self.wal_bytes_per_request),
+            "wal_records_per_request": nan_null(self.wal_records_per_request),
+            "window_totals": {
+                "wal_sync": self.probe.first(), "wal_write": self.probe.get(1),
+                "wal_records": self.probe.get(2), "wal_bytes": self.probe.get(3),
+                "commits": self.probe.get(4),
+            },
+            "vs_sled_dedup": {
+                "rps": nan_null(self.vs_sled.0),
+                "fencegate_cpu": nan_null(self.vs_sled.1),
+                "fencegate_plus_db_cpu": nan_null(self.vs_sled.2),
+            },
+        })
+    }
+}
+
+fn db_row(ss: &[Sample], sled: Option<&Vec<Sample>>) -> DbRow {
+    let ok: u64 = ss.iter().map(|s| s.ok).sum();
+    let ok_total: u64 = ss.iter().map(|s| s.ok_total).sum();
+    let (records, batches) = ss
+        .iter()
+        .filter_map(|s| s.flush)
+        .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    // Only windows whose counters were read at both edges.
+    let probed: Vec<&Sample> = ss
+        .iter()
+        .filter(|s| s.db_probe.as_ref().is_some_and(|p| p.len() == 5))
+        .collect();
+    let mut probe = vec![0.0; 5];
+    for s in &probed {
+        for (t, v) in probe.iter_mut().zip(s.db_probe.iter().flatten()) {
+            *t += v;
+        }
+    }
+    let probed_ok = probed.iter().map(|s| s.ok).sum::<u64>().max(1) as f64;
+    let div = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let vs = |f: &dyn Fn(&Sample) -> f64, g: &dyn Fn(&Sample) -> f64| {
+        let ratios: Vec<f64> = sled
+            .into_iter()
+            .flatten()
+            .filter_map(|y| {
+                let x = ss.iter().find(|x| x.round == y.round)?;
+                Some(f(x) / g(y))
+            })
+            .collect();
+        median(&ratios)
+    };
+    let mut parts = BTreeMap::new();
+    for s in ss {
+        for (k, v) in &s.db_parts {
+            *parts.entry(k.clone()).or_insert(0.0) += v * 1e6 / ok.max(1) as f64;
+        }
+    }
+    DbRow {
+        cpu_us: ss.iter().filter_map(|s| s.db_cpu).sum::<f64>() * 1e6 / ok.max(1) as f64,
+        parts,
+        statements_per_request: div(records, ok_total as f64),
+        records_per_statement: div(records, batches),
+        commits_per_wal_sync: div(probe[4], probe[0]),
+        wal_bytes_per_request: if probed.is_empty() {
+            f64::NAN
+        } else {
+            probe[3] / probed_ok
+        },
+        wal_records_per_request: if probed.is_empty() {
+            f64::NAN
+        } else {
+            probe[2] / probed_ok
+        },
+        probe,
+        vs_sled: (
+            vs(&|s| s.rps, &|s| s.rps),
+            vs(&|s| s.cpu_us(), &|s| s.cpu_us()),
+            vs(&|s| s.cpu_us() + s.db_cpu_us(), &|s| s.cpu_us()),
+        ),
+    }
+}
+
 /// Median over rounds of the paired ratio a/b of one figure (same round, same
 /// concurrency: drift cancels).
 fn paired(a: &[Sample], b: &[Sample], f: impl Fn(&Sample) -> f64) -> f64 {
@@ -661,6 +933,15 @@ fn paired(a: &[Sample], b: &[Sample], f: impl Fn(&Sample) -> f64) -> f64 {
         })
         .collect();
     median(&ratios)
+}
+
+/// `v` with `decimals`, or "–" when there is no figure.
+fn fmt_num(v: f64, decimals: usize) -> String {
+    if v.is_finite() {
+        format!("{v:.decimals$}")
+    } else {
+        "–".into()
+    }
 }
 
 fn fmt_ratio(r: f64) -> String {
@@ -749,9 +1030,11 @@ fn report(
                 "vs_passthrough": {"rps": pr, "cpu": pc, "p99": pp},
                 "vs_nginx": {"rps": nr, "cpu": nc},
                 "flush": flush.map(|(rec, b)| json!({"records": rec, "batches": b, "records_per_flush": rec / b.max(1.0)})),
+                "db": t.db.as_ref().map(|_| db_row(ss, idx("dedup").and_then(|d| samples.get(&(d, c)))).json()),
                 "rounds": ss.iter().map(|s| json!({
                     "round": s.round, "rps": s.rps, "cpu_us_per_request": s.cpu_us(),
                     "p99_us": s.p99(), "errors": s.errors,
+                    "db_cpu_us_per_request": s.db_cpu.map(|_| s.db_cpu_us()),
                 })).collect::<Vec<_>>(),
             }));
         }
@@ -778,6 +1061,70 @@ fn report(
             .collect()
     };
     let mut flush_json = Value::Null;
+    let mut pg_json = Value::Null;
+    if let Some(d) = idx("dedup-pg") {
+        md.push_str(&format!(
+            "\nDurable dedup on PostgreSQL ({}; `[state]` pool_size the default, 16; on the same CPU as everything else):\n\n\
+             | conns | req/s | p50 ms | p99 ms | fencegate CPU µs/req | PostgreSQL CPU µs/req | both µs/req | statements/req | records/statement | commits per WAL fsync | WAL bytes/req | req/s ÷ sled dedup | fencegate CPU ÷ sled dedup | both ÷ sled dedup |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+            postgres_version()
+        ));
+        let mut per_c = serde_json::Map::new();
+        let mut by_process = String::new();
+        for &c in &args.conc {
+            let Some(ss) = samples.get(&(d, c)) else {
+                continue;
+            };
+            let sled = idx("dedup").and_then(|i| samples.get(&(i, c)));
+            let r = row(ss);
+            let db = db_row(ss, sled);
+            md.push_str(&format!(
+                "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} |\n",
+                r.rps,
+                r.p50 / 1e3,
+                r.p99 / 1e3,
+                r.cpu_us,
+                db.cpu_us,
+                r.cpu_us + db.cpu_us,
+                fmt_num(db.statements_per_request, 2),
+                fmt_num(db.records_per_statement, 2),
+                fmt_num(db.commits_per_wal_sync, 1),
+                fmt_num(db.wal_bytes_per_request, 0),
+                fmt_ratio(db.vs_sled.0),
+                fmt_ratio(db.vs_sled.1),
+                fmt_ratio(db.vs_sled.2),
+            ));
+            // Kinds that used (next to) nothing are left out of the line.
+            let mut parts: Vec<(&String, &f64)> =
+                db.parts.iter().filter(|(_, v)| v.abs() >= 0.05).collect();
+            parts.sort_by(|a, b| b.1.total_cmp(a.1));
+            by_process.push_str(&format!(
+                "- c={c}: {}; WAL records/req {}\n",
+                parts
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                fmt_num(db.wal_records_per_request, 1),
+            ));
+            per_c.insert(c.to_string(), db.json());
+        }
+        md.push_str("\nPostgreSQL CPU µs/req by process (backends: fencegate's connections; postmaster: with its exited children):\n");
+        md.push_str(&by_process);
+        md.push_str(
+            "\nPostgreSQL CPU: the postmaster and every process whose parent it is, utime+stime+cutime+cstime ÷ answered requests. \
+             statements/req: fencegate_flush_records_total over the run (warm-up included) ÷ the run's answers; \
+             records/statement: its flush_records ÷ flush_batches (every statement is its own commit). \
+             Commits per WAL fsync and WAL bytes: pg_stat_database.xact_commit, pg_stat_wal.wal_sync and the WAL insert position over the window \
+             (PostgreSQL publishes a backend's counters at most once a second). Ratios to sled dedup: median over rounds within one round.\n",
+        );
+        pg_json = json!({
+            "version": postgres_version(),
+            "pool_size": 16,
+            "pinned": "same CPU as every other process (inherited affinity)",
+            "by_concurrency": Value::Object(per_c),
+        });
+    }
     if let Some(d) = idx("dedup-b") {
         md.push_str("\nBuild B, durable dedup, records per flush:");
         for (c, r) in per_flush(d) {
@@ -887,6 +1234,7 @@ fn report(
         "load_average": {"before": load_before, "after": load_after},
         "results": rows_json,
         "records_per_flush": flush_json,
+        "postgres": pg_json,
         "epoch_change_idle": idle_json,
         "targets": checks,
     });

@@ -1,6 +1,7 @@
 //! The processes a bench runs (origin, pass-through, fencegate, nginx), what the
 //! kernel says about them (/proc), and the lease store they share.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::process::CommandExt;
@@ -306,15 +307,77 @@ pub fn spawn_nginx(nginx: &Path, dir: &Path, origin: SocketAddr) -> Result<Proc,
 
 /// utime + stime of a process (all its threads, live and exited), in seconds.
 pub fn cpu_secs(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
+    stat_of(pid).map_or(0.0, |s| s.own as f64 / clk_tck())
+}
+
+/// What the bench reads from `/proc/PID/stat`, in clock ticks.
+struct Stat {
+    ppid: u32,
+    /// utime + stime.
+    own: u64,
+    /// cutime + cstime: children that exited and were waited for.
+    reaped: u64,
+}
+
+fn stat_of(pid: u32) -> Option<Stat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may contain spaces: fields start after the last ')'.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let rest = stat.rsplit_once(')')?.1;
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    // Field 14 (utime) and 15 (stime) of proc(5); `rest` starts at field 3.
-    (ticks(11) + ticks(12)) as f64 / clk_tck()
+    let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // `rest` starts at field 3 of proc(5): 4 ppid, 14 utime, 15 stime, 16 cutime,
+    // 17 cstime.
+    Some(Stat {
+        ppid: u32::try_from(num(1)).unwrap_or(0),
+        own: num(11) + num(12),
+        reaped: num(13) + num(14),
+    })
+}
+
+/// CPU seconds of a process tree one level deep, by kind — a PostgreSQL
+/// postmaster and every process whose parent it is: each one's utime + stime,
+/// plus cutime + cstime, so a process that exits between two readings still
+/// counts (its time moves into the postmaster's cutime when it is reaped). The
+/// kind is read from the process title PostgreSQL sets (`postgres: walwriter`):
+/// `backends` (client connections: the title names the client's address),
+/// `postmaster` (with its exited children), or the title (`walwriter`,
+/// `checkpointer`, `background writer`, `autovacuum worker`…). Empty if the
+/// process is gone.
+pub fn tree_cpu_secs(root: u32) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some(top) = stat_of(root) else {
+        return out;
+    };
+    let tck = clk_tck();
+    out.insert("postmaster".to_owned(), (top.own + top.reaped) as f64 / tck);
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Some(s) = stat_of(pid).filter(|s| s.ppid == root) {
+                *out.entry(kind_of(pid)).or_default() += (s.own + s.reaped) as f64 / tck;
+            }
+        }
+    }
+    out
+}
+
+/// A PostgreSQL child's kind, from its process title.
+fn kind_of(pid: u32) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let title = String::from_utf8_lossy(&raw).replace('\0', " ");
+    let title = title.trim();
+    let title = title.strip_prefix("postgres: ").unwrap_or(title);
+    if title.contains('(') || title.contains("[local]") {
+        "backends".into()
+    } else if title.starts_with("autovacuum worker") {
+        "autovacuum worker".into()
+    } else if title.is_empty() {
+        "other".into()
+    } else {
+        title.to_owned()
+    }
 }
 
 fn clk_tck() -> f64 {

@@ -259,6 +259,8 @@ async fn leases(
                 measure: measure(args),
                 make: spread(paths.clone(), tag),
                 pids: vec![p.pid],
+                trees: vec![],
+                probe: None,
             })
             .await;
             eprintln!(
@@ -418,6 +420,8 @@ async fn dedup_records(
                 measure: measure(args),
                 make: super::factory(creds.clone(), tag),
                 pids: vec![p.pid],
+                trees: vec![],
+                probe: None,
             })
             .await;
             let after = super::flush_stats(p).await.unwrap_or_default();
@@ -543,6 +547,8 @@ async fn idle(
             },
             make: super::factory(creds.clone(), tag),
             pids: vec![p.pid],
+            trees: vec![],
+            probe: None,
         };
         tag += 1;
         loadgen::run(&busy(tag)).await; // warm-up

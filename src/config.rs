@@ -365,8 +365,19 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Parses TOML. A parse error names the line and what is wrong but never
+    /// quotes the line: it may hold a password (`[state] url`) or a credential
+    /// (`upstream_headers`).
     pub fn parse(text: &str) -> Result<Config, String> {
-        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())
+        toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            match line {
+                Some(n) => format!("line {n}: {}", e.message().trim_end()),
+                None => e.message().trim_end().to_owned(),
+            }
+        })
     }
 
     /// Checks what serde cannot: cross-field rules, URLs, header names, env values.

@@ -41,7 +41,7 @@ pub enum ProxyError {
         epoch: Epoch,
         detail: String,
     },
-    #[error("durable state (sled) cannot be written: {detail}")]
+    #[error("fencegate's state (marks and dedup records) cannot be written: {detail}")]
     StateUnavailable { detail: String },
     #[error("a request with this idempotency key is already in flight")]
     DedupInFlight { key: String },

@@ -312,7 +312,10 @@ impl StateStore for PostgresState {
             })
             .await?;
         match row {
-            Some(_) => Ok(()),
+            Some(_) => {
+                crate::failpoint::hit("mark_flushed");
+                Ok(())
+            }
             None => Err(self
                 .lost_or(
                     owner,
@@ -390,7 +393,10 @@ impl StateStore for PostgresState {
             })
             .await;
         match claimed {
-            Ok(Some(_)) => return Ok(Begun::Claimed),
+            Ok(Some(_)) => {
+                crate::failpoint::hit("dedup_in_flight_flushed");
+                return Ok(Begun::Claimed);
+            }
             Ok(None) => {}
             Err(e) => {
                 self.mark_in_doubt(owner, key, fresh.created_ms).await;
@@ -444,8 +450,18 @@ impl StateStore for PostgresState {
                 })
                 .await;
             match n {
-                Ok(1) => return Ok(Begun::Claimed),
-                Ok(_) => {} // changed under us: look again
+                Ok(1) => {
+                    crate::failpoint::hit("dedup_in_flight_flushed");
+                    return Ok(Begun::Claimed);
+                }
+                Ok(_) => {
+                    // Matched nothing: a newer owner holds the shard, or the record
+                    // changed under us (then look again).
+                    let why = StateError::Write(String::new());
+                    if let e @ StateError::OwnerLost { .. } = self.lost_or(owner, why).await {
+                        return Err(e);
+                    }
+                }
                 Err(e) => {
                     self.mark_in_doubt(owner, key, write.updated_ms).await;
                     return Err(e);

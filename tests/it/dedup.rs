@@ -38,20 +38,15 @@ async fn crash_on_each_durable_boundary(backend: Backend) {
     let (_s3, origin, mut fg, a) = setup(backend).await;
     // Raise the mark first so the failpoints below hit the dedup path.
     assert_eq!(post(&fg, "/pay/warm", &a, "warm").await.status, 200);
-    // (how it dies, reached origin?, what a retry after restart gets). The failpoints
-    // between writing and flushing the `in_flight` record are sled's: PostgreSQL
-    // commits the claim in one statement, with no failpoint after it.
-    let mut cases = vec![
+    // (how it dies, reached origin?, what a retry after restart gets). Every
+    // backend passes `dedup_in_flight_flushed` once the claim is durable (sled's
+    // group commit, PostgreSQL's commit of the claiming statement).
+    let cases = vec![
+        (Crash::At("dedup_in_flight_flushed"), 0, "dedup_in_doubt"),
         (Crash::WhileAtOrigin, 1, "dedup_in_doubt"),
         (Crash::At("dedup_response_before_done"), 1, "dedup_in_doubt"),
         (Crash::At("dedup_done_flushed"), 1, "replayed"),
     ];
-    if backend == Backend::Sled {
-        cases.insert(
-            0,
-            (Crash::At("dedup_in_flight_flushed"), 0, "dedup_in_doubt"),
-        );
-    }
     let mut expected_at_origin = origin.count();
     for (i, (crash, reached, after)) in cases.into_iter().enumerate() {
         let key = format!("crash-{i}");

@@ -232,29 +232,63 @@ impl PostgresState {
         }
     }
 
-    /// Best effort after a write whose outcome is unknown: the key's own
-    /// `in_flight` record (if the write did land, or never changed it) becomes
-    /// `in_doubt`, so a retry is refused rather than forwarded.
-    async fn mark_in_doubt(&self, owner: Owner, key: &RecordKey, now_ms: u64) {
+    /// Best effort after a write whose outcome is unknown: this request's own
+    /// `in_flight` record (the one created at `created_ms`, if the write did land
+    /// or never changed it) becomes `in_doubt`, so a retry is refused rather than
+    /// forwarded.
+    async fn mark_in_doubt(&self, owner: Owner, key: &RecordKey, created_ms: u64, now_ms: u64) {
         let sql = format!(
             "UPDATE fencegate_dedup SET state = 2, updated_ms = $3 \
-             WHERE route = $1 AND key = $2 AND state = 0 AND owner_generation = $5 AND {}",
+             WHERE route = $1 AND key = $2 AND state = 0 AND owner_generation = $5 \
+               AND created_ms = $6 AND {}",
             owner_ok(4, 5)
         );
+        let attempt = move |pool: Pool, sql: String, route: String, k: String| async move {
+            let c = pool.get().await.map_err(|e| e.to_string())?;
+            let st = c.prepare_cached(&sql).await.map_err(|e| e.to_string())?;
+            c.execute(
+                &st,
+                &[
+                    &route,
+                    &k,
+                    &ms(now_ms),
+                    &shard(owner),
+                    &generation(owner),
+                    &ms(created_ms),
+                ],
+            )
+            .await
+            .map_err(|e| e.to_string())
+        };
         let (route, k) = (key.route.clone(), key.key.clone());
-        let res = self
-            .with("marking a key in doubt", |c| async move {
-                let st = c.prepare_cached(&sql).await?;
-                c.execute(
-                    &st,
-                    &[&route, &k, &ms(now_ms), &shard(owner), &generation(owner)],
-                )
-                .await
-            })
-            .await;
-        if let Err(e) = res {
-            tracing::warn!(route = key.route, key = key.key, error = %e, "could not mark a key in doubt after an uncertain write; it stays in flight until a restart makes it in doubt");
+        let first = tokio::time::timeout(
+            self.timeout,
+            attempt(self.pool.clone(), sql.clone(), route.clone(), k.clone()),
+        )
+        .await;
+        if matches!(first, Ok(Ok(_))) {
+            return;
         }
+        // The database is away: keep trying in the background, so that the key is
+        // listed (and resolvable) as in doubt once it answers again, instead of
+        // staying in flight until a restart.
+        tracing::warn!(
+            route,
+            key = k,
+            "could not mark a key in doubt after an uncertain write; retrying in the background"
+        );
+        let (pool, timeout) = (self.pool.clone(), self.timeout);
+        tokio::spawn(async move {
+            for _ in 0..600 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let once = attempt(pool.clone(), sql.clone(), route.clone(), k.clone());
+                if let Ok(Ok(_)) = tokio::time::timeout(timeout, once).await {
+                    tracing::info!(route, key = k, "key marked in doubt");
+                    return;
+                }
+            }
+            tracing::error!(route, key = k, "gave up marking a key in doubt; it stays in flight until a restart makes it in doubt");
+        });
     }
 }
 
@@ -399,7 +433,8 @@ impl StateStore for PostgresState {
             }
             Ok(None) => {}
             Err(e) => {
-                self.mark_in_doubt(owner, key, fresh.created_ms).await;
+                self.mark_in_doubt(owner, key, fresh.created_ms, fresh.created_ms)
+                    .await;
                 return Err(e);
             }
         }
@@ -463,7 +498,8 @@ impl StateStore for PostgresState {
                     }
                 }
                 Err(e) => {
-                    self.mark_in_doubt(owner, key, write.updated_ms).await;
+                    self.mark_in_doubt(owner, key, write.created_ms, write.updated_ms)
+                        .await;
                     return Err(e);
                 }
             }
@@ -480,7 +516,8 @@ impl StateStore for PostgresState {
         );
         let (route, k) = (key.route.clone(), key.key.clone());
         let (sh, gen) = (shard(owner), generation(owner));
-        let mut now = 0;
+        // (created, now) of the record, to mark it in doubt after an uncertain write.
+        let mut mine = None;
         let n = match end {
             End::Delete => {
                 let sql = format!("DELETE FROM fencegate_dedup WHERE {cond}");
@@ -491,7 +528,7 @@ impl StateStore for PostgresState {
                 .await
             }
             End::InDoubt(r) => {
-                now = r.updated_ms;
+                mine = Some((r.created_ms, r.updated_ms));
                 let sql =
                     format!("UPDATE fencegate_dedup SET state = 2, updated_ms = $5 WHERE {cond}");
                 self.with("recording an unknown outcome", |c| async move {
@@ -502,7 +539,7 @@ impl StateStore for PostgresState {
                 .await
             }
             End::Done(r) => {
-                now = r.updated_ms;
+                mine = Some((r.created_ms, r.updated_ms));
                 let sql = format!(
                     "UPDATE fencegate_dedup SET state = 1, updated_ms = $5, status = $6, \
                        header_names = $7, header_values = $8, body = $9 WHERE {cond}"
@@ -552,7 +589,11 @@ impl StateStore for PostgresState {
                 )
                 .await),
             Err(e) => {
-                self.mark_in_doubt(owner, key, now).await;
+                // A failed delete (nothing was sent) leaves the key in flight
+                // until a restart: only a liveness cost.
+                if let Some((created, now)) = mine {
+                    self.mark_in_doubt(owner, key, created, now).await;
+                }
                 Err(e)
             }
         }

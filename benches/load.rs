@@ -52,9 +52,10 @@
 //! `--only passthrough,fencing,dedup,dedup-pg,nginx`, `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
-//! figures; `BENCH_B_LOG=warn` sets build B's log filter; with `--scaling` it is
-//! the build measured instead of this one). `BENCH_WRAP="valgrind
-//! --tool=callgrind"` runs the proxies under a wrapper (profiling).
+//! figures, with a table of A ÷ B ratios paired round by round; `BENCH_B_LOG=warn`
+//! sets build B's log filter; with `--scaling` it is the build measured instead of
+//! this one). `BENCH_WRAP="valgrind --tool=callgrind"` runs the proxies under a
+//! wrapper (profiling).
 //!
 //! Under `cargo test --all-targets` (no `--bench` in argv) it runs a smoke instead:
 //! one short round at c=8, asserting only that every target answered, with zero
@@ -1125,6 +1126,61 @@ fn report(
             "by_concurrency": Value::Object(per_c),
         });
     }
+    // This build (A) against `--fencegate-b` (B), each target with its B twin,
+    // paired round by round.
+    let mut ab_json = Vec::new();
+    let mut ab_md = String::new();
+    for (kind, what) in [("fencing", "fencing only"), ("dedup", "durable dedup")] {
+        let (Some(a), Some(b)) = (idx(kind), idx(&format!("{kind}-b"))) else {
+            continue;
+        };
+        for &c in &args.conc {
+            let (Some(sa), Some(sb)) = (samples.get(&(a, c)), samples.get(&(b, c))) else {
+                continue;
+            };
+            let (ra, rb) = (row(sa), row(sb));
+            let cpu = paired(sa, sb, |s| s.cpu_us());
+            let rps = paired(sa, sb, |s| s.rps);
+            let p99 = paired(sa, sb, |s| s.p99());
+            let rounds: Vec<f64> = sa
+                .iter()
+                .filter_map(|x| {
+                    let y = sb.iter().find(|y| y.round == x.round)?;
+                    Some(x.cpu_us() / y.cpu_us())
+                })
+                .collect();
+            ab_md.push_str(&format!(
+                "| {what} | {c} | {:.1} | {:.1} | {} | {} | {:.0} | {:.0} | {} | {} |\n",
+                ra.cpu_us,
+                rb.cpu_us,
+                fmt_ratio(cpu),
+                rounds
+                    .iter()
+                    .map(|r| fmt_ratio(*r))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                ra.rps,
+                rb.rps,
+                fmt_ratio(rps),
+                fmt_ratio(p99),
+            ));
+            ab_json.push(json!({
+                "target": kind, "concurrency": c,
+                "a_cpu_us_per_request": ra.cpu_us, "b_cpu_us_per_request": rb.cpu_us,
+                "cpu_a_over_b": cpu, "cpu_a_over_b_by_round": rounds,
+                "a_rps": ra.rps, "b_rps": rb.rps, "rps_a_over_b": rps, "p99_a_over_b": p99,
+            }));
+        }
+    }
+    if !ab_md.is_empty() {
+        md.push_str(&format!(
+            "\nA/B: this build (A) against {} (B), interleaved:\n\n\
+             | target | conns | A CPU µs/req | B CPU µs/req | CPU A ÷ B | CPU A ÷ B by round | A req/s | B req/s | req/s A ÷ B | p99 A ÷ B |\n\
+             |---|---:|---:|---:|---:|---|---:|---:|---:|---:|\n{ab_md}\
+             \nA ÷ B: median over rounds of the ratio within one round.\n",
+            args.fencegate_b.as_deref().unwrap_or("build B"),
+        ));
+    }
     if let Some(d) = idx("dedup-b") {
         md.push_str("\nBuild B, durable dedup, records per flush:");
         for (c, r) in per_flush(d) {
@@ -1235,6 +1291,7 @@ fn report(
         "results": rows_json,
         "records_per_flush": flush_json,
         "postgres": pg_json,
+        "a_b": ab_json,
         "epoch_change_idle": idle_json,
         "targets": checks,
     });

@@ -506,3 +506,24 @@ where
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Sends a worker's POST of `payload` to `/billing/x` at `h`'s epoch with extra
+/// headers, in the background (a request a test holds at the origin).
+pub fn spawn_post(
+    fg: &impl Gateway,
+    h: &Holding,
+    headers: &[(&str, &str)],
+    payload: Vec<u8>,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let mut req = worker_req(&fg.url("/billing/x"), h.epoch.get(), &h.token);
+    for (n, v) in headers {
+        req = req.header(*n, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(payload))).unwrap();
+    tokio::spawn(try_send(req))
+}
+
+/// Whether a drain has started on `fg` (its metric).
+pub async fn drains_started(fg: &impl Gateway) -> bool {
+    fg.metric_sum("fencegate_drains_started_total").await >= 1.0
+}

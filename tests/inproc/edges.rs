@@ -22,27 +22,6 @@ async fn setup(refresh_ms: u64, route_extra: &str) -> (Origin, Fencegate) {
     (origin, fg)
 }
 
-/// Sends `payload` at `h`'s epoch with extra headers, in the background.
-fn spawn_post(
-    fg: &Fencegate,
-    h: &fencegate::lease::acquire::Holding,
-    headers: &[(&str, &str)],
-    payload: Vec<u8>,
-) -> tokio::task::JoinHandle<Result<Reply, String>> {
-    let mut req = worker_req(&fg.url("/billing/x"), h.epoch.get(), &h.token);
-    for (n, v) in headers {
-        req = req.header(*n, *v);
-    }
-    let req = req
-        .body(http_body_util::Full::new(bytes::Bytes::from(payload)))
-        .unwrap();
-    tokio::spawn(try_send(req))
-}
-
-async fn drains_started(fg: &Fencegate) -> bool {
-    fg.metric_sum("fencegate_drains_started_total").await >= 1.0
-}
-
 on_both_backends! {
 /// SPEC §5: a request whose route timeout fired may still be executing at the
 /// destination; a newer epoch waits for it until the drain's own timeout.

@@ -27,27 +27,6 @@ async fn setup(
     (s3, origin, fg, epochs)
 }
 
-/// Sends `payload` at `h`'s epoch with extra headers, in the background.
-fn spawn_post(
-    fg: &Fencegate,
-    h: &fencegate::lease::acquire::Holding,
-    headers: &[(&str, &str)],
-    payload: Vec<u8>,
-) -> tokio::task::JoinHandle<Result<Reply, String>> {
-    let mut req = worker_req(&fg.url("/billing/x"), h.epoch.get(), &h.token);
-    for (n, v) in headers {
-        req = req.header(*n, *v);
-    }
-    let req = req
-        .body(http_body_util::Full::new(bytes::Bytes::from(payload)))
-        .unwrap();
-    tokio::spawn(try_send(req))
-}
-
-async fn drains_started(fg: &Fencegate) -> bool {
-    fg.metric_sum("fencegate_drains_started_total").await >= 1.0
-}
-
 /// SPEC §5: a drain interrupted by a crash is not forgotten. Epoch A is at the
 /// destination, B's raise is draining, fencegate is killed: after the restart a
 /// new B request waits out the drain timeout before it is forwarded.

@@ -26,5 +26,7 @@ export DEBIAN_FRONTEND=noninteractive
 # The package starts a cluster of its own by default; the tests never use it.
 mkdir -p /etc/postgresql-common
 [ -f /etc/postgresql-common/createcluster.conf ] || echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.conf
-{ apt-get update -qq && apt-get install -y -qq --no-install-recommends postgresql; } >&2
+# Keep our createcluster.conf without a question (it is one of the package's conffiles).
+{ apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold postgresql; } >&2
 if have; then echo yes; else echo no; fi

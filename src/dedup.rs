@@ -126,6 +126,10 @@ pub enum DedupError {
     InDoubt { key: String },
     #[error("this idempotency key was used for a different request")]
     KeyReused { key: String },
+    /// Delivered, but no response to replay: too large to store, or resolved as
+    /// delivered by an operator (SPEC §6: never an empty 200).
+    #[error("this idempotency key was delivered; its response was not stored")]
+    Done { key: String, status: Option<u16> },
     #[error(transparent)]
     State(#[from] StateError),
 }
@@ -217,14 +221,16 @@ impl Dedup {
             return Err(DedupError::KeyReused { key: k.key });
         }
         match rec.state {
-            State::Done => {
-                self.counters.replays.fetch_add(1, Relaxed);
-                Ok(Begin::Replay(rec.response.unwrap_or(StoredResponse {
-                    status: 200,
-                    headers: Vec::new(),
-                    body: None,
-                })))
-            }
+            State::Done => match rec.response {
+                Some(resp) if resp.body.is_some() => {
+                    self.counters.replays.fetch_add(1, Relaxed);
+                    Ok(Begin::Replay(resp))
+                }
+                other => Err(DedupError::Done {
+                    key: k.key,
+                    status: other.map(|r| r.status),
+                }),
+            },
             State::InFlight => {
                 self.counters.conflicts.fetch_add(1, Relaxed);
                 Err(DedupError::InFlight { key: k.key })
@@ -345,12 +351,6 @@ impl StoredResponse {
             }
         }
         h.insert("x-fencegate-replayed", HeaderValue::from_static("true"));
-        if self.body.is_none() {
-            h.insert(
-                "x-fencegate-replay-body",
-                HeaderValue::from_static("not-stored"),
-            );
-        }
         resp
     }
 }

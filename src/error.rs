@@ -49,6 +49,10 @@ pub enum ProxyError {
     DedupInDoubt { key: String },
     #[error("this idempotency key was used for a different request")]
     DedupKeyReused { key: String },
+    #[error("a request with this idempotency key was delivered; its response was not stored (too large, or resolved as delivered by an operator)")]
+    DedupDone { key: String, status: Option<u16> },
+    #[error("protocol upgrades (WebSocket, h2c) are not proxied")]
+    UpgradeUnsupported,
     #[error("the upstream could not be reached; nothing was sent")]
     UpstreamUnreachable { detail: String },
     #[error("the upstream did not answer in time or the connection failed after the request was sent; the outcome is unknown")]
@@ -163,6 +167,7 @@ impl From<DedupError> for ProxyError {
             DedupError::InFlight { key } => ProxyError::DedupInFlight { key },
             DedupError::InDoubt { key } => ProxyError::DedupInDoubt { key },
             DedupError::KeyReused { key } => ProxyError::DedupKeyReused { key },
+            DedupError::Done { key, status } => ProxyError::DedupDone { key, status },
             DedupError::State(e) => ProxyError::StateUnavailable {
                 detail: e.to_string(),
             },
@@ -221,6 +226,8 @@ impl ProxyError {
             E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
             E::DedupInDoubt { .. } => (StatusCode::CONFLICT, "dedup_in_doubt"),
             E::DedupKeyReused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "dedup_key_reused"),
+            E::DedupDone { .. } => (StatusCode::CONFLICT, "dedup_done"),
+            E::UpgradeUnsupported => (StatusCode::NOT_IMPLEMENTED, "upgrade_unsupported"),
             E::UpstreamUnreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
             E::UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DrainAborted { .. } => (StatusCode::GATEWAY_TIMEOUT, "drain_aborted"),
@@ -251,6 +258,10 @@ impl ProxyError {
             E::DedupInFlight { key } | E::DedupInDoubt { key } | E::DedupKeyReused { key } => {
                 ctx.insert("dedup_key".into(), json!(key));
             }
+            E::DedupDone { key, status } => {
+                ctx.insert("dedup_key".into(), json!(key));
+                ctx.insert("upstream_status".into(), json!(status));
+            }
             E::UpstreamUnreachable { detail }
             | E::UpstreamTimeout { detail }
             | E::StateUnavailable { detail }
@@ -272,6 +283,7 @@ impl ProxyError {
             | E::EpochMalformed(_)
             | E::DedupKeyMalformed(_)
             | E::BodyTimeout
+            | E::UpgradeUnsupported
             | E::ShuttingDown => {}
         }
     }

@@ -177,6 +177,11 @@ impl Proxy {
         seen: &'s mut Seen,
     ) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
+        // SPEC §7: a protocol switch (WebSocket, h2c) is refused, never silently
+        // downgraded to a plain request by stripping its hop-by-hop headers.
+        if parts.headers.contains_key(http::header::UPGRADE) {
+            return Err(ProxyError::UpgradeUnsupported);
+        }
         let epoch = single_header(&parts.headers, &forward::LEASE_EPOCH_NAME)
             .map_err(|_| ProxyError::EpochMalformed("repeated"))?
             .ok_or(ProxyError::EpochMissing)?;
@@ -210,8 +215,15 @@ impl Proxy {
             .path_and_query()
             .map_or(parts.uri.path(), |pq| pq.as_str());
         let method = parts.method.as_str();
+        // SPEC §6: a worker's own key is always honoured; without one, a safe
+        // method is never recorded (a poll must not be answered from an old record).
+        let safe = matches!(
+            parts.method,
+            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+        );
         let (key, record) = match (worker_key, route.derive_key) {
             (Some(k), _) => (k, true),
+            (None, _) if safe => (DedupKey::fresh(), false),
             (None, DeriveKey::Content) => (
                 DedupKey::derive(&route.name, method, path_query, &body),
                 true,

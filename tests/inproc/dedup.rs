@@ -255,9 +255,10 @@ async fn resolved_delivered_replays_without_a_body() {
     )
     .await;
     assert_eq!(r.status, 200, "{:?}", r.json());
-    let replay = send(req()).await;
-    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
-    assert_eq!(replay.headers["x-fencegate-replay-body"], "not-stored");
+    // Delivered, but with no response to replay: never an empty 200.
+    let retry = send(req()).await;
+    retry.assert_error(409, "dedup_done");
+    assert_eq!(retry.json()["upstream_status"], serde_json::Value::Null);
     assert_eq!(origin.count(), 1);
     origin.release("hd");
 }
@@ -293,5 +294,54 @@ async fn a_client_hanging_up_does_not_cut_a_forward_short() {
         1,
         "the retry must not reach the destination"
     );
+}
+}
+
+on_both_backends! {
+/// SPEC §6: a response over `max_replay_bytes` is recorded `done` without its
+/// body and passed on whole; a retry gets 409 `dedup_done` naming the upstream's
+/// status, never an empty 200 that looks like the answer.
+async fn a_response_too_large_to_store_is_delivered_once_and_retried_as_dedup_done() {
+    let (origin, fg, a) = setup("max_replay_bytes = 1000").await;
+    let req = || {
+        worker_req(&fg.url("/pay/big"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k-big")
+            .header("x-test-size", "5000")
+            .header("x-test-status", "201")
+            .body(body("p"))
+            .unwrap()
+    };
+    let first = send(req()).await;
+    assert_eq!((first.status.as_u16(), first.body.len()), (201, 5000));
+    let retry = send(req()).await;
+    retry.assert_error(409, "dedup_done");
+    assert_eq!(retry.json()["upstream_status"], 201);
+    assert_eq!(origin.count(), 1);
+}
+
+/// SPEC §6: without a worker's key, safe methods are never recorded (a poll is
+/// answered by the destination, not by yesterday's record); a worker's own key
+/// is honoured whatever the method.
+async fn safe_methods_without_a_key_are_not_recorded() {
+    let (origin, fg, a) = setup("").await;
+    let get = |key: Option<&str>| {
+        let mut r = Request::get(fg.url("/pay/status?x=1"))
+            .header("x-lease-epoch", a.epoch.get().to_string())
+            .header("x-lease-token", a.token.as_str());
+        if let Some(k) = key {
+            r = r.header("idempotency-key", k);
+        }
+        r.body(body("")).unwrap()
+    };
+    for _ in 0..2 {
+        let r = send(get(None)).await;
+        assert_eq!(r.status, 200);
+        assert!(!r.headers.contains_key("x-fencegate-replayed"));
+    }
+    assert_eq!(origin.count(), 2, "both polls reached the destination");
+    assert_eq!(send(get(Some("poll-1"))).await.status, 200);
+    let again = send(get(Some("poll-1"))).await;
+    assert_eq!(again.headers["x-fencegate-replayed"], "true");
+    assert_eq!(origin.count(), 3);
 }
 }

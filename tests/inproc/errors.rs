@@ -30,6 +30,19 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     .await;
     no_epoch.assert_error(428, "epoch_missing");
 
+    // A protocol switch is refused, not downgraded to a plain request.
+    let upgrade = send(
+        Request::get(&url)
+            .header("x-lease-epoch", e.to_string())
+            .header("x-lease-token", tok)
+            .header("connection", "upgrade")
+            .header("upgrade", "websocket")
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    upgrade.assert_error(501, "upgrade_unsupported");
+
     // (Surrounding spaces are optional whitespace in HTTP and never reach us.)
     for bad in [
         "",

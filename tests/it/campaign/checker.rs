@@ -71,7 +71,7 @@ use std::fmt;
 use sha2::{Digest, Sha256};
 
 /// Fencegate codes that mean the request was not forwarded (SPEC §6, §7).
-pub const NOT_FORWARDED: [&str; 18] = [
+pub const NOT_FORWARDED: [&str; 21] = [
     "route_not_found",
     "epoch_missing",
     "epoch_malformed",
@@ -89,7 +89,10 @@ pub const NOT_FORWARDED: [&str; 18] = [
     "dedup_in_flight",
     "dedup_in_doubt",
     "dedup_key_reused",
+    "dedup_done",
     "upstream_unreachable",
+    "upgrade_unsupported",
+    "shard_unavailable",
 ];
 
 /// Fencegate codes after which the request may or may not be at the destination.

@@ -624,6 +624,12 @@ mod tests {
         Ok(())
     }
 
+    /// A raise to `epoch` that persists at once and notes nothing.
+    async fn raise(g: &Arc<Gate>, epoch: u64, drain: Duration) -> Result<Pass, RaiseError> {
+        let e = Epoch::new(epoch);
+        g.raise(e, drain, admit_if(e), ok, |_| async {}).await
+    }
+
     #[tokio::test(start_paused = true)]
     async fn raise_waits_for_older_passes() {
         let g = Gate::new(Epoch::new(7));
@@ -632,16 +638,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let g2 = g.clone();
-        let raise = tokio::spawn(async move {
-            g2.raise(
-                Epoch::new(8),
-                Duration::from_secs(10),
-                admit_if(Epoch::new(8)),
-                ok,
-                |_| async {},
-            )
-            .await
-        });
+        let raise = tokio::spawn(async move { raise(&g2, 8, Duration::from_secs(10)).await });
         tokio::task::yield_now().await;
         // The barrier is up: new epoch-7 requests are refused while the drain runs.
         assert!(g.try_enter(Epoch::new(7), admit_if(Epoch::new(7))).is_err());
@@ -661,16 +658,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let g2 = g.clone();
-        let raise = tokio::spawn(async move {
-            g2.raise(
-                Epoch::new(2),
-                Duration::from_millis(500),
-                admit_if(Epoch::new(2)),
-                ok,
-                |_| async {},
-            )
-            .await
-        });
+        let raise = tokio::spawn(async move { raise(&g2, 2, Duration::from_millis(500)).await });
         // The holder of the old pass gives up when told to.
         old.aborted().await;
         assert!(old.is_aborted());
@@ -709,30 +697,13 @@ mod tests {
             .try_enter(Epoch::new(4), admit_if(Epoch::new(4)))
             .unwrap()
             .is_some());
-        let p = g
-            .raise(
-                Epoch::new(5),
-                Duration::from_secs(1),
-                admit_if(Epoch::new(5)),
-                ok,
-                |_| async {},
-            )
-            .await
-            .unwrap();
+        let p = raise(&g, 5, Duration::from_secs(1)).await.unwrap();
         assert!(start.elapsed() >= Duration::from_secs(3));
         drop(p);
         // A fresh gate (no mark: nothing can have been forwarded) does not wait.
         let start = tokio::time::Instant::now();
         let g = Gate::restarted(Epoch::NONE, Epoch::NONE, Duration::from_secs(3));
-        g.raise(
-            Epoch::new(1),
-            Duration::from_secs(1),
-            admit_if(Epoch::new(1)),
-            ok,
-            |_| async {},
-        )
-        .await
-        .unwrap();
+        raise(&g, 1, Duration::from_secs(1)).await.unwrap();
         assert_eq!(start.elapsed(), Duration::ZERO);
     }
 
@@ -859,16 +830,7 @@ mod tests {
             .unwrap()
             .unwrap();
         let g2 = g.clone();
-        let raise = tokio::spawn(async move {
-            g2.raise(
-                Epoch::new(2),
-                Duration::from_secs(60),
-                admit_if(Epoch::new(2)),
-                ok,
-                |_| async {},
-            )
-            .await
-        });
+        let raise = tokio::spawn(async move { raise(&g2, 2, Duration::from_secs(60)).await });
         tokio::task::yield_now().await;
         let start = tokio::time::Instant::now();
         let g3 = g.clone();
@@ -893,16 +855,7 @@ mod tests {
         let g = Gate::new(Epoch::new(1));
         let raiser = || {
             let g = g.clone();
-            tokio::spawn(async move {
-                g.raise(
-                    Epoch::new(5),
-                    Duration::from_secs(1),
-                    admit_if(Epoch::new(5)),
-                    ok,
-                    |_| async {},
-                )
-                .await
-            })
+            tokio::spawn(async move { raise(&g, 5, Duration::from_secs(1)).await })
         };
         let (a, b) = (raiser(), raiser());
         let (pa, pb) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());

@@ -201,10 +201,12 @@ impl PostgresState {
             ))),
         };
         self.healthy.store(res.is_ok(), Ordering::Relaxed);
-        if res.is_ok() {
-            self.commits.fetch_add(1, Ordering::Relaxed);
-        }
         res
+    }
+
+    /// Counts a committed write (each statement is its own commit).
+    fn committed(&self) {
+        self.commits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// After a write matched no row: a newer owner generation, or `other`.
@@ -347,6 +349,7 @@ impl StateStore for PostgresState {
             .await?;
         match row {
             Some(_) => {
+                self.committed();
                 crate::failpoint::hit("mark_flushed");
                 Ok(())
             }
@@ -388,7 +391,7 @@ impl StateStore for PostgresState {
             .await
         })
         .await
-        .map(drop)
+        .map(|_| self.committed())
     }
 
     async fn begin(
@@ -428,6 +431,7 @@ impl StateStore for PostgresState {
             .await;
         match claimed {
             Ok(Some(_)) => {
+                self.committed();
                 crate::failpoint::hit("dedup_in_flight_flushed");
                 return Ok(Begun::Claimed);
             }
@@ -486,6 +490,7 @@ impl StateStore for PostgresState {
                 .await;
             match n {
                 Ok(1) => {
+                    self.committed();
                     crate::failpoint::hit("dedup_in_flight_flushed");
                     return Ok(Begun::Claimed);
                 }
@@ -579,7 +584,10 @@ impl StateStore for PostgresState {
             }
         };
         match n {
-            Ok(1) => Ok(()),
+            Ok(1) => {
+                self.committed();
+                Ok(())
+            }
             Ok(_) => Err(self
                 .lost_or(
                     owner,
@@ -646,6 +654,7 @@ impl StateStore for PostgresState {
             })
             .await?;
         if n == 1 {
+            self.committed();
             return Ok(match how {
                 Resolution::Delivered => Resolved::Done,
                 Resolution::NotDelivered => Resolved::Deleted,
@@ -720,6 +729,7 @@ impl StateStore for PostgresState {
                     c.execute(&st, &[&before, &BATCH]).await
                 })
                 .await?;
+            self.committed();
             total += usize::try_from(n).unwrap_or(0);
             if n < BATCH as u64 {
                 return Ok(total);
@@ -744,6 +754,7 @@ impl StateStore for PostgresState {
                 .await
             })
             .await?;
+        self.committed();
         Ok(usize::try_from(n).unwrap_or(usize::MAX))
     }
 

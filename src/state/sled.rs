@@ -520,6 +520,15 @@ mod tests {
     use super::*;
     use crate::state::witness;
 
+    /// Opens the state in `dir`, raises `lease`'s mark to `epoch`, closes it.
+    async fn raise_and_close(dir: &Path, lease: &LeaseName, epoch: u64) {
+        let d = SledState::open(dir).unwrap();
+        d.raise_mark(Owner::SINGLE, lease, Epoch::new(epoch))
+            .await
+            .unwrap();
+        d.close().await.unwrap();
+    }
+
     /// The flusher reads the marks only when they changed; a raise after a commit
     /// that used the cached copy still reaches the witness, and commits without a
     /// raise carry the marks along.
@@ -638,21 +647,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let old = tempfile::tempdir().unwrap();
         let lease = LeaseName::parse("l").unwrap();
-        {
-            let d = SledState::open(dir.path()).unwrap();
-            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(3))
-                .await
-                .unwrap();
-            d.close().await.unwrap();
-        }
+        raise_and_close(dir.path(), &lease, 3).await;
         copy_sled_files(dir.path(), old.path());
-        {
-            let d = SledState::open(dir.path()).unwrap();
-            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(9))
-                .await
-                .unwrap();
-            d.close().await.unwrap();
-        }
+        raise_and_close(dir.path(), &lease, 9).await;
         // sled's files roll back to mark 3 (as a silently dropped log tail would);
         // the witness remembers 9.
         copy_sled_files(old.path(), dir.path());
@@ -669,13 +666,7 @@ mod tests {
     async fn the_witness_must_exist_and_one_damaged_slot_is_survivable() {
         let dir = tempfile::tempdir().unwrap();
         let lease = LeaseName::parse("l").unwrap();
-        {
-            let d = SledState::open(dir.path()).unwrap();
-            d.raise_mark(Owner::SINGLE, &lease, Epoch::new(4))
-                .await
-                .unwrap();
-            d.close().await.unwrap();
-        }
+        raise_and_close(dir.path(), &lease, 4).await;
         let slots: Vec<Vec<u8>> = witness::FILES
             .iter()
             .map(|f| std::fs::read(dir.path().join(f)).unwrap())

@@ -12,22 +12,12 @@ use crate::support::*;
 
 const LEASE: &str = "billing";
 
-async fn setup(refresh_ms: u64, route_extra: &str) -> (Origin, Fencegate) {
-    let origin = Origin::start().await;
-    let fg = Fencegate::start(
-        refresh_ms,
-        &route_toml("billing", LEASE, &origin, route_extra),
-    )
-    .await;
-    (origin, fg)
-}
-
 on_both_backends! {
 /// SPEC §5: a request whose route timeout fired may still be executing at the
 /// destination; a newer epoch waits for it until the drain's own timeout.
 async fn a_timed_out_request_keeps_the_drain_waiting_until_the_drain_timeout() {
     let drain = Duration::from_millis(1500);
-    let (origin, fg) = setup(60_000, "timeout_ms = 300\ndrain_timeout_ms = 1500").await;
+    let (origin, fg) = billing_route(60_000, "timeout_ms = 300\ndrain_timeout_ms = 1500").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let stuck = spawn_post(&fg, &a, &[("x-test-hold", "stuck")], b"A".to_vec());
     origin.wait_for(1).await;
@@ -64,7 +54,7 @@ on_both_backends! {
 /// never gets A whole — not even after B has completed.
 async fn an_abort_stops_writing_the_older_request() {
     const SIZE: usize = 24 << 20;
-    let (origin, fg) = setup(
+    let (origin, fg) = billing_route(
         60_000,
         "drain_timeout_ms = 300\nmax_body_bytes = 33554432\ntimeout_ms = 30000",
     )
@@ -102,7 +92,7 @@ on_both_backends! {
 /// SPEC §4: a raiser's claim is decided again when its drain completes. B waited
 /// behind A for longer than B's own lease: it is refused, never forwarded.
 async fn a_raise_that_outlives_its_epoch_is_refused_when_the_drain_ends() {
-    let (origin, fg) = setup(60_000, "drain_timeout_ms = 30000").await;
+    let (origin, fg) = billing_route(60_000, "drain_timeout_ms = 30000").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let slow = spawn_post(&fg, &a, &[("x-test-hold", "slow-a")], b"A".to_vec());
     origin.wait_for(1).await;
@@ -128,7 +118,7 @@ async fn a_raise_that_outlives_its_epoch_is_refused_when_the_drain_ends() {
 on_both_backends! {
 /// SPEC §4: the same, when a newer epoch became known while the raise waited.
 async fn a_raise_superseded_while_it_drains_is_refused_when_the_drain_ends() {
-    let (origin, fg) = setup(100, "drain_timeout_ms = 30000").await;
+    let (origin, fg) = billing_route(100, "drain_timeout_ms = 30000").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let slow = spawn_post(&fg, &a, &[("x-test-hold", "slow-a")], b"A".to_vec());
     origin.wait_for(1).await;

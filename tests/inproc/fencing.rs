@@ -14,19 +14,9 @@ fn bodies(o: &Origin) -> Vec<String> {
         .collect()
 }
 
-async fn setup(refresh_ms: u64, route_extra: &str) -> (Origin, Fencegate) {
-    let origin = Origin::start().await;
-    let fg = Fencegate::start(
-        refresh_ms,
-        &route_toml("billing", LEASE, &origin, route_extra),
-    )
-    .await;
-    (origin, fg)
-}
-
 on_both_backends! {
 async fn late_worker_is_refused_and_absent_at_origin() {
-    let (origin, fg) = setup(200, "").await;
+    let (origin, fg) = billing_route(200, "").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     post(&fg, "/billing/publish", &a, "A: result v1")
@@ -57,7 +47,7 @@ async fn late_worker_is_refused_and_absent_at_origin() {
 
 on_both_backends! {
 async fn late_worker_refused_before_the_new_leader_sends_anything() {
-    let (origin, fg) = setup(100, "").await;
+    let (origin, fg) = billing_route(100, "").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "A1").await.status, 200);
@@ -79,7 +69,7 @@ async fn late_worker_refused_before_the_new_leader_sends_anything() {
 
 on_both_backends! {
 async fn expiry_is_enforced_with_nobody_taking_over() {
-    let (origin, fg) = setup(200, "").await;
+    let (origin, fg) = billing_route(200, "").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_millis(3500)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "in time").await.status, 200);
     // Just before the end of the tenure on the store's clock: still admitted.
@@ -99,7 +89,7 @@ async fn expiry_is_enforced_with_nobody_taking_over() {
 
 on_both_backends! {
 async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
-    let (origin, fg) = setup(200, "").await;
+    let (origin, fg) = billing_route(200, "").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);
     for forged in [a.epoch.get() + 1, a.epoch.get() + 1000, u64::MAX] {
@@ -145,7 +135,7 @@ async fn forged_future_and_max_epochs_do_not_poison_the_lease() {
 
 on_both_backends! {
 async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale() {
-    let (origin, fg) = setup(100, "").await;
+    let (origin, fg) = billing_route(100, "").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);
@@ -188,7 +178,7 @@ async fn unparsable_and_release_epochs_admit_nothing_but_make_older_ones_stale()
 
 on_both_backends! {
 async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin() {
-    let (origin, fg) = setup(60_000, "").await;
+    let (origin, fg) = billing_route(60_000, "").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let url = fg.url("/billing/x");
@@ -238,7 +228,7 @@ async fn drain_completes_the_older_request_before_the_newer_reaches_the_origin()
 
 on_both_backends! {
 async fn drain_timeout_aborts_the_older_request() {
-    let (origin, fg) = setup(60_000, "drain_timeout_ms = 300").await;
+    let (origin, fg) = billing_route(60_000, "drain_timeout_ms = 300").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let url = fg.url("/billing/x");
@@ -272,7 +262,7 @@ on_both_backends! {
 /// does not answer within its timeout): an epoch fencegate has not validated yet
 /// is refused, one validated from cache is still admitted.
 async fn store_unreachable_fails_closed_for_unvalidated_epochs() {
-    let (origin, fg) = setup(60_000, "").await;
+    let (origin, fg) = billing_route(60_000, "").await;
     let epochs = &fg.epochs;
     let a = acquire(epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);
@@ -293,7 +283,7 @@ async fn store_unreachable_fails_closed_for_unvalidated_epochs() {
 
 on_both_backends! {
 async fn steady_state_requests_make_no_store_calls() {
-    let (origin, fg) = setup(60_000, "derive_key = \"none\"").await;
+    let (origin, fg) = billing_route(60_000, "derive_key = \"none\"").await;
     let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(60)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "warm-up").await.status, 200);
     let before = fg.metric_sum("fencegate_store_calls_total").await;

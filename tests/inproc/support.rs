@@ -380,3 +380,15 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
         self.clone()
     }
 }
+
+/// A recording origin and an in-process fencegate with one route, `/billing/` on
+/// lease `billing` (`route_extra`: more keys of that route).
+pub async fn billing_route(refresh_ms: u64, route_extra: &str) -> (Origin, Fencegate) {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(
+        refresh_ms,
+        &route_toml("billing", "billing", &origin, route_extra),
+    )
+    .await;
+    (origin, fg)
+}

@@ -12,21 +12,6 @@ use crate::support::*;
 
 const LEASE: &str = "billing";
 
-async fn setup(
-    refresh_ms: u64,
-    route_extra: &str,
-) -> (S3Server, Origin, Fencegate, fencegate::lease::Epochs) {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = Fencegate::start(&format!(
-        "{}{}",
-        s3.store_toml(refresh_ms),
-        route_toml("billing", LEASE, &origin, route_extra)
-    ));
-    let epochs = s3.epochs().await;
-    (s3, origin, fg, epochs)
-}
-
 /// SPEC §5: a drain interrupted by a crash is not forgotten. Epoch A is at the
 /// destination, B's raise is draining, fencegate is killed: after the restart a
 /// new B request waits out the drain timeout before it is forwarded.
@@ -34,7 +19,7 @@ async fn setup(
 async fn a_crash_mid_drain_keeps_the_newer_epoch_out_until_the_drain_timeout() {
     skip_without_python!();
     let drain = Duration::from_millis(1500);
-    let (_s3, origin, mut fg, epochs) = setup(60_000, "drain_timeout_ms = 1500").await;
+    let (_s3, origin, mut fg, epochs) = billing_route(60_000, "drain_timeout_ms = 1500").await;
     let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     let slow = spawn_post(&fg, &a, &[("x-test-hold", "slow-a")], b"A".to_vec());
     origin.wait_for(1).await;

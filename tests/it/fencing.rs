@@ -14,25 +14,10 @@ fn bodies(o: &Origin) -> Vec<String> {
         .collect()
 }
 
-async fn setup(
-    refresh_ms: u64,
-    route_extra: &str,
-) -> (S3Server, Origin, Fencegate, fencegate::lease::Epochs) {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = Fencegate::start(&format!(
-        "{}{}",
-        s3.store_toml(refresh_ms),
-        route_toml("billing", LEASE, &origin, route_extra)
-    ));
-    let epochs = s3.epochs().await;
-    (s3, origin, fg, epochs)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mark_survives_kill_9_and_does_not_depend_on_old_objects() {
     skip_without_python!();
-    let (_s3, origin, mut fg, epochs) = setup(200, "").await;
+    let (_s3, origin, mut fg, epochs) = billing_route(200, "").await;
     let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
     assert_eq!(post(&fg, "/billing/x", &a, "a1").await.status, 200);
     let b = force_next_epoch(&epochs, LEASE, "worker-b", Duration::from_secs(30)).await;

@@ -429,3 +429,20 @@ pub fn dir_epochs(path: &Path) -> Epochs {
     let store = fencegate::lease::dir::DirStore::open(path, Arc::new(SystemClock)).unwrap();
     Epochs::new(Arc::new(store), PREFIX)
 }
+
+/// A test S3 server, a recording origin and a fencegate process with one route,
+/// `/billing/` on lease `billing` (`route_extra`: more keys of that route).
+pub async fn billing_route(
+    refresh_ms: u64,
+    route_extra: &str,
+) -> (S3Server, Origin, Fencegate, fencegate::lease::Epochs) {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&format!(
+        "{}{}",
+        s3.store_toml(refresh_ms),
+        route_toml("billing", "billing", &origin, route_extra)
+    ));
+    let epochs = s3.epochs().await;
+    (s3, origin, fg, epochs)
+}

@@ -215,7 +215,12 @@ impl Admin {
             Resolved::Missing => return Err(AdminError::RecordNotFound),
             Resolved::NotInDoubt(s) => return Err(AdminError::NotInDoubt(s)),
         };
-        tracing::info!(route, key = k.as_str(), outcome = ?how, "operator resolved an in-doubt dedup key");
+        tracing::info!(
+            route,
+            key = k.as_str(),
+            outcome = how.as_str(),
+            "operator resolved an in-doubt dedup key"
+        );
         Ok(json_response(
             StatusCode::OK,
             json!({"route": route, "key": k.as_str(), "state": state}),

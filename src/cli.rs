@@ -218,7 +218,13 @@ fn init_tracing_with(format: LogFormat, default_filter: &str) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
     let _ = match format {
-        LogFormat::Json => b.json().try_init(),
+        // Flat: the event's fields beside timestamp, level and target (SPEC §8).
+        LogFormat::Json => b
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .try_init(),
         LogFormat::Human => b
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .try_init(),

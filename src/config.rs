@@ -56,6 +56,8 @@ pub struct ServerConfig {
     pub header_read_timeout_ms: u64,
     /// `human` or `json`.
     pub log_format: LogFormat,
+    /// One line per request at info (target `fencegate::access`), SPEC §8.
+    pub access_log: bool,
     /// TLS on the proxy listener (HTTP/1.1 and HTTP/2 via ALPN).
     pub tls: Option<TlsConfig>,
 }
@@ -79,6 +81,7 @@ impl Default for ServerConfig {
             max_connections: 20_000,
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
+            access_log: true,
             tls: None,
         }
     }

@@ -249,6 +249,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// per connection rather than formatted again for every request on it.
 #[derive(Debug, Clone)]
 pub struct Peer {
+    /// The client's address, for the access log.
+    pub addr: SocketAddr,
     /// The client's IP, as appended to `X-Forwarded-For`.
     ip: HeaderValue,
     /// `for=...;proto=...`, the start of this hop's `Forwarded` element.
@@ -265,6 +267,7 @@ impl Peer {
             format!("for={ip};proto={proto}")
         };
         Peer {
+            addr,
             // An IP address is always a valid header value.
             ip: HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")),
             forwarded,

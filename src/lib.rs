@@ -12,7 +12,8 @@
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
 //! - [`forward`] — the pooled upstream client and header hygiene (SPEC §3).
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
-//! - [`proxy`] — the request path tying the above together.
+//! - [`proxy`] — the request path tying the above together; [`access`] — its
+//!   access log line and request id.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the
 //!   admin API and the metrics collector.
@@ -23,6 +24,7 @@
 
 #![forbid(unsafe_code)]
 
+pub(crate) mod access;
 pub(crate) mod admin;
 pub mod admission;
 pub mod cli;

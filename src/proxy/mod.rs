@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{Method, Request, Response};
+use http::{HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use prometheus_client::metrics::counter::Counter;
@@ -14,6 +14,7 @@ mod routes;
 
 use routes::RouteIndex;
 
+use crate::access::{self, Seen};
 use crate::admission::Claim;
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
@@ -78,10 +79,17 @@ pub struct Proxy {
     metrics: Arc<Metrics>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
+    /// `[server] access_log`.
+    access_log: bool,
 }
 
 impl Proxy {
-    pub fn new(mut routes: Vec<Route>, shared: &Shared, metrics: Arc<Metrics>) -> Proxy {
+    pub fn new(
+        mut routes: Vec<Route>,
+        shared: &Shared,
+        metrics: Arc<Metrics>,
+        access_log: bool,
+    ) -> Proxy {
         routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
         for r in &mut routes {
             r.forwarded = metrics.request_counter(&r.name, "forwarded", "");
@@ -94,6 +102,7 @@ impl Proxy {
             guard: shared.guard.clone(),
             metrics,
             abandon: tokio_util::sync::CancellationToken::new(),
+            access_log,
         }
     }
 
@@ -119,54 +128,59 @@ impl Proxy {
     /// never be left half-done.
     ///
     /// No tracing span per request: creating and recording one cost ~5% of a
-    /// forwarded request's CPU. The final event carries the request's fields.
+    /// forwarded request's CPU. The access line carries the request's fields.
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: Arc<Peer>,
     ) -> Response<Full<Bytes>> {
         let started = Instant::now();
-        let Some(route) = self.route_for(req.method(), req.uri().path()) else {
-            self.metrics.request("", "refused", "route_not_found");
-            tracing::info!(path = %req.uri().path(), method = %req.method(), "route_not_found");
-            return ProxyError::RouteNotFound.to_response();
-        };
+        let request_id = access::request_id(req.headers_mut());
+        let method = req.method().clone();
+        let uri = req.uri().clone();
         let mut seen = Seen::default();
-        match self.serve(route, req, &peer, &mut seen).await {
-            Ok((resp, outcome)) => {
-                if outcome == "forwarded" {
-                    route.forwarded.inc();
-                } else {
-                    self.metrics.request(&route.name, outcome, "");
+        let route = self.route_for(&method, uri.path());
+        let (mut resp, outcome, code) = match route {
+            None => {
+                self.metrics.request("", "refused", "route_not_found");
+                let e = ProxyError::RouteNotFound;
+                (e.to_response(), "refused", Some(e.code()))
+            }
+            Some(route) => match self.serve(route, req, &peer, &mut seen, &request_id).await {
+                Ok((resp, outcome)) => {
+                    if outcome == "forwarded" {
+                        route.forwarded.inc();
+                    } else {
+                        self.metrics.request(&route.name, outcome, "");
+                    }
+                    (resp, outcome, None)
                 }
-                tracing::debug!(
-                    route = %route.name,
-                    lease = %route.fence.lease(),
-                    epoch = seen.epoch,
-                    key = seen.key.as_ref().map(DedupKey::as_str),
-                    status = resp.status().as_u16(),
-                    outcome,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "done"
-                );
-                resp
+                Err(e) => {
+                    let code = e.code();
+                    self.metrics.request(&route.name, "refused", code);
+                    tracing::debug!(route = %route.name, code, reason = %e, "refused");
+                    (e.to_response(), "refused", Some(code))
+                }
+            },
+        };
+        if self.access_log {
+            access::Line {
+                method: &method,
+                path: uri.path(),
+                route: route.map(|r| r.name.as_str()),
+                lease: route.map(|r| r.fence.lease().as_str()),
+                status: resp.status().as_u16(),
+                outcome,
+                code,
+                seen: &seen,
+                client: peer.addr,
+                request_id: &request_id,
+                elapsed: started.elapsed(),
             }
-            Err(e) => {
-                let code = e.code();
-                self.metrics.request(&route.name, "refused", code);
-                tracing::info!(
-                    route = %route.name,
-                    lease = %route.fence.lease(),
-                    epoch = seen.epoch,
-                    key = seen.key.as_ref().map(DedupKey::as_str),
-                    code,
-                    reason = %e,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "refused"
-                );
-                e.to_response()
-            }
+            .emit();
         }
+        resp.headers_mut().insert(access::REQUEST_ID, request_id);
+        resp
     }
 
     async fn serve<'s>(
@@ -175,6 +189,7 @@ impl Proxy {
         req: Request<Incoming>,
         peer: &Peer,
         seen: &'s mut Seen,
+        request_id: &HeaderValue,
     ) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
         // SPEC §7: a protocol switch (WebSocket, h2c) is refused, never silently
@@ -253,7 +268,20 @@ impl Proxy {
         } else {
             None
         };
-        let (result, sent) = self.forward(route, parts, body, peer, key, pass).await;
+        let (result, sent) = self
+            .forward(
+                route,
+                parts,
+                body,
+                peer,
+                pass,
+                Trace {
+                    key,
+                    request_id,
+                    upstream_time: &mut seen.upstream,
+                },
+            )
+            .await;
         // The key's record follows from how the forward ended, in one place.
         if let Some(t) = ticket {
             let outcome = match (&result, sent) {
@@ -281,8 +309,12 @@ impl Proxy {
         parts: http::request::Parts,
         body: Bytes,
         peer: &Peer,
-        key: &DedupKey,
         pass: Pass,
+        Trace {
+            key,
+            request_id,
+            upstream_time,
+        }: Trace<'_>,
     ) -> (Result<forward::UpstreamResponse, ProxyError>, Sent) {
         // Built only once the request will really be forwarded (not for a replay).
         let upstream_req =
@@ -306,6 +338,8 @@ impl Proxy {
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
         let upstream_started = Instant::now();
+        // Kept for the failure log: the request itself is consumed by the send.
+        let upstream_uri = upstream_req.uri().clone();
         let cancel = async {
             tokio::select! {
                 _ = pass.aborted() => "drain aborted",
@@ -331,10 +365,23 @@ impl Proxy {
         } else {
             drop(pass);
         }
-        self.metrics.upstream_latency(upstream_started.elapsed());
+        let upstream_elapsed = upstream_started.elapsed();
+        *upstream_time = Some(upstream_elapsed);
+        self.metrics.upstream_latency(upstream_elapsed);
         match result {
             Ok(resp) => (Ok(resp), Sent::Maybe),
             Err(e) => {
+                // SPEC §8: every upstream failure with its cause, for the operator
+                // (the worker gets only the code and a short detail).
+                tracing::warn!(
+                    route = %route.name,
+                    upstream = %UriNoQuery(&upstream_uri),
+                    error = %e,
+                    elapsed_ms = upstream_elapsed.as_secs_f64() * 1000.0,
+                    may_have_been_sent = matches!(e, UpstreamError::Uncertain(_)),
+                    request_id = request_id.to_str().unwrap_or("-"),
+                    "upstream request failed"
+                );
                 let sent = match e {
                     UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
                     _ => Sent::Maybe,
@@ -366,18 +413,35 @@ impl Proxy {
     }
 }
 
+/// An upstream URI without its query (it may carry credentials), for logs.
+struct UriNoQuery<'a>(&'a http::Uri);
+
+impl std::fmt::Display for UriNoQuery<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Host and port only: an authority's userinfo would be a credential.
+        if let (Some(s), Some(h)) = (self.0.scheme_str(), self.0.host()) {
+            write!(f, "{s}://{h}")?;
+            if let Some(p) = self.0.port_u16() {
+                write!(f, ":{p}")?;
+            }
+        }
+        f.write_str(self.0.path())
+    }
+}
+
+/// How a forwarded request is known (its dedup key and request id), and where
+/// the forward notes its upstream time for the access line.
+struct Trace<'a> {
+    key: &'a DedupKey,
+    request_id: &'a HeaderValue,
+    upstream_time: &'a mut Option<Duration>,
+}
+
 /// Whether any byte of a request may have reached the upstream.
 #[derive(Debug, Clone, Copy)]
 enum Sent {
     Nothing,
     Maybe,
-}
-
-/// What a request revealed about itself before it ended, for its log line.
-#[derive(Default)]
-struct Seen {
-    epoch: Option<u64>,
-    key: Option<DedupKey>,
 }
 
 fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {

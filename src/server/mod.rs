@@ -185,7 +185,12 @@ async fn build_on(
             .collect(),
     });
     let metrics = Metrics::new(shared.clone());
-    let proxy = Arc::new(Proxy::new(routes, &shared, metrics.clone()));
+    let proxy = Arc::new(Proxy::new(
+        routes,
+        &shared,
+        metrics.clone(),
+        cfg.server.access_log,
+    ));
     let stop = CancellationToken::new();
     let tasks = vec![
         tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),

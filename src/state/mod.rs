@@ -107,6 +107,16 @@ pub enum Resolution {
     NotDelivered,
 }
 
+impl Resolution {
+    /// The name the admin API takes (and logs) for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resolution::Delivered => "delivered",
+            Resolution::NotDelivered => "not_delivered",
+        }
+    }
+}
+
 /// What [`StateStore::resolve`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resolved {

@@ -15,5 +15,6 @@ mod edges;
 mod fencing;
 mod guard;
 mod lease_cli;
+mod logs;
 mod ops;
 mod postgres;

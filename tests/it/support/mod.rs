@@ -246,10 +246,19 @@ impl Fencegate {
     }
 
     pub fn start_with_env(store_and_routes: &str, env: &[(&str, &str)]) -> Fencegate {
+        Fencegate::start_with_server("", store_and_routes, env)
+    }
+
+    /// [`Fencegate::start_with_env`] with more `[server]` keys.
+    pub fn start_with_server(
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+    ) -> Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("fencegate.toml");
         let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n\n{store_and_routes}",
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n{server_extra}\n\n{store_and_routes}",
             dir.path().join("state").display()
         );
         std::fs::write(&config, text).unwrap();

@@ -18,14 +18,22 @@ async fn gateway(
     Fencegate,
     fencegate::lease::acquire::Holding,
 ) {
+    gateway_to(server_extra, &route_toml("billing", "billing", origin, "")).await
+}
+
+/// [`gateway`] with the route's TOML given.
+async fn gateway_to(
+    server_extra: &str,
+    route: &str,
+) -> (
+    tempfile::TempDir,
+    Fencegate,
+    fencegate::lease::acquire::Holding,
+) {
     let store = tempfile::tempdir().unwrap();
     let fg = Fencegate::start_with_server(
         server_extra,
-        &format!(
-            "{}{}",
-            dir_store_toml(store.path()),
-            route_toml("billing", "billing", origin, "")
-        ),
+        &format!("{}{route}", dir_store_toml(store.path())),
         &[],
     );
     let a = acquire(
@@ -145,24 +153,9 @@ async fn an_upstream_failure_is_logged_with_url_cause_and_elapsed_time() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = closed.local_addr().unwrap().port();
     drop(closed);
-    let store = tempfile::tempdir().unwrap();
-    let fg = Fencegate::start_with_server(
-        "log_format = \"json\"",
-        &format!(
-            "{}{}",
-            dir_store_toml(store.path()),
-            route_toml("billing", "billing", &origin, "")
-                .replace(&origin.url("/v1/"), &format!("http://127.0.0.1:{port}/v1/"))
-        ),
-        &[],
-    );
-    let a = acquire(
-        &dir_epochs(store.path()),
-        "billing",
-        "worker-a",
-        Duration::from_secs(60),
-    )
-    .await;
+    let route = route_toml("billing", "billing", &origin, "")
+        .replace(&origin.url("/v1/"), &format!("http://127.0.0.1:{port}/v1/"));
+    let (_store, fg, a) = gateway_to("log_format = \"json\"", &route).await;
     let r = post(&fg, "/billing/charge?token=x", &a, "one").await;
     r.assert_error(502, "upstream_unreachable");
     let failures = json_lines(&fg, "fencegate::proxy");

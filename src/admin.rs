@@ -20,8 +20,6 @@ use crate::shared::Shared;
 pub struct Admin {
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
-    /// Hash of the admin token: compared in constant time, never kept in clear.
-    token: Option<TokenHash>,
     store_timeout: Duration,
 }
 
@@ -40,16 +38,10 @@ fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
 }
 
 impl Admin {
-    pub fn new(
-        shared: Arc<Shared>,
-        metrics: Arc<Metrics>,
-        token: Option<String>,
-        store_timeout: Duration,
-    ) -> Admin {
+    pub fn new(shared: Arc<Shared>, metrics: Arc<Metrics>, store_timeout: Duration) -> Admin {
         Admin {
             shared,
             metrics,
-            token: token.map(|t| TokenHash::of(t.as_bytes())),
             store_timeout,
         }
     }
@@ -91,7 +83,9 @@ impl Admin {
     }
 
     fn authorize(&self, req: &Request<Incoming>) -> Result<(), AdminError> {
-        let expected = self.token.as_ref().ok_or(AdminError::Disabled)?;
+        // The token as the last reload left it (SPEC §8).
+        let live = self.shared.live.current();
+        let expected = live.admin_token.as_ref().ok_or(AdminError::Disabled)?;
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)

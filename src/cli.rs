@@ -146,11 +146,11 @@ pub fn main() -> ExitCode {
                 Some(_) => LogFormat::Human,
                 None => cfg.server.log_format,
             };
-            init_tracing(format);
-            report(runtime().and_then(|rt| rt.block_on(serve(cfg))))
+            let set_log = init_tracing_with(format, &server_filter(&cfg.server.log_level));
+            report(runtime().and_then(|rt| rt.block_on(serve(cfg, config, set_log))))
         }
         Command::Lease { action } => {
-            init_tracing(LogFormat::Human);
+            let _ = init_tracing(LogFormat::Human);
             match runtime().and_then(|rt| rt.block_on(lease_command(action))) {
                 Ok(code) => code,
                 Err(e) => {
@@ -161,7 +161,7 @@ pub fn main() -> ExitCode {
         }
         Command::Demo => {
             // The demo's story goes to stdout; fencegate's own logs only when asked.
-            init_tracing_with(LogFormat::Human, "warn");
+            let _ = init_tracing_with(LogFormat::Human, "warn");
             match runtime().and_then(|rt| rt.block_on(crate::demo::run())) {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::from(EXIT_ERROR),
@@ -204,40 +204,85 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the tokio runtime")
 }
 
-fn init_tracing(format: LogFormat) {
-    init_tracing_with(format, "info,aws_config=warn,aws_smithy_runtime=warn");
+fn init_tracing(format: LogFormat) -> Option<crate::server::reload::SetLogFilter> {
+    init_tracing_with(format, &server_filter("info"))
+}
+
+/// `[server] log_level` with the AWS SDK's chatter kept at warn unless named.
+fn server_filter(level: &str) -> String {
+    let mut f = level.to_owned();
+    for quiet in ["aws_config", "aws_smithy_runtime"] {
+        if !level.contains(quiet) {
+            f.push_str(&format!(",{quiet}=warn"));
+        }
+    }
+    f
 }
 
 /// Logs to stderr; `FENCEGATE_LOG` (or `RUST_LOG`) overrides `default_filter`.
-fn init_tracing_with(format: LogFormat, default_filter: &str) {
+/// Returns what changes the filter later (a reload's `[server] log_level`).
+fn init_tracing_with(
+    format: LogFormat,
+    default_filter: &str,
+) -> Option<crate::server::reload::SetLogFilter> {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("FENCEGATE_LOG")
-        .or_else(|_| EnvFilter::try_from_default_env())
-        .unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let filter = match crate::server::reload::log_override() {
+        Some(var) => EnvFilter::try_from_env(var).ok(),
+        None => None,
+    }
+    .unwrap_or_else(|| EnvFilter::new(default_filter));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    let _ = match format {
+    match format {
         // Flat: the event's fields beside timestamp, level and target (SPEC §8).
-        LogFormat::Json => b
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_span_list(false)
-            .try_init(),
-        LogFormat::Human => b
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .try_init(),
-    };
+        LogFormat::Json => {
+            let b = b
+                .json()
+                .flatten_event(true)
+                .with_current_span(false)
+                .with_span_list(false)
+                .with_filter_reloading();
+            let handle = b.reload_handle();
+            b.try_init().ok()?;
+            Some(Arc::new(move |spec: &str| {
+                let f = EnvFilter::try_new(server_filter(spec)).map_err(|e| e.to_string())?;
+                handle.reload(f).map_err(|e| e.to_string())
+            }))
+        }
+        LogFormat::Human => {
+            let b = b
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_filter_reloading();
+            let handle = b.reload_handle();
+            b.try_init().ok()?;
+            Some(Arc::new(move |spec: &str| {
+                let f = EnvFilter::try_new(server_filter(spec)).map_err(|e| e.to_string())?;
+                handle.reload(f).map_err(|e| e.to_string())
+            }))
+        }
+    }
 }
 
-async fn serve(cfg: Config) -> anyhow::Result<()> {
+async fn serve(
+    cfg: Config,
+    path: PathBuf,
+    set_log: Option<crate::server::reload::SetLogFilter>,
+) -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     // Installed before anything listens, so a SIGTERM right after the ready line
-    // is a graceful shutdown, not the default kill.
+    // is a graceful shutdown, not the default kill (and a SIGHUP never kills).
     let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let app = crate::server::build(&cfg, Arc::new(SystemClock)).await?;
+    let reloader = app.reloader(path, set_log);
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: reloading the config");
+            reloader.reload_and_log().await;
+        }
+    });
     let proxy_l = crate::server::bind(cfg.server.listen).await?;
     let admin_l = crate::server::bind(cfg.server.admin_listen).await?;
     let (p, a) = (proxy_l.local_addr()?, admin_l.local_addr()?);

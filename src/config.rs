@@ -58,6 +58,9 @@ pub struct ServerConfig {
     pub log_format: LogFormat,
     /// One line per request at info (target `fencegate::access`), SPEC §8.
     pub access_log: bool,
+    /// The log filter (`info`, `warn,fencegate=debug`, …); `FENCEGATE_LOG`
+    /// overrides it. A reload applies a new one.
+    pub log_level: String,
     /// TLS on the proxy listener (HTTP/1.1 and HTTP/2 via ALPN).
     pub tls: Option<TlsConfig>,
 }
@@ -82,6 +85,7 @@ impl Default for ServerConfig {
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
             access_log: true,
+            log_level: "info".into(),
             tls: None,
         }
     }
@@ -429,6 +433,12 @@ impl Config {
                 }
             }
         }
+        tracing_subscriber::EnvFilter::try_new(&self.server.log_level).map_err(|e| {
+            format!(
+                "[server] log_level {:?} is not a log filter: {e}",
+                self.server.log_level
+            )
+        })?;
         if self.server.max_connections == 0 || self.server.header_read_timeout_ms == 0 {
             return Err(
                 "[server] max_connections and header_read_timeout_ms must be positive".into(),

@@ -15,6 +15,7 @@
 //! - [`proxy`] — the request path tying the above together; [`access`] — its
 //!   access log line and request id.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
+//! - [`live`] — what a reload (SIGHUP) replaces: routes, admin token, TLS.
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
@@ -41,6 +42,7 @@ pub mod forward;
 pub mod gate;
 pub mod guard;
 pub mod lease;
+pub(crate) mod live;
 pub(crate) mod lock_order;
 pub mod metrics;
 pub(crate) mod proxy;

@@ -13,7 +13,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
@@ -27,11 +27,18 @@ struct RequestLabels {
     code: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReloadLabels {
+    result: &'static str,
+}
+
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     admission: Histogram,
     upstream: Histogram,
+    reloads: Family<ReloadLabels, Counter>,
+    last_reload_ok: Gauge,
 }
 
 impl Metrics {
@@ -66,6 +73,19 @@ impl Metrics {
             "Time from forwarding to the complete upstream response (or failure)",
             upstream.clone(),
         );
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register(
+            "fencegate_config_reloads",
+            "Config reloads (SIGHUP) by result: applied, or refused (the running config kept)",
+            reloads.clone(),
+        );
+        let last_reload_ok = Gauge::default();
+        last_reload_ok.set(1);
+        registry.register(
+            "fencegate_config_last_reload_successful",
+            "0 when the last reload was refused (the file on disk is not what runs), else 1",
+            last_reload_ok.clone(),
+        );
         if let Some(shared) = shared {
             registry.register_collector(Box::new(StateCollector(shared)));
         }
@@ -74,6 +94,8 @@ impl Metrics {
             requests,
             admission,
             upstream,
+            reloads,
+            last_reload_ok,
         })
     }
 
@@ -90,6 +112,13 @@ impl Metrics {
                 code: code.to_owned(),
             })
             .clone()
+    }
+
+    /// A reload's result: applied, or refused with the running config kept.
+    pub fn reloaded(&self, applied: bool) {
+        let result = if applied { "applied" } else { "refused" };
+        self.reloads.get_or_create(&ReloadLabels { result }).inc();
+        self.last_reload_ok.set(i64::from(applied));
     }
 
     pub fn admission_latency(&self, d: Duration) {

@@ -10,6 +10,7 @@ use crate::epoch::LeaseName;
 use crate::fence::Fences;
 use crate::guard::Guard;
 use crate::lease::LeaseStore;
+use crate::live::LiveConfig;
 use crate::state::{Owner, StateStore};
 
 pub struct Shared {
@@ -21,19 +22,20 @@ pub struct Shared {
     pub dedup: Arc<Dedup>,
     /// The instance guard: forwarding only while it is held (SPEC §10.1).
     pub guard: Arc<Guard>,
-    /// The configured routes' names and leases (dedup records are scoped by route).
-    pub routes: Vec<(String, LeaseName)>,
+    /// What a reload may change: the routes (dedup records are scoped by route),
+    /// the admin token, TLS, the access-log switch.
+    pub live: Arc<LiveConfig>,
 }
 
 impl Shared {
     pub fn has_route(&self, name: &str) -> bool {
-        self.routes.iter().any(|(r, _)| r == name)
+        self.live.current().routes.get(name).is_some()
     }
 
     /// The owner generation under which this instance writes the records of
     /// `route`; `None` when its lease's fence is not running here.
     pub fn owner_of_route(&self, name: &str) -> Option<Owner> {
-        let (_, lease) = self.routes.iter().find(|(r, _)| r == name)?;
-        self.fences.get(lease).map(|f| f.owner())
+        let lease: LeaseName = self.live.current().routes.get(name)?.fence.lease().clone();
+        self.fences.get(&lease).map(|f| f.owner())
     }
 }

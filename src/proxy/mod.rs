@@ -23,6 +23,7 @@ use crate::error::ProxyError;
 use crate::fence::Fence;
 use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
 use crate::gate::Pass;
+use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::shared::Shared;
 
@@ -69,40 +70,71 @@ impl Route {
     }
 }
 
-pub struct Proxy {
+/// The configured routes, indexed by path prefix. A reload replaces it whole
+/// (inside [`crate::live::Live`]).
+pub struct RouteTable {
     /// Longest prefix first.
     routes: Vec<Route>,
     /// Indexes into `routes` by path prefix.
     index: RouteIndex,
-    dedup: Arc<Dedup>,
-    guard: Arc<crate::guard::Guard>,
-    metrics: Arc<Metrics>,
-    /// Cancelled when shutdown gives up on in-flight requests.
-    abandon: tokio_util::sync::CancellationToken,
-    /// `[server] access_log`.
-    access_log: bool,
 }
 
-impl Proxy {
-    pub fn new(
-        mut routes: Vec<Route>,
-        shared: &Shared,
-        metrics: Arc<Metrics>,
-        access_log: bool,
-    ) -> Proxy {
+impl Default for RouteTable {
+    fn default() -> RouteTable {
+        RouteTable {
+            routes: Vec::new(),
+            index: RouteIndex::new(std::iter::empty()),
+        }
+    }
+}
+
+impl RouteTable {
+    pub fn new(mut routes: Vec<Route>, metrics: &Metrics) -> RouteTable {
         routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
         for r in &mut routes {
             r.forwarded = metrics.request_counter(&r.name, "forwarded", "");
         }
         let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
+        RouteTable { routes, index }
+    }
+
+    /// The route a request goes to, if any (SPEC §3: never CONNECT, never a path
+    /// that is not origin-form or has dot segments).
+    fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+        if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
+            return None;
+        }
+        self.index.find(path).and_then(|i| self.routes.get(i))
+    }
+
+    /// The route named `name`.
+    pub fn get(&self, name: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Route> {
+        self.routes.iter()
+    }
+}
+
+pub struct Proxy {
+    /// The routes and the access-log switch, as the last reload left them.
+    live: Arc<LiveConfig>,
+    dedup: Arc<Dedup>,
+    guard: Arc<crate::guard::Guard>,
+    metrics: Arc<Metrics>,
+    /// Cancelled when shutdown gives up on in-flight requests.
+    abandon: tokio_util::sync::CancellationToken,
+}
+
+impl Proxy {
+    pub fn new(shared: &Shared, metrics: Arc<Metrics>) -> Proxy {
         Proxy {
-            routes,
-            index,
+            live: shared.live.clone(),
             dedup: shared.dedup.clone(),
             guard: shared.guard.clone(),
             metrics,
             abandon: tokio_util::sync::CancellationToken::new(),
-            access_log,
         }
     }
 
@@ -114,13 +146,6 @@ impl Proxy {
     /// The token [`Proxy::abandon_all`] cancels.
     pub fn abandon_token(&self) -> tokio_util::sync::CancellationToken {
         self.abandon.clone()
-    }
-
-    fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
-        if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
-            return None;
-        }
-        self.index.find(path).and_then(|i| self.routes.get(i))
     }
 
     /// Serves one request. Must run to completion even if the client goes away
@@ -139,7 +164,9 @@ impl Proxy {
         let method = req.method().clone();
         let uri = req.uri().clone();
         let mut seen = Seen::default();
-        let route = self.route_for(&method, uri.path());
+        // This request's config to its end, whatever a reload does meanwhile.
+        let live = self.live.current();
+        let route = live.routes.find(&method, uri.path());
         let (mut resp, outcome, code) = match route {
             None => {
                 self.metrics.request("", "refused", "route_not_found");
@@ -163,7 +190,7 @@ impl Proxy {
                 }
             },
         };
-        if self.access_log {
+        if live.access_log {
             access::Line {
                 method: &method,
                 path: uri.path(),

@@ -272,7 +272,9 @@ pub(super) struct Listener {
     pub stop: CancellationToken,
     /// At most this many connections at once; more are closed at accept.
     pub limit: Arc<Semaphore>,
-    pub tls: Option<tokio_rustls::TlsAcceptor>,
+    /// Where the proxy listener finds its TLS acceptor, per connection (a reload
+    /// may replace the certificate); `None` for the admin listener.
+    pub tls: Option<Arc<crate::live::LiveConfig>>,
     /// The TLS handshake's bound, and how long a connection may go without a
     /// request.
     pub idle_limit: Duration,
@@ -293,7 +295,6 @@ where
         tls,
         idle_limit: handshake_timeout,
     } = l;
-    let proto = if tls.is_some() { "https" } else { "http" };
     loop {
         let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => return,
@@ -312,6 +313,8 @@ where
             continue;
         };
         let _ = stream.set_nodelay(true);
+        let tls = tls.as_ref().and_then(|l| l.current().tls.clone());
+        let proto = if tls.is_some() { "https" } else { "http" };
         let h = handler.clone();
         let activity = Activity::new();
         let active = activity.clone();
@@ -327,7 +330,6 @@ where
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
-        let tls = tls.clone();
         tokio::spawn(async move {
             // The TLS stream is boxed (and its handshake too): a plain connection's
             // task stays as small as if TLS did not exist.

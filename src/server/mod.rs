@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 mod conn;
+pub mod reload;
 
 use conn::{accept_loop, http_builder, FinishOnDrop, Listener};
 
@@ -25,12 +26,14 @@ use crate::config::Config;
 use crate::config::StateKind;
 use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
+use crate::epoch::TokenHash;
 use crate::fence::Fences;
 use crate::forward::Peer;
 use crate::guard::Guard;
 use crate::lease::{self, Epochs, LeaseStore, StoreError};
+use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, Route};
+use crate::proxy::{Proxy, Route, RouteTable};
 use crate::shared::Shared;
 use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
@@ -63,6 +66,7 @@ pub struct App {
     shared: Arc<Shared>,
     proxy: Arc<Proxy>,
     admin: Arc<Admin>,
+    metrics: Arc<Metrics>,
     /// The longest drain timeout of each lease's routes: how long stopping a fence
     /// waits for its requests before aborting them.
     drain_timeouts: HashMap<LeaseName, Duration>,
@@ -71,7 +75,6 @@ pub struct App {
     shutdown_timeout: Duration,
     max_connections: usize,
     header_read_timeout: Duration,
-    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 /// Loads the listener's certificate and key and advertises h2 and http/1.1.
@@ -139,13 +142,65 @@ async fn build_on(
         );
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
-    // The longest drain timeout among a lease's routes (see Gate::restarted).
+    let settle = drain_timeouts(cfg);
+    let fences = Fences::new(epochs.clone(), durable.clone());
+    let live = LiveConfig::new(Live::empty());
+    let shared = Arc::new(Shared {
+        state: durable,
+        store,
+        fences: fences.clone(),
+        dedup: dedup.clone(),
+        guard: guard.clone(),
+        live: live.clone(),
+    });
+    let metrics = Metrics::new(shared.clone());
+    live.replace(build_live(cfg, &fences, &metrics).await?);
+    let proxy = Arc::new(Proxy::new(&shared, metrics.clone()));
+    let stop = CancellationToken::new();
+    let tasks = vec![
+        tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
+        tokio::spawn(guard.run(stop.clone())),
+        tokio::spawn(
+            dedup
+                .clone()
+                .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
+        ),
+    ];
+    let admin = Arc::new(Admin::new(
+        shared.clone(),
+        metrics.clone(),
+        Duration::from_millis(cfg.store.timeout_ms),
+    ));
+    Ok(App {
+        shared,
+        proxy,
+        admin,
+        metrics,
+        drain_timeouts: settle,
+        stop,
+        tasks,
+        shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
+        max_connections: cfg.server.max_connections,
+        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+    })
+}
+
+/// The longest drain timeout among each lease's routes: how long stopping its
+/// fence waits for its requests (and see `Gate::restarted`).
+fn drain_timeouts(cfg: &Config) -> HashMap<LeaseName, Duration> {
     let mut settle: HashMap<LeaseName, Duration> = HashMap::new();
     for r in &cfg.routes {
         let s = settle.entry(r.lease.clone()).or_default();
         *s = (*s).max(r.drain_timeout());
     }
-    let fences = Fences::new(epochs.clone(), durable.clone());
+    settle
+}
+
+/// What a reload may change, built from `cfg`: each route with its lease's fence
+/// (started, or the running one), an upstream client per CA bundle, the admin
+/// token (`FENCEGATE_ADMIN_TOKEN` wins over the file), the listener's TLS.
+async fn build_live(cfg: &Config, fences: &Fences, metrics: &Metrics) -> Result<Live, StartError> {
+    let settle = drain_timeouts(cfg);
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
     let mut routes = Vec::new();
@@ -171,57 +226,15 @@ async fn build_on(
         };
         routes.push(Route::new(rc, fence, client).map_err(route_err)?);
     }
-    let tls = cfg.server.tls.as_ref().map(tls_acceptor).transpose()?;
-    let shared = Arc::new(Shared {
-        state: durable,
-        store,
-        fences: fences.clone(),
-        dedup: dedup.clone(),
-        guard: guard.clone(),
-        routes: cfg
-            .routes
-            .iter()
-            .map(|r| (r.name.clone(), r.lease.clone()))
-            .collect(),
-    });
-    let metrics = Metrics::new(shared.clone());
-    let proxy = Arc::new(Proxy::new(
-        routes,
-        &shared,
-        metrics.clone(),
-        cfg.server.access_log,
-    ));
-    let stop = CancellationToken::new();
-    let tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
-        tokio::spawn(guard.run(stop.clone())),
-        tokio::spawn(
-            dedup
-                .clone()
-                .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
-        ),
-    ];
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
         .or_else(|| cfg.server.admin_token.clone());
-    let admin = Arc::new(Admin::new(
-        shared.clone(),
-        metrics,
-        admin_token,
-        Duration::from_millis(cfg.store.timeout_ms),
-    ));
-    Ok(App {
-        shared,
-        proxy,
-        admin,
-        drain_timeouts: settle,
-        stop,
-        tasks,
-        shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
-        max_connections: cfg.server.max_connections,
-        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-        tls,
+    Ok(Live {
+        routes: RouteTable::new(routes, metrics),
+        admin_token: admin_token.map(|t| TokenHash::of(t.as_bytes())),
+        tls: cfg.server.tls.as_ref().map(tls_acceptor).transpose()?,
+        access_log: cfg.server.access_log,
     })
 }
 
@@ -233,6 +246,20 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
 }
 
 impl App {
+    /// What SIGHUP calls: reloads `path`, the file this app was built from.
+    pub fn reloader(
+        &self,
+        path: std::path::PathBuf,
+        set_log: Option<reload::SetLogFilter>,
+    ) -> Arc<reload::Reloader> {
+        Arc::new(reload::Reloader::new(
+            path,
+            self.shared.clone(),
+            self.metrics.clone(),
+            set_log,
+        ))
+    }
+
     /// Cancelling this abandons every request still forwarding, as shutdown does
     /// after its deadline (their keys become in doubt).
     pub fn abandon_handle(&self) -> CancellationToken {
@@ -274,7 +301,7 @@ impl App {
         let serve = async {
             tokio::join!(
                 accept_loop(
-                    listener(proxy_l, limit.clone(), self.tls.clone()),
+                    listener(proxy_l, limit.clone(), Some(self.shared.live.clone())),
                     proxy_handler,
                     &graceful,
                 ),

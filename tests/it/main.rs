@@ -18,3 +18,4 @@ mod lease_cli;
 mod logs;
 mod ops;
 mod postgres;
+mod reload;

@@ -353,6 +353,18 @@ impl Fencegate {
         self.wait_exit()
     }
 
+    /// SIGHUP: reload the config file.
+    pub fn hup(&self) {
+        signal(self.pid(), "-HUP");
+    }
+
+    /// Rewrites the config file through `edit` (the process does not notice until
+    /// [`Fencegate::hup`]).
+    pub fn edit_config(&self, edit: impl FnOnce(String) -> String) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        std::fs::write(&self.config, edit(text)).unwrap();
+    }
+
     pub fn restart(&mut self) {
         self.kill9();
         self.spawn(None).expect("fencegate did not restart");

@@ -1,0 +1,277 @@
+//! Reloading the config file on SIGHUP (SPEC §8). What may change live is
+//! [`crate::live::Live`] (routes with their upstream headers and clients, the admin
+//! token, the TLS certificate, the access-log switch) plus the log filter; it is
+//! rebuilt from the new file and swapped in whole. Connections stay open and
+//! in-flight requests finish on the snapshot they started with. The fence of a
+//! lease no route uses any more is drained (its in-flight requests finish, up to
+//! its drain timeout) and then stopped.
+//!
+//! Everything else — listeners, `data_dir`, `[store]`, `[state]`, `[dedup]`,
+//! `[cluster]` and any other section — is fixed for the life of the process. A
+//! file that does not load, or that changes a fixed key, is refused: the running
+//! config stays, and the log and `fencegate_config_last_reload_successful` say so.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::epoch::LeaseName;
+use crate::metrics::Metrics;
+use crate::shared::Shared;
+
+/// Sets the running process's log filter (`[server] log_level`).
+pub type SetLogFilter = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
+/// The `[server]` keys a reload may change; every other key of every section but
+/// `[[route]]` is fixed (a section added later is fixed until said otherwise).
+const LIVE_SERVER_KEYS: &[&str] = &["admin_token", "access_log", "log_level", "tls"];
+
+/// Why a reload was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{key} cannot change while fencegate runs (restart to apply it)")]
+    Fixed { key: String },
+    #[error(transparent)]
+    Build(#[from] super::StartError),
+}
+
+/// What a reload changed, for its log line.
+#[derive(Debug, Default)]
+pub struct Reloaded {
+    pub routes_added: Vec<String>,
+    pub routes_removed: Vec<String>,
+    /// Leases no route uses any more: drained, then stopped.
+    pub leases_stopped: Vec<LeaseName>,
+}
+
+/// Applies the config file again on request. One reload at a time.
+pub struct Reloader {
+    path: PathBuf,
+    /// The file as last applied: what the fixed keys are compared against.
+    applied: tokio::sync::Mutex<toml::Table>,
+    shared: Arc<Shared>,
+    metrics: Arc<Metrics>,
+    set_log: Option<SetLogFilter>,
+}
+
+impl Reloader {
+    /// `running` is the text the process started from (read again from `path`
+    /// when that fails: the comparison is then against the file as found).
+    pub(super) fn new(
+        path: PathBuf,
+        shared: Arc<Shared>,
+        metrics: Arc<Metrics>,
+        set_log: Option<SetLogFilter>,
+    ) -> Reloader {
+        let applied = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|t| toml::from_str(&t).ok())
+            .unwrap_or_default();
+        Reloader {
+            path,
+            applied: tokio::sync::Mutex::new(applied),
+            shared,
+            metrics,
+            set_log,
+        }
+    }
+
+    /// Reloads, logs what happened and counts it.
+    pub async fn reload_and_log(&self) {
+        match self.reload().await {
+            Ok(r) => {
+                self.metrics.reloaded(true);
+                tracing::info!(
+                    config = %self.path.display(),
+                    routes_added = %r.routes_added.join(","),
+                    routes_removed = %r.routes_removed.join(","),
+                    leases_stopped = %r
+                        .leases_stopped
+                        .iter()
+                        .map(LeaseName::as_str)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    "config reloaded"
+                );
+            }
+            Err(e) => {
+                self.metrics.reloaded(false);
+                tracing::error!(
+                    config = %self.path.display(),
+                    reason = %e,
+                    "config reload refused; the running config is kept"
+                );
+            }
+        }
+    }
+
+    /// Loads the file, checks that no fixed key changed, builds the new live
+    /// config and swaps it in.
+    pub async fn reload(&self) -> Result<Reloaded, ReloadError> {
+        let mut applied = self.applied.lock().await;
+        let cfg = Config::load(&self.path).map_err(|e| ReloadError::Invalid(e.to_string()))?;
+        let text = std::fs::read_to_string(&self.path)
+            .map_err(|e| ReloadError::Invalid(format!("cannot read config: {e}")))?;
+        let table: toml::Table =
+            toml::from_str(&text).map_err(|e| ReloadError::Invalid(e.message().to_owned()))?;
+        if let Some(key) = fixed_key_changed(&applied, &table) {
+            return Err(ReloadError::Fixed { key });
+        }
+        let new = super::build_live(&cfg, &self.shared.fences, &self.metrics).await?;
+        let names = |l: &crate::live::Live| -> HashSet<String> {
+            l.routes.iter().map(|r| r.name.clone()).collect()
+        };
+        let leases: HashSet<LeaseName> =
+            new.routes.iter().map(|r| r.fence.lease().clone()).collect();
+        let new_names = names(&new);
+        let old = self.shared.live.replace(new);
+        if let Some(set) = &self.set_log {
+            match log_override() {
+                Some(var) => tracing::info!(
+                    "[server] log_level not applied: {var} is set in the environment and wins"
+                ),
+                None => {
+                    if let Err(e) = set(&cfg.server.log_level) {
+                        tracing::warn!(error = %e, "could not apply [server] log_level");
+                    }
+                }
+            }
+        }
+        *applied = table;
+        let old_names = names(&old);
+        let mut out = Reloaded {
+            routes_added: new_names.difference(&old_names).cloned().collect(),
+            routes_removed: old_names.difference(&new_names).cloned().collect(),
+            leases_stopped: Vec::new(),
+        };
+        out.routes_added.sort();
+        out.routes_removed.sort();
+        // A lease no route uses any more: its requests still in flight finish (up
+        // to the longest drain timeout of its old routes), then its fence stops.
+        let mut gone: Vec<(LeaseName, std::time::Duration)> = Vec::new();
+        for r in old.routes.iter() {
+            let lease = r.fence.lease();
+            if leases.contains(lease) {
+                continue;
+            }
+            match gone.iter_mut().find(|(l, _)| l == lease) {
+                Some((_, t)) => *t = (*t).max(r.drain_timeout),
+                None => gone.push((lease.clone(), r.drain_timeout)),
+            }
+        }
+        drop(old);
+        for (lease, timeout) in gone {
+            out.leases_stopped.push(lease.clone());
+            let fences = self.shared.fences.clone();
+            tokio::spawn(async move {
+                fences.stop(&lease, timeout).await;
+                tracing::info!(%lease, "no route uses this lease any more: drained and stopped");
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// The environment variable that overrides `[server] log_level`, if set.
+pub fn log_override() -> Option<&'static str> {
+    ["FENCEGATE_LOG", "RUST_LOG"]
+        .into_iter()
+        .find(|v| std::env::var(v).is_ok_and(|s| !s.is_empty()))
+}
+
+/// The first fixed key whose value differs between two config files, named as
+/// `[section] key` (or `[section]`).
+fn fixed_key_changed(old: &toml::Table, new: &toml::Table) -> Option<String> {
+    let mut sections: Vec<&String> = old.keys().chain(new.keys()).collect();
+    sections.sort();
+    sections.dedup();
+    for section in sections {
+        if section == "route" {
+            continue;
+        }
+        let (a, b) = (old.get(section), new.get(section));
+        if section != "server" {
+            if a != b {
+                return Some(format!("[{section}]"));
+            }
+            continue;
+        }
+        let empty = toml::Table::new();
+        let table = |v: Option<&toml::Value>| v.and_then(toml::Value::as_table).cloned();
+        let (a, b) = (
+            table(a).unwrap_or_else(|| empty.clone()),
+            table(b).unwrap_or_else(|| empty.clone()),
+        );
+        let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        for key in keys {
+            let (x, y) = (a.get(key), b.get(key));
+            let changed = if key == "tls" {
+                // The certificate may change; TLS on or off is a listener change.
+                x.is_some() != y.is_some()
+            } else {
+                !LIVE_SERVER_KEYS.contains(&key.as_str()) && x != y
+            };
+            if changed {
+                return Some(format!("[server] {key}"));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> toml::Table {
+        toml::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn only_routes_and_the_live_server_keys_may_change() {
+        let base = "[server]\nlisten = \"127.0.0.1:1\"\nadmin_token = \"a\"\n[store]\nkind = \"dir\"\n[[route]]\nname = \"a\"\n";
+        let same = |s: &str| fixed_key_changed(&t(base), &t(s));
+        assert_eq!(same(base), None);
+        assert_eq!(
+            same(&base.replace("name = \"a\"", "name = \"b\"")),
+            None,
+            "routes change live"
+        );
+        assert_eq!(
+            same(&base.replace("admin_token = \"a\"", "log_level = \"warn\"")),
+            None
+        );
+        assert_eq!(
+            same(&base.replace("127.0.0.1:1", "127.0.0.1:2")).as_deref(),
+            Some("[server] listen")
+        );
+        assert_eq!(
+            same(&base.replace("kind = \"dir\"", "kind = \"s3\"")).as_deref(),
+            Some("[store]")
+        );
+        assert_eq!(
+            same(&format!("{base}\n[cluster]\nshards = 4\n")).as_deref(),
+            Some("[cluster]"),
+            "a section added later is fixed"
+        );
+        assert_eq!(
+            same(&format!("{base}\n[state]\nkind = \"postgres\"\n")).as_deref(),
+            Some("[state]")
+        );
+        let tls = "[server.tls]\ncert = \"a\"\nkey = \"b\"\n";
+        assert_eq!(
+            fixed_key_changed(&t(tls), &t(&tls.replace("\"a\"", "\"c\""))),
+            None,
+            "another certificate"
+        );
+        assert_eq!(
+            fixed_key_changed(&t(tls), &t("")).as_deref(),
+            Some("[server] tls")
+        );
+    }
+}

@@ -245,10 +245,7 @@ fn init_tracing_with(
                 .with_filter_reloading();
             let handle = b.reload_handle();
             b.try_init().ok()?;
-            Some(Arc::new(move |spec: &str| {
-                let f = EnvFilter::try_new(server_filter(spec)).map_err(|e| e.to_string())?;
-                handle.reload(f).map_err(|e| e.to_string())
-            }))
+            Some(filter_setter(handle))
         }
         LogFormat::Human => {
             let b = b
@@ -256,12 +253,23 @@ fn init_tracing_with(
                 .with_filter_reloading();
             let handle = b.reload_handle();
             b.try_init().ok()?;
-            Some(Arc::new(move |spec: &str| {
-                let f = EnvFilter::try_new(server_filter(spec)).map_err(|e| e.to_string())?;
-                handle.reload(f).map_err(|e| e.to_string())
-            }))
+            Some(filter_setter(handle))
         }
     }
+}
+
+/// What changes the running log filter to `[server] log_level`.
+fn filter_setter<S>(
+    handle: tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, S>,
+) -> crate::server::reload::SetLogFilter
+where
+    S: tracing::Subscriber + 'static,
+{
+    Arc::new(move |spec: &str| {
+        let f = tracing_subscriber::EnvFilter::try_new(server_filter(spec))
+            .map_err(|e| e.to_string())?;
+        handle.reload(f).map_err(|e| e.to_string())
+    })
 }
 
 async fn serve(

@@ -1,6 +1,6 @@
 # fencegate container image.
 #
-#   docker build -t fencegate .
+#   docker build --build-arg FENCEGATE_COMMIT=$(git rev-parse --short=12 HEAD) -t fencegate .
 #   docker run -p 8080:8080 -p 9090:9090 \
 #     -v $PWD/fencegate.toml:/etc/fencegate/fencegate.toml:ro \
 #     -v fencegate-data:/var/lib/fencegate fencegate
@@ -11,7 +11,10 @@
 # ---- build stage: dependencies cached in their own layer ----
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
-COPY Cargo.toml Cargo.lock ./
+# The commit for fencegate_build_info and --version (no .git in the context).
+ARG FENCEGATE_COMMIT=unknown
+ENV FENCEGATE_COMMIT=${FENCEGATE_COMMIT}
+COPY Cargo.toml Cargo.lock build.rs ./
 RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && cargo build --release --locked --bin fencegate \
     && rm -rf src target/release/.fingerprint/fencegate-*

@@ -20,7 +20,7 @@ use crate::lease::{self, Epochs};
 #[derive(Parser)]
 #[command(
     name = "fencegate",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("FENCEGATE_COMMIT"), ")"),
     about = "An HTTP gateway that fences stale leaders"
 )]
 struct Cli {

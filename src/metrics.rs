@@ -7,10 +7,11 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabel, EncodeLabelSet, EncodeMetric, LabelSetEncoder,
+};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -20,11 +21,51 @@ use prometheus_client::registry::Registry;
 
 use crate::shared::Shared;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct RequestLabels {
     route: String,
     outcome: String,
     code: String,
+}
+
+/// An empty value leaves its label out: no series with `code=""` (a request that
+/// was not refused) or `route=""` (one that matched no route).
+impl EncodeLabelSet for RequestLabels {
+    fn encode(&self, mut encoder: LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        for (k, v) in [
+            ("route", &self.route),
+            ("outcome", &self.outcome),
+            ("code", &self.code),
+        ] {
+            if !v.is_empty() {
+                (k, v.as_str()).encode(encoder.encode_label())?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabel {
+    route: String,
+}
+
+/// A route's own series, resolved once when the route is built: the labelled
+/// lookup allocates, and these are touched by every request.
+#[derive(Clone, Debug)]
+pub struct RouteMetrics {
+    /// `fencegate_requests_total{route, outcome="forwarded"}`.
+    pub forwarded: Counter,
+    pub admission: Histogram,
+    pub upstream: Histogram,
+}
+
+fn admission_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 18))
+}
+
+fn upstream_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_1, 2.0, 18))
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -35,8 +76,8 @@ struct ReloadLabels {
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
-    admission: Histogram,
-    upstream: Histogram,
+    admission: Family<RouteLabel, Histogram, fn() -> Histogram>,
+    upstream: Family<RouteLabel, Histogram, fn() -> Histogram>,
     reloads: Family<ReloadLabels, Counter>,
     last_reload_ok: Gauge,
 }
@@ -61,18 +102,23 @@ impl Metrics {
             "Requests by route, outcome (forwarded, replayed, refused) and error code",
             requests.clone(),
         );
-        let admission = Histogram::new(exponential_buckets(0.000_05, 2.0, 18));
+        let admission = Family::<RouteLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            admission_histogram,
+        );
         registry.register(
             "fencegate_admission_duration_seconds",
-            "Time to admit a request: validation, store reads when needed, mark flush and drain",
+            "Time to admit a request, by route: validation, store reads when needed, mark flush and drain",
             admission.clone(),
         );
-        let upstream = Histogram::new(exponential_buckets(0.000_1, 2.0, 18));
+        let upstream = Family::<RouteLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+            upstream_histogram,
+        );
         registry.register(
             "fencegate_upstream_duration_seconds",
-            "Time from forwarding to the complete upstream response (or failure)",
+            "Time from forwarding to the complete upstream response (or failure), by route",
             upstream.clone(),
         );
+        registry.register_collector(Box::new(ProcessCollector));
         let reloads = Family::<ReloadLabels, Counter>::default();
         registry.register(
             "fencegate_config_reloads",
@@ -121,12 +167,16 @@ impl Metrics {
         self.last_reload_ok.set(i64::from(applied));
     }
 
-    pub fn admission_latency(&self, d: Duration) {
-        self.admission.observe(d.as_secs_f64());
-    }
-
-    pub fn upstream_latency(&self, d: Duration) {
-        self.upstream.observe(d.as_secs_f64());
+    /// The series of route `route`, to keep with the route.
+    pub fn for_route(&self, route: &str) -> RouteMetrics {
+        let label = RouteLabel {
+            route: route.to_owned(),
+        };
+        RouteMetrics {
+            forwarded: self.request_counter(route, "forwarded", ""),
+            admission: self.admission.get_or_create(&label).clone(),
+            upstream: self.upstream.get_or_create(&label).clone(),
+        }
     }
 
     /// The Prometheus/OpenMetrics text exposition.
@@ -266,10 +316,13 @@ impl Collector for StateCollector {
         )?;
         emit(
             &mut enc,
-            "fencegate_store_clock_offset_milliseconds",
+            "fencegate_store_clock_offset_seconds",
             "Estimated store clock minus local clock",
             MetricType::Gauge,
-            vec![(vec![], ConstGauge::new(shared.store.clock().offset_ms()))],
+            vec![(
+                vec![],
+                ConstGauge::new(shared.store.clock().offset_ms() as f64 / 1000.0),
+            )],
         )?;
         let s = shared.state.stats();
         emit(
@@ -322,5 +375,147 @@ impl Collector for StateCollector {
             vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
         )?;
         Ok(())
+    }
+}
+
+/// `fencegate_build_info`, and the process metrics Prometheus' own client
+/// libraries export (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_open_fds`, …), read from `/proc` at scrape time (Linux only; elsewhere
+/// they are left out).
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// The git commit the build came from (`build.rs`).
+pub const COMMIT: &str = env!("FENCEGATE_COMMIT");
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        emit(
+            &mut enc,
+            "fencegate_build_info",
+            "The running build: version and git commit (always 1)",
+            MetricType::Gauge,
+            vec![(
+                vec![
+                    ("version", env!("CARGO_PKG_VERSION").to_owned()),
+                    ("commit", COMMIT.to_owned()),
+                ],
+                ConstGauge::new(1),
+            )],
+        )?;
+        let Some(p) = process::read() else {
+            return Ok(());
+        };
+        emit(
+            &mut enc,
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(p.cpu_seconds))],
+        )?;
+        let gauges = [
+            (
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                p.resident_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "Virtual memory size in bytes",
+                p.virtual_bytes,
+            ),
+            (
+                "process_open_fds",
+                "Number of open file descriptors",
+                p.open_fds,
+            ),
+            (
+                "process_max_fds",
+                "Maximum number of open file descriptors",
+                p.max_fds,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            emit(
+                &mut enc,
+                name,
+                help,
+                MetricType::Gauge,
+                vec![(vec![], ConstGauge::new(v as f64))],
+            )?;
+        }
+        emit(
+            &mut enc,
+            "process_start_time_seconds",
+            "Start time of the process since the Unix epoch in seconds",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(p.start_time_seconds))],
+        )?;
+        Ok(())
+    }
+}
+
+/// Reading this process's figures from `/proc`.
+mod process {
+    /// Clock ticks per second of `/proc/*/stat` times: `USER_HZ`, 100 on every
+    /// Linux architecture Rust targets (the ABI fixes it; `sysconf` is unsafe).
+    const TICKS: f64 = 100.0;
+
+    pub(super) struct Figures {
+        pub cpu_seconds: f64,
+        pub resident_bytes: u64,
+        pub virtual_bytes: u64,
+        pub open_fds: u64,
+        pub max_fds: u64,
+        pub start_time_seconds: f64,
+    }
+
+    pub(super) fn read() -> Option<Figures> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command name, which may itself hold spaces or ')'.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+        // proc(5) numbers fields from 1 with the state as field 3: index = n - 3.
+        let (utime, stime, start, vsize) = (num(11)?, num(12)?, num(19)?, num(20)?);
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let rss_kb = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?;
+        let btime = std::fs::read_to_string("/proc/stat")
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<u64>().ok())?;
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+        let max_fds = std::fs::read_to_string("/proc/self/limits")
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("Max open files"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        Some(Figures {
+            cpu_seconds: (utime + stime) as f64 / TICKS,
+            resident_bytes: rss_kb * 1024,
+            virtual_bytes: vsize,
+            open_fds,
+            max_fds,
+            start_time_seconds: btime as f64 + start as f64 / TICKS,
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn this_process_has_plausible_figures() {
+            let Some(p) = super::read() else {
+                return; // not Linux
+            };
+            assert!(p.resident_bytes > 1 << 20, "{}", p.resident_bytes);
+            assert!(p.virtual_bytes >= p.resident_bytes);
+            assert!(p.open_fds >= 3 && p.max_fds >= p.open_fds);
+            assert!(p.start_time_seconds > 1.6e9, "{}", p.start_time_seconds);
+        }
     }
 }

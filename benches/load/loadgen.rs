@@ -370,19 +370,38 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
 
 /// The cumulative buckets `(le, count)` of histogram `name`.
 pub fn buckets(text: &str, name: &str) -> Vec<(f64, f64)> {
-    let prefix = format!("{name}_bucket{{le=\"");
-    text.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(&prefix)?;
-            let (le, rest) = rest.split_once("\"}")?;
-            let le = if le == "+Inf" {
-                f64::INFINITY
-            } else {
-                le.parse().ok()?
-            };
-            Some((le, rest.trim().parse().ok()?))
-        })
-        .collect()
+    // Summed over the other labels (a histogram per route).
+    let prefix = format!("{name}_bucket{{");
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    for l in text.lines() {
+        let Some(rest) = l.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some((labels, count)) = rest.split_once('}') else {
+            continue;
+        };
+        let Some(le) = labels
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("le=\""))
+            .and_then(|v| v.strip_suffix('"'))
+        else {
+            continue;
+        };
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            let Ok(le) = le.parse() else { continue };
+            le
+        };
+        let Ok(count) = count.trim().parse::<f64>() else {
+            continue;
+        };
+        match out.iter_mut().find(|(l, _)| *l == le) {
+            Some((_, c)) => *c += count,
+            None => out.push((le, count)),
+        }
+    }
+    out
 }
 
 /// The upper bound of the bucket holding quantile `q` of the difference

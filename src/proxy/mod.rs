@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use prometheus_client::metrics::counter::Counter;
 
 mod routes;
 
@@ -24,7 +23,7 @@ use crate::fence::Fence;
 use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
 use crate::gate::Pass;
 use crate::live::LiveConfig;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::shared::Shared;
 
 /// Upper bound on an upstream response body fencegate will buffer.
@@ -44,13 +43,17 @@ pub struct Route {
     pub retryable: Vec<u16>,
     pub max_body_bytes: usize,
     pub max_replay_bytes: usize,
-    /// `fencegate_requests_total{route, outcome="forwarded"}`, resolved once: the
-    /// labelled lookup allocates, and this is every successful request.
-    forwarded: Counter,
+    /// This route's counter and histograms.
+    metrics: RouteMetrics,
 }
 
 impl Route {
-    pub fn new(cfg: &RouteConfig, fence: Arc<Fence>, client: HttpsClient) -> Result<Route, String> {
+    pub fn new(
+        cfg: &RouteConfig,
+        fence: Arc<Fence>,
+        client: HttpsClient,
+        metrics: &Metrics,
+    ) -> Result<Route, String> {
         let headers = cfg.resolve_upstream_headers()?;
         Ok(Route {
             name: cfg.name.clone(),
@@ -65,7 +68,7 @@ impl Route {
             retryable: cfg.retryable_statuses.clone(),
             max_body_bytes: cfg.max_body_bytes,
             max_replay_bytes: cfg.max_replay_bytes,
-            forwarded: Counter::default(),
+            metrics: metrics.for_route(&cfg.name),
         })
     }
 }
@@ -89,11 +92,8 @@ impl Default for RouteTable {
 }
 
 impl RouteTable {
-    pub fn new(mut routes: Vec<Route>, metrics: &Metrics) -> RouteTable {
+    pub fn new(mut routes: Vec<Route>) -> RouteTable {
         routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
-        for r in &mut routes {
-            r.forwarded = metrics.request_counter(&r.name, "forwarded", "");
-        }
         let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
         RouteTable { routes, index }
     }
@@ -176,7 +176,7 @@ impl Proxy {
             Some(route) => match self.serve(route, req, &peer, &mut seen, &request_id).await {
                 Ok((resp, outcome)) => {
                     if outcome == "forwarded" {
-                        route.forwarded.inc();
+                        route.metrics.forwarded.inc();
                     } else {
                         self.metrics.request(&route.name, outcome, "");
                     }
@@ -250,7 +250,10 @@ impl Proxy {
             .fence
             .admit(claim, route.require_token, route.drain_timeout)
             .await?;
-        self.metrics.admission_latency(admit_started.elapsed());
+        route
+            .metrics
+            .admission
+            .observe(admit_started.elapsed().as_secs_f64());
 
         let path_query = parts
             .uri
@@ -394,7 +397,10 @@ impl Proxy {
         }
         let upstream_elapsed = upstream_started.elapsed();
         *upstream_time = Some(upstream_elapsed);
-        self.metrics.upstream_latency(upstream_elapsed);
+        route
+            .metrics
+            .upstream
+            .observe(upstream_elapsed.as_secs_f64());
         match result {
             Ok(resp) => (Ok(resp), Sent::Maybe),
             Err(e) => {

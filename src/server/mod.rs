@@ -224,14 +224,14 @@ async fn build_live(cfg: &Config, fences: &Fences, metrics: &Metrics) -> Result<
                 c
             }
         };
-        routes.push(Route::new(rc, fence, client).map_err(route_err)?);
+        routes.push(Route::new(rc, fence, client, metrics).map_err(route_err)?);
     }
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
         .filter(|t| !t.is_empty())
         .or_else(|| cfg.server.admin_token.clone());
     Ok(Live {
-        routes: RouteTable::new(routes, metrics),
+        routes: RouteTable::new(routes),
         admin_token: admin_token.map(|t| TokenHash::of(t.as_bytes())),
         tls: cfg.server.tls.as_ref().map(tls_acceptor).transpose()?,
         access_log: cfg.server.access_log,

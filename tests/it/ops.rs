@@ -140,8 +140,9 @@ print(json.dumps(out))
     .assert_error(403, "token_invalid");
     let after = parse(send(get(fg.admin_url("/metrics"))).await.body);
     let v = |m: &serde_json::Value, k: &str| m.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
-    let fwd = r#"fencegate_requests_total{"code": "", "outcome": "forwarded", "route": "billing"}"#;
-    let rep = r#"fencegate_requests_total{"code": "", "outcome": "replayed", "route": "billing"}"#;
+    // No empty `code` label on requests that were not refused.
+    let fwd = r#"fencegate_requests_total{"outcome": "forwarded", "route": "billing"}"#;
+    let rep = r#"fencegate_requests_total{"outcome": "replayed", "route": "billing"}"#;
     let bad = r#"fencegate_requests_total{"code": "token_invalid", "outcome": "refused", "route": "billing"}"#;
     assert_eq!(v(&after, fwd) - v(&before, fwd), 1.0, "{after}");
     assert_eq!(v(&after, rep) - v(&before, rep), 1.0);
@@ -151,8 +152,44 @@ print(json.dumps(out))
         a.epoch.get() as f64
     );
     assert!(v(&after, "fencegate_flush_batches_total{}") >= 1.0);
-    assert!(v(&after, "fencegate_admission_duration_seconds_count{}") >= 2.0);
-    assert!(v(&after, "fencegate_upstream_duration_seconds_count{}") >= 1.0);
+    assert!(
+        v(
+            &after,
+            r#"fencegate_admission_duration_seconds_count{"route": "billing"}"#
+        ) >= 2.0
+    );
+    assert!(
+        v(
+            &after,
+            r#"fencegate_upstream_duration_seconds_count{"route": "billing"}"#
+        ) >= 1.0
+    );
+    assert!(
+        after
+            .as_object()
+            .unwrap()
+            .iter()
+            .all(|(k, _)| !k.contains(r#""code": """#) && !k.contains(r#""route": """#)),
+        "no series with an empty label: {after}"
+    );
+    let build = after
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.starts_with("fencegate_build_info{"))
+        .map(|(k, v)| (k.clone(), v.as_f64()));
+    let (build, one) = build.expect("fencegate_build_info");
+    assert_eq!(one, Some(1.0));
+    assert!(
+        build.contains(&format!(r#""version": "{}""#, env!("CARGO_PKG_VERSION")))
+            && build.contains(r#""commit": "#),
+        "{build}"
+    );
+    assert!(v(&after, "process_cpu_seconds_total{}") > 0.0, "{after}");
+    assert!(v(&after, "process_resident_memory_bytes{}") > 1e6);
+    assert!(v(&after, "process_open_fds{}") >= 3.0);
+    assert!(v(&after, "process_max_fds{}") >= v(&after, "process_open_fds{}"));
+    assert!(v(&after, "process_start_time_seconds{}") > 1.6e9);
     assert!(
         v(
             &after,
@@ -170,7 +207,8 @@ print(json.dumps(out))
         "fencegate_dedup_in_doubt_total",
         "fencegate_store_errors_total",
         "fencegate_flush_records_total",
-        "fencegate_store_clock_offset_milliseconds",
+        "fencegate_store_clock_offset_seconds",
+        "fencegate_config_last_reload_successful",
     ] {
         assert!(
             after

@@ -147,6 +147,7 @@ fn group_commit(c: &mut Criterion) {
                             created_ms: n,
                             updated_ms: n,
                             response: None,
+                            request: None,
                         };
                         tokio::spawn(async move {
                             d.put_record(&key, &rec).expect("insert");

@@ -1,11 +1,22 @@
-//! The admin listener (SPEC §8): health, readiness, metrics, lease state, and the
-//! dedup records an operator may need to inspect or resolve.
+//! The admin listener (SPEC §8): health, readiness, metrics, lease state, the
+//! dedup records an operator may need to list, inspect or resolve, and — for a
+//! browser asking for `/` — the operator's page ([`page`]).
+//!
+//! HTTP conventions: every `GET` endpoint answers `HEAD`; a known path with
+//! another method is 405 with `Allow`; `GET /` for a non-browser client is the
+//! endpoint index. Mutating calls need the admin token: as `Authorization:
+//! Bearer`, or for the page's forms as its session cookie plus the form token
+//! ([`session`]).
+
+mod form;
+pub mod page;
+mod session;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
@@ -16,25 +27,166 @@ use crate::epoch::TokenHash;
 use crate::error::AdminError;
 use crate::metrics::Metrics;
 use crate::shared::Shared;
+use crate::state::{ListCursor, Listing, Record, RecordKey};
+use page::{Access, KeyRow, LeaseRow, PageView, ShardRow, StoreHealth};
+use session::Session;
 
 pub struct Admin {
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
+    /// Drawn at start-up: the page's sessions are this process's only.
+    session_secret: String,
     store_timeout: Duration,
 }
 
-fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(
-        serde_json::to_vec_pretty(&v).unwrap_or_default(),
-    )));
+/// The admin endpoints, for routing and for the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint<'a> {
+    Index,
+    Healthz,
+    Readyz,
+    Metrics,
+    Leases,
+    DedupList,
+    DedupGet(&'a str, &'a str),
+    DedupResolve(&'a str, &'a str),
+    Login,
+    Logout,
+}
+
+/// Method, path and purpose of each endpoint (the index, `GET /`).
+const INDEX: &[(&str, &str, &str)] = &[
+    ("GET", "/", "this index; a browser (Accept: text/html) gets the operator's page"),
+    ("GET", "/healthz", "the process is up"),
+    ("GET", "/readyz", "the lease store and the state backend answer"),
+    ("GET", "/metrics", "Prometheus text"),
+    ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
+    ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
+    ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
+    ("POST", "/v1/dedup/{route}/{key}/resolve", "resolve an in-doubt key: {\"outcome\": \"delivered\"|\"not_delivered\"} (admin token)"),
+    ("POST", "/login", "the operator page's login form"),
+    ("POST", "/logout", "ends the operator page's session"),
+];
+
+impl<'a> Endpoint<'a> {
+    fn of(path: &'a str) -> Option<Endpoint<'a>> {
+        let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        Some(match segs.as_slice() {
+            [""] => Endpoint::Index,
+            ["healthz"] => Endpoint::Healthz,
+            ["readyz"] => Endpoint::Readyz,
+            ["metrics"] => Endpoint::Metrics,
+            ["login"] => Endpoint::Login,
+            ["logout"] => Endpoint::Logout,
+            ["v1", "leases"] => Endpoint::Leases,
+            ["v1", "dedup"] => Endpoint::DedupList,
+            ["v1", "dedup", route, key] => Endpoint::DedupGet(route, key),
+            ["v1", "dedup", route, key, "resolve"] => Endpoint::DedupResolve(route, key),
+            _ => return None,
+        })
+    }
+
+    /// The one method it takes (`GET` ones take `HEAD` too).
+    fn method(self) -> Method {
+        match self {
+            Endpoint::DedupResolve(..) | Endpoint::Login | Endpoint::Logout => Method::POST,
+            _ => Method::GET,
+        }
+    }
+}
+
+fn with_type(
+    body: impl Into<Bytes>,
+    status: StatusCode,
+    ctype: &'static str,
+) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
     *r.status_mut() = status;
-    r.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(ctype));
     r.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     r
+}
+
+fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
+    with_type(
+        serde_json::to_vec_pretty(&v).unwrap_or_default(),
+        status,
+        "application/json",
+    )
+}
+
+fn html(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut r = with_type(body, status, "text/html; charset=utf-8");
+    let h = r.headers_mut();
+    // The page loads nothing from elsewhere and runs no script; it may not be framed.
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    r
+}
+
+/// 303 to `location` (after a form's POST), with optional extra headers.
+fn see_other(location: &str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::new()));
+    *r.status_mut() = StatusCode::SEE_OTHER;
+    if let Ok(v) = HeaderValue::from_str(location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+/// Whether the client asked for HTML (a browser) rather than JSON.
+fn wants_html(h: &HeaderMap) -> bool {
+    h.get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/html"))
+}
+
+fn is_form(h: &HeaderMap) -> bool {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/x-www-form-urlencoded"))
+}
+
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, AdminError> {
+    Ok(Limited::new(req.into_body(), 4096)
+        .collect()
+        .await
+        .map_err(|_| AdminError::BadRequest("body unreadable or over 4 KiB"))?
+        .to_bytes())
+}
+
+fn form_field(pairs: &[(String, String)], name: &str) -> Option<String> {
+    pairs
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.clone())
+}
+
+fn key_json(k: &RecordKey, r: &Record) -> Value {
+    json!({
+        "route": k.route,
+        "key": k.key,
+        "state": r.state.as_str(),
+        "epoch": r.epoch.get(),
+        "created_at": rfc3339(ms_to_system(r.created_ms)),
+        "updated_at": rfc3339(ms_to_system(r.updated_ms)),
+        "method": r.request.as_ref().map(|q| &q.method),
+        "path": r.request.as_ref().map(|q| &q.path),
+    })
 }
 
 impl Admin {
@@ -42,50 +194,88 @@ impl Admin {
         Admin {
             shared,
             metrics,
+            session_secret: crate::lease::acquire::fresh_token(),
             store_timeout,
         }
     }
 
+    /// The admin token (hashed) as the last reload left it (SPEC §8).
+    fn token(&self) -> Option<TokenHash> {
+        self.shared.live.current().admin_token
+    }
+
+    /// The page's session for the current admin token, when there is one (a
+    /// reload that changes the token ends every session).
+    fn session(&self) -> Option<Session> {
+        self.token().map(|t| Session::new(&self.session_secret, &t))
+    }
+
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
-        self.route(req).await.unwrap_or_else(|e| e.to_response())
+        let head = req.method() == Method::HEAD;
+        let mut resp = self.route(req).await.unwrap_or_else(|e| e.to_response());
+        if head {
+            // What GET would send, without the body.
+            let len = hyper::body::Body::size_hint(resp.body())
+                .exact()
+                .unwrap_or(0);
+            resp.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+            *resp.body_mut() = Full::new(Bytes::new());
+        }
+        resp
     }
 
     async fn route(&self, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, AdminError> {
         let path = req.uri().path().to_owned();
-        let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-        Ok(match (req.method().clone(), segs.as_slice()) {
-            (Method::GET, ["healthz"]) => json_response(StatusCode::OK, json!({"status": "ok"})),
-            (Method::GET, ["readyz"]) => self.readyz().await,
-            (Method::GET, ["metrics"]) => {
-                let mut r = Response::new(Full::new(Bytes::from(self.metrics.render())));
-                r.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static(
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    ),
-                );
+        let ep = Endpoint::of(&path).ok_or(AdminError::NoSuchEndpoint)?;
+        let method = match req.method() {
+            &Method::HEAD => Method::GET,
+            m => m.clone(),
+        };
+        if method != ep.method() {
+            return Err(AdminError::MethodNotAllowed(
+                if ep.method() == Method::GET {
+                    "GET, HEAD"
+                } else {
+                    "POST"
+                },
+            ));
+        }
+        Ok(match ep {
+            Endpoint::Index if wants_html(req.headers()) => self.page(&req).await?,
+            Endpoint::Index => self.index(),
+            Endpoint::Healthz => json_response(StatusCode::OK, json!({"status": "ok"})),
+            Endpoint::Readyz => self.readyz().await,
+            Endpoint::Metrics => with_type(
+                self.metrics.render(),
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            ),
+            Endpoint::Leases => self.leases(),
+            Endpoint::DedupList => self.dedup_list(&req).await?,
+            Endpoint::DedupGet(route, key) => self.dedup_get(route, key).await?,
+            Endpoint::DedupResolve(route, key) => {
+                let (route, key) = (route.to_string(), key.to_string());
+                if req.headers().contains_key(header::AUTHORIZATION) || !is_form(req.headers()) {
+                    self.authorize(&req)?;
+                    let body = read_body(req).await?;
+                    self.dedup_resolve(&route, &key, &body).await?
+                } else {
+                    self.resolve_form(req, &route, &key).await
+                }
+            }
+            Endpoint::Login => self.login(req).await?,
+            Endpoint::Logout => {
+                let mut r = see_other("/");
+                r.headers_mut()
+                    .insert(header::SET_COOKIE, Session::clear_cookie());
                 r
             }
-            (Method::GET, ["v1", "leases"]) => self.leases(),
-            (Method::GET, ["v1", "dedup", route, key]) => self.dedup_get(route, key).await?,
-            (Method::POST, ["v1", "dedup", route, key, "resolve"]) => {
-                self.authorize(&req)?;
-                let (route, key) = (route.to_string(), key.to_string());
-                let body = Limited::new(req.into_body(), 4096)
-                    .collect()
-                    .await
-                    .map_err(|_| AdminError::BadRequest("body unreadable or over 4 KiB"))?
-                    .to_bytes();
-                self.dedup_resolve(&route, &key, &body).await?
-            }
-            _ => return Err(AdminError::NoSuchEndpoint),
         })
     }
 
-    fn authorize(&self, req: &Request<Incoming>) -> Result<(), AdminError> {
-        // The token as the last reload left it (SPEC §8).
-        let live = self.shared.live.current();
-        let expected = live.admin_token.as_ref().ok_or(AdminError::Disabled)?;
+    fn authorize<B>(&self, req: &Request<B>) -> Result<(), AdminError> {
+        let expected = self.token().ok_or(AdminError::Disabled)?;
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -95,6 +285,17 @@ impl Admin {
             Some(t) if expected.matches(&TokenHash::of(t.as_bytes())) => Ok(()),
             _ => Err(AdminError::Unauthorized),
         }
+    }
+
+    fn index(&self) -> Response<Full<Bytes>> {
+        let endpoints: Vec<Value> = INDEX
+            .iter()
+            .map(|(m, p, what)| json!({"method": m, "path": p, "what": what}))
+            .collect();
+        json_response(
+            StatusCode::OK,
+            json!({"service": "fencegate", "version": env!("CARGO_PKG_VERSION"), "endpoints": endpoints}),
+        )
     }
 
     async fn readyz(&self) -> Response<Full<Bytes>> {
@@ -149,11 +350,72 @@ impl Admin {
         json_response(StatusCode::OK, json!({"leases": leases}))
     }
 
+    /// `GET /v1/dedup?state=S[&route=R][&limit=N][&after=NEXT]` (SPEC §8).
+    async fn dedup_list<B>(&self, req: &Request<B>) -> Result<Response<Full<Bytes>>, AdminError> {
+        self.authorize(req)?;
+        let (mut state, mut route, mut limit, mut after) = (None, None, 100usize, None);
+        for (name, value) in form::pairs(req.uri().query().unwrap_or(""), false) {
+            match name.as_str() {
+                "state" => {
+                    state = Some(match value.as_str() {
+                        "in_doubt" => State::InDoubt,
+                        "in_flight" => State::InFlight,
+                        "done" => State::Done,
+                        _ => {
+                            return Err(AdminError::BadRequest(
+                                "state must be in_doubt, in_flight or done",
+                            ))
+                        }
+                    })
+                }
+                "route" => {
+                    if !self.shared.has_route(&value) {
+                        return Err(AdminError::RouteNotFound(value));
+                    }
+                    route = Some(value);
+                }
+                "limit" => {
+                    limit = value
+                        .parse()
+                        .ok()
+                        .filter(|n| (1..=1000).contains(n))
+                        .ok_or(AdminError::BadRequest("limit must be 1 to 1000"))?
+                }
+                "after" => {
+                    after = Some(ListCursor::parse(&value).ok_or(AdminError::BadRequest(
+                        "after must be the `next` of the previous page",
+                    ))?)
+                }
+                _ => {
+                    return Err(AdminError::BadRequest(
+                        "unknown parameter: the listing takes state, route, limit and after",
+                    ))
+                }
+            }
+        }
+        let state = state.ok_or(AdminError::BadRequest(
+            "state is required, e.g. state=in_doubt",
+        ))?;
+        let Listing { records, total } = self
+            .shared
+            .state
+            .list(state, route.as_deref(), after.as_ref(), limit)
+            .await?;
+        let next = (records.len() == limit)
+            .then(|| records.last().map(|(k, r)| cursor(k, r).encode()))
+            .flatten();
+        let keys: Vec<Value> = records.iter().map(|(k, r)| key_json(k, r)).collect();
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"state": state.as_str(), "total": total, "keys": keys, "next": next}),
+        ))
+    }
+
     fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, AdminError> {
         if !self.shared.has_route(route) {
             return Err(AdminError::RouteNotFound(route.to_owned()));
         }
-        DedupKey::parse(&percent_decode(key)).map_err(AdminError::DedupKeyMalformed)
+        DedupKey::parse(&form::decode(key, false)).map_err(AdminError::DedupKeyMalformed)
     }
 
     async fn dedup_get(&self, route: &str, key: &str) -> Result<Response<Full<Bytes>>, AdminError> {
@@ -176,6 +438,8 @@ impl Admin {
                 "updated_at": rfc3339(ms_to_system(r.updated_ms)),
                 "response_status": r.response.as_ref().map(|s| s.status),
                 "response_body_stored": r.response.as_ref().map(|s| s.body.is_some()),
+                "method": r.request.as_ref().map(|q| &q.method),
+                "path": r.request.as_ref().map(|q| &q.path),
             }),
         ))
     }
@@ -186,7 +450,6 @@ impl Admin {
         key: &str,
         body: &[u8],
     ) -> Result<Response<Full<Bytes>>, AdminError> {
-        let k = self.parse_route_key(route, key)?;
         #[derive(serde::Deserialize)]
         #[serde(deny_unknown_fields)]
         struct Body {
@@ -199,6 +462,21 @@ impl Admin {
                 )
             })?
             .outcome;
+        let (k, state) = self.resolve(route, key, how).await?;
+        Ok(json_response(
+            StatusCode::OK,
+            json!({"route": route, "key": k.as_str(), "state": state}),
+        ))
+    }
+
+    /// Resolves an in-doubt key; the record's new state (`None`: deleted).
+    async fn resolve(
+        &self,
+        route: &str,
+        key: &str,
+        how: Resolution,
+    ) -> Result<(DedupKey, Option<&'static str>), AdminError> {
+        let k = self.parse_route_key(route, key)?;
         let owner = self
             .shared
             .owner_of_route(route)
@@ -215,29 +493,203 @@ impl Admin {
             outcome = how.as_str(),
             "operator resolved an in-doubt dedup key"
         );
-        Ok(json_response(
-            StatusCode::OK,
-            json!({"route": route, "key": k.as_str(), "state": state}),
-        ))
+        Ok((k, state))
+    }
+
+    /// The page's resolve form: session cookie, same-origin and the form token
+    /// (a cross-site page can make a browser POST, but not with them); answers
+    /// with a redirect back to the page.
+    async fn resolve_form(
+        &self,
+        req: Request<Incoming>,
+        route: &str,
+        key: &str,
+    ) -> Response<Full<Bytes>> {
+        let attempt = async {
+            let s = self.session().ok_or(AdminError::Disabled)?;
+            if !session::same_origin(req.headers()) {
+                return Err(AdminError::CrossSite);
+            }
+            if !s.presented(req.headers()) {
+                return Err(AdminError::Unauthorized);
+            }
+            let body = read_body(req).await?;
+            let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+            if !form_field(&fields, "csrf").is_some_and(|t| s.csrf_matches(&t)) {
+                return Err(AdminError::CrossSite);
+            }
+            let how = match form_field(&fields, "outcome").as_deref() {
+                Some("delivered") => Resolution::Delivered,
+                Some("not_delivered") => Resolution::NotDelivered,
+                _ => {
+                    return Err(AdminError::BadRequest(
+                        "outcome must be delivered or not_delivered",
+                    ))
+                }
+            };
+            let (k, _) = self.resolve(route, key, how).await?;
+            Ok(see_other(&format!(
+                "/?resolved={}&route={}&key={}",
+                how.as_str(),
+                form::encode(route),
+                form::encode(k.as_str())
+            )))
+        };
+        attempt.await.unwrap_or_else(|e| {
+            let (status, _) = e.status_and_code();
+            html(status, page::render_message("Not resolved", &e.to_string()))
+        })
+    }
+
+    /// `POST /login`: the token from the form becomes the session cookie.
+    async fn login(&self, req: Request<Incoming>) -> Result<Response<Full<Bytes>>, AdminError> {
+        let (Some(expected), Some(s)) = (self.token(), self.session()) else {
+            return Ok(see_other("/"));
+        };
+        if !session::same_origin(req.headers()) {
+            return Err(AdminError::CrossSite);
+        }
+        let body = read_body(req).await?;
+        let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+        let presented = form_field(&fields, "token").unwrap_or_default();
+        if !expected.matches(&TokenHash::of(presented.as_bytes())) {
+            tracing::warn!("operator page: a login with a wrong admin token was refused");
+            return Ok(html(
+                StatusCode::FORBIDDEN,
+                page::render_login(Some("That is not the admin token.")),
+            ));
+        }
+        let mut r = see_other("/");
+        r.headers_mut().insert(header::SET_COOKIE, s.set_cookie());
+        Ok(r)
+    }
+
+    /// `GET /` for a browser: the login form, or the page.
+    async fn page<B>(&self, req: &Request<B>) -> Result<Response<Full<Bytes>>, AdminError> {
+        let access = match self.session() {
+            None => Access::ReadOnly,
+            Some(s) if s.presented(req.headers()) => Access::Resolve {
+                csrf: s.csrf().to_owned(),
+            },
+            Some(_) => return Ok(html(StatusCode::OK, page::render_login(None))),
+        };
+        let q = form::pairs(req.uri().query().unwrap_or(""), false);
+        let view = self.gather(&q, access).await?;
+        Ok(html(StatusCode::OK, page::render(&view)))
+    }
+
+    /// What the page shows, for the query `q` (`leases=OFFSET`, `after=NEXT`,
+    /// and the notice of a resolve just done).
+    pub(crate) async fn gather(
+        &self,
+        q: &[(String, String)],
+        access: Access,
+    ) -> Result<PageView, AdminError> {
+        let offset = form_field(q, "leases")
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0);
+        let after = form_field(q, "after").and_then(|v| ListCursor::parse(&v));
+        let fences = self.shared.fences.all();
+        let mut leases_failing = 0;
+        let mut leases = Vec::with_capacity(page::LEASES_PER_PAGE);
+        for (i, f) in fences.iter().enumerate() {
+            let v = f.view();
+            if v.last_error.is_some() {
+                leases_failing += 1;
+            }
+            if (offset..offset + page::LEASES_PER_PAGE).contains(&i) {
+                leases.push(LeaseRow {
+                    lease: v.lease.as_str().to_owned(),
+                    mark: v.gate.mark.get(),
+                    latest: v.latest_known.get(),
+                    holder: v.holder,
+                    expires_at: v.expires_at,
+                    in_flight: v.gate.in_flight,
+                    in_doubt: v.gate.in_doubt,
+                    drains_started: v.gate.drains_started,
+                    drains_aborted: v.gate.drains_aborted,
+                    store_error: v.last_error,
+                });
+            }
+        }
+        let Listing { records, total } = self
+            .shared
+            .state
+            .list(State::InDoubt, None, after.as_ref(), page::KEYS_PER_PAGE)
+            .await?;
+        let keys_next = (records.len() == page::KEYS_PER_PAGE)
+            .then(|| records.last().map(|(k, r)| cursor(k, r).encode()))
+            .flatten();
+        let keys = records
+            .into_iter()
+            .map(|(k, r)| KeyRow {
+                route: k.route,
+                key: k.key,
+                epoch: r.epoch.get(),
+                created: ms_to_system(r.created_ms),
+                updated: ms_to_system(r.updated_ms),
+                method: r.request.as_ref().map(|q| q.method.clone()),
+                path: r.request.map(|q| q.path),
+            })
+            .collect();
+        let notice = match (
+            form_field(q, "resolved"),
+            form_field(q, "route"),
+            form_field(q, "key"),
+        ) {
+            (Some(how), Some(route), Some(key)) if how == "delivered" || how == "not_delivered" => {
+                Some(format!(
+                    "Resolved {route} / {key} as {}.",
+                    how.replace('_', " ")
+                ))
+            }
+            _ => None,
+        };
+        let clock = self.shared.store.clock();
+        Ok(PageView {
+            instance: self.shared.guard.id().to_owned(),
+            version: env!("CARGO_PKG_VERSION"),
+            now: clock.local_now(),
+            store_now: clock.now(),
+            health: StoreHealth {
+                store: self.shared.store.describe(),
+                clock_offset_ms: clock.offset_ms(),
+                state_ok: self.shared.state.is_healthy(),
+                leases_failing,
+            },
+            leases,
+            leases_total: fences.len(),
+            leases_offset: offset,
+            shards: self.shard_map().await,
+            keys,
+            keys_total: total,
+            keys_next,
+            keys_paged: after.is_some(),
+            access,
+            notice,
+        })
+    }
+
+    /// The shard map. A single instance: shard 0 of 1, the instance guard's
+    /// gate lease (SPEC §10.1).
+    async fn shard_map(&self) -> Vec<ShardRow> {
+        let g = &self.shared.guard;
+        let held = g.held().await;
+        vec![ShardRow {
+            shard: 0,
+            shards: 1,
+            owner: held.map(|_| g.id().to_owned()),
+            gate_epoch: held.map(|(e, _)| e.get()),
+            expires_at: held.map(|(_, t)| t),
+            this_instance: true,
+            serving: g.may_forward(),
+        }]
     }
 }
 
-fn percent_decode(s: &str) -> Vec<u8> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let Ok(v) =
-                u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
-            {
-                out.push(v);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
+fn cursor(k: &RecordKey, r: &Record) -> ListCursor {
+    ListCursor {
+        created_ms: r.created_ms,
+        key: k.clone(),
     }
-    out
 }

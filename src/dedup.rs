@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use crate::clock::{unix_ms, Clock};
 use crate::config::InDoubtPolicy;
 use crate::epoch::Epoch;
-pub use crate::state::{codec, Record, Resolution, Resolved, State, StoredResponse};
+pub use crate::state::{codec, Record, RequestLine, Resolution, Resolved, State, StoredResponse};
 use crate::state::{Begun, End, Owner, RecordKey, StateError, StateStore, TakeOver};
 
 /// A validated dedup key: 1–255 visible ASCII characters.
@@ -82,6 +82,23 @@ pub fn fingerprint(method: &str, path_query: &str, body: &[u8]) -> [u8; 32] {
         h.update(part);
     }
     h.finalize().into()
+}
+
+/// The action a key is claimed for: its fingerprint ("the same request", SPEC
+/// §6) and, for operators resolving it, its method and path.
+#[derive(Debug, Clone)]
+pub struct Action {
+    pub fingerprint: [u8; 32],
+    pub request: RequestLine,
+}
+
+impl Action {
+    pub fn new(method: &str, path_query: &str, body: &[u8]) -> Action {
+        Action {
+            fingerprint: fingerprint(method, path_query, body),
+            request: RequestLine::new(method, path_query),
+        }
+    }
 }
 
 /// Granted the right to forward a key: the holder must finish it.
@@ -188,10 +205,14 @@ impl Dedup {
         owner: Owner,
         route: &str,
         key: &DedupKey,
-        fp: [u8; 32],
+        action: Action,
         epoch: Epoch,
         policy: InDoubtPolicy,
     ) -> Result<Begin, DedupError> {
+        let Action {
+            fingerprint: fp,
+            request,
+        } = action;
         let k = record_key(route, key);
         let now = self.now_ms();
         let fresh = Record {
@@ -201,6 +222,7 @@ impl Dedup {
             created_ms: now,
             updated_ms: now,
             response: None,
+            request: Some(request),
         };
         let rec = match self
             .state
@@ -410,6 +432,7 @@ mod tests {
                 created_ms: c,
                 updated_ms: c / 2,
                 response: with_resp.then(|| StoredResponse { status, headers: hdrs, body: body.map(Bytes::from) }),
+                request: (state == 1).then(|| RequestLine::new("PATCH", "/a/ü?b")),
             };
             prop_assert_eq!(codec::decode(&codec::encode(&r)), Some(r));
         }
@@ -433,7 +456,10 @@ mod tests {
                 Owner::SINGLE,
                 "r",
                 &key,
-                fp,
+                Action {
+                    fingerprint: fp,
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(1),
                 InDoubtPolicy::Reject,
             )
@@ -447,7 +473,10 @@ mod tests {
                 Owner::SINGLE,
                 "r",
                 &key,
-                fp,
+                Action {
+                    fingerprint: fp,
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(1),
                 InDoubtPolicy::Reject
             )
@@ -473,7 +502,10 @@ mod tests {
                 Owner::SINGLE,
                 "r",
                 &key,
-                fp,
+                Action {
+                    fingerprint: fp,
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(2),
                 InDoubtPolicy::Reject,
             )
@@ -488,7 +520,10 @@ mod tests {
                 Owner::SINGLE,
                 "r",
                 &key,
-                fingerprint("POST", "/x", b"b"),
+                Action {
+                    fingerprint: fingerprint("POST", "/x", b"b"),
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(2),
                 InDoubtPolicy::Reject
             )
@@ -501,7 +536,10 @@ mod tests {
                 Owner::SINGLE,
                 "r2",
                 &key,
-                fp,
+                Action {
+                    fingerprint: fp,
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(1),
                 InDoubtPolicy::Reject
             )
@@ -533,7 +571,10 @@ mod tests {
                 Owner::SINGLE,
                 "r",
                 k,
-                fp,
+                Action {
+                    fingerprint: fp,
+                    request: RequestLine::new("POST", "/x"),
+                },
                 Epoch::new(1),
                 InDoubtPolicy::Reject,
             )

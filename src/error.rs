@@ -95,6 +95,10 @@ pub enum AdminError {
     State(#[from] StateError),
     #[error("this instance does not serve the route's lease right now")]
     ShardUnavailable,
+    #[error("this endpoint takes {0}")]
+    MethodNotAllowed(&'static str),
+    #[error("refused: the request did not come from the operator page of this listener")]
+    CrossSite,
 }
 
 impl AdminError {
@@ -111,6 +115,8 @@ impl AdminError {
             E::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             E::State(_) => (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable"),
             E::ShardUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
+            E::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            E::CrossSite => (StatusCode::FORBIDDEN, "cross_site_refused"),
         }
     }
 
@@ -122,6 +128,10 @@ impl AdminError {
                 http::header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer"),
             );
+        }
+        if let AdminError::MethodNotAllowed(allow) = self {
+            resp.headers_mut()
+                .insert(http::header::ALLOW, HeaderValue::from_static(allow));
         }
         resp
     }

@@ -205,6 +205,16 @@ impl Guard {
         now < self.forward_until_ms.load(Ordering::SeqCst)
     }
 
+    /// The gate epoch this instance holds and when it ends (store's clock), if it
+    /// holds one (the operator's page).
+    pub async fn held(&self) -> Option<(crate::epoch::Epoch, std::time::SystemTime)> {
+        self.holding
+            .lock()
+            .await
+            .as_ref()
+            .map(|h| (h.epoch, h.expires_at))
+    }
+
     pub fn id(&self) -> &str {
         &self.id
     }

@@ -26,7 +26,7 @@
 #![forbid(unsafe_code)]
 
 pub(crate) mod access;
-pub(crate) mod admin;
+pub mod admin;
 pub mod admission;
 pub mod cli;
 pub mod clock;

@@ -343,6 +343,7 @@ async fn prepopulate(data_dir: &std::path::Path, n: u64) -> Result<(), String> {
                 ],
                 body: Some(body.clone()),
             }),
+            request: Some(fencegate::dedup::RequestLine::new("POST", "/bench/charge")),
         };
         d.put_record(&k, &rec).map_err(|e| e.to_string())?;
     }

@@ -16,7 +16,7 @@ use routes::RouteIndex;
 use crate::access::{self, Seen};
 use crate::admission::Claim;
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
-use crate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
+use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
 use crate::error::ProxyError;
 use crate::fence::Fence;
@@ -277,7 +277,6 @@ impl Proxy {
         };
         let key: &'s DedupKey = seen.key.insert(key);
         let ticket = if record {
-            let fp = dedup::fingerprint(method, path_query, &body);
             // Not raced against a drain abort: a record must never be left
             // `in_flight` by a request that stopped halfway through writing it.
             match self
@@ -286,7 +285,7 @@ impl Proxy {
                     route.fence.owner(),
                     &route.name,
                     key,
-                    fp,
+                    Action::new(method, path_query, &body),
                     epoch,
                     route.in_doubt,
                 )

@@ -28,7 +28,7 @@ mod witness;
 use async_trait::async_trait;
 
 use crate::epoch::{Epoch, LeaseName};
-pub use record::{Record, State, StoredResponse, TakeOver};
+pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 
 /// The generation under which an instance writes the state of one shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -59,6 +59,41 @@ pub struct LeaseMarks {
 pub struct RecordKey {
     pub route: String,
     pub key: String,
+}
+
+/// A position in a listing of records oldest first ([`StateStore::list`]): the
+/// last record's creation time and key. It carries the time so that a page can
+/// follow one whose last record was resolved (and so is gone) meanwhile.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ListCursor {
+    pub created_ms: u64,
+    pub key: RecordKey,
+}
+
+impl ListCursor {
+    /// `{created_ms}/{route}/{key}`: route names have no `/`, keys come last.
+    pub fn encode(&self) -> String {
+        format!("{}/{}/{}", self.created_ms, self.key.route, self.key.key)
+    }
+
+    pub fn parse(s: &str) -> Option<ListCursor> {
+        let (ms, rest) = s.split_once('/')?;
+        let (route, key) = rest.split_once('/')?;
+        Some(ListCursor {
+            created_ms: ms.parse().ok()?,
+            key: RecordKey {
+                route: route.to_owned(),
+                key: key.to_owned(),
+            },
+        })
+    }
+}
+
+/// One page of a listing, and how many records matched in all.
+#[derive(Debug, Default)]
+pub struct Listing {
+    pub records: Vec<(RecordKey, Record)>,
+    pub total: u64,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -184,14 +219,15 @@ pub trait StateStore: Send + Sync + 'static {
         now_ms: u64,
     ) -> Result<Resolved, StateError>;
 
-    /// Up to `limit` records in `state`, by key, after `after`, on `route` if given.
+    /// Up to `limit` records in `state` (on `route` if given), oldest first — by
+    /// creation time, then route and key — after `after`; and how many there are.
     async fn list(
         &self,
         state: State,
         route: Option<&str>,
-        after: Option<&RecordKey>,
+        after: Option<&ListCursor>,
         limit: usize,
-    ) -> Result<Vec<(RecordKey, Record)>, StateError>;
+    ) -> Result<Listing, StateError>;
 
     /// Removes expired records ([`Record::expired`]); returns how many.
     async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError>;

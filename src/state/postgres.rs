@@ -31,8 +31,8 @@ use tokio_postgres::Row;
 
 use super::schema::{self, epoch_from_sql, epoch_to_sql};
 use super::{
-    Begun, CommitStats, End, LeaseMarks, Owner, Record, RecordKey, Resolution, Resolved, State,
-    StateError, StateStore, StoredResponse, TakeOver,
+    Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey,
+    RequestLine, Resolution, Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
 };
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
@@ -72,7 +72,7 @@ fn state_of(code: i16) -> Option<State> {
 }
 
 const RECORD_COLUMNS: &str =
-    "state, fingerprint, epoch, created_ms, updated_ms, status, header_names, header_values, body";
+    "state, fingerprint, epoch, created_ms, updated_ms, status, header_names, header_values, body, method, path";
 
 fn record_of(row: &Row) -> Option<Record> {
     let fingerprint: Vec<u8> = row.get(1);
@@ -80,6 +80,8 @@ fn record_of(row: &Row) -> Option<Record> {
     let names: Option<Vec<String>> = row.get(6);
     let values: Option<Vec<Vec<u8>>> = row.get(7);
     let body: Option<Vec<u8>> = row.get(8);
+    let method: Option<String> = row.get(9);
+    let path: Option<String> = row.get(10);
     let state = state_of(row.get(0))?;
     Some(Record {
         state,
@@ -96,7 +98,18 @@ fn record_of(row: &Row) -> Option<Record> {
                 .collect(),
             body: body.map(Bytes::from),
         }),
+        request: method
+            .zip(path)
+            .map(|(method, path)| RequestLine { method, path }),
     })
+}
+
+/// The `method` and `path` columns (NULL for a record without them).
+fn request_columns(r: &Record) -> (Option<String>, Option<String>) {
+    r.request
+        .as_ref()
+        .map(|q| (q.method.clone(), q.path.clone()))
+        .unzip()
 }
 
 fn ms(v: u64) -> i64 {
@@ -403,14 +416,15 @@ impl StateStore for PostgresState {
     ) -> Result<Begun, StateError> {
         let insert = format!(
             "INSERT INTO fencegate_dedup \
-               (route, key, shard, state, fingerprint, epoch, owner_generation, created_ms, updated_ms) \
-             SELECT $1, $2, $3, 0, $4, $5, $6, $7, $7 WHERE {} \
+               (route, key, shard, state, fingerprint, epoch, owner_generation, created_ms, updated_ms, method, path) \
+             SELECT $1, $2, $3, 0, $4, $5, $6, $7, $7, $8, $9 WHERE {} \
              ON CONFLICT (route, key) DO NOTHING RETURNING 1",
             owner_ok(3, 6)
         );
         let (route, k) = (key.route.clone(), key.key.clone());
         let fp = fresh.fingerprint.to_vec();
         let (epoch, created) = (epoch_to_sql(fresh.epoch.get()), ms(fresh.created_ms));
+        let (method, path) = request_columns(fresh);
         let claimed = self
             .with("claiming a key", |c| async move {
                 let st = c.prepare_cached(&insert).await?;
@@ -424,6 +438,8 @@ impl StateStore for PostgresState {
                         &epoch,
                         &generation(owner),
                         &created,
+                        &method,
+                        &path,
                     ],
                 )
                 .await
@@ -459,13 +475,15 @@ impl StateStore for PostgresState {
             let update = format!(
                 "UPDATE fencegate_dedup SET state = 0, fingerprint = $3, epoch = $4, \
                    owner_generation = $6, shard = $5, created_ms = $7, updated_ms = $8, \
-                   status = NULL, header_names = NULL, header_values = NULL, body = NULL \
+                   status = NULL, header_names = NULL, header_values = NULL, body = NULL, \
+                   method = $12, path = $13 \
                  WHERE route = $1 AND key = $2 AND state = $9 AND updated_ms = $10 \
                    AND fingerprint = $11 AND {}",
                 owner_ok(5, 6)
             );
             let (route, k) = (key.route.clone(), key.key.clone());
             let (fp, old_fp) = (write.fingerprint.to_vec(), existing.fingerprint.to_vec());
+            let (method, path) = request_columns(&write);
             let n = self
                 .with("taking over a key", |c| async move {
                     let st = c.prepare_cached(&update).await?;
@@ -483,6 +501,8 @@ impl StateStore for PostgresState {
                             &state_code(existing.state),
                             &ms(existing.updated_ms),
                             &old_fp,
+                            &method,
+                            &path,
                         ],
                     )
                     .await
@@ -673,43 +693,58 @@ impl StateStore for PostgresState {
         &self,
         state: State,
         route: Option<&str>,
-        after: Option<&RecordKey>,
+        after: Option<&ListCursor>,
         limit: usize,
-    ) -> Result<Vec<(RecordKey, Record)>, StateError> {
+    ) -> Result<Listing, StateError> {
         let route = route.map(str::to_owned);
-        let (after_route, after_key) = after.map_or((String::new(), String::new()), |a| {
-            (a.route.clone(), a.key.clone())
-        });
+        let (after_ms, after_route, after_key) = after
+            .map_or((-1, String::new(), String::new()), |a| {
+                (ms(a.created_ms), a.key.route.clone(), a.key.key.clone())
+            });
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = self
+        let code = state_code(state);
+        let (rows, total) = self
             .with("listing records", |c| async move {
-                let st = c
+                let page = c
                     .prepare_cached(&format!(
                         "SELECT {RECORD_COLUMNS}, route, key FROM fencegate_dedup \
                          WHERE state = $1 AND ($2::text IS NULL OR route = $2) \
-                           AND (route, key) > ($3, $4) \
-                         ORDER BY route, key LIMIT $5"
+                           AND (created_ms, route, key) > ($3, $4, $5) \
+                         ORDER BY created_ms, route, key LIMIT $6"
                     ))
                     .await?;
-                c.query(
-                    &st,
-                    &[&state_code(state), &route, &after_route, &after_key, &limit],
-                )
-                .await
+                let count = c
+                    .prepare_cached(
+                        "SELECT count(*) FROM fencegate_dedup \
+                         WHERE state = $1 AND ($2::text IS NULL OR route = $2)",
+                    )
+                    .await?;
+                let rows = c
+                    .query(
+                        &page,
+                        &[&code, &route, &after_ms, &after_route, &after_key, &limit],
+                    )
+                    .await?;
+                let total: i64 = c.query_one(&count, &[&code, &route]).await?.get(0);
+                Ok((rows, total))
             })
             .await?;
-        Ok(rows
+        let records = rows
             .iter()
             .filter_map(|r| {
                 Some((
                     RecordKey {
-                        route: r.get(9),
-                        key: r.get(10),
+                        route: r.get(11),
+                        key: r.get(12),
                     },
                     record_of(r)?,
                 ))
             })
-            .collect())
+            .collect();
+        Ok(Listing {
+            records,
+            total: u64::try_from(total).unwrap_or(0),
+        })
     }
 
     async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError> {

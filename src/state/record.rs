@@ -32,6 +32,38 @@ pub struct StoredResponse {
     pub body: Option<Bytes>,
 }
 
+/// The request a record is for, as an operator needs to find it at the
+/// destination (the path without its query, which may carry secrets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLine {
+    pub method: String,
+    pub path: String,
+}
+
+impl RequestLine {
+    /// The longest path kept, in bytes.
+    pub const MAX_PATH: usize = 1024;
+    /// The longest method kept, in bytes.
+    pub const MAX_METHOD: usize = 32;
+
+    /// `path_query` without its query, each cut to its maximum.
+    pub fn new(method: &str, path_query: &str) -> RequestLine {
+        let path = path_query.split('?').next().unwrap_or_default();
+        RequestLine {
+            method: cut(method, Self::MAX_METHOD).to_owned(),
+            path: cut(path, Self::MAX_PATH).to_owned(),
+        }
+    }
+}
+
+fn cut(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// One dedup record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -41,6 +73,8 @@ pub struct Record {
     pub created_ms: u64,
     pub updated_ms: u64,
     pub response: Option<StoredResponse>,
+    /// `None` for records written before fencegate kept it.
+    pub request: Option<RequestLine>,
 }
 
 /// When a new request may take over an existing record of its key instead of
@@ -90,6 +124,7 @@ mod tests {
             created_ms,
             updated_ms: created_ms,
             response: None,
+            request: None,
         }
     }
 

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 1;
+pub const VERSION: i32 = 2;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -56,6 +56,10 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key);
     CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1;
     CREATE INDEX fencegate_dedup_in_flight_by_shard ON fencegate_dedup (shard) WHERE state = 0;",
+    // 1 → 2: the request's method and path (NULL in older records), and
+    // listings oldest first.
+    "ALTER TABLE fencegate_dedup ADD COLUMN method text, ADD COLUMN path text;
+    CREATE INDEX fencegate_dedup_by_state_age ON fencegate_dedup (state, created_ms, route, key);",
 ];
 
 /// Creates or migrates the schema; returns the version found before.

@@ -7,7 +7,7 @@
 //! mark. A record's transitions are compare-and-swap on its key, so two
 //! concurrent requests with one key cannot both forward.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -16,8 +16,8 @@ use async_trait::async_trait;
 
 use super::flusher::{mark_snapshot, Flusher, GroupCommit, COMMIT_SEQ};
 use super::{
-    codec, witness, Begun, CommitStats, End, LeaseMarks, Owner, Record, RecordKey, Resolution,
-    Resolved, State, StateError, StateStore, TakeOver,
+    codec, witness, Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record,
+    RecordKey, Resolution, Resolved, State, StateError, StateStore, TakeOver,
 };
 use crate::epoch::{Epoch, LeaseName};
 
@@ -410,43 +410,60 @@ impl StateStore for SledState {
         &self,
         state: State,
         route: Option<&str>,
-        after: Option<&RecordKey>,
+        after: Option<&ListCursor>,
         limit: usize,
-    ) -> Result<Vec<(RecordKey, Record)>, StateError> {
+    ) -> Result<Listing, StateError> {
         let prefix = route.map(|r| {
             let mut p = r.as_bytes().to_vec();
             p.push(0);
             p
         });
-        let start = match (after, &prefix) {
-            (Some(a), _) => {
-                let mut k = db_key(a);
-                k.push(0); // just past `a`
-                k
-            }
-            (None, Some(p)) => p.clone(),
-            (None, None) => Vec::new(),
-        };
-        // May scan far for a rare state: off the runtime's threads.
+        // `route \0 key` orders as (route, key) does: 0 sorts below every byte
+        // of a route name.
+        let after = after.map(|a| (a.created_ms, db_key(&a.key)));
+        // Oldest first needs every record of the state: one scan that peeks at
+        // state and age, keeping the `limit` oldest past `after` in a heap. Off
+        // the runtime's threads.
         let tree = self.dedup.clone();
         tokio::task::spawn_blocking(move || {
-            let mut out = Vec::new();
-            for item in tree.range(start..) {
+            let mut total = 0u64;
+            let mut heap: BinaryHeap<(u64, sled::IVec, sled::IVec)> = BinaryHeap::new();
+            let items = match &prefix {
+                Some(p) => tree.scan_prefix(p),
+                None => tree.iter(),
+            };
+            for item in items {
                 let (k, v) = item.map_err(write_err)?;
-                if prefix.as_ref().is_some_and(|p| !k.starts_with(p)) {
-                    break;
-                }
-                let (Some(key), Some(rec)) = (record_key(&k), codec::decode(&v)) else {
+                let Some((s, created)) = codec::peek(&v) else {
                     continue;
                 };
-                if rec.state == state {
-                    out.push((key, rec));
-                    if out.len() == limit {
-                        break;
-                    }
+                if s != state {
+                    continue;
+                }
+                total += 1;
+                if limit == 0
+                    || after
+                        .as_ref()
+                        .is_some_and(|(ms, key)| (created, &k[..]) <= (*ms, &key[..]))
+                {
+                    continue;
+                }
+                if heap.len() < limit {
+                    heap.push((created, k, v));
+                } else if heap
+                    .peek()
+                    .is_some_and(|(ms, key, _)| (created, &k[..]) < (*ms, &key[..]))
+                {
+                    heap.pop();
+                    heap.push((created, k, v));
                 }
             }
-            Ok(out)
+            let records = heap
+                .into_sorted_vec()
+                .into_iter()
+                .filter_map(|(_, k, v)| Some((record_key(&k)?, codec::decode(&v)?)))
+                .collect();
+            Ok(Listing { records, total })
         })
         .await
         .map_err(|e| StateError::Write(format!("the listing stopped: {e}")))?

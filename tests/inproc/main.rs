@@ -17,3 +17,4 @@ mod errors;
 mod fencing;
 mod harness;
 mod hygiene;
+mod operator;

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use fencegate::clock::SystemClock;
 use fencegate::config::InDoubtPolicy;
-use fencegate::dedup::{self, Begin, Dedup, DedupKey, Outcome};
+use fencegate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome, RequestLine};
 use fencegate::epoch::{Epoch, LeaseName};
 use fencegate::lease::acquire::Holding;
 use fencegate::state::sled::SledState;
@@ -507,7 +507,10 @@ async fn no_flipped_or_cut_byte_lowers_a_mark() {
                     Owner::SINGLE,
                     "r",
                     &key,
-                    fp,
+                    Action {
+                        fingerprint: fp,
+                        request: RequestLine::new("POST", "/x"),
+                    },
                     Epoch::new(round),
                     InDoubtPolicy::Reject,
                 )

@@ -766,6 +766,7 @@ fn claim(fp: u8, now: u64) -> Record {
         created_ms: now,
         updated_ms: now,
         response: None,
+        request: None,
     }
 }
 
@@ -1064,6 +1065,70 @@ fn schema_version(pg: &PgServer, db: &str) -> String {
     )
 }
 
+fn current() -> String {
+    fencegate::state::schema::VERSION.to_string()
+}
+
+/// A database of schema 1 (records without method and path) is migrated in
+/// place: its records read as before, with no request line, and new ones keep
+/// theirs; listings work on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_1_records_survive_the_migration_to_2() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let first = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    first.close().await.unwrap();
+    drop(first);
+    // Back to schema 1, with a record written by a build of that schema.
+    pg.psql(
+        &db,
+        "DROP INDEX fencegate_dedup_by_state_age; \
+         ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
+         UPDATE fencegate_schema SET version = 1; \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms) \
+         VALUES ('pay', 'old', 0, 2, decode(repeat('07', 32), 'hex'), \
+           (3 # (1::bigint << 63)), 0, 1000, 2000)",
+    );
+    assert_eq!(schema_version(pg, &db), "1");
+    let st = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(schema_version(pg, &db), current());
+    let old = st.get(&rkey("old")).await.unwrap().expect("the old record");
+    assert_eq!(
+        (old.state, old.epoch.get(), old.created_ms),
+        (State::InDoubt, 3, 1000)
+    );
+    assert_eq!(old.request, None);
+    let mut fresh = claim(1, 500);
+    fresh.request = Some(fencegate::dedup::RequestLine::new("PUT", "/pay/new?x=1"));
+    st.begin(Owner::SINGLE, &rkey("new"), &fresh, STRICT)
+        .await
+        .unwrap();
+    let back = st.get(&rkey("new")).await.unwrap().unwrap();
+    assert_eq!(back.request, fresh.request);
+    st.finish(
+        Owner::SINGLE,
+        &rkey("new"),
+        End::InDoubt(ended(1, 600, State::InDoubt)),
+    )
+    .await
+    .unwrap();
+    let listed = st.list(State::InDoubt, None, None, 10).await.unwrap();
+    let keys: Vec<&str> = listed.records.iter().map(|(k, _)| k.key.as_str()).collect();
+    assert_eq!(keys, ["new", "old"], "oldest first");
+    assert_eq!(listed.total, 2);
+    assert_eq!(
+        listed.records[0]
+            .1
+            .request
+            .as_ref()
+            .map(|q| q.path.as_str()),
+        Some("/pay/new"),
+        "the in-doubt record keeps the request line of its claim"
+    );
+}
+
 fn fencegate_tables(pg: &PgServer, db: &str) -> String {
     pg.psql(
         db,
@@ -1072,7 +1137,7 @@ fn fencegate_tables(pg: &PgServer, db: &str) -> String {
     )
 }
 
-/// An empty database gets the schema (version 1); a second start changes
+/// An empty database gets the schema (the current version); a second start changes
 /// nothing and keeps the data; three instances starting at once on an empty
 /// database all succeed, with one schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1082,7 +1147,7 @@ async fn schema_is_created_once_and_kept() {
     let (db, url) = pg.new_database();
     assert_eq!(fencegate_tables(pg, &db), "");
     let first = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(schema_version(pg, &db), "1");
+    assert_eq!(schema_version(pg, &db), current());
     assert_eq!(
         fencegate_tables(pg, &db),
         "fencegate_dedup,fencegate_marks,fencegate_owners,fencegate_schema"
@@ -1101,7 +1166,7 @@ async fn schema_is_created_once_and_kept() {
     drop(first);
 
     let second = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(schema_version(pg, &db), "1");
+    assert_eq!(schema_version(pg, &db), current());
     assert_eq!(second.marks(&lease).await.unwrap().mark, Epoch::new(7));
     assert_eq!(
         second.get(&rkey("kept")).await.unwrap(),
@@ -1119,7 +1184,7 @@ async fn schema_is_created_once_and_kept() {
     for (i, r) in [x, y, z].into_iter().enumerate() {
         assert!(r.is_ok(), "instance {i}: {:?}", r.err());
     }
-    assert_eq!(schema_version(pg, &db3), "1");
+    assert_eq!(schema_version(pg, &db3), current());
     assert_eq!(
         fencegate_tables(pg, &db3),
         "fencegate_dedup,fencegate_marks,fencegate_owners,fencegate_schema"

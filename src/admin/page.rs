@@ -1,0 +1,501 @@
+//! The operator's page (SPEC §8, issue 16): one server-rendered HTML page on the
+//! admin listener — leases and their marks, the store, the shard map, and the
+//! in-doubt keys with the two buttons that resolve them. No script, nothing
+//! fetched from elsewhere; it reloads itself with a meta refresh.
+//!
+//! Rendering is a pure function of a [`PageView`], gathered by the admin API, so
+//! tests and benches build views directly. Every value from outside (lease and
+//! holder names, keys, paths, error texts) goes through [`esc`].
+
+use std::fmt::Write as _;
+use std::time::SystemTime;
+
+use crate::clock::rfc3339;
+
+use super::form;
+
+/// Leases shown per page of the lease table.
+pub const LEASES_PER_PAGE: usize = 100;
+/// In-doubt keys shown per page.
+pub const KEYS_PER_PAGE: usize = 50;
+/// Seconds between the page's reloads.
+pub const REFRESH_SECS: u32 = 10;
+
+/// One lease as the page shows it.
+#[derive(Debug, Clone)]
+pub struct LeaseRow {
+    pub lease: String,
+    pub mark: u64,
+    pub latest: u64,
+    pub holder: Option<String>,
+    /// On the store's clock.
+    pub expires_at: Option<SystemTime>,
+    pub in_flight: usize,
+    pub in_doubt: usize,
+    pub drains_started: u64,
+    pub drains_aborted: u64,
+    pub store_error: Option<String>,
+}
+
+/// One shard of the shard map. A single instance has one: shard 0 of 1, its
+/// instance guard's gate lease (SPEC §10.1); a cluster has `shards` of them.
+#[derive(Debug, Clone)]
+pub struct ShardRow {
+    pub shard: u32,
+    pub shards: u32,
+    /// The instance holding the shard's gate lease, if anyone does.
+    pub owner: Option<String>,
+    pub gate_epoch: Option<u64>,
+    /// On the store's clock.
+    pub expires_at: Option<SystemTime>,
+    /// Whether the owner is this instance.
+    pub this_instance: bool,
+    /// Whether this instance forwards the shard's requests now.
+    pub serving: bool,
+}
+
+/// One in-doubt key.
+#[derive(Debug, Clone)]
+pub struct KeyRow {
+    pub route: String,
+    pub key: String,
+    pub epoch: u64,
+    /// When the request arrived (fencegate's clock).
+    pub created: SystemTime,
+    /// When it went in doubt.
+    pub updated: SystemTime,
+    /// The request's method and path, when the record keeps them.
+    pub method: Option<String>,
+    pub path: Option<String>,
+}
+
+/// Whether the viewer may resolve keys.
+#[derive(Debug, Clone)]
+pub enum Access {
+    /// No admin token configured: the page is read-only.
+    ReadOnly,
+    /// Logged in: forms carry this token.
+    Resolve { csrf: String },
+}
+
+/// The store and the state backend.
+#[derive(Debug, Clone)]
+pub struct StoreHealth {
+    pub store: String,
+    /// Store minus local clock (upper end of the estimate), ms.
+    pub clock_offset_ms: i64,
+    pub state_ok: bool,
+    /// Leases whose last store call failed.
+    pub leases_failing: usize,
+}
+
+/// Everything the page shows.
+#[derive(Debug, Clone)]
+pub struct PageView {
+    pub instance: String,
+    pub version: &'static str,
+    /// This instance's clock (record times).
+    pub now: SystemTime,
+    /// The store's clock (lease and gate expiries).
+    pub store_now: SystemTime,
+    pub health: StoreHealth,
+    /// This page of the lease table, and where it starts.
+    pub leases: Vec<LeaseRow>,
+    pub leases_total: usize,
+    pub leases_offset: usize,
+    pub shards: Vec<ShardRow>,
+    /// This page of the in-doubt keys, oldest first.
+    pub keys: Vec<KeyRow>,
+    pub keys_total: u64,
+    /// The cursor of the next page, if there may be one.
+    pub keys_next: Option<String>,
+    /// Whether this is a later page (a link back to the first).
+    pub keys_paged: bool,
+    pub access: Access,
+    /// A line about what the viewer just did.
+    pub notice: Option<String>,
+}
+
+/// HTML-escapes text for element content and quoted attributes.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn signed_ms(t: SystemTime, now: SystemTime) -> i128 {
+    match t.duration_since(now) {
+        Ok(d) => d.as_millis() as i128,
+        Err(e) => -(e.duration().as_millis() as i128),
+    }
+}
+
+/// "in 12 s", "3 min ago", "now": how a person reads a time near now.
+pub fn relative(t: SystemTime, now: SystemTime) -> String {
+    let ms = signed_ms(t, now);
+    let s = ms.abs() / 1000;
+    let amount = match s {
+        0 => return "now".into(),
+        1..=119 => format!("{s} s"),
+        120..=7199 => format!("{} min", s / 60),
+        7200..=172_799 => format!("{} h", s / 3600),
+        _ => format!("{} d", s / 86_400),
+    };
+    if ms > 0 {
+        format!("in {amount}")
+    } else {
+        format!("{amount} ago")
+    }
+}
+
+/// A `<time>` element: relative text, the absolute time on hover.
+fn time(out: &mut String, t: SystemTime, now: SystemTime) {
+    let abs = rfc3339(t);
+    let _ = write!(
+        out,
+        r#"<time datetime="{abs}" title="{abs}">{}</time>"#,
+        relative(t, now)
+    );
+}
+
+fn opt(s: &Option<String>) -> String {
+    s.as_deref().map_or_else(|| "—".into(), esc)
+}
+
+const STYLE: &str = r#"
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1c1e21;background:#f6f7f9}
+header{background:#1f2937;color:#fff;padding:.7rem 1rem;display:flex;flex-wrap:wrap;gap:.4rem 1.2rem;align-items:baseline}
+header h1{font-size:1.15rem;margin:0}header span{opacity:.85;font-size:.9rem}
+main{padding:.5rem 1rem 2rem;max-width:80rem;margin:0 auto}
+section{background:#fff;border:1px solid #dde1e6;border-radius:8px;padding:.6rem .9rem;margin:.9rem 0}
+h2{font-size:1.05rem;margin:.2rem 0 .5rem}
+table{border-collapse:collapse;width:100%}
+th,td{text-align:left;padding:.35rem .5rem;border-bottom:1px solid #eceef1;vertical-align:top}
+th{font-size:.8rem;text-transform:uppercase;letter-spacing:.03em;color:#5b6370}
+td.n{font-variant-numeric:tabular-nums}
+code{font:13px ui-monospace,SFMono-Regular,Menlo,monospace;word-break:break-all}
+.ok{color:#137333}.bad{color:#b3261e;font-weight:600}.warn{color:#8a5300}
+.notice{background:#e8f0fe;border-color:#aac4f6}.note{color:#5b6370;font-size:.9rem}
+form.inline{display:inline}
+button{font:inherit;padding:.3rem .7rem;border-radius:6px;border:1px solid #8c96a3;background:#fff;cursor:pointer;margin:.1rem .2rem .1rem 0}
+button.del{border-color:#2e7d32;color:#1b5e20}button.nd{border-color:#b3261e;color:#b3261e}
+nav a{margin-right:1rem}
+input[type=password]{font:inherit;padding:.35rem;width:min(22rem,90%)}
+@media (max-width:700px){
+ table,thead,tbody,tr,th,td{display:block}
+ thead{display:none}
+ tr{border:1px solid #eceef1;border-radius:6px;margin:.5rem 0;padding:.2rem .4rem}
+ td{border:none;padding:.15rem .2rem}
+ td::before{content:attr(data-label) ": ";color:#5b6370;font-size:.8rem}
+}
+"#;
+
+fn head(out: &mut String, title: &str, refresh: bool) {
+    out.push_str("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
+    out.push_str("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
+    if refresh {
+        let _ = write!(
+            out,
+            "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">"
+        );
+    }
+    let _ = write!(
+        out,
+        "<title>{}</title><style>{STYLE}</style></head><body>",
+        esc(title)
+    );
+}
+
+/// The page.
+pub fn render(v: &PageView) -> String {
+    let mut out = String::with_capacity(16 * 1024 + 400 * (v.leases.len() + v.keys.len()));
+    head(&mut out, "fencegate", true);
+    let _ = write!(
+        out,
+        "<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span>reloads every {REFRESH_SECS} s</span>",
+        esc(&v.instance),
+        esc(v.version)
+    );
+    if let Access::Resolve { csrf } = &v.access {
+        let _ = write!(
+            out,
+            r#"<form class="inline" method="post" action="/logout"><input type="hidden" name="csrf" value="{}"><button>log out</button></form>"#,
+            esc(csrf)
+        );
+    }
+    out.push_str("</header><main>");
+    if let Some(n) = &v.notice {
+        let _ = write!(
+            out,
+            r#"<section class="notice" role="status">{}</section>"#,
+            esc(n)
+        );
+    }
+    store_section(&mut out, v);
+    keys_section(&mut out, v);
+    leases_section(&mut out, v);
+    shards_section(&mut out, v);
+    out.push_str("</main></body></html>\n");
+    out
+}
+
+fn store_section(out: &mut String, v: &PageView) {
+    let h = &v.health;
+    let _ = write!(
+        out,
+        r#"<section id="store"><h2>Store</h2><table><tbody><tr><th>lease store</th><td><code>{}</code> {}</td></tr><tr><th>clock offset</th><td class="n" title="the store's clock minus this machine's (upper end of the estimate)">{:+} ms</td></tr><tr><th>state</th><td>{}</td></tr></tbody></table></section>"#,
+        esc(&h.store),
+        if h.leases_failing == 0 {
+            r#"<span class="ok">reachable</span>"#.to_owned()
+        } else {
+            format!(
+                r#"<span class="bad">last call failed for {} lease(s)</span>"#,
+                h.leases_failing
+            )
+        },
+        h.clock_offset_ms,
+        if h.state_ok {
+            r#"<span class="ok">writing</span>"#
+        } else {
+            r#"<span class="bad">the last write failed</span>"#
+        },
+    );
+}
+
+fn keys_section(out: &mut String, v: &PageView) {
+    let _ = write!(
+        out,
+        r#"<section id="in-doubt"><h2>In-doubt keys <span class="note">({} in all, oldest first)</span></h2>"#,
+        v.keys_total
+    );
+    match &v.access {
+        Access::ReadOnly => out.push_str(
+            r#"<p class="note">Read-only: resolving needs an admin token. Set <code>admin_token</code> in <code>[server]</code> (or <code>FENCEGATE_ADMIN_TOKEN</code>) and restart, then log in here.</p>"#,
+        ),
+        Access::Resolve { .. } => out.push_str(
+            r#"<p class="note">Check the destination first. <b>delivered</b>: retries get 409 dedup_done. <b>not delivered</b>: the key is forgotten and the next retry is forwarded.</p>"#,
+        ),
+    }
+    if v.keys.is_empty() {
+        out.push_str(r#"<p class="ok">Nothing to resolve.</p>"#);
+    } else {
+        out.push_str("<table><thead><tr><th>route</th><th>key</th><th>epoch</th><th>when</th><th>request</th>");
+        if matches!(v.access, Access::Resolve { .. }) {
+            out.push_str("<th>resolve</th>");
+        }
+        out.push_str("</tr></thead><tbody>");
+        for k in &v.keys {
+            let _ = write!(
+                out,
+                r#"<tr class="key"><td data-label="route">{}</td><td data-label="key"><code>{}</code></td><td data-label="epoch" class="n">{}</td><td data-label="when">"#,
+                esc(&k.route),
+                esc(&k.key),
+                k.epoch
+            );
+            time(out, k.created, v.now);
+            if k.updated != k.created {
+                out.push_str(r#" <span class="note">(in doubt "#);
+                time(out, k.updated, v.now);
+                out.push_str(")</span>");
+            }
+            let _ = write!(
+                out,
+                r#"</td><td data-label="request"><code>{} {}</code></td>"#,
+                opt(&k.method),
+                opt(&k.path)
+            );
+            if let Access::Resolve { csrf } = &v.access {
+                let _ = write!(
+                    out,
+                    r#"<td data-label="resolve"><form class="inline" method="post" action="/v1/dedup/{}/{}/resolve"><input type="hidden" name="csrf" value="{}"><button class="del" name="outcome" value="delivered">delivered</button><button class="nd" name="outcome" value="not_delivered">not delivered</button></form></td>"#,
+                    esc(&form::encode(&k.route)),
+                    esc(&form::encode(&k.key)),
+                    esc(csrf)
+                );
+            }
+            out.push_str("</tr>");
+        }
+        out.push_str("</tbody></table>");
+    }
+    out.push_str("<nav>");
+    if v.keys_paged {
+        out.push_str(r##"<a href="/#in-doubt">« oldest</a>"##);
+    }
+    if let Some(next) = &v.keys_next {
+        let _ = write!(
+            out,
+            r##"<a href="/?after={}#in-doubt">newer »</a>"##,
+            esc(&form::encode(next))
+        );
+    }
+    out.push_str("</nav></section>");
+}
+
+fn leases_section(out: &mut String, v: &PageView) {
+    let _ = write!(
+        out,
+        r#"<section id="leases"><h2>Leases <span class="note">({} in all)</span></h2>"#,
+        v.leases_total
+    );
+    if v.leases.is_empty() {
+        out.push_str(r#"<p class="note">No leases on this page.</p>"#);
+    } else {
+        out.push_str("<table><thead><tr><th>lease</th><th>mark</th><th>latest epoch</th><th>holder</th><th>time left</th><th>in flight</th><th>drains</th></tr></thead><tbody>");
+        for l in &v.leases {
+            let raised = if l.latest > l.mark {
+                r#" <span class="warn" title="a newer epoch exists than any request has carried">(newer known)</span>"#
+            } else {
+                ""
+            };
+            let _ = write!(
+                out,
+                r#"<tr class="lease"><td data-label="lease"><code>{}</code></td><td data-label="mark" class="n">{}</td><td data-label="latest epoch" class="n">{}{raised}</td><td data-label="holder">{}</td><td data-label="time left">"#,
+                esc(&l.lease),
+                l.mark,
+                l.latest,
+                opt(&l.holder)
+            );
+            match l.expires_at {
+                Some(t) => {
+                    let left = signed_ms(t, v.store_now);
+                    let class = if left <= 0 { "bad" } else { "ok" };
+                    let _ = write!(out, r#"<span class="{class}">"#);
+                    time(out, t, v.store_now);
+                    out.push_str("</span>");
+                }
+                None => out.push('—'),
+            }
+            if let Some(e) = &l.store_error {
+                let _ = write!(
+                    out,
+                    r#" <span class="bad" title="{}">store error</span>"#,
+                    esc(e)
+                );
+            }
+            let _ = write!(
+                out,
+                r#"</td><td data-label="in flight" class="n">{}{}</td><td data-label="drains" class="n">{} started, {} aborted</td></tr>"#,
+                l.in_flight,
+                if l.in_doubt > 0 {
+                    format!(r#" <span class="warn">({} lingering)</span>"#, l.in_doubt)
+                } else {
+                    String::new()
+                },
+                l.drains_started,
+                l.drains_aborted
+            );
+        }
+        out.push_str("</tbody></table>");
+    }
+    out.push_str("<nav>");
+    if v.leases_offset > 0 {
+        let _ = write!(
+            out,
+            r##"<a href="/?leases={}#leases">« previous</a>"##,
+            v.leases_offset.saturating_sub(LEASES_PER_PAGE)
+        );
+    }
+    let shown_to = v.leases_offset + v.leases.len();
+    if shown_to < v.leases_total {
+        let _ = write!(
+            out,
+            r##"<span class="note">{}–{} of {}</span> <a href="/?leases={shown_to}#leases">next »</a>"##,
+            v.leases_offset + 1,
+            shown_to,
+            v.leases_total
+        );
+    }
+    out.push_str("</nav></section>");
+}
+
+fn shards_section(out: &mut String, v: &PageView) {
+    out.push_str(r#"<section id="shards"><h2>Shard map</h2><table><thead><tr><th>shard</th><th>owner</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
+    for s in &v.shards {
+        let _ = write!(
+            out,
+            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="gate epoch" class="n">{}</td><td data-label="gate expires">"#,
+            s.shard,
+            s.shards,
+            opt(&s.owner),
+            s.gate_epoch.map_or_else(|| "—".into(), |e| e.to_string())
+        );
+        match s.expires_at {
+            Some(t) => time(out, t, v.store_now),
+            None => out.push('—'),
+        }
+        let _ = write!(
+            out,
+            r#"</td><td data-label="here">{}</td></tr>"#,
+            match (s.this_instance, s.serving) {
+                (true, true) => r#"<span class="ok">this instance, serving</span>"#,
+                (true, false) => r#"<span class="bad">this instance, not serving</span>"#,
+                (false, _) => "another instance",
+            }
+        );
+    }
+    out.push_str("</tbody></table></section>");
+}
+
+/// The login form (the admin token is configured and the browser has no session).
+pub fn render_login(message: Option<&str>) -> String {
+    let mut out = String::with_capacity(4096);
+    head(&mut out, "fencegate: log in", false);
+    out.push_str("<header><h1>fencegate</h1></header><main><section><h2>Log in</h2>");
+    if let Some(m) = message {
+        let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(m));
+    }
+    out.push_str(r#"<form method="post" action="/login"><p><label>Admin token<br><input type="password" name="token" autocomplete="current-password" autofocus required></label></p><p><button>log in</button></p></form><p class="note">The token is the <code>admin_token</code> of <code>[server]</code> (or <code>FENCEGATE_ADMIN_TOKEN</code>). It is sent once; the browser keeps a session cookie for this listener until it closes or fencegate restarts.</p></section></main></body></html>
+"#);
+    out
+}
+
+/// A short page for an action that failed.
+pub fn render_message(title: &str, message: &str) -> String {
+    let mut out = String::with_capacity(2048);
+    head(&mut out, title, false);
+    let _ = writeln!(
+        out,
+        r#"<header><h1>fencegate</h1></header><main><section><h2>{}</h2><p>{}</p><p><a href="/">Back to the page</a></p></section></main></body></html>"#,
+        esc(title),
+        esc(message)
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn escapes_markup_and_quotes() {
+        assert_eq!(esc(r#"<script>"a'&b"#), "&lt;script&gt;&quot;a&#39;&amp;b");
+    }
+
+    #[test]
+    fn relative_times_read_like_a_person_would_say_them() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let at = |s: i64| {
+            if s >= 0 {
+                now + Duration::from_secs(s as u64)
+            } else {
+                now - Duration::from_secs(s.unsigned_abs())
+            }
+        };
+        assert_eq!(relative(now + Duration::from_millis(400), now), "now");
+        assert_eq!(relative(at(12), now), "in 12 s");
+        assert_eq!(relative(at(-12), now), "12 s ago");
+        assert_eq!(relative(at(600), now), "in 10 min");
+        assert_eq!(relative(at(-3 * 3600), now), "3 h ago");
+        assert_eq!(relative(at(3 * 86_400), now), "in 3 d");
+    }
+}

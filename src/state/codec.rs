@@ -78,6 +78,17 @@ impl<'a> Reader<'a> {
     fn u8(&mut self) -> Option<u8> {
         self.take(1).map(|b| b[0])
     }
+    /// A known version and the state.
+    fn head(&mut self) -> Option<(u8, State)> {
+        let version = self.u8().filter(|v| matches!(*v, V1 | V2))?;
+        let state = match self.u8()? {
+            0 => State::InFlight,
+            1 => State::Done,
+            2 => State::InDoubt,
+            _ => return None,
+        };
+        Some((version, state))
+    }
     fn u16(&mut self) -> Option<u16> {
         self.take(2)
             .and_then(|b| b.try_into().ok())
@@ -99,31 +110,14 @@ impl<'a> Reader<'a> {
 /// every record and decode only the ones they keep).
 pub fn peek(raw: &[u8]) -> Option<(State, u64)> {
     let mut r = Reader(raw);
-    if !matches!(r.u8()?, V1 | V2) {
-        return None;
-    }
-    let state = match r.u8()? {
-        0 => State::InFlight,
-        1 => State::Done,
-        2 => State::InDoubt,
-        _ => return None,
-    };
+    let (_, state) = r.head()?;
     r.take(32 + 8)?;
     Some((state, r.u64()?))
 }
 
 pub fn decode(raw: &[u8]) -> Option<Record> {
     let mut r = Reader(raw);
-    let version = r.u8()?;
-    if !matches!(version, V1 | V2) {
-        return None;
-    }
-    let state = match r.u8()? {
-        0 => State::InFlight,
-        1 => State::Done,
-        2 => State::InDoubt,
-        _ => return None,
-    };
+    let (version, state) = r.head()?;
     let fingerprint: [u8; 32] = r.take(32)?.try_into().ok()?;
     let epoch = Epoch::new(r.u64()?);
     let created_ms = r.u64()?;

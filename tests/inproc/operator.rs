@@ -356,51 +356,23 @@ async fn reading_needs_a_login_and_resolving_a_same_origin_form() {
 
     // Cross-site posts are refused, and change nothing.
     let still = || async { fg.admin_json("/v1/dedup/pay/k-stuck").await["state"].clone() };
+    let form = |cookie: Option<&str>, csrf: Option<&str>, origin: &str| {
+        resolve_form(&fg, "k-stuck", "not_delivered", cookie, csrf, origin)
+    };
+    let evil = "http://evil.example";
     let refused = [
-        (
-            resolve_form(
-                &fg,
-                "k-stuck",
-                "not_delivered",
-                Some(&cookie),
-                Some(&csrf),
-                "http://evil.example",
-            ),
-            403,
-        ),
-        (
-            resolve_form(&fg, "k-stuck", "not_delivered", Some(&cookie), None, &me),
-            403,
-        ),
-        (
-            resolve_form(
-                &fg,
-                "k-stuck",
-                "not_delivered",
-                Some(&cookie),
-                Some("0000"),
-                &me,
-            ),
-            403,
-        ),
-        (
-            resolve_form(&fg, "k-stuck", "not_delivered", None, Some(&csrf), &me),
-            401,
-        ),
+        (form(Some(&cookie), Some(&csrf), evil), 403),
+        (form(Some(&cookie), None, &me), 403),
+        (form(Some(&cookie), Some("0000"), &me), 403),
+        (form(None, Some(&csrf), &me), 401),
     ];
     for (req, status) in refused {
         let r = send(req).await;
         assert_eq!(r.status, status, "{}", text(&r));
         assert_eq!(still().await, "in_doubt");
     }
-    let mut fetch_site = resolve_form(
-        &fg,
-        "k-stuck",
-        "not_delivered",
-        Some(&cookie),
-        Some(&csrf),
-        &me,
-    );
+    let from_page = || form(Some(&cookie), Some(&csrf), &me);
+    let mut fetch_site = from_page();
     fetch_site.headers_mut().insert(
         "sec-fetch-site",
         http::HeaderValue::from_static("cross-site"),
@@ -410,15 +382,7 @@ async fn reading_needs_a_login_and_resolving_a_same_origin_form() {
     assert_eq!(origin.count(), 1);
 
     // From the page itself: resolved, and the worker's retry is forwarded.
-    let r = send(resolve_form(
-        &fg,
-        "k-stuck",
-        "not_delivered",
-        Some(&cookie),
-        Some(&csrf),
-        &me,
-    ))
-    .await;
+    let r = send(from_page()).await;
     assert_eq!(r.status, 303, "{}", text(&r));
     let back = r.headers["location"].to_str().unwrap().to_owned();
     assert!(back.starts_with("/?resolved=not_delivered"), "{back}");

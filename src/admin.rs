@@ -343,6 +343,7 @@ impl Admin {
                     "drains_started": v.gate.drains_started,
                     "drains_aborted": v.gate.drains_aborted,
                     "store_ok": v.store_ok,
+                    "listed_ms_ago": v.listed_ago.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                     "store_error": v.last_error,
                 })
             })

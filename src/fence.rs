@@ -1,6 +1,6 @@
 //! Everything fencegate keeps for one lease: its gate (mark, in-flight, drain), the
 //! epochs it knows (cached forever: objects are immutable), and how they are kept
-//! current (one [`refresh_all`] task paces the listings of every fence). The
+//! current ([`Refresh`]: store calls follow traffic, see there). The
 //! running fences are kept in [`Fences`]: one per lease, started (its mark loaded
 //! from the state store) and stopped (its requests drained or aborted) as a unit
 //! at run time — start-up uses exactly this, a config reload and a cluster's shard
@@ -14,8 +14,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::Notify;
 
 use tokio_util::sync::CancellationToken;
 
@@ -82,6 +84,17 @@ pub struct Fence {
     latest: AtomicU64,
     refresh_lock: tokio::sync::Mutex<()>,
     refreshes_started: AtomicU64,
+    /// When listings are due, and how recent knowledge must be ([`Refresh`]).
+    refresh: Arc<Refresh>,
+    /// Start of the latest completed listing attempt ([`Refresh::now`]; 0: never).
+    listed_at: AtomicU64,
+    /// Start of the listing in progress (0: none).
+    listing_since: AtomicU64,
+    /// The latest admission attempt: a lease nobody asked about since its last
+    /// listing is not listed again.
+    used_at: AtomicU64,
+    /// Itself, for the refresh schedule.
+    this: Weak<Fence>,
     stop: CancellationToken,
     pub calls: StoreCalls,
 }
@@ -96,6 +109,9 @@ pub struct FenceView {
     pub expires_at: Option<SystemTime>,
     pub store_ok: bool,
     pub last_error: Option<String>,
+    /// How long ago the latest successful listing started: what the view knows
+    /// is at least this old (an idle lease is not listed).
+    pub listed_ago: Option<Duration>,
 }
 
 impl Fence {
@@ -109,10 +125,11 @@ impl Fence {
         state: Arc<dyn StateStore>,
         owner: Owner,
         settle: Duration,
+        refresh: Arc<Refresh>,
     ) -> Result<Arc<Fence>, StateError> {
         let marks = state.marks(&lease).await?;
         let (mark, drained) = (marks.mark, marks.drained);
-        Ok(Arc::new(Fence {
+        Ok(Arc::new_cyclic(|this| Fence {
             lease,
             epochs,
             state,
@@ -125,6 +142,11 @@ impl Fence {
             latest: AtomicU64::new(mark.get()),
             refresh_lock: tokio::sync::Mutex::new(()),
             refreshes_started: AtomicU64::new(0),
+            refresh,
+            listed_at: AtomicU64::new(0),
+            listing_since: AtomicU64::new(0),
+            used_at: AtomicU64::new(0),
+            this: this.clone(),
             stop: CancellationToken::new(),
             calls: StoreCalls::default(),
         }))
@@ -174,20 +196,43 @@ impl Fence {
         self.refresh_locked().await
     }
 
+    /// The background refresh's listing: skipped when another (a request's) made
+    /// it unnecessary while this one waited for the lock.
+    async fn refresh_due(&self) -> Result<(), StoreError> {
+        let _one = self.refresh_lock.lock().await;
+        if !self.wants_listing(self.refresh.now()) {
+            return Ok(());
+        }
+        self.refresh_locked().await
+    }
+
     async fn refresh_locked(&self) -> Result<(), StoreError> {
+        let started = self.refresh.now();
+        let started_at = Instant::now();
+        self.listing_since.store(started, Ordering::SeqCst);
         self.refreshes_started.fetch_add(1, Ordering::SeqCst);
         let res = self.refresh_inner().await;
-        let mut k = self.known();
-        match &res {
-            Ok(()) => {
-                k.last_ok = Some(Instant::now());
-                k.last_error = None;
-            }
-            Err(e) => {
-                self.calls.errors.fetch_add(1, Ordering::Relaxed);
-                k.last_error = Some(e.to_string());
+        {
+            let mut k = self.known();
+            match &res {
+                Ok(()) => {
+                    k.last_ok = Some(started_at);
+                    k.last_error = None;
+                }
+                Err(e) => {
+                    self.calls.errors.fetch_add(1, Ordering::Relaxed);
+                    k.last_error = Some(e.to_string());
+                }
             }
         }
+        // A failed attempt counts as a listing too: during a store outage a
+        // lease in use is tried once per interval and admits from cache meanwhile
+        // (as an epoch validated from cache always could, SPEC §4), rather than
+        // every request waiting for a store that does not answer.
+        self.listed_at.fetch_max(started, Ordering::SeqCst);
+        self.listing_since.store(0, Ordering::SeqCst);
+        self.refresh
+            .schedule(started, &self.lease, self.this.clone());
         res
     }
 
@@ -215,12 +260,30 @@ impl Fence {
         Ok(())
     }
 
-    /// An on-demand read for a request whose epoch is above what we know, or whose
-    /// object we do not have. Coalesced: a request that waited while another read
-    /// started *after* it arrived uses that read's result instead of making its own.
-    async fn refresh_for(&self) -> Result<(), StoreError> {
+    /// Whether what the fence knows is recent enough to admit `epoch` on: its object
+    /// is known (or a newer epoch is), and the latest listing is not older than the
+    /// refresh interval ([`Refresh`]).
+    fn answers(&self, epoch: Epoch, now: u64) -> bool {
+        self.has_answer_for(epoch)
+            && fresh(
+                now,
+                self.listed_at.load(Ordering::SeqCst),
+                self.listing_since.load(Ordering::SeqCst),
+                self.refresh.interval_ms,
+            )
+    }
+
+    /// An on-demand read for a request whose epoch is above what we know, whose
+    /// object we do not have, or that arrives after the lease was idle for longer
+    /// than the refresh interval. Coalesced: a request that waited while another
+    /// read started *after* it arrived, or made what we know fresh again, uses
+    /// that read's result instead of making its own.
+    async fn refresh_for(&self, epoch: Epoch) -> Result<(), StoreError> {
         let arrived = self.refreshes_started.load(Ordering::SeqCst);
         let _one = self.refresh_lock.lock().await;
+        if self.answers(epoch, self.refresh.now()) {
+            return Ok(());
+        }
         if self.refreshes_started.load(Ordering::SeqCst) > arrived {
             // A read that started after this request arrived has completed.
             return match self.known().last_error.clone() {
@@ -246,6 +309,8 @@ impl Fence {
         drain_timeout: Duration,
     ) -> Result<Pass, FenceError> {
         let epoch = claim.epoch;
+        let now = self.refresh.now();
+        self.used_at.store(now, Ordering::SeqCst);
         if require_token && claim.token.is_none() {
             return Err(Refusal::TokenMissing {
                 lease: self.lease.clone(),
@@ -266,14 +331,19 @@ impl Fence {
                 .into());
             }
         }
-        // Needs the store: an epoch above what we know, or an object not yet read.
-        if !self.has_answer_for(epoch) {
-            if let Err(e) = self.refresh_for().await {
-                return Err(FenceError::StoreUnavailable {
-                    lease: self.lease.clone(),
-                    epoch,
-                    detail: e.to_string(),
-                });
+        // Needs the store: an epoch above what we know, an object not yet read, or
+        // knowledge older than the refresh interval (the lease was idle, so the
+        // background refresh left it alone). When the store does not answer, an
+        // epoch validated from cache is still admitted; any other is refused.
+        if !self.answers(epoch, now) {
+            if let Err(e) = self.refresh_for(epoch).await {
+                if !self.has_answer_for(epoch) {
+                    return Err(FenceError::StoreUnavailable {
+                        lease: self.lease.clone(),
+                        epoch,
+                        detail: e.to_string(),
+                    });
+                }
             }
         }
         let object = self.known().objects.get(&epoch).cloned();
@@ -342,6 +412,7 @@ impl Fence {
                 expires_at,
                 store_ok: k.last_error.is_none() && k.last_ok.is_some(),
                 last_error: k.last_error.clone(),
+                listed_ago: k.last_ok.map(|t| t.elapsed()),
             }
         };
         FenceView {
@@ -351,18 +422,134 @@ impl Fence {
     }
 }
 
+impl Fence {
+    /// Whether the background refresh should list this fence at `now`: it is
+    /// running, its latest listing is an interval old, and it is in use — asked
+    /// about since that listing started, or a raise is waiting (it decides its
+    /// claim again when its drain ends, on what the fence knows by then).
+    fn wants_listing(&self, now: u64) -> bool {
+        let listed = self.listed_at.load(Ordering::SeqCst);
+        !self.is_stopped()
+            && now >= listed.saturating_add(self.refresh.interval_ms)
+            && (self.used_at.load(Ordering::SeqCst) >= listed || self.gate.raise_pending())
+    }
+}
+
+/// Whether knowledge is fresh enough to admit on (SPEC §4.3, "known"): the latest
+/// completed listing started less than `interval` ago, or one is in progress that
+/// the schedule started on time (within [`LATE_MS`] of it falling due) — the same
+/// age a refresher listing every lease each interval gives, where a request never
+/// waits for the listing in progress either. Times in [`Refresh::now`] units.
+fn fresh(now: u64, listed_at: u64, listing_since: u64, interval: u64) -> bool {
+    listed_at != 0
+        && (now < listed_at.saturating_add(interval)
+            || (listing_since != 0
+                && listing_since <= listed_at.saturating_add(interval + LATE_MS)))
+}
+
+/// How late after falling due a listing may start and still count as on time: the
+/// timer's resolution and a busy runtime's delay, not the store's latency.
+const LATE_MS: u64 = 20;
+
+/// When each lease must next be listed. Store calls follow traffic (SPEC §4.3):
+/// a lease is listed at most once per `interval` while it is in use and not at all
+/// while idle; a request arriving when the latest listing is older than the
+/// interval reads the store itself before it is decided (coalesced with any other
+/// such request), so it is decided on knowledge no older than a refresher listing
+/// every lease each interval would give.
+///
+/// One task ([`refresh_all`]) runs the schedule: each listing, when it completes,
+/// books the next one an interval after it started; when that falls due the lease
+/// is listed again only if it was used meanwhile. A timer per lease cost 30% of a
+/// core for 10,000 idle leases; a sorted map of due times costs nothing while idle.
+pub struct Refresh {
+    interval_ms: u64,
+    base: Instant,
+    /// Tests move the schedule's clock forward instead of sleeping.
+    #[cfg(test)]
+    skew_ms: AtomicU64,
+    due: Mutex<BTreeMap<(u64, LeaseName), Weak<Fence>>>,
+    wake: Notify,
+}
+
+impl Refresh {
+    pub fn new(interval: Duration) -> Arc<Refresh> {
+        Arc::new(Refresh {
+            interval_ms: u64::try_from(interval.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            base: Instant::now(),
+            #[cfg(test)]
+            skew_ms: AtomicU64::new(0),
+            due: Mutex::new(BTreeMap::new()),
+            wake: Notify::new(),
+        })
+    }
+
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms)
+    }
+
+    /// Milliseconds since the schedule began, plus one: 0 stands for "never".
+    fn now(&self) -> u64 {
+        let now = u64::try_from(self.base.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        #[cfg(test)]
+        let now = now.saturating_add(self.skew_ms.load(Ordering::SeqCst));
+        now
+    }
+
+    fn due(&self) -> Ordered<'_, BTreeMap<(u64, LeaseName), Weak<Fence>>> {
+        crate::lock_order::lock("refresh schedule", &self.due)
+    }
+
+    /// Books the listing after one that started at `started`.
+    fn schedule(&self, started: u64, lease: &LeaseName, fence: Weak<Fence>) {
+        let at = started.saturating_add(self.interval_ms);
+        let first = {
+            let mut due = self.due();
+            due.insert((at, lease.clone()), fence);
+            due.keys().next().is_some_and(|(t, _)| *t == at)
+        };
+        if first {
+            self.wake.notify_one();
+        }
+    }
+
+    /// The fences due by `now`, and when the next one falls due.
+    fn take_due(&self, now: u64) -> (Vec<Arc<Fence>>, Option<u64>) {
+        let mut due = self.due();
+        let mut ready = Vec::new();
+        while let Some(first) = due.first_entry() {
+            if first.key().0 > now {
+                return (ready, Some(first.key().0));
+            }
+            ready.extend(first.remove().upgrade());
+        }
+        (ready, None)
+    }
+}
+
 /// The running fences, one per lease.
 pub struct Fences {
     epochs: Epochs,
     state: Arc<dyn StateStore>,
+    refresh: Arc<Refresh>,
     running: Mutex<BTreeMap<LeaseName, Arc<Fence>>>,
 }
 
 impl Fences {
-    pub fn new(epochs: Epochs, state: Arc<dyn StateStore>) -> Arc<Fences> {
+    /// `refresh_interval`: SPEC §4.3's, the most a lease in use waits between listings.
+    pub fn new(
+        epochs: Epochs,
+        state: Arc<dyn StateStore>,
+        refresh_interval: Duration,
+    ) -> Arc<Fences> {
         Arc::new(Fences {
             epochs,
             state,
+            refresh: Refresh::new(refresh_interval),
             running: Mutex::new(BTreeMap::new()),
         })
     }
@@ -387,6 +574,7 @@ impl Fences {
             self.state.clone(),
             Owner::SINGLE,
             settle,
+            self.refresh.clone(),
         )
         .await?;
         // Two starters of one lease: the first one in wins, the other's is dropped
@@ -420,40 +608,53 @@ impl Fences {
 /// Most store calls the background refresh has in flight at once.
 const REFRESH_CONCURRENCY: usize = 32;
 
-/// The background refresher of every fence (SPEC §4: each lease is listed at least
-/// every `interval`), from one task. A listing per lease per interval is the rule,
-/// but one task with a bounded number of calls in flight costs far less than a task
-/// and a timer per lease (10,000 leases were 30% of a core idle), and a store
-/// outage is logged once per round, not once per lease. Stopped fences are skipped.
-pub async fn refresh_all(fences: Arc<Fences>, interval: Duration, stop: CancellationToken) {
+/// The background refresh of every fence ([`Refresh`]): lists each fence in use
+/// when its listing falls due, from one task with a bounded number of calls in
+/// flight. A store outage is logged at most once per interval, not once per lease.
+pub async fn refresh_all(fences: Arc<Fences>, stop: CancellationToken) {
+    let refresh = fences.refresh.clone();
+    let mut calls = tokio::task::JoinSet::new();
+    let mut queue: std::collections::VecDeque<Arc<Fence>> = Default::default();
+    let mut failed = 0usize;
+    let mut first_error: Option<(LeaseName, StoreError)> = None;
+    let mut logged: Option<Instant> = None;
     loop {
-        let round = Instant::now();
-        let fences = fences.all();
-        let mut calls = tokio::task::JoinSet::new();
-        let mut failed = 0usize;
-        let mut first_error: Option<(LeaseName, StoreError)> = None;
-        let mut note = |r: Option<Result<(LeaseName, Result<(), StoreError>), _>>| {
-            if let Some(Ok((lease, Err(e)))) = r {
+        let now = refresh.now();
+        let (ready, next) = refresh.take_due(now);
+        queue.extend(ready.into_iter().filter(|f| f.wants_listing(now)));
+        while calls.len() < REFRESH_CONCURRENCY {
+            let Some(f) = queue.pop_front() else { break };
+            calls.spawn(async move { (f.lease.clone(), f.refresh_due().await) });
+        }
+        while let Some(r) = calls.try_join_next() {
+            if let Ok((lease, Err(e))) = r {
                 failed += 1;
                 first_error.get_or_insert((lease, e));
             }
-        };
-        for f in fences.iter().filter(|f| !f.is_stopped()) {
-            while calls.len() >= REFRESH_CONCURRENCY {
-                note(calls.join_next().await);
+        }
+        if failed > 0 && logged.is_none_or(|t| t.elapsed() >= refresh.interval()) {
+            if let Some((lease, e)) = first_error.take() {
+                tracing::warn!(failed, %lease, error = %e, "epoch refresh failed");
             }
-            let f = f.clone();
-            calls.spawn(async move { (f.lease.clone(), f.refresh_now().await) });
+            failed = 0;
+            logged = Some(Instant::now());
         }
-        while let Some(r) = calls.join_next().await {
-            note(Some(r));
-        }
-        if let Some((lease, e)) = first_error {
-            tracing::warn!(failed, %lease, error = %e, "epoch refresh failed");
-        }
+        let sleep = match next {
+            // Queued listings wait for a call to finish, not for a due time.
+            _ if !queue.is_empty() => Duration::from_secs(3600),
+            Some(at) => Duration::from_millis(at.saturating_sub(refresh.now())),
+            None => refresh.interval(),
+        };
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(interval.saturating_sub(round.elapsed())) => {}
+            _ = refresh.wake.notified() => {}
+            Some(r) = calls.join_next(), if !calls.is_empty() => {
+                if let Ok((lease, Err(e))) = r {
+                    failed += 1;
+                    first_error.get_or_insert((lease, e));
+                }
+            }
+            _ = tokio::time::sleep(sleep) => {}
         }
     }
 }
@@ -482,20 +683,8 @@ mod tests {
     }
 
     async fn fence_on(dir: &std::path::Path) -> (Arc<Fence>, Epochs, Arc<SledState>) {
-        let store = DirStore::open(dir.join("store"), Arc::new(SystemClock)).unwrap();
-        let epochs = Epochs::new(Arc::new(store), "p/");
-        let lease = LeaseName::parse("l").unwrap();
-        let durable = SledState::open(&dir.join("state")).unwrap();
-        let fence = Fence::new(
-            lease,
-            epochs.clone(),
-            durable.clone(),
-            Owner::SINGLE,
-            Duration::ZERO,
-        )
-        .await
-        .unwrap();
-        (fence, epochs, durable)
+        let (_registry, mut fences, epochs, durable) = registry_on(dir, &["l"]).await;
+        (fences.remove(0), epochs, durable)
     }
 
     /// The lock-order rule (module doc) on every path where the fence's `known`
@@ -543,34 +732,142 @@ mod tests {
         durable.close().await.unwrap();
     }
 
-    /// One round lists every running fence once and skips a stopped one; with the
-    /// stop token already cancelled, `refresh_all` returns after that round.
-    #[tokio::test]
-    async fn a_round_lists_each_running_fence_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = DirStore::open(dir.path().join("store"), Arc::new(SystemClock)).unwrap();
+    #[test]
+    fn knowledge_is_fresh_for_an_interval_or_while_an_on_time_listing_runs() {
+        // Never listed: a request must read.
+        assert!(!fresh(5, 0, 0, 1000));
+        assert!(fresh(1000, 1, 0, 1000));
+        assert!(!fresh(1001, 1, 0, 1000));
+        // The due listing started on time and is still running.
+        assert!(fresh(1050, 1, 1001 + LATE_MS, 1000));
+        // It started late (the lease was idle; a request started it).
+        assert!(!fresh(5000, 1, 4990, 1000));
+    }
+
+    async fn registry_on(
+        dir: &std::path::Path,
+        names: &[&str],
+    ) -> (Arc<Fences>, Vec<Arc<Fence>>, Epochs, Arc<SledState>) {
+        let store = DirStore::open(dir.join("store"), Arc::new(SystemClock)).unwrap();
         let epochs = Epochs::new(Arc::new(store), "p/");
-        let durable = SledState::open(&dir.path().join("state")).unwrap();
-        let registry = Fences::new(epochs, durable.clone());
+        let durable = SledState::open(&dir.join("state")).unwrap();
+        let registry = Fences::new(epochs.clone(), durable.clone(), Duration::from_secs(1));
         let mut fences = Vec::new();
-        for l in ["a", "b", "c", "a"] {
+        for l in names {
             let lease = LeaseName::parse(l).unwrap();
             fences.push(registry.start(&lease, Duration::ZERO).await.unwrap());
         }
-        assert!(Arc::ptr_eq(&fences[0], &fences[3]));
-        fences.pop();
-        assert!(registry.stop(fences[2].lease(), Duration::ZERO).await);
-        assert!(fences[2].is_stopped());
-        assert_eq!(registry.all().len(), 2);
-        let stop = CancellationToken::new();
-        stop.cancel();
-        refresh_all(registry.clone(), Duration::from_secs(3600), stop).await;
-        let lists: Vec<u64> = fences
-            .iter()
-            .map(|f| f.calls.lists.load(Ordering::Relaxed))
-            .collect();
-        assert_eq!(lists, vec![1, 1, 0]);
-        assert!(fences[0].view().store_ok);
+        (registry, fences, epochs, durable)
+    }
+
+    fn lists(f: &Fence) -> u64 {
+        f.calls.lists.load(Ordering::Relaxed)
+    }
+
+    /// Moves the schedule's clock and lists what falls due, as `refresh_all` would.
+    async fn advance(registry: &Fences, by: Duration) {
+        let r = &registry.refresh;
+        r.skew_ms
+            .fetch_add(u64::try_from(by.as_millis()).unwrap(), Ordering::SeqCst);
+        let now = r.now();
+        let (ready, _) = r.take_due(now);
+        for f in ready.into_iter().filter(|f| f.wants_listing(now)) {
+            f.refresh_due().await.unwrap();
+        }
+    }
+
+    /// Store calls follow traffic (SPEC §4.3): an idle lease is never listed; a
+    /// lease in use is listed at most once per interval, and once more after its
+    /// last request; a stopped one never. Fails when the refresh lists every lease
+    /// each interval, or lists a used lease more often than the interval.
+    #[tokio::test]
+    async fn idle_leases_cost_nothing_and_used_ones_one_listing_per_interval() {
+        let dir = tempfile::tempdir().unwrap();
+        let (registry, fences, epochs, durable) = registry_on(dir.path(), &["l", "b", "c"]).await;
+        assert!(Arc::ptr_eq(
+            &fences[0],
+            &registry
+                .start(fences[0].lease(), Duration::ZERO)
+                .await
+                .unwrap()
+        ));
+        create_epoch(&epochs, 1).await;
+        advance(&registry, Duration::from_secs(30)).await;
+        assert_eq!(
+            fences.iter().map(|f| lists(f)).sum::<u64>(),
+            0,
+            "idle leases were listed"
+        );
+        let claim = Claim {
+            epoch: Epoch::new(1),
+            token: Some(b"t1"),
+        };
+        // Used every 100 ms for 10 s.
+        for _ in 0..100 {
+            drop(
+                fences[0]
+                    .admit(claim, true, Duration::from_secs(1))
+                    .await
+                    .unwrap(),
+            );
+            advance(&registry, Duration::from_millis(100)).await;
+        }
+        let used = lists(&fences[0]);
+        let on_demand = fences[0].calls.on_demand.load(Ordering::Relaxed);
+        assert!(
+            (10..=11).contains(&used),
+            "{used} listings in 10 s of use, {on_demand} on demand"
+        );
+        assert_eq!(
+            fences[0].calls.on_demand.load(Ordering::Relaxed),
+            1,
+            "only the first request waited"
+        );
+        // Idle again: at most the one listing booked while it was used.
+        for _ in 0..30 {
+            advance(&registry, Duration::from_secs(1)).await;
+        }
+        assert!(lists(&fences[0]) <= used + 1);
+        assert_eq!(lists(&fences[1]) + lists(&fences[2]), 0);
+        durable.close().await.unwrap();
+    }
+
+    /// SPEC §4.3 with an idle lease: nothing listed it while a newer epoch was
+    /// created, so the first request after the interval reads the store before it
+    /// is decided and the older epoch is refused. Fails when a request is decided
+    /// on knowledge older than the refresh interval.
+    #[tokio::test]
+    async fn the_first_request_after_idle_learns_a_newer_epoch_before_admission() {
+        let dir = tempfile::tempdir().unwrap();
+        let (registry, fences, epochs, durable) = registry_on(dir.path(), &["l"]).await;
+        create_epoch(&epochs, 1).await;
+        let claim = Claim {
+            epoch: Epoch::new(1),
+            token: Some(b"t1"),
+        };
+        drop(
+            fences[0]
+                .admit(claim, true, Duration::from_secs(1))
+                .await
+                .unwrap(),
+        );
+        // One more listing falls due and finds nothing new; then the lease is idle.
+        for _ in 0..5 {
+            advance(&registry, Duration::from_secs(1)).await;
+        }
+        let before = lists(&fences[0]);
+        create_epoch(&epochs, 2).await;
+        for _ in 0..5 {
+            advance(&registry, Duration::from_secs(1)).await;
+        }
+        assert_eq!(lists(&fences[0]), before, "the idle lease was listed");
+        assert_eq!(fences[0].view().latest_known, Epoch::new(1));
+        let r = fences[0].admit(claim, true, Duration::from_secs(1)).await;
+        assert!(
+            matches!(r, Err(FenceError::Refused(Refusal::Stale { latest_epoch, .. })) if latest_epoch == Epoch::new(2)),
+            "{:?}",
+            r.err()
+        );
         durable.close().await.unwrap();
     }
 }

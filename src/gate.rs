@@ -461,6 +461,11 @@ impl Gate {
         self.core.stats().mark
     }
 
+    /// Whether a raise is under way (persisting, settling or draining).
+    pub fn raise_pending(&self) -> bool {
+        self.raising.try_lock().is_err()
+    }
+
     pub fn barrier(&self) -> Epoch {
         self.core.barrier()
     }

@@ -143,7 +143,7 @@ async fn build_on(
     }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
     let settle = drain_timeouts(cfg);
-    let fences = Fences::new(epochs.clone(), durable.clone());
+    let fences = Fences::new(epochs.clone(), durable.clone(), refresh);
     let live = LiveConfig::new(Live::empty());
     let shared = Arc::new(Shared {
         state: durable,
@@ -158,7 +158,7 @@ async fn build_on(
     let proxy = Arc::new(Proxy::new(&shared, metrics.clone()));
     let stop = CancellationToken::new();
     let tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences, refresh, stop.clone())),
+        tokio::spawn(crate::fence::refresh_all(fences, stop.clone())),
         tokio::spawn(guard.run(stop.clone())),
         tokio::spawn(
             dedup

@@ -32,6 +32,7 @@ struct Cli {
 enum Command {
     /// Run the proxy and admin listeners.
     Serve {
+        /// The config file (TOML); relative paths in it are relative to the file.
         #[arg(long, default_value = "config/fencegate.toml")]
         config: PathBuf,
         /// Log format; overrides [server] log_format.
@@ -40,6 +41,7 @@ enum Command {
     },
     /// Validate a config file and print what was understood.
     CheckConfig {
+        /// The config file (TOML) to check.
         #[arg(long, default_value = "config/fencegate.toml")]
         config: PathBuf,
     },
@@ -50,14 +52,26 @@ enum Command {
     },
     /// Play the late-worker story end to end on the embedded defaults.
     Demo,
+    /// Run a recording origin (the quick start's destination): answers 200 and
+    /// prints every request it receives.
+    Origin {
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: std::net::SocketAddr,
+    },
 }
 
 #[derive(Args)]
 struct StoreArgs {
+    /// The config file whose [store] section names the lease store.
     #[arg(long, default_value = "config/fencegate.toml")]
     config: PathBuf,
+    /// The lease's name (the `lease` of the routes it protects).
     #[arg(long)]
     lease: String,
+    /// `json` (one object) or `env` (`FENCEGATE_EPOCH=…` lines for `eval`).
+    #[arg(long, default_value = "json", value_parser = ["json", "env"])]
+    format: String,
 }
 
 #[derive(Subcommand)]
@@ -66,8 +80,10 @@ enum LeaseCommand {
     Acquire {
         #[command(flatten)]
         store: StoreArgs,
+        /// Who holds it (recorded in the epoch object; any stable worker id).
         #[arg(long)]
         holder: String,
+        /// How long the tenure lasts, in milliseconds (renew before it ends).
         #[arg(long, default_value_t = 30_000)]
         ttl_ms: u64,
         /// Wait until the lease is free (expiry plus grace on the store's clock).
@@ -78,12 +94,16 @@ enum LeaseCommand {
     Renew {
         #[command(flatten)]
         store: StoreArgs,
+        /// The holder that acquired the epoch.
         #[arg(long)]
         holder: String,
+        /// The epoch held now.
         #[arg(long)]
         epoch: u64,
+        /// That epoch's token (printed by acquire).
         #[arg(long)]
         token: String,
+        /// How long the new tenure lasts, in milliseconds.
         #[arg(long, default_value_t = 30_000)]
         ttl_ms: u64,
     },
@@ -91,10 +111,13 @@ enum LeaseCommand {
     Release {
         #[command(flatten)]
         store: StoreArgs,
+        /// The holder that acquired the epoch.
         #[arg(long)]
         holder: String,
+        /// The epoch held now.
         #[arg(long)]
         epoch: u64,
+        /// That epoch's token (printed by acquire).
         #[arg(long)]
         token: String,
     },
@@ -154,8 +177,17 @@ pub fn main() -> ExitCode {
             match runtime().and_then(|rt| rt.block_on(lease_command(action))) {
                 Ok(code) => code,
                 Err(e) => {
-                    eprintln!("fencegate: {e:#}");
+                    eprintln!("fencegate: {}", one_line(&e));
                     ExitCode::from(lease_error_code(&e))
+                }
+            }
+        }
+        Command::Origin { listen } => {
+            match runtime().and_then(|rt| rt.block_on(crate::demo::serve_origin(listen))) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("fencegate origin: {}", one_line(&e));
+                    ExitCode::from(EXIT_ERROR)
                 }
             }
         }
@@ -166,7 +198,7 @@ pub fn main() -> ExitCode {
                 Ok(true) => ExitCode::SUCCESS,
                 Ok(false) => ExitCode::from(EXIT_ERROR),
                 Err(e) => {
-                    eprintln!("fencegate demo: {e:#}");
+                    eprintln!("fencegate demo: {}", one_line(&e));
                     ExitCode::from(EXIT_ERROR)
                 }
             }
@@ -178,8 +210,8 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("fencegate: {e:#}");
-            tracing::error!("{e:#}");
+            // Once, on one line (no ERROR log line repeating it).
+            eprintln!("fencegate: {}", one_line(&e));
             // A state backend that cannot be opened as configured (a database
             // unreachable, a newer schema, synchronous_commit off) is the
             // operator's to fix, like a bad config file.
@@ -195,6 +227,24 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })
         }
     }
+}
+
+/// An error and its causes on one line, each cause said once: a wrapper whose
+/// message already quotes its source (`store self-test failed on …: {source}`)
+/// is not followed by that source again.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let m = cause.to_string();
+        if out.contains(&m) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&m);
+    }
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -345,12 +395,54 @@ fn lease_error_code(e: &anyhow::Error) -> u8 {
     }
 }
 
+/// Prints a lease command's result: one JSON object, or with `env` one
+/// `FENCEGATE_<FIELD>='value'` line per field (`eval "$(fencegate lease acquire
+/// … --format env)"` sets `$FENCEGATE_EPOCH` and `$FENCEGATE_TOKEN`).
+fn print_result(v: &serde_json::Value, env: bool) {
+    let Some(fields) = v.as_object().filter(|_| env) else {
+        println!("{v}");
+        return;
+    };
+    for (k, v) in fields {
+        let v = match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Null => String::new(),
+            other => other.to_string(),
+        };
+        // Single quotes: nothing inside is expanded; a quote in a value is closed,
+        // escaped and reopened.
+        println!(
+            "FENCEGATE_{}='{}'",
+            k.to_uppercase(),
+            v.replace('\'', "'\\''")
+        );
+    }
+}
+
+/// Refuses a TTL of 0 (the tenure would be over before it began) and warns
+/// below 3 s on S3, whose `Last-Modified` — the tenure's start on the store's
+/// clock — has a resolution of 1 s.
+fn check_ttl(ttl_ms: u64, kind: crate::config::StoreKind) -> Result<(), UsageError> {
+    if ttl_ms == 0 {
+        return Err(UsageError(
+            "--ttl-ms 0: the lease would have expired when acquired; give it a positive TTL (default 30000)".into(),
+        ));
+    }
+    if kind == crate::config::StoreKind::S3 && ttl_ms < 3000 {
+        eprintln!(
+            "fencegate: warning: --ttl-ms {ttl_ms} is below 3000: S3 dates an epoch to the second, so up to a second of it may be gone when it is written"
+        );
+    }
+    Ok(())
+}
+
 /// Loads only what the lease commands need: the `[store]` section.
 fn load_store_config(path: &Path) -> Result<Config, UsageError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| UsageError(format!("cannot read config {}: {e}", path.display())))?;
-    let cfg =
+    let mut cfg =
         Config::parse(&text).map_err(|e| UsageError(format!("config {}: {e}", path.display())))?;
+    cfg.resolve_paths(path);
     cfg.validate_store()
         .map_err(|e| UsageError(format!("config {}: {e}", path.display())))?;
     Ok(cfg)
@@ -365,6 +457,11 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
     };
     let cfg = load_store_config(&store_args.config)?;
     let lease = LeaseName::parse(&store_args.lease).map_err(UsageError)?;
+    let env = store_args.format == "env";
+    let out = |v: serde_json::Value| print_result(&v, env);
+    if let LeaseCommand::Acquire { ttl_ms, .. } | LeaseCommand::Renew { ttl_ms, .. } = &cmd {
+        check_ttl(*ttl_ms, cfg.store.kind)?;
+    }
     let store = lease::open(&cfg.store, Arc::new(SystemClock)).await?;
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store, cfg.store.prefix.clone());
@@ -377,15 +474,13 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
             expires_at,
         } = &e
         {
-            println!(
-                "{}",
-                json!({"lease": lease.as_str(), "epoch": epoch.get(), "holder": holder, "expires_at": rfc3339(*expires_at)})
+            out(
+                json!({"lease": lease.as_str(), "epoch": epoch.get(), "holder": holder, "expires_at": rfc3339(*expires_at)}),
             );
         }
         if let AcquireError::NotHolder { lease, epoch, why } = &e {
-            println!(
-                "{}",
-                json!({"lease": lease.as_str(), "epoch": epoch.get(), "held": false, "reason": why})
+            out(
+                json!({"lease": lease.as_str(), "epoch": epoch.get(), "held": false, "reason": why}),
             );
         }
         if e.is_held() {
@@ -396,16 +491,13 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
         }
     };
     let print_holding = |h: &acquire::Holding| {
-        println!(
-            "{}",
-            json!({
-                "lease": h.lease.as_str(),
-                "epoch": h.epoch.get(),
-                "token": h.token,
-                "holder": h.holder,
-                "expires_at": rfc3339(h.expires_at),
-            })
-        );
+        out(json!({
+            "lease": h.lease.as_str(),
+            "epoch": h.epoch.get(),
+            "token": h.token,
+            "holder": h.holder,
+            "expires_at": rfc3339(h.expires_at),
+        }));
     };
     match cmd {
         LeaseCommand::Acquire {
@@ -475,9 +567,8 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
             ..
         } => match acquire::release(&epochs, &lease, &holder, Epoch::new(epoch), &token).await {
             Ok(rel) => {
-                println!(
-                    "{}",
-                    json!({"lease": lease.as_str(), "epoch": rel.get(), "holder": holder, "kind": "release", "released_epoch": epoch})
+                out(
+                    json!({"lease": lease.as_str(), "epoch": rel.get(), "holder": holder, "kind": "release", "released_epoch": epoch}),
                 );
                 Ok(ExitCode::SUCCESS)
             }
@@ -493,18 +584,15 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                 Some(EpochObject::Invalid { .. }) => ("invalid", None, None),
                 None => ("none", None, None),
             };
-            println!(
-                "{}",
-                json!({
-                    "lease": lease.as_str(),
-                    "epoch": st.latest.get(),
-                    "kind": kind,
-                    "holder": holder,
-                    "expires_at": expires_at,
-                    "free": st.is_free(grace),
-                    "store_now": rfc3339(st.store_now),
-                })
-            );
+            out(json!({
+                "lease": lease.as_str(),
+                "epoch": st.latest.get(),
+                "kind": kind,
+                "holder": holder,
+                "expires_at": expires_at,
+                "free": st.is_free(grace),
+                "store_now": rfc3339(st.store_now),
+            }));
             Ok(ExitCode::SUCCESS)
         }
     }

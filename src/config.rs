@@ -43,16 +43,21 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
+    /// `host:port`; a host name is resolved once, at load (`localhost:8080`).
+    #[serde(deserialize_with = "socket_addr")]
     pub listen: SocketAddr,
+    #[serde(deserialize_with = "socket_addr")]
     pub admin_listen: SocketAddr,
     pub data_dir: PathBuf,
     /// Bearer token for mutating admin calls; `FENCEGATE_ADMIN_TOKEN` overrides.
     pub admin_token: Option<String>,
     /// How long SIGTERM waits for in-flight requests.
+    #[serde(alias = "shutdown_timeout", deserialize_with = "duration::ms")]
     pub shutdown_timeout_ms: u64,
     /// Open connections beyond this are closed at accept.
     pub max_connections: usize,
     /// Time allowed to receive a request head (slowloris).
+    #[serde(alias = "header_read_timeout", deserialize_with = "duration::ms")]
     pub header_read_timeout_ms: u64,
     /// `human` or `json`.
     pub log_format: LogFormat,
@@ -117,14 +122,17 @@ pub struct StoreConfig {
     pub region: String,
     pub force_path_style: bool,
     pub path: PathBuf,
+    #[serde(alias = "refresh_interval", deserialize_with = "duration::ms")]
     pub refresh_interval_ms: u64,
+    #[serde(alias = "grace", deserialize_with = "duration::ms")]
     pub grace_ms: u64,
+    #[serde(alias = "timeout", deserialize_with = "duration::ms")]
     pub timeout_ms: u64,
     /// TTL of the instance guard's (and a cluster's) gate leases (SPEC §10).
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(deserialize_with = "duration::human")]
     pub gate_ttl: Duration,
     /// An instance stops forwarding this long before its gate lease ends.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(deserialize_with = "duration::human")]
     pub self_fence_margin: Duration,
 }
 
@@ -169,6 +177,7 @@ pub struct StateConfig {
     /// Extra CA bundle (PEM) trusted for the database's TLS certificate.
     pub ca_file: Option<PathBuf>,
     /// Bound on connecting and on every statement.
+    #[serde(alias = "timeout", deserialize_with = "duration::ms")]
     pub timeout_ms: u64,
 }
 
@@ -208,10 +217,10 @@ impl StateConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct DedupConfig {
     /// Retention of dedup records, human-readable ("24h", "90m").
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(deserialize_with = "duration::human")]
     pub ttl: Duration,
     /// How often expired records are swept.
-    #[serde(with = "humantime_serde_compat")]
+    #[serde(deserialize_with = "duration::human")]
     pub sweep_interval: Duration,
 }
 
@@ -224,14 +233,68 @@ impl Default for DedupConfig {
     }
 }
 
-mod humantime_serde_compat {
-    use serde::{Deserialize, Deserializer};
+/// Every duration takes either form: an integer number of milliseconds, or a
+/// human-readable string ("1500ms", "2s", "24h"). The `*_ms` keys also answer to
+/// their name without `_ms` (`timeout = "10s"`); the old names keep working.
+mod duration {
+    use serde::de::{Deserializer, Error, Visitor};
     use std::time::Duration;
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let s = String::deserialize(d)?;
-        humantime::parse_duration(&s).map_err(|e| serde::de::Error::custom(format!("{s:?}: {e}")))
+    struct Either;
+
+    impl Visitor<'_> for Either {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a duration: milliseconds as an integer, or a string such as \"1500ms\", \"2s\", \"24h\"")
+        }
+
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Duration, E> {
+            Ok(Duration::from_millis(v))
+        }
+
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Duration, E> {
+            u64::try_from(v)
+                .map(Duration::from_millis)
+                .map_err(|_| E::custom(format!("{v}: a duration cannot be negative")))
+        }
+
+        fn visit_str<E: Error>(self, s: &str) -> Result<Duration, E> {
+            humantime::parse_duration(s).map_err(|e| E::custom(format!("{s:?}: {e}")))
+        }
     }
+
+    pub fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        d.deserialize_any(Either)
+    }
+
+    pub fn ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        human(d).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub fn ms_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        ms(d).map(Some)
+    }
+}
+
+/// `host:port`, an IP address or a host name resolved now (the first IPv4
+/// address when there is one: `localhost` is then 127.0.0.1).
+fn socket_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+    use std::net::ToSocketAddrs;
+    let s = String::deserialize(d)?;
+    if let Ok(a) = s.parse() {
+        return Ok(a);
+    }
+    let addrs: Vec<SocketAddr> = s
+        .to_socket_addrs()
+        .map_err(|e| serde::de::Error::custom(format!("{s:?} is not host:port ({e})")))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| serde::de::Error::custom(format!("{s:?} resolves to no address")))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -257,7 +320,11 @@ pub struct RouteConfig {
     pub path_prefix: String,
     pub upstream: String,
     pub lease: LeaseName,
-    #[serde(default = "d_timeout")]
+    #[serde(
+        default = "d_timeout",
+        alias = "timeout",
+        deserialize_with = "duration::ms"
+    )]
     pub timeout_ms: u64,
     #[serde(default = "d_true")]
     pub require_token: bool,
@@ -273,6 +340,11 @@ pub struct RouteConfig {
     pub max_body_bytes: usize,
     #[serde(default = "d_mib")]
     pub max_replay_bytes: usize,
+    #[serde(
+        default,
+        alias = "drain_timeout",
+        deserialize_with = "duration::ms_opt"
+    )]
     pub drain_timeout_ms: Option<u64>,
     /// Headers set on every forwarded request; `${NAME}` reads the environment.
     /// Values are secrets: never logged or printed.
@@ -361,15 +433,42 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
-        let cfg = Config::parse(&text).map_err(|message| ConfigError::Parse {
+        let mut cfg = Config::parse(&text).map_err(|message| ConfigError::Parse {
             path: path.to_owned(),
             message,
         })?;
+        cfg.resolve_paths(path);
         cfg.validate().map_err(|message| ConfigError::Invalid {
             path: path.to_owned(),
             message,
         })?;
         Ok(cfg)
+    }
+
+    /// Makes every relative path in the file relative to the file's directory,
+    /// not to wherever the command happens to run (`lease show` from another
+    /// directory must read the same store the server uses).
+    pub fn resolve_paths(&mut self, file: &Path) {
+        let base = file.parent().unwrap_or(Path::new(""));
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.server.data_dir);
+        if let Some(tls) = &mut self.server.tls {
+            fix(&mut tls.cert);
+            fix(&mut tls.key);
+        }
+        fix(&mut self.store.path);
+        if let Some(ca) = &mut self.state.ca_file {
+            fix(ca);
+        }
+        for r in &mut self.routes {
+            if let Some(ca) = &mut r.ca_file {
+                fix(ca);
+            }
+        }
     }
 
     /// Parses TOML. A parse error names the line and what is wrong but never
@@ -423,6 +522,13 @@ impl Config {
     }
 
     fn validate_server(&self) -> Result<(), String> {
+        let (p, a) = (self.server.listen, self.server.admin_listen);
+        let overlap = p.ip() == a.ip() || p.ip().is_unspecified() || a.ip().is_unspecified();
+        if p.port() != 0 && p.port() == a.port() && overlap {
+            return Err(format!(
+                "[server] listen ({p}) and admin_listen ({a}) are the same address: give admin_listen its own port"
+            ));
+        }
         if let Some(tls) = &self.server.tls {
             for (what, p) in [("cert", &tls.cert), ("key", &tls.key)] {
                 if !p.exists() {
@@ -716,6 +822,66 @@ lease = "billing"
             "{}",
             w[0]
         );
+    }
+
+    #[test]
+    fn durations_take_either_form_under_either_name() {
+        let c = Config::parse(&format!(
+            "[server]\nshutdown_timeout = \"3s\"\nheader_read_timeout_ms = 1500\n\
+             [store]\ngrace_ms = \"2500ms\"\nrefresh_interval = 250\ngate_ttl = 12000\n\
+             [dedup]\nttl = \"1h\"\n{MIN}timeout = \"4s\"\ndrain_timeout = \"1s\"\n"
+        ))
+        .unwrap();
+        assert_eq!(c.server.shutdown_timeout_ms, 3000);
+        assert_eq!(c.server.header_read_timeout_ms, 1500);
+        assert_eq!(c.store.grace_ms, 2500);
+        assert_eq!(c.store.refresh_interval_ms, 250);
+        assert_eq!(c.store.gate_ttl, Duration::from_secs(12));
+        assert_eq!(c.dedup.ttl, Duration::from_secs(3600));
+        assert_eq!(c.routes[0].timeout_ms, 4000);
+        assert_eq!(c.routes[0].drain_timeout(), Duration::from_secs(1));
+        let e = Config::parse(&format!("{MIN}timeout = \"soon\"\n")).unwrap_err();
+        assert!(e.contains("soon"), "{e}");
+        let e = Config::parse(&format!("{MIN}timeout = 1\ntimeout_ms = 2\n")).unwrap_err();
+        assert!(e.contains("duplicate"), "{e}");
+    }
+
+    #[test]
+    fn listen_takes_a_host_name() {
+        let c = Config::parse(&format!("[server]\nlisten = \"localhost:8085\"\n{MIN}")).unwrap();
+        assert_eq!(c.server.listen, SocketAddr::from(([127, 0, 0, 1], 8085)));
+        assert!(Config::parse(&format!("[server]\nlisten = \"localhost\"\n{MIN}")).is_err());
+    }
+
+    #[test]
+    fn listen_and_admin_listen_must_differ() {
+        for (l, a) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+            ("0.0.0.0:8080", "127.0.0.1:8080"),
+        ] {
+            let c = Config::parse(&format!(
+                "[server]\nlisten = \"{l}\"\nadmin_listen = \"{a}\"\n{MIN}"
+            ))
+            .unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("admin_listen"), "{e}");
+        }
+        let c = Config::parse(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{MIN}"
+        ))
+        .unwrap();
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn relative_paths_follow_the_config_file() {
+        let mut c = Config::parse(&format!(
+            "[server]\ndata_dir = \"state\"\n[store]\npath = \"/abs/leases\"\n{MIN}"
+        ))
+        .unwrap();
+        c.resolve_paths(Path::new("/etc/fencegate/fencegate.toml"));
+        assert_eq!(c.server.data_dir, Path::new("/etc/fencegate/state"));
+        assert_eq!(c.store.path, Path::new("/abs/leases"));
     }
 
     #[test]

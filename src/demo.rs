@@ -388,6 +388,8 @@ impl Drop for TempDir {
 #[derive(Debug, Clone)]
 struct Received {
     at: Instant,
+    method: String,
+    path: String,
     epoch: Option<String>,
     idempotency_key: Option<String>,
     had_token: bool,
@@ -401,11 +403,29 @@ struct Origin {
     log: Arc<Mutex<Vec<Received>>>,
 }
 
+/// `fencegate origin`: the demo's destination on `addr`, printing each request it
+/// receives on stdout, until interrupted (the quick start's upstream).
+pub async fn serve_origin(addr: SocketAddr) -> anyhow::Result<()> {
+    let origin = Origin::start_on(addr, true).await?;
+    println!(
+        "origin listening on http://{}/ — every request it receives is printed here",
+        origin.addr
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    Ok(())
+}
+
 impl Origin {
     async fn start() -> anyhow::Result<Origin> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        Origin::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), false).await
+    }
+
+    async fn start_on(addr: SocketAddr, print: bool) -> anyhow::Result<Origin> {
+        let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .context("binding the demo origin")?;
+            .with_context(|| format!("binding the origin on {addr}"))?;
         let origin = Origin {
             addr: listener.local_addr()?,
             log: Arc::default(),
@@ -417,7 +437,7 @@ impl Origin {
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
                         let log = log.clone();
-                        async move { Ok::<_, std::convert::Infallible>(record(req, &log).await) }
+                        async move { Ok::<_, std::convert::Infallible>(record(req, &log, print).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
@@ -433,7 +453,11 @@ impl Origin {
     }
 }
 
-async fn record(req: Request<Incoming>, log: &Mutex<Vec<Received>>) -> Response<Full<Bytes>> {
+async fn record(
+    req: Request<Incoming>,
+    log: &Mutex<Vec<Received>>,
+    print: bool,
+) -> Response<Full<Bytes>> {
     let (parts, body) = req.into_parts();
     let body = body
         .collect()
@@ -449,13 +473,28 @@ async fn record(req: Request<Incoming>, log: &Mutex<Vec<Received>>) -> Response<
     };
     let n = {
         let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
-        log.push(Received {
+        let r = Received {
             at: Instant::now(),
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_owned(),
             epoch: header("x-lease-epoch"),
             idempotency_key: header("idempotency-key"),
             had_token: parts.headers.contains_key("x-lease-token"),
             body: String::from_utf8_lossy(&body).into_owned(),
-        });
+        };
+        if print {
+            println!(
+                "#{} {} {} epoch={} key={} token_forwarded={} body={:?}",
+                log.len() + 1,
+                r.method,
+                r.path,
+                r.epoch.as_deref().unwrap_or("-"),
+                r.idempotency_key.as_deref().unwrap_or("-"),
+                r.had_token,
+                r.body
+            );
+        }
+        log.push(r);
         log.len()
     };
     let mut resp = Response::new(Full::new(Bytes::from(format!("stored as #{n}"))));

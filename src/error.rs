@@ -23,8 +23,10 @@ pub enum ProxyError {
     RouteNotFound,
     #[error("X-Lease-Epoch is required")]
     EpochMissing,
-    #[error("X-Lease-Epoch must be exactly one plain decimal u64 ({0})")]
+    #[error("X-Lease-Epoch {0}")]
     EpochMalformed(&'static str),
+    #[error("X-Lease-Token is repeated: send exactly one")]
+    TokenRepeated,
     #[error("Idempotency-Key must be 1-255 visible ASCII characters ({0})")]
     DedupKeyMalformed(&'static str),
     #[error("request body exceeds the route's limit of {limit} bytes")]
@@ -214,6 +216,7 @@ impl ProxyError {
             E::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
             E::EpochMissing => (StatusCode::PRECONDITION_REQUIRED, "epoch_missing"),
             E::EpochMalformed(_) => (StatusCode::BAD_REQUEST, "epoch_malformed"),
+            E::TokenRepeated => (StatusCode::FORBIDDEN, "token_invalid"),
             E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
             E::BodyTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
             // Not in SPEC §7's table: a body that breaks off or trickles in.
@@ -291,6 +294,7 @@ impl ProxyError {
             E::RouteNotFound
             | E::EpochMissing
             | E::EpochMalformed(_)
+            | E::TokenRepeated
             | E::DedupKeyMalformed(_)
             | E::BodyTimeout
             | E::UpgradeUnsupported
@@ -303,7 +307,15 @@ impl ProxyError {
         let (status, code) = self.status_and_code();
         let mut ctx = Map::new();
         self.context(&mut ctx);
-        error_response(status, code, self.to_string(), ctx)
+        let mut resp = error_response(status, code, self.to_string(), ctx);
+        if status == StatusCode::UNAUTHORIZED {
+            // RFC 9110 §11.6.1: a 401 names how to authenticate.
+            resp.headers_mut().insert(
+                http::header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("X-Lease-Token realm=\"fencegate\""),
+            );
+        }
+        resp
     }
 }
 

@@ -166,7 +166,7 @@ impl HasStatus for aws_smithy_runtime_api::client::orchestrator::HttpResponse {
 /// Maps an SDK error to what a caller may conclude from it.
 fn classify<
     E: ProvideErrorMetadata + std::error::Error + 'static,
-    R: HasStatus + std::fmt::Debug,
+    R: HasStatus + std::fmt::Debug + 'static,
 >(
     e: SdkError<E, R>,
 ) -> StoreError {
@@ -174,10 +174,7 @@ fn classify<
     let detail = match (e.code(), e.message()) {
         (Some(c), Some(m)) => format!("{c}: {m}"),
         (Some(c), None) => c.to_owned(),
-        _ => format!(
-            "{}",
-            aws_smithy_types::error::display::DisplayErrorContext(&e)
-        ),
+        _ => cause_first(&e),
     };
     match (&e, status) {
         (SdkError::ConstructionFailure(_), _) => StoreError::Refused(detail),
@@ -186,6 +183,44 @@ fn classify<
         }
         (_, Some(s)) => StoreError::Unavailable(format!("HTTP {s}: {detail}")),
         _ => StoreError::Unavailable(detail),
+    }
+}
+
+/// One line for an SDK failure without a service answer: the deepest cause first
+/// (the SDK's own `DisplayErrorContext` ends in a Debug dump of the whole error
+/// tree), then what to do about it.
+fn cause_first(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut chain: Vec<String> = Vec::new();
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        // Multi-line messages (the credential chain's attempts) keep their first line.
+        let m = c.to_string();
+        let m = m.lines().next().unwrap_or_default().trim().to_owned();
+        if !m.is_empty() && !chain.iter().any(|p| p.contains(&m)) {
+            chain.push(m);
+        }
+        cur = c.source();
+    }
+    let all = chain.join(": ");
+    if all.contains("no credentials") || all.contains("credential provider") {
+        return "no AWS credentials found (tried the environment, profile, web identity, ECS and instance metadata): \
+                set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or give the host a role"
+            .into();
+    }
+    let cause = chain.pop().unwrap_or_default();
+    let hint = if all.contains("connect")
+        || all.contains("dns")
+        || all.contains("timed out")
+        || all.contains("timeout")
+    {
+        "; check [store] endpoint and region, and that the store is reachable from here"
+    } else {
+        ""
+    };
+    if chain.is_empty() {
+        format!("{cause}{hint}")
+    } else {
+        format!("{cause} ({}){hint}", chain.join(": "))
     }
 }
 

@@ -225,10 +225,11 @@ impl Proxy {
             return Err(ProxyError::UpgradeUnsupported);
         }
         let epoch = single_header(&parts.headers, &forward::LEASE_EPOCH_NAME)
-            .map_err(|_| ProxyError::EpochMalformed("repeated"))?
+            .map_err(|_| ProxyError::EpochMalformed("is repeated: send exactly one"))?
             .ok_or(ProxyError::EpochMissing)?;
-        let epoch = Epoch::parse_header(epoch.as_bytes())
-            .ok_or(ProxyError::EpochMalformed("not a plain decimal u64"))?;
+        let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed(
+            "must be a plain decimal u64: digits only, no sign, no spaces",
+        ))?;
         seen.epoch = Some(epoch.get());
         let worker_key = match single_header(&parts.headers, &forward::IDEMPOTENCY_KEY_NAME) {
             Err(()) => return Err(ProxyError::DedupKeyMalformed("repeated")),
@@ -237,11 +238,10 @@ impl Proxy {
                 Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?)
             }
         };
-        let token: Option<&[u8]> = match single_header(&parts.headers, &forward::LEASE_TOKEN_NAME) {
-            Ok(t) => t.map(http::HeaderValue::as_bytes),
-            // Two tokens: neither can be trusted.
-            Err(()) => Some(&[]),
-        };
+        // Two tokens: neither can be trusted, and the worker is told why.
+        let token: Option<&[u8]> = single_header(&parts.headers, &forward::LEASE_TOKEN_NAME)
+            .map_err(|()| ProxyError::TokenRepeated)?
+            .map(http::HeaderValue::as_bytes);
         let body = read_body(&parts, body, route.max_body_bytes, route.timeout).await?;
 
         let admit_started = Instant::now();

@@ -92,12 +92,26 @@ impl SledState {
         };
         // sled reports damage when it opens and also later, when it first reads a
         // damaged page (here, while the checks below read the trees).
-        let sled_err = |e: sled::Error| match e {
+        let sled_err = |e: sled::Error| {
+            match e {
             sled::Error::Corruption { .. } => StateError::Damaged {
                 path: path.clone(),
                 detail: e.to_string(),
             },
+            // sled's lock on its directory: say what it means, not "WouldBlock".
+            // (sled wraps the lock's WouldBlock in an error of its own kind.)
+            sled::Error::Io(io)
+                if io.kind() == std::io::ErrorKind::WouldBlock
+                    || io.to_string().contains("could not acquire lock") =>
+            {
+                open_err(
+                "another fencegate process uses this data_dir (it holds the directory's lock); \
+                 stop it, or give this instance its own data_dir"
+                        .into(),
+                )
+            }
             other => open_err(other.to_string()),
+        }
         };
         let damaged = |detail: String| StateError::Damaged {
             path: path.clone(),

@@ -63,6 +63,11 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         )
         .await;
         r.assert_error(400, "epoch_malformed");
+        let message = r.json()["message"].as_str().unwrap().to_owned();
+        assert_eq!(
+            message, "X-Lease-Epoch must be a plain decimal u64: digits only, no sign, no spaces",
+            "says what is wrong once"
+        );
     }
     let repeated = send(
         Request::post(&url)
@@ -74,6 +79,28 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     )
     .await;
     repeated.assert_error(400, "epoch_malformed");
+    assert!(
+        repeated.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("repeated"),
+        "{}",
+        repeated.json()
+    );
+    // Two tokens, even one of them right: refused, and told they are repeated
+    // (not that a token "does not match").
+    let two_tokens = send(
+        worker_req(&url, e, tok)
+            .header("x-lease-token", tok)
+            .body(body("x"))
+            .unwrap(),
+    )
+    .await;
+    two_tokens.assert_error(403, "token_invalid");
+    assert_eq!(
+        two_tokens.json()["message"],
+        "X-Lease-Token is repeated: send exactly one"
+    );
 
     for bad in [
         String::new(),
@@ -99,6 +126,10 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     )
     .await;
     r.assert_error(401, "token_missing");
+    assert_eq!(
+        r.headers["www-authenticate"], "X-Lease-Token realm=\"fencegate\"",
+        "a 401 names how to authenticate"
+    );
     send(worker_req(&url, e, "wrong").body(body("x")).unwrap())
         .await
         .assert_error(403, "token_invalid");

@@ -19,3 +19,4 @@ mod logs;
 mod ops;
 mod postgres;
 mod reload;
+mod startup;

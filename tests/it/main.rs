@@ -18,5 +18,6 @@ mod lease_cli;
 mod logs;
 mod ops;
 mod postgres;
+mod quickstart;
 mod reload;
 mod startup;

@@ -1,0 +1,215 @@
+//! The README as a user meets it: the quick start's shell session runs as written
+//! (against `config/fencegate.toml`, with `fencegate` on the PATH; only the three
+//! ports are swapped for free ones), every relative link in README.md resolves
+//! inside the repository, and the commands have help texts.
+
+use std::io::Read;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The `sh` block after the `<!-- quickstart` marker.
+fn quickstart_block(readme: &str) -> String {
+    let after = &readme[readme.find("<!-- quickstart").expect("quickstart marker")..];
+    let start = after.find("```sh\n").expect("a sh block") + "```sh\n".len();
+    let len = after[start..].find("```").expect("block end");
+    after[start..start + len].to_owned()
+}
+
+/// The quick start works end to end: worker 1's request and worker 2's reach the
+/// origin at epochs 1 and 2, worker 1's late request is refused `epoch_stale` and
+/// never arrives. Breaks if the example config points nowhere, a command or flag
+/// in the session does not exist, or the printed epochs drift from a fresh store.
+#[test]
+fn the_quick_start_runs_as_written() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("config")).unwrap();
+    let (proxy, admin, origin) = (free_port(), free_port(), free_port());
+    let ports = |t: &str| {
+        t.replace(":8080", &format!(":{proxy}"))
+            .replace(":9090", &format!(":{admin}"))
+            .replace(":8081", &format!(":{origin}"))
+    };
+    let config = std::fs::read_to_string(root.join("config/fencegate.toml")).unwrap();
+    std::fs::write(dir.path().join("config/fencegate.toml"), ports(&config)).unwrap();
+    let script = ports(&quickstart_block(&readme)).replace(
+        "fencegate origin &",
+        &format!("fencegate origin --listen 127.0.0.1:{origin} &"),
+    );
+    let bin_dir = Path::new(bin()).parent().unwrap().to_owned();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut child = Command::new("bash")
+        .args(["-e", "-c", &script])
+        .current_dir(dir.path())
+        .env("PATH", path)
+        .env("FENCEGATE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pgid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Whatever happened, nothing the session started outlives the test.
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{pgid}")])
+        .status();
+    let mut out = String::new();
+    let mut err = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = status.unwrap_or_else(|| panic!("the session hung\n{out}\n{err}"));
+    assert!(
+        status.success(),
+        "{status}\n--- stdout\n{out}\n--- stderr\n{err}"
+    );
+    assert!(
+        out.contains("#1 POST /v1/charges epoch=1 "),
+        "worker 1 at epoch 1:\n{out}"
+    );
+    assert!(
+        out.contains("#2 POST /v1/charges epoch=2 "),
+        "worker 2 at epoch 2:\n{out}"
+    );
+    assert!(!out.contains("#3 "), "the late request arrived:\n{out}");
+    assert_eq!(out.matches("-> 200").count(), 2, "{out}");
+    assert!(
+        out.contains("\"error\":\"epoch_stale\"") && out.contains("-> 409"),
+        "{out}"
+    );
+}
+
+/// Every relative link in README.md (markdown links, and file paths quoted in
+/// backticks) names a file in the repository. Breaks on a link to a file a clone
+/// does not have (SPEC.md, NOTES.md and a bench README once were).
+#[test]
+fn every_relative_link_in_the_readme_resolves() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut missing = Vec::new();
+    let mut checked = 0;
+    let mut check = |target: &str| {
+        let target = target.split('#').next().unwrap_or_default();
+        if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+            return;
+        }
+        checked += 1;
+        if !root.join(target).exists() {
+            missing.push(target.to_owned());
+        }
+    };
+    for part in readme.split("](").skip(1) {
+        if let Some(end) = part.find(')') {
+            check(&part[..end]);
+        }
+    }
+    // `path/to/file.ext` in backticks: a file a reader is told to open.
+    for (i, quoted) in readme.split('`').enumerate() {
+        let file_like = i % 2 == 1
+            && !quoted.contains(char::is_whitespace)
+            && !quoted.starts_with('/')
+            && !quoted.contains(['{', '*', '$', '<', '='])
+            && [".md", ".rs", ".toml", ".sh", ".py"]
+                .iter()
+                .any(|ext| quoted.ends_with(ext))
+            && (quoted.contains('/') || quoted.ends_with(".md"));
+        if file_like {
+            check(quoted);
+        }
+    }
+    assert!(checked >= 5, "found only {checked} links");
+    assert!(
+        missing.is_empty(),
+        "README.md names missing files: {missing:?}"
+    );
+    for f in ["LICENSE", "SPEC.md"] {
+        assert!(root.join(f).is_file(), "{f}");
+    }
+    assert!(
+        !root.join("scripts/__pycache__").exists()
+            || !Command::new("git")
+                .args(["ls-files", "--error-unmatch", "scripts/__pycache__"])
+                .current_dir(&root)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success()),
+        "no committed __pycache__"
+    );
+}
+
+/// Every command and option has a help text.
+#[test]
+fn every_command_has_help() {
+    let help = |args: &[&str]| {
+        let o = Command::new(bin()).args(args).output().unwrap();
+        assert!(o.status.success(), "{args:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let top = help(&["--help"]);
+    for cmd in ["serve", "check-config", "lease", "demo", "origin"] {
+        let line = top
+            .lines()
+            .find(|l| l.trim_start().starts_with(cmd))
+            .unwrap_or_else(|| panic!("{cmd} in {top}"));
+        assert!(line.split_whitespace().count() > 2, "{line}");
+    }
+    for args in [
+        &["serve", "--help"][..],
+        &["check-config", "--help"],
+        &["origin", "--help"],
+        &["lease", "renew", "--help"],
+        &["lease", "release", "--help"],
+        &["lease", "show", "--help"],
+    ] {
+        let text = help(args);
+        for line in text.lines().filter(|l| l.trim_start().starts_with("--")) {
+            if line.trim_start().starts_with("--help") {
+                continue;
+            }
+            assert!(
+                line.split_whitespace().count() > 2,
+                "{args:?}: {line} has no help text"
+            );
+        }
+    }
+    assert!(
+        help(&["--version"]).contains('('),
+        "the commit in --version"
+    );
+}

@@ -223,8 +223,13 @@ pub fn spawn_fencegate(
         path.display().to_string(),
     ];
     // Default logging (info) unless `envs` says otherwise: the per-request span is
-    // part of what is measured.
-    spawn_listening(name, exe, &args, dir, true, envs)
+    // part of what is measured. The access line is off, as nginx's `access_log
+    // off` is in this bench (a filter, so an older build B takes it too).
+    let mut envs = envs.to_vec();
+    if !envs.iter().any(|(k, _)| *k == "FENCEGATE_LOG") {
+        envs.push(("FENCEGATE_LOG", "info,fencegate::access=off"));
+    }
+    spawn_listening(name, exe, &args, dir, true, &envs)
 }
 
 /// `nginx` on the PATH, if any.

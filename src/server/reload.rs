@@ -120,7 +120,29 @@ impl Reloader {
         if let Some(key) = fixed_key_changed(&applied, &table) {
             return Err(ReloadError::Fixed { key });
         }
-        let new = super::build_live(&cfg, &self.shared.fences, &self.metrics).await?;
+        let running: HashSet<LeaseName> = self
+            .shared
+            .fences
+            .all()
+            .iter()
+            .map(|f| f.lease().clone())
+            .collect();
+        let new = match super::build_live(&cfg, &self.shared.fences, &self.metrics).await {
+            Ok(n) => n,
+            Err(e) => {
+                // Fences started for the refused file's new leases admitted
+                // nothing: stop them, or they would be refreshed for nothing.
+                for f in self.shared.fences.all() {
+                    if !running.contains(f.lease()) {
+                        self.shared
+                            .fences
+                            .stop(f.lease(), std::time::Duration::ZERO)
+                            .await;
+                    }
+                }
+                return Err(e.into());
+            }
+        };
         let names = |l: &crate::live::Live| -> HashSet<String> {
             l.routes.iter().map(|r| r.name.clone()).collect()
         };

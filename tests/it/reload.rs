@@ -237,6 +237,29 @@ async fn a_bad_reload_keeps_the_running_config_and_says_why() {
         fg.stderr()
     );
 
+    // A new route whose CA bundle is not PEM: refused after its lease's fence was
+    // started, and that fence does not linger.
+    let garbage = fg.dir.path().join("garbage-ca.pem");
+    std::fs::write(&garbage, "not a certificate").unwrap();
+    fg.edit_config(|_| {
+        format!(
+            "{good}{}",
+            route_toml(
+                "payments",
+                "payments",
+                &s.origin,
+                &format!("ca_file = \"{}\"", garbage.display())
+            )
+        )
+    });
+    reload(fg, "refused").await;
+    assert!(fg.stderr().contains("route payments"), "{}", fg.stderr());
+    let leases = fg.admin_json("/v1/leases").await.to_string();
+    assert!(!leases.contains("payments"), "{leases}");
+    post(fg, "/payments/x", &s.payments, "c")
+        .await
+        .assert_error(404, "route_not_found");
+
     fg.edit_config(|_| good.clone());
     reload(fg, "applied").await;
     assert_eq!(

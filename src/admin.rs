@@ -128,9 +128,11 @@ fn html(status: StatusCode, body: String) -> Response<Full<Bytes>> {
         ),
     );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    // Not `no-referrer`: with it, browsers send `Origin: null` on the page's own
+    // form posts, which the same-origin check must refuse.
     h.insert(
         header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
+        HeaderValue::from_static("same-origin"),
     );
     r
 }

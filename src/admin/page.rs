@@ -195,7 +195,7 @@ input[type=password]{font:inherit;padding:.35rem;width:min(22rem,90%)}
  thead{display:none}
  tr{border:1px solid #eceef1;border-radius:6px;margin:.5rem 0;padding:.2rem .4rem}
  td{border:none;padding:.15rem .2rem}
- td::before{content:attr(data-label) ": ";color:#5b6370;font-size:.8rem}
+ td[data-label]::before{content:attr(data-label) ": ";color:#5b6370;font-size:.8rem}
 }
 "#;
 

@@ -258,6 +258,9 @@ async fn the_page_shows_a_held_lease_a_raised_mark_and_the_in_doubt_keys() {
     assert_eq!(r.headers["content-type"], "text/html; charset=utf-8");
     let csp = r.headers["content-security-policy"].to_str().unwrap();
     assert!(csp.contains("default-src 'none'"), "{csp}");
+    // `no-referrer` would make browsers send `Origin: null` on the page's own
+    // forms (seen in Chromium), which the same-origin check refuses.
+    assert_eq!(r.headers["referrer-policy"], "same-origin");
     let html = text(&r);
     assert!(html.contains(r#"<meta http-equiv="refresh""#));
     assert!(!html.contains("<script"), "no script");

@@ -1,0 +1,199 @@
+// The operator page in a real browser (issue 16): a real fencegate process with
+// in-doubt keys, headless Chromium driven by Playwright. Log in, click "not
+// delivered", see the key gone and the worker's retry forwarded at the origin.
+//
+// Run by scripts/browser-test.sh, which installs Chromium and this folder's npm
+// packages and builds fencegate. Environment:
+//   FENCEGATE_BIN   the fencegate binary
+//   CHROMIUM        the browser (default /usr/bin/chromium)
+//   ARTIFACTS       where screenshots go (default ./artifacts)
+//   SCREENSHOT      where the README's screenshot is written (optional)
+
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { spawn, execFileSync } from "node:child_process";
+import { mkdtempSync, writeFileSync, mkdirSync, copyFileSync, rmSync } from "node:fs";
+import { createServer } from "node:http";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const BIN = process.env.FENCEGATE_BIN;
+const ARTIFACTS = process.env.ARTIFACTS ?? "artifacts";
+const TOKEN = "browser-test-admin-token";
+
+/** An origin that records what it received; `x-test-hold` keeps the answer
+ * back past the route's timeout, so the key goes in doubt. */
+async function startOrigin() {
+  const arrivals = [];
+  const server = createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => (body += c));
+    req.on("end", () => {
+      arrivals.push({ method: req.method, url: req.url, key: req.headers["idempotency-key"], body });
+      const answer = () => {
+        res.writeHead(200, { "content-type": "application/json" });
+        res.end(JSON.stringify({ ok: true, seq: arrivals.length }));
+      };
+      if (req.headers["x-test-hold"]) setTimeout(answer, 1500);
+      else answer();
+    });
+  });
+  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  return { server, arrivals, port: server.address().port };
+}
+
+async function freePort() {
+  const s = createServer();
+  await new Promise((r) => s.listen(0, "127.0.0.1", r));
+  const { port } = s.address();
+  await new Promise((r) => s.close(r));
+  return port;
+}
+
+async function waitFor(what, check, ms = 30000) {
+  const end = Date.now() + ms;
+  for (;;) {
+    try {
+      if (await check()) return;
+    } catch {}
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+test("an operator resolves an in-doubt key from the page", { timeout: 180000 }, async (t) => {
+  assert.ok(BIN, "FENCEGATE_BIN must name the fencegate binary");
+  mkdirSync(ARTIFACTS, { recursive: true });
+  const dir = mkdtempSync(join(tmpdir(), "fencegate-browser-"));
+  const origin = await startOrigin();
+  const [proxyPort, adminPort] = [await freePort(), await freePort()];
+  const config = join(dir, "fencegate.toml");
+  const route = (name) => `[[route]]
+name = "${name}"
+path_prefix = "/${name}/"
+upstream = "http://127.0.0.1:${origin.port}/v1/"
+lease = "${name}"
+timeout_ms = 300
+`;
+  writeFileSync(
+    config,
+    `[server]
+listen = "127.0.0.1:${proxyPort}"
+admin_listen = "127.0.0.1:${adminPort}"
+data_dir = "${join(dir, "state")}"
+admin_token = "${TOKEN}"
+
+[store]
+kind = "dir"
+path = "${join(dir, "leases")}"
+prefix = "fencegate/"
+refresh_interval_ms = 200
+
+${route("billing")}
+${route("payouts")}
+${route("reports")}`,
+  );
+  const fg = spawn(BIN, ["serve", "--config", config], { stdio: ["ignore", "inherit", "inherit"] });
+  t.after(() => {
+    fg.kill("SIGTERM");
+    origin.server.closeAllConnections?.();
+    origin.server.close();
+    rmSync(dir, { recursive: true, force: true });
+  });
+  const admin = `http://127.0.0.1:${adminPort}`;
+  const proxy = `http://127.0.0.1:${proxyPort}`;
+  await waitFor("fencegate to be ready", async () => (await fetch(`${admin}/readyz`)).ok);
+
+  const lease = (...args) =>
+    JSON.parse(execFileSync(BIN, ["lease", ...args, "--config", config], { encoding: "utf8" }));
+  const send = (path, w, key, hold) =>
+    fetch(`${proxy}${path}`, {
+      method: "POST",
+      headers: {
+        "x-lease-epoch": String(w.epoch),
+        "x-lease-token": w.token,
+        "idempotency-key": key,
+        ...(hold ? { "x-test-hold": "yes" } : {}),
+      },
+      body: JSON.stringify({ amount: 1042 }),
+    });
+
+  // billing: worker-a, then worker-b takes over (the mark rises).
+  const a = lease("acquire", "--lease", "billing", "--holder", "worker-a", "--ttl-ms", "60000");
+  assert.equal((await send("/billing/charges", a, "order-1041")).status, 200);
+  lease("release", "--lease", "billing", "--holder", "worker-a", "--epoch", String(a.epoch), "--token", a.token);
+  const b = lease("acquire", "--lease", "billing", "--holder", "worker-b", "--ttl-ms", "60000");
+  assert.ok(b.epoch > a.epoch);
+  // Three requests the origin answers too late: their keys are in doubt.
+  assert.equal((await send("/billing/charges", b, "order-1042", true)).status, 504);
+  assert.equal((await send("/billing/refunds", b, "refund-77", true)).status, 504);
+  const p = lease("acquire", "--lease", "payouts", "--holder", "payout-runner", "--ttl-ms", "20000");
+  assert.equal((await send("/payouts/batch", p, "payout-2026-12-01", true)).status, 504);
+  assert.equal(origin.arrivals.filter((x) => x.key === "order-1042").length, 1);
+
+  const browser = await chromium.launch({
+    executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
+    headless: true,
+    args: [
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-quic",
+      "--no-first-run",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--disable-sync",
+    ],
+  });
+  t.after(() => browser.close());
+  const context = await browser.newContext({ viewport: { width: 1180, height: 900 } });
+  const page = await context.newPage();
+  const outside = [];
+  page.on("request", (r) => {
+    if (!r.url().startsWith(admin)) outside.push(r.url());
+  });
+
+  // No session: the login form. A wrong token is refused.
+  await page.goto(`${admin}/`);
+  await page.locator('input[type="password"]').fill("not-the-token");
+  await page.getByRole("button", { name: "log in" }).click();
+  await page.getByText("That is not the admin token.").waitFor();
+  assert.equal(page.url().includes(TOKEN), false);
+
+  await page.locator('input[type="password"]').fill(TOKEN);
+  await page.getByRole("button", { name: "log in" }).click();
+  await page.locator("#in-doubt").waitFor();
+  assert.equal(page.url(), `${admin}/`, "no token in the URL");
+  const cookies = await context.cookies();
+  const session = cookies.find((c) => c.name === "fencegate_admin");
+  assert.ok(session && session.httpOnly && session.sameSite === "Strict", JSON.stringify(cookies));
+  assert.equal(session.value.includes(TOKEN), false);
+
+  const rows = page.locator("tr.key");
+  assert.equal(await rows.count(), 3);
+  const order = rows.filter({ hasText: "order-1042" });
+  await assert.doesNotReject(order.getByText("POST /billing/charges").waitFor());
+  const billing = page.locator("tr.lease", { hasText: "billing" });
+  assert.match(await billing.innerText(), /worker-b/);
+  await page.screenshot({ path: join(ARTIFACTS, "operator-page.png"), fullPage: true });
+  if (process.env.SCREENSHOT) copyFileSync(join(ARTIFACTS, "operator-page.png"), process.env.SCREENSHOT);
+  // A narrow screen: the tables become cards.
+  await page.setViewportSize({ width: 390, height: 844 });
+  await page.screenshot({ path: join(ARTIFACTS, "operator-page-narrow.png"), fullPage: true });
+  await page.setViewportSize({ width: 1180, height: 900 });
+
+  // The operator checked the destination: not delivered.
+  await order.getByRole("button", { name: "not delivered" }).click();
+  await page.getByText("Resolved billing / order-1042 as not delivered.").waitFor();
+  assert.equal(await page.locator("tr.key", { hasText: "order-1042" }).count(), 0);
+  assert.equal(await page.locator("tr.key").count(), 2);
+  await page.screenshot({ path: join(ARTIFACTS, "after-resolve.png"), fullPage: true });
+
+  // The worker's retry is forwarded now, with its key.
+  const retry = await send("/billing/charges", b, "order-1042");
+  assert.equal(retry.status, 200);
+  const got = origin.arrivals.filter((x) => x.key === "order-1042");
+  assert.equal(got.length, 2, JSON.stringify(origin.arrivals));
+  assert.equal(got[1].url, "/v1/charges");
+  assert.deepEqual(outside, [], "the page fetched nothing from elsewhere");
+});

@@ -593,15 +593,16 @@ impl Admin {
             .unwrap_or(0);
         let after = form_field(q, "after").and_then(|v| ListCursor::parse(&v));
         let fences = self.shared.fences.all();
-        let mut leases_failing = 0;
-        let mut leases = Vec::with_capacity(page::LEASES_PER_PAGE);
-        for (i, f) in fences.iter().enumerate() {
-            let v = f.view();
-            if v.last_error.is_some() {
-                leases_failing += 1;
-            }
-            if (offset..offset + page::LEASES_PER_PAGE).contains(&i) {
-                leases.push(LeaseRow {
+        // A full view only for the leases on this page: with thousands of leases
+        // the others are only counted.
+        let leases_failing = fences.iter().filter(|f| f.store_failing()).count();
+        let leases = fences
+            .iter()
+            .skip(offset)
+            .take(page::LEASES_PER_PAGE)
+            .map(|f| {
+                let v = f.view();
+                LeaseRow {
                     lease: v.lease.as_str().to_owned(),
                     mark: v.gate.mark.get(),
                     latest: v.latest_known.get(),
@@ -612,9 +613,9 @@ impl Admin {
                     drains_started: v.gate.drains_started,
                     drains_aborted: v.gate.drains_aborted,
                     store_error: v.last_error,
-                });
-            }
-        }
+                }
+            })
+            .collect();
         let Listing { records, total } = self
             .shared
             .state

@@ -177,6 +177,12 @@ impl Fence {
         self.gate.close(drain_timeout).await;
     }
 
+    /// Whether the last store call for this lease failed (cheaper than a
+    /// [`Fence::view`], for counting over every lease).
+    pub fn store_failing(&self) -> bool {
+        self.known().last_error.is_some()
+    }
+
     pub fn is_stopped(&self) -> bool {
         self.stop.is_cancelled()
     }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 
 use crate::dedup::DedupKey;
+use crate::error::ProxyError;
 
 /// The request id header, sent upstream and echoed to the worker.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -62,8 +63,8 @@ pub struct Line<'a> {
     pub status: u16,
     /// `forwarded`, `replayed` or `refused`.
     pub outcome: &'static str,
-    /// The SPEC §7 code of a refusal.
-    pub code: Option<&'static str>,
+    /// Why fencegate answered itself: its SPEC §7 code and message are logged.
+    pub refusal: Option<&'a ProxyError>,
     pub seen: &'a Seen,
     pub client: SocketAddr,
     pub request_id: &'a HeaderValue,
@@ -82,7 +83,8 @@ impl Line<'_> {
             route = self.route,
             status = self.status,
             outcome = self.outcome,
-            code = self.code,
+            code = self.refusal.map(ProxyError::code),
+            reason = self.refusal.map(tracing::field::display),
             lease = self.lease,
             epoch = self.seen.epoch,
             key = self.seen.key.as_ref().map(DedupKey::as_str),

@@ -167,11 +167,12 @@ impl Proxy {
         // This request's config to its end, whatever a reload does meanwhile.
         let live = self.live.current();
         let route = live.routes.find(&method, uri.path());
-        let (mut resp, outcome, code) = match route {
+        let mut refusal = None;
+        let (mut resp, outcome) = match route {
             None => {
                 self.metrics.request("", "refused", "route_not_found");
-                let e = ProxyError::RouteNotFound;
-                (e.to_response(), "refused", Some(e.code()))
+                refusal = Some(ProxyError::RouteNotFound);
+                (ProxyError::RouteNotFound.to_response(), "refused")
             }
             Some(route) => match self.serve(route, req, &peer, &mut seen, &request_id).await {
                 Ok((resp, outcome)) => {
@@ -180,13 +181,13 @@ impl Proxy {
                     } else {
                         self.metrics.request(&route.name, outcome, "");
                     }
-                    (resp, outcome, None)
+                    (resp, outcome)
                 }
                 Err(e) => {
-                    let code = e.code();
-                    self.metrics.request(&route.name, "refused", code);
-                    tracing::debug!(route = %route.name, code, reason = %e, "refused");
-                    (e.to_response(), "refused", Some(code))
+                    self.metrics.request(&route.name, "refused", e.code());
+                    let resp = e.to_response();
+                    refusal = Some(e);
+                    (resp, "refused")
                 }
             },
         };
@@ -198,7 +199,7 @@ impl Proxy {
                 lease: route.map(|r| r.fence.lease().as_str()),
                 status: resp.status().as_u16(),
                 outcome,
-                code,
+                refusal: refusal.as_ref(),
                 seen: &seen,
                 client: peer.addr,
                 request_id: &request_id,

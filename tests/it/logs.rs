@@ -127,6 +127,13 @@ async fn one_flat_access_line_per_request_with_its_request_id() {
     assert_eq!(lines[1]["request_id"], made_id.as_str());
     assert_eq!(lines[2]["outcome"], "refused");
     assert_eq!(lines[2]["code"], "token_invalid");
+    assert!(
+        lines[2]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("does not match")),
+        "the refusal's message: {}",
+        lines[2]
+    );
     assert_eq!(lines[2]["status"], 403);
     assert!(lines[2].get("upstream_ms").is_none(), "{}", lines[2]);
     assert_eq!(lines[3]["code"], "route_not_found");

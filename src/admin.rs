@@ -26,7 +26,7 @@ use crate::dedup::{ms_to_system, DedupKey, Resolution, Resolved, State};
 use crate::epoch::TokenHash;
 use crate::error::AdminError;
 use crate::metrics::Metrics;
-use crate::shared::Shared;
+use crate::shared::{Mode, Shared};
 use crate::state::{ListCursor, Listing, Record, RecordKey};
 use page::{Access, KeyRow, LeaseRow, PageView, ShardRow, StoreHealth};
 use session::Session;
@@ -47,6 +47,7 @@ enum Endpoint<'a> {
     Readyz,
     Metrics,
     Leases,
+    Cluster,
     DedupList,
     DedupGet(&'a str, &'a str),
     DedupResolve(&'a str, &'a str),
@@ -61,6 +62,7 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/readyz", "the lease store and the state backend answer"),
     ("GET", "/metrics", "Prometheus text"),
     ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
+    ("GET", "/v1/cluster", "this instance's id and, per shard, owner, gate epoch, expiry and leases"),
     ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
     ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
     ("POST", "/v1/dedup/{route}/{key}/resolve", "resolve an in-doubt key: {\"outcome\": \"delivered\"|\"not_delivered\"} (admin token)"),
@@ -79,6 +81,7 @@ impl<'a> Endpoint<'a> {
             ["login"] => Endpoint::Login,
             ["logout"] => Endpoint::Logout,
             ["v1", "leases"] => Endpoint::Leases,
+            ["v1", "cluster"] => Endpoint::Cluster,
             ["v1", "dedup"] => Endpoint::DedupList,
             ["v1", "dedup", route, key] => Endpoint::DedupGet(route, key),
             ["v1", "dedup", route, key, "resolve"] => Endpoint::DedupResolve(route, key),
@@ -254,6 +257,7 @@ impl Admin {
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             ),
             Endpoint::Leases => self.leases(),
+            Endpoint::Cluster => self.cluster(),
             Endpoint::DedupList => self.dedup_list(&req).await?,
             Endpoint::DedupGet(route, key) => self.dedup_get(route, key).await?,
             Endpoint::DedupResolve(route, key) => {
@@ -318,6 +322,12 @@ impl Admin {
                 self.store_timeout.as_millis()
             )),
         }
+        if let Some(c) = self.shared.mode.cluster() {
+            // "I can serve or route": every shard has an owner this instance knows.
+            if !c.is_ready() {
+                problems.push("cluster: not every shard has a known owner yet".into());
+            }
+        }
         if problems.is_empty() {
             json_response(StatusCode::OK, json!({"status": "ready"}))
         } else {
@@ -325,6 +335,25 @@ impl Admin {
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({"status": "not_ready", "problems": problems}),
             )
+        }
+    }
+
+    /// SPEC §10.2: this instance's id and, per shard, owner, gate epoch, expiry
+    /// (on the store's clock) and leases. A single instance is one shard.
+    fn cluster(&self) -> Response<Full<Bytes>> {
+        match self.shared.mode.cluster() {
+            Some(c) => json_response(
+                StatusCode::OK,
+                json!({
+                    "mode": "cluster",
+                    "instance_id": c.id(),
+                    "shards": c.shards(),
+                    "members": c.members(),
+                    "owned": c.owned(),
+                    "shard_map": c.view(),
+                }),
+            ),
+            None => json_response(StatusCode::OK, json!({"mode": "single", "shards": 1})),
         }
     }
 
@@ -651,7 +680,10 @@ impl Admin {
         };
         let clock = self.shared.store.clock();
         Ok(PageView {
-            instance: self.shared.guard.id().to_owned(),
+            instance: match &self.shared.mode {
+                Mode::Single(g) => g.id().to_owned(),
+                Mode::Cluster(c) => c.id().to_owned(),
+            },
             version: env!("CARGO_PKG_VERSION"),
             now: clock.local_now(),
             store_now: clock.now(),
@@ -675,9 +707,27 @@ impl Admin {
     }
 
     /// The shard map. A single instance: shard 0 of 1, the instance guard's
-    /// gate lease (SPEC §10.1).
+    /// gate lease (SPEC §10.1); a cluster: every shard's gate lease (§10.2).
     async fn shard_map(&self) -> Vec<ShardRow> {
-        let g = &self.shared.guard;
+        let g = match &self.shared.mode {
+            Mode::Single(g) => g,
+            Mode::Cluster(c) => {
+                let me = c.id();
+                return c
+                    .shard_gates()
+                    .into_iter()
+                    .map(|s| ShardRow {
+                        shard: s.shard,
+                        shards: c.shards(),
+                        this_instance: s.owner.as_deref() == Some(me),
+                        owner: s.owner,
+                        gate_epoch: (s.gate_epoch > 0).then_some(s.gate_epoch),
+                        expires_at: s.expires_at,
+                        serving: s.served_here,
+                    })
+                    .collect();
+            }
+        };
         let held = g.held().await;
         vec![ShardRow {
             shard: 0,

@@ -222,6 +222,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
                 Some(
                     StartError::State(crate::state::StateError::Open { .. })
                         | StartError::Guard(GuardError::Held { .. } | GuardError::OtherMode { .. })
+                        | StartError::Cluster(crate::cluster::ClusterError::OtherSetUp { .. })
                 )
             );
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })

@@ -36,6 +36,8 @@ pub struct Config {
     pub dedup: DedupConfig,
     #[serde(default)]
     pub state: StateConfig,
+    /// `[cluster]` (SPEC §10.2); absent: a single instance (§10.1).
+    pub cluster: Option<ClusterConfig>,
     #[serde(rename = "route", default)]
     pub routes: Vec<RouteConfig>,
 }
@@ -200,16 +202,47 @@ impl StateConfig {
             .url
             .as_deref()
             .ok_or("[state] kind = \"postgres\" needs url")?;
-        match raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
-            Some(var) => std::env::var(var).map_err(|_| {
-                format!("[state] url reads ${{{var}}}, which is not set in the environment")
-            }),
-            None => Ok(raw.to_owned()),
-        }
+        from_env("[state] url", raw)
     }
 
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
+    }
+}
+
+/// `[cluster]`: this instance's place among several (SPEC §10.2).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// Unique among the instances, stable across restarts: the holder of its gate leases.
+    pub instance_id: String,
+    /// URL of this instance's proxy listener, as peers reach it.
+    pub advertise: String,
+    /// The same on every instance; changing it needs every instance stopped.
+    #[serde(default = "default_shards")]
+    pub shards: u32,
+    /// Shared secret between instances; `${NAME}` is read from the environment.
+    /// Never logged, never forwarded upstream.
+    pub peer_token: String,
+}
+
+/// A secret's value: `${NAME}` is read from the environment, anything else is literal.
+fn from_env(key: &str, raw: &str) -> Result<String, String> {
+    match raw.strip_prefix("${").and_then(|r| r.strip_suffix('}')) {
+        Some(var) => std::env::var(var)
+            .map_err(|_| format!("{key} reads ${{{var}}}, which is not set in the environment")),
+        None => Ok(raw.to_owned()),
+    }
+}
+
+fn default_shards() -> u32 {
+    16
+}
+
+impl ClusterConfig {
+    /// The peer token with `${NAME}` read from the environment.
+    pub fn resolved_peer_token(&self) -> Result<String, String> {
+        from_env("[cluster] peer_token", &self.peer_token)
     }
 }
 
@@ -491,7 +524,49 @@ impl Config {
         self.validate_server()?;
         self.validate_store()?;
         self.validate_state()?;
+        self.validate_cluster()?;
         self.validate_routes()
+    }
+
+    fn validate_cluster(&self) -> Result<(), String> {
+        let Some(c) = &self.cluster else {
+            return Ok(());
+        };
+        if self.state.kind != StateKind::Postgres {
+            return Err("[cluster] needs [state] kind = \"postgres\": every instance must see the same marks and dedup records".into());
+        }
+        if c.instance_id.is_empty()
+            || c.instance_id.len() > 64
+            || !c
+                .instance_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(format!(
+                "[cluster] instance_id {:?} must be 1-64 characters of [A-Za-z0-9._-]",
+                c.instance_id
+            ));
+        }
+        let uri: Uri = c
+            .advertise
+            .parse()
+            .map_err(|_| format!("[cluster] advertise {:?} is not a URL", c.advertise))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(format!(
+                "[cluster] advertise {:?} must be an http:// or https:// URL of this instance's proxy listener",
+                c.advertise
+            ));
+        }
+        if !(1..=9999).contains(&c.shards) {
+            return Err(format!(
+                "[cluster] shards ({}) must be between 1 and 9999",
+                c.shards
+            ));
+        }
+        if c.resolved_peer_token()?.len() < 16 {
+            return Err("[cluster] peer_token must be at least 16 characters".into());
+        }
+        Ok(())
     }
 
     fn validate_state(&self) -> Result<(), String> {

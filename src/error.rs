@@ -69,6 +69,8 @@ pub enum ProxyError {
     ShuttingDown,
     #[error("lease {lease} is not served here right now; retry shortly")]
     ShardUnavailable { lease: LeaseName },
+    #[error("X-Fencegate-Peer is only accepted from this cluster's instances, with the cluster's peer token")]
+    PeerUnauthorized,
 }
 
 /// Why the admin API answered with an error (SPEC §8), mapped here like
@@ -234,6 +236,7 @@ impl ProxyError {
                 (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
             }
             E::ShardUnavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
+            E::PeerUnauthorized => (StatusCode::FORBIDDEN, "peer_unauthorized"),
             // Sent, then abandoned: like a timeout, the outcome is unknown.
             E::ShuttingDown => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
@@ -298,6 +301,7 @@ impl ProxyError {
             | E::DedupKeyMalformed(_)
             | E::BodyTimeout
             | E::UpgradeUnsupported
+            | E::PeerUnauthorized
             | E::ShuttingDown => {}
         }
     }

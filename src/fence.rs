@@ -115,10 +115,12 @@ pub struct FenceView {
 }
 
 impl Fence {
-    /// Creates the fence of `lease` from its durable mark. `settle` is the longest
-    /// drain timeout of its routes: after a restart the first raise waits that long
-    /// for requests the previous process may have left at the destination, and so
-    /// does any request above the epoch its drains had completed through.
+    /// Creates the fence of `lease` from its durable mark, or from `floor` when
+    /// that is higher (a takeover starts at the latest epoch listed in the store,
+    /// SPEC §10.2). `settle` is the longest drain timeout of its routes: after a
+    /// restart or a takeover the first raise waits that long for requests the
+    /// previous process may have left at the destination, and so does any request
+    /// above the epoch its drains had completed through.
     pub async fn new(
         lease: LeaseName,
         epochs: Epochs,
@@ -126,9 +128,10 @@ impl Fence {
         owner: Owner,
         settle: Duration,
         refresh: Arc<Refresh>,
+        floor: Epoch,
     ) -> Result<Arc<Fence>, StateError> {
         let marks = state.marks(&lease).await?;
-        let (mark, drained) = (marks.mark, marks.drained);
+        let (mark, drained) = (marks.mark.max(floor), marks.drained);
         Ok(Arc::new_cyclic(|this| Fence {
             lease,
             epochs,
@@ -581,11 +584,49 @@ impl Fences {
             Owner::SINGLE,
             settle,
             self.refresh.clone(),
+            Epoch::NONE,
         )
         .await?;
         // Two starters of one lease: the first one in wins, the other's is dropped
         // unused (nothing was admitted through it).
         Ok(self.running().entry(lease.clone()).or_insert(fence).clone())
+    }
+
+    /// A takeover (SPEC §10.2): starts the fence of `lease` under `owner` with
+    /// mark = max(stored mark, the latest epoch listed in the store now). A fence
+    /// of an older tenure still registered is replaced, and stopped at once (its
+    /// tenure is over: its writes would fail anyway).
+    pub async fn take_over(
+        &self,
+        lease: &LeaseName,
+        settle: Duration,
+        owner: Owner,
+    ) -> Result<Arc<Fence>, FenceError> {
+        let listed = self
+            .epochs
+            .latest_after(lease, Epoch::NONE)
+            .await
+            .map_err(|e| FenceError::StoreUnavailable {
+                lease: lease.clone(),
+                epoch: Epoch::NONE,
+                detail: e.to_string(),
+            })?;
+        let fence = Fence::new(
+            lease.clone(),
+            self.epochs.clone(),
+            self.state.clone(),
+            owner,
+            settle,
+            self.refresh.clone(),
+            listed,
+        )
+        .await
+        .map_err(FenceError::State)?;
+        let old = self.running().insert(lease.clone(), fence.clone());
+        if let Some(old) = old {
+            tokio::spawn(async move { old.stop(Duration::ZERO).await });
+        }
+        Ok(fence)
     }
 
     pub fn get(&self, lease: &LeaseName) -> Option<Arc<Fence>> {
@@ -595,6 +636,30 @@ impl Fences {
     /// Every running fence, by lease name.
     pub fn all(&self) -> Vec<Arc<Fence>> {
         self.running().values().cloned().collect()
+    }
+
+    /// Stops the fence of `lease` if it runs under `owner` (a cluster's tenure;
+    /// a newer tenure's fence is left alone). Returns whether it was stopped.
+    pub async fn stop_owned(
+        &self,
+        lease: &LeaseName,
+        owner: Owner,
+        drain_timeout: Duration,
+    ) -> bool {
+        let fence = {
+            let mut running = self.running();
+            match running.get(lease) {
+                Some(f) if f.owner() == owner => running.remove(lease),
+                _ => None,
+            }
+        };
+        match fence {
+            Some(f) => {
+                f.stop(drain_timeout).await;
+                true
+            }
+            None => false,
+        }
     }
 
     /// Stops the fence of `lease` ([`Fence::stop`]) and forgets it. Returns

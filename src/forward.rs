@@ -44,6 +44,10 @@ const HOP_BY_HOP: [HeaderName; 10] = [
 pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
 pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
 pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
+/// SPEC §10.2: the instance that relayed a request to its shard's owner, and the
+/// cluster's shared secret proving it. Neither is ever sent upstream.
+pub const PEER_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer");
+pub const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// How an upstream exchange failed.
@@ -255,6 +259,8 @@ pub struct Peer {
     ip: HeaderValue,
     /// `for=...;proto=...`, the start of this hop's `Forwarded` element.
     forwarded: String,
+    /// A request a cluster peer relayed: its client's hop is in the headers already.
+    relayed: bool,
 }
 
 impl Peer {
@@ -271,25 +277,30 @@ impl Peer {
             // An IP address is always a valid header value.
             ip: HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")),
             forwarded,
+            relayed: false,
+        }
+    }
+
+    /// The same client, reached through a cluster peer (SPEC §10.2) that
+    /// appended its hop already.
+    pub fn relayed(&self) -> Peer {
+        Peer {
+            relayed: true,
+            ..self.clone()
         }
     }
 }
 
-/// Builds the upstream request from the worker's, per SPEC §3. Takes the worker's
-/// head by value: its header map becomes the upstream's, edited in place.
-pub fn build_request(
-    target: &Target,
-    parts: http::request::Parts,
-    body: Bytes,
+/// Appends this hop to `X-Forwarded-For` and `Forwarded` (SPEC §3), unless the
+/// request was relayed by a cluster peer that appended the client's hop already.
+pub fn append_forwarding(
+    headers: &mut HeaderMap,
     peer: &Peer,
-    dedup_key: &str,
-) -> Result<Request<Full<Bytes>>, String> {
-    let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
-    let mut headers = parts.headers;
-    strip_hop_by_hop(&mut headers);
-    let orig_host = headers.remove(header::HOST);
-    headers.remove(LEASE_TOKEN_NAME);
-    headers.remove(header::CONTENT_LENGTH);
+    orig_host: Option<&HeaderValue>,
+) -> Result<(), String> {
+    if peer.relayed {
+        return Ok(());
+    }
     let xff = match headers.get(X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
         Some(prev) => {
             let mut v = Vec::with_capacity(prev.len() + 2 + peer.ip.len());
@@ -306,7 +317,6 @@ pub fn build_request(
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty());
     let host = orig_host
-        .as_ref()
         .and_then(|h| h.to_str().ok())
         .filter(|h| !h.contains(['"', ';', ',']));
     let mut fwd = String::with_capacity(
@@ -326,6 +336,27 @@ pub fn build_request(
         header::FORWARDED,
         HeaderValue::from_maybe_shared(Bytes::from(fwd)).map_err(|e| e.to_string())?,
     );
+    Ok(())
+}
+
+/// Builds the upstream request from the worker's, per SPEC §3. Takes the worker's
+/// head by value: its header map becomes the upstream's, edited in place.
+pub fn build_request(
+    target: &Target,
+    parts: http::request::Parts,
+    body: Bytes,
+    peer: &Peer,
+    dedup_key: &str,
+) -> Result<Request<Full<Bytes>>, String> {
+    let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
+    let mut headers = parts.headers;
+    strip_hop_by_hop(&mut headers);
+    let orig_host = headers.remove(header::HOST);
+    headers.remove(LEASE_TOKEN_NAME);
+    headers.remove(PEER_NAME);
+    headers.remove(PEER_TOKEN_NAME);
+    headers.remove(header::CONTENT_LENGTH);
+    append_forwarding(&mut headers, peer, orig_host.as_ref())?;
     headers.insert(header::HOST, target.host.clone());
     headers.insert(
         target.dedup_header.clone(),

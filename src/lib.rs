@@ -20,6 +20,8 @@
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
 //! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1).
+//! - [`cluster`] — several instances: shards, gate leases, takeover, relaying to
+//!   the owner (§10.2).
 //! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 
@@ -30,6 +32,7 @@ pub mod admin;
 pub mod admission;
 pub mod cli;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub(crate) mod cutoff;
 pub mod dedup;

@@ -374,6 +374,9 @@ impl Collector for StateCollector {
             MetricType::Counter,
             vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
         )?;
+        if let Some(cl) = shared.mode.cluster() {
+            cluster_metrics(&mut enc, cl)?;
+        }
         Ok(())
     }
 }
@@ -518,4 +521,54 @@ mod process {
             assert!(p.start_time_seconds > 1.6e9, "{}", p.start_time_seconds);
         }
     }
+}
+
+/// SPEC §10.2's metrics: shards owned, takeovers, requests relayed to peers.
+fn cluster_metrics(
+    enc: &mut DescriptorEncoder,
+    cl: &crate::cluster::Cluster,
+) -> Result<(), std::fmt::Error> {
+    let one = |n: u64| vec![(vec![], ConstCounter::new(n))];
+    emit(
+        enc,
+        "fencegate_cluster_shards_owned",
+        "Shards this instance serves now",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(cl.owned() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_members",
+        "Instances seen alive at the last heartbeat",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(cl.members().len() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_takeovers",
+        "Shards this instance took over",
+        MetricType::Counter,
+        one(cl.takeovers.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_handovers",
+        "Shards this instance handed over with a release",
+        MetricType::Counter,
+        one(cl.handovers.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_peer_forwards",
+        "Requests relayed to the owner of their shard",
+        MetricType::Counter,
+        one(cl.peer_forwards.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_peer_failures",
+        "Relayed requests the owner did not answer (503 shard_unavailable)",
+        MetricType::Counter,
+        one(cl.peer_failures.load(Ordering::Relaxed)),
+    )
 }

@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use crate::cluster::Cluster;
 use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
@@ -20,11 +21,37 @@ pub struct Shared {
     pub store: Arc<dyn LeaseStore>,
     pub fences: Arc<Fences>,
     pub dedup: Arc<Dedup>,
-    /// The instance guard: forwarding only while it is held (SPEC §10.1).
-    pub guard: Arc<Guard>,
+    /// Who serves which lease: one instance, or a cluster (SPEC §10).
+    pub mode: Mode,
     /// What a reload may change: the routes (dedup records are scoped by route),
     /// the admin token, TLS, the access-log switch.
     pub live: Arc<LiveConfig>,
+}
+
+/// SPEC §10: a single instance behind its instance guard, or one of a cluster.
+#[derive(Clone)]
+pub enum Mode {
+    /// Forwarding only while the instance guard is held (§10.1).
+    Single(Arc<Guard>),
+    /// Forwarding only on the shards whose gate leases this instance holds (§10.2).
+    Cluster(Arc<Cluster>),
+}
+
+impl Mode {
+    /// Whether a forward under `owner` may start now (self-fencing, §10).
+    pub fn may_forward(&self, owner: Owner) -> bool {
+        match self {
+            Mode::Single(g) => g.may_forward(),
+            Mode::Cluster(c) => c.may_forward(owner),
+        }
+    }
+
+    pub fn cluster(&self) -> Option<&Arc<Cluster>> {
+        match self {
+            Mode::Single(_) => None,
+            Mode::Cluster(c) => Some(c),
+        }
+    }
 }
 
 impl Shared {
@@ -35,7 +62,7 @@ impl Shared {
     /// The owner generation under which this instance writes the records of
     /// `route`; `None` when its lease's fence is not running here.
     pub fn owner_of_route(&self, name: &str) -> Option<Owner> {
-        let lease: LeaseName = self.live.current().routes.get(name)?.fence.lease().clone();
+        let lease: LeaseName = self.live.current().routes.get(name)?.lease.clone();
         self.fences.get(&lease).map(|f| f.owner())
     }
 }

@@ -1,6 +1,7 @@
 //! The request path (SPEC §3–§6): route → validate headers → read body → admit
 //! (fence) → dedup → forward (abortable by a drain) → record → answer.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,16 +16,18 @@ use routes::RouteIndex;
 
 use crate::access::{self, Seen};
 use crate::admission::Claim;
+use crate::cluster::{peer as relay, Placement};
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
+use crate::epoch::LeaseName;
 use crate::error::ProxyError;
-use crate::fence::Fence;
+use crate::fence::{Fence, Fences};
 use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
 use crate::gate::Pass;
 use crate::live::LiveConfig;
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::shared::Shared;
+use crate::shared::{Mode, Shared};
 
 /// Upper bound on an upstream response body fencegate will buffer.
 const MAX_UPSTREAM_BODY: usize = 64 << 20;
@@ -33,7 +36,13 @@ const MAX_UPSTREAM_BODY: usize = 64 << 20;
 pub struct Route {
     pub name: String,
     pub target: Target,
-    pub fence: Arc<Fence>,
+    pub lease: LeaseName,
+    /// The lease's shard (SPEC §10.2; 0 for a single instance).
+    pub shard: u32,
+    /// A single instance's fence of the lease, started with the route; in a
+    /// cluster the fence runs only while this instance owns the shard, and is
+    /// looked up per request.
+    pub fence: Option<Arc<Fence>>,
     pub client: HttpsClient,
     pub timeout: Duration,
     pub drain_timeout: Duration,
@@ -50,7 +59,8 @@ pub struct Route {
 impl Route {
     pub fn new(
         cfg: &RouteConfig,
-        fence: Arc<Fence>,
+        fence: Option<Arc<Fence>>,
+        shard: u32,
         client: HttpsClient,
         metrics: &Metrics,
     ) -> Result<Route, String> {
@@ -58,6 +68,8 @@ impl Route {
         Ok(Route {
             name: cfg.name.clone(),
             target: Target::new(&cfg.path_prefix, &cfg.upstream, &cfg.dedup_header, headers)?,
+            lease: cfg.lease.clone(),
+            shard,
             fence,
             client,
             timeout: cfg.timeout(),
@@ -121,18 +133,23 @@ pub struct Proxy {
     /// The routes and the access-log switch, as the last reload left them.
     live: Arc<LiveConfig>,
     dedup: Arc<Dedup>,
-    guard: Arc<crate::guard::Guard>,
+    fences: Arc<Fences>,
+    mode: Mode,
+    /// Pooled connections to cluster peers (SPEC §10.2).
+    peers: Option<HttpsClient>,
     metrics: Arc<Metrics>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
 }
 
 impl Proxy {
-    pub fn new(shared: &Shared, metrics: Arc<Metrics>) -> Proxy {
+    pub fn new(shared: &Shared, metrics: Arc<Metrics>, peers: Option<HttpsClient>) -> Proxy {
         Proxy {
             live: shared.live.clone(),
             dedup: shared.dedup.clone(),
-            guard: shared.guard.clone(),
+            fences: shared.fences.clone(),
+            mode: shared.mode.clone(),
+            peers,
             metrics,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
@@ -196,7 +213,7 @@ impl Proxy {
                 method: &method,
                 path: uri.path(),
                 route: route.map(|r| r.name.as_str()),
-                lease: route.map(|r| r.fence.lease().as_str()),
+                lease: route.map(|r| r.lease.as_str()),
                 status: resp.status().as_u16(),
                 outcome,
                 refusal: refusal.as_ref(),
@@ -243,12 +260,24 @@ impl Proxy {
         let token: Option<&[u8]> = single_header(&parts.headers, &forward::LEASE_TOKEN_NAME)
             .map_err(|()| ProxyError::TokenRepeated)?
             .map(http::HeaderValue::as_bytes);
+        let relayed = self.relayed(&parts.headers)?;
         let body = read_body(&parts, body, route.max_body_bytes, route.timeout).await?;
+        let fence = match self.place(route, relayed) {
+            Served::Here(f) => f?,
+            Served::There { owner, url } => {
+                let resp = self.relay(route, &owner, &url, parts, body, peer).await?;
+                return Ok((resp, "relayed"));
+            }
+        };
+        let peer = &if relayed {
+            peer.relayed()
+        } else {
+            peer.clone()
+        };
 
         let admit_started = Instant::now();
         let claim = Claim { epoch, token };
-        let pass = route
-            .fence
+        let pass = fence
             .admit(claim, route.require_token, route.drain_timeout)
             .await?;
         route
@@ -283,7 +312,7 @@ impl Proxy {
             match self
                 .dedup
                 .begin(
-                    route.fence.owner(),
+                    fence.owner(),
                     &route.name,
                     key,
                     Action::new(method, path_query, &body),
@@ -301,6 +330,7 @@ impl Proxy {
         let (result, sent) = self
             .forward(
                 route,
+                &fence,
                 parts,
                 body,
                 peer,
@@ -333,9 +363,12 @@ impl Proxy {
     /// Forwards the admitted request under its pass: ends the pass (or leaves it
     /// lingering when the outcome is unknown) and says whether anything may have
     /// been sent.
+    // The request's parts, its pass and fence, and what it reports back: one call.
+    #[allow(clippy::too_many_arguments)]
     async fn forward(
         &self,
         route: &Route,
+        fence: &Fence,
         parts: http::request::Parts,
         body: Bytes,
         peer: &Peer,
@@ -361,10 +394,10 @@ impl Proxy {
             // Aborted before anything was sent: the key is free again.
             return (Err(drain_aborted(route, &pass)), Sent::Nothing);
         }
-        if !self.guard.may_forward() {
-            // The instance guard could not be renewed in time: another instance
-            // may be serving this store now (SPEC §10.1).
-            let lease = route.fence.lease().clone();
+        if !self.mode.may_forward(fence.owner()) {
+            // The gate lease (the instance guard, or the shard's in a cluster) could
+            // not be renewed in time: another instance may serve it now (SPEC §10).
+            let lease = route.lease.clone();
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
         let upstream_started = Instant::now();
@@ -434,6 +467,86 @@ impl Proxy {
         }
     }
 
+    /// SPEC §10.2: whether the request was relayed by a cluster peer. A request
+    /// naming a peer without the cluster's peer token is refused, and so is any
+    /// request naming a peer on a single instance (it has no peers).
+    fn relayed(&self, headers: &http::HeaderMap) -> Result<bool, ProxyError> {
+        if !headers.contains_key(forward::PEER_NAME) {
+            return Ok(false);
+        }
+        let presented = headers
+            .get(forward::PEER_TOKEN_NAME)
+            .map(http::HeaderValue::as_bytes);
+        match (self.mode.cluster(), presented) {
+            (Some(c), Some(t)) if relay::token_matches(t, c.peer_token()) => Ok(true),
+            _ => Err(ProxyError::PeerUnauthorized),
+        }
+    }
+
+    /// Where the route's request is served: by this instance's fence of the
+    /// lease, or by the shard's owner (never for a request a peer relayed: it is
+    /// relayed once at most).
+    fn place(&self, route: &Route, relayed: bool) -> Served {
+        let unavailable = || ProxyError::ShardUnavailable {
+            lease: route.lease.clone(),
+        };
+        if let Some(f) = &route.fence {
+            return Served::Here(Ok(f.clone()));
+        }
+        let Some(cluster) = self.mode.cluster() else {
+            return Served::Here(Err(unavailable()));
+        };
+        match cluster.place(route.shard) {
+            Placement::Local(owner) => Served::Here(
+                self.fences
+                    .get(&route.lease)
+                    .filter(|f| f.owner() == owner)
+                    .ok_or_else(unavailable),
+            ),
+            Placement::Peer { owner, url } if !relayed => Served::There { owner, url },
+            Placement::Peer { .. } | Placement::Unavailable => Served::Here(Err(unavailable())),
+        }
+    }
+
+    /// Relays the request to the shard's owner (SPEC §10.2).
+    async fn relay(
+        &self,
+        route: &Route,
+        owner: &str,
+        url: &str,
+        parts: http::request::Parts,
+        body: Bytes,
+        peer: &Peer,
+    ) -> Result<Response<Full<Bytes>>, ProxyError> {
+        let (Some(cluster), Some(client)) = (self.mode.cluster(), &self.peers) else {
+            return Err(ProxyError::ShardUnavailable {
+                lease: route.lease.clone(),
+            });
+        };
+        // The owner may wait out a drain (or a takeover's settle) and then the
+        // upstream: allow for both.
+        let timeout = route.timeout + 2 * route.drain_timeout + Duration::from_secs(1);
+        cluster.peer_forwards.fetch_add(1, Ordering::Relaxed);
+        relay::relay(
+            client,
+            url,
+            cluster.id(),
+            cluster.peer_token(),
+            parts,
+            body,
+            peer,
+            timeout,
+        )
+        .await
+        .map_err(|relay::RelayFailed(detail)| {
+            cluster.peer_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer");
+            ProxyError::ShardUnavailable {
+                lease: route.lease.clone(),
+            }
+        })
+    }
+
     /// Records a forward's outcome. A failure here must not change the worker's
     /// answer: the upstream's response (or the forwarding error) is the truth
     /// about the action. The `in_flight` record was durable before forwarding, so
@@ -470,6 +583,12 @@ struct Trace<'a> {
     upstream_time: &'a mut Option<Duration>,
 }
 
+/// Who serves a request ([`Proxy::place`]).
+enum Served {
+    Here(Result<Arc<Fence>, ProxyError>),
+    There { owner: String, url: String },
+}
+
 /// Whether any byte of a request may have reached the upstream.
 #[derive(Debug, Clone, Copy)]
 enum Sent {
@@ -479,7 +598,7 @@ enum Sent {
 
 fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
     ProxyError::DrainAborted {
-        lease: route.fence.lease().clone(),
+        lease: route.lease.clone(),
         epoch: pass.epoch(),
         newer: pass.newer_epoch(),
     }

@@ -22,6 +22,7 @@ use conn::{accept_loop, http_builder, FinishOnDrop, Listener};
 
 use crate::admin::Admin;
 use crate::clock::Clock;
+use crate::cluster::Cluster;
 use crate::config::Config;
 use crate::config::StateKind;
 use crate::dedup::Dedup;
@@ -34,7 +35,7 @@ use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route, RouteTable};
-use crate::shared::Shared;
+use crate::shared::{Mode, Shared};
 use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
 use crate::state::{Owner, StateError, StateStore};
@@ -49,6 +50,8 @@ pub enum StartError {
     Probe(#[from] lease::probe::ProbeError),
     #[error(transparent)]
     Guard(#[from] crate::guard::GuardError),
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
     #[error("route {route}: {message}")]
     Route { route: String, message: String },
     #[error("TLS: {0}")]
@@ -131,35 +134,65 @@ async fn build_on(
         None => lease::open(&cfg.store, clock.clone()).await?,
     };
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
-    let guard = Guard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen)).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
-    let recovered = dedup.recover(Owner::SINGLE).await?;
-    if recovered > 0 {
-        tracing::warn!(
-            records = recovered,
-            "dedup records left in flight by a previous run are now in doubt"
-        );
-    }
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
     let settle = drain_timeouts(cfg);
     let fences = Fences::new(epochs.clone(), durable.clone(), refresh);
+    // A single instance serves every lease behind its instance guard; a cluster
+    // instance serves the shards it takes (their fences start at takeover).
+    let mode = match &cfg.cluster {
+        None => {
+            let guard =
+                Guard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen)).await?;
+            let recovered = dedup.recover(Owner::SINGLE).await?;
+            if recovered > 0 {
+                tracing::warn!(
+                    records = recovered,
+                    "dedup records left in flight by a previous run are now in doubt"
+                );
+            }
+            Mode::Single(guard)
+        }
+        Some(_) => Mode::Cluster(
+            Cluster::new(
+                cfg,
+                store.clone(),
+                fences.clone(),
+                durable.clone(),
+                dedup.clone(),
+            )
+            .await?,
+        ),
+    };
     let live = LiveConfig::new(Live::empty());
     let shared = Arc::new(Shared {
         state: durable,
         store,
         fences: fences.clone(),
         dedup: dedup.clone(),
-        guard: guard.clone(),
+        mode: mode.clone(),
         live: live.clone(),
     });
     let metrics = Metrics::new(shared.clone());
-    live.replace(build_live(cfg, &fences, &metrics).await?);
-    let proxy = Arc::new(Proxy::new(&shared, metrics.clone()));
+    live.replace(build_live(cfg, &shared, &metrics).await?);
+    // Peers are reached over plain HTTP or TLS with the system's roots.
+    let peers = match &mode {
+        Mode::Single(_) => None,
+        Mode::Cluster(_) => {
+            let tls = crate::forward::tls_config(None).map_err(StartError::Tls)?;
+            Some(crate::forward::client(tls, Duration::from_secs(1)))
+        }
+    };
+    let proxy = Arc::new(Proxy::new(&shared, metrics.clone(), peers));
     let stop = CancellationToken::new();
+    let keeper = match &mode {
+        Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),
+        Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
+    };
     let tasks = vec![
         tokio::spawn(crate::fence::refresh_all(fences, stop.clone())),
-        tokio::spawn(guard.run(stop.clone())),
+        keeper,
         tokio::spawn(
             dedup
                 .clone()
@@ -197,20 +230,28 @@ fn drain_timeouts(cfg: &Config) -> HashMap<LeaseName, Duration> {
 }
 
 /// What a reload may change, built from `cfg`: each route with its lease's fence
-/// (started, or the running one), an upstream client per CA bundle, the admin
-/// token (`FENCEGATE_ADMIN_TOKEN` wins over the file), the listener's TLS.
-async fn build_live(cfg: &Config, fences: &Fences, metrics: &Metrics) -> Result<Live, StartError> {
+/// (a single instance's, started or the running one; a cluster's fences follow
+/// its shards), an upstream client per CA bundle, the admin token
+/// (`FENCEGATE_ADMIN_TOKEN` wins over the file), the listener's TLS.
+async fn build_live(cfg: &Config, shared: &Shared, metrics: &Metrics) -> Result<Live, StartError> {
     let settle = drain_timeouts(cfg);
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
     let mut routes = Vec::new();
+    let shards = shared.mode.cluster().map_or(1, |c| c.shards());
     for rc in &cfg.routes {
-        let fence = fences
-            .start(
-                &rc.lease,
-                settle.get(&rc.lease).copied().unwrap_or_default(),
-            )
-            .await?;
+        let fence = match shared.mode {
+            Mode::Single(_) => Some(
+                shared
+                    .fences
+                    .start(
+                        &rc.lease,
+                        settle.get(&rc.lease).copied().unwrap_or_default(),
+                    )
+                    .await?,
+            ),
+            Mode::Cluster(_) => None,
+        };
         let route_err = |message: String| StartError::Route {
             route: rc.name.clone(),
             message,
@@ -224,7 +265,8 @@ async fn build_live(cfg: &Config, fences: &Fences, metrics: &Metrics) -> Result<
                 c
             }
         };
-        routes.push(Route::new(rc, fence, client, metrics).map_err(route_err)?);
+        let shard = crate::cluster::shard_of(&rc.lease, shards);
+        routes.push(Route::new(rc, fence, shard, client, metrics).map_err(route_err)?);
     }
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
@@ -337,6 +379,10 @@ impl App {
         }
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
         self.stop.cancel();
+        if let Mode::Cluster(c) = &self.shared.mode {
+            // Nothing is in flight: each shard is released, successors start at once.
+            c.leave().await;
+        }
         // Nothing is in flight any more: each fence stops at once.
         for f in self.shared.fences.all() {
             let timeout = self.drain_timeouts.get(f.lease()).copied();
@@ -349,7 +395,9 @@ impl App {
             t.abort();
         }
         // Nothing is in flight: a successor may start at once.
-        self.shared.guard.release().await;
+        if let Mode::Single(guard) = &self.shared.mode {
+            guard.release().await;
+        }
         self.shared.state.close().await?;
         tracing::info!("stopped; durable state flushed");
         Ok(())

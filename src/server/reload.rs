@@ -120,6 +120,27 @@ impl Reloader {
         if let Some(key) = fixed_key_changed(&applied, &table) {
             return Err(ReloadError::Fixed { key });
         }
+        if self.shared.mode.cluster().is_some() {
+            // Every instance must agree on the leases of each shard (a cluster's
+            // fences follow its shards): routes may change, their leases may not.
+            let leases =
+                |it: &mut dyn Iterator<Item = LeaseName>| -> HashSet<LeaseName> { it.collect() };
+            let now = leases(
+                &mut self
+                    .shared
+                    .live
+                    .current()
+                    .routes
+                    .iter()
+                    .map(|r| r.lease.clone()),
+            );
+            let next = leases(&mut cfg.routes.iter().map(|r| r.lease.clone()));
+            if now != next {
+                return Err(ReloadError::Fixed {
+                    key: "the set of route leases in a cluster".into(),
+                });
+            }
+        }
         let running: HashSet<LeaseName> = self
             .shared
             .fences
@@ -127,7 +148,7 @@ impl Reloader {
             .iter()
             .map(|f| f.lease().clone())
             .collect();
-        let new = match super::build_live(&cfg, &self.shared.fences, &self.metrics).await {
+        let new = match super::build_live(&cfg, &self.shared, &self.metrics).await {
             Ok(n) => n,
             Err(e) => {
                 // Fences started for the refused file's new leases admitted
@@ -146,8 +167,7 @@ impl Reloader {
         let names = |l: &crate::live::Live| -> HashSet<String> {
             l.routes.iter().map(|r| r.name.clone()).collect()
         };
-        let leases: HashSet<LeaseName> =
-            new.routes.iter().map(|r| r.fence.lease().clone()).collect();
+        let leases: HashSet<LeaseName> = new.routes.iter().map(|r| r.lease.clone()).collect();
         let new_names = names(&new);
         let old = self.shared.live.replace(new);
         if let Some(set) = &self.set_log {
@@ -175,7 +195,7 @@ impl Reloader {
         // to the longest drain timeout of its old routes), then its fence stops.
         let mut gone: Vec<(LeaseName, std::time::Duration)> = Vec::new();
         for r in old.routes.iter() {
-            let lease = r.fence.lease();
+            let lease = &r.lease;
             if leases.contains(lease) {
                 continue;
             }

@@ -236,6 +236,27 @@ pub trait StateStore: Send + Sync + 'static {
     /// (its writer died mid-request); returns how many. Durable on return.
     async fn recover(&self, owner: Owner, now_ms: u64) -> Result<usize, StateError>;
 
+    /// A takeover (SPEC §10.2): from now on the shard's state is written under
+    /// `owner.generation`, and a write of an older generation fails. Durable on
+    /// return. [`StateError::OwnerLost`] when a newer generation holds it already.
+    async fn claim_shard(&self, owner: Owner) -> Result<(), StateError>;
+
+    /// Cluster membership, advisory (for balancing shards, never for ownership):
+    /// records that instance `id` is alive now and returns the ids alive within
+    /// `ttl`, `id` included. A backend one instance owns knows only itself.
+    async fn heartbeat(
+        &self,
+        id: &str,
+        _ttl: std::time::Duration,
+    ) -> Result<Vec<String>, StateError> {
+        Ok(vec![id.to_owned()])
+    }
+
+    /// A graceful stop: `id` is no longer a member.
+    async fn leave(&self, _id: &str) -> Result<(), StateError> {
+        Ok(())
+    }
+
     /// Whether the last write reached the disk or database.
     fn is_healthy(&self) -> bool;
 

@@ -793,6 +793,75 @@ impl StateStore for PostgresState {
         Ok(usize::try_from(n).unwrap_or(usize::MAX))
     }
 
+    async fn claim_shard(&self, owner: Owner) -> Result<(), StateError> {
+        let (sh, gen) = (shard(owner), generation(owner));
+        let stored: i64 = self
+            .with("claiming a shard", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "INSERT INTO fencegate_owners AS o (shard, generation) VALUES ($1, $2) \
+                         ON CONFLICT (shard) DO UPDATE SET generation = EXCLUDED.generation \
+                         WHERE o.generation < EXCLUDED.generation \
+                         RETURNING generation",
+                    )
+                    .await?;
+                match c.query_opt(&st, &[&sh, &gen]).await? {
+                    Some(row) => Ok(row.get(0)),
+                    None => {
+                        let st = c
+                            .prepare_cached(
+                                "SELECT generation FROM fencegate_owners WHERE shard = $1",
+                            )
+                            .await?;
+                        Ok(c.query_one(&st, &[&sh]).await?.get(0))
+                    }
+                }
+            })
+            .await?;
+        self.committed();
+        match u64::try_from(stored) {
+            Ok(s) if s > owner.generation => Err(StateError::OwnerLost {
+                ours: owner,
+                stored: s,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<Vec<String>, StateError> {
+        let secs = ttl.as_secs_f64();
+        let rows = self
+            .with("cluster heartbeat", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "INSERT INTO fencegate_members (instance_id, seen_at) VALUES ($1, now()) \
+                         ON CONFLICT (instance_id) DO UPDATE SET seen_at = now()",
+                    )
+                    .await?;
+                c.execute(&st, &[&id]).await?;
+                let st = c
+                    .prepare_cached(
+                        "SELECT instance_id FROM fencegate_members \
+                         WHERE seen_at > now() - make_interval(secs => $1) ORDER BY instance_id",
+                    )
+                    .await?;
+                c.query(&st, &[&secs]).await
+            })
+            .await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    async fn leave(&self, id: &str) -> Result<(), StateError> {
+        self.with("leaving the cluster", |c| async move {
+            let st = c
+                .prepare_cached("DELETE FROM fencegate_members WHERE instance_id = $1")
+                .await?;
+            c.execute(&st, &[&id]).await
+        })
+        .await
+        .map(drop)
+    }
+
     fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 2;
+pub const VERSION: i32 = 3;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -60,6 +60,11 @@ const MIGRATIONS: &[&str] = &[
     // listings oldest first.
     "ALTER TABLE fencegate_dedup ADD COLUMN method text, ADD COLUMN path text;
     CREATE INDEX fencegate_dedup_by_state_age ON fencegate_dedup (state, created_ms, route, key);",
+    // 2 → 3: cluster membership, advisory (balancing shards; SPEC §10.2).
+    "CREATE TABLE fencegate_members (
+        instance_id text PRIMARY KEY,
+        seen_at timestamptz NOT NULL
+    );",
 ];
 
 /// Creates or migrates the schema; returns the version found before.

@@ -299,6 +299,11 @@ impl StateStore for SledState {
         Ok(())
     }
 
+    async fn claim_shard(&self, owner: Owner) -> Result<(), StateError> {
+        self.check_owner(owner)?;
+        self.commit.commit().await
+    }
+
     async fn note_drained(
         &self,
         owner: Owner,

@@ -1,6 +1,5 @@
 //! SPEC §10.1, the instance guard: one single instance per lease store and prefix.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::support::*;
@@ -14,44 +13,6 @@ fn config(s3: &S3Server, origin: &Origin) -> String {
         s3.store_toml(200)
             .replace("timeout_ms = 1500", "timeout_ms = 1000"),
         route_toml("billing", LEASE, origin, "")
-    )
-}
-
-/// Runs `fencegate serve` on `toml` in a fresh directory, expecting it to exit by
-/// itself within 20 s: its exit code and stderr.
-fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = dir.path().join("fencegate.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n\n{toml}",
-            dir.path().join("state").display()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(bin())
-        .args(["serve", "--config"])
-        .arg(&cfg)
-        .env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_EC2_METADATA_DISABLED", "true")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("fencegate kept running: a second instance was let in");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
 

@@ -8,6 +8,7 @@
 mod support;
 
 mod campaign;
+mod cluster;
 mod dedup;
 mod dir_store;
 mod disk;

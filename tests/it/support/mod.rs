@@ -255,10 +255,21 @@ impl Fencegate {
         store_and_routes: &str,
         env: &[(&str, &str)],
     ) -> Fencegate {
+        Fencegate::start_listening("127.0.0.1:0", server_extra, store_and_routes, env)
+    }
+
+    /// [`Fencegate::start_with_server`] with the proxy listener on `listen` (a
+    /// cluster member's `advertise` names it before it starts).
+    pub fn start_listening(
+        listen: &str,
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+    ) -> Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("fencegate.toml");
         let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n{server_extra}\n\n{store_and_routes}",
+            "[server]\nlisten = \"{listen}\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_timeout_ms = 5000\n{server_extra}\n\n{store_and_routes}",
             dir.path().join("state").display()
         );
         std::fs::write(&config, text).unwrap();
@@ -388,6 +399,44 @@ impl Drop for Fencegate {
             eprintln!("---- fencegate stderr ----\n{}", self.stderr());
         }
     }
+}
+
+/// Runs `fencegate serve` on `toml` in a fresh directory, expecting it to exit by
+/// itself within 20 s: its exit code and stderr.
+pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\n\n{toml}",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(bin())
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("fencegate kept running: a second instance was let in");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 pub fn data_dir(fg: &Fencegate) -> &Path {

@@ -833,6 +833,18 @@ impl Config {
                     .map_or(String::new(), |c| format!(", CA {}", c.display()))
             ),
         };
+        match &self.cluster {
+            None => {
+                let _ = writeln!(out, "mode          single instance (instance guard)");
+            }
+            Some(c) => {
+                let _ = writeln!(
+                    out,
+                    "mode          cluster: instance {} of {} shards, advertise {} (peer token hidden)",
+                    c.instance_id, c.shards, c.advertise
+                );
+            }
+        }
         for r in &self.routes {
             let _ = writeln!(out, "route {:?}", r.name);
             let _ = writeln!(
@@ -981,5 +993,39 @@ lease = "billing"
             let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
             assert!(err.contains(needle), "{needle}: {err}");
         }
+    }
+
+    /// `[cluster]` (SPEC §10.2): its rules, each named in the error.
+    #[test]
+    fn cluster_keys_are_checked() {
+        let pg = "[state]\nkind = \"postgres\"\nurl = \"postgres://fg@127.0.0.1/fg\"\n";
+        let cluster = |body: &str| format!("{pg}[cluster]\n{body}\n{MIN}");
+        let good = "instance_id = \"fg-a\"\nadvertise = \"http://10.0.0.1:8080\"\npeer_token = \"0123456789abcdef\"";
+        let c = Config::parse(&cluster(good)).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.cluster.as_ref().map(|c| c.shards), Some(16));
+        let bad = [
+            (format!("[cluster]\n{good}\n{MIN}"), "kind = \"postgres\""),
+            (cluster(&good.replace("fg-a", "fg a")), "instance_id"),
+            (
+                cluster(&good.replace("http://10.0.0.1:8080", "10.0.0.1:8080")),
+                "advertise",
+            ),
+            (cluster(&format!("{good}\nshards = 0")), "shards"),
+            (
+                cluster(&good.replace("0123456789abcdef", "short")),
+                "peer_token",
+            ),
+            (
+                cluster(&good.replace("0123456789abcdef", "${FENCEGATE_SURELY_UNSET_VAR}")),
+                "FENCEGATE_SURELY_UNSET_VAR",
+            ),
+        ];
+        for (text, needle) in bad {
+            let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        let e = Config::parse(&cluster(&format!("{good}\nshard = 4"))).unwrap_err();
+        assert!(e.contains("shard"), "{e}");
     }
 }

@@ -95,7 +95,14 @@ impl Rig {
         let routes: String = self
             .leases
             .iter()
-            .map(|l| route_toml(l, l, &self.origin, "drain_timeout_ms = 1000\n"))
+            .map(|l| {
+                route_toml(
+                    l,
+                    l,
+                    &self.origin,
+                    "timeout_ms = 10000\ndrain_timeout_ms = 1000\n",
+                )
+            })
             .collect();
         format!(
             "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://127.0.0.1:{port}\"\nshards = {}\npeer_token = \"{PEER_TOKEN}\"\n\n{routes}",
@@ -108,11 +115,17 @@ impl Rig {
     }
 
     fn add(&mut self, id: &str) {
+        self.add_with(id, |c| c);
+    }
+
+    /// [`Rig::add`] with the member's config edited (e.g. its store reached
+    /// through a relay).
+    fn add_with(&mut self, id: &str, edit: impl FnOnce(String) -> String) {
         let port = free_port();
         let fg = Fencegate::start_listening(
             &format!("127.0.0.1:{port}"),
             "",
-            &self.config(id, port),
+            &edit(self.config(id, port)),
             &[],
         );
         self.members.push(Member {
@@ -420,6 +433,72 @@ async fn a_takeover_turns_the_dead_owners_in_flight_keys_in_doubt() {
     retry.assert_error(409, "dedup_in_doubt");
     assert_eq!(payloads_at(&rig.origin, "held").len(), 1, "never repeated");
     rig.origin.release("h");
+}
+
+/// Self-fencing (SPEC §10.2): an owner cut off from the lease store cannot renew;
+/// it starts no forward after `gate_ttl − self_fence_margin` and aborts the
+/// request it has at the destination at `gate_ttl` (504 `drain_aborted`, the key
+/// in doubt); the other instance takes the shard after expiry plus grace, and the
+/// retry is refused there, never repeated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let mut rig = Rig::start(0, 1).await;
+    let s3_port: u16 = rig
+        .s3
+        .store_toml(200)
+        .split("endpoint = \"http://127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    let relay = crate::support::relay::Relay::start(s3_port).await;
+    let via = format!("http://127.0.0.1:{}", relay.addr.port());
+    rig.add_with("fg-a", |c| {
+        c.replace(&format!("http://127.0.0.1:{s3_port}"), &via)
+    });
+    rig.settled("fg-a owns the shard", |c| c.get("fg-a") == Some(&1))
+        .await;
+    rig.add("fg-b");
+    rig.settled("fg-b joined", |c| c.get("fg-a") == Some(&1))
+        .await;
+    let lease = rig.leases[0].clone();
+    let w = rig.worker(&lease, "w").await;
+    let a = rig.member("fg-a").fg();
+    let mut held = keyed(a, &format!("/{lease}/k"), &w, "key-cut", "cut off");
+    held.headers_mut()
+        .insert("x-test-hold", "cut".parse().unwrap());
+    let pending = tokio::spawn(try_send(held));
+    rig.origin.wait_for(1).await;
+    relay.refuse(true);
+    relay.cut();
+    let cut = Instant::now();
+    let answer = pending.await.unwrap().expect("fg-a answers its worker");
+    let aborted_after = cut.elapsed();
+    answer.assert_error(504, "drain_aborted");
+    eprintln!("the in-flight request was aborted {aborted_after:?} after the cut (gate_ttl 6 s from the last renewal, which came up to 2 s before)");
+    assert!(
+        aborted_after <= Duration::from_secs(8),
+        "aborted only {aborted_after:?} after the cut"
+    );
+    // Cut off, fg-a forwards nothing more itself.
+    let r = post(a, &format!("/{lease}/x"), &w, "after the cut").await;
+    assert_ne!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let b = rig.member("fg-b").fg();
+    eventually("fg-b takes the shard", || async {
+        Rig::shard_map(b).await == vec![Some("fg-b".to_owned())]
+    })
+    .await;
+    let retry = send(keyed(b, &format!("/{lease}/k"), &w, "key-cut", "cut off")).await;
+    retry.assert_error(409, "dedup_in_doubt");
+    assert_eq!(
+        payloads_at(&rig.origin, "cut off").len(),
+        1,
+        "never repeated"
+    );
+    assert!(payloads_at(&rig.origin, "after the cut").is_empty());
+    rig.origin.release("cut");
 }
 
 /// The honest limit's safe side (SPEC §10.2): an owner frozen past its gate lease

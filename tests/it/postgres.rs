@@ -1150,7 +1150,7 @@ async fn schema_is_created_once_and_kept() {
     assert_eq!(schema_version(pg, &db), current());
     assert_eq!(
         fencegate_tables(pg, &db),
-        "fencegate_dedup,fencegate_marks,fencegate_owners,fencegate_schema"
+        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_schema"
     );
     let lease = LeaseName::parse("billing").unwrap();
     first
@@ -1187,7 +1187,7 @@ async fn schema_is_created_once_and_kept() {
     assert_eq!(schema_version(pg, &db3), current());
     assert_eq!(
         fencegate_tables(pg, &db3),
-        "fencegate_dedup,fencegate_marks,fencegate_owners,fencegate_schema"
+        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_schema"
     );
 }
 

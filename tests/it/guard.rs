@@ -125,18 +125,25 @@ async fn an_instance_that_cannot_renew_stops_forwarding_and_resumes_later() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert!(
-        refused <= Duration::from_millis(2500),
-        "stopped only after {refused:?}"
-    );
-    // Refused requests never reached the destination.
-    let during = |o: &Origin| {
-        o.log()
-            .iter()
-            .filter(|a| a.body.starts_with(b"during"))
-            .count()
-    };
-    assert_eq!(during(&origin), forwarded_during);
+    eprintln!("refused {refused:?} after the store stopped answering");
+    // Refused requests never reached the destination, and nothing arrived there
+    // later than gate_ttl − margin (2 s) after the pause (the last renewal came
+    // before it). A request may wait out a store read (timeout 1 s) before its
+    // refusal, so the refusal's own time is not the measure.
+    let during: Vec<Instant> = origin
+        .log()
+        .iter()
+        .filter(|a| a.body.starts_with(b"during"))
+        .map(|a| a.arrived)
+        .collect();
+    assert_eq!(during.len(), forwarded_during);
+    if let Some(last) = during.iter().max() {
+        let after = last.saturating_duration_since(paused);
+        assert!(
+            after <= Duration::from_millis(2500),
+            "forwarded {after:?} after the store stopped answering"
+        );
+    }
     s3.resume();
     eventually(
         "forwarding resumes once the guard is held again",

@@ -1083,7 +1083,7 @@ async fn schema_1_records_survive_the_migration_to_2() {
     // Back to schema 1, with a record written by a build of that schema.
     pg.psql(
         &db,
-        "DROP INDEX fencegate_dedup_by_state_age; \
+        "DROP INDEX fencegate_dedup_by_state_age; DROP TABLE fencegate_members; \
          ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \

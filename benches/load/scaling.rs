@@ -8,9 +8,13 @@
 //!   after, throughput of 64 busy connections beside them, and how long they live.
 //! - epoch changes under load: a new epoch every second while 64 connections send;
 //!   latency of each connection's first request at a new epoch.
+//! - store calls: 10,000 leases of which 100 are in use (`refresh_interval_ms` =
+//!   1000), the lease store calls counted over a window and priced per hour at S3's
+//!   list rates, beside what listing every lease each interval would cost.
 //!
-//! `--only leases,dedup,idle,epochs` picks parts; `--quick` shrinks them (1,000
-//! leases, 100k records, 2,000 connections, 5 epochs).
+//! `--only leases,dedup,idle,epochs,store` picks parts; `--quick` shrinks them
+//! (1,000 leases, 100k records, 2,000 connections, 5 epochs, 1,000 leases of which
+//! 10 in use).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -53,6 +57,11 @@ pub async fn run(args: &Args) -> Result<(), String> {
         let (m, j) = idle(args, dir.path(), &store_root, &origin, idle_conns, nofile).await?;
         md.push_str(&m);
         js.insert("idle_connections".into(), j);
+    }
+    if part("store") {
+        let (m, j) = store_calls(args, dir.path(), &store_root, &origin).await?;
+        md.push_str(&m);
+        js.insert("store_calls".into(), j);
     }
     if part("epochs") {
         let (m, j) = epochs_under_load(args, dir.path(), &store_root, &origin).await?;
@@ -169,6 +178,36 @@ async fn touch_all(addr: SocketAddr, paths: &Arc<Vec<(Uri, Creds)>>) -> Result<(
     Ok(())
 }
 
+/// Each lease's path and the credentials to reach it.
+type Paths = Vec<(Uri, Creds)>;
+
+/// `n` fencing-only routes `/r{i}/`, one lease `{tag}-{i}` each with epoch 1
+/// written, and the path and credentials to reach each.
+fn lease_routes(
+    store_root: &std::path::Path,
+    tag: &str,
+    n: usize,
+) -> Result<(Paths, Vec<RouteSpec>), String> {
+    let mut paths = Vec::with_capacity(n);
+    let mut routes = Vec::with_capacity(n);
+    for i in 0..n {
+        let lease = format!("{tag}-{i}");
+        let token = procs::write_epoch_one(store_root, &lease)?;
+        let prefix = format!("/r{i}/");
+        paths.push((
+            Uri::try_from(format!("{prefix}charge")).map_err(|e| e.to_string())?,
+            Creds::new(1, &token),
+        ));
+        routes.push(RouteSpec {
+            name: format!("r{i}"),
+            prefix,
+            lease,
+            derive_key: "none",
+        });
+    }
+    Ok((paths, routes))
+}
+
 async fn leases(
     args: &Args,
     dir: &std::path::Path,
@@ -183,23 +222,7 @@ async fn leases(
     let mut gates = Vec::new();
     for &n in &counts {
         let t0 = std::time::Instant::now();
-        let mut paths = Vec::with_capacity(n);
-        let mut routes = Vec::with_capacity(n);
-        for i in 0..n {
-            let lease = format!("s{n}-{i}");
-            let token = procs::write_epoch_one(store_root, &lease)?;
-            let prefix = format!("/r{i}/");
-            paths.push((
-                Uri::try_from(format!("{prefix}charge")).map_err(|e| e.to_string())?,
-                Creds::new(1, &token),
-            ));
-            routes.push(RouteSpec {
-                name: format!("r{i}"),
-                prefix,
-                lease,
-                derive_key: "none",
-            });
-        }
+        let (paths, routes) = lease_routes(store_root, &format!("s{n}"), n)?;
         let p = procs::spawn_fencegate(
             &fencegate_exe(),
             &format!("leases-{n}"),
@@ -303,6 +326,117 @@ async fn leases(
         }));
     }
     Ok((md, json!(rows)))
+}
+
+/// S3 list prices (us-east-1, standard): LIST (and PUT) per 1,000 requests, GET per
+/// 1,000 requests, in dollars.
+const S3_LIST_PER_1000: f64 = 0.005;
+const S3_GET_PER_1000: f64 = 0.0004;
+
+/// The sum of counter `name`'s samples whose labels contain `label`.
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Store calls with many leases of which few are in use: counted over a window of
+/// traffic to the used ones, per hour and priced (module doc).
+async fn store_calls(
+    args: &Args,
+    dir: &std::path::Path,
+    store_root: &std::path::Path,
+    origin: &Proc,
+) -> Result<(String, Value), String> {
+    let (n, used) = if args.quick {
+        (1_000, 10)
+    } else {
+        (10_000, 100)
+    };
+    let window = if args.quick {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_secs(20)
+    };
+    let (mut paths, routes) = lease_routes(store_root, &format!("c{n}"), n)?;
+    paths.truncate(used);
+    let p = procs::spawn_fencegate(
+        &fencegate_exe(),
+        &format!("store-calls-{n}"),
+        dir,
+        store_root,
+        &dir.join(format!("state-store-calls-{n}")),
+        origin.addr,
+        &routes,
+        "",
+        &[],
+    )?;
+    let admin = p.admin.ok_or("fencegate without an admin address")?;
+    let paths = Arc::new(paths);
+    touch_all(p.addr, &paths).await?;
+    let calls = |text: &str| {
+        (
+            metric_sum(text, "fencegate_store_calls_total", "\"list\""),
+            metric_sum(text, "fencegate_store_calls_total", "\"get\""),
+        )
+    };
+    let before = calls(&loadgen::get_text(admin, "/metrics").await?);
+    let t0 = std::time::Instant::now();
+    let out = loadgen::run(&Plan {
+        addr: p.addr,
+        conns: 4,
+        warmup: Duration::ZERO,
+        measure: window,
+        make: spread(paths.clone(), 77),
+        pids: vec![p.pid],
+        trees: vec![],
+        probe: None,
+    })
+    .await;
+    let after = calls(&loadgen::get_text(admin, "/metrics").await?);
+    let secs = t0.elapsed().as_secs_f64();
+    let per_hour = |c: f64| c / secs * 3600.0;
+    let (lists, gets) = (per_hour(after.0 - before.0), per_hour(after.1 - before.1));
+    let price = |l: f64, g: f64| l / 1000.0 * S3_LIST_PER_1000 + g / 1000.0 * S3_GET_PER_1000;
+    // Listing every lease once a second, as the refresher did before calls followed
+    // traffic (GETs only on a new epoch: none here).
+    let every = n as f64 * 3600.0;
+    let mut md = format!(
+        "\n#### Lease store calls ({n} leases, {used} in use by 4 connections at {:.0} req/s, \
+         `refresh_interval_ms` = 1000, measured over {secs:.0} s; S3 list prices: \
+         LIST ${S3_LIST_PER_1000} and GET ${S3_GET_PER_1000} per 1,000)\n\n\
+         | listing | LIST per hour | GET per hour | $ per hour | $ per 30-day month |\n\
+         |---|---:|---:|---:|---:|\n",
+        out.rps()
+    );
+    for (what, l, g) in [
+        ("every lease each interval (before)", every, 0.0),
+        ("leases in use only (this build, measured)", lists, gets),
+    ] {
+        md.push_str(&format!(
+            "| {what} | {l:.0} | {g:.0} | {:.2} | {:.0} |\n",
+            price(l, g),
+            price(l, g) * 24.0 * 30.0
+        ));
+    }
+    md.push_str(&format!(
+        "\nPer lease in use: {:.2} listings per interval (at most 1 is the target); errors {}.\n",
+        lists / 3600.0 / used as f64,
+        out.counts.errors
+    ));
+    eprintln!("{md}");
+    Ok((
+        md,
+        json!({
+            "leases": n, "in_use": used, "window_s": secs, "rps": out.rps(),
+            "list_per_hour": lists, "get_per_hour": gets,
+            "dollars_per_hour": price(lists, gets),
+            "every_lease_list_per_hour": every,
+            "every_lease_dollars_per_hour": price(every, 0.0),
+            "errors": out.counts.errors,
+        }),
+    ))
 }
 
 struct Agg {

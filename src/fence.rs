@@ -234,14 +234,20 @@ impl Fence {
                 }
             }
         }
-        // A failed attempt counts as a listing too: during a store outage a
-        // lease in use is tried once per interval and admits from cache meanwhile
-        // (as an epoch validated from cache always could, SPEC §4), rather than
-        // every request waiting for a store that does not answer.
-        self.listed_at.fetch_max(started, Ordering::SeqCst);
+        // A failed attempt counts as a listing too, from when it gave up: during
+        // a store outage a lease in use is tried once per interval and admits
+        // from cache meanwhile (as an epoch validated from cache always could,
+        // SPEC §4, and as before calls followed traffic), rather than requests
+        // waiting for a store that does not answer.
+        let counted = if res.is_ok() {
+            started
+        } else {
+            self.refresh.now()
+        };
+        self.listed_at.fetch_max(counted, Ordering::SeqCst);
         self.listing_since.store(0, Ordering::SeqCst);
         self.refresh
-            .schedule(started, &self.lease, self.this.clone());
+            .schedule(counted, &self.lease, self.this.clone());
         res
     }
 

@@ -204,7 +204,7 @@ fn bookkeeping(c: &mut Criterion) {
         b.iter_batched(
             || (parts.clone(), body.clone()),
             |(parts, body)| {
-                fencegate::forward::build_request(&target, parts, body, &peer, "fg-0123")
+                fencegate::forward::build_request(&target, parts, body.into(), &peer, "fg-0123")
             },
             BatchSize::SmallInput,
         )

@@ -10,16 +10,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::connect::{capture_connection, HttpConnector};
+
+use hyper::body::{Body, Incoming};
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
 use crate::cutoff::{self, CuttableConnector};
+use crate::streaming::UpBody;
 
-pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, Full<Bytes>>;
+pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
 
 /// Headers fencegate reads from workers and never forwards.
 pub const LEASE_TOKEN: &str = "x-lease-token";
@@ -61,12 +63,16 @@ pub enum UpstreamError {
     Uncertain(String),
 }
 
-/// A buffered upstream response.
+/// An upstream response whose head has arrived; its body is still to be read.
 #[derive(Debug)]
-pub struct UpstreamResponse {
+pub struct UpstreamHead {
     pub status: http::StatusCode,
+    /// Hop-by-hop headers and `Content-Length` removed (the body sent on says its
+    /// own length).
     pub headers: HeaderMap,
-    pub body: Bytes,
+    pub body: Incoming,
+    /// The connection it came on, to cut if the exchange is ended early.
+    pub conn: CaptureConnection,
 }
 
 /// Builds the TLS client config: system roots when present, else webpki roots,
@@ -344,10 +350,10 @@ pub fn append_forwarding(
 pub fn build_request(
     target: &Target,
     parts: http::request::Parts,
-    body: Bytes,
+    body: UpBody,
     peer: &Peer,
     dedup_key: &str,
-) -> Result<Request<Full<Bytes>>, String> {
+) -> Result<Request<UpBody>, String> {
     let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
     let mut headers = parts.headers;
     strip_hop_by_hop(&mut headers);
@@ -365,64 +371,138 @@ pub fn build_request(
     for (n, v) in &target.fixed_headers {
         headers.insert(n.clone(), v.clone());
     }
-    let mut req = Request::new(Full::new(body));
+    let mut req = Request::new(body);
     *req.method_mut() = parts.method;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     Ok(req)
 }
 
-/// Sends `req` and reads the whole response within `timeout`, unless `cancel`
-/// (a drain abort, shutdown) resolves first with its reason. A timeout or a cancel
+/// Sends `req` and waits for the response head within `timeout`, unless `stop`
+/// (a drain abort, shutdown) resolves first with its reason. A timeout or a stop
 /// cuts the connection the request was on (`cutoff`): not one more byte of it is
 /// written.
 pub async fn send(
     client: &HttpsClient,
-    mut req: Request<Full<Bytes>>,
+    mut req: Request<UpBody>,
     timeout: Duration,
-    max_body: usize,
-    cancel: impl Future<Output = &'static str>,
-) -> Result<UpstreamResponse, UpstreamError> {
-    let captured = capture_connection(&mut req);
+    stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
+) -> Result<UpstreamHead, UpstreamError> {
+    let conn = capture_connection(&mut req);
     let exchange = async {
-        let resp = client.request(req).await.map_err(|e| {
+        client.request(req).await.map_err(|e| {
             let detail = error_chain(&e);
             if e.is_connect() {
                 UpstreamError::Unreachable(detail)
             } else {
                 UpstreamError::Uncertain(detail)
             }
-        })?;
-        let (parts, body) = resp.into_parts();
-        let body = Limited::new(body, max_body)
-            .collect()
-            .await
-            .map_err(|e| {
-                UpstreamError::Uncertain(format!("reading the upstream's response body: {e}"))
-            })?
-            .to_bytes();
-        let mut headers = parts.headers;
-        strip_hop_by_hop(&mut headers);
-        headers.remove(header::CONTENT_LENGTH);
-        Ok(UpstreamResponse {
-            status: parts.status,
-            headers,
-            body,
         })
     };
     let result = tokio::select! {
         r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| {
             Err(UpstreamError::Uncertain(format!(
-                "no complete response within {} ms",
+                "no response within {} ms",
                 timeout.as_millis()
             )))
         }),
-        why = cancel => Err(UpstreamError::Uncertain(why.to_owned())),
+        why = stop => Err(UpstreamError::Uncertain(why.to_owned())),
     };
-    if let Err(UpstreamError::Uncertain(_)) = &result {
-        cutoff::cut(&captured);
+    match result {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            let mut headers = parts.headers;
+            strip_hop_by_hop(&mut headers);
+            headers.remove(header::CONTENT_LENGTH);
+            Ok(UpstreamHead {
+                status: parts.status,
+                headers,
+                body,
+                conn,
+            })
+        }
+        Err(e) => {
+            if let UpstreamError::Uncertain(_) = &e {
+                cutoff::cut(&conn);
+            }
+            Err(e)
+        }
     }
-    result
+}
+
+/// Reads `head`'s body until it ends or holds more than `max` bytes, by `deadline`
+/// unless `stop` resolves first. `Ok(body, whole)`: `whole` is false when the body
+/// went over `max` (the rest is still to be read). A failure cuts the connection.
+pub async fn read_up_to(
+    head: &mut UpstreamHead,
+    max: usize,
+    deadline: tokio::time::Instant,
+    stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
+) -> Result<(Bytes, bool), UpstreamError> {
+    use http_body_util::BodyExt;
+    let mut buf = bytes::BytesMut::new();
+    let read = async {
+        while buf.len() <= max {
+            match head.body.frame().await {
+                None => return Ok(true),
+                Some(Ok(f)) => {
+                    if let Ok(d) = f.into_data() {
+                        buf.extend_from_slice(&d);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Err(UpstreamError::Uncertain(format!(
+                        "reading the upstream's response body: {}",
+                        error_chain(&e)
+                    )))
+                }
+            }
+        }
+        Ok(head.body.is_end_stream())
+    };
+    let result = tokio::select! {
+        r = tokio::time::timeout_at(deadline, read) => r.unwrap_or_else(|_| {
+            Err(UpstreamError::Uncertain("no complete response within the route's timeout".into()))
+        }),
+        why = stop => Err(UpstreamError::Uncertain(why.to_owned())),
+    };
+    match result {
+        Ok(whole) => Ok((buf.freeze(), whole)),
+        Err(e) => {
+            cutoff::cut(&head.conn);
+            Err(e)
+        }
+    }
+}
+
+/// Reads what has already arrived of `head`'s body, without waiting, up to `max`
+/// bytes: `Ok(body, whole)` as [`read_up_to`]. Trailers are dropped, as a buffered
+/// answer drops them.
+pub fn read_ready(head: &mut UpstreamHead, max: usize) -> Result<(Bytes, bool), UpstreamError> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut buf = bytes::BytesMut::new();
+    while buf.len() <= max {
+        if head.body.is_end_stream() {
+            return Ok((buf.freeze(), true));
+        }
+        match std::pin::Pin::new(&mut head.body).poll_frame(&mut cx) {
+            std::task::Poll::Ready(Some(Ok(f))) => {
+                if let Ok(d) = f.into_data() {
+                    buf.extend_from_slice(&d);
+                }
+            }
+            std::task::Poll::Ready(None) => return Ok((buf.freeze(), true)),
+            std::task::Poll::Ready(Some(Err(e))) => {
+                cutoff::cut(&head.conn);
+                return Err(UpstreamError::Uncertain(format!(
+                    "reading the upstream's response body: {}",
+                    error_chain(&e)
+                )));
+            }
+            std::task::Poll::Pending => break,
+        }
+    }
+    Ok((buf.freeze(), false))
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -437,10 +517,10 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// The worker-facing response for an upstream answer.
-pub fn to_response(u: UpstreamResponse) -> Response<Full<Bytes>> {
-    let mut resp = Response::new(Full::new(u.body));
-    *resp.status_mut() = u.status;
-    *resp.headers_mut() = u.headers;
+pub fn to_response<B>(status: http::StatusCode, headers: HeaderMap, body: B) -> Response<B> {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
     resp
 }
 
@@ -526,7 +606,7 @@ mod tests {
         let out = build_request(
             &target(),
             parts,
-            Bytes::new(),
+            Bytes::new().into(),
             &Peer::new("127.0.0.1:5555".parse().unwrap(), "http"),
             "k1",
         )
@@ -562,7 +642,7 @@ mod tests {
             .unwrap();
         let (parts, _) = req.into_parts();
         let peer = Peer::new("[::1]:5555".parse().unwrap(), "https");
-        let out = build_request(&target(), parts, Bytes::new(), &peer, "k1").unwrap();
+        let out = build_request(&target(), parts, Bytes::new().into(), &peer, "k1").unwrap();
         let h = out.headers();
         // A host that would break the element's syntax is left out.
         assert_eq!(h["forwarded"], "for=10.0.0.1, for=\"[::1]\";proto=https");

@@ -62,7 +62,8 @@ impl AbortSignal {
         self.aborted.load(Ordering::SeqCst)
     }
 
-    async fn wait(&self) {
+    /// Resolves once aborted.
+    pub async fn wait(&self) {
         loop {
             let n = self.notify.notified();
             tokio::pin!(n);
@@ -402,6 +403,12 @@ impl Pass {
 
     pub fn is_aborted(&self) -> bool {
         self.entry.abort.is_aborted()
+    }
+
+    /// The abort signal, for a waiter that outlives a borrow of the pass (a
+    /// streamed response body).
+    pub fn abort_signal(&self) -> Arc<AbortSignal> {
+        self.entry.abort.clone()
     }
 
     /// The epoch that aborted (or is draining) this one.

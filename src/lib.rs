@@ -52,3 +52,4 @@ pub(crate) mod proxy;
 pub mod server;
 pub(crate) mod shared;
 pub mod state;
+pub mod streaming;

@@ -1,6 +1,8 @@
 //! The helper processes, run by re-executing this binary with `--role`:
 //!
-//! - `origin`: answers every request with the same 100-byte body.
+//! - `origin`: answers every request with the same 100-byte body; with
+//!   `x-bench-bytes: N`, N bytes streamed in 256 KiB chunks (made as they are
+//!   sent); with `x-bench-events: N`, N server-sent events 100 ms apart.
 //! - `passthrough --upstream ADDR`: the reference a proxy is compared with — a bare
 //!   hyper HTTP/1.1 server that forwards every request to ADDR through
 //!   [`fencegate::forward::client`] (the very pool fencegate uses: nodelay, 60 s idle,
@@ -11,13 +13,16 @@
 //! worker when pinned to one CPU).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Either, Full};
-use hyper::body::Incoming;
+use hyper::body::{Frame, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -79,11 +84,22 @@ async fn origin() -> Result<(), String> {
         let s = accept(&l).await;
         tokio::spawn(async move {
             let svc = service_fn(|req: Request<Incoming>| async move {
+                let n = |h: &str| {
+                    req.headers()
+                        .get(h)
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<u64>().ok())
+                };
+                let body = match (n("x-bench-bytes"), n("x-bench-events")) {
+                    (Some(left), _) => Made::Bytes(left),
+                    (None, Some(events)) => Made::Events(events, None),
+                    (None, None) => Made::Whole(Some(Bytes::from_static(ORIGIN_BODY))),
+                };
                 let _ = req.into_body().collect().await;
                 Ok::<_, Infallible>(
                     Response::builder()
                         .header("content-type", "application/json")
-                        .body(Full::new(Bytes::from_static(ORIGIN_BODY)))
+                        .body(body)
                         .expect("static response"),
                 )
             });
@@ -91,6 +107,64 @@ async fn origin() -> Result<(), String> {
                 .serve_connection(TokioIo::new(s), svc)
                 .await;
         });
+    }
+}
+
+/// The origin's answers, made as they are read.
+enum Made {
+    Whole(Option<Bytes>),
+    /// Bytes left to send.
+    Bytes(u64),
+    /// Events left, and the pause before the next.
+    Events(u64, Option<Pin<Box<tokio::time::Sleep>>>),
+}
+
+const CHUNK: Bytes = Bytes::from_static(&[b'b'; 256 << 10]);
+
+impl hyper::body::Body for Made {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match &mut *self {
+            Made::Whole(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Made::Bytes(0) | Made::Events(0, _) => Poll::Ready(None),
+            Made::Bytes(left) => {
+                let n = (*left).min(CHUNK.len() as u64);
+                *left -= n;
+                Poll::Ready(Some(Ok(Frame::data(CHUNK.slice(..n as usize)))))
+            }
+            Made::Events(left, pause) => {
+                if let Some(p) = pause {
+                    if p.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                }
+                *left -= 1;
+                *pause = Some(Box::pin(tokio::time::sleep(Duration::from_millis(100))));
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: tick\n\n")))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(
+            self,
+            Made::Whole(None) | Made::Bytes(0) | Made::Events(0, _)
+        )
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            Made::Whole(b) => {
+                hyper::body::SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            Made::Bytes(n) => hyper::body::SizeHint::with_exact(*n),
+            Made::Events(..) => hyper::body::SizeHint::default(),
+        }
     }
 }
 
@@ -128,7 +202,7 @@ async fn passthrough(upstream: SocketAddr) -> Result<(), String> {
                     parts.headers.remove(http::header::HOST);
                     Ok(
                         match client
-                            .request(Request::from_parts(parts, Full::new(body)))
+                            .request(Request::from_parts(parts, body.into()))
                             .await
                         {
                             Ok(resp) => resp.map(Either::Left),

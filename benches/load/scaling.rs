@@ -12,7 +12,12 @@
 //!   1000), the lease store calls counted over a window and priced per hour at S3's
 //!   list rates, beside what listing every lease each interval would cost.
 //!
-//! `--only leases,dedup,idle,epochs,store` picks parts; `--quick` shrinks them
+//! - streaming: a 1 GiB answer through fencegate (fencing only) and through the
+//!   bare pass-through, alternating: MB/s and each proxy's VmRSS growth (sampled
+//!   every 20 ms); and a server-sent event stream: time to its first event, direct
+//!   from the origin and through each proxy.
+//!
+//! `--only leases,dedup,idle,epochs,store,stream` picks parts; `--quick` shrinks them
 //! (1,000 leases, 100k records, 2,000 connections, 5 epochs, 1,000 leases of which
 //! 10 in use).
 
@@ -57,6 +62,11 @@ pub async fn run(args: &Args) -> Result<(), String> {
         let (m, j) = idle(args, dir.path(), &store_root, &origin, idle_conns, nofile).await?;
         md.push_str(&m);
         js.insert("idle_connections".into(), j);
+    }
+    if part("stream") {
+        let (m, j) = streaming(args, dir.path(), &store_root, &origin).await?;
+        md.push_str(&m);
+        js.insert("streaming".into(), j);
     }
     if part("store") {
         let (m, j) = store_calls(args, dir.path(), &store_root, &origin).await?;
@@ -325,6 +335,164 @@ async fn leases(
             "idle_cpu_fraction": idle_cpu[n], "rss_mib": rss, "errors": r.errors,
         }));
     }
+    Ok((md, json!(rows)))
+}
+
+/// One GET with `header: value`; the answer is read frame by frame without being
+/// kept. Returns (time to the first data frame, total time, bytes).
+async fn download(
+    addr: SocketAddr,
+    creds: &Creds,
+    header: &'static str,
+    value: u64,
+) -> Result<(Duration, Duration, u64), String> {
+    use http_body_util::BodyExt;
+    let mut s = loadgen::connect(addr).await?;
+    let mut req = loadgen::request(
+        Uri::from_static("/bench/download"),
+        creds,
+        bytes::Bytes::new(),
+        Some((header, http::HeaderValue::from(value))),
+    );
+    *req.method_mut() = http::Method::GET;
+    let t0 = std::time::Instant::now();
+    let resp = s.send_request(req).await.map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("download: {}", resp.status()));
+    }
+    let mut body = resp.into_body();
+    let (mut first, mut n) = (None, 0u64);
+    while let Some(f) = body.frame().await {
+        if let Ok(d) = f.map_err(|e| e.to_string())?.into_data() {
+            first.get_or_insert_with(|| t0.elapsed());
+            n += d.len() as u64;
+        }
+    }
+    Ok((first.unwrap_or_default(), t0.elapsed(), n))
+}
+
+/// The largest VmRSS (KiB) of `pid` seen every 20 ms while `work` runs.
+async fn peak_rss<T>(pid: u32, work: impl std::future::Future<Output = T>) -> (T, u64) {
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(procs::rss_kib(pid).0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (p, st) = (peak.clone(), stop.clone());
+    let sampler = tokio::spawn(async move {
+        while !st.load(std::sync::atomic::Ordering::Relaxed) {
+            p.fetch_max(procs::rss_kib(pid).0, std::sync::atomic::Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let out = work.await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = sampler.await;
+    (out, peak.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+async fn streaming(
+    args: &Args,
+    dir: &std::path::Path,
+    store_root: &std::path::Path,
+    origin: &Proc,
+) -> Result<(String, Value), String> {
+    let size: u64 = if args.quick { 256 << 20 } else { 1 << 30 };
+    let epochs = procs::store(store_root)?;
+    let (e, t) = procs::acquire(&epochs, "bench-stream").await?;
+    let creds = Creds::new(e, &t);
+    let fg = procs::spawn_fencegate(
+        &fencegate_exe(),
+        "stream-fencing",
+        dir,
+        store_root,
+        &dir.join("state-stream"),
+        origin.addr,
+        &[fencing_route("bench", "bench-stream")],
+        "",
+        &[],
+    )?;
+    let up = origin.addr.to_string();
+    let pt = procs::spawn_role(
+        "stream-passthrough",
+        &["passthrough", "--upstream", &up],
+        dir,
+        true,
+    )?;
+    // Warm both (fencegate's first request reads the store and raises the mark).
+    for p in [&fg, &pt] {
+        download(p.addr, &creds, "x-bench-bytes", 1 << 20).await?;
+    }
+    let mut md = format!(
+        "\n#### Streaming: a {} MiB answer (fencing only; {} rounds), and time to the first server-sent event\n\n\
+         | proxy | MB/s (median) | VmRSS before MiB | VmRSS growth MiB (peak − before) | first event ms (median of 20) |\n\
+         |---|---:|---:|---:|---:|\n",
+        size >> 20,
+        rounds(args)
+    );
+    let mut rows = Vec::new();
+    let mut mbps: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut growth: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for _ in 0..rounds(args) {
+        for (name, p) in [("fencegate", &fg), ("bare pass-through", &pt)] {
+            let before = procs::rss_kib(p.pid).0;
+            let (r, peak) = peak_rss(p.pid, download(p.addr, &creds, "x-bench-bytes", size)).await;
+            let (_, total, n) = r?;
+            if n != size {
+                return Err(format!("{name}: {n} of {size} bytes"));
+            }
+            mbps.entry(name)
+                .or_default()
+                .push(n as f64 / total.as_secs_f64() / 1e6);
+            let g = growth.entry(name).or_insert((before, 0));
+            g.1 = g.1.max(peak.saturating_sub(before));
+        }
+    }
+    let mut first: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for _ in 0..20 {
+        for (name, addr) in [
+            ("origin, direct", origin.addr),
+            ("fencegate", fg.addr),
+            ("bare pass-through", pt.addr),
+        ] {
+            let (f, _, _) = download(addr, &creds, "x-bench-events", 2).await?;
+            first.entry(name).or_default().push(f.as_secs_f64() * 1e3);
+        }
+    }
+    let med = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    for name in ["origin, direct", "fencegate", "bare pass-through"] {
+        let (rate, (before, grew)) = match (mbps.get(name), growth.get(name)) {
+            (Some(r), Some(g)) => (Some(med(r)), *g),
+            _ => (None, (0, 0)),
+        };
+        let f = med(&first[name]);
+        md.push_str(&format!(
+            "| {name} | {} | {} | {} | {f:.2} |\n",
+            rate.map_or("—".into(), |r| format!("{r:.0}")),
+            if rate.is_some() {
+                format!("{:.1}", before as f64 / 1024.0)
+            } else {
+                "—".into()
+            },
+            if rate.is_some() {
+                format!("{:.1}", grew as f64 / 1024.0)
+            } else {
+                "—".into()
+            },
+        ));
+        rows.push(
+            json!({"proxy": name, "mb_per_s": rate, "rss_before_kib": before,
+            "rss_growth_kib": grew, "first_event_ms": f}),
+        );
+    }
+    if let (Some(a), Some(b)) = (mbps.get("fencegate"), mbps.get("bare pass-through")) {
+        md.push_str(&format!(
+            "\nfencegate ÷ bare pass-through throughput: {:.2} (target ≥ 0.9); RSS growth target < 32 MiB.\n",
+            med(a) / med(b)
+        ));
+    }
+    eprintln!("{md}");
     Ok((md, json!(rows)))
 }
 

@@ -5,14 +5,12 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
+use std::sync::Arc;
+
 use http::{header, HeaderValue, Request, Response, Uri};
-use http_body_util::Full;
 
 use crate::forward::{self, HttpsClient, Peer, UpstreamError, PEER_NAME, PEER_TOKEN_NAME};
-
-/// Largest answer relayed from a peer (the owner applies the route's own limits).
-const MAX_PEER_BODY: usize = 64 << 20;
+use crate::streaming::{ProxyBody, Streamed, UpBody};
 
 /// Why a relay failed: the worker gets 503 `shard_unavailable`.
 #[derive(Debug)]
@@ -26,10 +24,10 @@ pub async fn relay(
     me: &str,
     peer_token: &str,
     parts: http::request::Parts,
-    body: Bytes,
+    body: UpBody,
     client_hop: &Peer,
     timeout: Duration,
-) -> Result<Response<Full<Bytes>>, RelayFailed> {
+) -> Result<Response<ProxyBody>, RelayFailed> {
     let pq = parts
         .uri
         .path_and_query()
@@ -56,22 +54,31 @@ pub async fn relay(
         HeaderValue::from_str(peer_token).map_err(|e| RelayFailed(format!("peer token: {e}")))?;
     token.set_sensitive(true);
     headers.insert(PEER_TOKEN_NAME, token);
-    let mut req = Request::new(Full::new(body));
+    let mut req = Request::new(body);
     *req.method_mut() = parts.method;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
-    match forward::send(
-        client,
-        req,
-        timeout,
-        MAX_PEER_BODY,
-        std::future::pending::<&'static str>(),
-    )
-    .await
-    {
-        Ok(resp) => Ok(forward::to_response(resp)),
-        Err(UpstreamError::Unreachable(d) | UpstreamError::Uncertain(d)) => Err(RelayFailed(d)),
-    }
+    let stop = std::pin::pin!(std::future::pending::<&'static str>());
+    let failed = |e: UpstreamError| match e {
+        UpstreamError::Unreachable(d) | UpstreamError::Uncertain(d) => RelayFailed(d),
+    };
+    let mut head = forward::send(client, req, timeout, stop)
+        .await
+        .map_err(failed)?;
+    // The owner's answer is streamed back like an upstream's (no cap), the owner
+    // holding the pass; `timeout` between two pieces of it.
+    let body = match forward::read_ready(&mut head, 64 << 10).map_err(failed)? {
+        (b, true) => ProxyBody::from(b),
+        (prefix, false) => ProxyBody::Stream(Box::new(Streamed::new(
+            prefix,
+            head.body,
+            None,
+            timeout,
+            head.conn,
+            Arc::from("(relayed to the shard's owner)"),
+        ))),
+    };
+    Ok(forward::to_response(head.status, head.headers, body))
 }
 
 /// Compares a presented peer token with ours in constant time.

@@ -28,9 +28,11 @@ use crate::gate::Pass;
 use crate::live::LiveConfig;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::shared::{Mode, Shared};
+use crate::streaming::{ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 
-/// Upper bound on an upstream response body fencegate will buffer.
-const MAX_UPSTREAM_BODY: usize = 64 << 20;
+/// How much of an unrecorded route's answer is sent whole when it has all
+/// arrived with its head (no streaming machinery for a small answer).
+const READY_BYTES: usize = 64 << 10;
 
 /// One configured route, ready to serve.
 pub struct Route {
@@ -175,7 +177,7 @@ impl Proxy {
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: Arc<Peer>,
-    ) -> Response<Full<Bytes>> {
+    ) -> Response<ProxyBody> {
         let started = Instant::now();
         let request_id = access::request_id(req.headers_mut());
         let method = req.method().clone();
@@ -189,7 +191,10 @@ impl Proxy {
             None => {
                 self.metrics.request("", "refused", "route_not_found");
                 refusal = Some(ProxyError::RouteNotFound);
-                (ProxyError::RouteNotFound.to_response(), "refused")
+                (
+                    ProxyError::RouteNotFound.to_response().map(ProxyBody::from),
+                    "refused",
+                )
             }
             Some(route) => match self.serve(route, req, &peer, &mut seen, &request_id).await {
                 Ok((resp, outcome)) => {
@@ -202,7 +207,7 @@ impl Proxy {
                 }
                 Err(e) => {
                     self.metrics.request(&route.name, "refused", e.code());
-                    let resp = e.to_response();
+                    let resp = e.to_response().map(ProxyBody::from);
                     refusal = Some(e);
                     (resp, "refused")
                 }
@@ -235,7 +240,7 @@ impl Proxy {
         peer: &Peer,
         seen: &'s mut Seen,
         request_id: &HeaderValue,
-    ) -> Result<(Response<Full<Bytes>>, &'static str), ProxyError> {
+    ) -> Result<(Response<ProxyBody>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
         // SPEC §7: a protocol switch (WebSocket, h2c) is refused, never silently
         // downgraded to a plain request by stripping its hop-by-hop headers.
@@ -261,10 +266,28 @@ impl Proxy {
             .map_err(|()| ProxyError::TokenRepeated)?
             .map(http::HeaderValue::as_bytes);
         let relayed = self.relayed(&parts.headers)?;
-        let body = read_body(&parts, body, route.max_body_bytes, route.timeout).await?;
+        // SPEC §6: a worker's own key is always honoured; without one, a safe
+        // method is never recorded (a poll must not be answered from an old record).
+        let safe = matches!(
+            parts.method,
+            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+        );
+        let record = worker_key.is_some() || (!safe && route.derive_key == DeriveKey::Content);
+        refuse_declared_length(&parts, route.max_body_bytes)?;
+        // A recorded request is read whole (its key and fingerprint need it); any
+        // other is streamed to the upstream once admitted.
+        let body = if record {
+            Payload::Whole(read_body(body, route.max_body_bytes, route.timeout).await?)
+        } else {
+            Payload::Stream(body)
+        };
         let fence = match self.place(route, relayed) {
             Served::Here(f) => f?,
             Served::There { owner, url } => {
+                let body = match body {
+                    Payload::Whole(b) => UpBody::from(b),
+                    Payload::Stream(b) => UpBody::Stream(Upload::new(b, route.max_body_bytes).0),
+                };
                 let resp = self.relay(route, &owner, &url, parts, body, peer).await?;
                 return Ok((resp, "relayed"));
             }
@@ -290,49 +313,53 @@ impl Proxy {
             .path_and_query()
             .map_or(parts.uri.path(), |pq| pq.as_str());
         let method = parts.method.as_str();
-        // SPEC §6: a worker's own key is always honoured; without one, a safe
-        // method is never recorded (a poll must not be answered from an old record).
-        let safe = matches!(
-            parts.method,
-            Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
-        );
-        let (key, record) = match (worker_key, route.derive_key) {
-            (Some(k), _) => (k, true),
-            (None, _) if safe => (DedupKey::fresh(), false),
-            (None, DeriveKey::Content) => (
-                DedupKey::derive(&route.name, method, path_query, &body),
-                true,
-            ),
-            (None, DeriveKey::None) => (DedupKey::fresh(), false),
+        let key = match (worker_key, &body) {
+            (Some(k), _) => k,
+            (None, Payload::Whole(b)) => DedupKey::derive(&route.name, method, path_query, b),
+            (None, Payload::Stream(_)) => DedupKey::fresh(),
         };
         let key: &'s DedupKey = seen.key.insert(key);
-        let ticket = if record {
-            // Not raced against a drain abort: a record must never be left
-            // `in_flight` by a request that stopped halfway through writing it.
-            match self
-                .dedup
-                .begin(
-                    fence.owner(),
-                    &route.name,
-                    key,
-                    Action::new(method, path_query, &body),
-                    epoch,
-                    route.in_doubt,
-                )
-                .await?
-            {
-                Begin::Replay(stored) => return Ok((stored.to_response(), "replayed")),
-                Begin::Forward(t) => Some(t),
+        let ticket = match &body {
+            Payload::Whole(b) => {
+                // Not raced against a drain abort: a record must never be left
+                // `in_flight` by a request that stopped halfway through writing it.
+                match self
+                    .dedup
+                    .begin(
+                        fence.owner(),
+                        &route.name,
+                        key,
+                        Action::new(method, path_query, b),
+                        epoch,
+                        route.in_doubt,
+                    )
+                    .await?
+                {
+                    Begin::Replay(stored) => {
+                        return Ok((stored.to_response().map(ProxyBody::from), "replayed"))
+                    }
+                    Begin::Forward(t) => Some(t),
+                }
             }
-        } else {
-            None
+            Payload::Stream(_) => None,
+        };
+        let (body, upload) = match body {
+            Payload::Whole(b) => (UpBody::from(b), None),
+            Payload::Stream(b) => {
+                let (u, state) = Upload::new(b, route.max_body_bytes);
+                (UpBody::Stream(u), Some(state))
+            }
         };
         let (result, sent) = self
             .forward(
                 route,
                 &fence,
-                parts,
-                body,
+                Outgoing {
+                    parts,
+                    body,
+                    upload,
+                    recorded: ticket.is_some(),
+                },
                 peer,
                 pass,
                 Trace {
@@ -342,14 +369,17 @@ impl Proxy {
                 },
             )
             .await;
-        // The key's record follows from how the forward ended, in one place.
+        // The key's record follows from how the forward ended, in one place. A
+        // response larger than `max_replay_bytes` is recorded `done` without its
+        // body (what was read is over the limit), durably, before any of it is
+        // streamed to the worker (SPEC §6).
         if let Some(t) = ticket {
             let outcome = match (&result, sent) {
-                (Ok(resp), _) => Outcome::Response {
-                    status: resp.status,
-                    headers: &resp.headers,
-                    body: &resp.body,
-                    retryable: route.retryable.contains(&resp.status.as_u16()),
+                (Ok(a), _) => Outcome::Response {
+                    status: a.status,
+                    headers: &a.headers,
+                    body: &a.body,
+                    retryable: route.retryable.contains(&a.status.as_u16()),
                     max_replay_bytes: route.max_replay_bytes,
                 },
                 (Err(_), Sent::Nothing) => Outcome::NotSent,
@@ -357,20 +387,24 @@ impl Proxy {
             };
             self.finish_quietly(t, outcome).await;
         }
-        result.map(|resp| (forward::to_response(resp), "forwarded"))
+        result.map(|a| (a.into_response(), "forwarded"))
     }
 
-    /// Forwards the admitted request under its pass: ends the pass (or leaves it
-    /// lingering when the outcome is unknown) and says whether anything may have
-    /// been sent.
-    // The request's parts, its pass and fence, and what it reports back: one call.
-    #[allow(clippy::too_many_arguments)]
+    /// Forwards the admitted request under its pass and reads the answer: whole
+    /// (a recorded route's up to `max_replay_bytes`; any other's as far as it has
+    /// already arrived), or the head with the rest to stream, the pass going with
+    /// it. Ends the pass (or leaves it lingering when the outcome is unknown) on a
+    /// failure and says whether anything may have been sent.
     async fn forward(
         &self,
         route: &Route,
         fence: &Fence,
-        parts: http::request::Parts,
-        body: Bytes,
+        Outgoing {
+            parts,
+            body,
+            upload,
+            recorded,
+        }: Outgoing,
         peer: &Peer,
         pass: Pass,
         Trace {
@@ -378,7 +412,7 @@ impl Proxy {
             request_id,
             upstream_time,
         }: Trace<'_>,
-    ) -> (Result<forward::UpstreamResponse, ProxyError>, Sent) {
+    ) -> (Result<Answer, ProxyError>, Sent) {
         // Built only once the request will really be forwarded (not for a replay).
         let upstream_req =
             match forward::build_request(&route.target, parts, body, peer, key.as_str()) {
@@ -403,68 +437,105 @@ impl Proxy {
         let upstream_started = Instant::now();
         // Kept for the failure log: the request itself is consumed by the send.
         let upstream_uri = upstream_req.uri().clone();
-        let cancel = async {
-            tokio::select! {
-                _ = pass.aborted() => "drain aborted",
-                _ = self.abandon.cancelled() => "abandoned at shutdown",
+        let stop = stop_on(&pass, &self.abandon);
+        tokio::pin!(stop);
+        let result = match forward::send(&route.client, upstream_req, route.timeout, stop.as_mut())
+            .await
+        {
+            Ok(mut head) => {
+                let read = if recorded {
+                    let deadline = tokio::time::Instant::from_std(upstream_started) + route.timeout;
+                    forward::read_up_to(&mut head, route.max_replay_bytes, deadline, stop.as_mut())
+                        .await
+                } else {
+                    forward::read_ready(&mut head, READY_BYTES)
+                };
+                read.map(|got| (head, got))
             }
+            Err(e) => Err(e),
         };
-        let result = forward::send(
-            &route.client,
-            upstream_req,
-            route.timeout,
-            MAX_UPSTREAM_BODY,
-            cancel,
-        )
-        .await;
-        let aborted = pass.is_aborted() && result.is_err();
-        let abandoned = self.abandon.is_cancelled() && result.is_err();
-        let aborted_err = aborted.then(|| drain_aborted(route, &pass));
-        // In flight ends with the complete response or a failure — except that a
-        // request whose outcome is unknown may still be executing at the
-        // destination: it keeps counting for a drain until the drain's timeout.
-        if matches!(result, Err(UpstreamError::Uncertain(_))) && !aborted {
-            pass.linger();
-        } else {
-            drop(pass);
-        }
         let upstream_elapsed = upstream_started.elapsed();
         *upstream_time = Some(upstream_elapsed);
         route
             .metrics
             .upstream
             .observe(upstream_elapsed.as_secs_f64());
-        match result {
-            Ok(resp) => (Ok(resp), Sent::Maybe),
-            Err(e) => {
-                // SPEC §8: every upstream failure with its cause, for the operator
-                // (the worker gets only the code and a short detail).
-                tracing::warn!(
-                    route = %route.name,
-                    upstream = %UriNoQuery(&upstream_uri),
-                    error = %e,
-                    elapsed_ms = upstream_elapsed.as_secs_f64() * 1000.0,
-                    may_have_been_sent = matches!(e, UpstreamError::Uncertain(_)),
-                    request_id = request_id.to_str().unwrap_or("-"),
-                    "upstream request failed"
-                );
-                let sent = match e {
-                    UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
-                    _ => Sent::Maybe,
+        let e = match result {
+            Ok((head, (body, true))) => {
+                drop(pass);
+                let answer = Answer {
+                    status: head.status,
+                    headers: head.headers,
+                    body,
+                    rest: None,
                 };
-                let err = match (aborted_err, e) {
-                    (Some(a), _) => a,
-                    (None, _) if abandoned => ProxyError::ShuttingDown,
-                    (None, UpstreamError::Unreachable(d)) => {
-                        ProxyError::UpstreamUnreachable { detail: d }
-                    }
-                    (None, UpstreamError::Uncertain(d)) => {
-                        ProxyError::UpstreamTimeout { detail: d }
-                    }
-                };
-                (Err(err), sent)
+                return (Ok(answer), Sent::Maybe);
             }
+            Ok((head, (prefix, false))) => {
+                let rest_stop = Box::pin(stop_on(&pass, &self.abandon));
+                let rest = Streamed::new(
+                    prefix.clone(),
+                    head.body,
+                    Some((pass, rest_stop)),
+                    route.timeout,
+                    head.conn,
+                    Arc::from(route.name.as_str()),
+                );
+                let answer = Answer {
+                    status: head.status,
+                    headers: head.headers,
+                    body: prefix,
+                    rest: Some(Box::new(rest)),
+                };
+                return (Ok(answer), Sent::Maybe);
+            }
+            Err(e) => e,
+        };
+        let aborted = pass.is_aborted();
+        let abandoned = self.abandon.is_cancelled();
+        // A streamed request body that did not arrive whole: the upstream got an
+        // incomplete request and cannot have acted on it.
+        let upload_end = upload.map_or(UploadEnd::Complete, |u| u.get());
+        let aborted_err = aborted.then(|| drain_aborted(route, &pass));
+        // In flight ends with the answer or a failure — except that a request
+        // whose outcome is unknown may still be executing at the destination: it
+        // keeps counting for a drain until the drain's timeout.
+        if matches!(e, UpstreamError::Uncertain(_)) && !aborted && upload_end == UploadEnd::Complete
+        {
+            pass.linger();
+        } else {
+            drop(pass);
         }
+        // SPEC §8: every upstream failure with its cause, for the operator
+        // (the worker gets only the code and a short detail).
+        tracing::warn!(
+            route = %route.name,
+            upstream = %UriNoQuery(&upstream_uri),
+            error = %e,
+            elapsed_ms = upstream_elapsed.as_secs_f64() * 1000.0,
+            may_have_been_sent = matches!(e, UpstreamError::Uncertain(_)),
+            request_id = request_id.to_str().unwrap_or("-"),
+            "upstream request failed"
+        );
+        let sent = match e {
+            UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
+            _ => Sent::Maybe,
+        };
+        let err = match (aborted_err, upload_end, e) {
+            (Some(a), ..) => a,
+            (None, UploadEnd::TooLarge, _) => ProxyError::BodyTooLarge {
+                limit: route.max_body_bytes,
+            },
+            (None, UploadEnd::ClientFailed, e) => ProxyError::BodyUnreadable {
+                detail: e.to_string(),
+            },
+            (None, ..) if abandoned => ProxyError::ShuttingDown,
+            (None, _, UpstreamError::Unreachable(d)) => {
+                ProxyError::UpstreamUnreachable { detail: d }
+            }
+            (None, _, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+        };
+        (Err(err), sent)
     }
 
     /// SPEC §10.2: whether the request was relayed by a cluster peer. A request
@@ -515,9 +586,9 @@ impl Proxy {
         owner: &str,
         url: &str,
         parts: http::request::Parts,
-        body: Bytes,
+        body: UpBody,
         peer: &Peer,
-    ) -> Result<Response<Full<Bytes>>, ProxyError> {
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let (Some(cluster), Some(client)) = (self.mode.cluster(), &self.peers) else {
             return Err(ProxyError::ShardUnavailable {
                 lease: route.lease.clone(),
@@ -589,6 +660,56 @@ enum Served {
     There { owner: String, url: String },
 }
 
+/// The request body: whole, or still arriving from the worker.
+enum Payload {
+    Whole(Bytes),
+    Stream(Incoming),
+}
+
+/// What goes to the upstream.
+struct Outgoing {
+    parts: http::request::Parts,
+    body: UpBody,
+    /// How far a streamed body got (`None`: sent whole).
+    upload: Option<Arc<UploadState>>,
+    /// The route records this request's outcome: read its answer up to
+    /// `max_replay_bytes` before anything is sent on.
+    recorded: bool,
+}
+
+/// An upstream's answer: whole in `body`, or `body` is what was read before
+/// streaming began and `rest` streams it all (from `body` on).
+struct Answer {
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    body: Bytes,
+    rest: Option<Box<Streamed>>,
+}
+
+impl Answer {
+    fn into_response(self) -> Response<ProxyBody> {
+        let body = match self.rest {
+            None => ProxyBody::Full(Full::new(self.body)),
+            Some(s) => ProxyBody::Stream(s),
+        };
+        forward::to_response(self.status, self.headers, body)
+    }
+}
+
+/// Resolves when `pass` is aborted by a drain or shutdown abandons requests.
+fn stop_on(
+    pass: &Pass,
+    abandon: &tokio_util::sync::CancellationToken,
+) -> impl std::future::Future<Output = &'static str> + Send + 'static {
+    let (signal, abandon) = (pass.abort_signal(), abandon.clone());
+    async move {
+        tokio::select! {
+            _ = signal.wait() => "drain aborted",
+            _ = abandon.cancelled_owned() => "abandoned at shutdown",
+        }
+    }
+}
+
 /// Whether any byte of a request may have reached the upstream.
 #[derive(Debug, Clone, Copy)]
 enum Sent {
@@ -617,23 +738,21 @@ fn single_header<'a>(
     }
 }
 
-/// Reads the whole request body, refusing more than `limit` bytes (413).
-async fn read_body(
-    parts: &http::request::Parts,
-    body: Incoming,
-    limit: usize,
-    timeout: Duration,
-) -> Result<Bytes, ProxyError> {
-    if let Some(len) = parts
+/// Refuses a body whose declared length is over `limit` before reading any (413).
+fn refuse_declared_length(parts: &http::request::Parts, limit: usize) -> Result<(), ProxyError> {
+    let declared = parts
         .headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-    {
-        if len > limit as u64 {
-            return Err(ProxyError::BodyTooLarge { limit });
-        }
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(len) if len > limit as u64 => Err(ProxyError::BodyTooLarge { limit }),
+        _ => Ok(()),
     }
+}
+
+/// Reads the whole request body, refusing more than `limit` bytes (413).
+async fn read_body(body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, ProxyError> {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Ok(Ok(c)) => Ok(c.to_bytes()),
         Ok(Err(e))

@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::Full;
-use hyper::body::Incoming;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -49,6 +48,10 @@ pub(super) fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor>
 struct Activity {
     started: Instant,
     in_flight: AtomicUsize,
+    /// Answers whose body is waiting for its source (a streamed upstream answer
+    /// between events): not idleness, however long. An answer waiting for the
+    /// *client* to read is, unless its writes move bytes.
+    body_waiting: AtomicUsize,
     /// Milliseconds after `started` when the connection last became idle.
     idle_since_ms: AtomicU64,
     /// Milliseconds after `started` of the last write that moved bytes: a large
@@ -61,6 +64,7 @@ impl Activity {
         Arc::new(Activity {
             started: Instant::now(),
             in_flight: AtomicUsize::new(0),
+            body_waiting: AtomicUsize::new(0),
             idle_since_ms: AtomicU64::new(0),
             wrote_ms: AtomicU64::new(0),
         })
@@ -72,7 +76,8 @@ impl Activity {
 
     /// How long the connection has been without a request (`None`: serving one).
     fn idle_for(&self) -> Option<Duration> {
-        if self.in_flight.load(Ordering::SeqCst) > 0 {
+        if self.in_flight.load(Ordering::SeqCst) > 0 || self.body_waiting.load(Ordering::SeqCst) > 0
+        {
             return None;
         }
         let since = self
@@ -144,6 +149,58 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+/// An answer's body, noting in its connection's [`Activity`] while it waits for
+/// its source ([`Activity::body_waiting`]).
+struct Watched<B> {
+    body: B,
+    activity: Arc<Activity>,
+    waiting: bool,
+}
+
+impl<B> Watched<B> {
+    fn set_waiting(&mut self, waiting: bool) {
+        if waiting != self.waiting {
+            self.waiting = waiting;
+            if waiting {
+                self.activity.body_waiting.fetch_add(1, Ordering::SeqCst);
+            } else {
+                self.activity.body_waiting.fetch_sub(1, Ordering::SeqCst);
+                self.activity
+                    .idle_since_ms
+                    .store(self.activity.now_ms(), Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+impl<B: Body + Unpin> Body for Watched<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let r = Pin::new(&mut self.body).poll_frame(cx);
+        self.set_waiting(r.is_pending());
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<B> Drop for Watched<B> {
+    fn drop(&mut self) {
+        self.set_waiting(false);
     }
 }
 
@@ -282,10 +339,12 @@ pub(super) struct Listener {
 
 /// Accepts connections until `l.stop`, serving each request with `handler`;
 /// `graceful` tracks the connections for shutdown.
-pub(super) async fn accept_loop<F, Fut>(l: Listener, handler: F, graceful: &GracefulShutdown)
+pub(super) async fn accept_loop<F, Fut, B>(l: Listener, handler: F, graceful: &GracefulShutdown)
 where
     F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let Listener {
         listener,
@@ -322,10 +381,15 @@ where
         let svc = service_fn(move |req| {
             let busy = Busy::start(&active);
             let fut = h(req, conn_peer.clone());
+            let activity = active.clone();
             async move {
                 let resp = fut.await;
                 drop(busy);
-                Ok::<_, Infallible>(resp)
+                Ok::<_, Infallible>(resp.map(|body| Watched {
+                    body,
+                    activity,
+                    waiting: false,
+                }))
             }
         });
         let builder = builder.clone();

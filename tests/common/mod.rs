@@ -6,7 +6,9 @@
 //! - [`Origin`]: a recording HTTP origin (arrival and completion times, headers,
 //!   body). A request header `x-test-hold: NAME` makes it wait until the test calls
 //!   [`Origin::release`]; `x-test-status` and `x-test-body` (or `x-test-size`: that
-//!   many bytes) choose the answer.
+//!   many bytes) choose the answer. `x-test-stream-bytes: N` streams N bytes in
+//!   1 MiB chunks (made as they are sent); `x-test-events: NAME` answers one
+//!   server-sent event at once and a second only after [`Origin::release`] of NAME.
 //! - [`postgres::PgServer`]: a real PostgreSQL on a free loopback port.
 //! - [`Gateway`]: what a running fencegate is to a test, whichever harness runs it
 //!   (its URLs, the admin API, metrics).
@@ -215,11 +217,53 @@ impl Origin {
     }
 }
 
+/// The origin's answer: whole, or streamed from a task through a channel of one
+/// chunk (so it is made only as fast as it is read).
+pub enum OriginBody {
+    Full(Full<Bytes>),
+    Channel(tokio::sync::mpsc::Receiver<Bytes>),
+}
+
+impl hyper::body::Body for OriginBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            OriginBody::Full(f) => std::pin::Pin::new(f).poll_frame(cx),
+            OriginBody::Channel(rx) => rx
+                .poll_recv(cx)
+                .map(|c| c.map(|b| Ok(hyper::body::Frame::data(b)))),
+        }
+    }
+}
+
+/// A streamed answer made by `make` (it sends chunks), its completion logged.
+fn streamed<F, Fut>(st: Arc<Mutex<OriginState>>, idx: usize, make: F) -> Response<OriginBody>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Bytes>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        make(tx).await;
+        st.lock().unwrap().log[idx].completed = Some(Instant::now());
+    });
+    Response::builder()
+        .header("x-origin-seq", idx.to_string())
+        .header("content-type", "text/event-stream")
+        .body(OriginBody::Channel(rx))
+        .unwrap()
+}
+
 async fn origin_handle(
     req: Request<Incoming>,
     st: Arc<Mutex<OriginState>>,
     arrived: Arc<Notify>,
-) -> Response<Full<Bytes>> {
+) -> Response<OriginBody> {
     let (parts, body) = req.into_parts();
     // `x-test-hold-body: NAME`: the request is logged when its head arrives, and its
     // body is read only once NAME is released (a destination that reads slowly).
@@ -228,7 +272,9 @@ async fn origin_handle(
         .get("x-test-hold-body")
         .and_then(|v| v.to_str().ok())
     {
-        return origin_hold_body(name.to_owned(), parts, body, st, arrived).await;
+        return origin_hold_body(name.to_owned(), parts, body, st, arrived)
+            .await
+            .map(OriginBody::Full);
     }
     let body = body
         .collect()
@@ -268,6 +314,35 @@ async fn origin_handle(
             .clone();
         n.notified().await;
     }
+    let header = |n: &str| {
+        parts
+            .headers
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(n) = header("x-test-stream-bytes").and_then(|v| v.parse::<usize>().ok()) {
+        return streamed(st, idx, move |tx| async move {
+            let chunk = Bytes::from(vec![b's'; 1 << 20]);
+            let mut left = n;
+            while left > 0 {
+                let c = chunk.slice(..left.min(chunk.len()));
+                left -= c.len();
+                if tx.send(c).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    if let Some(name) = header("x-test-events") {
+        let hold = st.lock().unwrap().holds.entry(name).or_default().clone();
+        return streamed(st, idx, move |tx| async move {
+            if tx.send(Bytes::from_static(b"data: one\n\n")).await.is_ok() {
+                hold.notified().await;
+                let _ = tx.send(Bytes::from_static(b"data: two\n\n")).await;
+            }
+        });
+    }
     let status = parts
         .headers
         .get("x-test-status")
@@ -289,7 +364,7 @@ async fn origin_handle(
         .status(status)
         .header("x-origin-seq", idx.to_string())
         .header("content-type", "text/plain")
-        .body(Full::new(body))
+        .body(OriginBody::Full(Full::new(body)))
         .unwrap()
 }
 

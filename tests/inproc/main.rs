@@ -18,3 +18,4 @@ mod fencing;
 mod harness;
 mod hygiene;
 mod operator;
+mod streaming;

@@ -1,0 +1,986 @@
+//! A `stateright` model of fencegate's protocol (SPEC §2, §4–§6, §10): the
+//! fence and its drain, dedup records, the gate leases of a cluster's shard,
+//! self-fencing, takeover and settling — checked exhaustively for small bounds.
+//!
+//! It models the *protocol*, not the code: one lease (one shard), worker epochs
+//! in a lease store with conditional create and a `LastModified` of `lm_res`
+//! ticks' resolution, one to three fencegate instances holding the shard's gate
+//! lease, a PostgreSQL-like state store whose writes are conditioned on the
+//! writer's gate epoch, and a destination that records each request's arrival
+//! and completion. [`Cfg`] holds the bounds, the nemesis budget and the
+//! [`Holes`] — switches that put back the designs the code had before its edges
+//! were fixed, so each property can be shown to fail without its mechanism.
+//!
+//! Time is a global tick counter (the store's clock). An instance's monotonic
+//! clock runs at the same rate; a *pause* stops the instance for a number of
+//! ticks (it acts on nothing, and its timers fire late). Every instance step is
+//! *urgent*: time does not advance while a running instance has something to do
+//! (a write after its check, a timeout that is due, a renewal, a takeover), so
+//! every delay the checker explores is one of the nemesis's: a pause, a late
+//! store response (`store_delay`), a slow or silent destination, a worker that
+//! sends late. Message pairs and how they appear here:
+//!
+//! - worker → fencegate: a request is sent at any tick, or never (loss); a peer
+//!   hop (non-owner → owner) is the same as a late send, the owner decides.
+//! - fencegate → lease store: a gate create is applied up to `store_delay`
+//!   ticks after it was sent and confirmed up to `store_delay` ticks later (an
+//!   uncertain result read back); fencegate → state store: every write is
+//!   conditioned on the gate epoch at the moment it commits.
+//! - fencegate → destination: the write happens in the tick of the check unless
+//!   the instance pauses; a delay on that hop counts as a pause (the limit of
+//!   SPEC §10.2 is about exactly this stall).
+//! - destination → fencegate: a response arrives at any time, never (loss, then
+//!   the route timeout), or the destination never answers.
+//!
+//! Properties ([`Proto::properties`]):
+//! - **S1** epochs never go back at the destination (arrival order).
+//! - **S2** for requests a, b of the lease with epoch(a) < epoch(b), a is complete
+//!   at the destination before b arrives, unless b arrived a full drain timeout
+//!   after a was admitted (the drain b waited for timed out; the campaign
+//!   checker's rule).
+//! - **S3** a request is forwarded (its pass granted) only while its epoch is the
+//!   latest in the store and unexpired on the store's clock.
+//! - **S4** a dedup key is delivered at most once.
+//! - reachability: a takeover happens after an owner died; a request is
+//!   delivered after a takeover.
+
+use stateright::{Model, Property};
+
+/// Ticks of the store's clock.
+pub type T = u8;
+
+/// Designs the code had before a fix (each switch reproduces one hole).
+#[derive(Clone, Debug, Default)]
+pub struct Holes {
+    /// A restarted (or taken-over) gate forgets the epoch its drains completed
+    /// through: it admits at its mark at once.
+    pub forget_drain: bool,
+    /// A route timeout ends the request's pass instead of letting it linger
+    /// until a drain's timeout.
+    pub timeout_leaves: bool,
+    /// A raise that completes its drain forwards without deciding its claim
+    /// again (its epoch may have expired or been superseded meanwhile).
+    pub no_redecide: bool,
+    /// `in_flight` and `in_doubt` dedup records expire after the dedup TTL like
+    /// `done` ones.
+    pub inflight_expires: bool,
+    /// The ownership window starts when the gate create is *confirmed* (SPEC
+    /// §10.2 as first written) instead of when it was sent.
+    pub window_from_confirm: bool,
+    /// A takeover admits at once: no settle of a drain timeout.
+    pub no_takeover_settle: bool,
+    /// The successor adds `LastModified`'s resolution to it before judging the
+    /// previous gate epoch's expiry (SPEC §2 "must account for the 1-second
+    /// resolution"). A fix, not a hole: off means the code's reading.
+    pub lm_round_up: bool,
+}
+
+/// One request a worker sends.
+#[derive(Clone, Debug)]
+pub struct ReqSpec {
+    /// The worker epoch it carries (1-based).
+    pub epoch: u8,
+    /// Its dedup key, if it is recorded.
+    pub key: Option<u8>,
+    /// Not sent before this tick.
+    pub not_before: T,
+}
+
+/// The bounds of one check.
+#[derive(Clone, Debug)]
+pub struct Cfg {
+    pub instances: u8,
+    pub gate_ttl: T,
+    pub margin: T,
+    pub grace: T,
+    /// `LastModified` resolution in ticks.
+    pub lm_res: T,
+    pub drain_timeout: T,
+    pub route_timeout: T,
+    pub dedup_ttl: T,
+    /// Worker epochs' TTL.
+    pub worker_ttl: T,
+    /// Worker epochs that may be created (epoch 1 exists at tick 0).
+    pub worker_epochs: u8,
+    /// Gate epochs that may be created (bounds renewals).
+    pub gate_epochs: u8,
+    /// How late a gate create may be applied, and then confirmed.
+    pub store_delay: T,
+    pub horizon: T,
+    pub reqs: Vec<ReqSpec>,
+    pub crashes: u8,
+    pub pauses: u8,
+    pub max_pause: T,
+    /// Responses may be lost (the route timeout then fires).
+    pub lose_responses: bool,
+    pub holes: Holes,
+}
+
+impl Cfg {
+    /// Two instances and the defaults' proportions at a tick of 500 ms:
+    /// gate_ttl 3 s, margin 1 s, grace 1 s, `LastModified` to the second.
+    pub fn cluster() -> Cfg {
+        Cfg {
+            instances: 2,
+            gate_ttl: 6,
+            margin: 2,
+            grace: 2,
+            lm_res: 2,
+            drain_timeout: 2,
+            route_timeout: 1,
+            dedup_ttl: 40,
+            worker_ttl: 40,
+            worker_epochs: 2,
+            gate_epochs: 3,
+            store_delay: 0,
+            horizon: 16,
+            reqs: vec![],
+            crashes: 0,
+            pauses: 0,
+            max_pause: 0,
+            lose_responses: false,
+            holes: Holes::default(),
+        }
+    }
+
+    /// One instance (SPEC §10.1): its gate lease is the instance guard.
+    pub fn single() -> Cfg {
+        Cfg {
+            instances: 1,
+            gate_epochs: 3,
+            gate_ttl: 40,
+            ..Cfg::cluster()
+        }
+    }
+
+    fn keys(&self) -> usize {
+        self.reqs
+            .iter()
+            .filter_map(|r| r.key)
+            .max()
+            .map_or(0, |k| k as usize + 1)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GateObj {
+    pub holder: u8,
+    /// `LastModified` (truncated to `lm_res`).
+    pub lm: T,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecState {
+    InFlight,
+    Done,
+    InDoubt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rec {
+    pub state: RecState,
+    /// The gate epoch it was written under.
+    pub gen: u8,
+    pub created: T,
+}
+
+/// The shared state store (PostgreSQL): every write conditioned on the gate epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Db {
+    /// The newest gate epoch that wrote.
+    pub gen: u8,
+    pub mark: u8,
+    pub drained: u8,
+    pub recs: Vec<Option<Rec>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Creating {
+    pub gate: u8,
+    pub sent: T,
+    /// Applied at the store (the create won) at this tick.
+    pub applied: Option<T>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RaisePhase {
+    /// Waiting out a settle (after a restart or takeover).
+    Settling,
+    /// Draining older passes until the deadline; `aborted` once it fired.
+    Draining { deadline: T, aborted: bool },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Raise {
+    pub epoch: u8,
+    pub req: u8,
+    pub phase: RaisePhase,
+}
+
+/// What an instance holds while it owns the shard.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Own {
+    pub gen: u8,
+    /// Start of the ownership window (instance clock = store ticks).
+    pub start: T,
+    /// When the latest renewal was sent.
+    pub renewed: T,
+    pub mark: u8,
+    pub barrier: u8,
+    pub settled: u8,
+    pub settle_until: T,
+    pub raise: Option<Raise>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Inst {
+    pub up: bool,
+    pub paused_until: T,
+    pub creating: Option<Creating>,
+    pub own: Option<Own>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Unsent,
+    /// At instance i, to be decided.
+    Received(u8),
+    /// At instance i, waiting for a settle or another raise.
+    Blocked(u8),
+    /// The raiser of instance i's raise.
+    Raising(u8),
+    /// Admitted by instance i (pass held), not yet written.
+    Pending(u8),
+    /// Written by instance i, awaiting the response.
+    Forwarded(u8),
+    /// The response reached instance i, which records it.
+    Responded(u8),
+    /// Outcome unknown: still counted by instance i's drains.
+    Lingering(u8),
+    /// Answered, refused, aborted, or its instance died.
+    Gone,
+}
+
+impl Phase {
+    fn at(self) -> Option<u8> {
+        match self {
+            Phase::Received(i)
+            | Phase::Blocked(i)
+            | Phase::Raising(i)
+            | Phase::Pending(i)
+            | Phase::Forwarded(i)
+            | Phase::Responded(i)
+            | Phase::Lingering(i) => Some(i),
+            Phase::Unsent | Phase::Gone => None,
+        }
+    }
+
+    /// Holds a pass of instance i (counts for its drains).
+    fn pass_of(self, i: u8) -> bool {
+        matches!(self, Phase::Pending(j) | Phase::Forwarded(j) | Phase::Responded(j) | Phase::Lingering(j) if j == i)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Req {
+    pub phase: Phase,
+    /// When its pass was granted.
+    pub passed: T,
+    pub arrived: Option<T>,
+    pub completed: bool,
+}
+
+/// Violations and reachability, recorded when they happen.
+pub mod flag {
+    pub const S1: u16 = 1;
+    pub const S2: u16 = 2;
+    pub const S3: u16 = 4;
+    pub const S4: u16 = 8;
+    pub const TAKEOVER_AFTER_DEATH: u16 = 16;
+    pub const DELIVERED_AFTER_TAKEOVER: u16 = 32;
+    pub const TAKEN_OVER: u16 = 64;
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct St {
+    pub now: T,
+    /// Worker epoch e+1's `LastModified`, once created.
+    pub wep: Vec<Option<T>>,
+    /// Gate epoch g+1.
+    pub gates: Vec<GateObj>,
+    pub db: Db,
+    pub inst: Vec<Inst>,
+    pub reqs: Vec<Req>,
+    pub deliveries: Vec<u8>,
+    pub max_arrived: u8,
+    pub crashes: u8,
+    pub pauses: u8,
+    pub flags: u16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    Tick,
+    /// A worker creates the next epoch.
+    NewEpoch,
+    Send(u8, u8),
+    Crash(u8),
+    Restart(u8),
+    Pause(u8, T),
+    /// Instance i sends a gate create (renewal or acquisition).
+    SendCreate(u8),
+    /// The store applies instance i's create (or refuses it: taken).
+    ApplyCreate(u8),
+    /// Instance i learns its create won (or lost).
+    Confirm(u8),
+    /// Instance i self-fences: past `gate_ttl` it aborts and drops the shard.
+    SelfFence(u8),
+    /// Instance i decides request r.
+    Decide(u8),
+    /// Instance i's raise takes its next step.
+    RaiseStep(u8),
+    Write(u8),
+    Complete(u8),
+    CompleteLost(u8),
+    Record(u8),
+    RouteTimeout(u8),
+}
+
+pub struct Proto {
+    pub cfg: Cfg,
+}
+
+fn floor(t: T, res: T) -> T {
+    t - t % res
+}
+
+impl Proto {
+    pub fn new(cfg: Cfg) -> Proto {
+        Proto { cfg }
+    }
+
+    fn running(&self, s: &St, i: u8) -> bool {
+        let n = &s.inst[i as usize];
+        n.up && s.now >= n.paused_until
+    }
+
+    fn latest_epoch(s: &St) -> u8 {
+        s.wep.iter().take_while(|e| e.is_some()).count() as u8
+    }
+
+    fn expired(&self, s: &St, e: u8) -> bool {
+        match s.wep[e as usize - 1] {
+            Some(lm) => s.now >= lm.saturating_add(self.cfg.worker_ttl),
+            None => true,
+        }
+    }
+
+    /// Whether instance i may forward now (holds the shard, inside its window).
+    fn in_window(&self, s: &St, i: u8) -> bool {
+        s.inst[i as usize]
+            .own
+            .is_some_and(|o| s.now < o.start + self.cfg.gate_ttl - self.cfg.margin)
+    }
+
+    /// Whether the latest gate object lets instance i create the next one.
+    fn gate_free_for(&self, s: &St, i: u8) -> bool {
+        match s.gates.last() {
+            None => true,
+            Some(g) if g.holder == i => true,
+            Some(g) => {
+                let lm = if self.cfg.holes.lm_round_up {
+                    g.lm + self.cfg.lm_res
+                } else {
+                    g.lm
+                };
+                s.now > lm + self.cfg.gate_ttl + self.cfg.grace
+            }
+        }
+    }
+
+    /// A conditioned state write of instance i: refused once a newer gate epoch wrote.
+    fn db_write(s: &mut St, i: u8) -> bool {
+        let Some(o) = s.inst[i as usize].own else {
+            return false;
+        };
+        if s.db.gen > o.gen {
+            return false;
+        }
+        s.db.gen = o.gen;
+        true
+    }
+
+    fn older_passes(s: &St, i: u8, epoch: u8, cfg: &Cfg) -> bool {
+        s.reqs
+            .iter()
+            .enumerate()
+            .any(|(r, q)| q.phase.pass_of(i) && cfg.reqs[r].epoch < epoch)
+    }
+
+    fn rec_expired(&self, s: &St, rec: &Rec) -> bool {
+        let old = s.now >= rec.created.saturating_add(self.cfg.dedup_ttl);
+        old && (rec.state == RecState::Done || self.cfg.holes.inflight_expires)
+    }
+
+    /// Grants r's pass at instance i: claims its key, records S3. False: refused.
+    fn grant(&self, s: &mut St, i: u8, r: u8) -> bool {
+        let spec = &self.cfg.reqs[r as usize];
+        if let Some(k) = spec.key {
+            if let Some(rec) = s.db.recs[k as usize] {
+                if !self.rec_expired(s, &rec) {
+                    return false;
+                }
+            }
+            if !Self::db_write(s, i) {
+                return false;
+            }
+            let gen = s.db.gen;
+            s.db.recs[k as usize] = Some(Rec {
+                state: RecState::InFlight,
+                gen,
+                created: s.now,
+            });
+        }
+        if self.expired(s, spec.epoch) || Self::latest_epoch(s) > spec.epoch {
+            s.flags |= flag::S3;
+        }
+        let q = &mut s.reqs[r as usize];
+        q.phase = Phase::Pending(i);
+        q.passed = s.now;
+        true
+    }
+
+    /// Ends r's pass with its outcome unknown or aborted: its record is in doubt.
+    fn doubt(&self, s: &mut St, i: u8, r: u8) {
+        if let Some(k) = self.cfg.reqs[r as usize].key {
+            if Self::db_write(s, i) {
+                if let Some(rec) = s.db.recs[k as usize].as_mut() {
+                    if rec.state == RecState::InFlight {
+                        rec.state = RecState::InDoubt;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Aborts instance i's passes below `epoch` (all: `u8::MAX`).
+    fn abort_older(&self, s: &mut St, i: u8, epoch: u8) {
+        for r in 0..s.reqs.len() {
+            if s.reqs[r].phase.pass_of(i) && self.cfg.reqs[r].epoch < epoch {
+                if !matches!(s.reqs[r].phase, Phase::Lingering(_)) {
+                    self.doubt(s, i, r as u8);
+                }
+                s.reqs[r].phase = Phase::Gone;
+            }
+        }
+    }
+
+    /// Instance i confirmed gate epoch g: a renewal, or a takeover (SPEC §10.2).
+    fn confirm(&self, s: &mut St, i: u8, c: Creating) {
+        let start = if self.cfg.holes.window_from_confirm {
+            s.now
+        } else {
+            c.sent
+        };
+        let g = c.gate;
+        if let Some(o) = s.inst[i as usize].own.as_mut() {
+            o.gen = g;
+            o.start = start;
+            o.renewed = c.sent;
+            return;
+        }
+        // Takeover (or a restart taking its own gate back).
+        let prev = if g >= 2 { Some(s.gates[g as usize - 2].holder) } else { None };
+        if let Some(p) = prev {
+            if p != i && !s.inst[p as usize].up {
+                s.flags |= flag::TAKEOVER_AFTER_DEATH;
+            }
+            if p != i {
+                s.flags |= flag::TAKEN_OVER;
+            }
+        }
+        if s.db.gen > g {
+            return;
+        }
+        s.db.gen = g;
+        let cluster = self.cfg.instances > 1;
+        let mark = if cluster {
+            s.db.mark.max(Self::latest_epoch(s))
+        } else {
+            s.db.mark
+        };
+        s.db.mark = mark;
+        for rec in s.db.recs.iter_mut().flatten() {
+            if rec.state == RecState::InFlight && rec.gen < g {
+                rec.state = RecState::InDoubt;
+            }
+        }
+        let settle = mark > 0 && !(cluster && self.cfg.holes.no_takeover_settle);
+        let settled = if settle && !self.cfg.holes.forget_drain {
+            s.db.drained.min(mark)
+        } else {
+            mark
+        };
+        s.inst[i as usize].own = Some(Own {
+            gen: g,
+            start,
+            renewed: c.sent,
+            mark,
+            barrier: mark,
+            settled,
+            settle_until: if settle { s.now + self.cfg.drain_timeout } else { s.now },
+            raise: None,
+        });
+    }
+
+    /// Instance i's enabled steps (all urgent).
+    fn inst_actions(&self, s: &St, i: u8, out: &mut Vec<Action>) {
+        let cfg = &self.cfg;
+        let n = &s.inst[i as usize];
+        if let Some(o) = n.own {
+            if s.now >= o.start + cfg.gate_ttl {
+                out.push(Action::SelfFence(i));
+                return;
+            }
+        }
+        if let Some(c) = n.creating {
+            if c.applied.is_some() {
+                out.push(Action::Confirm(i));
+            }
+        } else if (s.gates.len() as u8) < cfg.gate_epochs {
+            let due = match n.own {
+                Some(o) => s.now >= o.renewed + cfg.gate_ttl / 3,
+                None => self.gate_free_for(s, i),
+            };
+            if due {
+                out.push(Action::SendCreate(i));
+            }
+        }
+        if let Some(o) = n.own {
+            if let Some(rz) = o.raise {
+                let ready = match rz.phase {
+                    RaisePhase::Settling => s.now >= o.settle_until,
+                    RaisePhase::Draining { deadline, aborted } => {
+                        !Self::older_passes(s, i, rz.epoch, cfg) || (s.now >= deadline && !aborted)
+                    }
+                };
+                if ready {
+                    out.push(Action::RaiseStep(i));
+                }
+            }
+        }
+        for (r, q) in s.reqs.iter().enumerate() {
+            let r = r as u8;
+            match q.phase {
+                Phase::Received(j) if j == i => out.push(Action::Decide(r)),
+                Phase::Blocked(j) if j == i && self.unblocked(s, i, r) => {
+                    out.push(Action::Decide(r))
+                }
+                Phase::Pending(j) if j == i => out.push(Action::Write(r)),
+                Phase::Responded(j) if j == i => out.push(Action::Record(r)),
+                Phase::Forwarded(j)
+                    if j == i && s.now >= q.arrived.unwrap_or(0) + cfg.route_timeout =>
+                {
+                    out.push(Action::RouteTimeout(r))
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn unblocked(&self, s: &St, i: u8, r: u8) -> bool {
+        match s.inst[i as usize].own {
+            None => true,
+            Some(o) => {
+                if o.raise.is_some() {
+                    return false;
+                }
+                let e = self.cfg.reqs[r as usize].epoch;
+                e != o.mark || e <= o.settled || s.now >= o.settle_until
+            }
+        }
+    }
+
+    /// Time may pass only when no running instance has a step to take and no
+    /// gate create is overdue at the store.
+    fn may_tick(&self, s: &St) -> bool {
+        if s.now >= self.cfg.horizon {
+            return false;
+        }
+        let mut acts = Vec::new();
+        for i in 0..self.cfg.instances {
+            let n = &s.inst[i as usize];
+            if let Some(c) = n.creating {
+                match c.applied {
+                    None if s.now >= c.sent + self.cfg.store_delay => return false,
+                    Some(a) if self.running(s, i) && s.now >= a + self.cfg.store_delay => {
+                        return false
+                    }
+                    _ => {}
+                }
+            }
+            if self.running(s, i) {
+                acts.clear();
+                self.inst_actions(s, i, &mut acts);
+                if acts.iter().any(|a| !matches!(a, Action::Confirm(_))) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    fn decide(&self, s: &mut St, r: u8) {
+        let cfg = &self.cfg;
+        let Some(i) = s.reqs[r as usize].phase.at() else {
+            return;
+        };
+        let e = cfg.reqs[r as usize].epoch;
+        let refuse = |s: &mut St| s.reqs[r as usize].phase = Phase::Gone;
+        if !self.in_window(s, i) {
+            return refuse(s);
+        }
+        let o = s.inst[i as usize].own.expect("in window");
+        if e < o.barrier || e < Self::latest_epoch(s) || self.expired(s, e) {
+            return refuse(s);
+        }
+        if o.raise.is_some() {
+            s.reqs[r as usize].phase = Phase::Blocked(i);
+            return;
+        }
+        if e == o.mark {
+            if e <= o.settled {
+                if !self.grant(s, i, r) {
+                    refuse(s);
+                }
+            } else if s.now >= o.settle_until {
+                s.inst[i as usize].own.as_mut().expect("owner").settled = o.mark;
+                if !self.grant(s, i, r) {
+                    refuse(s);
+                }
+            } else {
+                s.reqs[r as usize].phase = Phase::Blocked(i);
+            }
+            return;
+        }
+        // e > mark: raise. The mark is durable before anything else.
+        if !Self::db_write(s, i) {
+            return refuse(s);
+        }
+        s.db.mark = s.db.mark.max(e);
+        let own = s.inst[i as usize].own.as_mut().expect("owner");
+        own.barrier = e;
+        own.raise = Some(Raise {
+            epoch: e,
+            req: r,
+            phase: RaisePhase::Settling,
+        });
+        s.reqs[r as usize].phase = Phase::Raising(i);
+    }
+
+    fn raise_step(&self, s: &mut St, i: u8) {
+        let cfg = &self.cfg;
+        let o = s.inst[i as usize].own.expect("owner");
+        let rz = o.raise.expect("raise");
+        match rz.phase {
+            RaisePhase::Settling => {
+                let own = s.inst[i as usize].own.as_mut().expect("owner");
+                own.settled = own.settled.max(own.mark);
+                own.raise = Some(Raise {
+                    phase: RaisePhase::Draining {
+                        deadline: s.now + cfg.drain_timeout,
+                        aborted: false,
+                    },
+                    ..rz
+                });
+            }
+            RaisePhase::Draining { deadline, .. } if Self::older_passes(s, i, rz.epoch, cfg) => {
+                self.abort_older(s, i, rz.epoch);
+                let own = s.inst[i as usize].own.as_mut().expect("owner");
+                own.raise = Some(Raise {
+                    phase: RaisePhase::Draining {
+                        deadline,
+                        aborted: true,
+                    },
+                    ..rz
+                });
+            }
+            RaisePhase::Draining { .. } => {
+                let own = s.inst[i as usize].own.as_mut().expect("owner");
+                own.mark = rz.epoch;
+                own.settled = rz.epoch;
+                own.raise = None;
+                let e = rz.epoch;
+                let holds = cfg.holes.no_redecide
+                    || (self.in_window(s, i)
+                        && !self.expired(s, e)
+                        && Self::latest_epoch(s) <= e);
+                if !(holds && self.grant(s, i, rz.req)) {
+                    s.reqs[rz.req as usize].phase = Phase::Gone;
+                }
+                if Self::db_write(s, i) {
+                    s.db.drained = s.db.drained.max(e);
+                }
+            }
+        }
+    }
+
+    fn write(&self, s: &mut St, r: u8) {
+        let cfg = &self.cfg;
+        let e = cfg.reqs[r as usize].epoch;
+        if e < s.max_arrived {
+            s.flags |= flag::S1;
+        }
+        s.max_arrived = s.max_arrived.max(e);
+        let now = s.now;
+        let passed = s.reqs[r as usize].passed;
+        for (a, q) in s.reqs.iter().enumerate() {
+            let ea = cfg.reqs[a].epoch;
+            let Some(arr) = q.arrived else { continue };
+            // a older, still at the destination, and b (this one) not a full
+            // drain timeout after a's admission.
+            if ea < e && !q.completed && now < q.passed + cfg.drain_timeout {
+                s.flags |= flag::S2;
+            }
+            // This one is the older and arrives after a newer one.
+            if ea > e && arr < passed + cfg.drain_timeout {
+                s.flags |= flag::S2;
+            }
+        }
+        if let Some(k) = cfg.reqs[r as usize].key {
+            let d = &mut s.deliveries[k as usize];
+            *d = (*d + 1).min(2);
+            if *d > 1 {
+                s.flags |= flag::S4;
+            }
+        }
+        if s.flags & flag::TAKEN_OVER != 0 {
+            s.flags |= flag::DELIVERED_AFTER_TAKEOVER;
+        }
+        let q = &mut s.reqs[r as usize];
+        let i = q.phase.at().expect("pending");
+        q.arrived = Some(now);
+        q.phase = Phase::Forwarded(i);
+    }
+}
+
+impl Model for Proto {
+    type State = St;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<St> {
+        let cfg = &self.cfg;
+        let mut wep = vec![None; cfg.worker_epochs as usize];
+        wep[0] = Some(0);
+        vec![St {
+            now: 0,
+            wep,
+            gates: vec![],
+            db: Db {
+                gen: 0,
+                mark: 0,
+                drained: 0,
+                recs: vec![None; cfg.keys()],
+            },
+            inst: vec![
+                Inst {
+                    up: true,
+                    paused_until: 0,
+                    creating: None,
+                    own: None,
+                };
+                cfg.instances as usize
+            ],
+            reqs: vec![
+                Req {
+                    phase: Phase::Unsent,
+                    passed: 0,
+                    arrived: None,
+                    completed: false,
+                };
+                cfg.reqs.len()
+            ],
+            deliveries: vec![0; cfg.keys()],
+            max_arrived: 0,
+            crashes: 0,
+            pauses: 0,
+            flags: 0,
+        }]
+    }
+
+    fn actions(&self, s: &St, out: &mut Vec<Action>) {
+        let cfg = &self.cfg;
+        for i in 0..cfg.instances {
+            let n = &s.inst[i as usize];
+            if self.running(s, i) {
+                self.inst_actions(s, i, out);
+            }
+            if let Some(c) = n.creating {
+                if c.applied.is_none() {
+                    out.push(Action::ApplyCreate(i));
+                }
+            }
+            if n.up && s.crashes < cfg.crashes {
+                out.push(Action::Crash(i));
+            }
+            if !n.up {
+                out.push(Action::Restart(i));
+            }
+            if self.running(s, i) && s.pauses < cfg.pauses {
+                for k in 1..=cfg.max_pause {
+                    out.push(Action::Pause(i, k));
+                }
+            }
+        }
+        if (Self::latest_epoch(s) as usize) < s.wep.len() {
+            out.push(Action::NewEpoch);
+        }
+        for (r, q) in s.reqs.iter().enumerate() {
+            let spec = &cfg.reqs[r];
+            if q.phase == Phase::Unsent
+                && s.now >= spec.not_before
+                && s.wep[spec.epoch as usize - 1].is_some()
+            {
+                for i in 0..cfg.instances {
+                    if self.running(s, i) && s.inst[i as usize].own.is_some() {
+                        out.push(Action::Send(r as u8, i));
+                    }
+                }
+            }
+            if q.arrived.is_some() && !q.completed {
+                out.push(Action::Complete(r as u8));
+                if cfg.lose_responses && matches!(q.phase, Phase::Forwarded(_)) {
+                    out.push(Action::CompleteLost(r as u8));
+                }
+            }
+        }
+        if self.may_tick(s) {
+            out.push(Action::Tick);
+        }
+    }
+
+    fn next_state(&self, last: &St, action: Action) -> Option<St> {
+        let cfg = &self.cfg;
+        let mut s = last.clone();
+        match action {
+            Action::Tick => s.now += 1,
+            Action::NewEpoch => {
+                let e = Self::latest_epoch(&s) as usize;
+                s.wep[e] = Some(floor(s.now, cfg.lm_res));
+            }
+            Action::Send(r, i) => s.reqs[r as usize].phase = Phase::Received(i),
+            Action::Crash(i) => {
+                s.crashes += 1;
+                s.inst[i as usize] = Inst {
+                    up: false,
+                    paused_until: 0,
+                    creating: None,
+                    own: None,
+                };
+                for q in s.reqs.iter_mut() {
+                    if q.phase.at() == Some(i) {
+                        q.phase = Phase::Gone;
+                    }
+                }
+            }
+            Action::Restart(i) => s.inst[i as usize].up = true,
+            Action::Pause(i, k) => {
+                s.pauses += 1;
+                s.inst[i as usize].paused_until = s.now + k;
+            }
+            Action::SendCreate(i) => {
+                s.inst[i as usize].creating = Some(Creating {
+                    gate: s.gates.len() as u8 + 1,
+                    sent: s.now,
+                    applied: None,
+                });
+            }
+            Action::ApplyCreate(i) => {
+                let c = s.inst[i as usize].creating.expect("creating");
+                if s.gates.len() as u8 >= c.gate {
+                    // 412: someone else created it. The read-back says lost.
+                    s.inst[i as usize].creating = None;
+                } else {
+                    s.gates.push(GateObj {
+                        holder: i,
+                        lm: floor(s.now, cfg.lm_res),
+                    });
+                    s.inst[i as usize].creating = Some(Creating {
+                        applied: Some(s.now),
+                        ..c
+                    });
+                }
+            }
+            Action::Confirm(i) => {
+                let c = s.inst[i as usize].creating.take().expect("creating");
+                self.confirm(&mut s, i, c);
+            }
+            Action::SelfFence(i) => {
+                self.abort_older(&mut s, i, u8::MAX);
+                for q in s.reqs.iter_mut() {
+                    if q.phase.at() == Some(i) {
+                        q.phase = Phase::Gone;
+                    }
+                }
+                s.inst[i as usize].own = None;
+            }
+            Action::Decide(r) => self.decide(&mut s, r),
+            Action::RaiseStep(i) => self.raise_step(&mut s, i),
+            Action::Write(r) => self.write(&mut s, r),
+            Action::Complete(r) => {
+                let q = &mut s.reqs[r as usize];
+                q.completed = true;
+                if let Phase::Forwarded(i) = q.phase {
+                    q.phase = Phase::Responded(i);
+                }
+            }
+            Action::CompleteLost(r) => s.reqs[r as usize].completed = true,
+            Action::Record(r) => {
+                let i = s.reqs[r as usize].phase.at().expect("responded");
+                if let Some(k) = cfg.reqs[r as usize].key {
+                    if Self::db_write(&mut s, i) {
+                        if let Some(rec) = s.db.recs[k as usize].as_mut() {
+                            rec.state = RecState::Done;
+                        }
+                    }
+                }
+                s.reqs[r as usize].phase = Phase::Gone;
+            }
+            Action::RouteTimeout(r) => {
+                let i = s.reqs[r as usize].phase.at().expect("forwarded");
+                self.doubt(&mut s, i, r);
+                s.reqs[r as usize].phase = if cfg.holes.timeout_leaves {
+                    Phase::Gone
+                } else {
+                    Phase::Lingering(i)
+                };
+            }
+        }
+        Some(s)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always("S1 epochs never go back at the destination", |_, s: &St| {
+                s.flags & flag::S1 == 0
+            }),
+            Property::always(
+                "S2 an older request completes before a newer one arrives, unless its drain timed out",
+                |_, s: &St| s.flags & flag::S2 == 0,
+            ),
+            Property::always(
+                "S3 forwarded only while its epoch is the latest and unexpired",
+                |_, s: &St| s.flags & flag::S3 == 0,
+            ),
+            Property::always("S4 a dedup key is delivered at most once", |_, s: &St| {
+                s.flags & flag::S4 == 0
+            }),
+            Property::sometimes("a takeover happens after an owner died", |_, s: &St| {
+                s.flags & flag::TAKEOVER_AFTER_DEATH != 0
+            }),
+            Property::sometimes("a request is delivered after a takeover", |_, s: &St| {
+                s.flags & flag::DELIVERED_AFTER_TAKEOVER != 0
+            }),
+        ]
+    }
+}

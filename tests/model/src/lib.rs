@@ -40,7 +40,8 @@
 //!   checker's rule).
 //! - **S3** a request is forwarded (its pass granted) only while its epoch is the
 //!   latest in the store and unexpired on the store's clock.
-//! - **S4** a dedup key is delivered at most once.
+//! - **S4** a dedup key is delivered at most once (until its `done` record has
+//!   expired after the dedup TTL, SPEC §6).
 //! - reachability: a takeover happens after an owner died; a request is
 //!   delivered after a takeover.
 
@@ -111,6 +112,14 @@ pub struct Cfg {
     pub crashes: u8,
     pub pauses: u8,
     pub max_pause: T,
+    /// How many instances may lose the lease store for good (renewals fail).
+    pub store_cuts: u8,
+    /// Owners renew their gate lease (off: each tenure is one gate epoch, as if
+    /// every renewal failed; smaller, and the worst case for a stall).
+    pub renew: bool,
+    /// The run starts at each tick below this (the first gate create's phase
+    /// against `LastModified`'s resolution).
+    pub start_phases: T,
     /// Responses may be lost (the route timeout then fires).
     pub lose_responses: bool,
     pub holes: Holes,
@@ -138,6 +147,9 @@ impl Cfg {
             crashes: 0,
             pauses: 0,
             max_pause: 0,
+            store_cuts: 0,
+            renew: true,
+            start_phases: 1,
             lose_responses: false,
             holes: Holes::default(),
         }
@@ -238,6 +250,8 @@ pub struct Inst {
     pub paused_until: T,
     pub creating: Option<Creating>,
     pub own: Option<Own>,
+    /// Cut off from the lease store from now on: its renewals fail.
+    pub cut: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -290,6 +304,17 @@ pub struct Req {
     pub completed: bool,
 }
 
+/// The properties' names (for [`stateright::Checker::discovery`]).
+pub mod prop {
+    pub const S1: &str = "S1 epochs never go back at the destination";
+    pub const S2: &str =
+        "S2 an older request completes before a newer one arrives, unless its drain timed out";
+    pub const S3: &str = "S3 forwarded only while its epoch is the latest and unexpired";
+    pub const S4: &str = "S4 a dedup key is delivered at most once";
+    pub const TAKEOVER_AFTER_DEATH: &str = "a takeover happens after an owner died";
+    pub const DELIVERED_AFTER_TAKEOVER: &str = "a request is delivered after a takeover";
+}
+
 /// Violations and reachability, recorded when they happen.
 pub mod flag {
     pub const S1: u16 = 1;
@@ -315,6 +340,7 @@ pub struct St {
     pub max_arrived: u8,
     pub crashes: u8,
     pub pauses: u8,
+    pub cuts: u8,
     pub flags: u16,
 }
 
@@ -327,6 +353,8 @@ pub enum Action {
     Crash(u8),
     Restart(u8),
     Pause(u8, T),
+    /// Instance i can no longer reach the lease store (its renewals fail).
+    CutStore(u8),
     /// Instance i sends a gate create (renewal or acquisition).
     SendCreate(u8),
     /// The store applies instance i's create (or refuses it: taken).
@@ -430,6 +458,11 @@ impl Proto {
                 if !self.rec_expired(s, &rec) {
                     return false;
                 }
+                // SPEC §6 retention: a `done` record past the TTL is gone, and
+                // its key may be delivered again; S4 counts from here.
+                if rec.state == RecState::Done {
+                    s.deliveries[k as usize] = 0;
+                }
             }
             if !Self::db_write(s, i) {
                 return false;
@@ -483,14 +516,29 @@ impl Proto {
             c.sent
         };
         let g = c.gate;
-        if let Some(o) = s.inst[i as usize].own.as_mut() {
+        // A renewal only if the epoch before is the one held; otherwise (the
+        // shard was someone else's meanwhile) a takeover.
+        if let Some(o) = s.inst[i as usize].own.as_mut().filter(|o| o.gen + 1 == g) {
             o.gen = g;
             o.start = start;
             o.renewed = c.sent;
             return;
         }
-        // Takeover (or a restart taking its own gate back).
-        let prev = if g >= 2 { Some(s.gates[g as usize - 2].holder) } else { None };
+        // Takeover (or a restart taking its own gate back): what this instance
+        // held before is void.
+        if s.inst[i as usize].own.is_some() {
+            self.abort_older(s, i, u8::MAX);
+            for q in s.reqs.iter_mut() {
+                if q.phase.at() == Some(i) {
+                    q.phase = Phase::Gone;
+                }
+            }
+        }
+        let prev = if g >= 2 {
+            Some(s.gates[g as usize - 2].holder)
+        } else {
+            None
+        };
         if let Some(p) = prev {
             if p != i && !s.inst[p as usize].up {
                 s.flags |= flag::TAKEOVER_AFTER_DEATH;
@@ -528,7 +576,11 @@ impl Proto {
             mark,
             barrier: mark,
             settled,
-            settle_until: if settle { s.now + self.cfg.drain_timeout } else { s.now },
+            settle_until: if settle {
+                s.now + self.cfg.drain_timeout
+            } else {
+                s.now
+            },
             raise: None,
         });
     }
@@ -538,9 +590,10 @@ impl Proto {
         let cfg = &self.cfg;
         let n = &s.inst[i as usize];
         if let Some(o) = n.own {
+            // Due with whatever else is due: after a pause, a write that was in
+            // progress and the timer race.
             if s.now >= o.start + cfg.gate_ttl {
                 out.push(Action::SelfFence(i));
-                return;
             }
         }
         if let Some(c) = n.creating {
@@ -548,10 +601,12 @@ impl Proto {
                 out.push(Action::Confirm(i));
             }
         } else if (s.gates.len() as u8) < cfg.gate_epochs {
-            let due = match n.own {
-                Some(o) => s.now >= o.renewed + cfg.gate_ttl / 3,
-                None => self.gate_free_for(s, i),
-            };
+            // SPEC §2: the latest gate epoch is ours, or free; a renewal every
+            // third of the TTL. An instance cut off from the store creates nothing.
+            let due = !n.cut
+                && self.gate_free_for(s, i)
+                && n.own
+                    .is_none_or(|o| cfg.renew && s.now >= o.renewed + cfg.gate_ttl / 3);
             if due {
                 out.push(Action::SendCreate(i));
             }
@@ -712,9 +767,7 @@ impl Proto {
                 own.raise = None;
                 let e = rz.epoch;
                 let holds = cfg.holes.no_redecide
-                    || (self.in_window(s, i)
-                        && !self.expired(s, e)
-                        && Self::latest_epoch(s) <= e);
+                    || (self.in_window(s, i) && !self.expired(s, e) && Self::latest_epoch(s) <= e);
                 if !(holds && self.grant(s, i, rz.req)) {
                     s.reqs[rz.req as usize].phase = Phase::Gone;
                 }
@@ -764,16 +817,14 @@ impl Proto {
     }
 }
 
-impl Model for Proto {
-    type State = St;
-    type Action = Action;
-
-    fn init_states(&self) -> Vec<St> {
+impl Proto {
+    fn init_at(&self, now: T) -> St {
         let cfg = &self.cfg;
         let mut wep = vec![None; cfg.worker_epochs as usize];
-        wep[0] = Some(0);
-        vec![St {
-            now: 0,
+        wep[0] = Some(floor(now, cfg.lm_res));
+        St {
+            now,
+
             wep,
             gates: vec![],
             db: Db {
@@ -788,6 +839,7 @@ impl Model for Proto {
                     paused_until: 0,
                     creating: None,
                     own: None,
+                    cut: false,
                 };
                 cfg.instances as usize
             ],
@@ -804,8 +856,19 @@ impl Model for Proto {
             max_arrived: 0,
             crashes: 0,
             pauses: 0,
+            cuts: 0,
             flags: 0,
-        }]
+        }
+    }
+}
+
+impl Model for Proto {
+    type State = St;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<St> {
+        let cfg = &self.cfg;
+        (0..cfg.start_phases).map(|now| self.init_at(now)).collect()
     }
 
     fn actions(&self, s: &St, out: &mut Vec<Action>) {
@@ -819,6 +882,9 @@ impl Model for Proto {
                 if c.applied.is_none() {
                     out.push(Action::ApplyCreate(i));
                 }
+            }
+            if !n.cut && s.cuts < cfg.store_cuts {
+                out.push(Action::CutStore(i));
             }
             if n.up && s.crashes < cfg.crashes {
                 out.push(Action::Crash(i));
@@ -876,6 +942,7 @@ impl Model for Proto {
                     paused_until: 0,
                     creating: None,
                     own: None,
+                    cut: s.inst[i as usize].cut,
                 };
                 for q in s.reqs.iter_mut() {
                     if q.phase.at() == Some(i) {
@@ -884,6 +951,10 @@ impl Model for Proto {
                 }
             }
             Action::Restart(i) => s.inst[i as usize].up = true,
+            Action::CutStore(i) => {
+                s.cuts += 1;
+                s.inst[i as usize].cut = true;
+            }
             Action::Pause(i, k) => {
                 s.pauses += 1;
                 s.inst[i as usize].paused_until = s.now + k;
@@ -961,24 +1032,14 @@ impl Model for Proto {
 
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
-            Property::always("S1 epochs never go back at the destination", |_, s: &St| {
-                s.flags & flag::S1 == 0
-            }),
-            Property::always(
-                "S2 an older request completes before a newer one arrives, unless its drain timed out",
-                |_, s: &St| s.flags & flag::S2 == 0,
-            ),
-            Property::always(
-                "S3 forwarded only while its epoch is the latest and unexpired",
-                |_, s: &St| s.flags & flag::S3 == 0,
-            ),
-            Property::always("S4 a dedup key is delivered at most once", |_, s: &St| {
-                s.flags & flag::S4 == 0
-            }),
-            Property::sometimes("a takeover happens after an owner died", |_, s: &St| {
+            Property::always(prop::S1, |_, s: &St| s.flags & flag::S1 == 0),
+            Property::always(prop::S2, |_, s: &St| s.flags & flag::S2 == 0),
+            Property::always(prop::S3, |_, s: &St| s.flags & flag::S3 == 0),
+            Property::always(prop::S4, |_, s: &St| s.flags & flag::S4 == 0),
+            Property::sometimes(prop::TAKEOVER_AFTER_DEATH, |_, s: &St| {
                 s.flags & flag::TAKEOVER_AFTER_DEATH != 0
             }),
-            Property::sometimes("a request is delivered after a takeover", |_, s: &St| {
+            Property::sometimes(prop::DELIVERED_AFTER_TAKEOVER, |_, s: &St| {
                 s.flags & flag::DELIVERED_AFTER_TAKEOVER != 0
             }),
         ]

@@ -1,41 +1,273 @@
+//! The checks of the protocol model (`scripts/model.sh`): each an exhaustive
+//! breadth-first search of its bounds, printing its state count and time.
+//!
+//! Units are ticks (see `Cfg::cluster`): gate_ttl 6, self_fence_margin 2,
+//! grace 2, drain_timeout 2, route timeout 1, `LastModified` resolution 2.
+//! `FENCEGATE_MODEL_LONG=1` adds a third instance and longer horizons.
+
 use std::time::Instant;
 
-use fencegate_model::*;
-use stateright::{Checker, Model};
+use fencegate_model::{prop, Cfg, Proto, ReqSpec};
+use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
-/// Runs a full BFS and returns (unique states, seconds, violated property names).
-fn check(name: &str, cfg: Cfg) -> (usize, f64, Vec<&'static str>, Vec<&'static str>) {
+struct Outcome {
+    failed: Vec<&'static str>,
+    reached: Vec<&'static str>,
+}
+
+/// Searches `cfg` exhaustively (or until the first failure when `stop_early`).
+fn run(name: &str, cfg: Cfg, stop_early: bool) -> Outcome {
     let start = Instant::now();
     let model = Proto::new(cfg);
     let props = model.properties();
-    let c = model.checker().threads(2).spawn_bfs().join();
-    let secs = start.elapsed().as_secs_f64();
-    let mut failed = vec![];
-    let mut reached = vec![];
+    let mut builder = model.checker().threads(2);
+    if stop_early {
+        builder = builder.finish_when(HasDiscoveries::AnyFailures);
+    }
+    let c = builder.spawn_bfs().join();
+    let mut out = Outcome {
+        failed: vec![],
+        reached: vec![],
+    };
     for p in props {
-        let found = c.discovery(p.name).is_some();
-        match p.expectation {
-            stateright::Expectation::Always if found => failed.push(p.name),
-            stateright::Expectation::Sometimes if found => reached.push(p.name),
+        match (p.expectation, c.discovery(p.name).is_some()) {
+            (Expectation::Always, true) => out.failed.push(p.name),
+            (Expectation::Sometimes, true) => out.reached.push(p.name),
             _ => {}
         }
     }
     println!(
-        "{name}: {} states, depth {}, {secs:.1} s, failed {failed:?}, reached {reached:?}",
+        "model check {name}: {} states, {:.1} s, {}",
         c.unique_state_count(),
-        c.max_depth()
+        start.elapsed().as_secs_f64(),
+        if out.failed.is_empty() {
+            "every property holds".to_owned()
+        } else {
+            format!("counterexample for {:?}", out.failed)
+        }
     );
-    (c.unique_state_count(), secs, failed, reached)
+    if let Some(p) = out.failed.first() {
+        for (st, a) in c.discovery(p).expect("found").into_vec() {
+            if let Some(a) = a.filter(|a| *a != fencegate_model::Action::Tick) {
+                println!("    t={:>2} {a:?}", st.now);
+            }
+        }
+    }
+    out
+}
+
+fn holds(name: &str, cfg: Cfg) -> Outcome {
+    let out = run(name, cfg, false);
+    assert!(out.failed.is_empty(), "{name}: {:?} failed", out.failed);
+    out
+}
+
+fn fails(name: &str, cfg: Cfg, property: &'static str) {
+    let out = run(name, cfg, true);
+    assert!(
+        out.failed.contains(&property),
+        "{name}: expected a counterexample for {property:?}, got {:?}",
+        out.failed
+    );
 }
 
 fn req(epoch: u8, key: Option<u8>) -> ReqSpec {
-    ReqSpec { epoch, key, not_before: 0 }
+    ReqSpec {
+        epoch,
+        key,
+        not_before: 0,
+    }
 }
 
+fn long() -> bool {
+    std::env::var_os("FENCEGATE_MODEL_LONG").is_some()
+}
+
+/// Two instances, renewals, one crash: every property holds, and a takeover
+/// after the owner died is reached, then a delivery after it.
 #[test]
-fn probe() {
+fn cluster_crash_and_takeover() {
+    let mut cfg = Cfg::cluster();
+    cfg.reqs = vec![req(1, Some(0)), req(2, Some(1)), req(1, Some(0))];
+    cfg.crashes = 1;
+    cfg.lose_responses = true;
+    if long() {
+        cfg.instances = 3;
+        cfg.horizon = 18;
+        cfg.gate_epochs = 4;
+    }
+    let out = holds("cluster: crash, takeover, a retried key", cfg);
+    assert!(out.reached.contains(&prop::TAKEOVER_AFTER_DEATH));
+    assert!(out.reached.contains(&prop::DELIVERED_AFTER_TAKEOVER));
+}
+
+/// A cluster whose owner stalls between its last check and its write (a pause;
+/// renewals fail so nothing extends its window), with `LastModified` in both
+/// phases against the first create.
+fn stall(pause: u8) -> Cfg {
     let mut cfg = Cfg::cluster();
     cfg.reqs = vec![req(1, Some(0)), req(2, Some(1))];
+    cfg.pauses = 1;
+    cfg.max_pause = pause;
+    cfg.renew = false;
+    cfg.start_phases = cfg.lm_res;
+    cfg.horizon = 14;
+    if long() {
+        cfg.instances = 3;
+        cfg.horizon = 16;
+        cfg.crashes = 1;
+    }
+    cfg
+}
+
+/// SPEC §10.2's limit, without the settle after a takeover (the gate protocol
+/// alone): a stall of `self_fence_margin + grace` holds; one tick longer and an
+/// older epoch reaches the destination after a newer one.
+#[test]
+fn stall_limit_of_the_gate_protocol_is_margin_plus_grace() {
+    let c = Cfg::cluster();
+    let limit = c.margin + c.grace;
+    let mut cfg = stall(limit);
+    cfg.holes.no_takeover_settle = true;
+    let out = holds("stall = margin + grace, no takeover settle", cfg.clone());
+    assert!(out.reached.contains(&prop::DELIVERED_AFTER_TAKEOVER));
+    cfg.max_pause = limit + 1;
+    fails(
+        "stall = margin + grace + 1, no takeover settle",
+        cfg,
+        prop::S1,
+    );
+}
+
+/// With the settle of SPEC §10.2 (nothing above the drained-through epoch for a
+/// drain timeout after the takeover) the limit is a drain timeout longer.
+#[test]
+fn stall_limit_with_the_takeover_settle_adds_the_drain_timeout() {
+    let c = Cfg::cluster();
+    let limit = c.margin + c.grace + c.drain_timeout;
+    holds("stall = margin + grace + drain_timeout", stall(limit));
+    fails(
+        "stall = margin + grace + drain_timeout + 1",
+        stall(limit + 1),
+        prop::S1,
+    );
+}
+
+/// `LastModified` is truncated: a successor that takes it as the create's time
+/// takes over up to one resolution early, and a stall of margin + grace breaks
+/// S1 (resolution 3 ticks here). Rounding it up (SPEC §2: "account for the
+/// 1-second resolution") restores the limit.
+#[test]
+fn last_modified_resolution_must_be_rounded_up() {
+    let mut cfg = stall(Cfg::cluster().margin + Cfg::cluster().grace);
+    cfg.lm_res = 3;
+    cfg.start_phases = 3;
+    cfg.holes.no_takeover_settle = true;
+    fails(
+        "stall = margin + grace, LastModified truncated (resolution 3)",
+        cfg.clone(),
+        prop::S1,
+    );
+    cfg.holes.lm_round_up = true;
+    holds(
+        "stall = margin + grace, LastModified rounded up (resolution 3)",
+        cfg,
+    );
+}
+
+/// The window runs from the gate create's *send*: a confirmation that arrives
+/// late (an uncertain result read back) must not extend it. Requests without a
+/// dedup record, so no conditioned write stands in the way.
+#[test]
+fn the_ownership_window_runs_from_the_send() {
+    let mut cfg = Cfg::cluster();
+    cfg.reqs = vec![req(1, None), req(2, None)];
+    cfg.renew = false;
+    cfg.start_phases = 2;
+    cfg.horizon = 14;
+    cfg.store_delay = 6;
+    holds(
+        "store responses 6 ticks late, window from send",
+        cfg.clone(),
+    );
+    cfg.holes.window_from_confirm = true;
+    fails(
+        "store responses 6 ticks late, window from confirmation",
+        cfg,
+        prop::S2,
+    );
+}
+
+/// One instance (SPEC §10.1), its gate held for the whole run.
+fn single(reqs: Vec<ReqSpec>) -> Cfg {
+    let mut cfg = Cfg::single();
+    cfg.reqs = reqs;
+    cfg.horizon = 12;
+    cfg
+}
+
+/// A crash during a drain: after the restart nothing above the drained-through
+/// epoch is forwarded until a drain timeout has passed. Forgetting that epoch
+/// forwards the raised epoch while the old request is still at the destination.
+#[test]
+fn single_crash_during_a_drain() {
+    let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1)), req(2, Some(2))]);
     cfg.crashes = 1;
-    check("cluster crash", cfg);
+    holds("single: crash during a drain", cfg.clone());
+    cfg.holes.forget_drain = true;
+    fails(
+        "single: crash during a drain, drained epoch forgotten",
+        cfg,
+        prop::S2,
+    );
+}
+
+/// A route timeout during a drain: the request lingers (the destination may
+/// still be executing it) until the drain's timeout. Ending its pass instead
+/// lets the newer epoch through at once.
+#[test]
+fn single_route_timeout_during_a_drain() {
+    let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1))]);
+    cfg.lose_responses = true;
+    holds("single: route timeout during a drain", cfg.clone());
+    cfg.holes.timeout_leaves = true;
+    fails(
+        "single: route timeout during a drain, pass ended",
+        cfg,
+        prop::S2,
+    );
+}
+
+/// A raise that outlives its epoch in the drain is decided again: refused.
+#[test]
+fn single_raise_outliving_its_epoch() {
+    let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1))]);
+    cfg.worker_ttl = 3;
+    cfg.drain_timeout = 3;
+    holds("single: raise outliving its epoch", cfg.clone());
+    cfg.holes.no_redecide = true;
+    fails(
+        "single: raise outliving its epoch, not decided again",
+        cfg,
+        prop::S3,
+    );
+}
+
+/// An in-flight record older than the dedup TTL is still in flight: a retry of
+/// its key is refused. Expiring it forwards the key a second time.
+#[test]
+fn single_in_flight_record_older_than_the_dedup_ttl() {
+    let mut cfg = single(vec![req(1, Some(0)), req(1, Some(0))]);
+    cfg.dedup_ttl = 2;
+    cfg.lose_responses = true;
+    holds(
+        "single: in-flight record older than the dedup TTL",
+        cfg.clone(),
+    );
+    cfg.holes.inflight_expires = true;
+    fails(
+        "single: in-flight record older than the dedup TTL, expired",
+        cfg,
+        prop::S4,
+    );
 }

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Model-checks the protocol (SPEC §4–§6, §10) with stateright: tests/model, its
+# own crate and lockfile, built into target/model so the product's build cache is
+# untouched. Every check is an exhaustive breadth-first search of its bounds
+# (tests/model/tests/checks.rs prints states and seconds per check).
+#
+#   bash scripts/model.sh            # the CI bounds (a few minutes on 2 cores)
+#   FENCEGATE_MODEL_LONG=1 bash scripts/model.sh   # three instances, longer horizon
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../tests/model"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/../../target/model}
+cargo test --locked --test checks -- --nocapture --test-threads 1 "$@"

@@ -521,7 +521,7 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                         epoch,
                         ..
                     }) if wait => {
-                        let free_at = expires_at + grace;
+                        let free_at = acquire::free_at(expires_at, grace);
                         let until = free_at
                             .duration_since(epochs.store().clock().earliest())
                             .unwrap_or(Duration::ZERO);

@@ -146,7 +146,7 @@ async fn story(
                 expires_at,
                 ..
             }) => {
-                let free_at = expires_at + GRACE;
+                let free_at = acquire::free_at(expires_at, GRACE);
                 let wait = free_at
                     .duration_since(epochs.store().clock().earliest())
                     .unwrap_or(Duration::ZERO)

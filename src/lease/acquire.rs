@@ -71,14 +71,29 @@ pub struct LeaseStatus {
     pub store_earliest: SystemTime,
 }
 
+/// `LastModified` is truncated to the second (SPEC §2): the create may have
+/// happened up to this much later than it says.
+pub const LAST_MODIFIED_RESOLUTION: Duration = Duration::from_secs(1);
+
+/// When a contender may take a lease whose latest acquire expires at
+/// `expires_at` (`LastModified + ttl`): past its grace, counted from the latest
+/// instant the truncated `LastModified` allows.
+pub fn free_at(expires_at: SystemTime, grace: Duration) -> SystemTime {
+    expires_at + LAST_MODIFIED_RESOLUTION + grace
+}
+
 impl LeaseStatus {
     /// Whether a contender may take the lease now: no epoch, a release, an
     /// unparsable latest object, or an acquire expired by more than `grace` even on
-    /// the earliest reading of the store's clock.
+    /// the earliest reading of the store's clock — its expiry counted from the
+    /// latest instant its truncated `LastModified` allows. Counted from
+    /// `LastModified` as written, a holder that stalled `self_fence_margin + grace`
+    /// could still write after a successor took over (the protocol model,
+    /// tests/model: `last_modified_resolution_must_be_rounded_up`).
     pub fn is_free(&self, grace: Duration) -> bool {
         match &self.object {
             Some(EpochObject::Acquire { expires_at, .. }) => {
-                self.store_earliest > *expires_at + grace
+                self.store_earliest > free_at(*expires_at, grace)
             }
             _ => true,
         }

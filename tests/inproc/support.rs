@@ -262,9 +262,9 @@ impl Fencegate {
     }
 
     /// Moves the clock past the end of `h`'s tenure, plus the grace contenders
-    /// wait: anyone may acquire the lease now.
+    /// wait (and `LastModified`'s resolution): anyone may acquire the lease now.
     pub fn expire_with_grace(&self, h: &Holding) {
-        self.advance_to(h.expires_at + GRACE + Duration::from_millis(1));
+        self.advance_to(acquire::free_at(h.expires_at, GRACE) + Duration::from_millis(1));
     }
 
     /// The graceful shutdown (SIGTERM's): in-flight requests finish, state is

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use fencegate_model::{prop, Cfg, Proto, ReqSpec};
+use fencegate_model::{prop, Cfg, Holes, Proto, ReqSpec};
 use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
 struct Outcome {
@@ -206,6 +206,15 @@ fn single(reqs: Vec<ReqSpec>) -> Cfg {
     cfg
 }
 
+/// An edge of the single-instance fence: every property holds with the fixed
+/// design, and `property` fails once `old_design` switches its hole back on.
+fn edge(name: &str, cfg: Cfg, old_design: fn(&mut Holes), property: &'static str) {
+    holds(&format!("single: {name}"), cfg.clone());
+    let mut old = cfg;
+    old_design(&mut old.holes);
+    fails(&format!("single: {name}, old design"), old, property);
+}
+
 /// A crash during a drain: after the restart nothing above the drained-through
 /// epoch is forwarded until a drain timeout has passed. Forgetting that epoch
 /// forwards the raised epoch while the old request is still at the destination.
@@ -213,11 +222,10 @@ fn single(reqs: Vec<ReqSpec>) -> Cfg {
 fn single_crash_during_a_drain() {
     let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1)), req(2, Some(2))]);
     cfg.crashes = 1;
-    holds("single: crash during a drain", cfg.clone());
-    cfg.holes.forget_drain = true;
-    fails(
-        "single: crash during a drain, drained epoch forgotten",
+    edge(
+        "crash during a drain",
         cfg,
+        |h| h.forget_drain = true,
         prop::S2,
     );
 }
@@ -229,11 +237,10 @@ fn single_crash_during_a_drain() {
 fn single_route_timeout_during_a_drain() {
     let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1))]);
     cfg.lose_responses = true;
-    holds("single: route timeout during a drain", cfg.clone());
-    cfg.holes.timeout_leaves = true;
-    fails(
-        "single: route timeout during a drain, pass ended",
+    edge(
+        "route timeout during a drain",
         cfg,
+        |h| h.timeout_leaves = true,
         prop::S2,
     );
 }
@@ -244,11 +251,10 @@ fn single_raise_outliving_its_epoch() {
     let mut cfg = single(vec![req(1, Some(0)), req(2, Some(1))]);
     cfg.worker_ttl = 3;
     cfg.drain_timeout = 3;
-    holds("single: raise outliving its epoch", cfg.clone());
-    cfg.holes.no_redecide = true;
-    fails(
-        "single: raise outliving its epoch, not decided again",
+    edge(
+        "raise outliving its epoch",
         cfg,
+        |h| h.no_redecide = true,
         prop::S3,
     );
 }
@@ -260,14 +266,10 @@ fn single_in_flight_record_older_than_the_dedup_ttl() {
     let mut cfg = single(vec![req(1, Some(0)), req(1, Some(0))]);
     cfg.dedup_ttl = 2;
     cfg.lose_responses = true;
-    holds(
-        "single: in-flight record older than the dedup TTL",
-        cfg.clone(),
-    );
-    cfg.holes.inflight_expires = true;
-    fails(
-        "single: in-flight record older than the dedup TTL, expired",
+    edge(
+        "in-flight record older than the dedup TTL",
         cfg,
+        |h| h.inflight_expires = true,
         prop::S4,
     );
 }

@@ -606,17 +606,13 @@ impl Admin {
             Some(_) => return Ok(html(StatusCode::OK, page::render_login(None))),
         };
         let q = form::pairs(req.uri().query().unwrap_or(""), false);
-        let view = self.gather(&q, access).await?;
+        let view = self.gather(&q, access).await;
         Ok(html(StatusCode::OK, page::render(&view)))
     }
 
     /// What the page shows, for the query `q` (`leases=OFFSET`, `after=NEXT`,
     /// and the notice of a resolve just done).
-    pub(crate) async fn gather(
-        &self,
-        q: &[(String, String)],
-        access: Access,
-    ) -> Result<PageView, AdminError> {
+    pub(crate) async fn gather(&self, q: &[(String, String)], access: Access) -> PageView {
         let offset = form_field(q, "leases")
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0);
@@ -645,11 +641,17 @@ impl Admin {
                 }
             })
             .collect();
-        let Listing { records, total } = self
+        // The page is most needed when something is down: a state store that does
+        // not answer is shown, not a failed page.
+        let (Listing { records, total }, keys_error) = match self
             .shared
             .state
             .list(State::InDoubt, None, after.as_ref(), page::KEYS_PER_PAGE)
-            .await?;
+            .await
+        {
+            Ok(l) => (l, None),
+            Err(e) => (Listing::default(), Some(e.to_string())),
+        };
         let keys_next = (records.len() == page::KEYS_PER_PAGE)
             .then(|| records.last().map(|(k, r)| cursor(k, r).encode()))
             .flatten();
@@ -679,7 +681,7 @@ impl Admin {
             _ => None,
         };
         let clock = self.shared.store.clock();
-        Ok(PageView {
+        PageView {
             instance: match &self.shared.mode {
                 Mode::Single(g) => g.id().to_owned(),
                 Mode::Cluster(c) => c.id().to_owned(),
@@ -701,9 +703,10 @@ impl Admin {
             keys_total: total,
             keys_next,
             keys_paged: after.is_some(),
+            keys_error,
             access,
             notice,
-        })
+        }
     }
 
     /// The shard map. A single instance: shard 0 of 1, the instance guard's

@@ -111,6 +111,8 @@ pub struct PageView {
     pub keys_next: Option<String>,
     /// Whether this is a later page (a link back to the first).
     pub keys_paged: bool,
+    /// Why the keys could not be listed, if they could not.
+    pub keys_error: Option<String>,
     pub access: Access,
     /// A line about what the viewer just did.
     pub notice: Option<String>,
@@ -285,7 +287,13 @@ fn keys_section(out: &mut String, v: &PageView) {
             r#"<p class="note">Check the destination first. <b>delivered</b>: retries get 409 dedup_done. <b>not delivered</b>: the key is forgotten and the next retry is forwarded.</p>"#,
         ),
     }
-    if v.keys.is_empty() {
+    if let Some(e) = &v.keys_error {
+        let _ = write!(
+            out,
+            r#"<p class="bad" role="alert">The state store did not answer: {}</p>"#,
+            esc(e)
+        );
+    } else if v.keys.is_empty() {
         out.push_str(r#"<p class="ok">Nothing to resolve.</p>"#);
     } else {
         out.push_str("<table><thead><tr><th>route</th><th>key</th><th>epoch</th><th>when</th><th>request</th>");
@@ -475,6 +483,75 @@ pub fn render_message(title: &str, message: &str) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    fn view() -> PageView {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        PageView {
+            instance: "fg-1".into(),
+            version: "0.0.0",
+            now,
+            store_now: now,
+            health: StoreHealth {
+                store: "dir store at /x".into(),
+                clock_offset_ms: -1200,
+                state_ok: true,
+                leases_failing: 0,
+            },
+            leases: vec![LeaseRow {
+                lease: "billing".into(),
+                mark: 4,
+                latest: 6,
+                holder: Some("<w>".into()),
+                expires_at: Some(now - Duration::from_secs(3)),
+                in_flight: 2,
+                in_doubt: 0,
+                drains_started: 1,
+                drains_aborted: 0,
+                store_error: Some("store \"down\"".into()),
+            }],
+            leases_total: 250,
+            leases_offset: 100,
+            shards: vec![],
+            keys: vec![],
+            keys_total: 0,
+            keys_next: None,
+            keys_paged: false,
+            keys_error: None,
+            access: Access::ReadOnly,
+            notice: None,
+        }
+    }
+
+    #[test]
+    fn a_lease_row_says_what_is_wrong_and_pages_link_both_ways() {
+        let html = render(&view());
+        assert!(html.contains("-1200 ms"), "{html}");
+        assert!(
+            html.contains(r#"class="n">6 <span class="warn""#),
+            "newer epoch flagged"
+        );
+        assert!(html.contains("&lt;w&gt;") && !html.contains("<w>"));
+        assert!(html.contains(r#"<span class="bad"><time"#) && html.contains(">3 s ago</time>"));
+        assert!(
+            html.contains(r#"title="store &quot;down&quot;">store error"#),
+            "{html}"
+        );
+        assert!(html.contains(r#"href="/?leases=0#leases">« previous"#));
+        assert!(
+            html.contains(r#"101–101 of 250"#) && html.contains(r#"href="/?leases=101#leases""#)
+        );
+        assert!(html.contains("Nothing to resolve."));
+    }
+
+    #[test]
+    fn a_state_store_that_does_not_answer_is_shown_not_a_failed_page() {
+        let html = render(&PageView {
+            keys_error: Some("state write failed: <timeout>".into()),
+            ..view()
+        });
+        assert!(html.contains(r#"role="alert">The state store did not answer: state write failed: &lt;timeout&gt;"#), "{html}");
+        assert!(!html.contains("Nothing to resolve."));
+    }
 
     #[test]
     fn escapes_markup_and_quotes() {

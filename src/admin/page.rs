@@ -201,14 +201,25 @@ input[type=password]{font:inherit;padding:.35rem;width:min(22rem,90%)}
 }
 "#;
 
-fn head(out: &mut String, title: &str, refresh: bool) {
+/// `refresh`: reload every [`REFRESH_SECS`], at `Some(url)` or in place.
+fn head(out: &mut String, title: &str, refresh: Option<Option<&str>>) {
     out.push_str("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
     out.push_str("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
-    if refresh {
-        let _ = write!(
-            out,
-            "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">"
-        );
+    match refresh {
+        Some(None) => {
+            let _ = write!(
+                out,
+                "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">"
+            );
+        }
+        Some(Some(url)) => {
+            let _ = write!(
+                out,
+                "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}; url={}\">",
+                esc(url)
+            );
+        }
+        None => {}
     }
     let _ = write!(
         out,
@@ -220,7 +231,8 @@ fn head(out: &mut String, title: &str, refresh: bool) {
 /// The page.
 pub fn render(v: &PageView) -> String {
     let mut out = String::with_capacity(16 * 1024 + 400 * (v.leases.len() + v.keys.len()));
-    head(&mut out, "fencegate", true);
+    // After a resolve, the reload drops the notice.
+    head(&mut out, "fencegate", Some(v.notice.as_ref().map(|_| "/")));
     let _ = write!(
         out,
         "<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span>reloads every {REFRESH_SECS} s</span>",
@@ -456,7 +468,7 @@ fn shards_section(out: &mut String, v: &PageView) {
 /// The login form (the admin token is configured and the browser has no session).
 pub fn render_login(message: Option<&str>) -> String {
     let mut out = String::with_capacity(4096);
-    head(&mut out, "fencegate: log in", false);
+    head(&mut out, "fencegate: log in", None);
     out.push_str("<header><h1>fencegate</h1></header><main><section><h2>Log in</h2>");
     if let Some(m) = message {
         let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(m));
@@ -469,7 +481,7 @@ pub fn render_login(message: Option<&str>) -> String {
 /// A short page for an action that failed.
 pub fn render_message(title: &str, message: &str) -> String {
     let mut out = String::with_capacity(2048);
-    head(&mut out, title, false);
+    head(&mut out, title, None);
     let _ = writeln!(
         out,
         r#"<header><h1>fencegate</h1></header><main><section><h2>{}</h2><p>{}</p><p><a href="/">Back to the page</a></p></section></main></body></html>"#,

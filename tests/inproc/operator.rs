@@ -403,6 +403,10 @@ async fn reading_needs_a_login_and_resolving_a_same_origin_form() {
         html.contains("Resolved pay / k-stuck as not delivered."),
         "{html}"
     );
+    assert!(
+        html.contains(r#"content="10; url=/""#),
+        "the reload drops the notice"
+    );
     assert!(!html.contains(r#"<tr class="key">"#));
     assert_eq!(
         fg.admin_json("/v1/dedup/pay/k-stuck").await["error"],

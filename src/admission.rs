@@ -27,6 +27,10 @@ pub struct Facts<'a> {
     /// The store's clock, estimated.
     pub store_now: SystemTime,
     pub require_token: bool,
+    /// The claim's token bytes equal ones already found to hash to this epoch's
+    /// `token_sha256` (objects are immutable): the SHA-256 need not be computed
+    /// again (it was ~7,000 instructions, ~10% of a forwarded request).
+    pub token_verified: bool,
 }
 
 /// An admitted request: at the current mark, or one that raises it.
@@ -131,7 +135,9 @@ pub fn decide(claim: Claim<'_>, f: Facts<'_>) -> Result<Admit, Refusal> {
             token, expires_at, ..
         }) => (token, *expires_at),
     };
-    if f.require_token {
+    if f.token_verified && claim.token.is_some() {
+        // Checked against this very object before.
+    } else if f.require_token {
         let sent = TokenHash::of(claim.token.unwrap_or_default());
         if !token_hash.matches(&sent) {
             return Err(Refusal::TokenInvalid { lease, epoch });
@@ -188,6 +194,7 @@ mod tests {
             object: obj,
             store_now: t(now),
             require_token: true,
+            token_verified: false,
         }
     }
 

@@ -95,6 +95,9 @@ pub struct Fence {
     used_at: AtomicU64,
     /// Itself, for the refresh schedule.
     this: Weak<Fence>,
+    /// The token bytes last admitted, and their epoch: a request carrying the same
+    /// bytes at that epoch needs no SHA-256 (see `Facts::token_verified`).
+    verified: Mutex<Option<(Epoch, Box<[u8]>)>>,
     stop: CancellationToken,
     pub calls: StoreCalls,
 }
@@ -150,6 +153,7 @@ impl Fence {
             listing_since: AtomicU64::new(0),
             used_at: AtomicU64::new(0),
             this: this.clone(),
+            verified: Mutex::new(None),
             stop: CancellationToken::new(),
             calls: StoreCalls::default(),
         }))
@@ -362,6 +366,7 @@ impl Fence {
             }
         }
         let object = self.known().objects.get(&epoch).cloned();
+        let token_verified = claim.token.is_some_and(|t| self.was_verified(epoch, t));
         // Runs under the gate's lock (takes no other lock: module doc), at the
         // check and again when a raise's drain completes: the store's clock and the
         // latest known epoch are read each time, so a claim that expired or became
@@ -376,6 +381,7 @@ impl Fence {
                     object: object.as_deref(),
                     store_now: self.epochs.store_now(),
                     require_token,
+                    token_verified,
                 },
             )
         };
@@ -384,9 +390,10 @@ impl Fence {
             .try_enter(epoch, decide)
             .map_err(|d| self.denied(d))?
         {
+            self.note_verified(epoch, claim.token, token_verified);
             return Ok(pass);
         }
-        self.gate
+        let pass = self.gate
             .raise(
                 epoch,
                 drain_timeout,
@@ -403,7 +410,31 @@ impl Fence {
             .map_err(|e| match e {
                 RaiseError::Denied(d) => self.denied(d),
                 RaiseError::State(d) => FenceError::State(d),
-            })
+            })?;
+        self.note_verified(epoch, claim.token, token_verified);
+        Ok(pass)
+    }
+
+    fn verified(&self) -> Ordered<'_, Option<(Epoch, Box<[u8]>)>> {
+        crate::lock_order::lock("fence verified token", &self.verified)
+    }
+
+    /// Whether `token` is the one last admitted at `epoch` (compared in constant
+    /// time, like the hashes it stands in for).
+    fn was_verified(&self, epoch: Epoch, token: &[u8]) -> bool {
+        match &*self.verified() {
+            Some((e, t)) if *e == epoch && t.len() == token.len() => {
+                t.iter().zip(token).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+            }
+            _ => false,
+        }
+    }
+
+    /// Remembers an admitted claim's token (its hash matched the epoch's object).
+    fn note_verified(&self, epoch: Epoch, token: Option<&[u8]>, already: bool) {
+        if let (Some(t), false) = (token, already) {
+            *self.verified() = Some((epoch, t.into()));
+        }
     }
 
     /// A snapshot for the admin API and metrics.
@@ -806,6 +837,44 @@ mod tests {
             .admit(claim(1, b"t1"), true, Duration::from_secs(1))
             .await
             .is_err());
+        durable.close().await.unwrap();
+    }
+
+    /// The token cache stands in for the SHA-256 only for the very bytes admitted
+    /// at that very epoch: a different token, or the same one at another epoch
+    /// whose object names another hash, is still checked. Fails when the cache
+    /// matches on the epoch alone or on a prefix.
+    #[tokio::test]
+    async fn a_verified_token_is_remembered_only_for_its_bytes_and_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let (fence, epochs, durable) = fence_on(dir.path()).await;
+        create_epoch(&epochs, 1).await;
+        let admit = |e: u64, t: &'static [u8]| {
+            let fence = fence.clone();
+            async move {
+                let claim = Claim {
+                    epoch: Epoch::new(e),
+                    token: Some(t),
+                };
+                fence
+                    .admit(claim, true, Duration::from_secs(1))
+                    .await
+                    .map(drop)
+            }
+        };
+        let invalid = |r: Result<(), FenceError>| {
+            matches!(r, Err(FenceError::Refused(Refusal::TokenInvalid { .. })))
+        };
+        admit(1, b"t1").await.unwrap();
+        assert!(fence.was_verified(Epoch::new(1), b"t1"));
+        assert!(invalid(admit(1, b"t2").await));
+        assert!(invalid(admit(1, b"t").await));
+        assert!(invalid(admit(1, b"t11").await));
+        admit(1, b"t1").await.unwrap();
+        create_epoch(&epochs, 2).await;
+        assert!(invalid(admit(2, b"t1").await));
+        admit(2, b"t2").await.unwrap();
+        assert!(!fence.was_verified(Epoch::new(1), b"t1"));
         durable.close().await.unwrap();
     }
 

@@ -53,6 +53,7 @@ fn admission_decide(c: &mut Criterion) {
                     object: Some(&object),
                     store_now: now,
                     require_token: true,
+                    token_verified: false,
                 },
             )
         })

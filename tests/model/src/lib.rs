@@ -24,8 +24,10 @@
 //!   hop (non-owner → owner) is the same as a late send, the owner decides.
 //! - fencegate → lease store: a gate create is applied up to `store_delay`
 //!   ticks after it was sent and confirmed up to `store_delay` ticks later (an
-//!   uncertain result read back); fencegate → state store: every write is
-//!   conditioned on the gate epoch at the moment it commits.
+//!   uncertain result read back); an instance may lose the store for good (its
+//!   renewals fail: `store_cuts`, or `renew = false` for every tenure);
+//!   fencegate → state store: every write is conditioned on the gate epoch at
+//!   the moment it commits.
 //! - fencegate → destination: the write happens in the tick of the check unless
 //!   the instance pauses; a delay on that hop counts as a pause (the limit of
 //!   SPEC §10.2 is about exactly this stall).

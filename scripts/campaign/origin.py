@@ -109,6 +109,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     do_PUT = do_POST
+    do_GET = do_POST  # the workers' polls (--polls)
 
 
 class Server(ThreadingHTTPServer):

@@ -10,7 +10,13 @@ Every request attempt is one JSON line in --log:
 `outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
 connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
-"forged" (a wrong token) or "future" (an epoch that does not exist yet).
+"forged" (a wrong token), "future" (an epoch that does not exist yet) or, with
+--polls P (a share of operations), "poll": a GET without an Idempotency-Key, which
+fencegate forwards without any state write (SPEC §6), so only its fences and the
+cluster's self-fencing stand between a stale poll and the destination (`key` is "").
+
+--addr-file holds one fencegate `host:port` per line (several for a cluster: every
+request goes to one of them at random); it is re-read before every request.
 Tenures are logged too ({"ev": "tenure", ...}) for humans.
 
 Expiry without the Date header (the store is on this host): LastModified is the
@@ -199,11 +205,17 @@ class Worker:
         rec["invoke"] = time.monotonic_ns()
         try:
             with open(self.a.addr_file) as f:
-                host, port = f.read().strip().rsplit(":", 1)
+                addrs = f.read().split()
+            addr = addrs[0] if len(addrs) == 1 else self.rng.choice(addrs)
+            host, port = addr.rsplit(":", 1)
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
-            conn.request("POST", f"/{route}/op", body=body.encode(), headers={
-                "x-lease-epoch": str(epoch), "x-lease-token": token, "idempotency-key": key,
-                "x-campaign-req": req, "content-type": "application/json"})
+            headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
+                       "x-campaign-req": req, "content-type": "application/json"}
+            if kind == "poll":
+                conn.request("GET", f"/{route}/op", headers=headers)
+            else:
+                headers["idempotency-key"] = key
+                conn.request("POST", f"/{route}/op", body=body.encode(), headers=headers)
             r = conn.getresponse()
             data = r.read()
             conn.close()
@@ -222,6 +234,8 @@ class Worker:
         """One action: a fresh key and body, retried with the same key until decided."""
         key = f"w{self.id}-op{opn}-{secrets.token_hex(4)}"
         body = json.dumps({"w": self.id, "lease": ten.lease, "op": opn, "data": secrets.token_hex(6)})
+        if self.a.polls > 0 and self.rng.random() < self.a.polls:
+            return self.send(ten, "poll", "", "")
         x = self.rng.random()
         if x < 0.03:
             return self.send(ten, "forged", key, body, token=secrets.token_hex(32))
@@ -301,6 +315,8 @@ def main():
     p.add_argument("--client-timeout", type=float, default=8)
     p.add_argument("--short-ttl", type=float, default=0.0,
                    help="share of tenures with a 0.9-1.3 s TTL")
+    p.add_argument("--polls", type=float, default=0.0,
+                   help="share of operations sent as a GET without an Idempotency-Key")
     Worker(p.parse_args()).run()
 
 

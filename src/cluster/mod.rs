@@ -281,7 +281,10 @@ impl Cluster {
             return Placement::Unavailable;
         };
         let generation = g.serving.load(Ordering::SeqCst);
-        if generation != 0 && self.now_ms() < g.forward_until_ms.load(Ordering::SeqCst) {
+        if generation != 0
+            && (self.now_ms() < g.forward_until_ms.load(Ordering::SeqCst)
+                || weakened::no_self_fence())
+        {
             return Placement::Local(Owner { shard, generation });
         }
         let seen = lock(&g.seen).clone();
@@ -295,7 +298,8 @@ impl Cluster {
     pub fn may_forward(&self, owner: Owner) -> bool {
         self.gates.get(owner.shard as usize).is_some_and(|g| {
             g.serving.load(Ordering::SeqCst) == owner.generation
-                && self.now_ms() < g.forward_until_ms.load(Ordering::SeqCst)
+                && (self.now_ms() < g.forward_until_ms.load(Ordering::SeqCst)
+                    || weakened::no_self_fence())
         })
     }
 
@@ -709,6 +713,9 @@ impl Cluster {
             }
             let until = g.forward_until_ms.load(Ordering::SeqCst);
             let now = self.now_ms();
+            if now >= until && weakened::no_self_fence() {
+                return;
+            }
             if now >= until {
                 tracing::warn!(
                     shard,
@@ -820,6 +827,26 @@ impl Cluster {
         if let Err(e) = self.state.leave(&self.id).await {
             tracing::warn!(error = %e, "could not record leaving the cluster");
         }
+    }
+}
+
+/// A deliberately weakened build, to show the fault campaign's checker failing
+/// (tests/it/campaign/cluster.rs): only with the `failpoints` feature, and only
+/// when `FENCEGATE_WEAKEN=no_self_fence` is set, an owner whose gate lease was not
+/// renewed keeps forwarding past `gate_ttl − self_fence_margin` and never aborts
+/// its in-flight requests at `gate_ttl`.
+mod weakened {
+    #[cfg(feature = "failpoints")]
+    pub fn no_self_fence() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            std::env::var("FENCEGATE_WEAKEN").is_ok_and(|v| v == "no_self_fence")
+        })
+    }
+
+    #[cfg(not(feature = "failpoints"))]
+    pub fn no_self_fence() -> bool {
+        false
     }
 }
 

@@ -50,6 +50,7 @@
 //! and must make the checker report R4 violations).
 
 mod checker;
+mod cluster;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -130,14 +131,7 @@ const GRACE_MS: u64 = 500;
 /// fencegate's drain counters (started, aborted) from `/metrics`, if it answers:
 /// summed over `leases`, or over all leases if empty.
 fn drain_counters(admin: std::net::SocketAddr, leases: &[&str]) -> Option<(u64, u64)> {
-    use std::io::{Read, Write};
-    let mut conn = std::net::TcpStream::connect_timeout(&admin, Duration::from_millis(300)).ok()?;
-    conn.set_read_timeout(Some(Duration::from_millis(500)))
-        .ok()?;
-    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: fencegate\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    conn.read_to_string(&mut text).ok()?;
+    let text = admin_get(admin, "/metrics")?;
     let sum = |name: &str| -> u64 {
         text.lines()
             .filter(|l| l.starts_with(name))
@@ -154,6 +148,20 @@ fn drain_counters(admin: std::net::SocketAddr, leases: &[&str]) -> Option<(u64, 
         sum("fencegate_drains_started"),
         sum("fencegate_drains_aborted"),
     ))
+}
+
+/// The answer (head and body) of fencegate's admin listener to `GET path`, if it
+/// answers in time. Blocking: the nemesis runs on its own thread.
+fn admin_get(admin: std::net::SocketAddr, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect_timeout(&admin, Duration::from_millis(300)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_millis(500)))
+        .ok()?;
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: fencegate\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    Some(text)
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -226,6 +234,14 @@ impl Drop for Proc {
 /// The origin's slow window (`--slow-file`), written by the nemesis.
 const SLOW_FILE: &str = "origin.slow";
 
+/// Every request arriving at the origin before `until` takes `ms` (a range).
+fn slow_origin(dir: &Path, until: Instant, ms: (u64, u64)) {
+    let until_ns = mono_ns() + until.saturating_duration_since(Instant::now()).as_nanos() as u64;
+    let tmp = dir.join(format!("{SLOW_FILE}.tmp"));
+    fs::write(&tmp, format!("{until_ns} {} {}\n", ms.0, ms.1)).unwrap();
+    fs::rename(tmp, dir.join(SLOW_FILE)).unwrap();
+}
+
 /// The recording origin, started and its `LISTENING host:port` line read.
 fn start_origin(dir: &Path, seed: u64) -> (Proc, String) {
     let mut child = Command::new(test_python())
@@ -256,7 +272,7 @@ fn start_origin(dir: &Path, seed: u64) -> (Proc, String) {
     (proc, addr)
 }
 
-fn start_worker(dir: &Path, i: usize, s3: &S3Server, secs: u64, seed: u64) -> Proc {
+fn start_worker(dir: &Path, i: usize, s3: &S3Server, secs: u64, seed: u64, extra: &[&str]) -> Proc {
     let child = Command::new(test_python())
         .arg(repo_root().join("scripts/campaign/worker.py"))
         .args(["--id", &i.to_string(), "--endpoint", &s3.endpoint])
@@ -274,6 +290,7 @@ fn start_worker(dir: &Path, i: usize, s3: &S3Server, secs: u64, seed: u64) -> Pr
             "--short-ttl",
             &(if i % 2 == 1 { SHORT_TTL_SHARE } else { 0.0 }).to_string(),
         ])
+        .args(extra)
         .env("AWS_EC2_METADATA_DISABLED", "true")
         .stdout(Stdio::null())
         .stderr(fs::File::create(dir.join(format!("w{i}.stderr"))).unwrap())
@@ -284,6 +301,50 @@ fn start_worker(dir: &Path, i: usize, s3: &S3Server, secs: u64, seed: u64) -> Pr
         child,
         stopped: false,
     }
+}
+
+/// The lease worker `i` holds now (`w{i}.state`, written by the worker).
+fn held_lease(dir: &Path, i: usize) -> Option<String> {
+    let text = fs::read_to_string(dir.join(format!("w{i}.state"))).ok()?;
+    text.split_whitespace().next().map(str::to_owned)
+}
+
+/// SIGSTOPs a worker not already paused (mostly a lease holder) for 1.5–6.5 s,
+/// past the longest TTL (4 s) in most cases: the late worker of SPEC §1. Returns
+/// the event to note.
+fn pause_worker(
+    rng: &mut StdRng,
+    dir: &Path,
+    workers: &mut [Proc],
+    resume: &mut [Option<Instant>],
+) -> Option<(&'static str, String)> {
+    let idle: Vec<usize> = (0..workers.len())
+        .filter(|&i| resume[i].is_none())
+        .collect();
+    let holders: Vec<usize> = idle
+        .iter()
+        .copied()
+        .filter(|&i| held_lease(dir, i).is_some())
+        .collect();
+    let pool = if !holders.is_empty() && rng.gen_bool(0.8) {
+        &holders
+    } else {
+        &idle
+    };
+    if pool.is_empty() {
+        return None;
+    }
+    let i = pool[rng.gen_range(0..pool.len())];
+    let held = held_lease(dir, i).is_some();
+    let ms = rng.gen_range(1500..6500);
+    workers[i].stop();
+    resume[i] = Some(Instant::now() + Duration::from_millis(ms));
+    let kind = if held {
+        "pause worker holding a lease"
+    } else {
+        "pause worker not holding a lease"
+    };
+    Some((kind, format!("w{i} for {ms} ms")))
 }
 
 /// The fault injector. Single-threaded; every fault it starts it also ends.
@@ -363,10 +424,6 @@ impl Nemesis<'_> {
             Some(fp) => self.note(&format!("restart with failpoint {fp}"), String::new()),
             None => self.note("restart", String::new()),
         }
-    }
-
-    fn holder(&self, i: usize) -> bool {
-        fs::read_to_string(self.dir.join(format!("w{i}.state"))).is_ok_and(|s| !s.trim().is_empty())
     }
 
     /// Ends the faults whose time has come; notices (and restarts) a dead fencegate.
@@ -450,11 +507,7 @@ impl Nemesis<'_> {
 
     /// Every request arriving at the origin before `until` takes `ms` (a range).
     fn slow_origin(&self, until: Instant, ms: (u64, u64)) {
-        let until_ns =
-            mono_ns() + until.saturating_duration_since(Instant::now()).as_nanos() as u64;
-        let tmp = self.dir.join(format!("{SLOW_FILE}.tmp"));
-        fs::write(&tmp, format!("{until_ns} {} {}\n", ms.0, ms.1)).unwrap();
-        fs::rename(tmp, self.dir.join(SLOW_FILE)).unwrap();
+        slow_origin(&self.dir, until, ms);
     }
 
     /// Adds the running fencegate's drain counters to the totals (before it dies).
@@ -500,30 +553,14 @@ impl Nemesis<'_> {
         let now = Instant::now();
         let x = self.rng.gen_range(0..100);
         if x < 30 {
-            let idle: Vec<usize> = (0..self.workers.len())
-                .filter(|&i| self.worker_resume[i].is_none())
-                .collect();
-            let holders: Vec<usize> = idle.iter().copied().filter(|&i| self.holder(i)).collect();
-            let pool = if !holders.is_empty() && self.rng.gen_bool(0.8) {
-                &holders
-            } else {
-                &idle
-            };
-            if pool.is_empty() {
-                return;
+            if let Some((kind, detail)) = pause_worker(
+                &mut self.rng,
+                &self.dir,
+                &mut self.workers,
+                &mut self.worker_resume,
+            ) {
+                self.note(kind, detail);
             }
-            let i = pool[self.rng.gen_range(0..pool.len())];
-            let held = self.holder(i);
-            // Past the longest TTL (4 s) in most cases: the late worker.
-            let ms = self.rng.gen_range(1500..6500);
-            self.workers[i].stop();
-            self.worker_resume[i] = Some(now + Duration::from_millis(ms));
-            let kind = if held {
-                "pause worker holding a lease"
-            } else {
-                "pause worker not holding a lease"
-            };
-            self.note(kind, format!("w{i} for {ms} ms"));
         } else if x < 40 {
             if self.down.is_some() || self.drain_watch.is_some() {
                 return;
@@ -914,6 +951,19 @@ async fn read_epochs(
     (out, expiry)
 }
 
+/// The campaign's routes: `r{i}` protects `LEASES[i]` with `ROUTES[i]`'s timeouts,
+/// plus `extra` lines.
+fn routes_toml(origin_addr: &str, extra: &str) -> String {
+    let mut out = String::new();
+    for (i, (lease, r)) in LEASES.iter().zip(&ROUTES).enumerate() {
+        out.push_str(&format!(
+            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n{extra}\n",
+            r.timeout_ms, r.drain_timeout_ms
+        ));
+    }
+    out
+}
+
 fn print_counts(title: &str, m: &BTreeMap<String, usize>) {
     println!("{title}:");
     for (k, n) in m {
@@ -954,13 +1004,7 @@ async fn fault_campaign() {
     // Extra route lines, for checking the checker against a weakened fencegate
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
-    let mut config = s3.store_toml(200);
-    for (i, (lease, r)) in LEASES.iter().zip(&ROUTES).enumerate() {
-        config.push_str(&format!(
-            "\n[[route]]\nname = \"r{i}\"\npath_prefix = \"/r{i}/\"\nupstream = \"http://{origin_addr}/r{i}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n{extra}\n",
-            r.timeout_ms, r.drain_timeout_ms
-        ));
-    }
+    let config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
     let fg = Fencegate::start(&config);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
@@ -973,16 +1017,6 @@ async fn fault_campaign() {
         ),
     )
     .unwrap();
-    let routes: BTreeMap<String, String> = LEASES
-        .iter()
-        .enumerate()
-        .map(|(i, l)| (format!("r{i}"), l.to_string()))
-        .collect();
-    let drain_timeout_ns: BTreeMap<String, u64> = ROUTES
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
-        .collect();
 
     let mut nemesis = Nemesis {
         rng: StdRng::seed_from_u64(seed),
@@ -1006,7 +1040,7 @@ async fn fault_campaign() {
     };
     nemesis.write_addr();
     nemesis.workers = (0..n_workers)
-        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64))
+        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &[]))
         .collect();
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);
@@ -1014,7 +1048,7 @@ async fn fault_campaign() {
     });
     let fg_stderr = nemesis.fg.stderr();
     let Nemesis {
-        mut events,
+        events,
         timeline,
         t0_ns,
         origin_pauses,
@@ -1027,6 +1061,73 @@ async fn fault_campaign() {
     drop(workers);
     drop(origin);
     drop(fg);
+    fs::write(dir.join("fencegate.stderr"), &fg_stderr).unwrap();
+    let mut problems = worker_failures;
+    problems.extend(
+        unexpected_exits
+            .iter()
+            .map(|t| format!("fencegate exited without a failpoint:\n{t}")),
+    );
+    judge(
+        tmp,
+        &s3,
+        Run {
+            title: format!(
+                "fault campaign: seed {seed}, {secs} s of faults, {n_workers} workers, {} leases",
+                LEASES.len()
+            ),
+            n_workers,
+            events,
+            timeline,
+            t0_ns,
+            origin_pauses,
+            problems,
+            begun,
+        },
+    )
+    .await;
+}
+
+/// What a campaign run leaves for [`judge`].
+struct Run {
+    title: String,
+    n_workers: usize,
+    /// Nemesis events by kind; figures are added in parentheses.
+    events: BTreeMap<String, usize>,
+    timeline: Vec<String>,
+    /// The nemesis's start on CLOCK_MONOTONIC, in ns.
+    t0_ns: u64,
+    origin_pauses: Vec<(u64, u64)>,
+    /// Failures seen outside the history (workers, unexpected exits).
+    problems: Vec<String>,
+    begun: Instant,
+}
+
+/// Reads the history in `tmp` (origin log, worker logs, the store's epochs),
+/// checks it, prints the figures and every violation, and fails on any
+/// violation or problem (keeping the run's directory).
+async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
+    let Run {
+        title,
+        n_workers,
+        mut events,
+        timeline,
+        t0_ns,
+        origin_pauses,
+        mut problems,
+        begun,
+    } = run;
+    let dir = tmp.path().to_owned();
+    let routes: BTreeMap<String, String> = LEASES
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (format!("r{i}"), l.to_string()))
+        .collect();
+    let drain_timeout_ns: BTreeMap<String, u64> = ROUTES
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
+        .collect();
     fs::write(
         dir.join("nemesis.log"),
         format!(
@@ -1035,9 +1136,8 @@ async fn fault_campaign() {
         ),
     )
     .unwrap();
-    fs::write(dir.join("fencegate.stderr"), &fg_stderr).unwrap();
 
-    let (epochs, expiry) = read_epochs(&s3).await;
+    let (epochs, expiry) = read_epochs(s3).await;
     // For humans: each epoch's object and its expiry on the store's clock (mono ns).
     let epochs_log: Vec<String> = epochs
         .iter()
@@ -1070,10 +1170,7 @@ async fn fault_campaign() {
     edge_figures(&history, &tenures, &expiry, &origin_pauses, &mut events);
     let report = checker::check(&history);
 
-    println!(
-        "\n=== fault campaign: seed {seed}, {secs} s of faults, {n_workers} workers, {} leases ===",
-        LEASES.len()
-    );
+    println!("\n=== {title} ===");
     println!(
         "histories checked: {} leases; {} epochs in the store; {} worker attempts; {} arrivals at the destination; {} dedup keys at the destination; {} epoch-ordered pairs; {} replays",
         report.leases.len(),
@@ -1108,11 +1205,9 @@ async fn fault_campaign() {
     }
     println!("run time: {:.1} s", begun.elapsed().as_secs_f64());
 
-    let mut problems = Vec::new();
     if !report.violations.is_empty() {
         problems.push(format!("{} violations (above)", report.violations.len()));
     }
-    problems.extend(worker_failures);
     // A Python exception (e.g. in a worker's request thread) only shows here.
     for i in 0..n_workers {
         let name = format!("w{i}.stderr");
@@ -1121,11 +1216,6 @@ async fn fault_campaign() {
             problems.push(format!("{name}:\n{text}"));
         }
     }
-    problems.extend(
-        unexpected_exits
-            .iter()
-            .map(|t| format!("fencegate exited without a failpoint:\n{t}")),
-    );
     let ops = history
         .attempts
         .iter()

@@ -1,0 +1,492 @@
+//! The fault campaign over a cluster (SPEC §10.2): the same workers, recording
+//! origin and history [`checker`](super::checker) as the single-instance campaign,
+//! with three fencegate cluster instances on one moto S3 server and one PostgreSQL
+//! database, every request sent to a random instance (two of three take a peer
+//! hop to the shard's owner).
+//!
+//! Gate leases as in tests/it/cluster.rs: `gate_ttl` 6 s, `self_fence_margin`
+//! 2 s, `grace_ms` 500, four shards. A seeded nemesis injects, one instance at a
+//! time:
+//!
+//! - kill -9 of an instance and a restart 0–3 s later (its id kept in its
+//!   `data_dir`), preferring the owner of a busy shard (one whose lease a worker
+//!   holds): a takeover after `gate_ttl + grace`, keys in flight turned in doubt;
+//! - SIGSTOP/SIGCONT of an instance (the owner of a busy shard, mostly), short
+//!   (0.5–3.5 s, under `gate_ttl − self_fence_margin` = 4 s: no takeover) or long
+//!   (7–10 s, over `gate_ttl + grace` = 6.5 s: a successor takes its shards and
+//!   admits newer worker epochs; the woken owner must have fenced itself);
+//! - SIGTERM and a restart (shards handed over at once);
+//! - the single-instance campaign's worker pauses and slow-origin windows.
+//!
+//! A share of the workers' operations are polls: GETs without an
+//! Idempotency-Key, forwarded with no state write at all, so the PostgreSQL
+//! owner generation cannot stop a deposed owner's poll — only self-fencing does.
+//!
+//! The checker's rules and exemptions are exactly the single-instance ones. The
+//! cluster's honest limit (an owner stalled for longer than `self_fence_margin +
+//! grace` between its last ownership check and writing the request upstream) is
+//! not exempted: a SIGSTOP can land in that window only while a request is
+//! between `may_forward` and its first bytes on the upstream socket (microseconds
+//! on loopback). The summary counts arrivals within 0.2 s after an instance woke
+//! from a long pause, so a violation there can be told apart.
+//!
+//! The weakened build: `cargo build --features failpoints`, then run with
+//! `FENCEGATE_TEST_BIN=<that binary> FENCEGATE_WEAKEN=no_self_fence` — owners keep
+//! forwarding past their deadline, and the checker reports R1/R6 violations
+//! (scripts/campaign.sh cluster-weak does it). The CI smoke is 30 s of faults;
+//! `scripts/campaign.sh cluster [secs] [seed]` runs longer.
+
+use super::*;
+use crate::support::postgres::PgServer;
+use crate::support::state_toml;
+
+const SHARDS: u32 = 4;
+const PEER_TOKEN: &str = "campaign-peer-token-0123456789";
+/// `gate_ttl − self_fence_margin` and `gate_ttl + grace`, in ms.
+const FENCE_AT_MS: u64 = 4000;
+const TAKEOVER_AFTER_MS: u64 = 6500;
+
+/// One cluster instance; `fg` keeps its config and `data_dir` across restarts.
+struct Instance {
+    id: String,
+    fg: Fencegate,
+    /// Down (killed or stopped gracefully) until restarted at this instant.
+    down_until: Option<Instant>,
+    /// SIGSTOPped until this instant; the stop's mono ns and whether it is long.
+    stopped: Option<(Instant, u64, bool)>,
+}
+
+struct ClusterNemesis<'a> {
+    rng: StdRng,
+    dir: PathBuf,
+    instances: Vec<Instance>,
+    workers: Vec<Proc>,
+    worker_resume: Vec<Option<Instant>>,
+    origin: Proc,
+    /// `[stop, cont]` in mono ns of each long instance pause.
+    long_pauses: Vec<(u64, u64)>,
+    /// Takeovers counted by instances before they died (their counters reset).
+    takeovers: u64,
+    events: BTreeMap<String, usize>,
+    timeline: Vec<String>,
+    unexpected_exits: Vec<String>,
+    _s3: &'a S3Server,
+    t0: Instant,
+    t0_ns: u64,
+}
+
+/// Sums a metric family in a `/metrics` text.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+impl ClusterNemesis<'_> {
+    fn note(&mut self, kind: &str, detail: String) {
+        *self.events.entry(kind.to_owned()).or_default() += 1;
+        self.timeline.push(format!(
+            "{:>8.3}s {kind}: {detail}",
+            self.t0.elapsed().as_secs_f64()
+        ));
+    }
+
+    /// Nothing injected on it right now.
+    fn healthy(&self, i: usize) -> bool {
+        self.instances[i].down_until.is_none() && self.instances[i].stopped.is_none()
+    }
+
+    fn signal(&self, i: usize, sig: &str) {
+        let _ = Command::new("kill")
+            .args([sig, &self.instances[i].fg.pid().to_string()])
+            .status();
+    }
+
+    /// Adds an instance's takeovers to the total before it dies.
+    fn scrape(&mut self, i: usize) {
+        if let Some(text) = admin_get(self.instances[i].fg.admin, "/metrics") {
+            self.takeovers += metric(&text, "fencegate_cluster_takeovers");
+        }
+    }
+
+    /// The instance to hit: mostly the owner of a busy shard, as a healthy
+    /// instance's `/v1/cluster` names it; else any healthy one.
+    fn victim(&mut self) -> Option<usize> {
+        let healthy: Vec<usize> = (0..self.instances.len())
+            .filter(|&i| self.healthy(i))
+            .collect();
+        if healthy.len() < self.instances.len() || healthy.is_empty() {
+            return None; // one fault at a time
+        }
+        let busy: Vec<String> = (0..self.workers.len())
+            .filter_map(|w| held_lease(&self.dir, w))
+            .collect();
+        if !busy.is_empty() && self.rng.gen_bool(0.85) {
+            let lease = &busy[self.rng.gen_range(0..busy.len())];
+            let asked = healthy[self.rng.gen_range(0..healthy.len())];
+            let owner = admin_get(self.instances[asked].fg.admin, "/v1/cluster")
+                .and_then(|t| {
+                    let body = t.split("\r\n\r\n").nth(1)?.to_owned();
+                    serde_json::from_str::<serde_json::Value>(&body).ok()
+                })
+                .and_then(|v| {
+                    let me = v["instance_id"].as_str()?.to_owned();
+                    v["shard_map"].as_array()?.iter().find_map(|s| {
+                        let has = s["leases"]
+                            .as_array()?
+                            .iter()
+                            .any(|l| l.as_str() == Some(lease));
+                        match (has, s["served_here"] == true) {
+                            (false, _) => None,
+                            (true, true) => Some(me.clone()),
+                            (true, false) => s["owner"].as_str().map(str::to_owned),
+                        }
+                    })
+                });
+            if let Some(i) = owner.and_then(|o| self.instances.iter().position(|x| x.id == o)) {
+                return Some(i);
+            }
+        }
+        Some(healthy[self.rng.gen_range(0..healthy.len())])
+    }
+
+    fn restart(&mut self, i: usize) {
+        let mut tries = 0;
+        while let Err(stderr) = self.instances[i].fg.spawn(None) {
+            tries += 1;
+            let last = stderr.lines().last().unwrap_or_default().to_owned();
+            assert!(tries < 30, "{} did not restart:\n{stderr}", self.instances[i].id);
+            self.note("restart failed", format!("{}: {last}", self.instances[i].id));
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        self.instances[i].down_until = None;
+        let id = self.instances[i].id.clone();
+        self.note("restart", id);
+    }
+
+    fn tick(&mut self) {
+        let now = Instant::now();
+        for w in 0..self.workers.len() {
+            if self.worker_resume[w].is_some_and(|t| now >= t) {
+                self.worker_resume[w] = None;
+                self.workers[w].cont();
+            }
+        }
+        for i in 0..self.instances.len() {
+            if let Some((until, stop_ns, long)) = self.instances[i].stopped {
+                if now >= until {
+                    self.signal(i, "-CONT");
+                    self.instances[i].stopped = None;
+                    if long {
+                        self.long_pauses.push((stop_ns, mono_ns()));
+                    }
+                }
+            }
+            if self.instances[i].down_until.is_some_and(|t| now >= t) {
+                self.restart(i);
+            }
+            if self.instances[i].down_until.is_none()
+                && self.instances[i].stopped.is_none()
+                && self.instances[i].fg.exited()
+            {
+                let tail: String = self.instances[i]
+                    .fg
+                    .stderr()
+                    .lines()
+                    .rev()
+                    .take(30)
+                    .collect::<Vec<_>>()
+                    .join("\n");
+                let id = self.instances[i].id.clone();
+                self.unexpected_exits.push(format!("{id}:\n{tail}"));
+                self.note("unexpected exit", id);
+                self.instances[i].down_until = Some(now);
+            }
+        }
+    }
+
+    fn inject(&mut self) {
+        let x = self.rng.gen_range(0..100);
+        if x < 25 {
+            if let Some((kind, detail)) = pause_worker(
+                &mut self.rng,
+                &self.dir,
+                &mut self.workers,
+                &mut self.worker_resume,
+            ) {
+                self.note(kind, detail);
+            }
+            return;
+        }
+        if (75..85).contains(&x) {
+            let now = Instant::now();
+            let window = self.rng.gen_range(500..1500);
+            let slow = self.rng.gen_range(1000..2500);
+            slow_origin(
+                &self.dir,
+                now + Duration::from_millis(window),
+                (slow, slow + 500),
+            );
+            self.note(
+                "slow origin",
+                format!("{window} ms window, answers in {slow}-{} ms", slow + 500),
+            );
+            return;
+        }
+        if x >= 85 {
+            return;
+        }
+        let Some(i) = self.victim() else {
+            return;
+        };
+        let id = self.instances[i].id.clone();
+        let now = Instant::now();
+        if x < 42 {
+            self.scrape(i);
+            self.instances[i].fg.kill9();
+            let ms = self.rng.gen_range(0..3000);
+            self.instances[i].down_until = Some(now + Duration::from_millis(ms));
+            self.note("kill -9 instance", format!("{id}, restart in {ms} ms"));
+        } else if x < 54 {
+            let ms = self.rng.gen_range(500..FENCE_AT_MS - 500);
+            self.signal(i, "-STOP");
+            self.instances[i].stopped = Some((now + Duration::from_millis(ms), mono_ns(), false));
+            self.note("short SIGSTOP instance", format!("{id} for {ms} ms"));
+        } else if x < 66 {
+            let ms = self.rng.gen_range(TAKEOVER_AFTER_MS + 500..10_000);
+            self.signal(i, "-STOP");
+            self.instances[i].stopped = Some((now + Duration::from_millis(ms), mono_ns(), true));
+            self.note("long SIGSTOP instance", format!("{id} for {ms} ms"));
+        } else {
+            self.scrape(i);
+            let status = self.instances[i].fg.terminate();
+            self.instances[i].down_until = Some(now);
+            self.note("SIGTERM instance", format!("{id}: {status}"));
+        }
+    }
+
+    fn run(&mut self, secs: u64) {
+        let end = Instant::now() + Duration::from_secs(secs);
+        let mut next = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < end {
+            self.tick();
+            if Instant::now() >= next {
+                self.inject();
+                next = Instant::now() + Duration::from_millis(self.rng.gen_range(250..900));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Ends every fault, lets the workers finish (bounded), counts takeovers.
+    fn heal(&mut self) -> Vec<String> {
+        for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
+            w.cont();
+            *r = None;
+        }
+        let _ = fs::remove_file(self.dir.join(SLOW_FILE));
+        for i in 0..self.instances.len() {
+            if let Some((_, stop_ns, long)) = self.instances[i].stopped.take() {
+                self.signal(i, "-CONT");
+                if long {
+                    self.long_pauses.push((stop_ns, mono_ns()));
+                }
+            }
+            if self.instances[i].down_until.is_some() {
+                self.restart(i);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(40);
+        let mut failures = Vec::new();
+        for w in &mut self.workers {
+            let status = loop {
+                if let Some(s) = w.child.try_wait().unwrap() {
+                    break Some(s);
+                }
+                if Instant::now() > deadline {
+                    break None;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            };
+            match status {
+                Some(s) if s.success() => {}
+                other => failures.push(format!("{} ended with {other:?}", w.name)),
+            }
+        }
+        for i in 0..self.instances.len() {
+            if self.instances[i].fg.exited() {
+                let id = self.instances[i].id.clone();
+                self.unexpected_exits
+                    .push(format!("{id} exited while the workers finished"));
+            } else {
+                self.scrape(i);
+            }
+        }
+        wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
+        failures
+    }
+}
+
+/// A free loopback port for an instance's proxy listener (its `advertise`).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits until every instance names an owner for every shard.
+fn settle(instances: &[Instance]) {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let owned = instances.iter().all(|m| {
+            admin_get(m.fg.admin, "/v1/cluster")
+                .and_then(|t| {
+                    let v: serde_json::Value =
+                        serde_json::from_str(t.split("\r\n\r\n").nth(1)?).ok()?;
+                    let map = v["shard_map"].as_array()?.clone();
+                    Some(
+                        map.len() == SHARDS as usize
+                            && map
+                                .iter()
+                                .all(|s| s["served_here"] == true || s["owner"].is_string()),
+                    )
+                })
+                .unwrap_or(false)
+        });
+        if owned {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the cluster never settled");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_fault_campaign() {
+    skip_without_python!();
+    if !crate::support::postgres::available_or_skip() {
+        return;
+    }
+    let secs = env_u64("FENCEGATE_CAMPAIGN_SECS", 30);
+    let seed = env_u64("FENCEGATE_CAMPAIGN_SEED", 7);
+    let n_workers = env_u64("FENCEGATE_CAMPAIGN_WORKERS", 6).max(5) as usize;
+    let begun = Instant::now();
+    let tmp = tempfile::Builder::new()
+        .prefix("fencegate-cluster-campaign-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path().to_owned();
+
+    let s3 = S3Server::start();
+    let db = PgServer::shared().database();
+    let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
+    let routes = routes_toml(&origin_addr, "");
+    let mut instances = Vec::new();
+    for n in 0..3u8 {
+        let id = format!("fg-{}", (b'a' + n) as char);
+        let port = free_port();
+        let config = format!(
+            "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://127.0.0.1:{port}\"\nshards = {SHARDS}\npeer_token = \"{PEER_TOKEN}\"\n\n{routes}",
+            s3.store_toml(200)
+                .replace("timeout_ms = 1500", "timeout_ms = 1000"),
+            state_toml(&db, ""),
+        );
+        let fg = Fencegate::start_listening(&format!("127.0.0.1:{port}"), "", &config, &[]);
+        instances.push(Instance {
+            id,
+            fg,
+            down_until: None,
+            stopped: None,
+        });
+    }
+    tokio::task::block_in_place(|| settle(&instances));
+    let addrs: Vec<String> = instances.iter().map(|m| m.fg.proxy.to_string()).collect();
+    fs::write(dir.join("proxy.addr"), addrs.join("\n") + "\n").unwrap();
+
+    let mut nemesis = ClusterNemesis {
+        rng: StdRng::seed_from_u64(seed),
+        dir: dir.clone(),
+        instances,
+        workers: Vec::new(),
+        worker_resume: vec![None; n_workers],
+        origin,
+        long_pauses: Vec::new(),
+        takeovers: 0,
+        events: BTreeMap::new(),
+        timeline: Vec::new(),
+        unexpected_exits: Vec::new(),
+        _s3: &s3,
+        t0: Instant::now(),
+        t0_ns: mono_ns(),
+    };
+    // The first takeovers (of the free shards at start) are not the nemesis's.
+    let initial: u64 = (0..nemesis.instances.len())
+        .filter_map(|i| admin_get(nemesis.instances[i].fg.admin, "/metrics"))
+        .map(|t| metric(&t, "fencegate_cluster_takeovers"))
+        .sum();
+    nemesis.workers = (0..n_workers)
+        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &["--polls", "0.15"]))
+        .collect();
+    let worker_failures = tokio::task::block_in_place(|| {
+        nemesis.run(secs);
+        nemesis.heal()
+    });
+    let ClusterNemesis {
+        mut events,
+        timeline,
+        t0_ns,
+        unexpected_exits,
+        origin,
+        workers,
+        instances,
+        long_pauses,
+        takeovers,
+        ..
+    } = nemesis;
+    drop(workers);
+    drop(origin);
+    for m in &instances {
+        fs::write(dir.join(format!("{}.stderr", m.id)), m.fg.stderr()).unwrap();
+    }
+    drop(instances);
+    *events.entry("(takeovers after start)".into()).or_default() +=
+        takeovers.saturating_sub(initial) as usize;
+    let woke: usize = read_arrivals(&dir.join("origin.jsonl"))
+        .iter()
+        .filter(|a| {
+            long_pauses
+                .iter()
+                .any(|&(_, cont)| a.arrive >= cont && a.arrive < cont + 200_000_000)
+        })
+        .count();
+    *events
+        .entry("(arrivals within 0.2 s after an instance woke from a long pause)".into())
+        .or_default() += woke;
+    let mut problems = worker_failures;
+    problems.extend(
+        unexpected_exits
+            .iter()
+            .map(|t| format!("an instance exited by itself:\n{t}")),
+    );
+    judge(
+        tmp,
+        &s3,
+        Run {
+            title: format!(
+                "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers, {} leases",
+                LEASES.len()
+            ),
+            n_workers,
+            events,
+            timeline,
+            t0_ns,
+            origin_pauses: Vec::new(),
+            problems,
+            begun,
+        },
+    )
+    .await;
+}

@@ -12,9 +12,16 @@ use http::{header, HeaderValue, Request, Response, Uri};
 use crate::forward::{self, HttpsClient, Peer, UpstreamError, PEER_NAME, PEER_TOKEN_NAME};
 use crate::streaming::{ProxyBody, Streamed, UpBody};
 
-/// Why a relay failed: the worker gets 503 `shard_unavailable`.
+/// Why a relay failed.
 #[derive(Debug)]
-pub struct RelayFailed(pub String);
+pub enum RelayFailed {
+    /// Nothing reached the owner: the worker gets 503 `shard_unavailable`.
+    NotSent(String),
+    /// The owner may have received the request, and forwarded it, before the
+    /// relay failed (its connection reset by a kill, a timeout): the outcome is
+    /// unknown, 504 `upstream_timeout` — never a code that says "not forwarded".
+    Uncertain(String),
+}
 
 /// Relays the request to the owner at `base` (its `advertise` URL).
 #[allow(clippy::too_many_arguments)]
@@ -34,24 +41,24 @@ pub async fn relay(
         .map_or(parts.uri.path(), |pq| pq.as_str());
     let uri: Uri = format!("{}{pq}", base.trim_end_matches('/'))
         .parse()
-        .map_err(|e| RelayFailed(format!("the owner's advertise URL {base:?}: {e}")))?;
+        .map_err(|e| RelayFailed::NotSent(format!("the owner's advertise URL {base:?}: {e}")))?;
     let host = uri
         .authority()
         .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        .ok_or_else(|| RelayFailed(format!("the owner's advertise URL {base:?} has no host")))?;
+        .ok_or_else(|| RelayFailed::NotSent(format!("the owner's advertise URL {base:?} has no host")))?;
     let mut headers = parts.headers;
     forward::strip_hop_by_hop(&mut headers);
     let orig_host = headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
     forward::append_forwarding(&mut headers, client_hop, orig_host.as_ref())
-        .map_err(RelayFailed)?;
+        .map_err(RelayFailed::NotSent)?;
     headers.insert(header::HOST, host);
     headers.insert(
         PEER_NAME,
-        HeaderValue::from_str(me).map_err(|e| RelayFailed(e.to_string()))?,
+        HeaderValue::from_str(me).map_err(|e| RelayFailed::NotSent(e.to_string()))?,
     );
     let mut token =
-        HeaderValue::from_str(peer_token).map_err(|e| RelayFailed(format!("peer token: {e}")))?;
+        HeaderValue::from_str(peer_token).map_err(|e| RelayFailed::NotSent(format!("peer token: {e}")))?;
     token.set_sensitive(true);
     headers.insert(PEER_TOKEN_NAME, token);
     let mut req = Request::new(body);
@@ -60,7 +67,8 @@ pub async fn relay(
     *req.headers_mut() = headers;
     let stop = std::pin::pin!(std::future::pending::<&'static str>());
     let failed = |e: UpstreamError| match e {
-        UpstreamError::Unreachable(d) | UpstreamError::Uncertain(d) => RelayFailed(d),
+        UpstreamError::Unreachable(d) => RelayFailed::NotSent(d),
+        UpstreamError::Uncertain(d) => RelayFailed::Uncertain(d),
     };
     let mut head = forward::send(client, req, timeout, stop)
         .await

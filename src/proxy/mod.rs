@@ -609,11 +609,22 @@ impl Proxy {
             timeout,
         )
         .await
-        .map_err(|relay::RelayFailed(detail)| {
+        .map_err(|failed| {
             cluster.peer_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer");
-            ProxyError::ShardUnavailable {
-                lease: route.lease.clone(),
+            match failed {
+                relay::RelayFailed::NotSent(detail) => {
+                    tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner could not be reached");
+                    ProxyError::ShardUnavailable {
+                        lease: route.lease.clone(),
+                    }
+                }
+                // The owner may have forwarded it: 503 would tell the worker it
+                // was not (found by the cluster fault campaign, a kill -9 of the
+                // owner while it had the relayed request at the destination).
+                relay::RelayFailed::Uncertain(detail) => {
+                    tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer; it may have forwarded the request");
+                    ProxyError::UpstreamTimeout { detail }
+                }
             }
         })
     }

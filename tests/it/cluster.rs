@@ -604,3 +604,29 @@ async fn a_cluster_instance_refuses_a_prefix_a_single_instance_holds() {
         "names the single instance's mode: {stderr}"
     );
 }
+
+/// A relay that fails after the owner may have forwarded the request (the owner
+/// killed while the relayed request is at the destination) answers 504
+/// `upstream_timeout` — outcome unknown — never 503 `shard_unavailable`, which
+/// tells the worker nothing was forwarded. Found by the cluster fault campaign.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_after_the_owner_forwarded_is_not_called_unavailable() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let mut rig = Rig::start(2, 2).await;
+    let map = rig.settled("two members", balanced(2, 2)).await;
+    let lease = rig.leases[0].clone();
+    let owner_id = map[0].clone();
+    let w = rig.worker(&lease, "w").await;
+    let other = rig.running().find(|m| m.id != owner_id).unwrap().fg();
+    let mut held = keyed(other, &format!("/{lease}/k"), &w, "key-relayed", "relayed");
+    held.headers_mut()
+        .insert("x-test-hold", "r".parse().unwrap());
+    let pending = tokio::spawn(try_send(held));
+    rig.origin.wait_for(1).await;
+    rig.member_mut(&owner_id).fg.as_mut().unwrap().kill9();
+    let answer = pending.await.unwrap().expect("the relaying instance answers");
+    answer.assert_error(504, "upstream_timeout");
+    assert_eq!(payloads_at(&rig.origin, "relayed").len(), 1);
+    rig.origin.release("r");
+}

@@ -499,9 +499,12 @@ impl Proxy {
         let aborted_err = aborted.then(|| drain_aborted(route, &pass));
         // In flight ends with the answer or a failure — except that a request
         // whose outcome is unknown may still be executing at the destination: it
-        // keeps counting for a drain until the drain's timeout.
-        if matches!(e, UpstreamError::Uncertain(_)) && !aborted && upload_end == UploadEnd::Complete
-        {
+        // keeps counting for a drain until the drain's timeout. Only a body known
+        // to be incomplete rules that out: an empty one (a GET) is never polled,
+        // so its upload still says `Sending` (found by the cluster fault campaign:
+        // a timed-out poll ended a drain while the destination still executed it).
+        let incomplete = matches!(upload_end, UploadEnd::TooLarge | UploadEnd::ClientFailed);
+        if matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete {
             pass.linger();
         } else {
             drop(pass);

@@ -49,6 +49,41 @@ async fn a_timed_out_request_keeps_the_drain_waiting_until_the_drain_timeout() {
 }
 
 on_both_backends! {
+/// The same for a request without a body and without a record (a GET without an
+/// Idempotency-Key, streamed): its timeout does not end the drain either.
+async fn a_timed_out_get_keeps_the_drain_waiting_until_the_drain_timeout() {
+    let drain = Duration::from_millis(1500);
+    let (origin, fg) = billing_route(60_000, "timeout_ms = 300\ndrain_timeout_ms = 1500").await;
+    let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
+    let get = worker_req(&fg.url("/billing/poll"), a.epoch.get(), &a.token)
+        .method("GET")
+        .header("x-test-hold", "stuck")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let stuck = tokio::spawn(try_send(get));
+    origin.wait_for(1).await;
+    stuck
+        .await
+        .unwrap()
+        .unwrap()
+        .assert_error(504, "upstream_timeout");
+    let b = force_next_epoch(&fg.epochs, LEASE, "worker-b", Duration::from_secs(30)).await;
+    let raised = Instant::now();
+    let r = post(&fg, "/billing/x", &b, "B").await;
+    assert_eq!(r.status, 200);
+    let log = origin.log();
+    assert_eq!(log.len(), 2);
+    assert!(log[0].completed.is_none(), "A is still at the destination");
+    assert!(
+        log[1].arrived >= raised + drain,
+        "B arrived {:?} after its raise began, while the GET was still at the destination",
+        log[1].arrived - raised
+    );
+    origin.release("stuck");
+}
+}
+
+on_both_backends! {
 /// SPEC §5/§6: an abort stops writing at once. A's large body is being read
 /// slowly when B's drain times out: the connection is cut, and the destination
 /// never gets A whole — not even after B has completed.

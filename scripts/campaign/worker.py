@@ -11,9 +11,10 @@ Every request attempt is one JSON line in --log:
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
 connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
 "forged" (a wrong token), "future" (an epoch that does not exist yet) or, with
---polls P (a share of operations), "poll": a GET without an Idempotency-Key, which
-fencegate forwards without any state write (SPEC §6), so only its fences and the
-cluster's self-fencing stand between a stale poll and the destination (`key` is "").
+--polls P (a share of operations), "poll" and "poll-retry": a GET without an
+Idempotency-Key (retried like an op), which fencegate forwards without any state
+write (SPEC §6), so only its fences and the cluster's self-fencing stand between a
+stale poll and the destination (`key` is "").
 
 --addr-file holds one fencegate `host:port` per line (several for a cluster: every
 request goes to one of them at random); it is re-read before every request.
@@ -25,7 +26,8 @@ so our epoch is valid at least until t0 + ttl - 1 s, t0 = local time before the 
 A worker stops using a tenure then — except a "sloppy" send (10%), which skips the
 check, and the nemesis may SIGSTOP us anywhere, e.g. between check and send.
 
-TTLs are 2-4 s. With --short-ttl P, a share P of the worker's tenures (a first
+TTLs are 2-4 s; with --long-ttl P a share P of tenures take 12-20 s (longer than a
+cluster's gate lease: a worker epoch that outlives an owner's tenure). With --short-ttl P, a share P of the worker's tenures (a first
 acquire and the renewals that follow it) are short: a TTL of 0.9-1.3 s, shorter
 than a route's drain timeout, used until t0 + ttl - 0.25 s (an optimistic worker
 that ignores LastModified's truncation: fencegate, which does not, may find such an
@@ -125,9 +127,9 @@ class Store:
 
 
 class Tenure:
-    def __init__(self, lease, epoch, token, deadline, short=False):
+    def __init__(self, lease, epoch, token, deadline, short=False, long=False):
         self.lease, self.epoch, self.token, self.deadline = lease, epoch, token, deadline
-        self.short = short
+        self.short, self.long = short, long
 
     def left(self):
         return self.deadline - time.monotonic()
@@ -153,24 +155,26 @@ class Worker:
             self.log.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self.log.flush()
 
-    def create_epoch(self, lease, epoch, kind, short=False):
+    def create_epoch(self, lease, epoch, kind, short=False, long=False):
         token = secrets.token_hex(32)
         obj = {"v": 1, "lease": lease, "epoch": epoch, "kind": kind, "holder": f"w{self.id}",
                "nonce": token}
         if kind == "acquire":
             obj["token_sha256"] = hashlib.sha256(token.encode()).hexdigest()
-            obj["ttl_ms"] = self.rng.randint(900, 1300) if short else self.rng.randint(2000, 4000)
+            obj["ttl_ms"] = (self.rng.randint(900, 1300) if short
+                             else self.rng.randint(12000, 20000) if long
+                             else self.rng.randint(2000, 4000))
         t0 = time.monotonic()
         won = self.store.create(lease, epoch, obj, lambda o: o.get("nonce") == token)
         if not won or kind != "acquire":
             return None
         margin = 0.25 if short else 1.0
-        ten = Tenure(lease, epoch, token, t0 + obj["ttl_ms"] / 1000 - margin, short)
+        ten = Tenure(lease, epoch, token, t0 + obj["ttl_ms"] / 1000 - margin, short, long)
         self.emit({"ev": "tenure", "w": self.id, "lease": lease, "epoch": epoch,
                    "ttl_ms": obj["ttl_ms"], "short": short, "at": time.monotonic_ns()})
         return ten
 
-    def acquire(self, lease, current=None, short=False):
+    def acquire(self, lease, current=None, short=False, long=False):
         """SPEC §2 steps 1-4 (renewal when `current`); None when held, lost or unsure."""
         try:
             latest = self.store.latest(lease)
@@ -183,7 +187,8 @@ class Worker:
                     if expiry + self.a.grace_ms / 1000 >= time.time():
                         return None  # held
             short = current.short if current is not None else short
-            return self.create_epoch(lease, latest + 1, "acquire", short)
+            long = current.long if current is not None else long
+            return self.create_epoch(lease, latest + 1, "acquire", short, long)
         except (BotoCoreError, ClientError, RuntimeError, ValueError):
             return None
 
@@ -211,7 +216,7 @@ class Worker:
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
             headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
                        "x-campaign-req": req, "content-type": "application/json"}
-            if kind == "poll":
+            if kind.startswith("poll"):
                 conn.request("GET", f"/{route}/op", headers=headers)
             else:
                 headers["idempotency-key"] = key
@@ -234,14 +239,17 @@ class Worker:
         """One action: a fresh key and body, retried with the same key until decided."""
         key = f"w{self.id}-op{opn}-{secrets.token_hex(4)}"
         body = json.dumps({"w": self.id, "lease": ten.lease, "op": opn, "data": secrets.token_hex(6)})
-        if self.a.polls > 0 and self.rng.random() < self.a.polls:
-            return self.send(ten, "poll", "", "")
+        poll = self.a.polls > 0 and self.rng.random() < self.a.polls
+        retry = "poll-retry" if poll else "retry"
         x = self.rng.random()
-        if x < 0.03:
+        if poll:
+            key, body = "", ""
+            rec = self.send(ten, "poll", key, body)
+        elif x < 0.03:
             return self.send(ten, "forged", key, body, token=secrets.token_hex(32))
-        if x < 0.05:
+        elif x < 0.05:
             return self.send(ten, "future", key, body, epoch=ten.epoch + self.rng.randint(2, 6))
-        if x < 0.12:
+        elif x < 0.12:
             dup = threading.Thread(target=self.send, args=(ten, "dup", key, body))
             dup.start()
             rec = self.send(ten, "op", key, body)
@@ -250,13 +258,14 @@ class Worker:
             rec = self.send(ten, "op", key, body)
         for _ in range(3):
             again = rec["outcome"] != "response" or rec["error"] in (
-                "upstream_timeout", "drain_aborted", "store_unavailable", "dedup_in_flight")
+                "upstream_timeout", "drain_aborted", "store_unavailable", "dedup_in_flight",
+                "shard_unavailable")
             if not again or time.monotonic() > self.stop_at:
                 return rec
             time.sleep(self.rng.uniform(0.2, 0.8))
             if ten.left() <= 0 and self.rng.random() > 0.2:
                 return rec  # our tenure is over: a careful worker stops here
-            rec = self.send(ten, "retry", key, body)
+            rec = self.send(ten, retry, key, body)
         return rec
 
     def run(self):
@@ -264,9 +273,10 @@ class Worker:
         while time.monotonic() < self.stop_at:
             lease = self.rng.choice(leases)
             short = self.a.short_ttl > 0 and self.rng.random() < self.a.short_ttl
+            long = not short and self.a.long_ttl > 0 and self.rng.random() < self.a.long_ttl
             ten = None
             for _ in range(10):
-                ten = self.acquire(lease, short=short)
+                ten = self.acquire(lease, short=short, long=long)
                 if ten or time.monotonic() > self.stop_at:
                     break
                 time.sleep(self.rng.uniform(0.2, 0.6))  # moto is single-threaded: poll gently
@@ -315,6 +325,8 @@ def main():
     p.add_argument("--client-timeout", type=float, default=8)
     p.add_argument("--short-ttl", type=float, default=0.0,
                    help="share of tenures with a 0.9-1.3 s TTL")
+    p.add_argument("--long-ttl", type=float, default=0.0,
+                   help="share of tenures with a 12-20 s TTL (longer than a gate lease)")
     p.add_argument("--polls", type=float, default=0.0,
                    help="share of operations sent as a GET without an Idempotency-Key")
     Worker(p.parse_args()).run()

@@ -16,11 +16,21 @@
 //!   (7–10 s, over `gate_ttl + grace` = 6.5 s: a successor takes its shards and
 //!   admits newer worker epochs; the woken owner must have fenced itself);
 //! - SIGTERM and a restart (shards handed over at once);
+//! - an instance cut from the S3 server (its own TCP relay refuses and cuts) for
+//!   8–11 s: it cannot renew, admits from its cache, and must stop forwarding at
+//!   `gate_ttl − self_fence_margin` before a successor takes its shards;
 //! - the single-instance campaign's worker pauses and slow-origin windows.
 //!
-//! A share of the workers' operations are polls: GETs without an
-//! Idempotency-Key, forwarded with no state write at all, so the PostgreSQL
-//! owner generation cannot stop a deposed owner's poll — only self-fencing does.
+//! Instance faults come one at a time, 1–4 s apart. Four shards would put three
+//! of the four leases in one shard; six spread them over three.
+//!
+//! Self-fencing is observable at the destination only where the fences and the
+//! database do not already refuse: a worker epoch that outlives a gate lease
+//! (half the tenures take a 12–20 s TTL), sent to an owner that cannot see the
+//! newer epoch (cut from the store), in a request that writes no state. So 40%
+//! of the workers' operations are polls: GETs without an Idempotency-Key
+//! (retried like an op, with the same epoch), which the PostgreSQL owner
+//! generation cannot stop.
 //!
 //! The checker's rules and exemptions are exactly the single-instance ones. The
 //! cluster's honest limit (an owner stalled for longer than `self_fence_margin +
@@ -38,9 +48,11 @@
 
 use super::*;
 use crate::support::postgres::PgServer;
+use crate::support::relay::Relay;
 use crate::support::state_toml;
 
-const SHARDS: u32 = 4;
+/// l0..l3 fall into shards 4, 5, 4, 2: three busy shards, two per instance.
+const SHARDS: u32 = 6;
 const PEER_TOKEN: &str = "campaign-peer-token-0123456789";
 /// `gate_ttl − self_fence_margin` and `gate_ttl + grace`, in ms.
 const FENCE_AT_MS: u64 = 4000;
@@ -54,6 +66,9 @@ struct Instance {
     down_until: Option<Instant>,
     /// SIGSTOPped until this instant; the stop's mono ns and whether it is long.
     stopped: Option<(Instant, u64, bool)>,
+    /// Its own TCP relay to the S3 server, and until when it is cut.
+    store: Relay,
+    cut_until: Option<Instant>,
 }
 
 struct ClusterNemesis<'a> {
@@ -65,6 +80,8 @@ struct ClusterNemesis<'a> {
     origin: Proc,
     /// `[stop, cont]` in mono ns of each long instance pause.
     long_pauses: Vec<(u64, u64)>,
+    /// No new instance fault before this instant: the cluster settles in between.
+    quiet_until: Instant,
     /// Takeovers counted by instances before they died (their counters reset).
     takeovers: u64,
     events: BTreeMap<String, usize>,
@@ -94,7 +111,8 @@ impl ClusterNemesis<'_> {
 
     /// Nothing injected on it right now.
     fn healthy(&self, i: usize) -> bool {
-        self.instances[i].down_until.is_none() && self.instances[i].stopped.is_none()
+        let m = &self.instances[i];
+        m.down_until.is_none() && m.stopped.is_none() && m.cut_until.is_none()
     }
 
     fn signal(&self, i: usize, sig: &str) {
@@ -116,8 +134,8 @@ impl ClusterNemesis<'_> {
         let healthy: Vec<usize> = (0..self.instances.len())
             .filter(|&i| self.healthy(i))
             .collect();
-        if healthy.len() < self.instances.len() || healthy.is_empty() {
-            return None; // one fault at a time
+        if healthy.len() < self.instances.len() || Instant::now() < self.quiet_until {
+            return None; // one fault at a time, with a pause in between
         }
         let busy: Vec<String> = (0..self.workers.len())
             .filter_map(|w| held_lease(&self.dir, w))
@@ -161,8 +179,14 @@ impl ClusterNemesis<'_> {
             std::thread::sleep(Duration::from_millis(500));
         }
         self.instances[i].down_until = None;
+        self.quiet();
         let id = self.instances[i].id.clone();
         self.note("restart", id);
+    }
+
+    /// The next instance fault comes 1–4 s after this one ended.
+    fn quiet(&mut self) {
+        self.quiet_until = Instant::now() + Duration::from_millis(self.rng.gen_range(1000..4000));
     }
 
     fn tick(&mut self) {
@@ -178,6 +202,7 @@ impl ClusterNemesis<'_> {
                 if now >= until {
                     self.signal(i, "-CONT");
                     self.instances[i].stopped = None;
+                    self.quiet();
                     if long {
                         self.long_pauses.push((stop_ns, mono_ns()));
                     }
@@ -185,6 +210,11 @@ impl ClusterNemesis<'_> {
             }
             if self.instances[i].down_until.is_some_and(|t| now >= t) {
                 self.restart(i);
+            }
+            if self.instances[i].cut_until.is_some_and(|t| now >= t) {
+                self.instances[i].cut_until = None;
+                self.instances[i].store.refuse(false);
+                self.quiet();
             }
             if self.instances[i].down_until.is_none()
                 && self.instances[i].stopped.is_none()
@@ -242,27 +272,33 @@ impl ClusterNemesis<'_> {
         };
         let id = self.instances[i].id.clone();
         let now = Instant::now();
-        if x < 42 {
+        if x < 37 {
             self.scrape(i);
             self.instances[i].fg.kill9();
             let ms = self.rng.gen_range(0..3000);
             self.instances[i].down_until = Some(now + Duration::from_millis(ms));
             self.note("kill -9 instance", format!("{id}, restart in {ms} ms"));
-        } else if x < 54 {
+        } else if x < 46 {
             let ms = self.rng.gen_range(500..FENCE_AT_MS - 500);
             self.signal(i, "-STOP");
             self.instances[i].stopped = Some((now + Duration::from_millis(ms), mono_ns(), false));
             self.note("short SIGSTOP instance", format!("{id} for {ms} ms"));
-        } else if x < 66 {
+        } else if x < 55 {
             let ms = self.rng.gen_range(TAKEOVER_AFTER_MS + 500..10_000);
             self.signal(i, "-STOP");
             self.instances[i].stopped = Some((now + Duration::from_millis(ms), mono_ns(), true));
             self.note("long SIGSTOP instance", format!("{id} for {ms} ms"));
-        } else {
+        } else if x < 62 {
             self.scrape(i);
             let status = self.instances[i].fg.terminate();
             self.instances[i].down_until = Some(now);
             self.note("SIGTERM instance", format!("{id}: {status}"));
+        } else {
+            let ms = self.rng.gen_range(TAKEOVER_AFTER_MS + 1500..11_000);
+            self.instances[i].store.refuse(true);
+            self.instances[i].store.cut();
+            self.instances[i].cut_until = Some(now + Duration::from_millis(ms));
+            self.note("cut instance from the store", format!("{id} for {ms} ms"));
         }
     }
 
@@ -295,6 +331,9 @@ impl ClusterNemesis<'_> {
             }
             if self.instances[i].down_until.is_some() {
                 self.restart(i);
+            }
+            if self.instances[i].cut_until.take().is_some() {
+                self.instances[i].store.refuse(false);
             }
         }
         let deadline = Instant::now() + Duration::from_secs(40);
@@ -384,6 +423,12 @@ async fn cluster_fault_campaign() {
     let db = PgServer::shared().database();
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
     let routes = routes_toml(&origin_addr, "");
+    let s3_port: u16 = s3
+        .endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("the S3 server's port");
     let mut instances = Vec::new();
     for n in 0..3u8 {
         let id = format!("fg-{}", (b'a' + n) as char);
@@ -394,12 +439,19 @@ async fn cluster_fault_campaign() {
                 .replace("timeout_ms = 1500", "timeout_ms = 1000"),
             state_toml(&db, ""),
         );
+        let store = Relay::start(s3_port).await;
+        let config = config.replace(
+            &format!("http://127.0.0.1:{s3_port}"),
+            &format!("http://127.0.0.1:{}", store.addr.port()),
+        );
         let fg = Fencegate::start_listening(&format!("127.0.0.1:{port}"), "", &config, &[]);
         instances.push(Instance {
             id,
             fg,
             down_until: None,
             stopped: None,
+            store,
+            cut_until: None,
         });
     }
     tokio::task::block_in_place(|| settle(&instances));
@@ -414,6 +466,7 @@ async fn cluster_fault_campaign() {
         worker_resume: vec![None; n_workers],
         origin,
         long_pauses: Vec::new(),
+        quiet_until: Instant::now(),
         takeovers: 0,
         events: BTreeMap::new(),
         timeline: Vec::new(),
@@ -428,7 +481,7 @@ async fn cluster_fault_campaign() {
         .map(|t| metric(&t, "fencegate_cluster_takeovers"))
         .sum();
     nemesis.workers = (0..n_workers)
-        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &["--polls", "0.15"]))
+        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &["--polls", "0.4", "--long-ttl", "0.5", "--client-timeout", "3"]))
         .collect();
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);

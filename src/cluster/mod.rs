@@ -30,7 +30,7 @@
 pub mod peer;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -158,6 +158,8 @@ pub struct Cluster {
     state: Arc<dyn StateStore>,
     dedup: Arc<Dedup>,
     members: Mutex<Vec<String>>,
+    /// Shards whose store call failed in the current keeper round.
+    store_failures: AtomicUsize,
     stopping: CancellationToken,
     pub takeovers: AtomicU64,
     pub handovers: AtomicU64,
@@ -218,6 +220,7 @@ impl Cluster {
             state,
             dedup,
             members: Mutex::new(vec![cc.instance_id.clone()]),
+            store_failures: AtomicUsize::new(0),
             stopping: CancellationToken::new(),
             takeovers: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
@@ -392,20 +395,31 @@ impl Cluster {
         }
     }
 
-    /// One keeper round: heartbeat, renew and look, balance.
+    /// One keeper round: renew and look, heartbeat, balance.
     async fn round(self: &Arc<Self>) {
-        match self.state.heartbeat(&self.id, self.ttl).await {
-            Ok(m) => *lock(&self.members) = m,
-            Err(e) => {
-                tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
-            }
-        }
+        self.store_failures.store(0, Ordering::SeqCst);
         let mut looks = tokio::task::JoinSet::new();
         for shard in 0..self.shards {
             let me = self.clone();
             looks.spawn(async move { me.renew_and_look(shard).await });
         }
         while looks.join_next().await.is_some() {}
+        // An instance that reached the lease store for no shard this round can
+        // neither renew nor take one: it stops announcing itself, so that the
+        // others stop reserving its share and take its shards once their gate
+        // leases expire. (It announced itself before: cut from S3 but not from
+        // PostgreSQL, its shards stayed unserved for as long as the cut lasted —
+        // found by the cluster fault campaign.)
+        if self.store_failures.load(Ordering::SeqCst) >= self.shards as usize {
+            tracing::warn!("the lease store answered no shard's call this round; not announcing this instance to the cluster");
+        } else {
+            match self.state.heartbeat(&self.id, self.ttl).await {
+                Ok(m) => *lock(&self.members) = m,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
+                }
+            }
+        }
         if !self.stopping.is_cancelled() {
             self.balance();
         }
@@ -482,6 +496,7 @@ impl Cluster {
                     }
                 }
                 Err(e) => {
+                    self.store_failures.fetch_add(1, Ordering::SeqCst);
                     tracing::warn!(shard, error = %e, "could not renew a shard's gate lease; retrying next round")
                 }
             }
@@ -507,7 +522,10 @@ impl Cluster {
                 }
                 *lock(&g.seen) = seen;
             }
-            Err(e) => tracing::warn!(shard, error = %e, "could not look at a shard's gate lease"),
+            Err(e) => {
+                self.store_failures.fetch_add(1, Ordering::SeqCst);
+                tracing::warn!(shard, error = %e, "could not look at a shard's gate lease")
+            }
         }
     }
 

@@ -630,3 +630,43 @@ async fn a_relay_cut_after_the_owner_forwarded_is_not_called_unavailable() {
     assert_eq!(payloads_at(&rig.origin, "relayed").len(), 1);
     rig.origin.release("r");
 }
+
+/// Balance (SPEC §10.2) when a member is cut from the lease store but not from
+/// the database: it stops announcing itself, so the others take its shards once
+/// its gate leases expire (they reserved its share before, and its shards stayed
+/// unserved for as long as the cut lasted). Found by the cluster fault campaign.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_cut_from_the_store_loses_its_shards_to_the_others() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let mut rig = Rig::start(0, 3).await;
+    let s3_port: u16 = rig
+        .s3
+        .endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    let relay = crate::support::relay::Relay::start(s3_port).await;
+    let via = format!("http://127.0.0.1:{}", relay.addr.port());
+    rig.add_with("fg-a", |c| {
+        c.replace(&format!("http://127.0.0.1:{s3_port}"), &via)
+    });
+    rig.add("fg-b");
+    rig.add("fg-c");
+    rig.settled("three members", balanced(3, 3)).await;
+    relay.refuse(true);
+    relay.cut();
+    let b = rig.member("fg-b").fg();
+    eventually("fg-b and fg-c serve every shard", || async {
+        Rig::shard_map(b)
+            .await
+            .iter()
+            .all(|o| matches!(o.as_deref(), Some("fg-b" | "fg-c")))
+    })
+    .await;
+    let lease = &rig.leases[0];
+    let w = rig.worker(lease, "w").await;
+    let r = post(b, &format!("/{lease}/x"), &w, "served").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The long fault campaign (tests/it/campaign): the same seeded test as
-# the CI smoke (30 s of faults), run for longer.
+# The long fault campaigns (tests/it/campaign): the same seeded tests as the CI
+# smoke (30 s of faults), run for longer.
 #
-#   scripts/campaign.sh [secs] [seed]      # defaults: 600 s, a random seed
+#   scripts/campaign.sh [secs] [seed]                # one instance (default 600 s, a random seed)
+#   scripts/campaign.sh cluster [secs] [seed]        # three cluster instances (SPEC §10.2)
+#   scripts/campaign.sh cluster-weak [secs] [seed]   # the same against a build without
+#                                                    # self-fencing at the deadline: must FAIL
 #
 # Prints the histories checked, operations by outcome, nemesis events by kind and
 # every violation (the test fails on any). Re-run a failing seed to reproduce the
@@ -10,12 +13,33 @@
 # FENCEGATE_CAMPAIGN_WORKERS (default 6) for more contention and
 # FENCEGATE_CAMPAIGN_KEEP=1 to keep the logs of a passing run (a failing run always
 # keeps them and prints where: origin.jsonl, w*.jsonl, nemesis.log, epochs.jsonl,
-# fencegate.stderr).
+# the fencegate stderr files).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mode=single
+case "${1:-}" in
+    cluster|cluster-weak) mode=$1; shift ;;
+esac
 secs=${1:-600}
 seed=${2:-$(( (RANDOM << 15) | RANDOM ))}
-echo "campaign.sh: $secs s of faults, seed $seed" >&2
+echo "campaign.sh: $mode, $secs s of faults, seed $seed" >&2
 FENCEGATE_TEST_PYTHON=$(bash scripts/setup-s3server.sh)
 export FENCEGATE_TEST_PYTHON FENCEGATE_CAMPAIGN_SECS=$secs FENCEGATE_CAMPAIGN_SEED=$seed
-cargo test --locked --test it campaign::fault_campaign -- --exact --nocapture
+if [ "$mode" != single ] && [ "$(bash scripts/setup-postgres.sh)" = yes ]; then
+    export FENCEGATE_TEST_REQUIRE_POSTGRES=1  # a cluster needs PostgreSQL: never skip
+fi
+case $mode in
+    single)
+        cargo test --locked --test it campaign::fault_campaign -- --exact --nocapture ;;
+    cluster)
+        cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact --nocapture ;;
+    cluster-weak)
+        # The weakened binary (src/cluster/mod.rs, `weakened`): built with the
+        # failpoints feature and copied aside, since the test build replaces it.
+        cargo build --locked --features failpoints --bin fencegate
+        weak=$(mktemp -d)/fencegate-weak
+        cp target/debug/fencegate "$weak"
+        echo "campaign.sh: the checker must report violations below (a weakened build)" >&2
+        FENCEGATE_TEST_BIN=$weak FENCEGATE_WEAKEN=no_self_fence \
+            cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact --nocapture ;;
+esac

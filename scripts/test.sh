@@ -25,8 +25,9 @@ if [ $# -gt 0 ]; then
 fi
 # The benches run too: the load bench's smoke mode (a few seconds, no timing
 # assertions) and the criterion benches once each, so the benches cannot rot.
-# The fault campaign runs on its own afterwards: it measures a live system for
+# The fault campaigns (one instance, then a cluster) run on their own afterwards: each measures a live system for
 # 30 s, and sharing two cores with the database-killing tests starves it.
-cargo test --locked --lib --bins --tests -- --skip campaign::fault_campaign
+cargo test --locked --lib --bins --tests -- --skip campaign::fault_campaign --skip cluster_fault_campaign
 cargo test --locked --benches
 cargo test --locked --test it campaign::fault_campaign -- --exact
+cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact

@@ -857,9 +857,7 @@ mod weakened {
     #[cfg(feature = "failpoints")]
     pub fn no_self_fence() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            std::env::var("FENCEGATE_WEAKEN").is_ok_and(|v| v == "no_self_fence")
-        })
+        *ON.get_or_init(|| std::env::var("FENCEGATE_WEAKEN").is_ok_and(|v| v == "no_self_fence"))
     }
 
     #[cfg(not(feature = "failpoints"))]

@@ -45,7 +45,9 @@ pub async fn relay(
     let host = uri
         .authority()
         .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        .ok_or_else(|| RelayFailed::NotSent(format!("the owner's advertise URL {base:?} has no host")))?;
+        .ok_or_else(|| {
+            RelayFailed::NotSent(format!("the owner's advertise URL {base:?} has no host"))
+        })?;
     let mut headers = parts.headers;
     forward::strip_hop_by_hop(&mut headers);
     let orig_host = headers.remove(header::HOST);
@@ -57,8 +59,8 @@ pub async fn relay(
         PEER_NAME,
         HeaderValue::from_str(me).map_err(|e| RelayFailed::NotSent(e.to_string()))?,
     );
-    let mut token =
-        HeaderValue::from_str(peer_token).map_err(|e| RelayFailed::NotSent(format!("peer token: {e}")))?;
+    let mut token = HeaderValue::from_str(peer_token)
+        .map_err(|e| RelayFailed::NotSent(format!("peer token: {e}")))?;
     token.set_sensitive(true);
     headers.insert(PEER_TOKEN_NAME, token);
     let mut req = Request::new(body);

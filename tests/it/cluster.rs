@@ -625,7 +625,10 @@ async fn a_relay_cut_after_the_owner_forwarded_is_not_called_unavailable() {
     let pending = tokio::spawn(try_send(held));
     rig.origin.wait_for(1).await;
     rig.member_mut(&owner_id).fg.as_mut().unwrap().kill9();
-    let answer = pending.await.unwrap().expect("the relaying instance answers");
+    let answer = pending
+        .await
+        .unwrap()
+        .expect("the relaying instance answers");
     answer.assert_error(504, "upstream_timeout");
     assert_eq!(payloads_at(&rig.origin, "relayed").len(), 1);
     rig.origin.release("r");

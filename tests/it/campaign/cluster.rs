@@ -17,8 +17,9 @@
 //!   admits newer worker epochs; the woken owner must have fenced itself);
 //! - SIGTERM and a restart (shards handed over at once);
 //! - an instance cut from the S3 server (its own TCP relay refuses and cuts) for
-//!   8–11 s: it cannot renew, admits from its cache, and must stop forwarding at
-//!   `gate_ttl − self_fence_margin` before a successor takes its shards;
+//!   11–15 s: it cannot renew, admits from its cache, and must stop forwarding at
+//!   `gate_ttl − self_fence_margin`; the others take its shards after expiry plus
+//!   grace and serve newer worker epochs while it is still cut off;
 //! - the single-instance campaign's worker pauses and slow-origin windows.
 //!
 //! Instance faults come one at a time, 1–4 s apart. Four shards would put three
@@ -128,8 +129,8 @@ impl ClusterNemesis<'_> {
         }
     }
 
-    /// The instance to hit: mostly the owner of a busy shard, as a healthy
-    /// instance's `/v1/cluster` names it; else any healthy one.
+    /// The instance to hit: mostly one that serves a busy shard (one whose lease a
+    /// worker holds), as its own `/v1/cluster` says; else any healthy one.
     fn victim(&mut self) -> Option<usize> {
         let healthy: Vec<usize> = (0..self.instances.len())
             .filter(|&i| self.healthy(i))
@@ -140,33 +141,31 @@ impl ClusterNemesis<'_> {
         let busy: Vec<String> = (0..self.workers.len())
             .filter_map(|w| held_lease(&self.dir, w))
             .collect();
-        if !busy.is_empty() && self.rng.gen_bool(0.85) {
-            let lease = &busy[self.rng.gen_range(0..busy.len())];
-            let asked = healthy[self.rng.gen_range(0..healthy.len())];
-            let owner = admin_get(self.instances[asked].fg.admin, "/v1/cluster")
-                .and_then(|t| {
-                    let body = t.split("\r\n\r\n").nth(1)?.to_owned();
-                    serde_json::from_str::<serde_json::Value>(&body).ok()
-                })
-                .and_then(|v| {
-                    let me = v["instance_id"].as_str()?.to_owned();
-                    v["shard_map"].as_array()?.iter().find_map(|s| {
-                        let has = s["leases"]
-                            .as_array()?
-                            .iter()
-                            .any(|l| l.as_str() == Some(lease));
-                        match (has, s["served_here"] == true) {
-                            (false, _) => None,
-                            (true, true) => Some(me.clone()),
-                            (true, false) => s["owner"].as_str().map(str::to_owned),
-                        }
+        let serving_busy: Vec<usize> = healthy
+            .iter()
+            .copied()
+            .filter(|&i| {
+                admin_get(self.instances[i].fg.admin, "/v1/cluster")
+                    .and_then(|t| {
+                        let v: serde_json::Value =
+                            serde_json::from_str(t.split("\r\n\r\n").nth(1)?).ok()?;
+                        let map = v["shard_map"].as_array()?.clone();
+                        Some(map.iter().any(|s| {
+                            s["served_here"] == true
+                                && s["leases"].as_array().is_some_and(|ls| {
+                                    ls.iter().any(|l| busy.iter().any(|b| l == b.as_str()))
+                                })
+                        }))
                     })
-                });
-            if let Some(i) = owner.and_then(|o| self.instances.iter().position(|x| x.id == o)) {
-                return Some(i);
-            }
-        }
-        Some(healthy[self.rng.gen_range(0..healthy.len())])
+                    .unwrap_or(false)
+            })
+            .collect();
+        let pool = if !serving_busy.is_empty() && self.rng.gen_bool(0.85) {
+            &serving_busy
+        } else {
+            &healthy
+        };
+        Some(pool[self.rng.gen_range(0..pool.len())])
     }
 
     fn restart(&mut self, i: usize) {
@@ -174,8 +173,15 @@ impl ClusterNemesis<'_> {
         while let Err(stderr) = self.instances[i].fg.spawn(None) {
             tries += 1;
             let last = stderr.lines().last().unwrap_or_default().to_owned();
-            assert!(tries < 30, "{} did not restart:\n{stderr}", self.instances[i].id);
-            self.note("restart failed", format!("{}: {last}", self.instances[i].id));
+            assert!(
+                tries < 30,
+                "{} did not restart:\n{stderr}",
+                self.instances[i].id
+            );
+            self.note(
+                "restart failed",
+                format!("{}: {last}", self.instances[i].id),
+            );
             std::thread::sleep(Duration::from_millis(500));
         }
         self.instances[i].down_until = None;
@@ -294,7 +300,7 @@ impl ClusterNemesis<'_> {
             self.instances[i].down_until = Some(now);
             self.note("SIGTERM instance", format!("{id}: {status}"));
         } else {
-            let ms = self.rng.gen_range(TAKEOVER_AFTER_MS + 1500..11_000);
+            let ms = self.rng.gen_range(11_000..15_000);
             self.instances[i].store.refuse(true);
             self.instances[i].store.cut();
             self.instances[i].cut_until = Some(now + Duration::from_millis(ms));
@@ -481,7 +487,23 @@ async fn cluster_fault_campaign() {
         .map(|t| metric(&t, "fencegate_cluster_takeovers"))
         .sum();
     nemesis.workers = (0..n_workers)
-        .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &["--polls", "0.4", "--long-ttl", "0.5", "--client-timeout", "3"]))
+        .map(|i| {
+            start_worker(
+                &dir,
+                i,
+                &s3,
+                secs,
+                seed * 100 + i as u64,
+                &[
+                    "--polls",
+                    "0.4",
+                    "--long-ttl",
+                    "0.5",
+                    "--client-timeout",
+                    "3",
+                ],
+            )
+        })
         .collect();
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);

@@ -42,7 +42,7 @@ fn leases_per_shard(shards: u32) -> Vec<String> {
 }
 
 /// A free loopback port for a member's proxy listener (its `advertise`).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -132,6 +132,17 @@ impl Rig {
             id: id.to_owned(),
             fg: Some(fg),
         });
+    }
+
+    /// [`Rig::add`] with the member reaching the S3 server through a TCP relay
+    /// the test can cut.
+    async fn add_behind_store_relay(&mut self, id: &str) -> crate::support::relay::Relay {
+        let s3 = self.s3.endpoint.clone();
+        let s3_port: u16 = s3.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap();
+        let relay = crate::support::relay::Relay::start(s3_port).await;
+        let via = format!("http://127.0.0.1:{}", relay.addr.port());
+        self.add_with(id, |c| c.replace(&s3, &via));
+        relay
     }
 
     fn member(&self, id: &str) -> &Member {
@@ -445,19 +456,7 @@ async fn an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl() {
     skip_without_python!();
     skip_without_postgres!();
     let mut rig = Rig::start(0, 1).await;
-    let s3_port: u16 = rig
-        .s3
-        .store_toml(200)
-        .split("endpoint = \"http://127.0.0.1:")
-        .nth(1)
-        .and_then(|r| r.split('"').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap();
-    let relay = crate::support::relay::Relay::start(s3_port).await;
-    let via = format!("http://127.0.0.1:{}", relay.addr.port());
-    rig.add_with("fg-a", |c| {
-        c.replace(&format!("http://127.0.0.1:{s3_port}"), &via)
-    });
+    let relay = rig.add_behind_store_relay("fg-a").await;
     rig.settled("fg-a owns the shard", |c| c.get("fg-a") == Some(&1))
         .await;
     rig.add("fg-b");
@@ -643,18 +642,7 @@ async fn a_member_cut_from_the_store_loses_its_shards_to_the_others() {
     skip_without_python!();
     skip_without_postgres!();
     let mut rig = Rig::start(0, 3).await;
-    let s3_port: u16 = rig
-        .s3
-        .endpoint
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .unwrap();
-    let relay = crate::support::relay::Relay::start(s3_port).await;
-    let via = format!("http://127.0.0.1:{}", relay.addr.port());
-    rig.add_with("fg-a", |c| {
-        c.replace(&format!("http://127.0.0.1:{s3_port}"), &via)
-    });
+    let relay = rig.add_behind_store_relay("fg-a").await;
     rig.add("fg-b");
     rig.add("fg-c");
     rig.settled("three members", balanced(3, 3)).await;

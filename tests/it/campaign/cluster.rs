@@ -48,6 +48,7 @@
 //! `scripts/campaign.sh cluster [secs] [seed]` runs longer.
 
 use super::*;
+use crate::cluster::free_port;
 use crate::support::postgres::PgServer;
 use crate::support::relay::Relay;
 use crate::support::state_toml;
@@ -308,19 +309,6 @@ impl ClusterNemesis<'_> {
         }
     }
 
-    fn run(&mut self, secs: u64) {
-        let end = Instant::now() + Duration::from_secs(secs);
-        let mut next = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < end {
-            self.tick();
-            if Instant::now() >= next {
-                self.inject();
-                next = Instant::now() + Duration::from_millis(self.rng.gen_range(250..900));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
     /// Ends every fault, lets the workers finish (bounded), counts takeovers.
     fn heal(&mut self) -> Vec<String> {
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
@@ -342,23 +330,7 @@ impl ClusterNemesis<'_> {
                 self.instances[i].store.refuse(false);
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(40);
-        let mut failures = Vec::new();
-        for w in &mut self.workers {
-            let status = loop {
-                if let Some(s) = w.child.try_wait().unwrap() {
-                    break Some(s);
-                }
-                if Instant::now() > deadline {
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            };
-            match status {
-                Some(s) if s.success() => {}
-                other => failures.push(format!("{} ended with {other:?}", w.name)),
-            }
-        }
+        let failures = wait_workers(&mut self.workers);
         for i in 0..self.instances.len() {
             if self.instances[i].fg.exited() {
                 let id = self.instances[i].id.clone();
@@ -373,13 +345,18 @@ impl ClusterNemesis<'_> {
     }
 }
 
-/// A free loopback port for an instance's proxy listener (its `advertise`).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+impl Faults for ClusterNemesis<'_> {
+    fn tick(&mut self) {
+        ClusterNemesis::tick(self);
+    }
+
+    fn inject(&mut self) {
+        ClusterNemesis::inject(self);
+    }
+
+    fn rng(&mut self) -> &mut StdRng {
+        &mut self.rng
+    }
 }
 
 /// Waits until every instance names an owner for every shard.

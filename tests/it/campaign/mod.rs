@@ -631,19 +631,6 @@ impl Nemesis<'_> {
         self.down = Some((Instant::now(), None));
     }
 
-    fn run(&mut self, secs: u64) {
-        let end = Instant::now() + Duration::from_secs(secs);
-        let mut next = Instant::now() + Duration::from_millis(500);
-        while Instant::now() < end {
-            self.tick();
-            if Instant::now() >= next {
-                self.inject();
-                next = Instant::now() + Duration::from_millis(self.rng.gen_range(250..900));
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
     /// Ends every fault, then lets the workers finish (bounded).
     fn heal(&mut self) -> Vec<String> {
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
@@ -665,23 +652,7 @@ impl Nemesis<'_> {
         if self.down.is_some() {
             self.restart(None);
         }
-        let deadline = Instant::now() + Duration::from_secs(40);
-        let mut failures = Vec::new();
-        for w in &mut self.workers {
-            let status = loop {
-                if let Some(s) = w.child.try_wait().unwrap() {
-                    break Some(s);
-                }
-                if Instant::now() > deadline {
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            };
-            match status {
-                Some(s) if s.success() => {}
-                other => failures.push(format!("{} ended with {other:?}", w.name)),
-            }
-        }
+        let failures = wait_workers(&mut self.workers);
         if self.fg.exited() {
             self.unexpected_exits
                 .push("fencegate exited while the workers finished".into());
@@ -692,6 +663,63 @@ impl Nemesis<'_> {
         wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
         failures
     }
+}
+
+/// A nemesis: `tick` ends the faults whose time has come, `inject` starts one.
+trait Faults {
+    fn tick(&mut self);
+    fn inject(&mut self);
+    fn rng(&mut self) -> &mut StdRng;
+
+    /// Injects faults every 250–900 ms for `secs`.
+    fn run(&mut self, secs: u64) {
+        let end = Instant::now() + Duration::from_secs(secs);
+        let mut next = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < end {
+            self.tick();
+            if Instant::now() >= next {
+                self.inject();
+                next = Instant::now() + Duration::from_millis(self.rng().gen_range(250..900));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Faults for Nemesis<'_> {
+    fn tick(&mut self) {
+        Nemesis::tick(self);
+    }
+
+    fn inject(&mut self) {
+        Nemesis::inject(self);
+    }
+
+    fn rng(&mut self) -> &mut StdRng {
+        &mut self.rng
+    }
+}
+
+/// Lets the workers finish (40 s at most): how those that failed ended.
+fn wait_workers(workers: &mut [Proc]) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut failures = Vec::new();
+    for w in workers {
+        let status = loop {
+            if let Some(s) = w.child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        match status {
+            Some(s) if s.success() => {}
+            other => failures.push(format!("{} ended with {other:?}", w.name)),
+        }
+    }
+    failures
 }
 
 /// Waits until every request the origin logged has its answer logged, and nothing

@@ -70,7 +70,8 @@ pub struct Holes {
     /// The ownership window starts when the gate create is *confirmed* (SPEC
     /// §10.2 as first written) instead of when it was sent.
     pub window_from_confirm: bool,
-    /// A takeover admits at once: no settle of a drain timeout.
+    /// A takeover from another instance admits at once: no settle of a drain
+    /// timeout (a restart still settles).
     pub no_takeover_settle: bool,
     /// The successor adds `LastModified`'s resolution to it before judging the
     /// previous gate epoch's expiry (SPEC §2 "must account for the 1-second
@@ -565,7 +566,10 @@ impl Proto {
                 rec.state = RecState::InDoubt;
             }
         }
-        let settle = mark > 0 && !(cluster && self.cfg.holes.no_takeover_settle);
+        // The switch drops the settle of a takeover from another instance; a
+        // restart taking its own gate back settles as §5 says in any case.
+        let from_other = prev.is_some_and(|p| p != i);
+        let settle = mark > 0 && !(cluster && from_other && self.cfg.holes.no_takeover_settle);
         let settled = if settle && !self.cfg.holes.forget_drain {
             s.db.drained.min(mark)
         } else {

@@ -14,7 +14,8 @@ connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurr
 --polls P (a share of operations), "poll" and "poll-retry": a GET without an
 Idempotency-Key (retried like an op), which fencegate forwards without any state
 write (SPEC §6), so only its fences and the cluster's self-fencing stand between a
-stale poll and the destination (`key` is "").
+stale poll and the destination (`key` is ""). With --stale P, a renewal is followed
+(chance P) by a "poll-stale": a poll with the superseded epoch 0.2-2 s later.
 
 --addr-file holds one fencegate `host:port` per line (several for a cluster: every
 request goes to one of them at random); it is re-read before every request.
@@ -268,6 +269,13 @@ class Worker:
             rec = self.send(ten, retry, key, body)
         return rec
 
+    def stale_poll(self, old):
+        """A part of us that did not hear of the renewal: a poll with the superseded
+        epoch, a moment later (SPEC §1's late worker, inside one worker)."""
+        time.sleep(self.rng.uniform(0.2, 2.0))
+        if time.monotonic() < self.stop_at:
+            self.send(old, "poll-stale", "", "")
+
     def run(self):
         leases = self.a.leases.split(",")
         while time.monotonic() < self.stop_at:
@@ -288,8 +296,12 @@ class Worker:
                 if time.monotonic() > self.stop_at:
                     break
                 if ten.left() < 1.0 or (live and self.rng.random() < 0.3):
+                    old = ten
                     ten = self.acquire(lease, current=ten) or ten  # renew (SPEC §2 step 4)
                     self.holding(ten)
+                    if ten is not old and self.a.stale > 0 and self.rng.random() < self.a.stale:
+                        live.append(threading.Thread(target=self.stale_poll, args=(old,)))
+                        live[-1].start()
                 sloppy = self.rng.random() < 0.1
                 if ten.left() <= 0 and not sloppy:
                     break
@@ -327,6 +339,8 @@ def main():
                    help="share of tenures with a 0.9-1.3 s TTL")
     p.add_argument("--long-ttl", type=float, default=0.0,
                    help="share of tenures with a 12-20 s TTL (longer than a gate lease)")
+    p.add_argument("--stale", type=float, default=0.0,
+                   help="chance that a renewal is followed by a poll with the superseded epoch")
     p.add_argument("--polls", type=float, default=0.0,
                    help="share of operations sent as a GET without an Idempotency-Key")
     Worker(p.parse_args()).run()

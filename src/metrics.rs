@@ -566,6 +566,13 @@ fn cluster_metrics(
     )?;
     emit(
         enc,
+        "fencegate_cluster_gate_store_calls",
+        "Lease store calls made for gate leases (renewals, looks at other shards, takeovers, releases)",
+        MetricType::Counter,
+        one(cl.gate_calls.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
         "fencegate_peer_failures",
         "Relayed requests the owner did not answer (503 shard_unavailable)",
         MetricType::Counter,

@@ -98,6 +98,8 @@ struct Seen {
     expires_at: Option<SystemTime>,
     /// A contender may take it now (SPEC §2 step 2, with `grace_ms`).
     free: bool,
+    /// The latest gate object as read (objects are immutable: read once per epoch).
+    object: Option<(EpochObject, Option<String>)>,
 }
 
 struct ShardGate {
@@ -160,11 +162,15 @@ pub struct Cluster {
     members: Mutex<Vec<String>>,
     /// Shards whose store call failed in the current keeper round.
     store_failures: AtomicUsize,
+    /// Wakes the keeper for an early round (a request found no owner).
+    nudged: tokio::sync::Notify,
     stopping: CancellationToken,
     pub takeovers: AtomicU64,
     pub handovers: AtomicU64,
     pub peer_forwards: AtomicU64,
     pub peer_failures: AtomicU64,
+    /// Store calls made for gate leases (renewals, looks, takeovers, releases).
+    pub gate_calls: Arc<AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -205,12 +211,17 @@ impl Cluster {
                 seen: Mutex::new(Seen::default()),
             })
             .collect();
+        let gate_calls = Arc::new(AtomicU64::new(0));
+        let counted: Arc<dyn LeaseStore> = Arc::new(Counted {
+            inner: store,
+            calls: gate_calls.clone(),
+        });
         let cluster = Arc::new(Cluster {
             id: cc.instance_id.clone(),
             advertise: cc.advertise.trim_end_matches('/').to_owned(),
             shards,
             peer_token: cc.resolved_peer_token().unwrap_or_default(),
-            epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
+            epochs: Epochs::new(counted, format!("{}.gate/", cfg.store.prefix)),
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
             grace: Duration::from_millis(cfg.store.grace_ms),
@@ -221,11 +232,13 @@ impl Cluster {
             dedup,
             members: Mutex::new(vec![cc.instance_id.clone()]),
             store_failures: AtomicUsize::new(0),
+            nudged: tokio::sync::Notify::new(),
             stopping: CancellationToken::new(),
             takeovers: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             peer_forwards: AtomicU64::new(0),
             peer_failures: AtomicU64::new(0),
+            gate_calls,
         });
         cluster.check_set_up().await?;
         Ok(cluster)
@@ -295,6 +308,13 @@ impl Cluster {
             (Some(owner), Some(url)) if owner != self.id => Placement::Peer { owner, url },
             _ => Placement::Unavailable,
         }
+    }
+
+    /// A request found its shard without an owner it could reach (a handover or a
+    /// takeover under way): look at the gate leases now rather than at the next
+    /// tick, so a released shard is taken — and its new owner known — sooner.
+    pub fn nudge(&self) {
+        self.nudged.notify_one();
     }
 
     /// Whether a forward under `owner` may start now (SPEC §10.2 self-fencing).
@@ -390,6 +410,10 @@ impl Cluster {
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = ticks.tick() => {}
+                _ = self.nudged.notified() => {
+                    // At most a few early rounds a second, whatever the traffic.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             }
             self.round().await;
         }
@@ -437,17 +461,7 @@ impl Cluster {
             }
             let sent = Instant::now();
             let decorate = self.decorate();
-            let renewed = acquire::acquire_with(
-                &self.epochs,
-                &g.name,
-                &self.id,
-                self.ttl,
-                self.grace,
-                Some((h.epoch, h.token.as_str())),
-                false,
-                &decorate,
-            )
-            .await;
+            let renewed = acquire::renew_direct(&self.epochs, &h, self.ttl, &decorate).await;
             match renewed {
                 Ok(new) => {
                     self.extend(g, sent);
@@ -460,40 +474,10 @@ impl Cluster {
                     }
                 }
                 Err(AcquireError::NotHolder { why, .. }) => {
-                    // Our epoch's expiry passed on the store's clock (its 1 s
-                    // resolution eats into short TTLs): if it is still the latest,
-                    // creating the next one keeps the tenure unbroken — nobody can
-                    // have held the shard in between.
-                    let sent = Instant::now();
-                    let back = acquire::acquire_with(
-                        &self.epochs,
-                        &g.name,
-                        &self.id,
-                        self.ttl,
-                        self.grace,
-                        None,
-                        true,
-                        &decorate,
-                    )
-                    .await;
-                    match back {
-                        Ok(new) if Some(new.epoch) == h.epoch.next() => {
-                            self.extend(g, sent);
-                            self.saw_ours(g, &new);
-                            *lock(&g.holding) = Some(new);
-                        }
-                        other => {
-                            *lock(&g.holding) = None;
-                            tracing::warn!(shard, gate_epoch = %h.epoch, why, "lost the gate lease of a shard");
-                            self.stop_serving(shard, Duration::ZERO, "gate lease lost");
-                            if let Ok(new) = other {
-                                // Someone held it in between: a new tenure.
-                                *lock(&g.holding) = Some(new.clone());
-                                drop(_op);
-                                self.clone().spawn_takeover(shard, Some((new, sent)));
-                            }
-                        }
-                    }
+                    // Someone else created the next gate epoch: the tenure is over.
+                    *lock(&g.holding) = None;
+                    tracing::warn!(shard, gate_epoch = %h.epoch, why, "lost the gate lease of a shard");
+                    self.stop_serving(shard, Duration::ZERO, "gate lease lost");
                 }
                 Err(e) => {
                     self.store_failures.fetch_add(1, Ordering::SeqCst);
@@ -502,26 +486,8 @@ impl Cluster {
             }
             return;
         }
-        match acquire::status(&self.epochs, &g.name).await {
-            Ok(st) => {
-                let mut seen = Seen {
-                    epoch: st.latest,
-                    free: st.is_free(self.grace),
-                    ..Seen::default()
-                };
-                if let Some(EpochObject::Acquire {
-                    holder, expires_at, ..
-                }) = &st.object
-                {
-                    seen.holder = Some(holder.clone());
-                    if st.store_earliest <= *expires_at {
-                        seen.owner = Some(holder.clone());
-                        seen.expires_at = Some(*expires_at);
-                        seen.advertise = self.advertise_of(&g.name, st.latest).await;
-                    }
-                }
-                *lock(&g.seen) = seen;
-            }
+        match self.look(g).await {
+            Ok(seen) => *lock(&g.seen) = seen,
             Err(e) => {
                 self.store_failures.fetch_add(1, Ordering::SeqCst);
                 tracing::warn!(shard, error = %e, "could not look at a shard's gate lease")
@@ -529,12 +495,57 @@ impl Cluster {
         }
     }
 
-    /// The `advertise` field of a gate object (not in [`EpochObject`]).
-    async fn advertise_of(&self, name: &LeaseName, epoch: Epoch) -> Option<String> {
-        let key = crate::epoch::object_key(self.epochs.prefix(), name, epoch);
-        let obj = self.epochs.store().get(&key).await.ok()??;
-        let rec: EpochRecord = serde_json::from_slice(&obj.body).ok()?;
-        rec.advertise
+    /// The latest gate object of a shard held elsewhere: one LIST a round, and a
+    /// GET only when the epoch changed (gate objects are immutable).
+    async fn look(&self, g: &ShardGate) -> Result<Seen, StoreError> {
+        let latest = self.epochs.latest_after(&g.name, Epoch::NONE).await?;
+        let cached = {
+            let seen = lock(&g.seen);
+            (seen.epoch == latest && seen.object.is_some()).then(|| seen.object.clone())
+        };
+        let object = match cached {
+            Some(o) => o,
+            None if latest == Epoch::NONE => None,
+            None => {
+                let key = crate::epoch::object_key(self.epochs.prefix(), &g.name, latest);
+                self.epochs.store().get(&key).await?.map(|o| {
+                    let advertise = serde_json::from_slice::<EpochRecord>(&o.body)
+                        .ok()
+                        .and_then(|r| r.advertise);
+                    (
+                        EpochObject::from_stored(&g.name, latest, &o.body, o.last_modified),
+                        advertise,
+                    )
+                })
+            }
+        };
+        let st = acquire::LeaseStatus {
+            latest,
+            object: object.as_ref().map(|(o, _)| o.clone()),
+            store_now: self.epochs.store_now(),
+            store_earliest: self.epochs.store().clock().earliest(),
+        };
+        let mut seen = Seen {
+            epoch: latest,
+            free: st.is_free(self.grace),
+            object: object.clone(),
+            ..Seen::default()
+        };
+        if let Some((
+            EpochObject::Acquire {
+                holder, expires_at, ..
+            },
+            advertise,
+        )) = &object
+        {
+            seen.holder = Some(holder.clone());
+            if st.store_earliest <= *expires_at {
+                seen.owner = Some(holder.clone());
+                seen.expires_at = Some(*expires_at);
+                seen.advertise = advertise.clone();
+            }
+        }
+        Ok(seen)
     }
 
     fn saw_ours(&self, g: &ShardGate, h: &Holding) {
@@ -545,6 +556,7 @@ impl Cluster {
             advertise: Some(self.advertise.clone()),
             expires_at: Some(h.expires_at),
             free: false,
+            object: None,
         };
     }
 
@@ -863,6 +875,47 @@ mod weakened {
     #[cfg(not(feature = "failpoints"))]
     pub fn no_self_fence() -> bool {
         false
+    }
+}
+
+/// The lease store as the keeper uses it, counting its calls: what gate leases
+/// cost at rest (`fencegate_cluster_gate_store_calls_total`).
+struct Counted {
+    inner: Arc<dyn LeaseStore>,
+    calls: Arc<AtomicU64>,
+}
+
+#[async_trait::async_trait]
+impl LeaseStore for Counted {
+    async fn list(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+    ) -> Result<Vec<String>, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.list(prefix, start_after).await
+    }
+    async fn get(&self, key: &str) -> Result<Option<crate::lease::StoredObject>, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.get(key).await
+    }
+    async fn create_if_absent(
+        &self,
+        key: &str,
+        body: bytes::Bytes,
+    ) -> Result<crate::lease::CreateOutcome, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.create_if_absent(key, body).await
+    }
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.delete(key).await
+    }
+    fn clock(&self) -> &crate::clock::StoreClock {
+        self.inner.clock()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
     }
 }
 

@@ -284,6 +284,44 @@ pub async fn acquire_with(
     })
 }
 
+/// Renews a held tenure in two store calls: creates L+1 straight away (the
+/// conditional create is the check — if anyone else created L+1 first, the
+/// tenure is lost) and reads it back for its `LastModified`. For gate leases,
+/// renewed every few seconds: [`acquire_with`]'s LIST and GET first add nothing
+/// a conditional create does not decide. An expired but still latest epoch is
+/// renewed too: nobody can have held the lease in between.
+pub async fn renew_direct(
+    epochs: &Epochs,
+    current: &Holding,
+    ttl: Duration,
+    decorate: &(dyn Fn(&mut EpochRecord) + Sync),
+) -> Result<Holding, AcquireError> {
+    let lease = &current.lease;
+    let next = current.epoch.next().ok_or_else(|| AcquireError::GaveUp {
+        lease: lease.clone(),
+        why: "epoch numbers are exhausted".into(),
+    })?;
+    let token = fresh_token();
+    let hash = TokenHash::of(token.as_bytes());
+    let mut record = EpochRecord::acquire(lease, next, &current.holder, token.as_bytes(), ttl);
+    decorate(&mut record);
+    let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
+    match create_decided(epochs, lease, next, Bytes::from(record.to_json()), ours).await? {
+        Created::Won(expires_at) => Ok(Holding {
+            lease: lease.clone(),
+            epoch: next,
+            token,
+            holder: current.holder.clone(),
+            expires_at,
+        }),
+        Created::Lost => Err(AcquireError::NotHolder {
+            lease: lease.clone(),
+            epoch: current.epoch,
+            why: format!("epoch {next} was created by someone else first"),
+        }),
+    }
+}
+
 /// Renews a tenure: acquires L+1 while holding L, with a fresh token.
 pub async fn renew(
     epochs: &Epochs,

@@ -578,7 +578,10 @@ impl Proxy {
                     .ok_or_else(unavailable),
             ),
             Placement::Peer { owner, url } if !relayed => Served::There { owner, url },
-            Placement::Peer { .. } | Placement::Unavailable => Served::Here(Err(unavailable())),
+            Placement::Peer { .. } | Placement::Unavailable => {
+                cluster.nudge();
+                Served::Here(Err(unavailable()))
+            }
         }
     }
 
@@ -612,7 +615,14 @@ impl Proxy {
             timeout,
         )
         .await
+        .inspect(|resp| {
+            // The owner is handing the shard over (or lost it): look again now.
+            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE {
+                cluster.nudge();
+            }
+        })
         .map_err(|failed| {
+            cluster.nudge();
             cluster.peer_failures.fetch_add(1, Ordering::Relaxed);
             match failed {
                 relay::RelayFailed::NotSent(detail) => {

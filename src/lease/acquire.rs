@@ -258,24 +258,10 @@ pub async fn acquire_with(
                 why: "epoch numbers are exhausted".into(),
             });
         };
-        let token = fresh_token();
-        let hash = TokenHash::of(token.as_bytes());
-        let mut record = EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl);
-        decorate(&mut record);
-        let body = Bytes::from(record.to_json());
-        let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
-        match create_decided(epochs, lease, next, body, ours).await? {
-            Created::Won(expires_at) => {
-                return Ok(Holding {
-                    lease: lease.clone(),
-                    epoch: next,
-                    token,
-                    holder: holder.to_owned(),
-                    expires_at,
-                })
-            }
+        match create_acquire(epochs, lease, next, holder, ttl, decorate).await? {
+            Some(held) => return Ok(held),
             // Losing a race is never permission to work: look again.
-            Created::Lost => continue,
+            None => continue,
         }
     }
     Err(AcquireError::GaveUp {
@@ -301,25 +287,42 @@ pub async fn renew_direct(
         lease: lease.clone(),
         why: "epoch numbers are exhausted".into(),
     })?;
-    let token = fresh_token();
-    let hash = TokenHash::of(token.as_bytes());
-    let mut record = EpochRecord::acquire(lease, next, &current.holder, token.as_bytes(), ttl);
-    decorate(&mut record);
-    let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
-    match create_decided(epochs, lease, next, Bytes::from(record.to_json()), ours).await? {
-        Created::Won(expires_at) => Ok(Holding {
-            lease: lease.clone(),
-            epoch: next,
-            token,
-            holder: current.holder.clone(),
-            expires_at,
-        }),
-        Created::Lost => Err(AcquireError::NotHolder {
+    create_acquire(epochs, lease, next, &current.holder, ttl, decorate)
+        .await?
+        .ok_or_else(|| AcquireError::NotHolder {
             lease: lease.clone(),
             epoch: current.epoch,
             why: format!("epoch {next} was created by someone else first"),
-        }),
-    }
+        })
+}
+
+/// Step 3 for an acquire: creates `next` with a fresh token, deciding an
+/// uncertain result by reading it back. `None` when someone else created it.
+async fn create_acquire(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    next: Epoch,
+    holder: &str,
+    ttl: Duration,
+    decorate: &(dyn Fn(&mut EpochRecord) + Sync),
+) -> Result<Option<Holding>, AcquireError> {
+    let token = fresh_token();
+    let hash = TokenHash::of(token.as_bytes());
+    let mut record = EpochRecord::acquire(lease, next, holder, token.as_bytes(), ttl);
+    decorate(&mut record);
+    let ours = |o: &EpochObject, _: &[u8]| matches!(o, EpochObject::Acquire { token, .. } if token.matches(&hash));
+    Ok(
+        match create_decided(epochs, lease, next, Bytes::from(record.to_json()), ours).await? {
+            Created::Won(expires_at) => Some(Holding {
+                lease: lease.clone(),
+                epoch: next,
+                token,
+                holder: holder.to_owned(),
+                expires_at,
+            }),
+            Created::Lost => None,
+        },
+    )
 }
 
 /// Renews a tenure: acquires L+1 while holding L, with a fresh token.

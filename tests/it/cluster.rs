@@ -260,6 +260,27 @@ fn signal(fg: &Fencegate, sig: &str) {
         .success());
 }
 
+/// Sends a keyed request through `fg` that the origin holds under `hold`, and
+/// waits until it is at the origin: the request a test kills, freezes or cuts
+/// the owner under.
+async fn held_at_origin(
+    rig: &Rig,
+    fg: &Fencegate,
+    path: &str,
+    w: &Holding,
+    key: &str,
+    payload: &str,
+    hold: &str,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let mut req = keyed(fg, path, w, key, payload);
+    req.headers_mut()
+        .insert("x-test-hold", hold.parse().unwrap());
+    let before = rig.origin.count();
+    let pending = tokio::spawn(try_send(req));
+    rig.origin.wait_for(before + 1).await;
+    pending
+}
+
 /// Each live instance holds ⌊n/l⌋ or ⌈n/l⌉ shards.
 fn balanced(shards: u32, live: usize) -> impl Fn(&BTreeMap<String, usize>) -> bool {
     move |counts| {
@@ -463,11 +484,16 @@ async fn a_takeover_turns_the_dead_owners_in_flight_keys_in_doubt() {
     };
     let w = rig.worker(&lease, "w").await;
     let owner = rig.member(&owner_id).fg();
-    let mut held = keyed(owner, &format!("/{lease}/k"), &w, "key-held", "held");
-    held.headers_mut()
-        .insert("x-test-hold", "h".parse().unwrap());
-    let pending = tokio::spawn(try_send(held));
-    rig.origin.wait_for(1).await;
+    let pending = held_at_origin(
+        &rig,
+        owner,
+        &format!("/{lease}/k"),
+        &w,
+        "key-held",
+        "held",
+        "h",
+    )
+    .await;
     rig.member_mut(&owner_id).fg.as_mut().unwrap().kill9();
     assert!(
         pending.await.unwrap().is_err(),
@@ -514,11 +540,16 @@ async fn an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl() {
     let lease = rig.leases[0].clone();
     let w = rig.worker(&lease, "w").await;
     let a = rig.member("fg-a").fg();
-    let mut held = keyed(a, &format!("/{lease}/k"), &w, "key-cut", "cut off");
-    held.headers_mut()
-        .insert("x-test-hold", "cut".parse().unwrap());
-    let pending = tokio::spawn(try_send(held));
-    rig.origin.wait_for(1).await;
+    let pending = held_at_origin(
+        &rig,
+        a,
+        &format!("/{lease}/k"),
+        &w,
+        "key-cut",
+        "cut off",
+        "cut",
+    )
+    .await;
     relay.refuse(true);
     relay.cut();
     let cut = Instant::now();
@@ -671,11 +702,16 @@ async fn a_deposed_owners_late_outcome_write_fails() {
     let a = rig.member(&map[0]).fg();
     let b = rig.running().find(|m| m.id != map[0]).unwrap();
     let old = rig.worker(&lease, "old").await;
-    let mut slow = keyed(a, &format!("/{lease}/k"), &old, "key-slow", "old slow");
-    slow.headers_mut()
-        .insert("x-test-hold", "slow".parse().unwrap());
-    let pending = tokio::spawn(try_send(slow));
-    rig.origin.wait_for(1).await;
+    let pending = held_at_origin(
+        &rig,
+        a,
+        &format!("/{lease}/k"),
+        &old,
+        "key-slow",
+        "old slow",
+        "slow",
+    )
+    .await;
     signal(a, "-STOP");
     // The destination answers while the owner is frozen.
     rig.origin.release("slow");
@@ -1099,11 +1135,16 @@ async fn a_relay_cut_after_the_owner_forwarded_is_not_called_unavailable() {
     let owner_id = map[0].clone();
     let w = rig.worker(&lease, "w").await;
     let other = rig.running().find(|m| m.id != owner_id).unwrap().fg();
-    let mut held = keyed(other, &format!("/{lease}/k"), &w, "key-relayed", "relayed");
-    held.headers_mut()
-        .insert("x-test-hold", "r".parse().unwrap());
-    let pending = tokio::spawn(try_send(held));
-    rig.origin.wait_for(1).await;
+    let pending = held_at_origin(
+        &rig,
+        other,
+        &format!("/{lease}/k"),
+        &w,
+        "key-relayed",
+        "relayed",
+        "r",
+    )
+    .await;
     rig.member_mut(&owner_id).fg.as_mut().unwrap().kill9();
     let answer = pending
         .await

@@ -21,4 +21,6 @@ if [ "${1:-}" = --update-screenshot ]; then
     export SCREENSHOT="$PWD/tests/browser/operator-page.png"
 fi
 cd tests/browser
-node --test operator-page.test.mjs
+# --test-force-exit: once the test is done, a stray handle (a browser a failed
+# step left open) must not keep node, and CI, waiting; `timeout` bounds the rest.
+timeout --kill-after=10 600 node --test --test-force-exit operator-page.test.mjs

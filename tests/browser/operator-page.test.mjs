@@ -95,11 +95,32 @@ ${route("payouts")}
 ${route("reports")}`,
   );
   const fg = spawn(BIN, ["serve", "--config", config], { stdio: ["ignore", "inherit", "inherit"] });
-  t.after(() => {
-    fg.kill("SIGTERM");
-    origin.server.closeAllConnections?.();
-    origin.server.close();
-    rmSync(dir, { recursive: true, force: true });
+  const exited = new Promise((r) => fg.once("exit", r));
+  // One cleanup, in order, that never throws: a failed step must not skip the
+  // browser's close (a live Chromium keeps node, and CI, waiting forever), and
+  // the directory goes only after fencegate has exited (it writes there on
+  // its way out: the instance guard's release).
+  let browser;
+  t.after(async () => {
+    const step = async (what, f) => {
+      try {
+        await f();
+      } catch (e) {
+        console.error(`cleanup: ${what}: ${e}`);
+      }
+    };
+    await step("close the browser", () => browser?.close());
+    await step("stop fencegate", async () => {
+      fg.kill("SIGTERM");
+      const late = setTimeout(() => fg.kill("SIGKILL"), 15000);
+      await exited;
+      clearTimeout(late);
+    });
+    await step("stop the origin", () => {
+      origin.server.closeAllConnections?.();
+      origin.server.close();
+    });
+    await step("remove the temp dir", () => rmSync(dir, { recursive: true, force: true, maxRetries: 5 }));
   });
   const admin = `http://127.0.0.1:${adminPort}`;
   const proxy = `http://127.0.0.1:${proxyPort}`;
@@ -132,7 +153,7 @@ ${route("reports")}`,
   assert.equal((await send("/payouts/batch", p, "payout-2026-12-01", true)).status, 504);
   assert.equal(origin.arrivals.filter((x) => x.key === "order-1042").length, 1);
 
-  const browser = await chromium.launch({
+  browser = await chromium.launch({
     executablePath: process.env.CHROMIUM ?? "/usr/bin/chromium",
     headless: true,
     args: [
@@ -145,7 +166,6 @@ ${route("reports")}`,
       "--disable-sync",
     ],
   });
-  t.after(() => browser.close());
   const context = await browser.newContext({ viewport: { width: 1180, height: 900 } });
   const page = await context.newPage();
   const outside = [];

@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 /// mimalloc instead of glibc's malloc: the request path allocates and frees many
 /// small, short-lived buffers across threads, where glibc spent ~10% of a
-/// forwarded request's CPU (malloc, free, malloc_consolidate).
+/// forwarded request's CPU (malloc, free, malloc_consolidate). The `system-alloc`
+/// feature keeps glibc's, for heaptrack (it hooks malloc, not mimalloc).
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -38,6 +38,24 @@ each renewal is a raise that may have to drain the previous epoch's requests, an
 the raiser may still be waiting in that drain when its epoch expires (fencegate
 must then refuse it, SPEC §5). Tenure lines say
 `"short": true`.
+
+With --directed CTL the worker does no random work: it plays the cluster
+campaign's directed late worker, one step at a time as the nemesis commands
+(tests/it/campaign/cluster.rs). The nemesis writes `CTL.cmd`, the worker answers in
+`CTL.ack`, each one line starting with the step's number N:
+  `N acquire OWNER`      acquire (or renew) the first of --leases with --ttl-ms and
+                         poll OWNER (host:port) until the origin answers: the
+                         owner's fence now holds that epoch;
+                         -> `N acquired EPOCH` or `N failed WHY`
+  `N renew NEW OLD`      (OLD is cut from the store, NEW serves the shard now)
+                         renew, poll NEW with the new epoch until the origin
+                         answers, then poll OLD once with the superseded epoch
+                         -> `N late OUTCOME` or `N failed WHY`; then release
+  `N abort`              release the lease (the nemesis gave the step up)
+  `stop`                 exit
+The polls are GETs logged like any attempt (kinds "poll-directed",
+"poll-directed-retry" and "poll-directed-late"): the checker judges them from the
+history like the rest.
 """
 import argparse
 import hashlib
@@ -162,7 +180,8 @@ class Worker:
                "nonce": token}
         if kind == "acquire":
             obj["token_sha256"] = hashlib.sha256(token.encode()).hexdigest()
-            obj["ttl_ms"] = (self.rng.randint(900, 1300) if short
+            obj["ttl_ms"] = (self.a.ttl_ms if self.a.ttl_ms
+                             else self.rng.randint(900, 1300) if short
                              else self.rng.randint(12000, 20000) if long
                              else self.rng.randint(2000, 4000))
         t0 = time.monotonic()
@@ -200,7 +219,7 @@ class Worker:
         except (BotoCoreError, ClientError, RuntimeError, ValueError):
             pass
 
-    def send(self, ten, kind, key, body, epoch=None, token=None):
+    def send(self, ten, kind, key, body, epoch=None, token=None, addr=None):
         req = f"w{self.id}-{next(self.counter)}"
         epoch = ten.epoch if epoch is None else epoch
         token = ten.token if token is None else token
@@ -210,9 +229,10 @@ class Worker:
                "status": None, "error": None, "replayed": False, "resp_body": None, "detail": None}
         rec["invoke"] = time.monotonic_ns()
         try:
-            with open(self.a.addr_file) as f:
-                addrs = f.read().split()
-            addr = addrs[0] if len(addrs) == 1 else self.rng.choice(addrs)
+            if addr is None:
+                with open(self.a.addr_file) as f:
+                    addrs = f.read().split()
+                addr = addrs[0] if len(addrs) == 1 else self.rng.choice(addrs)
             host, port = addr.rsplit(":", 1)
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
             headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
@@ -276,7 +296,83 @@ class Worker:
         if time.monotonic() < self.stop_at:
             self.send(old, "poll-stale", "", "")
 
+    def forwarded(self, ten, addr, secs):
+        """Polls `addr` with `ten` until the origin answers (True), for `secs` at most."""
+        end = time.monotonic() + secs
+        kind = "poll-directed"
+        while time.monotonic() < end:
+            rec = self.send(ten, kind, "", "", addr=addr)
+            if rec["outcome"] == "response" and rec["error"] is None and not rec["replayed"]:
+                return True
+            kind = "poll-directed-retry"
+            time.sleep(0.2)
+        return False
+
+    def directed(self):
+        """The directed late worker (--directed, module doc): steps on command."""
+        lease = self.a.leases.split(",")[0]
+        cmd, ack = self.a.directed + ".cmd", self.a.directed + ".ack"
+
+        def answer(n, *words):
+            with open(ack + ".tmp", "w") as f:
+                f.write(" ".join([n, *map(str, words)]))
+            os.replace(ack + ".tmp", ack)
+
+        ten, done = None, None
+        while time.monotonic() < self.stop_at:
+            try:
+                with open(cmd) as f:
+                    words = f.read().split()
+            except FileNotFoundError:
+                words = []
+            if words == ["stop"]:
+                break
+            if len(words) < 2 or words[:2] == done:
+                time.sleep(0.05)
+                continue
+            done = words[:2]
+            n, verb = words[0], words[1]
+            if verb == "acquire":
+                new = None
+                for _ in range(20):
+                    live = ten is not None and ten.left() > 1
+                    new = self.acquire(lease, current=ten if live else None)
+                    if new:
+                        break
+                    time.sleep(0.3)
+                if new is None:
+                    answer(n, "failed", "could not acquire")
+                    continue
+                ten = new
+                if self.forwarded(ten, words[2], 6):
+                    answer(n, "acquired", ten.epoch)
+                else:
+                    answer(n, "failed", "the owner did not forward")
+            elif verb == "renew" and ten is not None:
+                old, new = ten, self.acquire(lease, current=ten)
+                if new is None:
+                    answer(n, "failed", "could not renew")
+                elif not self.forwarded(new, words[2], 15):
+                    ten = new
+                    answer(n, "failed", "the successor did not forward")
+                else:
+                    ten = new
+                    rec = self.send(old, "poll-directed-late", "", "", addr=words[3])
+                    how = ([rec["status"], rec["error"] or "origin"] if rec["outcome"] == "response"
+                           else [rec["outcome"]])
+                    answer(n, "late", *how)
+                self.release(ten)
+                ten = None
+            else:  # abort, or a renewal without a tenure
+                if ten is not None:
+                    self.release(ten)
+                    ten = None
+                if verb != "abort":
+                    answer(n, "failed", "no tenure to renew")
+
     def run(self):
+        if self.a.directed:
+            return self.directed()
         leases = self.a.leases.split(",")
         while time.monotonic() < self.stop_at:
             lease = self.rng.choice(leases)
@@ -343,6 +439,10 @@ def main():
                    help="chance that a renewal is followed by a poll with the superseded epoch")
     p.add_argument("--polls", type=float, default=0.0,
                    help="share of operations sent as a GET without an Idempotency-Key")
+    p.add_argument("--ttl-ms", type=int, default=0,
+                   help="every tenure's TTL (instead of the random ones)")
+    p.add_argument("--directed", default="",
+                   help="play the directed late worker, commanded through CTL.cmd/CTL.ack")
     Worker(p.parse_args()).run()
 
 

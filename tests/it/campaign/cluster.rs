@@ -67,6 +67,51 @@ const PEER_TOKEN: &str = "campaign-peer-token-0123456789";
 /// `gate_ttl − self_fence_margin` and `gate_ttl + grace`, in ms.
 const FENCE_AT_MS: u64 = 4000;
 const TAKEOVER_AFTER_MS: u64 = 6500;
+/// The directed step's lease (shard 5, with `l1`), held by the directed worker
+/// alone, and its route: `r4`, the timeouts of `r0`.
+const DIRECTED_LEASE: &str = "l4";
+const DIRECTED_ROUTE: RouteConf = RouteConf {
+    timeout_ms: 1000,
+    drain_timeout_ms: 600,
+};
+/// The directed worker's TTL: its epoch outlives the cut, the takeover and the
+/// renewal, so only a fence can refuse the late poll.
+const DIRECTED_TTL_MS: u64 = 30_000;
+/// The first directed step starts this long after the faults (once the cluster is
+/// healthy and quiet), the next ones this long after the previous one ended.
+const DIRECTED_FIRST: Duration = Duration::from_secs(3);
+const DIRECTED_EVERY: Duration = Duration::from_secs(60);
+
+/// Where the directed step is (module doc). The directed worker is told each
+/// move through `directed.cmd` and answers in `directed.ack`
+/// (scripts/campaign/worker.py `--directed`).
+#[derive(Debug, Clone, Copy)]
+enum Directed {
+    /// The next step starts at this instant (when the cluster is healthy and quiet).
+    Idle(Instant),
+    /// The worker acquires an epoch and polls `owner`, the shard's owner, with it.
+    Acquiring {
+        n: u32,
+        owner: usize,
+        since: Instant,
+    },
+    /// `owner` is cut from the store; waiting for another instance to serve the shard.
+    Cut {
+        n: u32,
+        owner: usize,
+        since: Instant,
+    },
+    /// The worker renews, has `successor` forward the newer epoch, then sends the
+    /// superseded one to `owner`.
+    Late {
+        n: u32,
+        owner: usize,
+        successor: usize,
+        since: Instant,
+    },
+    /// The faults are over: no new step.
+    Over,
+}
 
 /// One cluster instance; `fg` keeps its config and `data_dir` across restarts.
 struct Instance {
@@ -86,6 +131,8 @@ struct ClusterNemesis<'a> {
     dir: PathBuf,
     instances: Vec<Instance>,
     workers: Vec<Proc>,
+    /// The directed worker (never paused: the step waits for its answers).
+    directed_worker: Vec<Proc>,
     worker_resume: Vec<Option<Instant>>,
     origin: Proc,
     /// `[stop, cont]` in mono ns of each long instance pause.
@@ -94,6 +141,11 @@ struct ClusterNemesis<'a> {
     quiet_until: Instant,
     /// Takeovers counted by instances before they died (their counters reset).
     takeovers: u64,
+    directed: Directed,
+    /// Directed steps that got as far as the late poll.
+    directed_done: usize,
+    /// When `/v1/cluster` is next asked about the directed lease's shard.
+    directed_look: Instant,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -138,14 +190,52 @@ impl ClusterNemesis<'_> {
         }
     }
 
+    /// The shards an instance serves, as its own `/v1/cluster` says: each one's
+    /// leases.
+    fn served(&self, i: usize) -> Option<Vec<Vec<String>>> {
+        let text = admin_get(self.instances[i].fg.admin, "/v1/cluster")?;
+        let v: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()?;
+        Some(
+            v["shard_map"]
+                .as_array()?
+                .iter()
+                .filter(|s| s["served_here"] == true)
+                .map(|s| {
+                    s["leases"]
+                        .as_array()
+                        .map(|ls| {
+                            ls.iter()
+                                .filter_map(|l| l.as_str().map(str::to_owned))
+                                .collect()
+                        })
+                        .unwrap_or_default()
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether instance `i` serves the directed lease's shard now.
+    fn serves_directed(&self, i: usize) -> bool {
+        self.served(i)
+            .is_some_and(|shards| shards.iter().flatten().any(|l| l == DIRECTED_LEASE))
+    }
+
     /// The instance to hit: mostly one that serves a busy shard (one whose lease a
     /// worker holds), as its own `/v1/cluster` says; else any healthy one.
     fn victim(&mut self) -> Option<usize> {
         let healthy: Vec<usize> = (0..self.instances.len())
             .filter(|&i| self.healthy(i))
             .collect();
-        if healthy.len() < self.instances.len() || Instant::now() < self.quiet_until {
-            return None; // one fault at a time, with a pause in between
+        let directed_due = match self.directed {
+            Directed::Idle(at) => Instant::now() >= at,
+            Directed::Over => false,
+            _ => true,
+        };
+        if healthy.len() < self.instances.len() || Instant::now() < self.quiet_until || directed_due
+        {
+            // One fault at a time, with a pause in between; a directed step that is
+            // due goes first.
+            return None;
         }
         let busy: Vec<String> = (0..self.workers.len())
             .filter_map(|w| held_lease(&self.dir, w))
@@ -154,19 +244,8 @@ impl ClusterNemesis<'_> {
             .iter()
             .copied()
             .filter(|&i| {
-                admin_get(self.instances[i].fg.admin, "/v1/cluster")
-                    .and_then(|t| {
-                        let v: serde_json::Value =
-                            serde_json::from_str(t.split("\r\n\r\n").nth(1)?).ok()?;
-                        let map = v["shard_map"].as_array()?.clone();
-                        Some(map.iter().any(|s| {
-                            s["served_here"] == true
-                                && s["leases"].as_array().is_some_and(|ls| {
-                                    ls.iter().any(|l| busy.iter().any(|b| l == b.as_str()))
-                                })
-                        }))
-                    })
-                    .unwrap_or(false)
+                self.served(i)
+                    .is_some_and(|shards| shards.iter().flatten().any(|l| busy.contains(l)))
             })
             .collect();
         let pool = if !serving_busy.is_empty() && self.rng.gen_bool(0.85) {
@@ -197,6 +276,164 @@ impl ClusterNemesis<'_> {
         self.quiet();
         let id = self.instances[i].id.clone();
         self.note("restart", id);
+    }
+
+    /// Tells the directed worker its next move (`directed.cmd`, replaced atomically).
+    fn command(&self, line: String) {
+        let tmp = self.dir.join("directed.cmd.tmp");
+        fs::write(&tmp, line).unwrap();
+        fs::rename(tmp, self.dir.join("directed.cmd")).unwrap();
+    }
+
+    /// The directed worker's answer to step `n`, once there is one.
+    fn answer(&self, n: u32) -> Option<Vec<String>> {
+        let text = fs::read_to_string(self.dir.join("directed.ack")).ok()?;
+        let words: Vec<String> = text.split_whitespace().map(str::to_owned).collect();
+        (words.first()? == &n.to_string()).then(|| words[1..].to_vec())
+    }
+
+    /// Ends the directed step `n`: the worker releases its lease, the owner gets
+    /// the store back, and the next step comes [`DIRECTED_EVERY`] later.
+    /// A step given up is tried again soon.
+    fn end_directed(&mut self, n: u32, owner: Option<usize>, kind: &str, detail: String) {
+        self.command(format!("{n} abort"));
+        if let Some(o) = owner {
+            self.instances[o].cut_until = None;
+            self.instances[o].store.refuse(false);
+            self.quiet();
+        }
+        self.note(kind, detail);
+        let completed = kind.starts_with("directed: the late poll");
+        self.directed_done += usize::from(completed);
+        let next = if completed {
+            DIRECTED_EVERY
+        } else {
+            Duration::from_secs(3)
+        };
+        self.directed = Directed::Idle(Instant::now() + next);
+    }
+
+    /// The directed step (module doc), one move per call: certain what the random
+    /// cuts only make likely — a late poll reaching a cut-off owner after its
+    /// successor forwarded a newer epoch of the same lease.
+    fn directed_step(&mut self) {
+        let now = Instant::now();
+        if now < self.directed_look {
+            return;
+        }
+        self.directed_look = now + Duration::from_millis(200);
+        match self.directed {
+            Directed::Over => {}
+            Directed::Idle(at) => {
+                let all_healthy = (0..self.instances.len()).all(|i| self.healthy(i));
+                if now < at || now < self.quiet_until || !all_healthy {
+                    return;
+                }
+                let Some(owner) = (0..self.instances.len()).find(|&i| self.serves_directed(i))
+                else {
+                    return;
+                };
+                let n = self.events.get("directed step").copied().unwrap_or(0) as u32 + 1;
+                self.command(format!("{n} acquire {}", self.instances[owner].fg.proxy));
+                let id = self.instances[owner].id.clone();
+                self.note(
+                    "directed step",
+                    format!("{n}: {id} serves {DIRECTED_LEASE}'s shard"),
+                );
+                self.directed = Directed::Acquiring {
+                    n,
+                    owner,
+                    since: now,
+                };
+            }
+            Directed::Acquiring { n, owner, since } => match self.answer(n) {
+                Some(w) if w.first().is_some_and(|v| v == "acquired") => {
+                    let epoch = w.get(1).cloned().unwrap_or_default();
+                    let id = self.instances[owner].id.clone();
+                    if !self.serves_directed(owner) {
+                        let detail = format!("{n}: {id} no longer serves the shard");
+                        return self.end_directed(n, None, "directed step given up", detail);
+                    }
+                    self.instances[owner].store.refuse(true);
+                    self.instances[owner].store.cut();
+                    // A bound only: the step restores the store itself, sooner.
+                    self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
+                    self.note(
+                        "directed: cut the owner from the store",
+                        format!("{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}"),
+                    );
+                    self.directed = Directed::Cut {
+                        n,
+                        owner,
+                        since: now,
+                    };
+                }
+                Some(w) => {
+                    let detail = format!("{n}: {}", w.join(" "));
+                    self.end_directed(n, None, "directed step given up", detail);
+                }
+                None if now > since + Duration::from_secs(20) => {
+                    let detail = format!("{n}: no answer to acquire");
+                    self.end_directed(n, None, "directed step given up", detail);
+                }
+                None => {}
+            },
+            Directed::Cut { n, owner, since } => {
+                let successor = (0..self.instances.len())
+                    .find(|&i| i != owner && self.healthy(i) && self.serves_directed(i));
+                if let Some(successor) = successor {
+                    self.command(format!(
+                        "{n} renew {} {}",
+                        self.instances[successor].fg.proxy, self.instances[owner].fg.proxy
+                    ));
+                    let detail = format!(
+                        "{n}: {} after {} ms",
+                        self.instances[successor].id,
+                        (now - since).as_millis()
+                    );
+                    self.note("directed: a successor serves the shard", detail);
+                    self.directed = Directed::Late {
+                        n,
+                        owner,
+                        successor,
+                        since: now,
+                    };
+                } else if now > since + Duration::from_secs(25) {
+                    let detail = format!("{n}: no successor within 25 s");
+                    self.end_directed(n, Some(owner), "directed step given up", detail);
+                }
+            }
+            Directed::Late {
+                n,
+                owner,
+                successor,
+                since,
+            } => match self.answer(n) {
+                Some(w) if w.first().is_some_and(|v| v == "late") => {
+                    let how = w[1..].join(" ");
+                    let kind = if how.ends_with("origin") {
+                        "directed: the late poll was answered by the origin"
+                    } else {
+                        "directed: the late poll was refused"
+                    };
+                    let detail = format!(
+                        "{n}: sent to {} after {} forwarded the newer epoch: {how}",
+                        self.instances[owner].id, self.instances[successor].id
+                    );
+                    self.end_directed(n, Some(owner), kind, detail);
+                }
+                Some(w) if w.first().is_some_and(|v| v == "failed") => {
+                    let detail = format!("{n}: {}", w.join(" "));
+                    self.end_directed(n, Some(owner), "directed step given up", detail);
+                }
+                // Still the answer to `acquire`.
+                Some(_) | None if now <= since + Duration::from_secs(30) => {}
+                Some(_) | None => {
+                    let detail = format!("{n}: no answer to renew");
+                    self.end_directed(n, Some(owner), "directed step given up", detail);
+                }
+            },
+        }
     }
 
     /// The next instance fault comes 1–4 s after this one ended.
@@ -249,6 +486,7 @@ impl ClusterNemesis<'_> {
                 self.instances[i].down_until = Some(now);
             }
         }
+        self.directed_step();
     }
 
     fn inject(&mut self) {
@@ -317,8 +555,22 @@ impl ClusterNemesis<'_> {
         }
     }
 
-    /// Ends every fault, lets the workers finish (bounded), counts takeovers.
+    /// Ends every fault, lets the workers finish (bounded), counts takeovers. A
+    /// directed step under way is played to its end first (each move is bounded).
     fn heal(&mut self) -> Vec<String> {
+        // At least one step per run, even a short one: the faults under way end by
+        // themselves meanwhile (bounded; no new ones start).
+        let deadline = Instant::now() + Duration::from_secs(90);
+        loop {
+            let idle = matches!(self.directed, Directed::Idle(_));
+            if idle && (self.directed_done > 0 || Instant::now() > deadline) {
+                break;
+            }
+            self.tick();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.directed = Directed::Over;
+        self.command("stop".into());
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
             w.cont();
             *r = None;
@@ -338,7 +590,8 @@ impl ClusterNemesis<'_> {
                 self.instances[i].store.refuse(false);
             }
         }
-        let failures = wait_workers(&mut self.workers);
+        let mut failures = wait_workers(&mut self.workers);
+        failures.extend(wait_workers(&mut self.directed_worker));
         for i in 0..self.instances.len() {
             if self.instances[i].fg.exited() {
                 let id = self.instances[i].id.clone();
@@ -413,7 +666,11 @@ async fn cluster_fault_campaign() {
     let s3 = S3Server::start();
     let db = PgServer::shared().database();
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
-    let routes = routes_toml(&origin_addr, "");
+    let routes = routes_toml(&origin_addr, "")
+        + &format!(
+            "\n[[route]]\nname = \"r4\"\npath_prefix = \"/r4/\"\nupstream = \"http://{origin_addr}/r4/\"\nlease = \"{DIRECTED_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
+            DIRECTED_ROUTE.timeout_ms, DIRECTED_ROUTE.drain_timeout_ms
+        );
     let s3_port: u16 = s3
         .endpoint
         .rsplit(':')
@@ -454,11 +711,15 @@ async fn cluster_fault_campaign() {
         dir: dir.clone(),
         instances,
         workers: Vec::new(),
+        directed_worker: Vec::new(),
         worker_resume: vec![None; n_workers],
         origin,
         long_pauses: Vec::new(),
         quiet_until: Instant::now(),
         takeovers: 0,
+        directed: Directed::Idle(Instant::now() + DIRECTED_FIRST),
+        directed_done: 0,
+        directed_look: Instant::now(),
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
@@ -492,6 +753,25 @@ async fn cluster_fault_campaign() {
             )
         })
         .collect();
+    // The directed late worker: id `n_workers`, so the checker reads its log too.
+    let ctl = dir.join("directed");
+    nemesis.directed_worker = vec![start_worker(
+        &dir,
+        n_workers,
+        &s3,
+        secs + 180,
+        seed * 100 + n_workers as u64,
+        &[
+            "--leases",
+            DIRECTED_LEASE,
+            "--ttl-ms",
+            &DIRECTED_TTL_MS.to_string(),
+            "--directed",
+            ctl.to_str().unwrap(),
+            "--client-timeout",
+            "3",
+        ],
+    )];
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);
         nemesis.heal()
@@ -537,17 +817,19 @@ async fn cluster_fault_campaign() {
         tmp,
         &s3,
         Run {
+            // The directed worker's log is `w{n_workers}.jsonl`.
+            n_workers: n_workers + 1,
             title: format!(
-                "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers, {} leases",
-                LEASES.len()
+                "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
+                LEASES.len() + 1
             ),
-            n_workers,
             events,
             timeline,
             t0_ns,
             origin_pauses: Vec::new(),
             problems,
             begun,
+            extra_lease: Some((DIRECTED_LEASE, DIRECTED_ROUTE)),
         },
     )
     .await;

@@ -936,6 +936,7 @@ fn wall_minus_mono() -> i128 {
 /// ns (the store is on this host: its clock is ours).
 async fn read_epochs(
     s3: &S3Server,
+    leases: &[&str],
 ) -> (
     BTreeMap<(String, u64), StoredEpoch>,
     BTreeMap<(String, u64), u64>,
@@ -944,7 +945,7 @@ async fn read_epochs(
     let offset = wall_minus_mono();
     let mut out = BTreeMap::new();
     let mut expiry = BTreeMap::new();
-    for lease in LEASES {
+    for &lease in leases {
         let prefix = format!("{PREFIX}{lease}/");
         for key in store.list(&prefix, None).await.expect("listing epochs") {
             let Some(epoch) = key
@@ -1111,6 +1112,7 @@ async fn fault_campaign() {
             origin_pauses,
             problems,
             begun,
+            extra_lease: None,
         },
     )
     .await;
@@ -1129,6 +1131,9 @@ struct Run {
     /// Failures seen outside the history (workers, unexpected exits).
     problems: Vec<String>,
     begun: Instant,
+    /// A lease beyond [`LEASES`] and its route (`r` and the lease's digits): the
+    /// cluster campaign's directed lease.
+    extra_lease: Option<(&'static str, RouteConf)>,
 }
 
 /// Reads the history in `tmp` (origin log, worker logs, the store's epochs),
@@ -1144,18 +1149,26 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         origin_pauses,
         mut problems,
         begun,
+        extra_lease,
     } = run;
     let dir = tmp.path().to_owned();
-    let routes: BTreeMap<String, String> = LEASES
+    let mut leases = LEASES.to_vec();
+    let mut routes: BTreeMap<String, String> = LEASES
         .iter()
         .enumerate()
         .map(|(i, l)| (format!("r{i}"), l.to_string()))
         .collect();
-    let drain_timeout_ns: BTreeMap<String, u64> = ROUTES
+    let mut drain_timeout_ns: BTreeMap<String, u64> = ROUTES
         .iter()
         .enumerate()
         .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
         .collect();
+    if let Some((lease, r)) = &extra_lease {
+        let route = format!("r{}", &lease[1..]);
+        leases.push(lease);
+        routes.insert(route.clone(), lease.to_string());
+        drain_timeout_ns.insert(route, r.drain_timeout_ms * 1_000_000);
+    }
     fs::write(
         dir.join("nemesis.log"),
         format!(
@@ -1165,7 +1178,7 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
     )
     .unwrap();
 
-    let (epochs, expiry) = read_epochs(s3).await;
+    let (epochs, expiry) = read_epochs(s3, &leases).await;
     // For humans: each epoch's object and its expiry on the store's clock (mono ns).
     let epochs_log: Vec<String> = epochs
         .iter()

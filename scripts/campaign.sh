@@ -5,8 +5,13 @@
 #   scripts/campaign.sh [secs] [seed]                # one instance (default 600 s, a random seed)
 #   scripts/campaign.sh cluster [secs] [seed]        # three cluster instances (SPEC §10.2)
 #   scripts/campaign.sh cluster-weak [secs] [seed]   # the same against a build without
-#                                                    # self-fencing at the deadline (meant to fail;
-#                                                    # not yet shown to: tests/it/campaign/cluster.rs)
+#                                                    # self-fencing at the deadline: must FAIL
+#
+# cluster-weak fails every run with an `[R1 epoch order]` violation on lease l4:
+# the campaign's directed step sends a late worker's poll to an owner cut off from
+# the store after its successor forwarded a newer epoch, and the weakened owner
+# forwards it (tests/it/campaign/cluster.rs, module doc). CI runs
+# `cluster-weak 15 7` and requires that violation (.ci/run).
 #
 # Prints the histories checked, operations by outcome, nemesis events by kind and
 # every violation (the test fails on any). Re-run a failing seed to reproduce the

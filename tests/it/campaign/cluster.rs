@@ -20,7 +20,21 @@
 //!   11–15 s: it cannot renew, admits from its cache, and must stop forwarding at
 //!   `gate_ttl − self_fence_margin`; the others take its shards after expiry plus
 //!   grace and serve newer worker epochs while it is still cut off;
-//! - the single-instance campaign's worker pauses and slow-origin windows.
+//! - the single-instance campaign's worker pauses and slow-origin windows;
+//! - the directed step, 3 s into the faults and every 60 s after the previous
+//!   one (a run too short for one plays it after the faults): it makes certain
+//!   what the random cuts only make possible. A directed worker (its own lease
+//!   `l4`, shard 5 with `l1`, a 30 s TTL) acquires epoch e and has the shard's
+//!   owner O forward a poll with it (O's fence now holds e); O is cut from the
+//!   store; once another instance P says in `/v1/cluster` that it serves the shard
+//!   (7–8.5 s later), the worker renews to e+1 and polls P until the origin
+//!   answers e+1; then it sends O one poll with e (the late worker). A correct O
+//!   fenced itself long before (503 `shard_unavailable`); an O that did not, and
+//!   cannot see e+1, forwards e after e+1: R1. O gets the store back, and no other
+//!   instance fault runs, from the step's start to its end (~10 s). The worker
+//!   is `scripts/campaign/worker.py --directed`, commanded through two files;
+//!   its polls are attempts in its log like any worker's, judged by the checker
+//!   from the history alone.
 //!
 //! Instance faults come one at a time, 1–4 s apart. Four shards would put three
 //! of the four leases in one shard; six spread them over three.
@@ -46,14 +60,24 @@
 //! The weakened build: `scripts/campaign.sh cluster-weak [secs] [seed]` builds
 //! with `--features failpoints` and runs this campaign with `FENCEGATE_WEAKEN=
 //! no_self_fence` (owners keep forwarding past their deadline and never abort at
-//! `gate_ttl`). It is NOT yet shown to fail: three 90 s runs (seed 7) gave 0
-//! violations — a frozen owner lists the store again on waking and finds its
+//! `gate_ttl`). The directed step makes it fail every run: 30 s runs with
+//! seeds 7, 11 and 23 and a 15 s run (seed 7) each reported exactly one
+//! violation, `[R1 epoch order]` on lease `l4` (the late poll's epoch e arrived
+//! after e+1), out of 252–384 attempts and 94–138 arrivals per 30 s run. CI
+//! runs it for 15 s of faults (~30 s, plus ~50 s for the failpoints build) and
+//! requires that violation (.ci/run).
+//! The random faults alone had not shown it (three 90 s runs, seed 7: 0
+//! violations): a frozen owner lists the store again on waking and finds its
 //! epochs stale or expired, keyed requests need a write under the owner
-//! generation, and the windows in which a cut-off owner and its successor both
-//! serve (about 3 s per cut) saw no stale poll. What fails against that build is
+//! generation, and in the windows in which a cut-off owner and its successor
+//! both serve (about 3 s per cut) no stale poll happened to reach the cut-off
+//! one after a newer epoch. The correct build, two 30 s runs (seed 7): 0 violations in
+//! 313 and 350 attempts, 131 and 149 arrivals, the late poll refused (503
+//! `shard_unavailable`) both times; 42 s each, as before. What also fails
+//! against the weakened build is
 //! `cluster::an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl`
-//! (504 `upstream_timeout` instead of `drain_aborted`). The CI smoke is 30 s of
-//! faults; `scripts/campaign.sh cluster [secs] [seed]` runs longer.
+//! (504 `upstream_timeout` instead of `drain_aborted`). The CI smoke is 30 s
+//! of faults; `scripts/campaign.sh cluster [secs] [seed]` runs longer.
 
 use super::*;
 use crate::cluster::free_port;

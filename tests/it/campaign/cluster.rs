@@ -71,9 +71,9 @@
 //! epochs stale or expired, keyed requests need a write under the owner
 //! generation, and in the windows in which a cut-off owner and its successor
 //! both serve (about 3 s per cut) no stale poll happened to reach the cut-off
-//! one after a newer epoch. The correct build, two 30 s runs (seed 7): 0 violations in
-//! 313 and 350 attempts, 131 and 149 arrivals, the late poll refused (503
-//! `shard_unavailable`) both times; 42 s each, as before. What also fails
+//! one after a newer epoch. The correct build, two 30 s runs (seed 7): 0
+//! violations in 313 and 350 attempts, 131 and 149 arrivals, the late poll
+//! refused both times; 42 s each, as before. What also fails
 //! against the weakened build is
 //! `cluster::an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl`
 //! (504 `upstream_timeout` instead of `drain_aborted`). The CI smoke is 30 s

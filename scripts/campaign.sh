@@ -43,7 +43,9 @@ case $mode in
         # The weakened binary (src/cluster/mod.rs, `weakened`): built with the
         # failpoints feature and copied aside, since the test build replaces it.
         cargo build --locked --features failpoints --bin fencegate
-        weak=$(mktemp -d)/fencegate-weak
+        weak_dir=$(mktemp -d)
+        trap 'rm -rf "$weak_dir"' EXIT  # ~65 MB a run
+        weak=$weak_dir/fencegate-weak
         cp target/debug/fencegate "$weak"
         echo "campaign.sh: a weakened build (no self-fencing at the deadline)" >&2
         FENCEGATE_TEST_BIN=$weak FENCEGATE_WEAKEN=no_self_fence \

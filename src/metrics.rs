@@ -133,6 +133,7 @@ impl Metrics {
             last_reload_ok.clone(),
         );
         if let Some(shared) = shared {
+            shared.state_metrics.register(&mut registry);
             registry.register_collector(Box::new(StateCollector(shared)));
         }
         Arc::new(Metrics {

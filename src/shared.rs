@@ -12,11 +12,14 @@ use crate::fence::Fences;
 use crate::guard::Guard;
 use crate::lease::LeaseStore;
 use crate::live::LiveConfig;
+use crate::state::timed::StateMetrics;
 use crate::state::{Owner, StateStore};
 
 pub struct Shared {
     /// Marks and dedup records, durable.
     pub state: Arc<dyn StateStore>,
+    /// Latency and errors of `state`'s calls (it is wrapped in [`crate::state::timed::Timed`]).
+    pub state_metrics: StateMetrics,
     /// The lease store (epoch objects).
     pub store: Arc<dyn LeaseStore>,
     pub fences: Arc<Fences>,

@@ -129,6 +129,8 @@ async fn build_on(
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
         StateKind::Postgres => PostgresState::connect(&cfg.state).await?,
     };
+    let (durable, state_metrics) = crate::state::timed::Timed::wrap(durable);
+    let durable: Arc<dyn StateStore> = durable;
     let store = match store {
         Some(s) => s,
         None => lease::open(&cfg.store, clock.clone()).await?,
@@ -168,6 +170,7 @@ async fn build_on(
     let live = LiveConfig::new(Live::empty());
     let shared = Arc::new(Shared {
         state: durable,
+        state_metrics,
         store,
         fences: fences.clone(),
         dedup: dedup.clone(),

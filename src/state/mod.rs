@@ -21,6 +21,7 @@ pub mod postgres;
 pub mod record;
 pub mod schema;
 pub mod sled;
+pub mod timed;
 
 mod flusher;
 mod witness;

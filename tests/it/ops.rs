@@ -152,6 +152,23 @@ print(json.dumps(out))
         a.epoch.get() as f64
     );
     assert!(v(&after, "fencegate_flush_batches_total{}") >= 1.0);
+    // State-store latency and errors (SPEC §10.2), by operation: the forward
+    // claimed its key and wrote its outcome, the replay's claim found the record.
+    for (op, calls) in [("begin", 2.0), ("finish", 1.0)] {
+        let count = format!(r#"fencegate_state_duration_seconds_count{{"op": "{op}"}}"#);
+        assert_eq!(v(&after, &count) - v(&before, &count), calls, "{op}");
+    }
+    assert_eq!(
+        v(
+            &after,
+            r#"fencegate_state_errors_total{"kind": "unavailable", "op": "begin"}"#
+        ),
+        0.0
+    );
+    assert!(after
+        .as_object()
+        .unwrap()
+        .contains_key(r#"fencegate_state_errors_total{"kind": "owner_lost", "op": "raise_mark"}"#));
     assert!(
         v(
             &after,

@@ -318,6 +318,15 @@ async fn database_frozen_refuses_state_writes_while_fencing_flows() {
         .count();
     assert_eq!(ticks_at_origin, ticks.len());
 
+    // The operator sees it in the metrics (SPEC §10.2: state-store errors): the
+    // refused claims and the refused raise, as the database being away.
+    let errors =
+        |op: &str| format!("fencegate_state_errors_total{{op=\"{op}\",kind=\"unavailable\"}}");
+    let begins = r.fg.metric_sum(&errors("begin")).await;
+    let raises = r.fg.metric_sum(&errors("raise_mark")).await;
+    assert!(begins >= 8.0, "{begins}");
+    assert!(raises >= 1.0, "{raises}");
+
     // Thawed: new keys and raises work again.
     assert_eq!(
         keyed_answer(&r.fg, &pay, "after").await,

@@ -237,7 +237,7 @@ async fn upstream_timeout_leaves_the_key_in_doubt_under_both_policies() {
 }
 
 on_both_backends! {
-async fn resolved_delivered_replays_without_a_body() {
+async fn a_key_resolved_as_delivered_is_answered_dedup_done() {
     let (origin, fg, a) = setup("timeout_ms = 300").await;
     let req = || {
         worker_req(&fg.url("/pay/x"), a.epoch.get(), &a.token)

@@ -343,6 +343,54 @@ async fn cli_round_trip_on_s3() {
     acquire_waits(&cli, 3000).await;
 }
 
+/// A TTL of 0 is refused by acquire and by renew (the tenure would be over when
+/// written; it used to succeed with an expired lease), and on S3 a TTL under 3 s
+/// is taken with a warning (`Last-Modified` has 1 s resolution). Nothing is
+/// written by a refused command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_checks_refuse_zero_and_warn_below_three_seconds_on_s3() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let cli = LeaseCli::s3(&s3);
+    let zero = cli.acquire("jobs", "w", 0).await;
+    assert_eq!(zero.code, 2, "{zero:?}");
+    assert!(zero.stderr.contains("--ttl-ms 0"), "{zero:?}");
+    assert_eq!(cli.show("jobs").await["epoch"], 0, "nothing written");
+
+    let short = cli.acquire("jobs", "w", 2000).await;
+    assert!(
+        short
+            .stderr
+            .contains("warning: --ttl-ms 2000 is below 3000"),
+        "{short:?}"
+    );
+    let held = short.ok();
+    let plain = cli.acquire("other", "w", 3000).await;
+    assert!(!plain.stderr.contains("warning"), "{plain:?}");
+
+    let epoch = held["epoch"].as_u64().unwrap().to_string();
+    let renew = cli
+        .run(
+            "renew",
+            &[
+                "--lease",
+                "jobs",
+                "--holder",
+                "w",
+                "--epoch",
+                &epoch,
+                "--token",
+                held["token"].as_str().unwrap(),
+                "--ttl-ms",
+                "0",
+            ],
+        )
+        .await;
+    assert_eq!(renew.code, 2, "{renew:?}");
+    assert!(renew.stderr.contains("--ttl-ms 0"), "{renew:?}");
+    assert_eq!(cli.show("jobs").await["epoch"], 1, "no renewal written");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_round_trip_on_dir_store() {
     let cli = LeaseCli::dir();

@@ -138,6 +138,37 @@ async fn one_flat_access_line_per_request_with_its_request_id() {
     assert!(lines[2].get("upstream_ms").is_none(), "{}", lines[2]);
     assert_eq!(lines[3]["code"], "route_not_found");
     assert!(lines[3].get("route").is_none(), "{}", lines[3]);
+    assert_no_debug_values(&fg);
+}
+
+/// No field of any log line is a Rust `Debug` rendering: an enum variant
+/// (`"outcome":"Delivered"`, the old access line's), `Some(…)` or a struct dump.
+/// Messages are prose and are not judged.
+fn assert_no_debug_values(fg: &Fencegate) {
+    let all: Vec<serde_json::Value> = fg
+        .stderr()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert!(!all.is_empty(), "JSON lines in {}", fg.stderr());
+    for line in &all {
+        let Some(fields) = line.as_object() else {
+            continue;
+        };
+        for (k, v) in fields {
+            let Some(s) = v.as_str() else { continue };
+            if ["message", "reason", "error", "cause"].contains(&k.as_str()) {
+                continue;
+            }
+            let variant = s.starts_with(|c: char| c.is_ascii_uppercase())
+                && s.chars().any(|c| c.is_ascii_lowercase())
+                && s.chars().all(|c| c.is_ascii_alphanumeric());
+            assert!(
+                !variant && !s.contains("Some(") && !s.contains(" { "),
+                "{k} = {s:?} looks like a Debug value: {line}"
+            );
+        }
+    }
 }
 
 /// `[server] access_log = false` turns the access line off (the requests still

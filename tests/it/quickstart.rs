@@ -210,6 +210,8 @@ fn every_command_has_help() {
         &["lease", "renew", "--help"],
         &["lease", "release", "--help"],
         &["lease", "show", "--help"],
+        &["lease", "acquire", "--help"],
+        &["demo", "--help"],
     ] {
         let text = help(args);
         for line in text.lines().filter(|l| l.trim_start().starts_with("--")) {

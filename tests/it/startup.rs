@@ -9,6 +9,11 @@ use std::process::{Command, Output, Stdio};
 use crate::support::*;
 
 fn run(args: &[&str], cwd: &Path) -> Output {
+    run_with_env(args, cwd, &[])
+}
+
+/// `run` with no AWS credentials in the environment but those in `env`.
+fn run_with_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
     Command::new(bin())
         .args(args)
         .current_dir(cwd)
@@ -17,6 +22,7 @@ fn run(args: &[&str], cwd: &Path) -> Output {
         .env_remove("AWS_SECRET_ACCESS_KEY")
         .env_remove("AWS_PROFILE")
         .env("FENCEGATE_LOG", "info")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("running fencegate")
@@ -117,14 +123,7 @@ async fn a_second_instance_on_one_data_dir_says_so_once() {
 fn a_store_without_credentials_is_one_line_with_the_fix() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("f.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nkind = \"s3\"\nbucket = \"b\"\nendpoint = \"http://127.0.0.1:9\"\nforce_path_style = true\n{ROUTE}"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&cfg, s3_at_discard_port()).unwrap();
     let o = run(&["serve", "--config", cfg.to_str().unwrap()], dir.path());
     let err = stderr(&o);
     assert_ne!(o.status.code(), Some(0), "{err}");
@@ -132,6 +131,43 @@ fn a_store_without_credentials_is_one_line_with_the_fix() {
     assert!(err.contains("no AWS credentials found"), "{err}");
     assert!(err.contains("AWS_ACCESS_KEY_ID"), "what to do: {err}");
     assert!(!err.contains("DispatchFailure"), "no Debug dump: {err}");
+}
+
+/// The other half of that: credentials set, but nothing listens at the endpoint.
+/// One line: which store, the cause, then where to look.
+#[test]
+fn an_unreachable_store_is_one_line_naming_the_endpoint_to_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("f.toml");
+    std::fs::write(&cfg, s3_at_discard_port()).unwrap();
+    let o = run_with_env(
+        &["serve", "--config", cfg.to_str().unwrap()],
+        dir.path(),
+        &[("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s")],
+    );
+    let err = stderr(&o);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("at http://127.0.0.1:9"), "which store: {err}");
+    // Refused, or the SDK's retries out of time when the machine is slow.
+    assert!(
+        err.contains("Connection refused") || err.contains("timed out"),
+        "the cause: {err}"
+    );
+    assert!(
+        err.contains("check [store] endpoint and region"),
+        "what to do: {err}"
+    );
+    assert!(!err.contains("DispatchFailure"), "no Debug dump: {err}");
+    assert!(!err.contains("ConnectorError"), "no Debug dump: {err}");
+}
+
+/// A config whose S3 store is at a port where nothing listens (9, discard).
+fn s3_at_discard_port() -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nkind = \"s3\"\nbucket = \"b\"\nendpoint = \"http://127.0.0.1:9\"\nforce_path_style = true\n{ROUTE}"
+    )
 }
 
 /// Relative paths in a config file follow the file, not the working directory:

@@ -10,7 +10,7 @@
 
 mod form;
 pub mod page;
-mod session;
+pub(crate) mod session;
 
 use std::sync::Arc;
 use std::time::Duration;

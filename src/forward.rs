@@ -255,6 +255,41 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Removes the operator page's session cookie from `Cookie` headers. Browsers
+/// scope cookies by host, not port: one that opened the admin page sends the
+/// session to the proxy listener on the same host too, and it must not reach an
+/// upstream. Other cookies pass unchanged; a header left empty is dropped.
+pub fn strip_admin_cookie(headers: &mut HeaderMap) {
+    use crate::admin::session::COOKIE;
+    fn is_ours(pair: &str) -> bool {
+        pair.split_once('=')
+            .is_some_and(|(n, _)| n.trim() == COOKIE)
+    }
+    let carries = |v: &HeaderValue| v.to_str().is_ok_and(|s| s.split(';').any(is_ours));
+    if !headers.get_all(header::COOKIE).iter().any(carries) {
+        return;
+    }
+    let kept: Vec<HeaderValue> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| {
+            let Ok(text) = v.to_str() else {
+                return Some(v.clone()); // not ours: ours is ASCII
+            };
+            let rest: Vec<&str> = text
+                .split(';')
+                .map(str::trim)
+                .filter(|pair| !pair.is_empty() && !is_ours(pair))
+                .collect();
+            (!rest.is_empty()).then(|| HeaderValue::from_str(&rest.join("; ")).ok())?
+        })
+        .collect();
+    headers.remove(header::COOKIE);
+    for v in kept {
+        headers.append(header::COOKIE, v);
+    }
+}
+
 /// What the forwarding headers say about one client connection, worked out once
 /// per connection rather than formatted again for every request on it.
 #[derive(Debug, Clone)]
@@ -362,6 +397,7 @@ pub fn build_request(
     headers.remove(PEER_NAME);
     headers.remove(PEER_TOKEN_NAME);
     headers.remove(header::CONTENT_LENGTH);
+    strip_admin_cookie(&mut headers);
     append_forwarding(&mut headers, peer, orig_host.as_ref())?;
     headers.insert(header::HOST, target.host.clone());
     headers.insert(
@@ -585,6 +621,30 @@ mod tests {
                 "{}", path
             );
         }
+    }
+
+    #[test]
+    fn the_admin_session_cookie_never_goes_upstream() {
+        let mut h = HeaderMap::new();
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; fencegate_admin=s3cret; b=2"),
+        );
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("fencegate_admin=again"),
+        );
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("not_fencegate_admin=kept"),
+        );
+        strip_admin_cookie(&mut h);
+        let left: Vec<_> = h.get_all(header::COOKIE).iter().collect();
+        assert_eq!(left, ["a=1; b=2", "not_fencegate_admin=kept"]);
+        let mut plain = HeaderMap::new();
+        plain.insert(header::COOKIE, HeaderValue::from_static("session=abc"));
+        strip_admin_cookie(&mut plain);
+        assert_eq!(plain[header::COOKIE], "session=abc", "untouched");
     }
 
     #[test]

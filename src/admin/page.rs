@@ -565,6 +565,48 @@ mod tests {
         assert!(!html.contains("Nothing to resolve."));
     }
 
+    /// A cluster's map: one row per shard, with its owner and gate expiry, and
+    /// whether this instance serves it (an owned shard past its self-fence window
+    /// shows as not serving).
+    #[test]
+    fn the_shard_map_shows_each_shard_its_owner_and_who_serves_it() {
+        let v = view();
+        let in_8s = v.store_now + Duration::from_secs(8);
+        let row = |shard, owner: Option<&str>, this_instance, serving| ShardRow {
+            shard,
+            shards: 3,
+            owner: owner.map(str::to_owned),
+            gate_epoch: owner.map(|_| 40 + u64::from(shard)),
+            expires_at: owner.map(|_| in_8s),
+            this_instance,
+            serving,
+        };
+        let html = render(&PageView {
+            shards: vec![
+                row(0, Some("fg-1"), true, true),
+                row(1, Some("fg-2"), false, false),
+                row(2, None, false, false),
+            ],
+            ..v
+        });
+        let rows: Vec<&str> = html.split(r#"<tr class="shard">"#).skip(1).collect();
+        assert_eq!(rows.len(), 3, "{html}");
+        assert!(rows[0].contains(">0 of 3<") && rows[0].contains("<code>fg-1</code>"));
+        assert!(rows[0].contains(">40<") && rows[0].contains(">in 8 s</time>"));
+        assert!(rows[0].contains("this instance, serving"), "{}", rows[0]);
+        assert!(rows[1].contains("<code>fg-2</code>") && rows[1].contains("another instance"));
+        assert!(
+            rows[2].contains(">2 of 3<") && rows[2].contains(">—<"),
+            "{}",
+            rows[2]
+        );
+        let stalled = render(&PageView {
+            shards: vec![row(0, Some("fg-1"), true, false)],
+            ..view()
+        });
+        assert!(stalled.contains(r#"<span class="bad">this instance, not serving</span>"#));
+    }
+
     #[test]
     fn escapes_markup_and_quotes() {
         assert_eq!(esc(r#"<script>"a'&b"#), "&lt;script&gt;&quot;a&#39;&amp;b");

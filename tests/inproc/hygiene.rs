@@ -35,6 +35,7 @@ async fn forwarded_headers_follow_the_rules() {
         .header("authorization", "Bearer worker-own-credential")
         .header("x-forwarded-for", "10.1.2.3")
         .header("x-end-to-end", "kept")
+        .header("cookie", "app=1; fencegate_admin=operator-session")
         .header("idempotency-key", "worker-key-1")
         .body(body("{\"amount\":1}"))
         .unwrap(),
@@ -59,6 +60,9 @@ async fn forwarded_headers_follow_the_rules() {
     // The worker's Host named fencegate; the destination gets its own.
     assert_eq!(got.header("host"), Some(origin.addr.to_string()));
     assert_eq!(got.header("x-end-to-end").as_deref(), Some("kept"));
+    // The operator page's session (a browser sends it to every port of the host)
+    // is removed; the application's own cookie passes.
+    assert_eq!(got.header("cookie").as_deref(), Some("app=1"));
     assert_eq!(got.header("x-dedup").as_deref(), Some("worker-key-1"));
     assert_eq!(
         got.header("x-forwarded-for").as_deref(),

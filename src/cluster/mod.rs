@@ -835,7 +835,7 @@ impl Cluster {
 
     /// Graceful stop (SIGTERM, after the in-flight requests finished or were
     /// abandoned): every shard is handed over, and this instance leaves.
-    pub async fn leave(&self) {
+    pub async fn leave(self: &Arc<Self>) {
         self.stopping.cancel();
         // A takeover under way finishes (or gives up) first: then nothing is
         // taken behind our back. Bounded: a store call has its own timeout.
@@ -851,9 +851,14 @@ impl Cluster {
                 held.push(shard);
             }
         }
+        // Side by side: with the store slow or away each release waits out its
+        // own timeouts, and one after another they could outlast the stop.
+        let mut releases = tokio::task::JoinSet::new();
         for shard in held {
-            self.hand_over(shard).await;
+            let me = self.clone();
+            releases.spawn(async move { me.hand_over(shard).await });
         }
+        while releases.join_next().await.is_some() {}
         if let Err(e) = self.state.leave(&self.id).await {
             tracing::warn!(error = %e, "could not record leaving the cluster");
         }

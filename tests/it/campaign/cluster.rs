@@ -20,6 +20,13 @@
 //!   11–15 s: it cannot renew, admits from its cache, and must stop forwarding at
 //!   `gate_ttl − self_fence_margin`; the others take its shards after expiry plus
 //!   grace and serve newer worker epochs while it is still cut off;
+//! - an instance cut from PostgreSQL (its own relay to the database) for 2–8 s:
+//!   its state writes fail (503 `store_unavailable`, nothing forwarded for them),
+//!   fencing-only requests at a raised mark keep flowing, its gate leases hold;
+//! - the other instances cut from an instance for 2–8 s (the relay its
+//!   `advertise` names): their relayed requests get 503 `shard_unavailable`, or
+//!   504 `upstream_timeout` when the cut comes after the owner may have
+//!   forwarded; the owner still serves what reaches it directly;
 //! - the single-instance campaign's worker pauses and slow-origin windows;
 //! - the directed step, 3 s into the faults and every 60 s after the previous
 //!   one (a run too short for one plays it after the faults): it makes certain
@@ -148,6 +155,41 @@ struct Instance {
     /// Its own TCP relay to the S3 server, and until when it is cut.
     store: Relay,
     cut_until: Option<Instant>,
+    /// Its own TCP relay to PostgreSQL, and until when it is cut.
+    db: Relay,
+    db_cut_until: Option<Instant>,
+    /// The relay its `advertise` URL names (how the other instances reach it),
+    /// and until when the others are cut from it.
+    peers: Relay,
+    peers_cut_until: Option<Instant>,
+}
+
+impl Instance {
+    /// Cuts one of its relays (open connections end, new ones are refused) and
+    /// returns until when.
+    fn cut(relay: &Relay, for_ms: u64) -> Option<Instant> {
+        relay.refuse(true);
+        relay.cut();
+        Some(Instant::now() + Duration::from_millis(for_ms))
+    }
+
+    /// Gives back every relay whose cut is over by `now` (all of them with
+    /// `now = None`); returns whether one was.
+    fn mend(&mut self, now: Option<Instant>) -> bool {
+        let mut mended = false;
+        for (relay, until) in [
+            (&self.store, &mut self.cut_until),
+            (&self.db, &mut self.db_cut_until),
+            (&self.peers, &mut self.peers_cut_until),
+        ] {
+            if until.is_some_and(|t| now.is_none_or(|now| now >= t)) {
+                *until = None;
+                relay.refuse(false);
+                mended = true;
+            }
+        }
+        mended
+    }
 }
 
 struct ClusterNemesis<'a> {
@@ -193,12 +235,17 @@ impl ClusterNemesis<'_> {
             "{:>8.3}s {kind}: {detail}",
             self.t0.elapsed().as_secs_f64()
         ));
+        eprintln!("NEMESIS {}", self.timeline.last().unwrap());
     }
 
     /// Nothing injected on it right now.
     fn healthy(&self, i: usize) -> bool {
         let m = &self.instances[i];
-        m.down_until.is_none() && m.stopped.is_none() && m.cut_until.is_none()
+        m.down_until.is_none()
+            && m.stopped.is_none()
+            && m.cut_until.is_none()
+            && m.db_cut_until.is_none()
+            && m.peers_cut_until.is_none()
     }
 
     fn signal(&self, i: usize, sig: &str) {
@@ -487,9 +534,7 @@ impl ClusterNemesis<'_> {
             if self.instances[i].down_until.is_some_and(|t| now >= t) {
                 self.restart(i);
             }
-            if self.instances[i].cut_until.is_some_and(|t| now >= t) {
-                self.instances[i].cut_until = None;
-                self.instances[i].store.refuse(false);
+            if self.instances[i].mend(Some(now)) {
                 self.quiet();
             }
             if self.instances[i].down_until.is_none()
@@ -527,6 +572,7 @@ impl ClusterNemesis<'_> {
             return;
         }
         if (75..85).contains(&x) {
+            // A slow origin (the instance faults below take 0..75 and 85..97).
             let now = Instant::now();
             let window = self.rng.gen_range(500..1500);
             let slow = self.rng.gen_range(1000..2500);
@@ -541,7 +587,7 @@ impl ClusterNemesis<'_> {
             );
             return;
         }
-        if x >= 85 {
+        if x >= 97 {
             return;
         }
         let Some(i) = self.victim() else {
@@ -570,12 +616,18 @@ impl ClusterNemesis<'_> {
             let status = self.instances[i].fg.terminate();
             self.instances[i].down_until = Some(now);
             self.note("SIGTERM instance", format!("{id}: {status}"));
-        } else {
+        } else if x < 75 {
             let ms = self.rng.gen_range(11_000..15_000);
-            self.instances[i].store.refuse(true);
-            self.instances[i].store.cut();
-            self.instances[i].cut_until = Some(now + Duration::from_millis(ms));
+            self.instances[i].cut_until = Instance::cut(&self.instances[i].store, ms);
             self.note("cut instance from the store", format!("{id} for {ms} ms"));
+        } else if x < 91 {
+            let ms = self.rng.gen_range(2_000..8_000);
+            self.instances[i].db_cut_until = Instance::cut(&self.instances[i].db, ms);
+            self.note("cut instance from PostgreSQL", format!("{id} for {ms} ms"));
+        } else {
+            let ms = self.rng.gen_range(2_000..8_000);
+            self.instances[i].peers_cut_until = Instance::cut(&self.instances[i].peers, ms);
+            self.note("cut the other instances from", format!("{id} for {ms} ms"));
         }
     }
 
@@ -610,9 +662,7 @@ impl ClusterNemesis<'_> {
             if self.instances[i].down_until.is_some() {
                 self.restart(i);
             }
-            if self.instances[i].cut_until.take().is_some() {
-                self.instances[i].store.refuse(false);
-            }
+            self.instances[i].mend(None);
         }
         let mut failures = wait_workers(&mut self.workers);
         failures.extend(wait_workers(&mut self.directed_worker));
@@ -688,7 +738,13 @@ async fn cluster_fault_campaign() {
     let dir = tmp.path().to_owned();
 
     let s3 = S3Server::start();
-    let db = PgServer::shared().database();
+    let (db_name, db) = PgServer::shared().new_database();
+    let pg_port: u16 = db
+        .split("port=")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|p| p.parse().ok())
+        .expect("the database's port");
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
     let routes = routes_toml(&origin_addr, "")
         + &format!(
@@ -705,11 +761,16 @@ async fn cluster_fault_campaign() {
     for n in 0..3u8 {
         let id = format!("fg-{}", (b'a' + n) as char);
         let port = free_port();
+        // Each instance reaches the database through its own relay, and the
+        // others reach it through the relay its `advertise` names.
+        let db_relay = Relay::start(pg_port).await;
+        let peers = Relay::start(port).await;
         let config = format!(
-            "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://127.0.0.1:{port}\"\nshards = {SHARDS}\npeer_token = \"{PEER_TOKEN}\"\n\n{routes}",
+            "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://{}\"\nshards = {SHARDS}\npeer_token = \"{PEER_TOKEN}\"\n\n{routes}",
             s3.store_toml(200)
                 .replace("timeout_ms = 1500", "timeout_ms = 1000"),
-            state_toml(&db, ""),
+            state_toml(&db_relay.url(&db_name), ""),
+            peers.addr,
         );
         let store = Relay::start(s3_port).await;
         let config = config.replace(
@@ -724,6 +785,10 @@ async fn cluster_fault_campaign() {
             stopped: None,
             store,
             cut_until: None,
+            db: db_relay,
+            db_cut_until: None,
+            peers,
+            peers_cut_until: None,
         });
     }
     tokio::task::block_in_place(|| settle(&instances));

@@ -122,7 +122,10 @@ impl S3Server {
     pub fn start() -> S3Server {
         let mut child = Command::new(python())
             .arg(repo_root().join("scripts/s3server.py"))
-            .args(["--port", "0", "--bucket", BUCKET])
+            // A client frozen mid-request (a SIGSTOPped worker or instance, in
+            // the campaigns) holds this single-threaded server until it is
+            // dropped: after 5 s, as a real store would time it out too.
+            .args(["--port", "0", "--bucket", BUCKET, "--conn-timeout", "5"])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -639,15 +639,20 @@ impl Fences {
         settle: Duration,
         owner: Owner,
     ) -> Result<Arc<Fence>, FenceError> {
-        let listed = self
-            .epochs
-            .latest_after(lease, Epoch::NONE)
+        // Listed after the stored mark (an epoch the store had: objects are never
+        // deleted), so a takeover does not page through the lease's history.
+        let known = self
+            .state
+            .marks(lease)
             .await
-            .map_err(|e| FenceError::StoreUnavailable {
+            .map_or(Epoch::NONE, |m| m.mark);
+        let listed = self.epochs.latest_after(lease, known).await.map_err(|e| {
+            FenceError::StoreUnavailable {
                 lease: lease.clone(),
                 epoch: Epoch::NONE,
                 detail: e.to_string(),
-            })?;
+            }
+        })?;
         let fence = Fence::new(
             lease.clone(),
             self.epochs.clone(),

@@ -407,6 +407,7 @@ impl Cluster {
         let mut ticks = tokio::time::interval(self.ttl / 3);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let free_in = self.next_free_in();
             tokio::select! {
                 _ = stop.cancelled() => break,
                 _ = ticks.tick() => {}
@@ -414,9 +415,43 @@ impl Cluster {
                     // At most a few early rounds a second, whatever the traffic.
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+                // A shard held elsewhere becomes free before the next tick: look
+                // then, not up to a renew period later (a takeover after a
+                // crash is that much sooner).
+                _ = tokio::time::sleep(free_in.unwrap_or(self.ttl)), if free_in.is_some() => {}
             }
             self.round().await;
         }
+    }
+
+    /// How long until the earliest shard held elsewhere may be taken — its gate
+    /// epoch's expiry plus `LastModified`'s resolution and `grace_ms`, on the
+    /// earliest reading of the store's clock (what [`acquire::LeaseStatus::is_free`]
+    /// decides on) — plus a little. A live owner's renewals keep pushing this
+    /// beyond the next tick; only a dead or stalled owner's shard comes sooner.
+    /// Not while the store fails: the last round's looks are stale, and rounds
+    /// would follow one another as fast as they fail.
+    fn next_free_in(&self) -> Option<Duration> {
+        if self.store_failures.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let earliest = self.epochs.store().clock().earliest();
+        self.gates
+            .iter()
+            .filter(|g| !g.busy.load(Ordering::SeqCst) && lock(&g.holding).is_none())
+            .filter_map(|g| {
+                let seen = lock(&g.seen);
+                match &seen.object {
+                    Some((EpochObject::Acquire { expires_at, .. }, _)) if !seen.free => {
+                        // Already past (the look came just before): look again.
+                        let at = acquire::free_at(*expires_at, self.grace);
+                        Some(at.duration_since(earliest).unwrap_or_default())
+                    }
+                    _ => None,
+                }
+            })
+            .min()
+            .map(|d| d + Duration::from_millis(50))
     }
 
     /// One keeper round: renew and look, heartbeat, balance.
@@ -495,10 +530,14 @@ impl Cluster {
         }
     }
 
-    /// The latest gate object of a shard held elsewhere: one LIST a round, and a
-    /// GET only when the epoch changed (gate objects are immutable).
+    /// The latest gate object of a shard held elsewhere: one LIST a round (of the
+    /// epochs after the last one seen), and a GET only when the epoch changed
+    /// (gate objects are immutable).
     async fn look(&self, g: &ShardGate) -> Result<Seen, StoreError> {
-        let latest = self.epochs.latest_after(&g.name, Epoch::NONE).await?;
+        // Listed after the epoch last seen (objects are never deleted): the cost
+        // of a look does not grow with the shard's history.
+        let known = lock(&g.seen).epoch;
+        let latest = self.epochs.latest_after(&g.name, known).await?;
         let cached = {
             let seen = lock(&g.seen);
             (seen.epoch == latest && seen.object.is_some()).then(|| seen.object.clone())

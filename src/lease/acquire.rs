@@ -109,7 +109,20 @@ pub fn fresh_token() -> String {
 
 /// Steps 1–2 of SPEC §2: the latest epoch and its object.
 pub async fn status(epochs: &Epochs, lease: &LeaseName) -> Result<LeaseStatus, StoreError> {
-    let latest = epochs.latest_after(lease, Epoch::NONE).await?;
+    status_after(epochs, lease, Epoch::NONE).await
+}
+
+/// [`status`] listing only the epochs after `known`, one the caller knows exists
+/// (its own tenure's): epoch objects are never deleted, so the latest is at least
+/// `known`, and the listing does not grow with the lease's history — a gate lease
+/// renewed every few seconds has hundreds of thousands of epochs within a month,
+/// and listing them all on every renewal outlasted the renewal itself.
+pub async fn status_after(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    known: Epoch,
+) -> Result<LeaseStatus, StoreError> {
+    let latest = epochs.latest_after(lease, known).await?;
     let object = if latest == Epoch::NONE {
         None
     } else {
@@ -208,8 +221,9 @@ pub async fn acquire_with(
     reclaim_own: bool,
     decorate: &(dyn Fn(&mut EpochRecord) + Sync),
 ) -> Result<Holding, AcquireError> {
+    let known = current.map_or(Epoch::NONE, |(e, _)| e);
     for _ in 0..MAX_ROUNDS {
-        let st = status(epochs, lease).await?;
+        let st = status_after(epochs, lease, known).await?;
         let mine = match (current, &st.object) {
             (Some((e, tok)), Some(EpochObject::Acquire { token, .. })) => {
                 e == st.latest && token.matches(&TokenHash::of(tok.as_bytes()))
@@ -379,5 +393,84 @@ pub async fn release(
             epoch,
             why: format!("epoch {next} was created by someone else first"),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+    use crate::clock::{StoreClock, SystemClock};
+    use crate::epoch::object_key;
+    use crate::lease::dir::DirStore;
+    use crate::lease::{CreateOutcome, LeaseStore, StoredObject};
+
+    /// A store that remembers where each listing started.
+    struct Listings {
+        inner: DirStore,
+        starts: Mutex<Vec<Option<String>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl LeaseStore for Listings {
+        async fn list(
+            &self,
+            prefix: &str,
+            start_after: Option<&str>,
+        ) -> Result<Vec<String>, StoreError> {
+            self.starts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(start_after.map(str::to_owned));
+            self.inner.list(prefix, start_after).await
+        }
+        async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn create_if_absent(
+            &self,
+            key: &str,
+            body: Bytes,
+        ) -> Result<CreateOutcome, StoreError> {
+            self.inner.create_if_absent(key, body).await
+        }
+        async fn delete(&self, key: &str) -> Result<(), StoreError> {
+            self.inner.delete(key).await
+        }
+        fn clock(&self) -> &StoreClock {
+            self.inner.clock()
+        }
+        fn describe(&self) -> String {
+            "listings".into()
+        }
+    }
+
+    /// A renewal lists only the epochs after its own tenure's (the instance
+    /// guard renews this way every `gate_ttl / 3`): listing from the start paged
+    /// through the whole history on every renewal.
+    #[tokio::test]
+    async fn a_renewal_lists_only_the_epochs_after_its_own() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = Arc::new(Listings {
+            inner: DirStore::open(dir.path(), Arc::new(SystemClock)).expect("dir store"),
+            starts: Mutex::default(),
+        });
+        let epochs = Epochs::new(store.clone(), "p/");
+        let lease = LeaseName::parse("gate").expect("valid");
+        let (ttl, grace) = (Duration::from_secs(30), Duration::ZERO);
+        let mut held = acquire_with(&epochs, &lease, "me", ttl, grace, None, false, &|_| {})
+            .await
+            .expect("acquired");
+        for _ in 0..3 {
+            let current = Some((held.epoch, held.token.as_str()));
+            held = acquire_with(&epochs, &lease, "me", ttl, grace, current, false, &|_| {})
+                .await
+                .expect("renewed");
+        }
+        assert_eq!(held.epoch, Epoch::new(4));
+        let starts = store.starts.lock().expect("not poisoned").clone();
+        let after = |e: u64| Some(object_key("p/", &lease, Epoch::new(e)));
+        assert_eq!(starts, vec![None, after(1), after(2), after(3)]);
     }
 }

@@ -834,6 +834,96 @@ async fn uncertain_create_results_are_decided_by_reading_back_on_dir_store() {
     .await;
 }
 
+/// The same uncertain results on a direct renewal (`renew_direct`: the create of
+/// L+1 with no listing first — how a cluster instance renews its gate leases
+/// every `gate_ttl / 3`): the read-back decides, on S3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncertain_direct_renewals_are_decided_by_reading_back_on_s3() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let inner = s3.store().await;
+    let cases = [
+        (Case::AppliedThenLost, "r-applied-lost"),
+        (Case::AppliedThenRetry412, "r-applied-412"),
+        (Case::RivalThenLost, "r-rival-lost"),
+        (Case::RivalThenRetry412, "r-rival-412"),
+        (Case::NotAppliedLost, "r-not-applied"),
+    ];
+    for (case, name) in cases {
+        let l = lease(name);
+        let plain = Epochs::new(inner.clone(), PREFIX);
+        let held = lease_acquire::acquire(
+            &plain,
+            &l,
+            "me",
+            Duration::from_secs(30),
+            Duration::from_millis(500),
+            None,
+        )
+        .await
+        .unwrap();
+        let rival = Bytes::from(
+            EpochRecord::acquire(
+                &l,
+                Epoch::new(2),
+                "rival",
+                lease_acquire::fresh_token().as_bytes(),
+                Duration::from_secs(30),
+            )
+            .to_json(),
+        );
+        let fault = match case {
+            Case::AppliedThenLost => Fault::LoseResponse,
+            Case::AppliedThenRetry412 => Fault::AppliedThenExists,
+            Case::RivalThenLost => Fault::RivalFirst {
+                body: rival,
+                lost: true,
+            },
+            Case::RivalThenRetry412 => Fault::RivalFirst {
+                body: rival,
+                lost: false,
+            },
+            Case::NotAppliedLost => Fault::Unavailable,
+        };
+        let target = object_key(PREFIX, &l, Epoch::new(2));
+        let store = FaultStore::new(inner.clone());
+        store.add(Rule::new(Op::Create, fault).key(&target).once());
+        let epochs = Epochs::new(store.clone(), PREFIX);
+        let got =
+            lease_acquire::renew_direct(&epochs, &held, Duration::from_secs(30), &|_| {}).await;
+        assert_eq!(store.fired(), 1, "{case:?}: fault not injected");
+        assert_eq!(
+            epochs.latest_after(&l, Epoch::NONE).await.unwrap(),
+            Epoch::new(2),
+            "{case:?}: exactly one epoch was created"
+        );
+        let stored = epochs.read(&l, Epoch::new(2)).await.unwrap().unwrap();
+        let EpochObject::Acquire { token, holder, .. } = stored else {
+            panic!("{case:?}: {stored:?}");
+        };
+        match (case, got) {
+            (
+                Case::RivalThenLost | Case::RivalThenRetry412,
+                Err(AcquireError::NotHolder { .. }),
+            ) => {
+                assert_eq!(holder, "rival", "{case:?}");
+            }
+            (Case::RivalThenLost | Case::RivalThenRetry412, other) => {
+                panic!("{case:?}: the renewal lost but was told {other:?}")
+            }
+            (_, Ok(h)) => {
+                assert_eq!(h.epoch, Epoch::new(2), "{case:?}");
+                assert_eq!(holder, "me", "{case:?}");
+                assert!(
+                    token.matches(&TokenHash::of(h.token.as_bytes())),
+                    "{case:?}"
+                );
+            }
+            (_, Err(e)) => panic!("{case:?}: the renewal won but was told {e}"),
+        }
+    }
+}
+
 // ------------------------------------------------------------------ the self-test
 
 /// A store that ignores `If-None-Match` (every create "succeeds" and overwrites)

@@ -729,6 +729,32 @@ enum Case {
     NotAppliedLost,
 }
 
+impl Case {
+    /// The fault that makes this case on the create of `epoch` of `l` (a rival's
+    /// object, where there is one, names holder `rival`).
+    fn fault(self, l: &LeaseName, epoch: Epoch) -> Fault {
+        let rival = || {
+            let token = lease_acquire::fresh_token();
+            let record =
+                EpochRecord::acquire(l, epoch, "rival", token.as_bytes(), Duration::from_secs(30));
+            Bytes::from(record.to_json())
+        };
+        match self {
+            Case::AppliedThenLost => Fault::LoseResponse,
+            Case::AppliedThenRetry412 => Fault::AppliedThenExists,
+            Case::RivalThenLost => Fault::RivalFirst {
+                body: rival(),
+                lost: true,
+            },
+            Case::RivalThenRetry412 => Fault::RivalFirst {
+                body: rival(),
+                lost: false,
+            },
+            Case::NotAppliedLost => Fault::Unavailable,
+        }
+    }
+}
+
 /// Each case on its own lease of `inner`: the caller learns the truth from the
 /// read-back, never from the create's answer.
 async fn uncertain_cases(inner: Arc<dyn LeaseStore>) {
@@ -741,32 +767,7 @@ async fn uncertain_cases(inner: Arc<dyn LeaseStore>) {
     ];
     for (case, name) in cases {
         let l = lease(name);
-        let rival = || {
-            let token = lease_acquire::fresh_token();
-            Bytes::from(
-                EpochRecord::acquire(
-                    &l,
-                    Epoch::new(1),
-                    "rival",
-                    token.as_bytes(),
-                    Duration::from_secs(30),
-                )
-                .to_json(),
-            )
-        };
-        let fault = match case {
-            Case::AppliedThenLost => Fault::LoseResponse,
-            Case::AppliedThenRetry412 => Fault::AppliedThenExists,
-            Case::RivalThenLost => Fault::RivalFirst {
-                body: rival(),
-                lost: true,
-            },
-            Case::RivalThenRetry412 => Fault::RivalFirst {
-                body: rival(),
-                lost: false,
-            },
-            Case::NotAppliedLost => Fault::Unavailable,
-        };
+        let fault = case.fault(&l, Epoch::new(1));
         let target = object_key(PREFIX, &l, Epoch::new(1));
         let store = FaultStore::new(inner.clone());
         store.add(Rule::new(Op::Create, fault).key(&target).once());
@@ -862,29 +863,7 @@ async fn uncertain_direct_renewals_are_decided_by_reading_back_on_s3() {
         )
         .await
         .unwrap();
-        let rival = Bytes::from(
-            EpochRecord::acquire(
-                &l,
-                Epoch::new(2),
-                "rival",
-                lease_acquire::fresh_token().as_bytes(),
-                Duration::from_secs(30),
-            )
-            .to_json(),
-        );
-        let fault = match case {
-            Case::AppliedThenLost => Fault::LoseResponse,
-            Case::AppliedThenRetry412 => Fault::AppliedThenExists,
-            Case::RivalThenLost => Fault::RivalFirst {
-                body: rival,
-                lost: true,
-            },
-            Case::RivalThenRetry412 => Fault::RivalFirst {
-                body: rival,
-                lost: false,
-            },
-            Case::NotAppliedLost => Fault::Unavailable,
-        };
+        let fault = case.fault(&l, Epoch::new(2));
         let target = object_key(PREFIX, &l, Epoch::new(2));
         let store = FaultStore::new(inner.clone());
         store.add(Rule::new(Op::Create, fault).key(&target).once());

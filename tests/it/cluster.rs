@@ -345,8 +345,22 @@ async fn any_instance_serves_any_lease_once_through_the_owner() {
             "via {}",
             m.id
         );
+        assert_eq!(
+            again.body, r.body,
+            "the replay's body, unchanged via {}",
+            m.id
+        );
     }
     assert_eq!(payloads_at(&rig.origin, "keyed").len(), 1);
+    // A refusal reaches the worker as the owner gave it, through any instance.
+    let refusals: Vec<_> = forged_answers(&rig, lease, w).await;
+    assert!(
+        refusals.windows(2).all(|p| p[0] == p[1]),
+        "the same refusal through every instance: {refusals:?}"
+    );
+    assert_eq!(refusals[0].0, 403, "{refusals:?}");
+    assert!(refusals[0].1.contains("token_invalid"), "{refusals:?}");
+    assert!(payloads_at(&rig.origin, "forged").is_empty());
     let mut relayed = 0.0;
     for m in rig.running() {
         relayed += m.fg().metric_sum("fencegate_peer_forwards_total").await;
@@ -358,6 +372,23 @@ async fn any_instance_serves_any_lease_once_through_the_owner() {
         let shown = m.fg().admin_json("/v1/cluster").await.to_string();
         assert!(!shown.contains(PEER_TOKEN));
     }
+}
+
+/// A request of `lease` at `w`'s epoch with a wrong token, sent through every
+/// instance: status and body of each answer.
+async fn forged_answers(rig: &Rig, lease: &str, w: &Holding) -> Vec<(u16, String)> {
+    let mut out = Vec::new();
+    for m in rig.running() {
+        let forged = worker_req(&m.fg().url(&format!("/{lease}/x")), w.epoch.get(), "not-it")
+            .body(body("forged"))
+            .unwrap();
+        let r = send(forged).await;
+        out.push((
+            r.status.as_u16(),
+            String::from_utf8_lossy(&r.body).into_owned(),
+        ));
+    }
+    out
 }
 
 /// SPEC §10.2/§7: `X-Fencegate-Peer` without the cluster's token is refused 403
@@ -562,6 +593,52 @@ async fn a_takeover_turns_the_dead_owners_in_flight_keys_in_doubt() {
     retry.assert_error(409, "dedup_in_doubt");
     assert_eq!(payloads_at(&rig.origin, "held").len(), 1, "never repeated");
     rig.origin.release("h");
+
+    // The successor started the lease's fence at max(stored mark, latest epoch
+    // listed): a newer worker epoch that the dead owner never saw is the mark
+    // at once, and the older one is stale there without any request raising it.
+    // (Checked on a fresh takeover: the survivor gives the shard back to a
+    // restarted member, then takes it again after killing that one.)
+    let epochs = rig.s3.epochs().await;
+    let newer = force_next_epoch(&epochs, &lease, "w2", Duration::from_secs(60)).await;
+    rig.add("fg-c");
+    let map = rig.settled("fg-c joined", balanced(2, 2)).await;
+    let holder = map[0].clone();
+    let other = if holder == other_id {
+        "fg-c"
+    } else {
+        other_id.as_str()
+    }
+    .to_owned();
+    rig.member_mut(&holder).fg.as_mut().unwrap().kill9();
+    rig.member_mut(&holder).fg = None;
+    let successor = rig.member(&other).fg();
+    eventually("the other member takes the shard", || async {
+        Rig::shard_map(successor)
+            .await
+            .iter()
+            .all(|o| o.as_deref() == Some(other.as_str()))
+    })
+    .await;
+    let leases = successor.admin_json("/v1/leases").await;
+    let row = leases["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["lease"] == lease.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(row["high_water_mark"], newer.epoch.get(), "{row}");
+    send(keyed(
+        successor,
+        &format!("/{lease}/k"),
+        &w,
+        "key-old",
+        "old",
+    ))
+    .await
+    .assert_error(409, "epoch_stale");
+    assert!(payloads_at(&rig.origin, "old").is_empty());
 }
 
 /// Self-fencing (SPEC §10.2): an owner cut off from the lease store cannot renew;

@@ -556,9 +556,28 @@ mod tests {
     use super::*;
     use crate::state::witness;
 
+    /// Opens the state in `dir` once an earlier handle's sled has let go of the
+    /// directory's lock: sled's own background flusher keeps it for up to its
+    /// flush interval after the last handle is dropped. (A restarted process never
+    /// waits: the old one's exit released it.) Reopening at once failed under load.
+    async fn open_when_free(dir: &Path) -> Result<Arc<SledState>, StateError> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match SledState::open(dir) {
+                Err(StateError::Open { detail, .. })
+                    if detail.contains("another fencegate process")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Opens the state in `dir`, raises `lease`'s mark to `epoch`, closes it.
     async fn raise_and_close(dir: &Path, lease: &LeaseName, epoch: u64) {
-        let d = SledState::open(dir).unwrap();
+        let d = open_when_free(dir).await.unwrap();
         d.raise_mark(Owner::SINGLE, lease, Epoch::new(epoch))
             .await
             .unwrap();
@@ -575,7 +594,7 @@ mod tests {
             LeaseName::parse("a").unwrap(),
             LeaseName::parse("b").unwrap(),
         );
-        let d = SledState::open(dir.path()).unwrap();
+        let d = open_when_free(dir.path()).await.unwrap();
         let witnessed = || {
             let w = witness::read(dir.path()).unwrap().unwrap();
             (w.seq, w.marks)
@@ -612,7 +631,7 @@ mod tests {
             generation,
         };
         {
-            let d = SledState::open(dir.path()).unwrap();
+            let d = open_when_free(dir.path()).await.unwrap();
             d.raise_mark(gen(5), &lease, Epoch::new(1)).await.unwrap();
             let r = d.raise_mark(gen(4), &lease, Epoch::new(2)).await;
             assert!(
@@ -632,7 +651,7 @@ mod tests {
             .unwrap();
             d.close().await.unwrap();
         }
-        let d = SledState::open(dir.path()).unwrap();
+        let d = open_when_free(dir.path()).await.unwrap();
         assert!(d.note_drained(gen(4), &lease, Epoch::new(1)).await.is_err());
         assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(1));
         d.close().await.unwrap();
@@ -643,7 +662,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let lease = LeaseName::parse("l").unwrap();
         {
-            let d = SledState::open(dir.path()).unwrap();
+            let d = open_when_free(dir.path()).await.unwrap();
             assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::NONE);
             d.raise_mark(Owner::SINGLE, &lease, Epoch::new(5))
                 .await
@@ -663,7 +682,7 @@ mod tests {
             assert!(s.batches < 66, "{s:?}");
             d.close().await.unwrap();
         }
-        let d = SledState::open(dir.path()).unwrap();
+        let d = open_when_free(dir.path()).await.unwrap();
         assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(5));
     }
     /// Copies sled's own files (everything but the witness) from `from` to `to`.
@@ -689,7 +708,7 @@ mod tests {
         // sled's files roll back to mark 3 (as a silently dropped log tail would);
         // the witness remembers 9.
         copy_sled_files(old.path(), dir.path());
-        match SledState::open(dir.path()) {
+        match open_when_free(dir.path()).await {
             Err(StateError::Damaged { detail, .. }) => {
                 assert!(detail.contains("lost"), "{detail}")
             }
@@ -715,7 +734,7 @@ mod tests {
             std::fs::remove_file(dir.path().join(f)).unwrap();
         }
         assert!(matches!(
-            SledState::open(dir.path()),
+            open_when_free(dir.path()).await,
             Err(StateError::Damaged { .. })
         ));
         // The newest slot torn: the other one (one commit older) still vouches.
@@ -727,7 +746,7 @@ mod tests {
             }
             std::fs::write(dir.path().join(f), b).unwrap();
         }
-        let d = SledState::open(dir.path()).unwrap();
+        let d = open_when_free(dir.path()).await.unwrap();
         assert_eq!(d.marks(&lease).await.unwrap().mark, Epoch::new(4));
         d.close().await.unwrap();
         drop(d);
@@ -736,7 +755,7 @@ mod tests {
             std::fs::write(dir.path().join(f), b"not a witness").unwrap();
         }
         assert!(matches!(
-            SledState::open(dir.path()),
+            open_when_free(dir.path()).await,
             Err(StateError::Damaged { .. })
         ));
     }

@@ -244,6 +244,20 @@ impl Rig {
         }
     }
 
+    /// Waits until member `id` says it owns every shard (the others dead or
+    /// gone); returns it.
+    async fn sole_owner(&self, id: &str) -> &Fencegate {
+        let fg = self.member(id).fg();
+        eventually(&format!("{id} owns every shard"), || async {
+            Rig::shard_map(fg)
+                .await
+                .iter()
+                .all(|o| o.as_deref() == Some(id))
+        })
+        .await;
+        fg
+    }
+
     async fn worker(&self, lease: &str, holder: &str) -> Holding {
         let epochs = self.s3.epochs().await;
         acquire(&epochs, lease, holder, Duration::from_secs(60)).await
@@ -574,14 +588,7 @@ async fn a_takeover_turns_the_dead_owners_in_flight_keys_in_doubt() {
         "the worker lost its answer"
     );
     rig.member_mut(&owner_id).fg = None;
-    let survivor = rig.member(&other_id).fg();
-    eventually("the survivor takes the dead owner's shard", || async {
-        Rig::shard_map(survivor)
-            .await
-            .iter()
-            .all(|o| o.as_deref() == Some(other_id.as_str()))
-    })
-    .await;
+    let survivor = rig.sole_owner(&other_id).await;
     let retry = send(keyed(
         survivor,
         &format!("/{lease}/k"),
@@ -612,14 +619,7 @@ async fn a_takeover_turns_the_dead_owners_in_flight_keys_in_doubt() {
     .to_owned();
     rig.member_mut(&holder).fg.as_mut().unwrap().kill9();
     rig.member_mut(&holder).fg = None;
-    let successor = rig.member(&other).fg();
-    eventually("the other member takes the shard", || async {
-        Rig::shard_map(successor)
-            .await
-            .iter()
-            .all(|o| o.as_deref() == Some(other.as_str()))
-    })
-    .await;
+    let successor = rig.sole_owner(&other).await;
     let leases = successor.admin_json("/v1/leases").await;
     let row = leases["leases"]
         .as_array()

@@ -136,6 +136,18 @@ pub async fn status_after(
     })
 }
 
+/// Why `epoch` is not the caller's tenure, from a [`status_after`] `epoch`.
+fn not_latest(st: &LeaseStatus, epoch: Epoch) -> String {
+    if st.latest == epoch && st.object.is_none() {
+        format!("epoch {epoch} does not exist")
+    } else {
+        format!(
+            "the latest epoch is {} and it is not this tenure",
+            st.latest
+        )
+    }
+}
+
 /// How many lost races or uncertain results one call tolerates before giving up.
 const MAX_ROUNDS: usize = 16;
 
@@ -235,10 +247,7 @@ pub async fn acquire_with(
                 return Err(AcquireError::NotHolder {
                     lease: lease.clone(),
                     epoch: e,
-                    why: format!(
-                        "the latest epoch is {} and it is not this tenure",
-                        st.latest
-                    ),
+                    why: not_latest(&st, e),
                 });
             }
             if let Some(EpochObject::Acquire { expires_at, .. }) = &st.object {
@@ -367,13 +376,15 @@ pub async fn release(
     epoch: Epoch,
     token: &str,
 ) -> Result<Epoch, AcquireError> {
-    let st = status(epochs, lease).await?;
+    // Listed after the tenure's own epoch, as a renewal is (`status_after`): a
+    // graceful stop releases every shard, and must not page through its history.
+    let st = status_after(epochs, lease, epoch).await?;
     let mine = matches!(&st.object, Some(EpochObject::Acquire { token: t, .. }) if st.latest == epoch && t.matches(&TokenHash::of(token.as_bytes())));
     if !mine {
         return Err(AcquireError::NotHolder {
             lease: lease.clone(),
             epoch,
-            why: format!("the latest epoch is {}", st.latest),
+            why: not_latest(&st, epoch),
         });
     }
     let next = epoch.next().ok_or_else(|| AcquireError::GaveUp {
@@ -446,9 +457,10 @@ mod tests {
         }
     }
 
-    /// A renewal lists only the epochs after its own tenure's (the instance
-    /// guard renews this way every `gate_ttl / 3`): listing from the start paged
-    /// through the whole history on every renewal.
+    /// A renewal, and a release, list only the epochs after their own tenure's
+    /// (the instance guard renews this way every `gate_ttl / 3`, a graceful stop
+    /// releases every shard): listing from the start paged through the whole
+    /// history each time.
     #[tokio::test]
     async fn a_renewal_lists_only_the_epochs_after_its_own() {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -469,8 +481,16 @@ mod tests {
                 .expect("renewed");
         }
         assert_eq!(held.epoch, Epoch::new(4));
+        release(&epochs, &lease, "me", held.epoch, &held.token)
+            .await
+            .expect("released");
         let starts = store.starts.lock().expect("not poisoned").clone();
         let after = |e: u64| Some(object_key("p/", &lease, Epoch::new(e)));
-        assert_eq!(starts, vec![None, after(1), after(2), after(3)]);
+        assert_eq!(starts, vec![None, after(1), after(2), after(3), after(4)]);
+        // A tenure that never existed is told so, not that it is the latest.
+        let err = release(&epochs, &lease, "me", Epoch::new(9), "nope")
+            .await
+            .expect_err("no such tenure");
+        assert!(err.to_string().contains("epoch 9 does not exist"), "{err}");
     }
 }

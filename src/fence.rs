@@ -26,7 +26,7 @@ use crate::epoch::{Epoch, EpochObject, LeaseName};
 use crate::gate::{Denied, Gate, GateStats, Pass, RaiseError};
 use crate::lease::{Epochs, StoreError};
 use crate::lock_order::Ordered;
-use crate::state::{Owner, StateError, StateStore};
+use crate::state::{LeaseMarks, Owner, StateError, StateStore};
 
 /// Why a fence admitted nothing.
 #[derive(Debug, thiserror::Error)]
@@ -118,24 +118,25 @@ pub struct FenceView {
 }
 
 impl Fence {
-    /// Creates the fence of `lease` from its durable mark, or from `floor` when
-    /// that is higher (a takeover starts at the latest epoch listed in the store,
+    /// Creates the fence of `lease` from its durable marks (`stored`, read by the
+    /// caller), or from `floor` when that is higher (a takeover starts at the latest epoch listed in the store,
     /// SPEC §10.2). `settle` is the longest drain timeout of its routes: after a
     /// restart or a takeover the first raise waits that long for requests the
     /// previous process may have left at the destination, and so does any request
     /// above the epoch its drains had completed through.
-    pub async fn new(
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
         lease: LeaseName,
         epochs: Epochs,
         state: Arc<dyn StateStore>,
         owner: Owner,
         settle: Duration,
         refresh: Arc<Refresh>,
+        stored: LeaseMarks,
         floor: Epoch,
-    ) -> Result<Arc<Fence>, StateError> {
-        let marks = state.marks(&lease).await?;
-        let (mark, drained) = (marks.mark.max(floor), marks.drained);
-        Ok(Arc::new_cyclic(|this| Fence {
+    ) -> Arc<Fence> {
+        let (mark, drained) = (stored.mark.max(floor), stored.drained);
+        Arc::new_cyclic(|this| Fence {
             lease,
             epochs,
             state,
@@ -156,7 +157,7 @@ impl Fence {
             verified: Mutex::new(None),
             stop: CancellationToken::new(),
             calls: StoreCalls::default(),
-        }))
+        })
     }
 
     pub fn lease(&self) -> &LeaseName {
@@ -614,6 +615,7 @@ impl Fences {
         if let Some(f) = self.get(lease) {
             return Ok(f);
         }
+        let stored = self.state.marks(lease).await?;
         let fence = Fence::new(
             lease.clone(),
             self.epochs.clone(),
@@ -621,9 +623,9 @@ impl Fences {
             Owner::SINGLE,
             settle,
             self.refresh.clone(),
+            stored,
             Epoch::NONE,
-        )
-        .await?;
+        );
         // Two starters of one lease: the first one in wins, the other's is dropped
         // unused (nothing was admitted through it).
         Ok(self.running().entry(lease.clone()).or_insert(fence).clone())
@@ -641,18 +643,16 @@ impl Fences {
     ) -> Result<Arc<Fence>, FenceError> {
         // Listed after the stored mark (an epoch the store had: objects are never
         // deleted), so a takeover does not page through the lease's history.
-        let known = self
-            .state
-            .marks(lease)
+        let stored = self.state.marks(lease).await.map_err(FenceError::State)?;
+        let listed = self
+            .epochs
+            .latest_after(lease, stored.mark)
             .await
-            .map_or(Epoch::NONE, |m| m.mark);
-        let listed = self.epochs.latest_after(lease, known).await.map_err(|e| {
-            FenceError::StoreUnavailable {
+            .map_err(|e| FenceError::StoreUnavailable {
                 lease: lease.clone(),
                 epoch: Epoch::NONE,
                 detail: e.to_string(),
-            }
-        })?;
+            })?;
         let fence = Fence::new(
             lease.clone(),
             self.epochs.clone(),
@@ -660,10 +660,9 @@ impl Fences {
             owner,
             settle,
             self.refresh.clone(),
+            stored,
             listed,
-        )
-        .await
-        .map_err(FenceError::State)?;
+        );
         let old = self.running().insert(lease.clone(), fence.clone());
         if let Some(old) = old {
             tokio::spawn(async move { old.stop(Duration::ZERO).await });

@@ -116,7 +116,7 @@ pub async fn status(epochs: &Epochs, lease: &LeaseName) -> Result<LeaseStatus, S
 /// (its own tenure's): epoch objects are never deleted, so the latest is at least
 /// `known`, and the listing does not grow with the lease's history — a gate lease
 /// renewed every few seconds has hundreds of thousands of epochs within a month,
-/// and listing them all on every renewal outlasted the renewal itself.
+/// and listing them all on every renewal would come to outlast the renewal.
 pub async fn status_after(
     epochs: &Epochs,
     lease: &LeaseName,

@@ -289,9 +289,13 @@ async fn held_at_origin(
     let mut req = keyed(fg, path, w, key, payload);
     req.headers_mut()
         .insert("x-test-hold", hold.parse().unwrap());
-    let before = rig.origin.count();
     let pending = tokio::spawn(try_send(req));
-    rig.origin.wait_for(before + 1).await;
+    // This request's own arrival, not any: a count could be met by another
+    // request, and the caller's freeze would then land before this one was sent.
+    eventually("the held request at the destination", || async {
+        !payloads_at(&rig.origin, payload).is_empty()
+    })
+    .await;
     pending
 }
 

@@ -202,15 +202,22 @@ impl Origin {
 
     /// Waits (bounded) until at least `n` requests have arrived.
     pub async fn wait_for(&self, n: usize) {
+        self.wait_until(&format!("{n} arrivals"), |log| log.len() >= n)
+            .await;
+    }
+
+    /// Waits (bounded, woken by each arrival) until the log satisfies `done`.
+    pub async fn wait_until(&self, what: &str, done: impl Fn(&[Arrival]) -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let met = || done(&self.state.lock().unwrap().log);
         loop {
             let notified = self.arrived.notified();
-            if self.count() >= n {
+            if met() {
                 return;
             }
             assert!(
-                tokio::time::timeout_at(deadline, notified).await.is_ok() || self.count() >= n,
-                "origin: waited 20 s for {n} arrivals, have {}",
+                tokio::time::timeout_at(deadline, notified).await.is_ok() || met(),
+                "origin: waited 20 s for {what}, have {} arrivals",
                 self.count()
             );
         }

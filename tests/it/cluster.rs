@@ -292,10 +292,11 @@ async fn held_at_origin(
     let pending = tokio::spawn(try_send(req));
     // This request's own arrival, not any: a count could be met by another
     // request, and the caller's freeze would then land before this one was sent.
-    eventually("the held request at the destination", || async {
-        !payloads_at(&rig.origin, payload).is_empty()
-    })
-    .await;
+    rig.origin
+        .wait_until("the held request", |log| {
+            log.iter().any(|a| a.body.starts_with(payload.as_bytes()))
+        })
+        .await;
     pending
 }
 

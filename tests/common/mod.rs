@@ -19,6 +19,8 @@ mod fault_store;
 pub mod postgres;
 
 pub use fault_store::{Fault, FaultStore, Op, Rule};
+#[allow(unused_imports)]
+pub use postgres::freeze::freeze;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -17,6 +17,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+#[path = "freeze.rs"]
+#[allow(dead_code)]
+pub mod freeze;
+
 pub struct PgServer {
     child: Mutex<Option<Child>>,
     dir: tempfile::TempDir,
@@ -214,8 +218,12 @@ impl PgServer {
     pub fn pause(&self) {
         // The postmaster first, so that it forks no backend we would miss.
         Self::signal(self.pid(), libc::SIGSTOP);
-        for c in children_of(self.pid()) {
+        let children = children_of(self.pid());
+        for &c in &children {
             Self::signal(c, libc::SIGSTOP);
+        }
+        for c in children.into_iter().chain([self.pid()]) {
+            freeze::wait_stopped(c);
         }
     }
 

@@ -266,6 +266,9 @@ impl Rig {
 
 /// `kill -SIG pid`.
 fn signal(fg: &Fencegate, sig: &str) {
+    if sig == "-STOP" {
+        return freeze(fg.pid());
+    }
     let pid = fg.pid().to_string();
     assert!(std::process::Command::new("kill")
         .args([sig, &pid])
@@ -727,12 +730,7 @@ async fn a_frozen_owner_wakes_up_fenced() {
             .status,
         200
     );
-    let pid = frozen.fg().pid().to_string();
-    assert!(std::process::Command::new("kill")
-        .args(["-STOP", &pid])
-        .status()
-        .unwrap()
-        .success());
+    freeze(frozen.fg().pid());
     eventually("the other instance takes the shard", || async {
         Rig::shard_map(other.fg()).await == vec![Some(other.id.clone())]
     })
@@ -746,11 +744,7 @@ async fn a_frozen_owner_wakes_up_fenced() {
             .status,
         200
     );
-    assert!(std::process::Command::new("kill")
-        .args(["-CONT", &pid])
-        .status()
-        .unwrap()
-        .success());
+    signal(frozen.fg(), "-CONT");
     // At once after waking: the stale request must not be forwarded by the frozen one.
     let r = post(frozen.fg(), &format!("/{lease}/x"), &old, "old after wake").await;
     assert_ne!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));

@@ -152,7 +152,7 @@ impl S3Server {
 
     /// SIGSTOP: the store stops answering (connections hang).
     pub fn pause(&self) {
-        signal(self.pid(), "-STOP");
+        freeze(self.pid());
     }
 
     pub fn resume(&self) {

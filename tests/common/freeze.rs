@@ -24,7 +24,8 @@ pub fn wait_stopped(pid: u32) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !all_threads_stopped(pid) {
         assert!(Instant::now() < deadline, "process {pid} did not stop");
-        std::thread::yield_now();
+        // Not a spin: the thread that must take the signal may need this core.
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 

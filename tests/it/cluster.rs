@@ -264,11 +264,8 @@ impl Rig {
     }
 }
 
-/// `kill -SIG pid`.
+/// `kill -SIG pid` (a freeze is [`freeze`]: it waits until the process is stopped).
 fn signal(fg: &Fencegate, sig: &str) {
-    if sig == "-STOP" {
-        return freeze(fg.pid());
-    }
     let pid = fg.pid().to_string();
     assert!(std::process::Command::new("kill")
         .args([sig, &pid])
@@ -831,7 +828,7 @@ async fn a_deposed_owners_late_outcome_write_fails() {
         "slow",
     )
     .await;
-    signal(a, "-STOP");
+    freeze(a.pid());
     // The destination answers while the owner is frozen.
     rig.origin.release("slow");
     eventually("the other instance takes the shard", || async {
@@ -894,7 +891,7 @@ async fn a_short_freeze_causes_no_takeover() {
     let a = rig.member(&map[0]).fg();
     let b = rig.running().find(|m| m.id != map[0]).unwrap().fg();
     let before = b.metric_sum("fencegate_cluster_takeovers_total").await;
-    signal(a, "-STOP");
+    freeze(a.pid());
     tokio::time::sleep(Duration::from_millis(1500)).await;
     signal(a, "-CONT");
     // Two keeper rounds of the other instance after the freeze.

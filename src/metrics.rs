@@ -80,6 +80,8 @@ pub struct Metrics {
     upstream: Family<RouteLabel, Histogram, fn() -> Histogram>,
     reloads: Family<ReloadLabels, Counter>,
     last_reload_ok: Gauge,
+    /// The proxy listener's open and parked connections.
+    pub connections: crate::server::ConnGauges,
 }
 
 impl Metrics {
@@ -132,6 +134,17 @@ impl Metrics {
             "0 when the last reload was refused (the file on disk is not what runs), else 1",
             last_reload_ok.clone(),
         );
+        let connections = crate::server::ConnGauges::default();
+        registry.register(
+            "fencegate_connections_open",
+            "Client connections open on the proxy listener",
+            connections.open.clone(),
+        );
+        registry.register(
+            "fencegate_connections_parked",
+            "Of those, connections waiting for their next request without HTTP buffers (idle HTTP/1 keep-alive, or no request yet)",
+            connections.parked.clone(),
+        );
         if let Some(shared) = shared {
             shared.state_metrics.register(&mut registry);
             registry.register_collector(Box::new(StateCollector(shared)));
@@ -143,6 +156,7 @@ impl Metrics {
             upstream,
             reloads,
             last_reload_ok,
+            connections,
         })
     }
 

@@ -798,6 +798,10 @@ fn agg_refs<'a>(it: impl Iterator<Item = &'a loadgen::Outcome>) -> Agg {
     }
 }
 
+/// When the idle connections' memory is read a second time, in seconds after the
+/// last one opened: past fencegate's park wait (1 s) and its next check.
+const SETTLED_S: f64 = 2.5;
+
 async fn idle(
     args: &Args,
     dir: &std::path::Path,
@@ -830,8 +834,10 @@ async fn idle(
     )?;
     let mut md = format!(
         "\n#### {n} idle keep-alive connections (each made one request, then idles)\n\n\
-         | proxy | VmRSS before MiB | VmRSS with idle MiB | KiB per connection | open s | c=64 req/s beside them | c=64 req/s after closing | p99 ms beside / after | still open after 12 s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         KiB per connection 0.3 s after the last one opened, and again {SETTLED_S} s after (fencegate parks a \
+         plain HTTP/1 connection that has rested for 1 s: src/server/park.rs).\n\n\
+         | proxy | VmRSS before MiB | VmRSS with idle MiB (0.3 s / {SETTLED_S} s) | KiB per connection at 0.3 s | KiB per connection at {SETTLED_S} s | open s | c=64 req/s beside them | c=64 req/s after closing | p99 ms beside / after | still open after 12 s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     let mut rows = Vec::new();
     let mut tag = 3_000;
@@ -894,6 +900,8 @@ async fn idle(
         let open_s = t0.elapsed().as_secs_f64();
         tokio::time::sleep(Duration::from_millis(300)).await;
         let (rss1, threads) = procs::rss_kib(p.pid);
+        tokio::time::sleep(Duration::from_secs_f64(SETTLED_S - 0.3)).await;
+        let (rss2, _) = procs::rss_kib(p.pid);
         tag += 1;
         let beside = loadgen::run(&busy(tag)).await;
         // hyper's header read timeout (fencegate: 10 s) also runs while a
@@ -911,16 +919,18 @@ async fn idle(
         tag += 1;
         let after = loadgen::run(&busy(tag)).await;
         let per_conn = (rss1 as f64 - rss0 as f64) / n as f64;
+        let settled = (rss2 as f64 - rss0 as f64) / n as f64;
         eprintln!(
-            "  {name}: VmRSS {rss0} → {rss1} KiB ({per_conn:.1} KiB/conn, {threads} threads), opened in {open_s:.1} s; \
+            "  {name}: VmRSS {rss0} → {rss1} KiB ({per_conn:.1} KiB/conn, {threads} threads), after {SETTLED_S} s {rss2} KiB ({settled:.1} KiB/conn), opened in {open_s:.1} s; \
              c=64 {:.0} req/s beside, {:.0} after; {still_open}/{n} open after 12 s",
             beside.rps(),
             after.rps()
         );
         md.push_str(&format!(
-            "| {name} | {:.1} | {:.1} | {per_conn:.1} | {open_s:.1} | {:.0} | {:.0} | {} / {} | {still_open} |\n",
+            "| {name} | {:.1} | {:.1} / {:.1} | {per_conn:.1} | {settled:.1} | {open_s:.1} | {:.0} | {:.0} | {} / {} | {still_open} |\n",
             rss0 as f64 / 1024.0,
             rss1 as f64 / 1024.0,
+            rss2 as f64 / 1024.0,
             beside.rps(),
             after.rps(),
             ms(beside.hist.value_at_quantile(0.99) as f64),
@@ -928,7 +938,8 @@ async fn idle(
         ));
         rows.push(json!({
             "proxy": name, "connections": n, "rss_before_kib": rss0, "rss_with_idle_kib": rss1,
-            "kib_per_connection": per_conn, "open_s": open_s,
+            "kib_per_connection": per_conn, "kib_per_connection_settled": settled,
+            "rss_settled_kib": rss2, "open_s": open_s,
             "rps_beside_idle": beside.rps(), "rps_after_closing": after.rps(),
             "p99_beside_us": beside.hist.value_at_quantile(0.99), "p99_after_us": after.hist.value_at_quantile(0.99),
             "errors": beside.counts.errors + after.counts.errors,

@@ -1,11 +1,13 @@
 //! One client connection: the idle limit (one timer per connection, counted from
 //! the last request or the last byte written), the request future that is
-//! finished even when its client goes away, and the accept loop.
+//! finished even when its client goes away, graceful shutdown, and the accept
+//! loop. Plain HTTP/1 connections are served by [`park`](super::park), which
+//! gives an idle connection's buffers back.
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -13,19 +15,28 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::service::service_fn;
+use hyper::server::conn::http1;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
+use super::park;
 use crate::forward::Peer;
 
-pub(super) fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor> {
+/// How connections are served: plain HTTP/1 by hyper's HTTP/1 server directly
+/// (so that an idle one can be [parked](super::park)), anything else (TLS, HTTP/2,
+/// a first read too short to tell) by the auto builder.
+pub(super) struct Builders {
+    pub auto: auto::Builder<TokioExecutor>,
+    pub http1: http1::Builder,
+}
+
+pub(super) fn http_builder(idle_limit: Duration) -> Builders {
     let mut b = auto::Builder::new(TokioExecutor::new());
     // hyper's own header read timeout is off: it arms a timer for every request,
     // which cost ~5% of a forwarded request's CPU. `close_when_idle` enforces the
@@ -40,18 +51,63 @@ pub(super) fn http_builder(idle_limit: Duration) -> auto::Builder<TokioExecutor>
         // Pings are writes, and writes count as activity for `close_when_idle`:
         // kept above its limit, they cannot keep an idle connection open.
         .keep_alive_interval(Duration::from_secs(30).max(idle_limit * 2));
-    b
+    let mut http1 = http1::Builder::new();
+    http1
+        .timer(TokioTimer::new())
+        .header_read_timeout(None)
+        .max_buf_size(128 * 1024);
+    Builders { auto: b, http1 }
 }
 
-/// What a connection is doing, for [`close_when_idle`]: requests being served,
-/// and when the last one ended.
-struct Activity {
+/// Graceful shutdown of every connection: an idle one closes at once, a busy one
+/// after its answer; [`Shutdown::shutdown`] returns when all have ended. (What
+/// hyper-util's `GracefulShutdown` does, with a signal a parked connection can
+/// wait on without a hyper connection to call.)
+pub(super) struct Shutdown {
+    tx: watch::Sender<()>,
+}
+
+impl Shutdown {
+    pub fn new() -> Shutdown {
+        Shutdown {
+            tx: watch::channel(()).0,
+        }
+    }
+
+    /// Held by a connection for its life; changes when shutdown begins.
+    pub fn watcher(&self) -> watch::Receiver<()> {
+        self.tx.subscribe()
+    }
+
+    /// Signals every connection, then waits until each has ended.
+    pub async fn shutdown(self) {
+        let _ = self.tx.send(());
+        self.tx.closed().await;
+    }
+}
+
+/// Counts of the proxy listener's connections (`fencegate_connections_open`,
+/// `fencegate_connections_parked`).
+#[derive(Clone, Default)]
+pub struct ConnGauges {
+    pub open: Gauge,
+    pub parked: Gauge,
+}
+
+/// What a connection is doing, for [`close_when_idle`] and parking: requests
+/// being served, answers being written, and when the last one ended.
+pub(super) struct Activity {
     started: Instant,
     in_flight: AtomicUsize,
     /// Answers whose body is waiting for its source (a streamed upstream answer
     /// between events): not idleness, however long. An answer waiting for the
     /// *client* to read is, unless its writes move bytes.
     body_waiting: AtomicUsize,
+    /// Answers handed to hyper and not yet dropped by it (their body not yet all
+    /// written): a connection with one is never parked.
+    open_answers: AtomicUsize,
+    /// The socket's last write would have blocked: hyper holds bytes not yet sent.
+    write_blocked: AtomicBool,
     /// Milliseconds after `started` when the connection last became idle.
     idle_since_ms: AtomicU64,
     /// Milliseconds after `started` of the last write that moved bytes: a large
@@ -65,6 +121,8 @@ impl Activity {
             started: Instant::now(),
             in_flight: AtomicUsize::new(0),
             body_waiting: AtomicUsize::new(0),
+            open_answers: AtomicUsize::new(0),
+            write_blocked: AtomicBool::new(false),
             idle_since_ms: AtomicU64::new(0),
             wrote_ms: AtomicU64::new(0),
         })
@@ -75,7 +133,7 @@ impl Activity {
     }
 
     /// How long the connection has been without a request (`None`: serving one).
-    fn idle_for(&self) -> Option<Duration> {
+    pub(super) fn idle_for(&self) -> Option<Duration> {
         if self.in_flight.load(Ordering::SeqCst) > 0 || self.body_waiting.load(Ordering::SeqCst) > 0
         {
             return None;
@@ -86,16 +144,31 @@ impl Activity {
             .max(self.wrote_ms.load(Ordering::Relaxed));
         Some(Duration::from_millis(self.now_ms().saturating_sub(since)))
     }
+
+    /// Nothing of an exchange is left in hyper: no request being served, every
+    /// answer written out and dropped, no bytes waiting for the socket. Checked
+    /// between polls of the connection, so hyper has handed every complete
+    /// request head it read to the service already.
+    pub(super) fn at_rest(&self) -> bool {
+        self.in_flight.load(Ordering::SeqCst) == 0
+            && self.open_answers.load(Ordering::SeqCst) == 0
+            && !self.write_blocked.load(Ordering::SeqCst)
+    }
 }
 
-/// The connection's socket, noting in its [`Activity`] when a write moves bytes.
-struct Tracked<S> {
-    io: S,
-    activity: Arc<Activity>,
+/// The connection's socket, noting in its [`Activity`] when a write moves bytes
+/// and whether the last one would have blocked.
+pub(super) struct Tracked<S> {
+    pub io: S,
+    pub activity: Arc<Activity>,
 }
 
 impl<S> Tracked<S> {
     fn wrote(&self, r: &Poll<std::io::Result<usize>>) {
+        let blocked = r.is_pending();
+        if self.activity.write_blocked.load(Ordering::Relaxed) != blocked {
+            self.activity.write_blocked.store(blocked, Ordering::SeqCst);
+        }
         if let Poll::Ready(Ok(n)) = r {
             if *n > 0 {
                 self.activity
@@ -153,11 +226,23 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
 }
 
 /// An answer's body, noting in its connection's [`Activity`] while it waits for
-/// its source ([`Activity::body_waiting`]).
-struct Watched<B> {
+/// its source ([`Activity::body_waiting`]) and until hyper drops it
+/// ([`Activity::open_answers`]).
+pub(super) struct Watched<B> {
     body: B,
     activity: Arc<Activity>,
     waiting: bool,
+}
+
+impl<B> Watched<B> {
+    fn new(body: B, activity: Arc<Activity>) -> Watched<B> {
+        activity.open_answers.fetch_add(1, Ordering::SeqCst);
+        Watched {
+            body,
+            activity,
+            waiting: false,
+        }
+    }
 }
 
 impl<B> Watched<B> {
@@ -201,12 +286,13 @@ impl<B: Body + Unpin> Body for Watched<B> {
 impl<B> Drop for Watched<B> {
     fn drop(&mut self) {
         self.set_waiting(false);
+        self.activity.open_answers.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// Held by a request while it is served; the connection is idle again when the
 /// last one drops.
-struct Busy(Arc<Activity>);
+pub(super) struct Busy(Arc<Activity>);
 
 impl Busy {
     fn start(a: &Arc<Activity>) -> Busy {
@@ -222,6 +308,60 @@ impl Drop for Busy {
             .idle_since_ms
             .store(self.0.now_ms(), Ordering::SeqCst);
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The service hyper calls for each request of a connection: the handler, with
+/// the connection's peer and activity. Its future is `Unpin` (hyper's
+/// `poll_without_shutdown`, which parking needs, asks for it).
+#[derive(Clone)]
+pub(super) struct Svc<H> {
+    handler: H,
+    peer: Arc<Peer>,
+    activity: Arc<Activity>,
+}
+
+impl<H, Fut, B> hyper::service::Service<Request<Incoming>> for Svc<H>
+where
+    H: Fn(Request<Incoming>, Arc<Peer>) -> Fut,
+    Fut: Future<Output = Response<B>> + Unpin,
+{
+    type Response = Response<Watched<B>>;
+    type Error = Infallible;
+    type Future = Serving<Fut>;
+
+    fn call(&self, req: Request<Incoming>) -> Serving<Fut> {
+        Serving {
+            busy: Some(Busy::start(&self.activity)),
+            fut: (self.handler)(req, self.peer.clone()),
+        }
+    }
+}
+
+/// A request being served: busy until its answer is handed to hyper.
+pub(super) struct Serving<F> {
+    fut: F,
+    busy: Option<Busy>,
+}
+
+impl<F, B> Future for Serving<F>
+where
+    F: Future<Output = Response<B>> + Unpin,
+{
+    type Output = Result<Response<Watched<B>>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let resp = std::task::ready!(Pin::new(&mut this.fut).poll(cx));
+        let Some(busy) = this.busy.take() else {
+            // Polled after completion: never ready again.
+            return Poll::Pending;
+        };
+        // The answer counts as open before the request stops counting as busy:
+        // the connection never looks at rest with an answer still to write.
+        let answer = resp.map(|body| Watched::new(body, busy.0.clone()));
+        drop(busy);
+        Poll::Ready(Ok(answer))
     }
 }
 
@@ -321,10 +461,34 @@ where
     }
 }
 
+/// Polls `conn`, asking it to shut down gracefully (`stop`) once `shutdown`
+/// changes; holds the receiver until `conn` ends, so that shutdown waits for it.
+async fn until_shutdown<C, E>(
+    conn: C,
+    mut shutdown: watch::Receiver<()>,
+    stop: fn(Pin<&mut C>),
+) -> Result<(), E>
+where
+    C: Future<Output = Result<(), E>>,
+{
+    tokio::pin!(conn);
+    let changed = shutdown.changed();
+    tokio::pin!(changed);
+    let mut asked = false;
+    std::future::poll_fn(|cx| {
+        if !asked && changed.as_mut().poll(cx).is_ready() {
+            asked = true;
+            stop(conn.as_mut());
+        }
+        conn.as_mut().poll(cx)
+    })
+    .await
+}
+
 /// How one listener serves its connections.
 pub(super) struct Listener {
     pub listener: TcpListener,
-    pub builder: Arc<auto::Builder<TokioExecutor>>,
+    pub builders: Arc<Builders>,
     /// Stops accepting (connections already open go on).
     pub stop: CancellationToken,
     /// At most this many connections at once; more are closed at accept.
@@ -335,24 +499,27 @@ pub(super) struct Listener {
     /// The TLS handshake's bound, and how long a connection may go without a
     /// request.
     pub idle_limit: Duration,
+    /// Open and parked connections, counted for the metrics.
+    pub gauges: ConnGauges,
 }
 
 /// Accepts connections until `l.stop`, serving each request with `handler`;
-/// `graceful` tracks the connections for shutdown.
-pub(super) async fn accept_loop<F, Fut, B>(l: Listener, handler: F, graceful: &GracefulShutdown)
+/// `shutdown` tracks the connections for a graceful stop.
+pub(super) async fn accept_loop<F, Fut, B>(l: Listener, handler: F, shutdown: &Shutdown)
 where
-    F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: Future<Output = Response<B>> + Send + 'static,
+    F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + Unpin + 'static,
+    Fut: Future<Output = Response<B>> + Unpin + Send + 'static,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let Listener {
         listener,
-        builder,
+        builders,
         stop,
         limit,
         tls,
-        idle_limit: handshake_timeout,
+        idle_limit,
+        gauges,
     } = l;
     loop {
         let (stream, peer) = tokio::select! {
@@ -374,36 +541,44 @@ where
         let _ = stream.set_nodelay(true);
         let tls = tls.as_ref().and_then(|l| l.current().tls.clone());
         let proto = if tls.is_some() { "https" } else { "http" };
-        let h = handler.clone();
         let activity = Activity::new();
-        let active = activity.clone();
-        let conn_peer = Arc::new(Peer::new(peer, proto));
-        let svc = service_fn(move |req| {
-            let busy = Busy::start(&active);
-            let fut = h(req, conn_peer.clone());
-            let activity = active.clone();
-            async move {
-                let resp = fut.await;
-                drop(busy);
-                Ok::<_, Infallible>(resp.map(|body| Watched {
-                    body,
-                    activity,
-                    waiting: false,
-                }))
-            }
-        });
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
+        let svc = Svc {
+            handler: handler.clone(),
+            peer: Arc::new(Peer::new(peer, proto)),
+            activity: activity.clone(),
+        };
+        let builders = builders.clone();
+        let watcher = shutdown.watcher();
+        let gauges = gauges.clone();
+        let open = Open::new(&gauges.open, permit);
+        let parked = gauges.parked.clone();
         tokio::spawn(async move {
-            // The TLS stream is boxed (and its handshake too): a plain connection's
-            // task stays as small as if TLS did not exist.
-            let io = match tls {
-                None => Either::Left(stream),
-                Some(acceptor) => {
-                    match tokio::time::timeout(handshake_timeout, Box::pin(acceptor.accept(stream)))
-                        .await
+            let _open = open;
+            let (io, watcher) = match tls {
+                None => {
+                    let limits = park::Limits::new(idle_limit);
+                    match park::serve(
+                        stream,
+                        &builders.http1,
+                        svc.clone(),
+                        &activity,
+                        limits,
+                        watcher,
+                        &parked,
+                    )
+                    .await
                     {
-                        Ok(Ok(s)) => Either::Right(Box::new(s)),
+                        park::Served::Done => return,
+                        // HTTP/2, or too little read to tell: the auto builder.
+                        park::Served::NotHttp1(stream, watcher) => (Either::Left(stream), watcher),
+                    }
+                }
+                // The TLS stream is boxed (and its handshake too): a plain
+                // connection's task stays as small as if TLS did not exist.
+                Some(acceptor) => {
+                    match tokio::time::timeout(idle_limit, Box::pin(acceptor.accept(stream))).await
+                    {
+                        Ok(Ok(s)) => (Either::Right(Box::new(s)), watcher),
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
                             return;
@@ -416,13 +591,36 @@ where
                 io,
                 activity: activity.clone(),
             });
-            let conn = builder.serve_connection(io, svc).into_owned();
-            let result = close_when_idle(watcher.watch(conn), &activity, handshake_timeout).await;
-            if let Err(e) = result {
+            // Boxed: the task of a parked plain connection does not carry its size.
+            let conn = Box::pin(builders.auto.serve_connection(io, svc).into_owned());
+            let conn = until_shutdown(conn, watcher, |c| c.get_mut().as_mut().graceful_shutdown());
+            if let Err(e) = close_when_idle(conn, &activity, idle_limit).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-            drop(permit);
         });
+    }
+}
+
+/// An open connection: counted in `fencegate_connections_open`, holding its place
+/// under `max_connections`, until it drops.
+struct Open {
+    gauge: Gauge,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Open {
+    fn new(gauge: &Gauge, permit: tokio::sync::OwnedSemaphorePermit) -> Open {
+        gauge.inc();
+        Open {
+            gauge: gauge.clone(),
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 

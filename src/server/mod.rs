@@ -10,15 +10,17 @@ use std::time::Duration;
 
 use http::Request;
 use hyper::body::Incoming;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 mod conn;
+mod park;
+
+pub use conn::ConnGauges;
 pub mod reload;
 
-use conn::{accept_loop, http_builder, FinishOnDrop, Listener};
+use conn::{accept_loop, http_builder, FinishOnDrop, Listener, Shutdown};
 
 use crate::admin::Admin;
 use crate::clock::Clock;
@@ -319,9 +321,9 @@ impl App {
         admin_l: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), StartError> {
-        let builder = Arc::new(http_builder(self.header_read_timeout));
-        let graceful = GracefulShutdown::new();
-        let admin_graceful = GracefulShutdown::new();
+        let builders = Arc::new(http_builder(self.header_read_timeout));
+        let graceful = Shutdown::new();
+        let admin_graceful = Shutdown::new();
         let accept_stop = CancellationToken::new();
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let proxy = self.proxy.clone();
@@ -333,25 +335,36 @@ impl App {
         let admin = self.admin.clone();
         let admin_handler = move |req: Request<Incoming>, _peer: Arc<Peer>| {
             let a = admin.clone();
-            async move { a.handle(req).await }
+            Box::pin(async move { a.handle(req).await })
         };
-        let listener = |listener, limit, tls| Listener {
+        let listener = |listener, limit, tls, gauges| Listener {
             listener,
-            builder: builder.clone(),
+            builders: builders.clone(),
             stop: accept_stop.clone(),
             limit,
             tls,
             idle_limit: self.header_read_timeout,
+            gauges,
         };
         let serve = async {
             tokio::join!(
                 accept_loop(
-                    listener(proxy_l, limit.clone(), Some(self.shared.live.clone())),
+                    listener(
+                        proxy_l,
+                        limit.clone(),
+                        Some(self.shared.live.clone()),
+                        self.metrics.connections.clone(),
+                    ),
                     proxy_handler,
                     &graceful,
                 ),
                 accept_loop(
-                    listener(admin_l, Arc::new(Semaphore::new(256)), None),
+                    listener(
+                        admin_l,
+                        Arc::new(Semaphore::new(256)),
+                        None,
+                        Default::default(),
+                    ),
                     admin_handler,
                     &admin_graceful,
                 ),

@@ -18,4 +18,5 @@ mod fencing;
 mod harness;
 mod hygiene;
 mod operator;
+mod parking;
 mod streaming;

@@ -1,0 +1,351 @@
+//! Parking: a plain HTTP/1 connection that has been at rest for a while gives
+//! back what hyper holds for it (an 8 KiB read buffer, often grown to 16, an
+//! 8 KiB write buffer, the connection's state) and waits for its client's next
+//! bytes with nothing but its socket. When they come, a new hyper connection
+//! serves them on the same socket. nginx does the same when a keep-alive
+//! connection goes idle (`ngx_http_set_keepalive` frees the request's buffers).
+//! An idle keep-alive connection cost ~20 KiB of RSS before; parked, ~2.
+//!
+//! A connection is parked only when nothing of an exchange is left in hyper
+//! ([`Activity::at_rest`]: no request being served, every answer written out, no
+//! bytes waiting for the socket) for `park_after`. hyper's own
+//! `graceful_shutdown` then ends an idle connection at once without touching the
+//! socket (`poll_without_shutdown`); bytes of a next request it had already read
+//! come back in its `read_buf` and are served at once, ahead of the socket
+//! ([`Rewind`]). If hyper turns out not to be idle after all (say, a request body
+//! the handler never read), the connection is closed after its current exchange
+//! instead, which HTTP/1.1 always allows.
+//!
+//! Before its first request a connection is parked too, and its first bytes are
+//! peeked (not read) to tell HTTP/1 from HTTP/2's preface: HTTP/2, and a first
+//! read too short to tell, go to the auto builder as before.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{Request, Response};
+use hyper::body::{Body, Incoming};
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::conn::{Activity, Tracked};
+
+/// How long a connection rests before it is parked (at most; a quarter of the
+/// idle limit when that is shorter). Re-serving a parked connection costs a new
+/// hyper connection (two buffers and its state): too short a wait would pay that
+/// on every request of a busy keep-alive client.
+const PARK_AFTER: Duration = Duration::from_secs(1);
+
+/// HTTP/2's connection preface (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+#[derive(Clone, Copy)]
+pub(super) struct Limits {
+    /// How long a connection may go without a request (`header_read_timeout_ms`).
+    pub idle: Duration,
+    /// How long a connection rests before it is parked.
+    pub park_after: Duration,
+}
+
+impl Limits {
+    pub fn new(idle: Duration) -> Limits {
+        Limits {
+            idle,
+            park_after: PARK_AFTER.min(idle / 4),
+        }
+    }
+}
+
+/// How [`serve`] ended.
+pub(super) enum Served {
+    /// The connection is over.
+    Done,
+    /// Not HTTP/1 (or too little to tell): for the auto builder, nothing read.
+    NotHttp1(TcpStream, watch::Receiver<()>),
+}
+
+type Io = TokioIo<Tracked<Rewind<TcpStream>>>;
+type Conn<S> = http1::Connection<Io, S>;
+
+/// Serves a plain connection: waits (parked) for its first bytes, then serves
+/// HTTP/1 on it, parking it whenever it rests, until it ends.
+pub(super) async fn serve<S, B>(
+    stream: TcpStream,
+    builder: &http1::Builder,
+    svc: S,
+    activity: &Arc<Activity>,
+    limits: Limits,
+    mut shutdown: watch::Receiver<()>,
+    parked: &Gauge,
+) -> Served
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Unpin,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S::Future: Unpin,
+    B: Body + 'static,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    // The first bytes, peeked (left for whoever serves them), within the idle limit.
+    let mut head = [0u8; H2_PREFACE.len()];
+    parked.inc();
+    let first = tokio::select! {
+        biased;
+        _ = shutdown.changed() => None,
+        r = stream.peek(&mut head) => r.ok(),
+        _ = tokio::time::sleep(limits.idle) => None,
+    };
+    parked.dec();
+    match first {
+        None | Some(0) => return Served::Done,
+        Some(n) if head[..n] == H2_PREFACE[..n] => return Served::NotHttp1(stream, shutdown),
+        Some(_) => {}
+    }
+    let (mut stream, mut svc, mut ahead) = (stream, svc, Bytes::new());
+    loop {
+        let io = TokioIo::new(Tracked {
+            io: Rewind { ahead, io: stream },
+            activity: activity.clone(),
+        });
+        // Boxed: a parked connection's task does not carry hyper's state.
+        let conn = Box::new(builder.serve_connection(io, svc));
+        let parts = match segment(conn, activity, limits, &mut shutdown).await {
+            Some(parts) => parts,
+            None => return Served::Done,
+        };
+        let Rewind {
+            ahead: unread,
+            io: s,
+        } = parts.io.into_inner().io;
+        (stream, svc) = (s, parts.service);
+        ahead = join(parts.read_buf, unread);
+        if !ahead.is_empty() {
+            // Part of a next request already read: served now, ahead of the socket.
+            tracing::debug!(
+                bytes = ahead.len(),
+                "a resting connection had read part of its next request: serving it"
+            );
+            continue;
+        }
+        tracing::debug!("connection parked");
+        if !wait(&stream, activity, limits.idle, &mut shutdown, parked).await {
+            return Served::Done;
+        }
+    }
+}
+
+/// Waits, parked, for the client's next bytes: `false` when the connection is
+/// to close instead (the idle limit, shutdown, a socket error).
+async fn wait(
+    stream: &TcpStream,
+    activity: &Activity,
+    idle: Duration,
+    shutdown: &mut watch::Receiver<()>,
+    parked: &Gauge,
+) -> bool {
+    let left = idle.saturating_sub(activity.idle_for().unwrap_or_default());
+    parked.inc();
+    let woke = tokio::select! {
+        biased;
+        _ = shutdown.changed() => false,
+        r = stream.readable() => r.is_ok(),
+        _ = tokio::time::sleep(left) => false,
+    };
+    parked.dec();
+    woke
+}
+
+/// Runs one hyper connection until it ends (`None`) or is parked (its parts).
+async fn segment<S, B>(
+    mut conn: Box<Conn<S>>,
+    activity: &Activity,
+    limits: Limits,
+    shutdown: &mut watch::Receiver<()>,
+) -> Option<http1::Parts<Io, S>>
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Unpin,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S::Future: Unpin,
+    B: Body + 'static,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    // One timer per connection, as `close_when_idle`: it fires at most once per
+    // `park_after` and enforces the idle limit too.
+    let check = tokio::time::sleep(limits.park_after);
+    tokio::pin!(check);
+    let changed = shutdown.changed();
+    tokio::pin!(changed);
+    let (mut parking, mut closing) = (false, false);
+    let ended = std::future::poll_fn(|cx| {
+        if !closing && changed.as_mut().poll(cx).is_ready() {
+            closing = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+        }
+        loop {
+            if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
+                return Poll::Ready(Some(r));
+            }
+            let mut park = false;
+            while check.as_mut().poll(cx).is_ready() {
+                let next = match activity.idle_for() {
+                    Some(idle) if idle >= limits.idle => {
+                        tracing::debug!(
+                            idle_ms = idle.as_millis() as u64,
+                            "no request within the header read timeout; closing the connection"
+                        );
+                        return Poll::Ready(None);
+                    }
+                    Some(idle) => {
+                        park |= idle >= limits.park_after && activity.at_rest();
+                        limits.park_after.min(limits.idle - idle)
+                    }
+                    None => limits.park_after,
+                };
+                check
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + next.max(Duration::from_millis(1)));
+            }
+            if !park || parking || closing {
+                return Poll::Pending;
+            }
+            // Idle in hyper's view too, it ends at once: poll it again.
+            parking = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+        }
+    })
+    .await;
+    match ended {
+        // The idle limit: dropped (closed) as it is.
+        None => None,
+        Some(Err(e)) => {
+            tracing::debug!(error = %e, "connection ended with an error");
+            None
+        }
+        Some(Ok(())) => {
+            let mut parts = conn.into_parts();
+            if parking && !closing {
+                return Some(parts);
+            }
+            // Ended by hyper (the client's `Connection: close`, …) or by shutdown:
+            // close the write side as hyper's own shutdown would have.
+            let _ = parts.io.inner_mut().io.io.shutdown().await;
+            None
+        }
+    }
+}
+
+/// Bytes read before they were wanted, then the socket's.
+fn join(read: Bytes, unread: Bytes) -> Bytes {
+    match (read.is_empty(), unread.is_empty()) {
+        (_, true) => read,
+        (true, false) => unread,
+        (false, false) => {
+            let mut b = BytesMut::with_capacity(read.len() + unread.len());
+            b.extend_from_slice(&read);
+            b.extend_from_slice(&unread);
+            b.freeze()
+        }
+    }
+}
+
+/// A socket with bytes already read from it put back in front.
+pub(super) struct Rewind<S> {
+    ahead: Bytes,
+    io: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.ahead.is_empty() {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        }
+        let n = this.ahead.len().min(buf.remaining());
+        buf.put_slice(&this.ahead[..n]);
+        this.ahead.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn rewound_bytes_come_before_the_socket() {
+        let (a, mut b) = tokio::io::duplex(64);
+        b.write_all(b" world").await.unwrap();
+        drop(b);
+        let mut r = Rewind {
+            ahead: Bytes::from_static(b"hello"),
+            io: a,
+        };
+        let mut out = String::new();
+        r.read_to_string(&mut out).await.unwrap();
+        assert_eq!(out, "hello world");
+    }
+
+    #[test]
+    fn joined_bytes_keep_their_order() {
+        let j =
+            |a: &'static [u8], b: &'static [u8]| join(Bytes::from_static(a), Bytes::from_static(b));
+        assert_eq!(
+            j(b"GET /", b" HTTP/1.1"),
+            Bytes::from_static(b"GET / HTTP/1.1")
+        );
+        assert_eq!(j(b"", b"x"), Bytes::from_static(b"x"));
+        assert_eq!(j(b"x", b""), Bytes::from_static(b"x"));
+    }
+
+    #[test]
+    fn the_park_wait_is_a_quarter_of_a_short_idle_limit() {
+        assert_eq!(Limits::new(Duration::from_secs(10)).park_after, PARK_AFTER);
+        assert_eq!(
+            Limits::new(Duration::from_millis(500)).park_after,
+            Duration::from_millis(125)
+        );
+    }
+}

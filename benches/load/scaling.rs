@@ -4,8 +4,11 @@
 //!   idle CPU (the refreshers) and c=64 throughput, interleaved.
 //! - dedup records: 1M `done` records written into sled before start vs. none,
 //!   durable dedup at c=64, interleaved.
-//! - idle connections: 10,000 keep-alive connections held open; VmRSS before and
-//!   after, throughput of 64 busy connections beside them, and how long they live.
+//! - idle connections: 10,000 keep-alive connections held open; VmRSS before, 0.3 s
+//!   and 2.5 s after the last opened (fencegate parks a connection after 1 s at
+//!   rest) and after 64 busy connections ran beside them (the allocator returns
+//!   freed pages to the OS only while it is in use), their throughput, and how
+//!   long the idle ones live.
 //! - epoch changes under load: a new epoch every second while 64 connections send;
 //!   latency of each connection's first request at a new epoch.
 //! - store calls: 10,000 leases of which 100 are in use (`refresh_interval_ms` =
@@ -836,8 +839,8 @@ async fn idle(
         "\n#### {n} idle keep-alive connections (each made one request, then idles)\n\n\
          KiB per connection 0.3 s after the last one opened, and again {SETTLED_S} s after (fencegate parks a \
          plain HTTP/1 connection that has rested for 1 s: src/server/park.rs).\n\n\
-         | proxy | VmRSS before MiB | VmRSS with idle MiB (0.3 s / {SETTLED_S} s) | KiB per connection at 0.3 s | KiB per connection at {SETTLED_S} s | open s | c=64 req/s beside them | c=64 req/s after closing | p99 ms beside / after | still open after 12 s |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+         | proxy | VmRSS before MiB | VmRSS with idle MiB (0.3 s / {SETTLED_S} s) | KiB per connection at 0.3 s | KiB per connection at {SETTLED_S} s | KiB per connection after the c=64 run beside them | open s | c=64 req/s beside them | c=64 req/s after closing | p99 ms beside / after | still open after 12 s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     let mut rows = Vec::new();
     let mut tag = 3_000;
@@ -904,6 +907,7 @@ async fn idle(
         let (rss2, _) = procs::rss_kib(p.pid);
         tag += 1;
         let beside = loadgen::run(&busy(tag)).await;
+        let (rss3, _) = procs::rss_kib(p.pid);
         // hyper's header read timeout (fencegate: 10 s) also runs while a
         // keep-alive connection waits for its next request.
         let wait = Duration::from_secs(12).saturating_sub(t0.elapsed());
@@ -920,14 +924,15 @@ async fn idle(
         let after = loadgen::run(&busy(tag)).await;
         let per_conn = (rss1 as f64 - rss0 as f64) / n as f64;
         let settled = (rss2 as f64 - rss0 as f64) / n as f64;
+        let beside_kib = (rss3 as f64 - rss0 as f64) / n as f64;
         eprintln!(
-            "  {name}: VmRSS {rss0} → {rss1} KiB ({per_conn:.1} KiB/conn, {threads} threads), after {SETTLED_S} s {rss2} KiB ({settled:.1} KiB/conn), opened in {open_s:.1} s; \
+            "  {name}: VmRSS {rss0} → {rss1} KiB ({per_conn:.1} KiB/conn, {threads} threads), after {SETTLED_S} s {rss2} KiB ({settled:.1} KiB/conn), after the busy run beside them {rss3} KiB ({beside_kib:.1} KiB/conn), opened in {open_s:.1} s; \
              c=64 {:.0} req/s beside, {:.0} after; {still_open}/{n} open after 12 s",
             beside.rps(),
             after.rps()
         );
         md.push_str(&format!(
-            "| {name} | {:.1} | {:.1} / {:.1} | {per_conn:.1} | {settled:.1} | {open_s:.1} | {:.0} | {:.0} | {} / {} | {still_open} |\n",
+            "| {name} | {:.1} | {:.1} / {:.1} | {per_conn:.1} | {settled:.1} | {beside_kib:.1} | {open_s:.1} | {:.0} | {:.0} | {} / {} | {still_open} |\n",
             rss0 as f64 / 1024.0,
             rss1 as f64 / 1024.0,
             rss2 as f64 / 1024.0,
@@ -939,7 +944,8 @@ async fn idle(
         rows.push(json!({
             "proxy": name, "connections": n, "rss_before_kib": rss0, "rss_with_idle_kib": rss1,
             "kib_per_connection": per_conn, "kib_per_connection_settled": settled,
-            "rss_settled_kib": rss2, "open_s": open_s,
+            "rss_settled_kib": rss2, "rss_after_busy_beside_kib": rss3,
+            "kib_per_connection_after_busy_beside": beside_kib, "open_s": open_s,
             "rps_beside_idle": beside.rps(), "rps_after_closing": after.rps(),
             "p99_beside_us": beside.hist.value_at_quantile(0.99), "p99_after_us": after.hist.value_at_quantile(0.99),
             "errors": beside.counts.errors + after.counts.errors,

@@ -242,10 +242,13 @@ where
     }
 }
 
-/// Bytes read before they were wanted, then the socket's.
+/// Bytes read before they were wanted, then the socket's. Never hyper's empty
+/// read buffer itself: an empty `Bytes` frozen from it still holds its
+/// allocation (8–16 KiB), which parking is there to give back.
 fn join(read: Bytes, unread: Bytes) -> Bytes {
     match (read.is_empty(), unread.is_empty()) {
-        (_, true) => read,
+        (true, true) => Bytes::new(),
+        (false, true) => read,
         (true, false) => unread,
         (false, false) => {
             let mut b = BytesMut::with_capacity(read.len() + unread.len());

@@ -226,6 +226,10 @@ pub fn has_dot_segments(path: &str) -> bool {
         }
         dots == 1 || dots == 2
     }
+    // Most paths have neither a dot nor a percent sign: one pass says so.
+    if !path.bytes().any(|b| b == b'.' || b == b'%') {
+        return false;
+    }
     path.split('/').any(|seg| is_dot_segment(seg.as_bytes()))
         || path
             .as_bytes()

@@ -14,7 +14,9 @@
 //! come back in its `read_buf` and are served at once, ahead of the socket
 //! ([`Rewind`]). If hyper turns out not to be idle after all (say, a request body
 //! the handler never read), the connection is closed after its current exchange
-//! instead, which HTTP/1.1 always allows.
+//! instead, which HTTP/1.1 always allows: only a connection hyper ends at once,
+//! idle, is parked, so the socket is never read again mid-message (what is left
+//! of an unread body must not become a request: that is request smuggling).
 //!
 //! Before its first request a connection is parked too, and its first bytes are
 //! peeked (not read) to tell HTTP/1 from HTTP/2's preface: HTTP/2, and a first
@@ -183,15 +185,18 @@ where
     tokio::pin!(check);
     let changed = shutdown.changed();
     tokio::pin!(changed);
+    // `parking`: graceful_shutdown was called to park; `asked_now`: in this very
+    // poll, right before polling hyper again.
     let (mut parking, mut closing) = (false, false);
     let ended = std::future::poll_fn(|cx| {
         if !closing && changed.as_mut().poll(cx).is_ready() {
             closing = true;
             Pin::new(&mut *conn).graceful_shutdown();
         }
+        let mut asked_now = false;
         loop {
             if let Poll::Ready(r) = conn.poll_without_shutdown(cx) {
-                return Poll::Ready(Some(r));
+                return Poll::Ready(Some((r, asked_now)));
             }
             let mut park = false;
             while check.as_mut().poll(cx).is_ready() {
@@ -218,6 +223,7 @@ where
             }
             // Idle in hyper's view too, it ends at once: poll it again.
             parking = true;
+            asked_now = true;
             Pin::new(&mut *conn).graceful_shutdown();
         }
     })
@@ -225,17 +231,21 @@ where
     match ended {
         // The idle limit: dropped (closed) as it is.
         None => None,
-        Some(Err(e)) => {
+        Some((Err(e), _)) => {
             tracing::debug!(error = %e, "connection ended with an error");
             None
         }
-        Some(Ok(())) => {
+        Some((Ok(()), parked)) => {
             let mut parts = conn.into_parts();
-            if parking && !closing {
+            // Parked only if hyper ended at once when asked, i.e. it was idle: a
+            // connection it ends later, or on its own, may stop mid-message (a
+            // request body it chose not to read is still in the socket), and the
+            // rest of the socket must never be read as a new request.
+            if parked && !closing {
                 return Some(parts);
             }
-            // Ended by hyper (the client's `Connection: close`, …) or by shutdown:
-            // close the write side as hyper's own shutdown would have.
+            // Ended by hyper (the client's `Connection: close`, an unread body…)
+            // or by shutdown: close the write side as hyper's own shutdown would.
             let _ = parts.io.inner_mut().io.io.shutdown().await;
             None
         }

@@ -211,3 +211,33 @@ async fn shutdown_closes_a_parked_connection_at_once() {
     let mut rest = Vec::new();
     assert_eq!(r.s.read_to_end(&mut rest).await.unwrap_or(0), 0);
 }
+
+/// A request refused before its body was read, with the body still arriving: the
+/// rest of the body is never read as a request of its own (request smuggling),
+/// parked or not. The smuggled bytes are a complete, valid worker request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rest_of_an_unread_body_never_becomes_a_request() {
+    let (origin, fg, auth) = setup().await;
+    let smuggled = post(&auth, "smuggled", "pay");
+    let mut body = b"{\"a\":".to_vec();
+    body.extend_from_slice(&smuggled);
+    // No X-Lease-Epoch: refused before the body is read.
+    let head = format!(
+        "POST /billing/x HTTP/1.1\r\nHost: fencegate.test\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let s = TcpStream::connect(fg.proxy).await.unwrap();
+    let mut r = Reader { s, buf: Vec::new() };
+    r.s.write_all(head.as_bytes()).await.unwrap();
+    r.s.write_all(&body[..5]).await.unwrap();
+    let (status, answer) = r.next().await;
+    assert!((400..500).contains(&status), "{status} {answer}");
+    let _ = r.s.write_all(&body[5..]).await;
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), r.s.read_to_end(&mut rest))
+        .await
+        .expect("the connection was left open");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(!rest.contains("200 OK"), "{rest}");
+    assert_eq!(origin.count(), 0, "{:?}", arrived(&origin));
+}

@@ -145,7 +145,10 @@ where
 }
 
 /// Waits, parked, for the client's next bytes: `false` when the connection is
-/// to close instead (the idle limit, shutdown, a socket error).
+/// to close instead (the idle limit, shutdown, the client's close, a socket
+/// error). A byte is peeked, not read, and readiness alone is not trusted (a
+/// readiness event with nothing to read would build a hyper connection for
+/// nothing).
 async fn wait(
     stream: &TcpStream,
     activity: &Activity,
@@ -154,11 +157,12 @@ async fn wait(
     parked: &Gauge,
 ) -> bool {
     let left = idle.saturating_sub(activity.idle_for().unwrap_or_default());
+    let mut byte = [0u8; 1];
     parked.inc();
     let woke = tokio::select! {
         biased;
         _ = shutdown.changed() => false,
-        r = stream.readable() => r.is_ok(),
+        r = stream.peek(&mut byte) => matches!(r, Ok(n) if n > 0),
         _ = tokio::time::sleep(left) => false,
     };
     parked.dec();

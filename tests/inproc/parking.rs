@@ -49,6 +49,19 @@ struct Reader {
 }
 
 impl Reader {
+    /// The next response, or `None` if the connection ends (closed or reset)
+    /// before one comes.
+    async fn try_next(&mut self) -> Option<(u16, String)> {
+        let mut chunk = [0u8; 4096];
+        while !self.buf.windows(4).any(|w| w == b"\r\n\r\n") {
+            match self.s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        Some(self.next().await)
+    }
+
     /// The next response's status and body (Content-Length framing).
     async fn next(&mut self) -> (u16, String) {
         let mut chunk = [0u8; 4096];
@@ -214,7 +227,10 @@ async fn shutdown_closes_a_parked_connection_at_once() {
 
 /// A request refused before its body was read, with the body still arriving: the
 /// rest of the body is never read as a request of its own (request smuggling),
-/// parked or not. The smuggled bytes are a complete, valid worker request.
+/// parked or not. The smuggled bytes are a complete, valid worker request. hyper
+/// either reads the rest as the body it is (and the connection goes on: a next
+/// request is served) or closes the connection; both are right, and the test
+/// takes either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rest_of_an_unread_body_never_becomes_a_request() {
     let (origin, fg, auth) = setup().await;
@@ -233,11 +249,21 @@ async fn the_rest_of_an_unread_body_never_becomes_a_request() {
     let (status, answer) = r.next().await;
     assert!((400..500).contains(&status), "{status} {answer}");
     let _ = r.s.write_all(&body[5..]).await;
-    let mut rest = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), r.s.read_to_end(&mut rest))
-        .await
-        .expect("the connection was left open");
-    let rest = String::from_utf8_lossy(&rest);
-    assert!(!rest.contains("200 OK"), "{rest}");
-    assert_eq!(origin.count(), 0, "{:?}", arrived(&origin));
+    // A genuine next request, then whatever comes back until it is answered or
+    // the connection ends.
+    let _ = r.s.write_all(&post(&auth, "after", "ok")).await;
+    let mut answers = Vec::new();
+    while let Ok(Some(a)) = tokio::time::timeout(Duration::from_secs(5), r.try_next()).await {
+        let served = a.0 == 200;
+        answers.push(a);
+        if served {
+            break;
+        }
+    }
+    let paths: Vec<String> = arrived(&origin).into_iter().map(|(p, _)| p).collect();
+    assert!(
+        paths.iter().all(|p| p == "/v1/after"),
+        "{paths:?} {answers:?}"
+    );
+    assert!(answers.len() <= 1, "{answers:?}");
 }

@@ -116,7 +116,7 @@ pub(super) struct Activity {
 }
 
 impl Activity {
-    fn new() -> Arc<Activity> {
+    pub(super) fn new() -> Arc<Activity> {
         Arc::new(Activity {
             started: Instant::now(),
             in_flight: AtomicUsize::new(0),
@@ -157,9 +157,12 @@ impl Activity {
 }
 
 /// The connection's socket, noting in its [`Activity`] when a write moves bytes
-/// and whether the last one would have blocked.
+/// and whether the last one would have blocked; bytes already read from it
+/// (`ahead`: what hyper had read of a next request when its connection was
+/// [parked](super::park)) are read again first.
 pub(super) struct Tracked<S> {
     pub io: S,
+    pub ahead: Bytes,
     pub activity: Arc<Activity>,
 }
 
@@ -185,7 +188,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        if this.ahead.is_empty() {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        }
+        let n = this.ahead.len().min(buf.remaining());
+        buf.put_slice(&this.ahead[..n]);
+        bytes::Buf::advance(&mut this.ahead, n);
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -589,6 +599,7 @@ where
             };
             let io = TokioIo::new(Tracked {
                 io,
+                ahead: Bytes::new(),
                 activity: activity.clone(),
             });
             // Boxed: the task of a parked plain connection does not carry its size.

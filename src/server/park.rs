@@ -12,7 +12,7 @@
 //! `graceful_shutdown` then ends an idle connection at once without touching the
 //! socket (`poll_without_shutdown`); bytes of a next request it had already read
 //! come back in its `read_buf` and are served at once, ahead of the socket
-//! ([`Rewind`]). If hyper turns out not to be idle after all (say, a request body
+//! ([`Tracked::ahead`]). If hyper turns out not to be idle after all (say, a request body
 //! the handler never read), the connection is closed after its current exchange
 //! instead, which HTTP/1.1 always allows: only a connection hyper ends at once,
 //! idle, is parked, so the socket is never read again mid-message (what is left
@@ -26,16 +26,16 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::{Request, Response};
 use hyper::body::{Body, Incoming};
 use hyper::server::conn::http1;
 use hyper_util::rt::TokioIo;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -75,7 +75,37 @@ pub(super) enum Served {
     NotHttp1(TcpStream, watch::Receiver<()>),
 }
 
-type Io = TokioIo<Tracked<Rewind<TcpStream>>>;
+type Io = TokioIo<Tracked<TcpStream>>;
+
+/// A service hyper's HTTP/1 connection can run, with `Unpin` futures (its
+/// `poll_without_shutdown`, which parking needs, asks for them).
+pub(super) trait Http1Service<B>:
+    hyper::service::Service<
+        Request<Incoming>,
+        Response = Response<B>,
+        Error: Into<Box<dyn StdError + Send + Sync>>,
+        Future: Unpin,
+    > + Unpin
+{
+}
+
+impl<S, B> Http1Service<B> for S where
+    S: hyper::service::Service<
+            Request<Incoming>,
+            Response = Response<B>,
+            Error: Into<Box<dyn StdError + Send + Sync>>,
+            Future: Unpin,
+        > + Unpin
+{
+}
+
+/// An answer's body hyper can send.
+pub(super) trait AnswerBody:
+    Body<Error: Into<Box<dyn StdError + Send + Sync>>> + 'static
+{
+}
+
+impl<B> AnswerBody for B where B: Body<Error: Into<Box<dyn StdError + Send + Sync>>> + 'static {}
 type Conn<S> = http1::Connection<Io, S>;
 
 /// Serves a plain connection: waits (parked) for its first bytes, then serves
@@ -90,11 +120,8 @@ pub(super) async fn serve<S, B>(
     parked: &Gauge,
 ) -> Served
 where
-    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Unpin,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    S::Future: Unpin,
-    B: Body + 'static,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Http1Service<B>,
+    B: AnswerBody,
 {
     // The first bytes, peeked (left for whoever serves them), within the idle limit.
     let mut head = [0u8; H2_PREFACE.len()];
@@ -114,7 +141,8 @@ where
     let (mut stream, mut svc, mut ahead) = (stream, svc, Bytes::new());
     loop {
         let io = TokioIo::new(Tracked {
-            io: Rewind { ahead, io: stream },
+            io: stream,
+            ahead,
             activity: activity.clone(),
         });
         // Boxed: a parked connection's task does not carry hyper's state.
@@ -123,10 +151,11 @@ where
             Some(parts) => parts,
             None => return Served::Done,
         };
-        let Rewind {
-            ahead: unread,
+        let Tracked {
             io: s,
-        } = parts.io.into_inner().io;
+            ahead: unread,
+            ..
+        } = parts.io.into_inner();
         (stream, svc) = (s, parts.service);
         ahead = join(parts.read_buf, unread);
         if !ahead.is_empty() {
@@ -177,11 +206,8 @@ async fn segment<S, B>(
     shutdown: &mut watch::Receiver<()>,
 ) -> Option<http1::Parts<Io, S>>
 where
-    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Unpin,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    S::Future: Unpin,
-    B: Body + 'static,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Http1Service<B>,
+    B: AnswerBody,
 {
     // One timer per connection, as `close_when_idle`: it fires at most once per
     // `park_after` and enforces the idle limit too.
@@ -250,7 +276,7 @@ where
             }
             // Ended by hyper (the client's `Connection: close`, an unread body…)
             // or by shutdown: close the write side as hyper's own shutdown would.
-            let _ = parts.io.inner_mut().io.io.shutdown().await;
+            let _ = parts.io.inner_mut().io.shutdown().await;
             None
         }
     }
@@ -273,59 +299,6 @@ fn join(read: Bytes, unread: Bytes) -> Bytes {
     }
 }
 
-/// A socket with bytes already read from it put back in front.
-pub(super) struct Rewind<S> {
-    ahead: Bytes,
-    io: S,
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Rewind<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        if this.ahead.is_empty() {
-            return Pin::new(&mut this.io).poll_read(cx, buf);
-        }
-        let n = this.ahead.len().min(buf.remaining());
-        buf.put_slice(&this.ahead[..n]);
-        this.ahead.advance(n);
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Rewind<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,9 +309,10 @@ mod tests {
         let (a, mut b) = tokio::io::duplex(64);
         b.write_all(b" world").await.unwrap();
         drop(b);
-        let mut r = Rewind {
-            ahead: Bytes::from_static(b"hello"),
+        let mut r = Tracked {
             io: a,
+            ahead: Bytes::from_static(b"hello"),
+            activity: Activity::new(),
         };
         let mut out = String::new();
         r.read_to_string(&mut out).await.unwrap();

@@ -18,7 +18,8 @@
 //! - [`live`] — what a reload (SIGHUP) replaces: routes, admin token, TLS.
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the
 //!   admin API and the metrics collector.
-//! - [`server`], [`admin`], [`metrics`] — listeners, the admin API, Prometheus.
+//! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
+//!   parked: `server/park.rs`), the admin API, Prometheus.
 //! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1).
 //! - [`cluster`] — several instances: shards, gate leases, takeover, relaying to
 //!   the owner (§10.2).

@@ -253,9 +253,7 @@ impl<B> Watched<B> {
             waiting: false,
         }
     }
-}
 
-impl<B> Watched<B> {
     fn set_waiting(&mut self, waiting: bool) {
         if waiting != self.waiting {
             self.waiting = waiting;
@@ -559,18 +557,17 @@ where
         };
         let builders = builders.clone();
         let watcher = shutdown.watcher();
-        let gauges = gauges.clone();
         let open = Open::new(&gauges.open, permit);
         let parked = gauges.parked.clone();
         tokio::spawn(async move {
             let _open = open;
-            let (io, watcher) = match tls {
+            let (io, svc, watcher) = match tls {
                 None => {
                     let limits = park::Limits::new(idle_limit);
                     match park::serve(
                         stream,
                         &builders.http1,
-                        svc.clone(),
+                        svc,
                         &activity,
                         limits,
                         watcher,
@@ -580,7 +577,9 @@ where
                     {
                         park::Served::Done => return,
                         // HTTP/2, or too little read to tell: the auto builder.
-                        park::Served::NotHttp1(stream, watcher) => (Either::Left(stream), watcher),
+                        park::Served::NotHttp1(stream, svc, watcher) => {
+                            (Either::Left(stream), svc, watcher)
+                        }
                     }
                 }
                 // The TLS stream is boxed (and its handshake too): a plain
@@ -588,7 +587,7 @@ where
                 Some(acceptor) => {
                     match tokio::time::timeout(idle_limit, Box::pin(acceptor.accept(stream))).await
                     {
-                        Ok(Ok(s)) => (Either::Right(Box::new(s)), watcher),
+                        Ok(Ok(s)) => (Either::Right(Box::new(s)), svc, watcher),
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
                             return;

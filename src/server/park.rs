@@ -68,11 +68,11 @@ impl Limits {
 }
 
 /// How [`serve`] ended.
-pub(super) enum Served {
+pub(super) enum Served<S> {
     /// The connection is over.
     Done,
     /// Not HTTP/1 (or too little to tell): for the auto builder, nothing read.
-    NotHttp1(TcpStream, watch::Receiver<()>),
+    NotHttp1(TcpStream, S, watch::Receiver<()>),
 }
 
 type Io = TokioIo<Tracked<TcpStream>>;
@@ -118,24 +118,25 @@ pub(super) async fn serve<S, B>(
     limits: Limits,
     mut shutdown: watch::Receiver<()>,
     parked: &Gauge,
-) -> Served
+) -> Served<S>
 where
     S: Http1Service<B>,
     B: AnswerBody,
 {
-    // The first bytes, peeked (left for whoever serves them), within the idle limit.
+    // The first bytes, peeked (left for whoever serves them).
     let mut head = [0u8; H2_PREFACE.len()];
-    parked.inc();
-    let first = tokio::select! {
-        biased;
-        _ = shutdown.changed() => None,
-        r = stream.peek(&mut head) => r.ok(),
-        _ = tokio::time::sleep(limits.idle) => None,
-    };
-    parked.dec();
-    match first {
-        None | Some(0) => return Served::Done,
-        Some(n) if head[..n] == H2_PREFACE[..n] => return Served::NotHttp1(stream, shutdown),
+    match wait(
+        &stream,
+        &mut head,
+        activity,
+        limits.idle,
+        &mut shutdown,
+        parked,
+    )
+    .await
+    {
+        None => return Served::Done,
+        Some(n) if head[..n] == H2_PREFACE[..n] => return Served::NotHttp1(stream, svc, shutdown),
         Some(_) => {}
     }
     let (mut stream, mut svc, mut ahead) = (stream, svc, Bytes::new());
@@ -167,35 +168,46 @@ where
             continue;
         }
         tracing::debug!("connection parked");
-        if !wait(&stream, activity, limits.idle, &mut shutdown, parked).await {
+        let mut byte = [0u8; 1];
+        if wait(
+            &stream,
+            &mut byte,
+            activity,
+            limits.idle,
+            &mut shutdown,
+            parked,
+        )
+        .await
+        .is_none()
+        {
             return Served::Done;
         }
     }
 }
 
-/// Waits, parked, for the client's next bytes: `false` when the connection is
-/// to close instead (the idle limit, shutdown, the client's close, a socket
-/// error). A byte is peeked, not read, and readiness alone is not trusted (a
-/// readiness event with nothing to read would build a hyper connection for
-/// nothing).
+/// Waits, parked, for the client's next bytes and peeks (does not read) up to
+/// `buf.len()` of them: how many, or `None` when the connection is to close
+/// instead (the idle limit, shutdown, the client's close, a socket error).
+/// Readiness alone is not trusted: a readiness event with nothing to read would
+/// build a hyper connection for nothing.
 async fn wait(
     stream: &TcpStream,
+    buf: &mut [u8],
     activity: &Activity,
     idle: Duration,
     shutdown: &mut watch::Receiver<()>,
     parked: &Gauge,
-) -> bool {
+) -> Option<usize> {
     let left = idle.saturating_sub(activity.idle_for().unwrap_or_default());
-    let mut byte = [0u8; 1];
     parked.inc();
-    let woke = tokio::select! {
+    let peeked = tokio::select! {
         biased;
-        _ = shutdown.changed() => false,
-        r = stream.peek(&mut byte) => matches!(r, Ok(n) if n > 0),
-        _ = tokio::time::sleep(left) => false,
+        _ = shutdown.changed() => None,
+        r = stream.peek(buf) => r.ok().filter(|&n| n > 0),
+        _ = tokio::time::sleep(left) => None,
     };
     parked.dec();
-    woke
+    peeked
 }
 
 /// Runs one hyper connection until it ends (`None`) or is parked (its parts).

@@ -49,6 +49,13 @@ struct Reader {
 }
 
 impl Reader {
+    async fn connect(fg: &Fencegate) -> Reader {
+        Reader {
+            s: TcpStream::connect(fg.proxy).await.unwrap(),
+            buf: Vec::new(),
+        }
+    }
+
     /// The next response, or `None` if the connection ends (closed or reset)
     /// before one comes.
     async fn try_next(&mut self) -> Option<(u16, String)> {
@@ -111,8 +118,7 @@ fn arrived(origin: &Origin) -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resting_connection_is_parked_and_serves_its_next_requests() {
     let (origin, fg, auth) = setup().await;
-    let s = TcpStream::connect(fg.proxy).await.unwrap();
-    let mut r = Reader { s, buf: Vec::new() };
+    let mut r = Reader::connect(&fg).await;
     eventually("the connection is open", || async {
         fg.metric_sum("fencegate_connections_open").await == 1.0
     })
@@ -152,8 +158,7 @@ async fn a_resting_connection_is_parked_and_serves_its_next_requests() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_half_read_when_the_connection_rests_is_served_whole() {
     let (origin, fg, auth) = setup().await;
-    let s = TcpStream::connect(fg.proxy).await.unwrap();
-    let mut r = Reader { s, buf: Vec::new() };
+    let mut r = Reader::connect(&fg).await;
     r.s.write_all(&post(&auth, "first", "one")).await.unwrap();
     assert_eq!(r.next().await.0, 200);
     let next = post(&auth, "second", "two");
@@ -177,12 +182,13 @@ async fn a_request_half_read_when_the_connection_rests_is_served_whole() {
 }
 
 /// A client that sends `Connection: close` gets its answer and the connection
-/// ends (not parked); one that waits past the idle limit while parked is closed.
+/// ends (not parked). (A parked connection past the idle limit is closed: the
+/// corpus's `idle_and_trickling_keep_alive_connections_are_closed`, whose 500 ms
+/// limit parks connections after 125 ms.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closing_request_ends_the_connection_instead_of_parking_it() {
     let (origin, fg, auth) = setup().await;
-    let s = TcpStream::connect(fg.proxy).await.unwrap();
-    let mut r = Reader { s, buf: Vec::new() };
+    let mut r = Reader::connect(&fg).await;
     let req = String::from_utf8(post(&auth, "only", "x"))
         .unwrap()
         .replacen("Host:", "Connection: close\r\nHost:", 1);
@@ -205,8 +211,7 @@ async fn a_closing_request_ends_the_connection_instead_of_parking_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_a_parked_connection_at_once() {
     let (_origin, fg, auth) = setup().await;
-    let s = TcpStream::connect(fg.proxy).await.unwrap();
-    let mut r = Reader { s, buf: Vec::new() };
+    let mut r = Reader::connect(&fg).await;
     r.s.write_all(&post(&auth, "first", "one")).await.unwrap();
     assert_eq!(r.next().await.0, 200);
     eventually("the connection is parked", || async {
@@ -242,8 +247,7 @@ async fn the_rest_of_an_unread_body_never_becomes_a_request() {
         "POST /billing/x HTTP/1.1\r\nHost: fencegate.test\r\nContent-Length: {}\r\n\r\n",
         body.len()
     );
-    let s = TcpStream::connect(fg.proxy).await.unwrap();
-    let mut r = Reader { s, buf: Vec::new() };
+    let mut r = Reader::connect(&fg).await;
     r.s.write_all(head.as_bytes()).await.unwrap();
     r.s.write_all(&body[..5]).await.unwrap();
     let (status, answer) = r.next().await;

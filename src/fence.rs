@@ -181,8 +181,19 @@ impl Fence {
     /// Stops the fence: out of the background refresh, nothing more admitted, the
     /// requests in flight finished — or aborted after `drain_timeout`.
     pub async fn stop(&self, drain_timeout: Duration) {
+        self.stop_by(tokio::time::Instant::now() + drain_timeout)
+            .await
+    }
+
+    /// Aborts what is in flight through this fence ([`Gate::abort_in_flight`]).
+    pub fn abort_in_flight(&self) {
+        self.gate.abort_in_flight();
+    }
+
+    /// [`Fence::stop`] with an absolute deadline for what is in flight.
+    pub async fn stop_by(&self, deadline: tokio::time::Instant) {
         self.stop.cancel();
-        self.gate.close(drain_timeout).await;
+        self.gate.close_by(deadline).await;
     }
 
     /// Whether the last store call for this lease failed (cheaper than a
@@ -680,12 +691,13 @@ impl Fences {
     }
 
     /// Stops the fence of `lease` if it runs under `owner` (a cluster's tenure;
-    /// a newer tenure's fence is left alone). Returns whether it was stopped.
+    /// a newer tenure's fence is left alone), aborting what is still in flight
+    /// at `deadline`. Returns whether it was stopped.
     pub async fn stop_owned(
         &self,
         lease: &LeaseName,
         owner: Owner,
-        drain_timeout: Duration,
+        deadline: tokio::time::Instant,
     ) -> bool {
         let fence = {
             let mut running = self.running();
@@ -696,7 +708,7 @@ impl Fences {
         };
         match fence {
             Some(f) => {
-                f.stop(drain_timeout).await;
+                f.stop_by(deadline).await;
                 true
             }
             None => false,

@@ -500,9 +500,24 @@ impl Gate {
     /// up) and waits for the requests in flight to finish; after `drain_timeout`
     /// aborts them (`drain_aborted`) and waits for them to leave.
     pub async fn close(&self, drain_timeout: Duration) {
+        self.close_by(tokio::time::Instant::now() + drain_timeout)
+            .await
+    }
+
+    /// Aborts every request in flight without closing the gate (the instance
+    /// guard's lease could have ended: SPEC §10.1); new requests are kept out by
+    /// the guard itself until it holds its lease again.
+    pub fn abort_in_flight(&self) {
+        self.core.abort_older(Epoch::new(u64::MAX));
+    }
+
+    /// [`Gate::close`] with an absolute deadline: what is still in flight at
+    /// `deadline` is aborted. A cluster's shard closes all its leases' gates by
+    /// the shard's one deadline (SPEC §10.2: nothing in flight past `gate_ttl`),
+    /// never each by a timeout of its own started when its turn came.
+    pub async fn close_by(&self, deadline: tokio::time::Instant) {
         self.core.close();
         self.drained.notify_waiters();
-        let deadline = tokio::time::Instant::now() + drain_timeout;
         let mut aborted = false;
         loop {
             let notified = self.drained.notified();

@@ -245,6 +245,45 @@ impl Guard {
         }
     }
 
+    /// Aborts every request in flight when the guard's gate lease may have
+    /// ended — `gate_ttl` after the latest create was sent, with no renewal
+    /// since — as a cluster's owner does for its shard (SPEC §10.2): a successor
+    /// may take the lease `grace_ms` later, and a request of this instance still
+    /// streaming to the destination then could complete after the successor's
+    /// newer epoch.
+    pub async fn abort_at_expiry(
+        self: Arc<Self>,
+        fences: Arc<crate::fence::Fences>,
+        stop: CancellationToken,
+    ) {
+        let margin = u64::try_from(self.margin.as_millis()).unwrap_or(u64::MAX);
+        let mut aborted_for = None;
+        loop {
+            let until = self.forward_until_ms.load(Ordering::SeqCst);
+            let abort_at = until.saturating_add(margin);
+            let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let wait = if until == 0 || aborted_for == Some(until) {
+                // Not held yet, or aborted already: look again for a renewal.
+                Duration::from_millis(100)
+            } else if now < abort_at {
+                Duration::from_millis(abort_at - now)
+            } else {
+                tracing::warn!(
+                    "the instance guard's gate lease was not renewed within gate_ttl: requests in flight are aborted"
+                );
+                for f in fences.all() {
+                    f.abort_in_flight();
+                }
+                aborted_for = Some(until);
+                continue;
+            };
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
     /// Graceful stop: a `release` gate object, so that a successor starts at once.
     pub async fn release(&self) {
         let Some(h) = self.holding.lock().await.take() else {

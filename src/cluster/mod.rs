@@ -108,8 +108,13 @@ struct ShardGate {
     leases: Vec<(LeaseName, Duration)>,
     /// The generation of the tenure being served here; 0 when not served.
     serving: AtomicU64,
-    /// Milliseconds after [`Cluster::origin`] until which forwards may start.
+    /// Milliseconds after [`Cluster::origin`] until which forwards may start:
+    /// `gate_ttl − self_fence_margin` after the latest gate create was sent.
     forward_until_ms: AtomicU64,
+    /// Milliseconds after [`Cluster::origin`] at which whatever is still in
+    /// flight on the shard is aborted, every lease alike: `gate_ttl` after the
+    /// latest gate create was sent.
+    abort_at_ms: AtomicU64,
     /// The gate epoch held (renewals, takeover and release go through `op`).
     holding: Mutex<Option<Holding>>,
     /// Serializes the gate's store operations: a renewal never races a release.
@@ -205,6 +210,7 @@ impl Cluster {
                     .collect(),
                 serving: AtomicU64::new(0),
                 forward_until_ms: AtomicU64::new(0),
+                abort_at_ms: AtomicU64::new(0),
                 holding: Mutex::new(None),
                 op: tokio::sync::Mutex::new(()),
                 busy: AtomicBool::new(false),
@@ -382,14 +388,26 @@ impl Cluster {
             .collect()
     }
 
-    /// Extends the shard's forwarding window after a gate create sent at `sent`.
+    /// Extends the shard's forwarding window and its abort deadline after a gate
+    /// create sent at `sent`.
     fn extend(&self, g: &ShardGate, sent: Instant) {
-        let until =
-            (sent + self.ttl.saturating_sub(self.margin)).saturating_duration_since(self.origin);
+        let ms = |at: Instant| {
+            u64::try_from(at.saturating_duration_since(self.origin).as_millis()).unwrap_or(u64::MAX)
+        };
         g.forward_until_ms.fetch_max(
-            u64::try_from(until.as_millis()).unwrap_or(u64::MAX),
+            ms(sent + self.ttl.saturating_sub(self.margin)),
             Ordering::SeqCst,
         );
+        g.abort_at_ms
+            .fetch_max(ms(sent + self.ttl), Ordering::SeqCst);
+    }
+
+    /// The shard's one abort deadline (SPEC §10.2): `gate_ttl` after its latest
+    /// gate create was sent. Every lease of the shard is held to it, however
+    /// the shard is left.
+    fn abort_deadline(&self, g: &ShardGate) -> tokio::time::Instant {
+        let at = self.origin + Duration::from_millis(g.abort_at_ms.load(Ordering::SeqCst));
+        tokio::time::Instant::from_std(at)
     }
 
     fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
@@ -512,7 +530,7 @@ impl Cluster {
                     // Someone else created the next gate epoch: the tenure is over.
                     *lock(&g.holding) = None;
                     tracing::warn!(shard, gate_epoch = %h.epoch, why, "lost the gate lease of a shard");
-                    self.stop_serving(shard, Duration::ZERO, "gate lease lost");
+                    self.stop_serving(shard, tokio::time::Instant::now(), "gate lease lost");
                 }
                 Err(e) => {
                     self.store_failures.fetch_add(1, Ordering::SeqCst);
@@ -791,7 +809,7 @@ impl Cluster {
                     gate_epoch = generation,
                     "the shard's gate lease was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
                 );
-                self.stop_serving(shard, self.margin, "self-fenced");
+                self.stop_serving(shard, self.abort_deadline(g), "self-fenced");
                 return;
             }
             tokio::time::sleep(Duration::from_millis(until - now)).await;
@@ -799,22 +817,37 @@ impl Cluster {
     }
 
     /// Stops serving `shard` now: no new admissions or forwards; its requests in
-    /// flight get `drain` to finish, then are aborted.
-    fn stop_serving(&self, shard: u32, drain: Duration, why: &'static str) {
+    /// flight may finish until `deadline`, then are aborted.
+    fn stop_serving(&self, shard: u32, deadline: tokio::time::Instant, why: &'static str) {
         let g = &self.gates[shard as usize];
         let generation = g.serving.swap(0, Ordering::SeqCst);
         if generation == 0 {
             return;
         }
         let owner = Owner { shard, generation };
-        let fences = self.fences.clone();
-        let leases: Vec<LeaseName> = g.leases.iter().map(|(l, _)| l.clone()).collect();
+        let stops = self.stop_leases(g, owner, |_| deadline);
         tokio::spawn(async move {
-            for lease in &leases {
-                fences.stop_owned(lease, owner, drain).await;
-            }
+            stops.join_all().await;
             tracing::info!(shard, why, "stopped serving a shard");
         });
+    }
+
+    /// Closes the fence of every lease of the shard at once (the leases of one
+    /// shard never wait for one another: closed one after another, each with
+    /// a timeout of its own, the last would be aborted long after `gate_ttl`)
+    /// and returns the drains, each aborting what is in flight at its deadline.
+    fn stop_leases(
+        &self,
+        g: &ShardGate,
+        owner: Owner,
+        deadline: impl Fn(Duration) -> tokio::time::Instant,
+    ) -> tokio::task::JoinSet<bool> {
+        let mut stops = tokio::task::JoinSet::new();
+        for (lease, drain) in &g.leases {
+            let (fences, lease, at) = (self.fences.clone(), lease.clone(), deadline(*drain));
+            stops.spawn(async move { fences.stop_owned(&lease, owner, at).await });
+        }
+        stops
     }
 
     fn spawn_handover(self: Arc<Self>, shard: u32, why: &'static str) {
@@ -836,11 +869,17 @@ impl Cluster {
     /// successor take the shard at once.
     async fn hand_over(&self, shard: u32) {
         let g = &self.gates[shard as usize];
+        // A renewal may still move the shard's deadline while the drains run, but
+        // a store lost partway must not: what is in flight is aborted by the
+        // deadline of the latest create sent before the handover began at the
+        // latest, whatever the leases' own drain timeouts.
+        let latest = self.abort_deadline(g);
         let generation = g.serving.swap(0, Ordering::SeqCst);
         let owner = Owner { shard, generation };
-        for (lease, drain) in &g.leases {
-            self.fences.stop_owned(lease, owner, *drain).await;
-        }
+        let now = tokio::time::Instant::now();
+        self.stop_leases(g, owner, |drain| (now + drain).min(latest))
+            .join_all()
+            .await;
         if self.hand_back(shard).await {
             self.handovers.fetch_add(1, Ordering::Relaxed);
         }
@@ -855,6 +894,7 @@ impl Cluster {
             return false;
         };
         g.forward_until_ms.store(0, Ordering::SeqCst);
+        g.abort_at_ms.store(0, Ordering::SeqCst);
         *lock(&g.seen) = Seen {
             epoch: h.epoch,
             free: true,

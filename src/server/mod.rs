@@ -195,8 +195,8 @@ async fn build_on(
         Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),
         Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
     };
-    let tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences, stop.clone())),
+    let mut tasks = vec![
+        tokio::spawn(crate::fence::refresh_all(fences.clone(), stop.clone())),
         keeper,
         tokio::spawn(
             dedup
@@ -204,6 +204,11 @@ async fn build_on(
                 .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
         ),
     ];
+    if let Mode::Single(guard) = &mode {
+        tasks.push(tokio::spawn(
+            guard.clone().abort_at_expiry(fences.clone(), stop.clone()),
+        ));
+    }
     let admin = Arc::new(Admin::new(
         shared.clone(),
         metrics.clone(),

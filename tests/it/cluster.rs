@@ -11,10 +11,12 @@ use std::time::{Duration, Instant};
 
 use crate::support::postgres::PgServer;
 use crate::support::*;
+use bytes::Bytes;
 use fencegate::cluster::shard_of;
 use fencegate::epoch::{Epoch, EpochObject, LeaseName};
 use fencegate::lease::acquire::Holding;
 use fencegate::lease::Epochs;
+use http_body_util::Full;
 
 macro_rules! skip_without_postgres {
     () => {
@@ -170,11 +172,20 @@ impl Rig {
     /// [`Rig::add`] with the member reaching the S3 server through a TCP relay
     /// the test can cut.
     async fn add_behind_store_relay(&mut self, id: &str) -> crate::support::relay::Relay {
+        self.add_behind_store_relay_with(id, |c| c).await
+    }
+
+    /// [`Rig::add_behind_store_relay`] with the member's config edited.
+    async fn add_behind_store_relay_with(
+        &mut self,
+        id: &str,
+        edit: impl FnOnce(String) -> String,
+    ) -> crate::support::relay::Relay {
         let s3 = self.s3.endpoint.clone();
         let s3_port: u16 = s3.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap();
         let relay = crate::support::relay::Relay::start(s3_port).await;
         let via = format!("http://127.0.0.1:{}", relay.addr.port());
-        self.add_with(id, |c| c.replace(&s3, &via));
+        self.add_with(id, |c| edit(c).replace(&s3, &via));
         relay
     }
 
@@ -703,6 +714,93 @@ async fn an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl() {
     );
     assert!(payloads_at(&rig.origin, "after the cut").is_empty());
     rig.origin.release("cut");
+}
+
+/// SPEC §10.2 (issue 25, point 1): every lease of a shard is held to the shard's
+/// one deadline — whatever is in flight is aborted at `gate_ttl` after the last
+/// gate create was sent — however many leases the shard has. Two busy leases in
+/// one shard: `aaa` with a request the destination holds, `zzz` with a large
+/// upload the destination has not read yet (route timeout 60 s, drain timeout
+/// 1 s); the owner is cut from the store and the successor forwards `zzz`'s next
+/// epoch. Fails when a shard's fences are closed one after another, each with a
+/// timeout of its own started when its turn came: `zzz`'s epoch-1 upload then
+/// still streamed when epoch 2 arrived, and reached the destination whole after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_lease_of_a_cut_off_owners_shard_is_aborted_by_gate_ttl() {
+    skip_without_python!();
+    skip_without_postgres!();
+    const UPLOAD: usize = 64 << 20;
+    let mut rig = Rig::start(0, 1).await;
+    rig.leases = vec!["aaa".into(), "zzz".into()];
+    // The audit's figures: renewals every 4 s, forwards until 6 s after a create,
+    // everything aborted at 12 s. One lease after another, `zzz` was aborted at
+    // 18 s, after the successor's first forward (~13.5–15 s).
+    rig.gate = ("12s", "6s");
+    let long = |c: String| {
+        c.replace(
+            "timeout_ms = 10000\n",
+            &format!("timeout_ms = 60000\nmax_body_bytes = {}\n", 2 * UPLOAD),
+        )
+    };
+    let relay = rig.add_behind_store_relay_with("fg-a", long).await;
+    rig.settled("fg-a owns the shard", |c| c.get("fg-a") == Some(&1))
+        .await;
+    rig.add_with("fg-b", long);
+    rig.settled("fg-b joined", |c| c.get("fg-a") == Some(&1))
+        .await;
+    let a = rig.member("fg-a").fg();
+    let b = rig.member("fg-b").fg();
+    let wa = rig.worker("aaa", "wa").await;
+    let wz = rig.worker("zzz", "wz").await;
+    let slow = held_at_origin(&rig, a, "/aaa/k", &wa, "k-aaa", "aaa slow", "aaa").await;
+    let upload = worker_req(&a.url("/zzz-ff/upload"), wz.epoch.get(), &wz.token)
+        .header("x-test-hold-body", "upload")
+        .body(Full::new(Bytes::from(vec![b'u'; UPLOAD])))
+        .unwrap();
+    let uploading = tokio::spawn(try_send(upload));
+    let is_upload = |a: &Arrival| a.header("x-test-hold-body").as_deref() == Some("upload");
+    rig.origin
+        .wait_until("the upload's head", |log| log.iter().any(is_upload))
+        .await;
+    relay.refuse(true);
+    relay.cut();
+    eventually("fg-b takes the shard", || async {
+        Rig::shard_map(b).await == vec![Some("fg-b".to_owned())]
+    })
+    .await;
+    let epochs = rig.s3.epochs().await;
+    let wz2 = force_next_epoch(&epochs, "zzz", "wz2", Duration::from_secs(60)).await;
+    let r = post(b, "/zzz-ff/next", &wz2, "zzz epoch 2").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let second = payloads_at(&rig.origin, "zzz epoch 2").remove(0);
+    // The destination now reads the epoch-1 upload: whole only if fg-a still
+    // streamed it.
+    rig.origin.release("upload");
+    rig.origin.release("aaa");
+    rig.origin
+        .wait_until("the upload read to its end", |log| {
+            log.iter().any(|a| is_upload(a) && a.completed.is_some())
+        })
+        .await;
+    let first = rig.origin.log().into_iter().find(is_upload).unwrap();
+    assert!(
+        !first.body_whole,
+        "epoch 1 of zzz reached the destination whole ({} bytes) {:?} after epoch 2 arrived",
+        first.body_read,
+        first
+            .completed
+            .unwrap()
+            .saturating_duration_since(second.arrived)
+    );
+    let answered = uploading.await.unwrap();
+    assert!(
+        answered.as_ref().map_or(true, |r| r.status != 200),
+        "the upload's worker was told it was delivered"
+    );
+    slow.await
+        .unwrap()
+        .expect("fg-a answers")
+        .assert_error(504, "drain_aborted");
 }
 
 /// The honest limit's safe side (SPEC §10.2): an owner frozen past its gate lease

@@ -322,6 +322,7 @@ impl Admin {
                 self.store_timeout.as_millis()
             )),
         }
+        problems.extend(self.shared.mode.fence_problems());
         if let Some(c) = self.shared.mode.cluster() {
             // "I can serve or route": every shard has an owner this instance knows.
             if !c.is_ready() {
@@ -350,6 +351,7 @@ impl Admin {
                     "shards": c.shards(),
                     "members": c.members(),
                     "owned": c.owned(),
+                    "conflict": c.conflict().map(|c| c.to_string()),
                     "shard_map": c.view(),
                 }),
             ),
@@ -704,6 +706,7 @@ impl Admin {
             keys_next,
             keys_paged: after.is_some(),
             keys_error,
+            fence_problems: self.shared.mode.fence_problems(),
             access,
             notice,
         }

@@ -38,6 +38,11 @@ enum Command {
         /// Log format; overrides [server] log_format.
         #[arg(long, value_parser = ["human", "json"])]
         log_format: Option<String>,
+        /// Take the instance guard over from another instance whose marks and
+        /// dedup records are kept elsewhere (another data_dir or database, or a
+        /// cluster): retries of keys it delivered WILL be forwarded again.
+        #[arg(long)]
+        takeover_may_duplicate: bool,
     },
     /// Validate a config file and print what was understood.
     CheckConfig {
@@ -156,9 +161,16 @@ pub fn main() -> ExitCode {
                 ExitCode::from(EXIT_CONFIG)
             }
         },
-        Command::Serve { config, log_format } => {
+        Command::Serve {
+            config,
+            log_format,
+            takeover_may_duplicate,
+        } => {
             let cfg = match Config::load(&config) {
-                Ok(c) => c,
+                Ok(c) => Config {
+                    takeover_may_duplicate,
+                    ..c
+                },
                 Err(e) => {
                     eprintln!("fencegate: {e}");
                     return ExitCode::from(EXIT_CONFIG);
@@ -221,7 +233,11 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
                 e.downcast_ref::<StartError>(),
                 Some(
                     StartError::State(crate::state::StateError::Open { .. })
-                        | StartError::Guard(GuardError::Held { .. } | GuardError::OtherMode { .. })
+                        | StartError::Guard(
+                            GuardError::Held { .. }
+                                | GuardError::OtherMode { .. }
+                                | GuardError::OtherState { .. },
+                        )
                         | StartError::Cluster(crate::cluster::ClusterError::OtherSetUp { .. })
                 )
             );

@@ -40,6 +40,11 @@ pub struct Config {
     pub cluster: Option<ClusterConfig>,
     #[serde(rename = "route", default)]
     pub routes: Vec<RouteConfig>,
+    /// `fencegate serve --takeover-may-duplicate` (never a config key: an
+    /// operator's decision for one start): a single instance may take the
+    /// instance guard over from an instance whose deliveries are kept elsewhere.
+    #[serde(skip)]
+    pub takeover_may_duplicate: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -154,6 +154,15 @@ pub struct EpochRecord {
     /// Gate objects only: the shard count of the holder's set-up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<u32>,
+    /// Gate objects only: where the holder keeps marks and dedup records
+    /// (`sled:{instance id}`, `postgres://host:port/db`): two instances share
+    /// deliveries only if they name the same state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    /// A cluster's gate objects only: HMAC-SHA256 over the fields above, keyed
+    /// by the peer token ([`crate::setup::GateKey`]), hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 impl EpochRecord {
@@ -175,6 +184,8 @@ impl EpochRecord {
             advertise: None,
             mode: None,
             shards: None,
+            state: None,
+            mac: None,
         }
     }
 
@@ -190,6 +201,8 @@ impl EpochRecord {
             advertise: None,
             mode: None,
             shards: None,
+            state: None,
+            mac: None,
         }
     }
 

@@ -30,6 +30,7 @@ use crate::config::Config;
 use crate::epoch::{EpochObject, EpochRecord, LeaseName};
 use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
+use crate::setup::SetUp;
 
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
@@ -46,6 +47,12 @@ pub enum GuardError {
         mode: String,
         shards: u32,
         holder: String,
+    },
+    #[error("the instance guard was last held by instance {holder:?}, which keeps its marks and dedup records in {}; this instance keeps them in {ours}. Taking over would forward again the retries of keys it delivered. Give this instance the same state (that data_dir, or the same [state] database), or accept duplicates for this start with `fencegate serve --takeover-may-duplicate`", .theirs.as_deref().unwrap_or("a place it did not name"))]
+    OtherState {
+        holder: String,
+        theirs: Option<String>,
+        ours: String,
     },
     #[error("the instance guard: {0}")]
     Acquire(#[from] AcquireError),
@@ -67,6 +74,11 @@ pub struct Guard {
     /// Milliseconds after `origin` until which forwarding is allowed.
     forward_until_ms: AtomicU64,
     holding: tokio::sync::Mutex<Option<Holding>>,
+    /// Where this instance keeps deliveries ([`crate::setup::state_of`]).
+    state_id: String,
+    /// A cluster found live under the prefix after taking the guard (nothing is
+    /// forwarded while it is set).
+    conflict: std::sync::Mutex<Option<String>>,
 }
 
 /// This instance's id, created once in `data_dir`.
@@ -100,6 +112,7 @@ impl Guard {
         advertise: String,
     ) -> Result<Arc<Guard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
+        let state_id = crate::setup::state_of(&cfg.state, &id);
         let guard = Arc::new(Guard {
             epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
             shard: LeaseName::parse("0000").map_err(|e| GuardError::Id {
@@ -114,15 +127,26 @@ impl Guard {
             origin: Instant::now(),
             forward_until_ms: AtomicU64::new(0),
             holding: tokio::sync::Mutex::new(None),
+            state_id,
+            conflict: std::sync::Mutex::new(None),
         });
         let before = acquire::status(&guard.epochs, &guard.shard).await?;
         if let Some(rec) = guard.latest_record(before.latest).await? {
-            let cluster = rec.mode.as_deref() == Some("cluster") || rec.shards.unwrap_or(1) != 1;
-            if cluster && !before.is_free(guard.grace) {
+            if SetUp::of(&rec) != SetUp::Single && !before.is_free(guard.grace) {
                 return Err(GuardError::OtherMode {
                     mode: rec.mode.unwrap_or_default(),
                     shards: rec.shards.unwrap_or(0),
                     holder: rec.holder,
+                });
+            }
+            // SPEC §10.1: an instance whose deliveries are elsewhere is not
+            // taken over from without the operator's word.
+            let shares = rec.holder == guard.id || rec.state.as_deref() == Some(&guard.state_id);
+            if !shares && !cfg.takeover_may_duplicate {
+                return Err(GuardError::OtherState {
+                    holder: rec.holder,
+                    theirs: rec.state,
+                    ours: guard.state_id.clone(),
                 });
             }
         }
@@ -138,16 +162,70 @@ impl Guard {
             }
             Err(e) => return Err(e),
         }
+        guard.after_take().await?;
         let previous = before.object.as_ref().and_then(EpochObject::holder);
         match previous {
             Some(h) if h != guard.id => tracing::warn!(
                 previous = h,
                 instance = %guard.id,
-                "took over the instance guard from another instance: the marks and dedup records it kept are in its own data_dir (or database), not here; retries of keys it finished are forwarded again unless both share the state"
+                "took over the instance guard from another instance (--takeover-may-duplicate, or the same state): retries of keys it delivered are forwarded again unless both share the state"
             ),
             _ => tracing::info!(instance = %guard.id, "holding the instance guard"),
         }
         Ok(guard)
+    }
+
+    /// After a create that (re)took the guard: if the object it followed was a
+    /// cluster's, every shard that cluster used must be free — a cluster serves
+    /// nothing without shard 0 ([`crate::setup`]), but one that held it until
+    /// just now may still hold others. Looked at after our own create, so a
+    /// cluster member taking a shard at the same time sees us, or we see it.
+    /// On a conflict the guard is released and nothing is forwarded.
+    async fn after_take(&self) -> Result<(), GuardError> {
+        let Some(held) = self.holding.lock().await.clone() else {
+            return Ok(());
+        };
+        let previous = match held.epoch.get().checked_sub(1) {
+            Some(p) if p > 0 => self.latest_record(crate::epoch::Epoch::new(p)).await?,
+            _ => None,
+        };
+        let Some(rec) = previous else {
+            *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            return Ok(());
+        };
+        let theirs = SetUp::of(&rec);
+        for shard in 1..theirs.shards() {
+            let name = crate::cluster::shard_name(shard);
+            let st = acquire::status(&self.epochs, &name).await?;
+            if st.is_free(self.grace) {
+                continue;
+            }
+            let holder = st
+                .object
+                .as_ref()
+                .and_then(EpochObject::holder)
+                .unwrap_or_default()
+                .to_owned();
+            let err = GuardError::OtherMode {
+                mode: theirs.mode().into(),
+                shards: theirs.shards(),
+                holder,
+            };
+            tracing::error!(error = %err, "a cluster still holds gate leases under this prefix: releasing the instance guard, forwarding nothing");
+            *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = Some(err.to_string());
+            self.release().await;
+            return Err(err);
+        }
+        *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(())
+    }
+
+    /// Why this instance forwards nothing, if another set-up holds the prefix.
+    pub fn conflict(&self) -> Option<String> {
+        self.conflict
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The raw record of the latest gate object (for its mode and shard count).
@@ -173,10 +251,11 @@ impl Guard {
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
         let sent = Instant::now();
         let advertise = self.advertise.clone();
+        let state = self.state_id.clone();
         let decorate = move |r: &mut EpochRecord| {
             r.advertise = Some(advertise.clone());
-            r.mode = Some("single".into());
-            r.shards = Some(1);
+            SetUp::Single.stamp(r);
+            r.state = Some(state.clone());
         };
         let held = acquire::acquire_with(
             &self.epochs,
@@ -230,8 +309,14 @@ impl Guard {
             }
             let current = self.holding.lock().await.clone();
             let renewed = match self.take(current.as_ref()).await {
-                // Our tenure ended or was taken: acquire afresh.
-                Err(GuardError::Acquire(AcquireError::NotHolder { .. })) => self.take(None).await,
+                // Our tenure ended or was taken: acquire afresh, and look for a
+                // cluster that may have held the prefix meanwhile.
+                Err(GuardError::Acquire(AcquireError::NotHolder { .. })) => {
+                    match self.take(None).await {
+                        Ok(()) => self.after_take().await,
+                        Err(e) => Err(e),
+                    }
+                }
                 other => other,
             };
             wait = match renewed {

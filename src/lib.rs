@@ -51,6 +51,7 @@ pub(crate) mod lock_order;
 pub mod metrics;
 pub(crate) mod proxy;
 pub mod server;
+pub mod setup;
 pub(crate) mod shared;
 pub mod state;
 pub mod streaming;

@@ -588,6 +588,28 @@ fn cluster_metrics(
     )?;
     emit(
         enc,
+        "fencegate_cluster_set_up_conflict",
+        "1 while a live gate object of another set-up (a single instance, another shard count) shares the prefix: nothing is forwarded",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(i64::from(cl.conflict().is_some())))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_untrusted_gate_objects",
+        "Shards whose latest gate object fails authentication (no owner taken from it, nothing relayed)",
+        MetricType::Gauge,
+        vec![(
+            vec![],
+            ConstGauge::new(
+                cl.shard_gates()
+                    .iter()
+                    .filter(|s| s.untrusted.is_some())
+                    .count() as i64,
+            ),
+        )],
+    )?;
+    emit(
+        enc,
         "fencegate_peer_failures",
         "Relayed requests the owner did not answer (503 shard_unavailable)",
         MetricType::Counter,

@@ -49,6 +49,23 @@ impl Mode {
         }
     }
 
+    /// Why this instance forwards nothing, or cannot trust a shard's gate
+    /// lease, in one line each (`/readyz`, the operator's page).
+    pub fn fence_problems(&self) -> Vec<String> {
+        match self {
+            Mode::Single(g) => g.conflict().into_iter().collect(),
+            Mode::Cluster(c) => c
+                .conflict()
+                .map(|c| format!("forwarding stopped: {c}"))
+                .into_iter()
+                .chain(c.shard_gates().into_iter().filter_map(|s| {
+                    s.untrusted
+                        .map(|why| format!("shard {} unavailable: {why}", s.shard))
+                }))
+                .collect(),
+        }
+    }
+
     pub fn cluster(&self) -> Option<&Arc<Cluster>> {
         match self {
             Mode::Single(_) => None,

@@ -113,6 +113,9 @@ pub struct PageView {
     pub keys_paged: bool,
     /// Why the keys could not be listed, if they could not.
     pub keys_error: Option<String>,
+    /// Why this instance forwards nothing, or trusts no owner of some shard
+    /// (another set-up on the prefix, an untrusted gate object: SPEC §10).
+    pub fence_problems: Vec<String>,
     pub access: Access,
     /// A line about what the viewer just did.
     pub notice: Option<String>,
@@ -438,7 +441,11 @@ fn leases_section(out: &mut String, v: &PageView) {
 }
 
 fn shards_section(out: &mut String, v: &PageView) {
-    out.push_str(r#"<section id="shards"><h2>Shard map</h2><table><thead><tr><th>shard</th><th>owner</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
+    out.push_str(r#"<section id="shards"><h2>Shard map</h2>"#);
+    for p in &v.fence_problems {
+        let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(p));
+    }
+    out.push_str(r#"<table><thead><tr><th>shard</th><th>owner</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
     for s in &v.shards {
         let _ = write!(
             out,
@@ -529,6 +536,7 @@ mod tests {
             keys_next: None,
             keys_paged: false,
             keys_error: None,
+            fence_problems: vec![],
             access: Access::ReadOnly,
             notice: None,
         }

@@ -43,6 +43,7 @@ use crate::epoch::{Epoch, EpochObject, EpochRecord, LeaseName};
 use crate::fence::Fences;
 use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
+use crate::setup::{GateKey, SetUp};
 use crate::state::{Owner, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
@@ -62,17 +63,53 @@ pub fn shard_name(shard: u32) -> LeaseName {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
-    #[error("the lease store's prefix is used by a fencegate set-up of mode {mode:?} with {shards} shards (instance {holder:?}); this cluster has {ours} shards. A single instance and a cluster never share a prefix, and changing [cluster] shards needs every instance stopped")]
-    OtherSetUp {
-        mode: String,
-        shards: u32,
-        holder: String,
-        ours: u32,
-    },
+    #[error("{0}")]
+    OtherSetUp(Conflict),
     #[error("cluster start-up: {0}")]
     Store(#[from] StoreError),
     #[error("cluster start-up: {0}")]
     State(#[from] StateError),
+}
+
+/// A live gate object of another set-up under this cluster's prefix (SPEC
+/// §10.2): a single instance, or a cluster of another shard count. While one is
+/// seen, this instance forwards nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Conflict {
+    pub shard: u32,
+    pub theirs: SetUp,
+    pub ours: SetUp,
+    pub holder: String,
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (instance {:?}, gate lease {:04}) uses this lease store and prefix; this is {}. Two set-ups on one prefix void the fence: stop one (a single instance and a cluster never share a prefix; changing [cluster] shards needs every instance stopped first)",
+            self.theirs, self.holder, self.shard, self.ours
+        )
+    }
+}
+
+/// What a gate object read from the store is to this cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Verdict {
+    /// Sealed by a member (this peer token) of this set-up.
+    Ours,
+    /// Another set-up's: a single instance (which seals nothing), or a cluster
+    /// of another shard count with this peer token.
+    Foreign(SetUp),
+    /// Neither: unparsable, or claiming to be a cluster's without a valid MAC
+    /// (forged, or a member with another peer token). Nothing is taken from it.
+    Untrusted(String),
+}
+
+/// Why a shard just taken is not served.
+enum AnchorError {
+    Conflict(Conflict),
+    NotAnchored,
+    Store(StoreError),
 }
 
 /// Where a request for a shard is served.
@@ -100,6 +137,18 @@ struct Seen {
     free: bool,
     /// The latest gate object as read (objects are immutable: read once per epoch).
     object: Option<(EpochObject, Option<String>)>,
+    /// What the latest gate object is to this cluster (`None`: no object).
+    verdict: Option<Verdict>,
+    /// Its `LastModified`.
+    written: Option<SystemTime>,
+}
+
+impl Seen {
+    /// Whether the latest gate object is one of this set-up's (shard 0: the
+    /// prefix's anchor, [`crate::setup`]).
+    fn ours(&self) -> bool {
+        self.verdict == Some(Verdict::Ours)
+    }
 }
 
 struct ShardGate {
@@ -135,6 +184,8 @@ pub struct ShardGateView {
     pub expires_at: Option<SystemTime>,
     pub served_here: bool,
     pub leases: Vec<String>,
+    /// Why the latest gate object was not trusted, if it was not.
+    pub untrusted: Option<String>,
 }
 
 /// A shard as `/v1/cluster` shows it.
@@ -148,6 +199,8 @@ pub struct ShardView {
     pub expires_at: Option<String>,
     pub served_here: bool,
     pub leases: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub untrusted: Option<String>,
 }
 
 pub struct Cluster {
@@ -155,6 +208,12 @@ pub struct Cluster {
     advertise: String,
     shards: u32,
     peer_token: String,
+    /// Seals and checks this cluster's gate objects.
+    key: GateKey,
+    /// Where deliveries are kept ([`crate::setup::state_of`]).
+    state_id: String,
+    /// A live gate object of another set-up seen in the last round, if any.
+    conflict: Mutex<Option<Conflict>>,
     epochs: Epochs,
     ttl: Duration,
     margin: Duration,
@@ -227,6 +286,9 @@ impl Cluster {
             advertise: cc.advertise.trim_end_matches('/').to_owned(),
             shards,
             peer_token: cc.resolved_peer_token().unwrap_or_default(),
+            key: GateKey::from_peer_token(&cc.resolved_peer_token().unwrap_or_default()),
+            state_id: crate::setup::state_of(&cfg.state, &cc.instance_id),
+            conflict: Mutex::new(None),
             epochs: Epochs::new(counted, format!("{}.gate/", cfg.store.prefix)),
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
@@ -250,34 +312,128 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// SPEC §10.2: a live gate object of the other mode or another shard count
-    /// under the prefix refuses start-up.
+    /// SPEC §10.2: a live gate object of another set-up under the prefix — on any
+    /// shard this cluster uses, or any the set-up named by shard 0 uses —
+    /// refuses start-up. Running, the keeper looks again every round.
     async fn check_set_up(&self) -> Result<(), ClusterError> {
-        let name = shard_name(0);
-        let st = acquire::status(&self.epochs, &name).await?;
-        if st.latest == Epoch::NONE || st.is_free(self.grace) {
-            return Ok(());
+        let anchor = self.read_latest(0).await?;
+        let mut shards = self.shards;
+        if let Some((_, Some(rec), _)) = &anchor {
+            shards = shards.max(SetUp::of(rec).shards());
         }
-        let key = crate::epoch::object_key(self.epochs.prefix(), &name, st.latest);
-        let rec: Option<EpochRecord> = self
-            .epochs
-            .store()
-            .get(&key)
-            .await?
-            .and_then(|o| serde_json::from_slice(&o.body).ok());
-        if let Some(rec) = rec {
-            let mode = rec.mode.clone().unwrap_or_else(|| "single".into());
-            let shards = rec.shards.unwrap_or(1);
-            if mode != "cluster" || shards != self.shards {
-                return Err(ClusterError::OtherSetUp {
-                    mode,
-                    shards,
-                    holder: rec.holder,
-                    ours: self.shards,
-                });
+        for shard in 0..shards {
+            let read = if shard == 0 {
+                anchor.clone()
+            } else {
+                self.read_latest(shard).await?
+            };
+            if let Some(c) = self.live_conflict(shard, read.as_ref()) {
+                return Err(ClusterError::OtherSetUp(c));
             }
         }
         Ok(())
+    }
+
+    /// The latest gate object of `shard` (any shard name, ours or another
+    /// set-up's): its epoch, its record if it parses, and whether it is free.
+    async fn read_latest(
+        &self,
+        shard: u32,
+    ) -> Result<Option<(Epoch, Option<EpochRecord>, bool)>, StoreError> {
+        let name = shard_name(shard);
+        let latest = self.epochs.latest_after(&name, Epoch::NONE).await?;
+        self.read_at(shard, latest).await
+    }
+
+    /// The gate object of `shard` at `epoch` ([`Cluster::read_latest`]); whether
+    /// it is free is judged as of now.
+    async fn read_at(
+        &self,
+        shard: u32,
+        epoch: Epoch,
+    ) -> Result<Option<(Epoch, Option<EpochRecord>, bool)>, StoreError> {
+        if epoch == Epoch::NONE {
+            return Ok(None);
+        }
+        let name = shard_name(shard);
+        let key = crate::epoch::object_key(self.epochs.prefix(), &name, epoch);
+        let Some(o) = self.epochs.store().get(&key).await? else {
+            return Ok(None);
+        };
+        let rec = serde_json::from_slice::<EpochRecord>(&o.body).ok();
+        let object = EpochObject::from_stored(&name, epoch, &o.body, o.last_modified);
+        let free = self.is_free(&self.verdict(rec.as_ref()), &object, o.last_modified);
+        Ok(Some((epoch, rec, free)))
+    }
+
+    /// What a gate object is to this cluster.
+    fn verdict(&self, rec: Option<&EpochRecord>) -> Verdict {
+        let Some(rec) = rec else {
+            return Verdict::Untrusted("the gate object does not parse".into());
+        };
+        let theirs = SetUp::of(rec);
+        let ours = SetUp::Cluster {
+            shards: self.shards,
+        };
+        if self.key.verifies(rec) {
+            return if theirs == ours {
+                Verdict::Ours
+            } else {
+                Verdict::Foreign(theirs)
+            };
+        }
+        match theirs {
+            SetUp::Single => Verdict::Foreign(theirs),
+            SetUp::Cluster { .. } => Verdict::Untrusted(format!(
+                "the gate object of epoch {} names holder {:?} but its MAC does not verify: not written by a member with this peer_token (forged, or a member configured with another token)",
+                rec.epoch, rec.holder
+            )),
+        }
+    }
+
+    /// Whether a contender may take a shard whose latest gate object is `object`
+    /// (SPEC §2 step 2, with `grace_ms`). An untrusted object's own TTL is not
+    /// believed: it may be taken `gate_ttl` after it was written, by when any
+    /// tenure it could have cut short has ended.
+    fn is_free(&self, verdict: &Verdict, object: &EpochObject, last_modified: SystemTime) -> bool {
+        let earliest = self.epochs.store().clock().earliest();
+        match verdict {
+            Verdict::Untrusted(_) => {
+                earliest > acquire::free_at(last_modified + self.ttl, self.grace)
+            }
+            _ => match object {
+                EpochObject::Acquire { expires_at, .. } => {
+                    earliest > acquire::free_at(*expires_at, self.grace)
+                }
+                _ => true,
+            },
+        }
+    }
+
+    /// A conflict if `read` (a shard's latest gate object) is a live one of
+    /// another set-up.
+    fn live_conflict(
+        &self,
+        shard: u32,
+        read: Option<&(Epoch, Option<EpochRecord>, bool)>,
+    ) -> Option<Conflict> {
+        let (_, rec, free) = read?;
+        match self.verdict(rec.as_ref()) {
+            Verdict::Foreign(theirs) if !free => Some(Conflict {
+                shard,
+                theirs,
+                ours: SetUp::Cluster {
+                    shards: self.shards,
+                },
+                holder: rec.as_ref().map(|r| r.holder.clone()).unwrap_or_default(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// The live gate object of another set-up seen in the last keeper round.
+    pub fn conflict(&self) -> Option<Conflict> {
+        lock(&self.conflict).clone()
     }
 
     pub fn id(&self) -> &str {
@@ -302,6 +458,9 @@ impl Cluster {
         let Some(g) = self.gates.get(shard as usize) else {
             return Placement::Unavailable;
         };
+        if lock(&self.conflict).is_some() {
+            return Placement::Unavailable;
+        }
         let generation = g.serving.load(Ordering::SeqCst);
         if generation != 0
             && (self.now_ms() < g.forward_until_ms.load(Ordering::SeqCst)
@@ -348,9 +507,11 @@ impl Cluster {
     /// Whether this instance can serve or route: it has looked at the shards at
     /// least once and every shard has an owner it can name.
     pub fn is_ready(&self) -> bool {
-        self.gates
-            .iter()
-            .all(|g| g.serving.load(Ordering::SeqCst) != 0 || lock(&g.seen).owner.is_some())
+        lock(&self.conflict).is_none()
+            && self
+                .gates
+                .iter()
+                .all(|g| g.serving.load(Ordering::SeqCst) != 0 || lock(&g.seen).owner.is_some())
     }
 
     /// Every shard's gate lease as last seen, for `/v1/cluster` and the page.
@@ -367,6 +528,10 @@ impl Cluster {
                     expires_at: seen.expires_at,
                     served_here: g.serving.load(Ordering::SeqCst) != 0,
                     leases: g.leases.iter().map(|(l, _)| l.to_string()).collect(),
+                    untrusted: match seen.verdict {
+                        Some(Verdict::Untrusted(why)) => Some(why),
+                        _ => None,
+                    },
                 }
             })
             .collect()
@@ -384,6 +549,7 @@ impl Cluster {
                 expires_at: g.expires_at.map(crate::clock::rfc3339),
                 served_here: g.served_here,
                 leases: g.leases,
+                untrusted: g.untrusted,
             })
             .collect()
     }
@@ -413,8 +579,12 @@ impl Cluster {
     fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
         move |r: &mut EpochRecord| {
             r.advertise = Some(self.advertise.clone());
-            r.mode = Some("cluster".into());
-            r.shards = Some(self.shards);
+            SetUp::Cluster {
+                shards: self.shards,
+            }
+            .stamp(r);
+            r.state = Some(self.state_id.clone());
+            self.key.seal(r);
         }
     }
 
@@ -480,7 +650,13 @@ impl Cluster {
             let me = self.clone();
             looks.spawn(async move { me.renew_and_look(shard).await });
         }
-        while looks.join_next().await.is_some() {}
+        let mut conflict = None;
+        while let Some(found) = looks.join_next().await {
+            if let Ok(Some(c)) = found {
+                conflict = Some(c);
+            }
+        }
+        self.set_conflict(conflict);
         // An instance that reached the lease store for no shard this round can
         // neither renew nor take one: it stops announcing itself, so that the
         // others stop reserving its share and take its shards once their gate
@@ -497,20 +673,48 @@ impl Cluster {
                 }
             }
         }
-        if !self.stopping.is_cancelled() {
+        if !self.stopping.is_cancelled() && lock(&self.conflict).is_none() {
             self.balance();
         }
     }
 
-    /// Renews the shard's gate lease if held here, and records its latest gate.
-    async fn renew_and_look(self: &Arc<Self>, shard: u32) {
+    /// Records the last round's conflict. On a new one, every shard stops at
+    /// once (another set-up may be forwarding the same leases right now); when
+    /// it is gone, shards are taken again as after any takeover (settling).
+    fn set_conflict(&self, now: Option<Conflict>) {
+        let before = std::mem::replace(&mut *lock(&self.conflict), now.clone());
+        match (&before, &now) {
+            (None, Some(c)) => {
+                tracing::error!(conflict = %c, "another fencegate set-up holds a gate lease under this prefix: this instance forwards nothing until it is gone");
+            }
+            (Some(_), None) => {
+                tracing::warn!(
+                    "the other fencegate set-up's gate leases have ended: serving again"
+                );
+            }
+            _ => {}
+        }
+        if now.is_some() {
+            for shard in 0..self.shards {
+                self.stop_serving(
+                    shard,
+                    tokio::time::Instant::now(),
+                    "another set-up shares the prefix",
+                );
+            }
+        }
+    }
+
+    /// Renews the shard's gate lease if held here, and records its latest gate;
+    /// returns a conflict if that is a live gate object of another set-up.
+    async fn renew_and_look(self: &Arc<Self>, shard: u32) -> Option<Conflict> {
         let g = &self.gates[shard as usize];
         let held = lock(&g.holding).clone();
         if let Some(h) = held {
             let _op = g.op.lock().await;
             // A handover may have released it while we waited.
             if lock(&g.holding).as_ref() != Some(&h) {
-                return;
+                return None;
             }
             let sent = Instant::now();
             let decorate = self.decorate();
@@ -537,20 +741,41 @@ impl Cluster {
                     tracing::warn!(shard, error = %e, "could not renew a shard's gate lease; retrying next round")
                 }
             }
-            return;
+            return None;
         }
         match self.look(g).await {
-            Ok(seen) => *lock(&g.seen) = seen,
+            Ok(seen) => {
+                let conflict = match &seen.verdict {
+                    Some(Verdict::Foreign(theirs)) if !seen.free => Some(Conflict {
+                        shard,
+                        theirs: *theirs,
+                        ours: SetUp::Cluster {
+                            shards: self.shards,
+                        },
+                        holder: seen.holder.clone().unwrap_or_default(),
+                    }),
+                    _ => None,
+                };
+                if let Some(Verdict::Untrusted(why)) = &seen.verdict {
+                    if lock(&g.seen).epoch != seen.epoch {
+                        tracing::error!(shard, gate_epoch = %seen.epoch, why, "an untrusted gate object: no owner is taken from it, nothing is relayed by it, and the shard is unavailable until gate_ttl after it was written");
+                    }
+                }
+                *lock(&g.seen) = seen;
+                conflict
+            }
             Err(e) => {
                 self.store_failures.fetch_add(1, Ordering::SeqCst);
-                tracing::warn!(shard, error = %e, "could not look at a shard's gate lease")
+                tracing::warn!(shard, error = %e, "could not look at a shard's gate lease");
+                None
             }
         }
     }
 
     /// The latest gate object of a shard held elsewhere: one LIST a round (of the
     /// epochs after the last one seen), and a GET only when the epoch changed
-    /// (gate objects are immutable).
+    /// (gate objects are immutable). An owner and its `advertise` are taken
+    /// only from an object a member of this set-up sealed ([`Verdict::Ours`]).
     async fn look(&self, g: &ShardGate) -> Result<Seen, StoreError> {
         // Listed after the epoch last seen (objects are never deleted): the cost
         // of a look does not grow with the shard's history.
@@ -558,36 +783,48 @@ impl Cluster {
         let latest = self.epochs.latest_after(&g.name, known).await?;
         let cached = {
             let seen = lock(&g.seen);
-            (seen.epoch == latest && seen.object.is_some()).then(|| seen.object.clone())
+            (seen.epoch == latest && seen.object.is_some())
+                .then(|| (seen.object.clone(), seen.verdict.clone(), seen.written))
         };
-        let object = match cached {
-            Some(o) => o,
-            None if latest == Epoch::NONE => None,
+        let (object, verdict, written) = match cached {
+            Some(c) => c,
+            None if latest == Epoch::NONE => (None, None, None),
             None => {
                 let key = crate::epoch::object_key(self.epochs.prefix(), &g.name, latest);
-                self.epochs.store().get(&key).await?.map(|o| {
-                    let advertise = serde_json::from_slice::<EpochRecord>(&o.body)
-                        .ok()
-                        .and_then(|r| r.advertise);
-                    (
-                        EpochObject::from_stored(&g.name, latest, &o.body, o.last_modified),
-                        advertise,
-                    )
-                })
+                match self.epochs.store().get(&key).await? {
+                    None => (None, None, None),
+                    Some(o) => {
+                        let rec = serde_json::from_slice::<EpochRecord>(&o.body).ok();
+                        let verdict = self.verdict(rec.as_ref());
+                        let advertise = match verdict {
+                            Verdict::Ours => rec.and_then(|r| r.advertise),
+                            _ => None,
+                        };
+                        (
+                            Some((
+                                EpochObject::from_stored(&g.name, latest, &o.body, o.last_modified),
+                                advertise,
+                            )),
+                            Some(verdict),
+                            Some(o.last_modified),
+                        )
+                    }
+                }
             }
         };
-        let st = acquire::LeaseStatus {
-            latest,
-            object: object.as_ref().map(|(o, _)| o.clone()),
-            store_now: self.epochs.store_now(),
-            store_earliest: self.epochs.store().clock().earliest(),
+        let free = match (&object, &verdict, written) {
+            (Some((o, _)), Some(v), Some(at)) => self.is_free(v, o, at),
+            _ => true,
         };
         let mut seen = Seen {
             epoch: latest,
-            free: st.is_free(self.grace),
+            free,
             object: object.clone(),
+            verdict: verdict.clone(),
+            written,
             ..Seen::default()
         };
+        let store_earliest = self.epochs.store().clock().earliest();
         if let Some((
             EpochObject::Acquire {
                 holder, expires_at, ..
@@ -596,7 +833,7 @@ impl Cluster {
         )) = &object
         {
             seen.holder = Some(holder.clone());
-            if st.store_earliest <= *expires_at {
+            if verdict == Some(Verdict::Ours) && store_earliest <= *expires_at {
                 seen.owner = Some(holder.clone());
                 seen.expires_at = Some(*expires_at);
                 seen.advertise = advertise.clone();
@@ -614,7 +851,16 @@ impl Cluster {
             expires_at: Some(h.expires_at),
             free: false,
             object: None,
+            verdict: Some(Verdict::Ours),
+            written: None,
         };
+    }
+
+    /// Whether shard 0's latest gate object is this set-up's (held here, or
+    /// sealed by a member, released or not): only then are other shards served.
+    fn anchored(&self) -> bool {
+        let g = &self.gates[0];
+        lock(&g.holding).is_some() || lock(&g.seen).ours()
     }
 
     /// Takes free shards while holding fewer than this instance's share, hands
@@ -687,6 +933,15 @@ impl Cluster {
         // same free shard.
         let offset = usize::try_from(shard_of_id(&self.id) % n.max(1) as u64).unwrap_or(0);
         free.sort_by_key(|s| (*s as usize + n - offset) % n);
+        // Shard 0 first while it is not this set-up's: until it is, no other
+        // shard is served ([`crate::setup`]'s anchor).
+        let (free, want) = if self.anchored() {
+            (free, want)
+        } else if free.contains(&0) {
+            (vec![0], 1)
+        } else {
+            (Vec::new(), 0)
+        };
         for shard in free.into_iter().take(want) {
             self.clone().spawn_takeover(shard, None);
         }
@@ -696,7 +951,7 @@ impl Cluster {
     /// background.
     fn spawn_takeover(self: Arc<Self>, shard: u32, held: Option<(Holding, Instant)>) {
         let g = &self.gates[shard as usize];
-        if g.busy.swap(true, Ordering::SeqCst) {
+        if lock(&self.conflict).is_some() || g.busy.swap(true, Ordering::SeqCst) {
             return;
         }
         tokio::spawn(async move {
@@ -746,6 +1001,26 @@ impl Cluster {
             shard,
             generation: holding.epoch.get(),
         };
+        if let Err(why) = self.check_anchor(shard, holding.epoch).await {
+            match why {
+                AnchorError::Conflict(c) => {
+                    self.set_conflict(Some(c));
+                }
+                AnchorError::NotAnchored => tracing::info!(
+                    shard,
+                    "shard 0's latest gate object is not this set-up's yet: handing the shard back until it is"
+                ),
+                AnchorError::Store(e) => {
+                    tracing::warn!(shard, error = %e, "could not check the prefix's set-up after taking a shard; handing it back")
+                }
+            }
+            self.hand_back(shard).await;
+            return;
+        }
+        if lock(&self.conflict).is_some() {
+            self.hand_back(shard).await;
+            return;
+        }
         if let Err(e) = self.start_tenure(g, owner).await {
             tracing::warn!(shard, error = %e, "could not start serving a shard; handing it back");
             self.hand_back(shard).await;
@@ -765,6 +1040,47 @@ impl Cluster {
         );
         let me = self.clone();
         tokio::spawn(async move { me.watch_deadline(shard, owner.generation).await });
+    }
+
+    /// After creating gate epoch `epoch` of `shard` and before serving it: shard
+    /// 0 (the anchor) must be this set-up's, and a set-up that took shard 0 over
+    /// from another one looks at every shard that one used — after its own
+    /// create, so of two set-ups starting side by side one sees the other.
+    async fn check_anchor(&self, shard: u32, epoch: Epoch) -> Result<(), AnchorError> {
+        if shard != 0 {
+            let anchor = self.read_latest(0).await.map_err(AnchorError::Store)?;
+            if let Some(c) = self.live_conflict(0, anchor.as_ref()) {
+                return Err(AnchorError::Conflict(c));
+            }
+            return match anchor {
+                Some((_, rec, _)) if self.verdict(rec.as_ref()) == Verdict::Ours => Ok(()),
+                _ => Err(AnchorError::NotAnchored),
+            };
+        }
+        if epoch.get() <= 1 {
+            return Ok(());
+        }
+        let before = self
+            .read_at(0, Epoch::new(epoch.get() - 1))
+            .await
+            .map_err(AnchorError::Store)?;
+        let shards = match &before {
+            None => return Ok(()),
+            Some((_, rec, _)) => match self.verdict(rec.as_ref()) {
+                Verdict::Ours => return Ok(()),
+                Verdict::Foreign(theirs) => theirs.shards().max(self.shards),
+                // Whatever an untrusted object claims, every shard name this
+                // set-up uses is looked at.
+                Verdict::Untrusted(_) => self.shards,
+            },
+        };
+        for s in 1..shards {
+            let read = self.read_latest(s).await.map_err(AnchorError::Store)?;
+            if let Some(c) = self.live_conflict(s, read.as_ref()) {
+                return Err(AnchorError::Conflict(c));
+            }
+        }
+        Ok(())
     }
 
     /// SPEC §10.2 takeover: claim the shard's state, turn older generations'
@@ -898,9 +1214,20 @@ impl Cluster {
         *lock(&g.seen) = Seen {
             epoch: h.epoch,
             free: true,
+            verdict: Some(Verdict::Ours),
             ..Seen::default()
         };
-        match acquire::release(&self.epochs, &g.name, &self.id, h.epoch, &h.token).await {
+        let decorate = self.decorate();
+        match acquire::release_with(
+            &self.epochs,
+            &g.name,
+            &self.id,
+            h.epoch,
+            &h.token,
+            &decorate,
+        )
+        .await
+        {
             Ok(e) => {
                 tracing::info!(shard, gate_epoch = %e, "released a shard");
                 true

@@ -376,6 +376,19 @@ pub async fn release(
     epoch: Epoch,
     token: &str,
 ) -> Result<Epoch, AcquireError> {
+    release_with(epochs, lease, holder, epoch, token, &|_| {}).await
+}
+
+/// [`release`] with fields added to the object written (a gate lease's set-up
+/// and MAC, SPEC §10).
+pub async fn release_with(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    holder: &str,
+    epoch: Epoch,
+    token: &str,
+    decorate: &(dyn Fn(&mut EpochRecord) + Sync),
+) -> Result<Epoch, AcquireError> {
     // Listed after the tenure's own epoch, as a renewal is (`status_after`): a
     // graceful stop releases every shard, and must not page through its history.
     let st = status_after(epochs, lease, epoch).await?;
@@ -391,7 +404,9 @@ pub async fn release(
         lease: lease.clone(),
         why: "epoch numbers are exhausted".into(),
     })?;
-    let body = Bytes::from(EpochRecord::release(lease, next, holder).to_json());
+    let mut record = EpochRecord::release(lease, next, holder);
+    decorate(&mut record);
+    let body = Bytes::from(record.to_json());
     let expected = body.clone();
     match create_decided(epochs, lease, next, body, move |_, raw| {
         raw == &expected[..]

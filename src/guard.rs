@@ -141,8 +141,9 @@ impl Guard {
             }
             // SPEC §10.1: an instance whose deliveries are elsewhere is not
             // taken over from without the operator's word.
+            // (A live holder is refused below, by name and with its expiry.)
             let shares = rec.holder == guard.id || rec.state.as_deref() == Some(&guard.state_id);
-            if !shares && !cfg.takeover_may_duplicate {
+            if before.is_free(guard.grace) && !shares && !cfg.takeover_may_duplicate {
                 return Err(GuardError::OtherState {
                     holder: rec.holder,
                     theirs: rec.state,

@@ -971,25 +971,43 @@ impl Cluster {
                 let _op = g.op.lock().await;
                 let sent = Instant::now();
                 let decorate = self.decorate();
-                match acquire::acquire_with(
-                    &self.epochs,
-                    &g.name,
-                    &self.id,
-                    self.ttl,
-                    self.grace,
-                    None,
-                    false,
-                    &decorate,
-                )
-                .await
-                {
+                let taken = match (&previous.verdict, previous.free) {
+                    // An untrusted object's own TTL is not believed (a forged
+                    // one could name a year): judged free by this cluster's
+                    // rule, the epoch after it is created straight away — the
+                    // conditional create still decides against anyone else.
+                    (Some(Verdict::Untrusted(_)), true) => {
+                        let after = Holding {
+                            lease: g.name.clone(),
+                            epoch: previous.epoch,
+                            token: String::new(),
+                            holder: self.id.clone(),
+                            expires_at: SystemTime::UNIX_EPOCH,
+                        };
+                        acquire::renew_direct(&self.epochs, &after, self.ttl, &decorate).await
+                    }
+                    _ => {
+                        acquire::acquire_with(
+                            &self.epochs,
+                            &g.name,
+                            &self.id,
+                            self.ttl,
+                            self.grace,
+                            None,
+                            false,
+                            &decorate,
+                        )
+                        .await
+                    }
+                };
+                match taken {
                     Ok(h) => {
                         self.extend(g, sent);
                         self.saw_ours(g, &h);
                         *lock(&g.holding) = Some(h.clone());
                         h
                     }
-                    Err(AcquireError::Held { .. }) => return,
+                    Err(AcquireError::Held { .. } | AcquireError::NotHolder { .. }) => return,
                     Err(e) => {
                         tracing::warn!(shard, error = %e, "could not take a free shard");
                         return;

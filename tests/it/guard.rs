@@ -71,7 +71,13 @@ async fn another_instance_takes_over_only_after_expiry_plus_grace_and_says_so() 
     assert_eq!(code, Some(2));
     let mut second = loop {
         let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Fencegate::start(&config(&s3, &origin))
+            Fencegate::start_with_args(
+                "127.0.0.1:0",
+                "",
+                &config(&s3, &origin),
+                &[],
+                &["--takeover-may-duplicate"],
+            )
         }));
         if let Ok(fg) = attempt {
             break fg;
@@ -88,11 +94,51 @@ async fn another_instance_takes_over_only_after_expiry_plus_grace_and_says_so() 
         killed.elapsed()
     );
     assert!(
-        second.stderr().contains("not here"),
+        second.stderr().contains("forwarded again"),
         "says loudly that the old instance's records are elsewhere: {}",
         second.stderr()
     );
     second.kill9();
+}
+
+/// SPEC §10.1 (issue 25, point 2): a single instance whose marks and dedup
+/// records are elsewhere (another data_dir) never takes the guard over without
+/// the operator's word, even once the old instance's gate lease has ended: the
+/// retry of a key the old one delivered would be delivered again. With
+/// `--takeover-may-duplicate` it does, and says so. Failed when any instance
+/// took over after expiry + grace with only a warning: `charge-42` reached the
+/// destination twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_with_other_state_takes_over_only_when_told_duplicates_may_follow() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let mut first = Fencegate::start(&config(&s3, &origin));
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(60)).await;
+    let charge = || keyed(&first, "/billing/x", &a, "charge-42", "charge");
+    assert_eq!(send(charge()).await.status, 200);
+    assert!(first.terminate().success());
+    let (code, stderr) = serve_expecting_exit(&config(&s3, &origin));
+    assert_eq!(code, Some(2), "{stderr}");
+    let line = stderr.lines().next().unwrap_or_default();
+    assert!(
+        line.contains("--takeover-may-duplicate") && line.contains("sled:"),
+        "names where each keeps its deliveries and the flag: {line}"
+    );
+    assert_eq!(origin.log().len(), 1, "nothing was forwarded again");
+    let second = Fencegate::start_with_args(
+        "127.0.0.1:0",
+        "",
+        &config(&s3, &origin),
+        &[],
+        &["--takeover-may-duplicate"],
+    );
+    assert!(
+        second.stderr().contains("forwarded again"),
+        "{}",
+        second.stderr()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +206,14 @@ async fn a_graceful_stop_releases_the_guard_for_a_successor_at_once() {
     let mut first = Fencegate::start(&config(&s3, &origin));
     assert!(first.terminate().success());
     let stopped = Instant::now();
-    let _second = Fencegate::start(&config(&s3, &origin));
+    // Another data_dir: the operator accepts that its deliveries are elsewhere.
+    let _second = Fencegate::start_with_args(
+        "127.0.0.1:0",
+        "",
+        &config(&s3, &origin),
+        &[],
+        &["--takeover-may-duplicate"],
+    );
     assert!(
         stopped.elapsed() < Duration::from_secs(3),
         "the successor waited {:?} (a release should let it in at once)",

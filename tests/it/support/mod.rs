@@ -229,6 +229,8 @@ pub struct Fencegate {
     pub proxy: SocketAddr,
     pub admin: SocketAddr,
     env: Vec<(String, String)>,
+    /// More `serve` arguments.
+    args: Vec<String>,
     pub stderr_path: PathBuf,
 }
 
@@ -269,6 +271,17 @@ impl Fencegate {
         store_and_routes: &str,
         env: &[(&str, &str)],
     ) -> Fencegate {
+        Fencegate::start_with_args(listen, server_extra, store_and_routes, env, &[])
+    }
+
+    /// [`Fencegate::start_listening`] with more `serve` arguments.
+    pub fn start_with_args(
+        listen: &str,
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("fencegate.toml");
         let text = format!(
@@ -287,6 +300,7 @@ impl Fencegate {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            args: args.iter().map(|a| a.to_string()).collect(),
         };
         fg.spawn(None).expect("fencegate did not start");
         fg
@@ -302,6 +316,7 @@ impl Fencegate {
         let mut cmd = Command::new(bin());
         cmd.args(["serve", "--config"])
             .arg(&self.config)
+            .args(&self.args)
             .current_dir(self.dir.path())
             .env("AWS_ACCESS_KEY_ID", "test")
             .env("AWS_SECRET_ACCESS_KEY", "test")
@@ -407,6 +422,11 @@ impl Drop for Fencegate {
 /// Runs `fencegate serve` on `toml` in a fresh directory, expecting it to exit by
 /// itself within 20 s: its exit code and stderr.
 pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
+    serve_expecting_exit_with(toml, &[])
+}
+
+/// [`serve_expecting_exit`] with more `serve` arguments.
+pub fn serve_expecting_exit_with(toml: &str, args: &[&str]) -> (Option<i32>, String) {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("fencegate.toml");
     std::fs::write(
@@ -420,6 +440,7 @@ pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
     let mut child = Command::new(bin())
         .args(["serve", "--config"])
         .arg(&cfg)
+        .args(args)
         .env("AWS_ACCESS_KEY_ID", "test")
         .env("AWS_SECRET_ACCESS_KEY", "test")
         .env("AWS_EC2_METADATA_DISABLED", "true")

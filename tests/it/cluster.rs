@@ -1009,6 +1009,12 @@ async fn a_live_gate_object_of_another_set_up_stops_the_cluster_until_it_ends() 
         .create(&shard1, next, rec.to_json().into())
         .await
         .unwrap();
+    eventually("fg-a reads the other set-up's object", || async {
+        fg.admin_json("/v1/cluster").await["shard_map"][1]["gate_epoch"] == next.get()
+    })
+    .await;
+    // Within the round that read it (the cluster kept forwarding beside the
+    // other set-up when running instances never looked at a gate object's mode).
     eventually("fg-a stops forwarding", || async {
         post(fg, &format!("/{lease}-ff/x"), &w, "probe")
             .await
@@ -1090,12 +1096,22 @@ async fn a_forged_gate_object_is_trusted_for_nothing() {
         .await
         .unwrap();
     let forged_at = Instant::now();
-    eventually("the other member sees the forged object", || async {
-        other.admin_json("/v1/cluster").await["shard_map"][0]["untrusted"].is_string()
+    eventually("the other member reads the forged object", || async {
+        other.admin_json("/v1/cluster").await["shard_map"][0]["gate_epoch"] == next.get()
     })
     .await;
     let r = post(other, &format!("/{lease}-ff/x"), &w, "during").await;
+    assert!(
+        forger.log().is_empty(),
+        "a worker's request was relayed to the forger's advertise: {:?}",
+        forger
+            .log()
+            .iter()
+            .map(|a| a.path.clone())
+            .collect::<Vec<_>>()
+    );
     r.assert_error(503, "shard_unavailable");
+    assert!(other.admin_json("/v1/cluster").await["shard_map"][0]["untrusted"].is_string());
     assert_eq!(
         other
             .metric_sum("fencegate_cluster_untrusted_gate_objects")

@@ -221,7 +221,11 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
                 e.downcast_ref::<StartError>(),
                 Some(
                     StartError::State(crate::state::StateError::Open { .. })
-                        | StartError::Guard(GuardError::Held { .. } | GuardError::OtherMode { .. })
+                        | StartError::Guard(
+                            GuardError::Held { .. }
+                                | GuardError::OtherMode { .. }
+                                | GuardError::SharedId { .. }
+                        )
                         | StartError::Cluster(crate::cluster::ClusterError::OtherSetUp { .. })
                 )
             );

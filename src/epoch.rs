@@ -154,6 +154,12 @@ pub struct EpochRecord {
     /// Gate objects only: the shard count of the holder's set-up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<u32>,
+    /// Gate objects of a single instance only (SPEC §10.1): the process that
+    /// wrote it. Its own instance id takes the gate back at once only from a
+    /// process provably gone; an object without it (an older fencegate) is no
+    /// proof.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<crate::process::ProcessId>,
 }
 
 impl EpochRecord {
@@ -175,6 +181,7 @@ impl EpochRecord {
             advertise: None,
             mode: None,
             shards: None,
+            process: None,
         }
     }
 
@@ -190,6 +197,7 @@ impl EpochRecord {
             advertise: None,
             mode: None,
             shards: None,
+            process: None,
         }
     }
 

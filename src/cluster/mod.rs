@@ -705,7 +705,7 @@ impl Cluster {
                     self.ttl,
                     self.grace,
                     None,
-                    false,
+                    None,
                     &decorate,
                 )
                 .await

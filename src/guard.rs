@@ -356,7 +356,14 @@ impl Guard {
                 Ok(()) => self.ttl / 3,
                 Err(e) => {
                     let deadline_passed = !self.may_forward();
-                    tracing::warn!(error = %e, stopped_forwarding = deadline_passed, "could not renew the instance guard; retrying");
+                    if matches!(e, GuardError::SharedId { .. })
+                        && self.shared_id.load(Ordering::SeqCst)
+                    {
+                        // Said once, at error level, when it was found.
+                        tracing::debug!(error = %e, "waiting for the instance guard");
+                    } else {
+                        tracing::warn!(error = %e, stopped_forwarding = deadline_passed, "could not renew the instance guard; retrying");
+                    }
                     Duration::from_secs(1).min(self.ttl / 3)
                 }
             };

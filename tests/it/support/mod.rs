@@ -269,6 +269,19 @@ impl Fencegate {
         store_and_routes: &str,
         env: &[(&str, &str)],
     ) -> Fencegate {
+        let mut fg = Fencegate::unstarted(listen, server_extra, store_and_routes, env);
+        fg.spawn(None).expect("fencegate did not start");
+        fg
+    }
+
+    /// [`Fencegate::start_listening`] without starting it: the test prepares its
+    /// data directory ([`state_dir`]) first, then calls [`Fencegate::spawn`].
+    pub fn unstarted(
+        listen: &str,
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+    ) -> Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("fencegate.toml");
         let text = format!(
@@ -276,7 +289,7 @@ impl Fencegate {
             dir.path().join("state").display()
         );
         std::fs::write(&config, text).unwrap();
-        let mut fg = Fencegate {
+        Fencegate {
             child: None,
             stderr_path: dir.path().join("stderr.log"),
             dir,
@@ -287,9 +300,7 @@ impl Fencegate {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
-        };
-        fg.spawn(None).expect("fencegate did not start");
-        fg
+        }
     }
 
     /// Starts the process; `Err(stderr)` if it exits before listening.
@@ -407,7 +418,14 @@ impl Drop for Fencegate {
 /// Runs `fencegate serve` on `toml` in a fresh directory, expecting it to exit by
 /// itself within 20 s: its exit code and stderr.
 pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
+    serve_expecting_exit_with(toml, |_| {})
+}
+
+/// [`serve_expecting_exit`] after `prepare` has had the (not yet created) data
+/// directory.
+pub fn serve_expecting_exit_with(toml: &str, prepare: impl FnOnce(&Path)) -> (Option<i32>, String) {
     let dir = tempfile::tempdir().unwrap();
+    prepare(&dir.path().join("state"));
     let cfg = dir.path().join("fencegate.toml");
     std::fs::write(
         &cfg,
@@ -444,6 +462,11 @@ pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
 
 pub fn data_dir(fg: &Fencegate) -> &Path {
     fg.dir.path()
+}
+
+/// The `data_dir` of `fg`'s config (it may not exist before the first start).
+pub fn state_dir(fg: &Fencegate) -> PathBuf {
+    fg.dir.path().join("state")
 }
 
 /// The Python that runs the test servers (for the campaign's worker and origin processes).

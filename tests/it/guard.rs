@@ -160,7 +160,7 @@ async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() 
     resume(&a);
     let resumed = Instant::now();
     // Each key to both, until the resumed one has said it (and at least 6 keys).
-    let (mut keys, mut from_a) = (0, 0);
+    let (mut keys, mut from_a, mut from_b) = (0, 0, Vec::new());
     while keys < 6 || !a.stderr().contains(SHARED_ID) {
         if resumed.elapsed() > Duration::from_secs(12) {
             break;
@@ -174,7 +174,12 @@ async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() 
         {
             from_a += 1;
         }
-        send(keyed(&b, "/billing/x", &w, &key, &payload)).await;
+        from_b.push(
+            send(keyed(&b, "/billing/x", &w, &key, &payload))
+                .await
+                .status
+                == 200,
+        );
         keys += 1;
     }
     let log = origin.log();
@@ -182,9 +187,14 @@ async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() 
         let body = format!("key k{k}");
         let n = log.iter().filter(|x| x.body == body.as_bytes()).count();
         assert!(n <= 1, "key k{k} reached the destination {n} times");
-        assert_eq!(n, 1, "key k{k} never reached the destination");
+        assert_eq!(
+            n == 1,
+            from_b[k],
+            "key k{k}: forwarded by the copy or not at all"
+        );
     }
     assert_eq!(from_a, 0, "the resumed instance forwarded");
+    assert!(from_b.iter().any(|ok| *ok), "the copy forwarded nothing");
     let said: Vec<String> = a
         .stderr()
         .lines()

@@ -160,12 +160,13 @@ async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() 
     resume(&a);
     let resumed = Instant::now();
     // Each key to both, until the resumed one has said it (and at least 6 keys).
-    let (mut keys, mut from_a, mut from_b) = (0, 0, Vec::new());
-    while keys < 6 || !a.stderr().contains(SHARED_ID) {
+    // `from_b[k]`: whether the copy answered 200 for key k.
+    let (mut from_a, mut from_b) = (0, Vec::<bool>::new());
+    while from_b.len() < 6 || !a.stderr().contains(SHARED_ID) {
         if resumed.elapsed() > Duration::from_secs(12) {
             break;
         }
-        let key = format!("k{keys}");
+        let key = format!("k{}", from_b.len());
         let payload = format!("key {key}");
         if send(keyed(&a, "/billing/x", &w, &key, &payload))
             .await
@@ -180,16 +181,15 @@ async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() 
                 .status
                 == 200,
         );
-        keys += 1;
     }
     let log = origin.log();
-    for k in 0..keys {
+    for (k, by_b) in from_b.iter().enumerate() {
         let body = format!("key k{k}");
         let n = log.iter().filter(|x| x.body == body.as_bytes()).count();
         assert!(n <= 1, "key k{k} reached the destination {n} times");
         assert_eq!(
             n == 1,
-            from_b[k],
+            *by_b,
             "key k{k}: forwarded by the copy or not at all"
         );
     }

@@ -522,4 +522,45 @@ mod tests {
             .expect_err("no such tenure");
         assert!(err.to_string().contains("epoch 9 does not exist"), "{err}");
     }
+
+    /// A live acquire under the caller's own holder is taken back at once only
+    /// when `reclaim_own` says so of its stored record (the instance guard: its
+    /// writer provably gone); otherwise it is held, as anyone else's is.
+    #[tokio::test]
+    async fn the_own_holder_is_taken_back_only_as_the_record_allows() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = DirStore::open(dir.path(), Arc::new(SystemClock)).expect("dir store");
+        let epochs = Epochs::new(Arc::new(store), "p/");
+        let lease = LeaseName::parse("gate").expect("valid");
+        let ttl = Duration::from_secs(30);
+        let mark = |r: &mut EpochRecord| r.mode = Some("marked".into());
+        acquire_with(&epochs, &lease, "me", ttl, ttl, None, None, &mark)
+            .await
+            .expect("acquired");
+        for reclaim in [None, Some(&(|_: &EpochRecord| false) as Reclaim<'_>)] {
+            let err = acquire_with(&epochs, &lease, "me", ttl, ttl, None, reclaim, &|_| {})
+                .await
+                .expect_err("held: no proof its writer is gone");
+            assert!(matches!(err, AcquireError::Held { ref holder, .. } if holder == "me"));
+        }
+        let seen = |r: &EpochRecord| r.mode.as_deref() == Some("marked");
+        let held = acquire_with(&epochs, &lease, "me", ttl, ttl, None, Some(&seen), &|_| {})
+            .await
+            .expect("taken back at once");
+        assert_eq!(held.epoch, Epoch::new(2));
+        // Someone else's live acquire is never taken back, whatever the predicate.
+        let err = acquire_with(
+            &epochs,
+            &lease,
+            "other",
+            ttl,
+            ttl,
+            None,
+            Some(&|_| true),
+            &|_| {},
+        )
+        .await
+        .expect_err("held by me");
+        assert!(err.is_held());
+    }
 }

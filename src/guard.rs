@@ -6,12 +6,13 @@
 //! - The holder is an instance id generated once and kept in `data_dir`
 //!   (`instance-id`), and each gate object records the process that wrote it
 //!   ([`crate::process`]): the same instance restarted after a kill -9 takes its
-//!   gate back at once when the old process is provably gone (same boot and pid
-//!   namespace, that pid no longer running since that start time); an instance
-//!   with another `data_dir` — or the same id from a process not provably gone: a
-//!   copied `data_dir`, another machine — waits for the expiry plus `grace_ms`
-//!   (on the store's clock, its earliest reading), like any contender, and then
-//!   says loudly that the old instance's dedup records are elsewhere.
+//!   gate back at once when the old process is provably gone (same boot, pid
+//!   namespace and user, that pid no longer running since that start time); an
+//!   instance with another `data_dir` — or the same id from a process not
+//!   provably gone: a copied `data_dir`, another machine — waits for the expiry
+//!   plus `grace_ms` (on the store's clock, its earliest reading), like any
+//!   contender (at start-up: exit 2, naming the holder), and then says loudly
+//!   that the old instance's dedup records are elsewhere.
 //! - A running instance whose renewal finds a newer gate epoch under its own id
 //!   written by another process stops forwarding at once, says so once (two
 //!   processes share the id: `data_dir` was copied), and from then on waits for

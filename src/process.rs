@@ -7,14 +7,15 @@
 //!
 //! A process is named by the machine's boot id
 //! (`/proc/sys/kernel/random/boot_id`), its pid namespace (`/proc/self/ns/pid`),
-//! its pid and its start time in clock ticks since boot (field 22 of
+//! its user, its pid and its start time in clock ticks since boot (field 22 of
 //! `/proc/PID/stat`, against pid reuse). Another process is provably gone only
-//! when it ran on this boot of this machine, in this pid namespace, and no
-//! process with its pid and start time exists now (a zombie counts as gone: it
-//! runs no code). Anything else is no proof — another machine, a reboot, another
-//! pid namespace (another container), a gate object without these fields (an
-//! older fencegate), no `/proc` — and the caller waits for the lease's expiry
-//! like any contender.
+//! when it ran on this boot of this machine, in this pid namespace, as this user
+//! (`/proc` mounted with `hidepid` hides other users' processes), and no process
+//! with its pid and start time exists now (a zombie counts as gone: it runs no
+//! code). Anything else is no proof — another machine, a reboot, another pid
+//! namespace (another container), another user, a gate object without these
+//! fields (an older fencegate), no `/proc` — and the caller waits for the
+//! lease's expiry like any contender.
 
 use std::fmt;
 
@@ -29,6 +30,8 @@ pub struct ProcessId {
     /// `/proc/self/ns/pid`, e.g. `pid:[4026531836]`: pids are only comparable
     /// within one pid namespace.
     pub pid_ns: String,
+    /// The real user id (`Uid:` in `/proc/self/status`).
+    pub uid: u32,
     pub pid: u32,
     /// Field 22 of `/proc/PID/stat`: clock ticks after boot at which it started.
     pub start_ticks: u64,
@@ -52,10 +55,12 @@ impl ProcessId {
         let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
         let pid_ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
         let stat = parse_stat(&std::fs::read_to_string("/proc/self/stat").ok()?)?;
+        let uid = parse_uid(&std::fs::read_to_string("/proc/self/status").ok()?)?;
         let pid = std::process::id();
         (stat.pid == pid).then(|| ProcessId {
             boot_id: boot_id.trim().to_owned(),
             pid_ns: pid_ns.to_string_lossy().into_owned(),
+            uid,
             pid,
             start_ticks: stat.start_ticks,
         })
@@ -64,7 +69,7 @@ impl ProcessId {
     /// Whether this (recorded) process is provably gone, seen from `here`, the
     /// process asking, with `look` saying what `/proc` shows of a pid.
     pub fn gone_as_seen_from(&self, here: &ProcessId, look: impl Fn(u32) -> Seen) -> bool {
-        if self.boot_id != here.boot_id || self.pid_ns != here.pid_ns {
+        if self.boot_id != here.boot_id || self.pid_ns != here.pid_ns || self.uid != here.uid {
             return false;
         }
         match look(self.pid) {
@@ -84,8 +89,8 @@ impl fmt::Display for ProcessId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pid {} started at tick {}, boot id {}, pid namespace {}",
-            self.pid, self.start_ticks, self.boot_id, self.pid_ns
+            "pid {} started at tick {}, uid {}, boot id {}, pid namespace {}",
+            self.pid, self.start_ticks, self.uid, self.boot_id, self.pid_ns
         )
     }
 }
@@ -129,6 +134,17 @@ fn parse_stat(text: &str) -> Option<Stat> {
     })
 }
 
+/// The real user id from `/proc/PID/status` (`Uid:\treal\teffective\t…`).
+fn parse_uid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +153,7 @@ mod tests {
         ProcessId {
             boot_id: "boot-a".into(),
             pid_ns: "pid:[1]".into(),
+            uid: 1000,
             pid,
             start_ticks,
         }
@@ -155,6 +172,11 @@ mod tests {
         );
         assert_eq!(parse_stat("16641 (x) R 1 2"), None);
         assert_eq!(parse_stat(""), None);
+        assert_eq!(
+            parse_uid("Name:\tx\nUid:\t1000\t1001\t1000\t1000\nGid:\t5\n"),
+            Some(1000)
+        );
+        assert_eq!(parse_uid("Name:\tx\n"), None);
     }
 
     #[test]
@@ -174,9 +196,12 @@ mod tests {
         assert!(!elsewhere.gone_as_seen_from(&here, |_| Seen::Gone));
         let other_ns = ProcessId {
             pid_ns: "pid:[2]".into(),
-            ..other
+            ..other.clone()
         };
         assert!(!other_ns.gone_as_seen_from(&here, |_| Seen::Gone));
+        // Another user's process may be hidden (`hidepid`): not seeing it is no proof.
+        let other_user = ProcessId { uid: 0, ..other };
+        assert!(!other_user.gone_as_seen_from(&here, |_| Seen::Gone));
     }
 
     #[test]

@@ -236,7 +236,8 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
                         | StartError::Guard(
                             GuardError::Held { .. }
                                 | GuardError::OtherMode { .. }
-                                | GuardError::OtherState { .. },
+                                | GuardError::OtherState { .. }
+                                | GuardError::SharedId { .. },
                         )
                         | StartError::Cluster(crate::cluster::ClusterError::OtherSetUp { .. })
                 )

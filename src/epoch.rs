@@ -159,6 +159,12 @@ pub struct EpochRecord {
     /// deliveries only if they name the same state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
+    /// Gate objects of a single instance only (SPEC §10.1): the process that
+    /// wrote it. Its own instance id takes the gate back at once only from a
+    /// process provably gone; an object without it (an older fencegate) is no
+    /// proof.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<crate::process::ProcessId>,
     /// A cluster's gate objects only: HMAC-SHA256 over the fields above, keyed
     /// by the peer token ([`crate::setup::GateKey`]), hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -185,6 +191,7 @@ impl EpochRecord {
             mode: None,
             shards: None,
             state: None,
+            process: None,
             mac: None,
         }
     }
@@ -202,6 +209,7 @@ impl EpochRecord {
             mode: None,
             shards: None,
             state: None,
+            process: None,
             mac: None,
         }
     }

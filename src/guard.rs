@@ -4,10 +4,19 @@
 //! marks and dedup records) cannot both forward.
 //!
 //! - The holder is an instance id generated once and kept in `data_dir`
-//!   (`instance-id`): the same instance restarted after a kill -9 takes its gate
-//!   back at once; an instance with another `data_dir` waits for the expiry plus
-//!   `grace_ms` (on the store's clock, its earliest reading), like any contender,
-//!   and then says loudly that the old instance's dedup records are elsewhere.
+//!   (`instance-id`), and each gate object records the process that wrote it
+//!   ([`crate::process`]): the same instance restarted after a kill -9 takes its
+//!   gate back at once when the old process is provably gone (same boot, pid
+//!   namespace and user, that pid no longer running since that start time); an
+//!   instance with another `data_dir` — or the same id from a process not
+//!   provably gone: a copied `data_dir`, another machine — waits for the expiry
+//!   plus `grace_ms` (on the store's clock, its earliest reading), like any
+//!   contender (at start-up: exit 2, naming the holder), and then says loudly
+//!   that the old instance's dedup records are elsewhere.
+//! - A running instance whose renewal finds a newer gate epoch under its own id
+//!   written by another process stops forwarding at once, says so once (two
+//!   processes share the id: `data_dir` was copied), and from then on waits for
+//!   the guard like any other instance.
 //! - A gate lease held by another live instance, or a live gate object of a
 //!   cluster set-up under the same prefix, stops start-up (exit 2, naming it).
 //! - The lease is renewed every third of `gate_ttl` by creating the next gate
@@ -20,7 +29,7 @@
 //! - A graceful stop writes a `release` gate object: a successor starts at once.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +39,7 @@ use crate::config::Config;
 use crate::epoch::{EpochObject, EpochRecord, LeaseName};
 use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
+use crate::process::ProcessId;
 use crate::setup::SetUp;
 
 /// The file in `data_dir` that keeps this instance's id.
@@ -60,6 +70,14 @@ pub enum GuardError {
     Store(#[from] StoreError),
     #[error("the instance id in {path}: {detail}")]
     Id { path: String, detail: String },
+    /// The guard is held under this instance's own id by a process that is not
+    /// provably gone.
+    #[error("this instance's own id {id:?} holds the instance guard of this lease store and prefix until {}, written by another process ({other}) that is not provably gone. If this data_dir was copied, two processes share instance id {id}: give one a fresh data_dir (a new instance-id). If it was moved from a machine where that process no longer runs, start again after that time plus grace_ms", crate::clock::rfc3339(*.until))]
+    SharedId {
+        id: String,
+        other: String,
+        until: std::time::SystemTime,
+    },
 }
 
 pub struct Guard {
@@ -79,6 +97,12 @@ pub struct Guard {
     /// A cluster found live under the prefix after taking the guard (nothing is
     /// forwarded while it is set).
     conflict: std::sync::Mutex<Option<String>>,
+    /// This process as its gate objects record it (`None` without `/proc`: then
+    /// nothing of its own is taken back at once).
+    me: Option<ProcessId>,
+    /// Set once another process was found holding the guard under this id: from
+    /// then on nothing is taken back at once.
+    shared_id: AtomicBool,
 }
 
 /// This instance's id, created once in `data_dir`.
@@ -102,6 +126,15 @@ pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
         .and_then(|()| std::fs::rename(&tmp, &path))
         .map_err(|e| err(e.to_string()))?;
     Ok(id)
+}
+
+/// This process as gate objects record it, or `None` (said once) without `/proc`.
+fn this_process() -> Option<ProcessId> {
+    let me = ProcessId::current();
+    if me.is_none() {
+        tracing::warn!("cannot tell this process's boot id, pid and start time from /proc: after a restart this instance waits for its own gate lease to end (plus grace_ms) like any other");
+    }
+    me
 }
 
 impl Guard {
@@ -129,6 +162,8 @@ impl Guard {
             holding: tokio::sync::Mutex::new(None),
             state_id,
             conflict: std::sync::Mutex::new(None),
+            me: this_process(),
+            shared_id: AtomicBool::new(false),
         });
         let before = acquire::status(&guard.epochs, &guard.shard).await?;
         if let Some(rec) = guard.latest_record(before.latest).await? {
@@ -247,28 +282,56 @@ impl Guard {
     }
 
     /// Creates the next gate epoch: a renewal of `current`, or an acquire (taking
-    /// back our own at once, anyone else's only when free). Forwarding is then
-    /// allowed until `gate_ttl − self_fence_margin` after the create was sent.
+    /// back our own at once when its process is provably gone, anyone else's only
+    /// when free). Forwarding is then allowed until `gate_ttl − self_fence_margin`
+    /// after the create was sent.
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
         let sent = Instant::now();
         let advertise = self.advertise.clone();
         let state = self.state_id.clone();
+        let process = self.me.clone();
         let decorate = move |r: &mut EpochRecord| {
             r.advertise = Some(advertise.clone());
             SetUp::Single.stamp(r);
             r.state = Some(state.clone());
+            r.process = process.clone();
         };
-        let held = acquire::acquire_with(
+        let reclaim = |r: &EpochRecord| self.may_reclaim(r);
+        let reclaim_own: Option<acquire::Reclaim<'_>> =
+            (current.is_none() && !self.shared_id.load(Ordering::SeqCst)).then_some(&reclaim);
+        let held = match acquire::acquire_with(
             &self.epochs,
             &self.shard,
             &self.id,
             self.ttl,
             self.grace,
             current.map(|h| (h.epoch, h.token.as_str())),
-            current.is_none(),
+            reclaim_own,
             &decorate,
         )
-        .await?;
+        .await
+        {
+            Ok(held) => held,
+            Err(AcquireError::Held {
+                holder,
+                epoch,
+                expires_at,
+                ..
+            }) if holder == self.id => {
+                let other = match self.latest_record(epoch).await {
+                    Ok(Some(EpochRecord {
+                        process: Some(p), ..
+                    })) => p.to_string(),
+                    _ => "a process the gate object does not name: an older fencegate".into(),
+                };
+                return Err(GuardError::SharedId {
+                    id: holder,
+                    other,
+                    until: expires_at,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
         let until =
             (sent + self.ttl.saturating_sub(self.margin)).saturating_duration_since(self.origin);
         self.forward_until_ms.fetch_max(
@@ -277,6 +340,58 @@ impl Guard {
         );
         *self.holding.lock().await = Some(held);
         Ok(())
+    }
+
+    /// Whether the gate object `r`, an acquire under this instance's id, may be
+    /// taken back at once: this process wrote it, or its process is provably gone.
+    fn may_reclaim(&self, r: &EpochRecord) -> bool {
+        match (&self.me, &r.process) {
+            (Some(me), Some(p)) => p == me || p.provably_gone(me),
+            _ => false,
+        }
+    }
+
+    /// After a renewal found its tenure lost: whether the latest gate epoch is
+    /// under this instance's id but not this process's (two processes share the
+    /// id). If so, forwarding stops at once and it is said once, at error level.
+    async fn check_shared_id(&self, lost: Option<&Holding>) {
+        if self.shared_id.load(Ordering::SeqCst) {
+            return;
+        }
+        let known = lost.map_or(crate::epoch::Epoch::NONE, |h| h.epoch);
+        let Ok(st) = acquire::status_after(&self.epochs, &self.shard, known).await else {
+            return; // the next round looks again
+        };
+        let Ok(Some(rec)) = self.latest_record(st.latest).await else {
+            return;
+        };
+        if rec.holder != self.id {
+            return;
+        }
+        let ours = match (&rec.process, &self.me) {
+            (Some(p), Some(me)) => p == me,
+            // No process to compare: our own create only if it carries our token.
+            _ => lost.is_some_and(|h| {
+                let hash = crate::epoch::TokenHash::of(h.token.as_bytes());
+                h.epoch == st.latest
+                    && matches!(&st.object, Some(EpochObject::Acquire { token, .. }) if token.matches(&hash))
+            }),
+        };
+        if ours || self.shared_id.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.forward_until_ms.store(0, Ordering::SeqCst);
+        let other = rec.process.as_ref().map_or_else(
+            || "a process the gate object does not name (an older fencegate)".to_owned(),
+            ProcessId::to_string,
+        );
+        tracing::error!(
+            instance = %self.id,
+            gate_epoch = %st.latest,
+            other = %other,
+            "two processes share instance id {}: data_dir was copied; give one a fresh data_dir. Another process ({other}) holds the instance guard under this id; this one stopped forwarding and waits for the guard like any other instance",
+            self.id
+        );
     }
 
     /// Whether this instance may start a forward now.
@@ -310,9 +425,11 @@ impl Guard {
             }
             let current = self.holding.lock().await.clone();
             let renewed = match self.take(current.as_ref()).await {
-                // Our tenure ended or was taken: acquire afresh, and look for a
-                // cluster that may have held the prefix meanwhile.
+                // Our tenure ended or was taken: acquire afresh (taken under our
+                // own id by another process: stop at once and wait like anyone),
+                // and look for a cluster that may have held the prefix meanwhile.
                 Err(GuardError::Acquire(AcquireError::NotHolder { .. })) => {
+                    self.check_shared_id(current.as_ref()).await;
                     match self.take(None).await {
                         Ok(()) => self.after_take().await,
                         Err(e) => Err(e),
@@ -324,7 +441,14 @@ impl Guard {
                 Ok(()) => self.ttl / 3,
                 Err(e) => {
                     let deadline_passed = !self.may_forward();
-                    tracing::warn!(error = %e, stopped_forwarding = deadline_passed, "could not renew the instance guard; retrying");
+                    if matches!(e, GuardError::SharedId { .. })
+                        && self.shared_id.load(Ordering::SeqCst)
+                    {
+                        // Said once, at error level, when it was found.
+                        tracing::debug!(error = %e, "waiting for the instance guard");
+                    } else {
+                        tracing::warn!(error = %e, stopped_forwarding = deadline_passed, "could not renew the instance guard; retrying");
+                    }
                     Duration::from_secs(1).min(self.ttl / 3)
                 }
             };

@@ -20,7 +20,8 @@
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
 //!   parked: `server/park.rs`), the admin API, Prometheus.
-//! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1).
+//! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1);
+//!   [`process`] — which process wrote a gate object, and whether it is gone.
 //! - [`cluster`] — several instances: shards, gate leases, takeover, relaying to
 //!   the owner (§10.2).
 //! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
@@ -49,6 +50,7 @@ pub mod lease;
 pub(crate) mod live;
 pub(crate) mod lock_order;
 pub mod metrics;
+pub mod process;
 pub(crate) mod proxy;
 pub mod server;
 pub mod setup;

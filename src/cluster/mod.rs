@@ -994,7 +994,7 @@ impl Cluster {
                             self.ttl,
                             self.grace,
                             None,
-                            false,
+                            None,
                             &decorate,
                         )
                         .await

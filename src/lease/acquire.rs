@@ -215,13 +215,18 @@ pub async fn acquire(
     current: Option<(Epoch, &str)>,
 ) -> Result<Holding, AcquireError> {
     let plain = |_: &mut EpochRecord| {};
-    acquire_with(epochs, lease, holder, ttl, grace, current, false, &plain).await
+    acquire_with(epochs, lease, holder, ttl, grace, current, None, &plain).await
 }
 
+/// Whether the record of a latest acquire naming the caller's own holder shows
+/// that its writer can no longer write (the instance guard: the same instance
+/// restarted without its token, SPEC §10.1).
+pub type Reclaim<'a> = &'a (dyn Fn(&EpochRecord) -> bool + Sync);
+
 /// [`acquire`] with two additions for gate leases (SPEC §10): `reclaim_own` takes
-/// a lease whose latest acquire names `holder` at once, expired or not (the same
-/// instance restarted without its token), and `decorate` adds fields to the
-/// object written.
+/// a lease whose latest acquire names `holder` at once, expired or not, when it
+/// says so of that acquire's record, and `decorate` adds fields to the object
+/// written.
 #[allow(clippy::too_many_arguments)]
 pub async fn acquire_with(
     epochs: &Epochs,
@@ -230,7 +235,7 @@ pub async fn acquire_with(
     ttl: Duration,
     grace: Duration,
     current: Option<(Epoch, &str)>,
-    reclaim_own: bool,
+    reclaim_own: Option<Reclaim<'_>>,
     decorate: &(dyn Fn(&mut EpochRecord) + Sync),
 ) -> Result<Holding, AcquireError> {
     let known = current.map_or(Epoch::NONE, |(e, _)| e);
@@ -260,7 +265,7 @@ pub async fn acquire_with(
                 }
             }
         } else if !(st.is_free(grace)
-            || reclaim_own && st.object.as_ref().and_then(EpochObject::holder) == Some(holder))
+            || reclaimable(epochs, lease, &st, holder, reclaim_own).await?)
         {
             // Neither free nor our own tenure to take back (a restart lost its token).
             if let Some(EpochObject::Acquire {
@@ -291,6 +296,30 @@ pub async fn acquire_with(
         lease: lease.clone(),
         why: "lost too many races in a row".into(),
     })
+}
+
+/// Whether the latest epoch in `st` is an acquire by `holder` that `reclaim_own`
+/// lets it take back at once, judged on the record as stored (read only then).
+async fn reclaimable(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    st: &LeaseStatus,
+    holder: &str,
+    reclaim_own: Option<Reclaim<'_>>,
+) -> Result<bool, StoreError> {
+    let Some(gone) = reclaim_own else {
+        return Ok(false);
+    };
+    if !matches!(&st.object, Some(EpochObject::Acquire { holder: h, .. }) if h == holder) {
+        return Ok(false);
+    }
+    let key = crate::epoch::object_key(epochs.prefix(), lease, st.latest);
+    Ok(epochs
+        .store()
+        .get(&key)
+        .await?
+        .and_then(|o| serde_json::from_slice::<EpochRecord>(&o.body).ok())
+        .is_some_and(|r| gone(&r)))
 }
 
 /// Renews a held tenure in two store calls: creates L+1 straight away (the
@@ -486,12 +515,12 @@ mod tests {
         let epochs = Epochs::new(store.clone(), "p/");
         let lease = LeaseName::parse("gate").expect("valid");
         let (ttl, grace) = (Duration::from_secs(30), Duration::ZERO);
-        let mut held = acquire_with(&epochs, &lease, "me", ttl, grace, None, false, &|_| {})
+        let mut held = acquire_with(&epochs, &lease, "me", ttl, grace, None, None, &|_| {})
             .await
             .expect("acquired");
         for _ in 0..3 {
             let current = Some((held.epoch, held.token.as_str()));
-            held = acquire_with(&epochs, &lease, "me", ttl, grace, current, false, &|_| {})
+            held = acquire_with(&epochs, &lease, "me", ttl, grace, current, None, &|_| {})
                 .await
                 .expect("renewed");
         }
@@ -507,5 +536,46 @@ mod tests {
             .await
             .expect_err("no such tenure");
         assert!(err.to_string().contains("epoch 9 does not exist"), "{err}");
+    }
+
+    /// A live acquire under the caller's own holder is taken back at once only
+    /// when `reclaim_own` says so of its stored record (the instance guard: its
+    /// writer provably gone); otherwise it is held, as anyone else's is.
+    #[tokio::test]
+    async fn the_own_holder_is_taken_back_only_as_the_record_allows() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = DirStore::open(dir.path(), Arc::new(SystemClock)).expect("dir store");
+        let epochs = Epochs::new(Arc::new(store), "p/");
+        let lease = LeaseName::parse("gate").expect("valid");
+        let ttl = Duration::from_secs(30);
+        let mark = |r: &mut EpochRecord| r.mode = Some("marked".into());
+        acquire_with(&epochs, &lease, "me", ttl, ttl, None, None, &mark)
+            .await
+            .expect("acquired");
+        for reclaim in [None, Some(&(|_: &EpochRecord| false) as Reclaim<'_>)] {
+            let err = acquire_with(&epochs, &lease, "me", ttl, ttl, None, reclaim, &|_| {})
+                .await
+                .expect_err("held: no proof its writer is gone");
+            assert!(matches!(err, AcquireError::Held { ref holder, .. } if holder == "me"));
+        }
+        let seen = |r: &EpochRecord| r.mode.as_deref() == Some("marked");
+        let held = acquire_with(&epochs, &lease, "me", ttl, ttl, None, Some(&seen), &|_| {})
+            .await
+            .expect("taken back at once");
+        assert_eq!(held.epoch, Epoch::new(2));
+        // Someone else's live acquire is never taken back, whatever the predicate.
+        let err = acquire_with(
+            &epochs,
+            &lease,
+            "other",
+            ttl,
+            ttl,
+            None,
+            Some(&|_| true),
+            &|_| {},
+        )
+        .await
+        .expect_err("held by me");
+        assert!(err.is_held());
     }
 }

@@ -58,6 +58,175 @@ async fn the_same_instance_takes_its_guard_back_at_once_after_kill_9() {
     );
 }
 
+/// This instance's id, as kept in its data_dir.
+fn instance_id(fg: &Fencegate) -> String {
+    std::fs::read_to_string(state_dir(fg).join(fencegate::guard::ID_FILE))
+        .unwrap()
+        .trim()
+        .to_owned()
+}
+
+/// Writes `id` as the instance id of a data_dir not yet used (a copied one).
+fn copy_id(state: &std::path::Path, id: &str) {
+    std::fs::create_dir_all(state).unwrap();
+    std::fs::write(state.join(fencegate::guard::ID_FILE), format!("{id}\n")).unwrap();
+}
+
+/// `kill -CONT`: resumes a frozen process.
+fn resume(fg: &Fencegate) {
+    let ok = std::process::Command::new("kill")
+        .args(["-CONT", &fg.pid().to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill -CONT {}", fg.pid());
+}
+
+/// What the resumed copy says, once (SPEC §10.1).
+const SHARED_ID: &str = "two processes share instance id";
+
+/// SPEC §10.1: a copied `instance-id` (a cloned volume or VM) is not the same
+/// instance. A second process whose data_dir carries a copy of a live
+/// instance's id exits 2 naming the holder — its own id, held by the other
+/// process — and the first serves on. It used to take the guard back at once,
+/// as a restart of the same process does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copied_instance_id_exits_2_while_its_original_lives() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let first = Fencegate::start(&config(&s3, &origin));
+    let id = instance_id(&first);
+    let (code, stderr) = serve_expecting_exit_prepared(&config(&s3, &origin), &[], |state| {
+        copy_id(state, &id);
+    });
+    assert_eq!(code, Some(2), "{stderr}");
+    let line = stderr.lines().next().unwrap_or_default();
+    let pid = format!("pid {} ", first.pid());
+    assert!(
+        line.contains(&id) && line.contains(&pid) && line.contains("until"),
+        "names the holder, its process and when its lease ends: {line}"
+    );
+    assert!(line.contains("fresh data_dir"), "says what to do: {line}");
+    // The first one still holds the guard and serves.
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
+    assert_eq!(
+        post(&first, "/billing/x", &a, "still here").await.status,
+        200
+    );
+    assert!(!first.stderr().contains(SHARED_ID), "{}", first.stderr());
+}
+
+/// SPEC §10.1: a copy of a frozen instance (its data_dir's `instance-id`
+/// copied) takes the guard only after the frozen one's gate lease ends, like any
+/// other instance; resumed, the frozen one finds its id in a gate epoch it did
+/// not write, stops forwarding at once, says so in one line naming the other
+/// process, and from then on waits for the guard like any contender. Keys sent
+/// to both reach the destination at most once. (The two used to take the guard
+/// from each other on every renewal, and both forwarded.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_instance_resumed_after_its_copy_took_over_stops_and_says_so() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let cfg = config(&s3, &origin);
+    let a = Fencegate::start(&cfg);
+    let id = instance_id(&a);
+    let epochs = s3.epochs().await;
+    let w = acquire(&epochs, LEASE, "worker-a", Duration::from_secs(120)).await;
+    assert_eq!(post(&a, "/billing/x", &w, "a before").await.status, 200);
+    freeze(a.pid());
+    let frozen = Instant::now();
+    // The copy: refused (exit 2, naming the frozen process) until the frozen
+    // one's gate lease (3 s) and grace (500 ms) have passed.
+    let mut b = Fencegate::unstarted("127.0.0.1:0", "", &cfg, &[]);
+    copy_id(&state_dir(&b), &id);
+    let a_pid = format!("pid {} ", a.pid());
+    while let Err(stderr) = b.spawn(None) {
+        assert!(
+            stderr.contains(&a_pid),
+            "names the frozen process: {stderr}"
+        );
+        assert!(frozen.elapsed() < Duration::from_secs(20), "never started");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        frozen.elapsed() >= Duration::from_secs(3),
+        "the copy took the guard {:?} after the freeze, before the gate lease (3 s) ended",
+        frozen.elapsed()
+    );
+    assert_eq!(post(&b, "/billing/x", &w, "b first").await.status, 200);
+
+    resume(&a);
+    let resumed = Instant::now();
+    // Each key to both, until the resumed one has said it (and at least 6 keys).
+    // `from_b[k]`: whether the copy answered 200 for key k.
+    let (mut from_a, mut from_b) = (0, Vec::<bool>::new());
+    while from_b.len() < 6 || !a.stderr().contains(SHARED_ID) {
+        if resumed.elapsed() > Duration::from_secs(12) {
+            break;
+        }
+        let key = format!("k{}", from_b.len());
+        let payload = format!("key {key}");
+        if send(keyed(&a, "/billing/x", &w, &key, &payload))
+            .await
+            .status
+            == 200
+        {
+            from_a += 1;
+        }
+        from_b.push(
+            send(keyed(&b, "/billing/x", &w, &key, &payload))
+                .await
+                .status
+                == 200,
+        );
+    }
+    let log = origin.log();
+    for (k, by_b) in from_b.iter().enumerate() {
+        let body = format!("key k{k}");
+        let n = log.iter().filter(|x| x.body == body.as_bytes()).count();
+        assert!(n <= 1, "key k{k} reached the destination {n} times");
+        assert_eq!(
+            n == 1,
+            *by_b,
+            "key k{k}: forwarded by the copy or not at all"
+        );
+    }
+    assert_eq!(from_a, 0, "the resumed instance forwarded");
+    assert!(from_b.iter().any(|ok| *ok), "the copy forwarded nothing");
+    let said: Vec<String> = a
+        .stderr()
+        .lines()
+        .filter(|l| l.contains(SHARED_ID))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(said.len(), 1, "said once: {said:?}");
+    let b_pid = format!("pid {} ", b.pid());
+    assert!(
+        said[0].contains("ERROR")
+            && said[0].contains(&id)
+            && said[0].contains(&b_pid)
+            && said[0].contains("data_dir was copied; give one a fresh data_dir"),
+        "{}",
+        said[0]
+    );
+    // From then on it waits like any contender: the copy killed (its process
+    // provably gone, which would let its own restart in at once), the resumed one
+    // forwards again only once the copy's gate lease has ended.
+    b.kill9();
+    let killed = Instant::now();
+    eventually("the resumed instance takes the guard again", || async {
+        post(&a, "/billing/x", &w, "a again").await.status == 200
+    })
+    .await;
+    assert!(
+        killed.elapsed() >= Duration::from_secs(2),
+        "took the guard back {:?} after the copy's kill: at once, not after its gate lease",
+        killed.elapsed()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_instance_takes_over_only_after_expiry_plus_grace_and_says_so() {
     skip_without_python!();

@@ -282,6 +282,31 @@ impl Fencegate {
         env: &[(&str, &str)],
         args: &[&str],
     ) -> Fencegate {
+        let mut fg =
+            Fencegate::unstarted_with_args(listen, server_extra, store_and_routes, env, args);
+        fg.spawn(None).expect("fencegate did not start");
+        fg
+    }
+
+    /// [`Fencegate::start_listening`] without starting it: the test prepares its
+    /// data directory ([`state_dir`]) first, then calls [`Fencegate::spawn`].
+    pub fn unstarted(
+        listen: &str,
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+    ) -> Fencegate {
+        Fencegate::unstarted_with_args(listen, server_extra, store_and_routes, env, &[])
+    }
+
+    /// [`Fencegate::unstarted`] with more `serve` arguments.
+    pub fn unstarted_with_args(
+        listen: &str,
+        server_extra: &str,
+        store_and_routes: &str,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> Fencegate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("fencegate.toml");
         let text = format!(
@@ -289,7 +314,7 @@ impl Fencegate {
             dir.path().join("state").display()
         );
         std::fs::write(&config, text).unwrap();
-        let mut fg = Fencegate {
+        Fencegate {
             child: None,
             stderr_path: dir.path().join("stderr.log"),
             dir,
@@ -301,9 +326,7 @@ impl Fencegate {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             args: args.iter().map(|a| a.to_string()).collect(),
-        };
-        fg.spawn(None).expect("fencegate did not start");
-        fg
+        }
     }
 
     /// Starts the process; `Err(stderr)` if it exits before listening.
@@ -427,7 +450,18 @@ pub fn serve_expecting_exit(toml: &str) -> (Option<i32>, String) {
 
 /// [`serve_expecting_exit`] with more `serve` arguments.
 pub fn serve_expecting_exit_with(toml: &str, args: &[&str]) -> (Option<i32>, String) {
+    serve_expecting_exit_prepared(toml, args, |_| {})
+}
+
+/// [`serve_expecting_exit_with`] after `prepare` has had the (not yet created)
+/// data directory.
+pub fn serve_expecting_exit_prepared(
+    toml: &str,
+    args: &[&str],
+    prepare: impl FnOnce(&Path),
+) -> (Option<i32>, String) {
     let dir = tempfile::tempdir().unwrap();
+    prepare(&dir.path().join("state"));
     let cfg = dir.path().join("fencegate.toml");
     std::fs::write(
         &cfg,
@@ -465,6 +499,11 @@ pub fn serve_expecting_exit_with(toml: &str, args: &[&str]) -> (Option<i32>, Str
 
 pub fn data_dir(fg: &Fencegate) -> &Path {
     fg.dir.path()
+}
+
+/// The `data_dir` of `fg`'s config (it may not exist before the first start).
+pub fn state_dir(fg: &Fencegate) -> PathBuf {
+    fg.dir.path().join("state")
 }
 
 /// The Python that runs the test servers (for the campaign's worker and origin processes).

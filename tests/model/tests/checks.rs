@@ -78,7 +78,13 @@ fn fails(name: &str, cfg: Cfg, properties: &[&'static str]) {
 const ORDER: &[&str] = &[prop::S1, prop::S2];
 
 fn req(epoch: u8, key: Option<u8>) -> ReqSpec {
+    req_in(0, epoch, key)
+}
+
+/// A request of lease `lease` (0 or 1).
+fn req_in(lease: u8, epoch: u8, key: Option<u8>) -> ReqSpec {
     ReqSpec {
+        lease,
         epoch,
         key,
         not_before: 0,

@@ -2,14 +2,17 @@
 //! fence and its drain, dedup records, the gate leases of a cluster's shard,
 //! self-fencing, takeover and settling — checked exhaustively for small bounds.
 //!
-//! It models the *protocol*, not the code: one lease (one shard), worker epochs
-//! in a lease store with conditional create and a `LastModified` of `lm_res`
-//! ticks' resolution, one to three fencegate instances holding the shard's gate
-//! lease, a PostgreSQL-like state store whose writes are conditioned on the
-//! writer's gate epoch, and a destination that records each request's arrival
-//! and completion. [`Cfg`] holds the bounds, the nemesis budget and the
-//! [`Holes`] — switches that put back the designs the code had before its edges
-//! were fixed, so each property can be shown to fail without its mechanism.
+//! It models the *protocol*, not the code: one shard holding one or two leases
+//! ([`Cfg::leases`]), each with its own worker epochs in a lease store with
+//! conditional create and a `LastModified` of `lm_res` ticks' resolution, its own
+//! fence (mark, barrier, settle, raise and drain; its mark and drained-through
+//! epoch in the state store) and its own requests at the destination; one to
+//! three fencegate instances holding the shard's gate lease, a PostgreSQL-like
+//! state store whose writes are conditioned on the writer's gate epoch (one per
+//! shard), and a destination that records each request's arrival and
+//! completion. [`Cfg`] holds the bounds, the nemesis budget and the [`Holes`] —
+//! switches that put back the designs the code had before its edges were fixed,
+//! so each property can be shown to fail without its mechanism.
 //!
 //! Time is a global tick counter (the store's clock). An instance's monotonic
 //! clock runs at the same rate; a *pause* stops the instance for a number of
@@ -28,20 +31,40 @@
 //!   renewals fail: `store_cuts`, or `renew = false` for every tenure);
 //!   fencegate → state store: every write is conditioned on the gate epoch at
 //!   the moment it commits.
-//! - fencegate → destination: the write happens in the tick of the check unless
-//!   the instance pauses; a delay on that hop counts as a pause (the limit of
-//!   SPEC §10.2 is about exactly this stall).
+//! - fencegate → destination: the write starts in the tick of the check unless
+//!   the instance pauses; a delay before it counts as a pause (the limit of
+//!   SPEC §10.2 is about exactly this stall). By default the write is whole in
+//!   that tick; with [`Cfg::long_writes`] it lasts (a long upload) until the
+//!   request is answered, aborted or times out — the destination may then
+//!   complete it at any later time.
 //! - destination → fencegate: a response arrives at any time, never (loss, then
 //!   the route timeout), or the destination never answers.
 //!
-//! Properties ([`Proto::properties`]):
+//! Leaving the shard: an owner forwards nothing later than `gate_ttl − margin`
+//! after it sent its latest gate create, and at `gate_ttl` aborts every request
+//! in flight of every lease of the shard — one deadline for the shard, whatever
+//! the number of leases. [`Holes::sequential_close`] puts back the design that
+//! issue 25 (point 1) found: the fences closed one after another from
+//! `gate_ttl − margin`, each close with a deadline of `margin` from when it was
+//! called, so lease k's requests were aborted as late as `gate_ttl + k·margin`.
+//! The successor's settle does not cover that: it lasts a drain timeout, while a
+//! request still being written lives up to its route timeout. The checks could
+//! not see it while a write was whole at once (with the write over, aborting it
+//! later changes nothing at the destination, and S2's time rule below excused
+//! it): it takes two leases, writes that last, and a margin above grace + the
+//! drain timeout (with two leases; k − 1 margins with k).
+//!
+//! Properties ([`Proto::properties`]), each within one lease (requests of
+//! different leases are never compared):
 //! - **S1** epochs never go back at the destination (arrival order).
-//! - **S2** for requests a, b of the lease with epoch(a) < epoch(b), a is complete
-//!   at the destination before b arrives, unless b arrived a full drain timeout
-//!   after a was admitted (the drain b waited for timed out; the campaign
-//!   checker's rule).
+//! - **S2** for requests a, b of a lease with epoch(a) < epoch(b), a is complete
+//!   at the destination before b arrives, unless the drain b waited for timed
+//!   out on a: b arrived a full drain timeout after a was admitted (the campaign
+//!   checker's rule), and, with writes that last, a's write had ended (aborted,
+//!   or its route timeout fired) — a request still being written when b arrives
+//!   can be completed after it however old it is.
 //! - **S3** a request is forwarded (its pass granted) only while its epoch is the
-//!   latest in the store and unexpired on the store's clock.
+//!   latest of its lease in the store and unexpired on the store's clock.
 //! - **S4** a dedup key is delivered at most once (until its `done` record has
 //!   expired after the dedup TTL, SPEC §6).
 //! - reachability: a takeover happens after an owner died; a request is

@@ -7,7 +7,8 @@
 #   bash scripts/model.sh     # the CI bounds: ~1 min of search after a ~1 min build
 #   FENCEGATE_MODEL_LONG=1 bash scripts/model.sh
 #       # longer: three instances, a store cut and 18 ticks for the crash check
-#       # (40 M states, ~3.5 min); a crash added to the stall checks (~8 min in all)
+#       # (40 M states, ~3.5 min); a crash added to the stall checks and to the
+#       # two-lease check (19 M states, ~1 min) (~9 min in all)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../tests/model"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/../../target/model}

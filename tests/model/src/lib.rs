@@ -2,14 +2,17 @@
 //! fence and its drain, dedup records, the gate leases of a cluster's shard,
 //! self-fencing, takeover and settling — checked exhaustively for small bounds.
 //!
-//! It models the *protocol*, not the code: one lease (one shard), worker epochs
-//! in a lease store with conditional create and a `LastModified` of `lm_res`
-//! ticks' resolution, one to three fencegate instances holding the shard's gate
-//! lease, a PostgreSQL-like state store whose writes are conditioned on the
-//! writer's gate epoch, and a destination that records each request's arrival
-//! and completion. [`Cfg`] holds the bounds, the nemesis budget and the
-//! [`Holes`] — switches that put back the designs the code had before its edges
-//! were fixed, so each property can be shown to fail without its mechanism.
+//! It models the *protocol*, not the code: one shard holding one or two leases
+//! ([`Cfg::leases`]), each with its own worker epochs in a lease store with
+//! conditional create and a `LastModified` of `lm_res` ticks' resolution, its own
+//! fence (mark, barrier, settle, raise and drain; its mark and drained-through
+//! epoch in the state store) and its own requests at the destination; one to
+//! three fencegate instances holding the shard's gate lease, a PostgreSQL-like
+//! state store whose writes are conditioned on the writer's gate epoch (one per
+//! shard), and a destination that records each request's arrival and
+//! completion. [`Cfg`] holds the bounds, the nemesis budget and the [`Holes`] —
+//! switches that put back the designs the code had before its edges were fixed,
+//! so each property can be shown to fail without its mechanism.
 //!
 //! Time is a global tick counter (the store's clock). An instance's monotonic
 //! clock runs at the same rate; a *pause* stops the instance for a number of
@@ -28,20 +31,40 @@
 //!   renewals fail: `store_cuts`, or `renew = false` for every tenure);
 //!   fencegate → state store: every write is conditioned on the gate epoch at
 //!   the moment it commits.
-//! - fencegate → destination: the write happens in the tick of the check unless
-//!   the instance pauses; a delay on that hop counts as a pause (the limit of
-//!   SPEC §10.2 is about exactly this stall).
+//! - fencegate → destination: the write starts in the tick of the check unless
+//!   the instance pauses; a delay before it counts as a pause (the limit of
+//!   SPEC §10.2 is about exactly this stall). By default the write is whole in
+//!   that tick; with [`Cfg::long_writes`] it lasts (a long upload) until the
+//!   request is answered, aborted or times out — the destination may then
+//!   complete it at any later time.
 //! - destination → fencegate: a response arrives at any time, never (loss, then
 //!   the route timeout), or the destination never answers.
 //!
-//! Properties ([`Proto::properties`]):
+//! Leaving the shard: an owner forwards nothing later than `gate_ttl − margin`
+//! after it sent its latest gate create, and at `gate_ttl` aborts every request
+//! in flight of every lease of the shard — one deadline for the shard, whatever
+//! the number of leases. [`Holes::sequential_close`] puts back the design that
+//! issue 25 (point 1) found: the fences closed one after another from
+//! `gate_ttl − margin`, each close with a deadline of `margin` from when it was
+//! called, so lease k's requests were aborted as late as `gate_ttl + k·margin`.
+//! The successor's settle does not cover that: it lasts a drain timeout, while a
+//! request still being written lives up to its route timeout. The checks could
+//! not see it while a write was whole at once (with the write over, aborting it
+//! later changes nothing at the destination, and S2's time rule below excused
+//! it): it takes two leases, writes that last, and a margin above grace + the
+//! drain timeout (with two leases; k − 1 margins with k).
+//!
+//! Properties ([`Proto::properties`]), each within one lease (requests of
+//! different leases are never compared):
 //! - **S1** epochs never go back at the destination (arrival order).
-//! - **S2** for requests a, b of the lease with epoch(a) < epoch(b), a is complete
-//!   at the destination before b arrives, unless b arrived a full drain timeout
-//!   after a was admitted (the drain b waited for timed out; the campaign
-//!   checker's rule).
+//! - **S2** for requests a, b of a lease with epoch(a) < epoch(b), a is complete
+//!   at the destination before b arrives, unless the drain b waited for timed
+//!   out on a: b arrived a full drain timeout after a was admitted (the campaign
+//!   checker's rule), and, with writes that last, a's write had ended (aborted,
+//!   or its route timeout fired) — a request still being written when b arrives
+//!   can be completed after it however old it is.
 //! - **S3** a request is forwarded (its pass granted) only while its epoch is the
-//!   latest in the store and unexpired on the store's clock.
+//!   latest of its lease in the store and unexpired on the store's clock.
 //! - **S4** a dedup key is delivered at most once (until its `done` record has
 //!   expired after the dedup TTL, SPEC §6).
 //! - reachability: a takeover happens after an owner died; a request is
@@ -51,6 +74,9 @@ use stateright::{Model, Property};
 
 /// Ticks of the store's clock.
 pub type T = u8;
+
+/// The most leases the modelled shard holds.
+pub const MAX_LEASES: usize = 2;
 
 /// Designs the code had before a fix (each switch reproduces one hole).
 #[derive(Clone, Debug, Default)]
@@ -77,11 +103,20 @@ pub struct Holes {
     /// previous gate epoch's expiry (SPEC §2 "must account for the 1-second
     /// resolution"). A fix, not a hole: off means the code's reading.
     pub lm_round_up: bool,
+    /// A self-fencing owner closes the shard's fences one after another (the
+    /// old `Cluster::stop_serving`): at `gate_ttl − margin` lease 0's fence
+    /// closes with a deadline of `margin`; once it is empty (its requests
+    /// finished, or aborted at that deadline) lease 1's closes with a deadline
+    /// of `margin` from then — lease k's requests are aborted as late as
+    /// `gate_ttl − margin + (k+1)·margin` instead of all at `gate_ttl`.
+    pub sequential_close: bool,
 }
 
 /// One request a worker sends.
 #[derive(Clone, Debug)]
 pub struct ReqSpec {
+    /// The lease it names (0-based, below [`Cfg::leases`]).
+    pub lease: u8,
     /// The worker epoch it carries (1-based).
     pub epoch: u8,
     /// Its dedup key, if it is recorded.
@@ -94,6 +129,9 @@ pub struct ReqSpec {
 #[derive(Clone, Debug)]
 pub struct Cfg {
     pub instances: u8,
+    /// Leases of the shard (1 or 2), each with its own worker epochs, fence and
+    /// requests; the gate lease and the state store's gate epoch are shared.
+    pub leases: u8,
     pub gate_ttl: T,
     pub margin: T,
     pub grace: T,
@@ -104,8 +142,8 @@ pub struct Cfg {
     pub dedup_ttl: T,
     /// Worker epochs' TTL.
     pub worker_ttl: T,
-    /// Worker epochs that may be created (epoch 1 exists at tick 0).
-    pub worker_epochs: u8,
+    /// Worker epochs that may be created, per lease (epoch 1 exists at tick 0).
+    pub worker_epochs: [u8; MAX_LEASES],
     /// Gate epochs that may be created (bounds renewals).
     pub gate_epochs: u8,
     /// How late a gate create may be applied, and then confirmed.
@@ -125,6 +163,14 @@ pub struct Cfg {
     pub start_phases: T,
     /// Responses may be lost (the route timeout then fires).
     pub lose_responses: bool,
+    /// Writes last: a request still `Forwarded` may still be being written (a
+    /// long upload: bounded by the route timeout, not by the drain timeout), so
+    /// the destination may complete it after a newer epoch arrived whenever
+    /// that was — S2 then excuses an older request only once its write has
+    /// ended (answered, aborted, its route timeout fired), not by time alone.
+    /// Off: a write is whole in the tick it happens, and a delay on that hop is
+    /// a pause (the stall checks' reading).
+    pub long_writes: bool,
     pub holes: Holes,
 }
 
@@ -134,6 +180,7 @@ impl Cfg {
     pub fn cluster() -> Cfg {
         Cfg {
             instances: 2,
+            leases: 1,
             gate_ttl: 6,
             margin: 2,
             grace: 2,
@@ -142,7 +189,7 @@ impl Cfg {
             route_timeout: 1,
             dedup_ttl: 40,
             worker_ttl: 40,
-            worker_epochs: 2,
+            worker_epochs: [2; MAX_LEASES],
             gate_epochs: 3,
             store_delay: 0,
             horizon: 16,
@@ -154,6 +201,7 @@ impl Cfg {
             renew: true,
             start_phases: 1,
             lose_responses: false,
+            long_writes: false,
             holes: Holes::default(),
         }
     }
@@ -204,8 +252,10 @@ pub struct Rec {
 pub struct Db {
     /// The newest gate epoch that wrote.
     pub gen: u8,
-    pub mark: u8,
-    pub drained: u8,
+    /// Per lease.
+    pub mark: [u8; MAX_LEASES],
+    /// Per lease: the epoch its drains completed through.
+    pub drained: [u8; MAX_LEASES],
     pub recs: Vec<Option<Rec>>,
 }
 
@@ -232,6 +282,16 @@ pub struct Raise {
     pub phase: RaisePhase,
 }
 
+/// One lease's fence at its owner.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Fence {
+    pub mark: u8,
+    pub barrier: u8,
+    pub settled: u8,
+    pub settle_until: T,
+    pub raise: Option<Raise>,
+}
+
 /// What an instance holds while it owns the shard.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Own {
@@ -240,11 +300,11 @@ pub struct Own {
     pub start: T,
     /// When the latest renewal was sent.
     pub renewed: T,
-    pub mark: u8,
-    pub barrier: u8,
-    pub settled: u8,
-    pub settle_until: T,
-    pub raise: Option<Raise>,
+    /// Lease l's fence (unused past [`Cfg::leases`]).
+    pub fences: [Fence; MAX_LEASES],
+    /// `sequential_close` only: the lease whose fence is closing, and its
+    /// close's deadline.
+    pub closing: Option<(u8, T)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -332,15 +392,16 @@ pub mod flag {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct St {
     pub now: T,
-    /// Worker epoch e+1's `LastModified`, once created.
-    pub wep: Vec<Option<T>>,
+    /// Lease l's worker epoch e+1's `LastModified`, once created.
+    pub wep: [Vec<Option<T>>; MAX_LEASES],
     /// Gate epoch g+1.
     pub gates: Vec<GateObj>,
     pub db: Db,
     pub inst: Vec<Inst>,
     pub reqs: Vec<Req>,
     pub deliveries: Vec<u8>,
-    pub max_arrived: u8,
+    /// Per lease: the newest epoch that arrived at the destination.
+    pub max_arrived: [u8; MAX_LEASES],
     pub crashes: u8,
     pub pauses: u8,
     pub cuts: u8,
@@ -350,8 +411,8 @@ pub struct St {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     Tick,
-    /// A worker creates the next epoch.
-    NewEpoch,
+    /// A worker of lease l creates its next epoch.
+    NewEpoch(u8),
     Send(u8, u8),
     Crash(u8),
     Restart(u8),
@@ -366,10 +427,13 @@ pub enum Action {
     Confirm(u8),
     /// Instance i self-fences: past `gate_ttl` it aborts and drops the shard.
     SelfFence(u8),
+    /// `sequential_close`: instance i's close of the shard takes its next step
+    /// (starts, aborts its lease's requests at the deadline, or moves on).
+    CloseStep(u8),
     /// Instance i decides request r.
     Decide(u8),
-    /// Instance i's raise takes its next step.
-    RaiseStep(u8),
+    /// Instance i's raise of lease l takes its next step.
+    RaiseStep(u8, u8),
     Write(u8),
     Complete(u8),
     CompleteLost(u8),
@@ -395,12 +459,12 @@ impl Proto {
         n.up && s.now >= n.paused_until
     }
 
-    fn latest_epoch(s: &St) -> u8 {
-        s.wep.iter().take_while(|e| e.is_some()).count() as u8
+    fn latest_epoch(s: &St, l: u8) -> u8 {
+        s.wep[l as usize].iter().take_while(|e| e.is_some()).count() as u8
     }
 
-    fn expired(&self, s: &St, e: u8) -> bool {
-        match s.wep[e as usize - 1] {
+    fn expired(&self, s: &St, l: u8, e: u8) -> bool {
+        match s.wep[l as usize][e as usize - 1] {
             Some(lm) => s.now >= lm.saturating_add(self.cfg.worker_ttl),
             None => true,
         }
@@ -441,11 +505,12 @@ impl Proto {
         true
     }
 
-    fn older_passes(s: &St, i: u8, epoch: u8, cfg: &Cfg) -> bool {
+    /// Whether instance i holds a pass of lease l below `epoch`.
+    fn older_passes(s: &St, i: u8, l: u8, epoch: u8, cfg: &Cfg) -> bool {
         s.reqs
             .iter()
             .enumerate()
-            .any(|(r, q)| q.phase.pass_of(i) && cfg.reqs[r].epoch < epoch)
+            .any(|(r, q)| q.phase.pass_of(i) && cfg.reqs[r].lease == l && cfg.reqs[r].epoch < epoch)
     }
 
     fn rec_expired(&self, s: &St, rec: &Rec) -> bool {
@@ -477,7 +542,8 @@ impl Proto {
                 created: s.now,
             });
         }
-        if self.expired(s, spec.epoch) || Self::latest_epoch(s) > spec.epoch {
+        if self.expired(s, spec.lease, spec.epoch) || Self::latest_epoch(s, spec.lease) > spec.epoch
+        {
             s.flags |= flag::S3;
         }
         let q = &mut s.reqs[r as usize];
@@ -499,10 +565,13 @@ impl Proto {
         }
     }
 
-    /// Aborts instance i's passes below `epoch` (all: `u8::MAX`).
-    fn abort_older(&self, s: &mut St, i: u8, epoch: u8) {
+    /// Aborts instance i's passes below `epoch` (all: `u8::MAX`) of lease `l`
+    /// (every lease: `None`).
+    fn abort_older(&self, s: &mut St, i: u8, l: Option<u8>, epoch: u8) {
         for r in 0..s.reqs.len() {
-            if s.reqs[r].phase.pass_of(i) && self.cfg.reqs[r].epoch < epoch {
+            let spec = &self.cfg.reqs[r];
+            if s.reqs[r].phase.pass_of(i) && l.is_none_or(|l| spec.lease == l) && spec.epoch < epoch
+            {
                 if !matches!(s.reqs[r].phase, Phase::Lingering(_)) {
                     self.doubt(s, i, r as u8);
                 }
@@ -530,12 +599,7 @@ impl Proto {
         // Takeover (or a restart taking its own gate back): what this instance
         // held before is void.
         if s.inst[i as usize].own.is_some() {
-            self.abort_older(s, i, u8::MAX);
-            for q in s.reqs.iter_mut() {
-                if q.phase.at() == Some(i) {
-                    q.phase = Phase::Gone;
-                }
-            }
+            self.drop_shard(s, i);
         }
         let prev = if g >= 2 {
             Some(s.gates[g as usize - 2].holder)
@@ -554,41 +618,86 @@ impl Proto {
             return;
         }
         s.db.gen = g;
-        let cluster = self.cfg.instances > 1;
-        let mark = if cluster {
-            s.db.mark.max(Self::latest_epoch(s))
-        } else {
-            s.db.mark
-        };
-        s.db.mark = mark;
         for rec in s.db.recs.iter_mut().flatten() {
             if rec.state == RecState::InFlight && rec.gen < g {
                 rec.state = RecState::InDoubt;
             }
         }
+        let cluster = self.cfg.instances > 1;
         // The switch drops the settle of a takeover from another instance; a
         // restart taking its own gate back settles as §5 says in any case.
         let from_other = prev.is_some_and(|p| p != i);
-        let settle = mark > 0 && !(cluster && from_other && self.cfg.holes.no_takeover_settle);
-        let settled = if settle && !self.cfg.holes.forget_drain {
-            s.db.drained.min(mark)
-        } else {
-            mark
-        };
+        let mut fences = [Fence::default(); MAX_LEASES];
+        for (l, f) in fences.iter_mut().enumerate().take(self.cfg.leases as usize) {
+            let mark = if cluster {
+                s.db.mark[l].max(Self::latest_epoch(s, l as u8))
+            } else {
+                s.db.mark[l]
+            };
+            s.db.mark[l] = mark;
+            let settle = mark > 0 && !(cluster && from_other && self.cfg.holes.no_takeover_settle);
+            let settled = if settle && !self.cfg.holes.forget_drain {
+                s.db.drained[l].min(mark)
+            } else {
+                mark
+            };
+            *f = Fence {
+                mark,
+                barrier: mark,
+                settled,
+                settle_until: if settle {
+                    s.now + self.cfg.drain_timeout
+                } else {
+                    s.now
+                },
+                raise: None,
+            };
+        }
         s.inst[i as usize].own = Some(Own {
             gen: g,
             start,
             renewed: c.sent,
-            mark,
-            barrier: mark,
-            settled,
-            settle_until: if settle {
-                s.now + self.cfg.drain_timeout
-            } else {
-                s.now
-            },
-            raise: None,
+            fences,
+            closing: None,
         });
+    }
+
+    /// Instance i leaves the shard: every request it holds is aborted or
+    /// refused, its fences are gone.
+    fn drop_shard(&self, s: &mut St, i: u8) {
+        self.abort_older(s, i, None, u8::MAX);
+        for q in s.reqs.iter_mut() {
+            if q.phase.at() == Some(i) {
+                q.phase = Phase::Gone;
+            }
+        }
+        s.inst[i as usize].own = None;
+    }
+
+    /// Whether instance i holds a pass of lease l.
+    fn passes_of(&self, s: &St, i: u8, l: u8) -> bool {
+        Self::older_passes(s, i, l, u8::MAX, &self.cfg)
+    }
+
+    /// `sequential_close`: the close's next step. It starts with lease 0's
+    /// fence; a fence whose deadline passed has its requests aborted; then the
+    /// next lease's fence closes with a deadline of `margin` from now; after
+    /// the last one the shard is dropped.
+    fn close_step(&self, s: &mut St, i: u8) {
+        let o = s.inst[i as usize].own.expect("owner");
+        let next = match o.closing {
+            None => 0,
+            Some((l, _)) => {
+                self.abort_older(s, i, Some(l), u8::MAX);
+                l + 1
+            }
+        };
+        if next < self.cfg.leases {
+            let own = s.inst[i as usize].own.as_mut().expect("owner");
+            own.closing = Some((next, s.now + self.cfg.margin));
+        } else {
+            self.drop_shard(s, i);
+        }
     }
 
     /// Instance i's enabled steps (all urgent).
@@ -598,7 +707,15 @@ impl Proto {
         if let Some(o) = n.own {
             // Due with whatever else is due: after a pause, a write that was in
             // progress and the timer race.
-            if s.now >= o.start + cfg.gate_ttl {
+            if cfg.holes.sequential_close {
+                let due = match o.closing {
+                    None => s.now >= o.start + cfg.gate_ttl - cfg.margin,
+                    Some((l, deadline)) => s.now >= deadline || !self.passes_of(s, i, l),
+                };
+                if due {
+                    out.push(Action::CloseStep(i));
+                }
+            } else if s.now >= o.start + cfg.gate_ttl {
                 out.push(Action::SelfFence(i));
             }
         }
@@ -618,15 +735,18 @@ impl Proto {
             }
         }
         if let Some(o) = n.own {
-            if let Some(rz) = o.raise {
+            for (l, f) in o.fences.iter().enumerate().take(cfg.leases as usize) {
+                let l = l as u8;
+                let Some(rz) = f.raise else { continue };
                 let ready = match rz.phase {
-                    RaisePhase::Settling => s.now >= o.settle_until,
+                    RaisePhase::Settling => s.now >= f.settle_until,
                     RaisePhase::Draining { deadline, aborted } => {
-                        !Self::older_passes(s, i, rz.epoch, cfg) || (s.now >= deadline && !aborted)
+                        !Self::older_passes(s, i, l, rz.epoch, cfg)
+                            || (s.now >= deadline && !aborted)
                     }
                 };
                 if ready {
-                    out.push(Action::RaiseStep(i));
+                    out.push(Action::RaiseStep(i, l));
                 }
             }
         }
@@ -653,11 +773,13 @@ impl Proto {
         match s.inst[i as usize].own {
             None => true,
             Some(o) => {
-                if o.raise.is_some() {
+                let spec = &self.cfg.reqs[r as usize];
+                let f = o.fences[spec.lease as usize];
+                if f.raise.is_some() {
                     return false;
                 }
-                let e = self.cfg.reqs[r as usize].epoch;
-                e != o.mark || e <= o.settled || s.now >= o.settle_until
+                let e = spec.epoch;
+                e != f.mark || e <= f.settled || s.now >= f.settle_until
             }
         }
     }
@@ -696,26 +818,29 @@ impl Proto {
         let Some(i) = s.reqs[r as usize].phase.at() else {
             return;
         };
-        let e = cfg.reqs[r as usize].epoch;
+        let ReqSpec {
+            lease, epoch: e, ..
+        } = cfg.reqs[r as usize];
+        let l = lease as usize;
         let refuse = |s: &mut St| s.reqs[r as usize].phase = Phase::Gone;
         if !self.in_window(s, i) {
             return refuse(s);
         }
-        let o = s.inst[i as usize].own.expect("in window");
-        if e < o.barrier || e < Self::latest_epoch(s) || self.expired(s, e) {
+        let f = s.inst[i as usize].own.expect("in window").fences[l];
+        if e < f.barrier || e < Self::latest_epoch(s, lease) || self.expired(s, lease, e) {
             return refuse(s);
         }
-        if o.raise.is_some() {
+        if f.raise.is_some() {
             s.reqs[r as usize].phase = Phase::Blocked(i);
             return;
         }
-        if e == o.mark {
-            if e <= o.settled {
+        if e == f.mark {
+            if e <= f.settled {
                 if !self.grant(s, i, r) {
                     refuse(s);
                 }
-            } else if s.now >= o.settle_until {
-                s.inst[i as usize].own.as_mut().expect("owner").settled = o.mark;
+            } else if s.now >= f.settle_until {
+                s.inst[i as usize].own.as_mut().expect("owner").fences[l].settled = f.mark;
                 if !self.grant(s, i, r) {
                     refuse(s);
                 }
@@ -728,10 +853,10 @@ impl Proto {
         if !Self::db_write(s, i) {
             return refuse(s);
         }
-        s.db.mark = s.db.mark.max(e);
-        let own = s.inst[i as usize].own.as_mut().expect("owner");
-        own.barrier = e;
-        own.raise = Some(Raise {
+        s.db.mark[l] = s.db.mark[l].max(e);
+        let f = &mut s.inst[i as usize].own.as_mut().expect("owner").fences[l];
+        f.barrier = e;
+        f.raise = Some(Raise {
             epoch: e,
             req: r,
             phase: RaisePhase::Settling,
@@ -739,26 +864,30 @@ impl Proto {
         s.reqs[r as usize].phase = Phase::Raising(i);
     }
 
-    fn raise_step(&self, s: &mut St, i: u8) {
+    /// Instance i's fence of lease l.
+    fn fence(s: &mut St, i: u8, l: u8) -> &mut Fence {
+        &mut s.inst[i as usize].own.as_mut().expect("owner").fences[l as usize]
+    }
+
+    fn raise_step(&self, s: &mut St, i: u8, l: u8) {
         let cfg = &self.cfg;
-        let o = s.inst[i as usize].own.expect("owner");
-        let rz = o.raise.expect("raise");
+        let rz = Self::fence(s, i, l).raise.expect("raise");
         match rz.phase {
             RaisePhase::Settling => {
-                let own = s.inst[i as usize].own.as_mut().expect("owner");
-                own.settled = own.settled.max(own.mark);
-                own.raise = Some(Raise {
+                let now = s.now;
+                let f = Self::fence(s, i, l);
+                f.settled = f.settled.max(f.mark);
+                f.raise = Some(Raise {
                     phase: RaisePhase::Draining {
-                        deadline: s.now + cfg.drain_timeout,
+                        deadline: now + cfg.drain_timeout,
                         aborted: false,
                     },
                     ..rz
                 });
             }
-            RaisePhase::Draining { deadline, .. } if Self::older_passes(s, i, rz.epoch, cfg) => {
-                self.abort_older(s, i, rz.epoch);
-                let own = s.inst[i as usize].own.as_mut().expect("owner");
-                own.raise = Some(Raise {
+            RaisePhase::Draining { deadline, .. } if Self::older_passes(s, i, l, rz.epoch, cfg) => {
+                self.abort_older(s, i, Some(l), rz.epoch);
+                Self::fence(s, i, l).raise = Some(Raise {
                     phase: RaisePhase::Draining {
                         deadline,
                         aborted: true,
@@ -767,18 +896,20 @@ impl Proto {
                 });
             }
             RaisePhase::Draining { .. } => {
-                let own = s.inst[i as usize].own.as_mut().expect("owner");
-                own.mark = rz.epoch;
-                own.settled = rz.epoch;
-                own.raise = None;
                 let e = rz.epoch;
+                let f = Self::fence(s, i, l);
+                f.mark = e;
+                f.settled = e;
+                f.raise = None;
                 let holds = cfg.holes.no_redecide
-                    || (self.in_window(s, i) && !self.expired(s, e) && Self::latest_epoch(s) <= e);
+                    || (self.in_window(s, i)
+                        && !self.expired(s, l, e)
+                        && Self::latest_epoch(s, l) <= e);
                 if !(holds && self.grant(s, i, rz.req)) {
                     s.reqs[rz.req as usize].phase = Phase::Gone;
                 }
                 if Self::db_write(s, i) {
-                    s.db.drained = s.db.drained.max(e);
+                    s.db.drained[l as usize] = s.db.drained[l as usize].max(e);
                 }
             }
         }
@@ -786,19 +917,32 @@ impl Proto {
 
     fn write(&self, s: &mut St, r: u8) {
         let cfg = &self.cfg;
-        let e = cfg.reqs[r as usize].epoch;
-        if e < s.max_arrived {
+        let ReqSpec {
+            lease, epoch: e, ..
+        } = cfg.reqs[r as usize];
+        let l = lease as usize;
+        if e < s.max_arrived[l] {
             s.flags |= flag::S1;
         }
-        s.max_arrived = s.max_arrived.max(e);
+        s.max_arrived[l] = s.max_arrived[l].max(e);
         let now = s.now;
         let passed = s.reqs[r as usize].passed;
         for (a, q) in s.reqs.iter().enumerate() {
-            let ea = cfg.reqs[a].epoch;
+            let ReqSpec {
+                lease: la,
+                epoch: ea,
+                ..
+            } = cfg.reqs[a];
             let Some(arr) = q.arrived else { continue };
-            // a older, still at the destination, and b (this one) not a full
-            // drain timeout after a's admission.
-            if ea < e && !q.completed && now < q.passed + cfg.drain_timeout {
+            if la != lease {
+                continue;
+            }
+            // a older and still at the destination; b (this one) not a full
+            // drain timeout after a's admission, or (long writes) a still
+            // being written: nothing has aborted it, its route timeout has not
+            // fired, so the drain b waited for did not time out on it.
+            let forwarding = cfg.long_writes && matches!(q.phase, Phase::Forwarded(_));
+            if ea < e && !q.completed && (now < q.passed + cfg.drain_timeout || forwarding) {
                 s.flags |= flag::S2;
             }
             // This one is the older and arrives after a newer one.
@@ -826,17 +970,22 @@ impl Proto {
 impl Proto {
     fn init_at(&self, now: T) -> St {
         let cfg = &self.cfg;
-        let mut wep = vec![None; cfg.worker_epochs as usize];
-        wep[0] = Some(floor(now, cfg.lm_res));
+        let wep = std::array::from_fn(|l| {
+            let mut w = vec![];
+            if l < cfg.leases as usize {
+                w = vec![None; cfg.worker_epochs[l] as usize];
+                w[0] = Some(floor(now, cfg.lm_res));
+            }
+            w
+        });
         St {
             now,
-
             wep,
             gates: vec![],
             db: Db {
                 gen: 0,
-                mark: 0,
-                drained: 0,
+                mark: [0; MAX_LEASES],
+                drained: [0; MAX_LEASES],
                 recs: vec![None; cfg.keys()],
             },
             inst: vec![
@@ -859,7 +1008,7 @@ impl Proto {
                 cfg.reqs.len()
             ],
             deliveries: vec![0; cfg.keys()],
-            max_arrived: 0,
+            max_arrived: [0; MAX_LEASES],
             crashes: 0,
             pauses: 0,
             cuts: 0,
@@ -904,14 +1053,16 @@ impl Model for Proto {
                 }
             }
         }
-        if (Self::latest_epoch(s) as usize) < s.wep.len() {
-            out.push(Action::NewEpoch);
+        for l in 0..cfg.leases {
+            if (Self::latest_epoch(s, l) as usize) < s.wep[l as usize].len() {
+                out.push(Action::NewEpoch(l));
+            }
         }
         for (r, q) in s.reqs.iter().enumerate() {
             let spec = &cfg.reqs[r];
             if q.phase == Phase::Unsent
                 && s.now >= spec.not_before
-                && s.wep[spec.epoch as usize - 1].is_some()
+                && s.wep[spec.lease as usize][spec.epoch as usize - 1].is_some()
             {
                 for i in 0..cfg.instances {
                     if self.running(s, i) && s.inst[i as usize].own.is_some() {
@@ -936,9 +1087,9 @@ impl Model for Proto {
         let mut s = last.clone();
         match action {
             Action::Tick => s.now += 1,
-            Action::NewEpoch => {
-                let e = Self::latest_epoch(&s) as usize;
-                s.wep[e] = Some(floor(s.now, cfg.lm_res));
+            Action::NewEpoch(l) => {
+                let e = Self::latest_epoch(&s, l) as usize;
+                s.wep[l as usize][e] = Some(floor(s.now, cfg.lm_res));
             }
             Action::Send(r, i) => s.reqs[r as usize].phase = Phase::Received(i),
             Action::Crash(i) => {
@@ -992,17 +1143,10 @@ impl Model for Proto {
                 let c = s.inst[i as usize].creating.take().expect("creating");
                 self.confirm(&mut s, i, c);
             }
-            Action::SelfFence(i) => {
-                self.abort_older(&mut s, i, u8::MAX);
-                for q in s.reqs.iter_mut() {
-                    if q.phase.at() == Some(i) {
-                        q.phase = Phase::Gone;
-                    }
-                }
-                s.inst[i as usize].own = None;
-            }
+            Action::SelfFence(i) => self.drop_shard(&mut s, i),
+            Action::CloseStep(i) => self.close_step(&mut s, i),
             Action::Decide(r) => self.decide(&mut s, r),
-            Action::RaiseStep(i) => self.raise_step(&mut s, i),
+            Action::RaiseStep(i, l) => self.raise_step(&mut s, i, l),
             Action::Write(r) => self.write(&mut s, r),
             Action::Complete(r) => {
                 let q = &mut s.reqs[r as usize];

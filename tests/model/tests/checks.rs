@@ -2,8 +2,10 @@
 //! breadth-first search of its bounds, printing its state count and time.
 //!
 //! Units are ticks (see `Cfg::cluster`): gate_ttl 6, self_fence_margin 2,
-//! grace 2, drain_timeout 2, route timeout 1, `LastModified` resolution 2.
-//! `FENCEGATE_MODEL_LONG=1` adds a third instance and longer horizons.
+//! grace 2, drain_timeout 2, route timeout 1, `LastModified` resolution 2; the
+//! two-lease check (issue 25.1) takes self_fence_margin 3, grace 1,
+//! drain_timeout 1, route timeout 8 and writes that last.
+//! `FENCEGATE_MODEL_LONG=1` adds a third instance, longer horizons and crashes.
 
 use std::time::Instant;
 
@@ -78,7 +80,13 @@ fn fails(name: &str, cfg: Cfg, properties: &[&'static str]) {
 const ORDER: &[&str] = &[prop::S1, prop::S2];
 
 fn req(epoch: u8, key: Option<u8>) -> ReqSpec {
+    req_in(0, epoch, key)
+}
+
+/// A request of lease `lease` (0 or 1).
+fn req_in(lease: u8, epoch: u8, key: Option<u8>) -> ReqSpec {
     ReqSpec {
+        lease,
         epoch,
         key,
         not_before: 0,
@@ -271,5 +279,65 @@ fn single_in_flight_record_older_than_the_dedup_ttl() {
         cfg,
         |h| h.inflight_expires = true,
         prop::S4,
+    );
+}
+
+/// Issue 25 point 1: a shard of two leases whose owner is cut from the lease
+/// store at any time (its renewals fail from then on) while each lease may have
+/// a request in flight — lease 0 a slow one, lease 1 a long epoch-1 upload — and
+/// lease 1's workers move to epoch 2, which the owner or its successor forwards. Writes last (a request is written
+/// until it is answered, aborted or times out) and the drain timeout (1 tick) is
+/// below the route timeout (8: no request times out before the successor
+/// forwards). `self_fence_margin` 3 exceeds grace + drain timeout, so a close
+/// that ends `margin` after the previous one outlives the successor's settle.
+fn two_leases_owner_cut() -> Cfg {
+    let mut cfg = Cfg::cluster();
+    cfg.leases = 2;
+    cfg.worker_epochs = [1, 2];
+    cfg.reqs = vec![
+        req_in(0, 1, None),
+        req_in(1, 1, Some(0)),
+        req_in(1, 2, Some(1)),
+    ];
+    cfg.margin = 3;
+    cfg.grace = 1;
+    cfg.drain_timeout = 1;
+    cfg.route_timeout = 8;
+    cfg.long_writes = true;
+    cfg.store_cuts = 1;
+    cfg.start_phases = cfg.lm_res;
+    cfg.horizon = 12;
+    cfg
+}
+
+/// Every fence of the shard shares its one deadline: nothing is forwarded after
+/// `gate_ttl − margin`, everything in flight is aborted at `gate_ttl`, before
+/// the successor may forward. Closing the fences one after another, each with a
+/// deadline of its own, leaves lease 1's epoch-1 upload being written when the
+/// successor forwards its epoch 2.
+#[test]
+fn two_leases_share_the_shard_deadline() {
+    let cfg = two_leases_owner_cut();
+    let out = holds(
+        "two leases, owner cut: one deadline for the shard",
+        cfg.clone(),
+    );
+    assert!(out.reached.contains(&prop::DELIVERED_AFTER_TAKEOVER));
+    if long() {
+        // A crash too; each tenure one gate epoch (renewals: 51 M states).
+        let mut crash = cfg.clone();
+        crash.renew = false;
+        crash.crashes = 1;
+        holds(
+            "two leases, owner cut, a crash, no renewals: one deadline for the shard",
+            crash,
+        );
+    }
+    let mut old = cfg;
+    old.holes.sequential_close = true;
+    fails(
+        "two leases, owner cut: fences closed one after another",
+        old,
+        &[prop::S2],
     );
 }

@@ -615,6 +615,22 @@ mod tests {
         assert!(stalled.contains(r#"<span class="bad">this instance, not serving</span>"#));
     }
 
+    /// Another set-up on the prefix, or an untrusted gate object, is said above
+    /// the shard map (SPEC §10).
+    #[test]
+    fn the_shard_map_says_why_nothing_is_forwarded() {
+        let html = render(&PageView {
+            fence_problems: vec![
+                "forwarding stopped: a single instance <x> uses this prefix".into()
+            ],
+            ..view()
+        });
+        assert!(
+            html.contains(r#"<p class="bad" role="alert">forwarding stopped: a single instance &lt;x&gt; uses this prefix</p>"#),
+            "{html}"
+        );
+    }
+
     #[test]
     fn escapes_markup_and_quotes() {
         assert_eq!(esc(r#"<script>"a'&b"#), "&lt;script&gt;&quot;a&#39;&amp;b");

@@ -562,7 +562,7 @@ impl Config {
                 c.advertise
             ));
         }
-        if !(1..=9999).contains(&c.shards) {
+        if !(1..=crate::setup::MAX_SHARDS).contains(&c.shards) {
             return Err(format!(
                 "[cluster] shards ({}) must be between 1 and 9999",
                 c.shards

@@ -22,6 +22,9 @@ use sha2::Sha256;
 use crate::config::{StateConfig, StateKind};
 use crate::epoch::{EpochKind, EpochRecord};
 
+/// The most shards `[cluster] shards` allows (four digits in a gate lease's name).
+pub const MAX_SHARDS: u32 = 9999;
+
 /// A single instance, or a cluster of `shards` shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetUp {
@@ -41,11 +44,13 @@ impl SetUp {
         }
     }
 
-    /// How many shard gate leases this set-up uses (`{prefix}.gate/0000/` …).
+    /// How many shard gate leases this set-up uses (`{prefix}.gate/0000/` …),
+    /// never more than a config allows (a forged object cannot make a reader
+    /// look at billions of shards).
     pub fn shards(self) -> u32 {
         match self {
             SetUp::Single => 1,
-            SetUp::Cluster { shards } => shards,
+            SetUp::Cluster { shards } => shards.min(MAX_SHARDS),
         }
     }
 

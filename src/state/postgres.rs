@@ -655,6 +655,7 @@ impl StateStore for PostgresState {
         );
         let sql = match how {
             Resolution::NotDelivered => format!("DELETE FROM fencegate_dedup WHERE {cond}"),
+            // `updated_ms`: the record's retention starts now (`Record::delivered`).
             Resolution::Delivered => format!(
                 "UPDATE fencegate_dedup SET state = 1, updated_ms = $5, status = NULL, \
                    header_names = NULL, header_values = NULL, body = NULL WHERE {cond}"
@@ -749,7 +750,7 @@ impl StateStore for PostgresState {
 
     async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError> {
         const BATCH: i64 = 1000;
-        let before = ms(rules.done_created_before_ms);
+        let before = ms(rules.done_before_ms);
         let mut total = 0;
         loop {
             let n = self
@@ -758,7 +759,7 @@ impl StateStore for PostgresState {
                         .prepare_cached(
                             "DELETE FROM fencegate_dedup WHERE ctid = ANY(ARRAY(\
                                SELECT ctid FROM fencegate_dedup \
-                               WHERE state = 1 AND created_ms < $1 LIMIT $2))",
+                               WHERE state = 1 AND updated_ms < $1 LIMIT $2))",
                         )
                         .await?;
                     c.execute(&st, &[&before, &BATCH]).await

@@ -795,7 +795,7 @@ fn ended(fp: u8, now: u64, state: State) -> Record {
 /// Claims never take over anything, except where a test says so.
 const STRICT: TakeOver = TakeOver {
     in_doubt: false,
-    done_created_before_ms: 0,
+    done_before_ms: 0,
 };
 
 /// Both tables as text, to compare before and after.
@@ -993,7 +993,7 @@ fn takeovers() -> [(&'static str, u8, TakeOver); 2] {
             3,
             TakeOver {
                 in_doubt: true,
-                done_created_before_ms: 0,
+                done_before_ms: 0,
             },
         ),
         (
@@ -1001,7 +1001,7 @@ fn takeovers() -> [(&'static str, u8, TakeOver); 2] {
             4,
             TakeOver {
                 in_doubt: false,
-                done_created_before_ms: u64::MAX,
+                done_before_ms: u64::MAX,
             },
         ),
     ]
@@ -1093,6 +1093,8 @@ async fn schema_1_records_survive_the_migration_to_2() {
     pg.psql(
         &db,
         "DROP INDEX fencegate_dedup_by_state_age; DROP TABLE fencegate_members; \
+         DROP INDEX fencegate_dedup_done_by_done_time; \
+         CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
@@ -1136,6 +1138,68 @@ async fn schema_1_records_survive_the_migration_to_2() {
         Some("/pay/new"),
         "the in-doubt record keeps the request line of its claim"
     );
+}
+
+/// The indexes on `fencegate_dedup`, by name.
+fn dedup_indexes(pg: &PgServer, db: &str) -> String {
+    pg.psql(
+        db,
+        "SELECT string_agg(indexname, ',' ORDER BY indexname) FROM pg_indexes \
+         WHERE tablename = 'fencegate_dedup'",
+    )
+}
+
+/// Schema 3 → 4 (issue 25, point 3): a `done` record expires a TTL after it
+/// became done (`updated_ms`), and the sweep's index follows. A schema-3 database
+/// keeps its records; one an operator resolved late (created long before it was
+/// resolved) is swept a TTL after its resolution, not after its creation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let first = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    first.close().await.unwrap();
+    drop(first);
+    let now_indexes = dedup_indexes(pg, &db);
+    // Back to schema 3, with a record resolved as delivered 10 s after its claim.
+    pg.psql(
+        &db,
+        "DROP INDEX fencegate_dedup_done_by_done_time; \
+         CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
+         UPDATE fencegate_schema SET version = 3; \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms) \
+         VALUES ('pay', 'late', 0, 1, decode(repeat('07', 32), 'hex'), \
+           (3 # (1::bigint << 63)), 0, 1000, 11000)",
+    );
+    assert!(dedup_indexes(pg, &db).contains("fencegate_dedup_done_by_age"));
+    let st = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(schema_version(pg, &db), current());
+    assert_eq!(
+        dedup_indexes(pg, &db),
+        now_indexes,
+        "the indexes of a new database"
+    );
+    assert!(
+        !now_indexes.contains("fencegate_dedup_done_by_age"),
+        "{now_indexes}"
+    );
+    let kept = st.get(&rkey("late")).await.unwrap().expect("the record");
+    assert_eq!(
+        (kept.state, kept.created_ms, kept.updated_ms),
+        (State::Done, 1000, 11000)
+    );
+    // ttl 8 s: expired at 19 s, not at 9 s.
+    let by = |done_before_ms| TakeOver {
+        in_doubt: false,
+        done_before_ms,
+    };
+    assert_eq!(st.sweep(by(11_000 + 1 - 8_000)).await.unwrap(), 0);
+    assert_eq!(st.sweep(by(11_000)).await.unwrap(), 0);
+    assert!(st.get(&rkey("late")).await.unwrap().is_some());
+    assert_eq!(st.sweep(by(11_001)).await.unwrap(), 1);
+    assert_eq!(st.get(&rkey("late")).await.unwrap(), None);
 }
 
 fn fencegate_tables(pg: &PgServer, db: &str) -> String {

@@ -1064,6 +1064,161 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
     assert!(wrong.is_empty(), "not OwnerLost: {wrong:?}");
 }
 
+/// Whether a backend of `db` waits on a lock in a statement that starts with
+/// `sql` (`pg_stat_activity`).
+fn waiting(pg: &PgServer, db: &str, sql: &str) -> bool {
+    pg.psql(
+        db,
+        &format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' \
+             AND wait_event_type = 'Lock' AND query LIKE '{sql}%'"
+        ),
+    ) != "0"
+}
+
+/// A transaction of the test's own holding an uncommitted row of `key` (route
+/// `pay`): a claim of that key waits on it at the database, after its owner
+/// check, until the test ends the transaction.
+async fn hold_key(url: &str, shard: u32, key: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+        .batch_execute(&format!(
+            "BEGIN; INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+               owner_generation, created_ms, updated_ms) \
+             VALUES ('pay', '{key}', {shard}, 2, decode(repeat('00', 32), 'hex'), 0, 0, 0, 0)"
+        ))
+        .await
+        .unwrap();
+    client
+}
+
+/// Issue 25, point 6 (SPEC §10.2, liveness): a deposed owner's claim either
+/// commits before the successor's takeover turns older generations' in-flight
+/// records in doubt, or fails on the new generation — never commits after it,
+/// which left the key in flight under the old generation (409 to every retry,
+/// and no operator could resolve it) until the next takeover.
+///
+/// Generation 1 reaches the database through a relay the test controls, its
+/// successor (generation 2) directly. (a) The claim held in the relay, before
+/// the database, across the takeover: it fails (`OwnerLost`) and the key is
+/// free. (b) The claim at the database past its owner check, waiting across the
+/// takeover — on a row of the same key the test's own transaction holds, as a
+/// slow commit would keep it there: the takeover waits for the claim, so the
+/// claim's record is turned in doubt and resolvable. (A relay cannot hold a
+/// claim there: a claim is one autocommitted statement, its check and its
+/// commit both inside the server.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let relayed = StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    };
+    let old = PostgresState::connect(&relayed).await.unwrap();
+    let new = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let (five, six) = (
+        |generation| Owner {
+            shard: 5,
+            generation,
+        },
+        |generation| Owner {
+            shard: 6,
+            generation,
+        },
+    );
+    old.claim_shard(five(1)).await.unwrap();
+    old.claim_shard(six(1)).await.unwrap();
+    let now = 1_000;
+
+    // (a) Shard 5: the claim's statement held in the relay across the takeover.
+    let key = rkey("held-in-relay");
+    relay.hold_requests(true);
+    let claim_a = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move { old.begin(five(1), &key, &claim(1, now), STRICT).await })
+    };
+    until("the claim is held in the relay", || {
+        relay.held_requests() > 0
+    })
+    .await;
+    new.claim_shard(five(2)).await.unwrap();
+    assert_eq!(new.recover(five(2), now + 1).await.unwrap(), 0);
+    relay.hold_requests(false);
+    let r = claim_a.await.unwrap();
+    assert!(
+        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        "a claim that reached the database after the takeover: {r:?}"
+    );
+    assert_eq!(new.get(&key).await.unwrap(), None, "the key is free");
+    let begun = new.begin(five(2), &key, &claim(1, now + 2), STRICT).await;
+    assert!(matches!(begun, Ok(Begun::Claimed)), "{begun:?}");
+
+    // (b) Shard 6: the claim waits at the database, past its owner check, across
+    // the takeover.
+    let key = rkey("waits-at-the-database");
+    let holder = hold_key(&url, 6, &key.key).await;
+    let claim_b = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move { old.begin(six(1), &key, &claim(2, now), STRICT).await })
+    };
+    until("the claim waits at the database", || {
+        waiting(pg, &db, "INSERT INTO fencegate_dedup")
+    })
+    .await;
+    let takeover = {
+        let new = new.clone();
+        tokio::spawn(async move {
+            new.claim_shard(six(2)).await?;
+            new.recover(six(2), now + 10).await
+        })
+    };
+    until("the takeover is done, or waits for the claim", || {
+        takeover.is_finished() || waiting(pg, &db, "INSERT INTO fencegate_owners")
+    })
+    .await;
+    let takeover_waited = !takeover.is_finished();
+    holder.batch_execute("ROLLBACK").await.unwrap();
+    let claimed = claim_b.await.unwrap();
+    let recovered = takeover.await.unwrap();
+    let record = new.get(&key).await.unwrap();
+    eprintln!(
+        "claim across a takeover: the takeover waited: {takeover_waited}; claim {claimed:?}; \
+         recovered {recovered:?}; record {:?}",
+        record.as_ref().map(|r| r.state)
+    );
+    match claimed {
+        // Committed before the takeover's recovery: in doubt, and resolvable.
+        Ok(Begun::Claimed) => {
+            assert_eq!(
+                record.map(|r| r.state),
+                Some(State::InDoubt),
+                "the deposed owner's claim is left in flight"
+            );
+            assert_eq!(recovered.ok(), Some(1));
+            let resolved = new
+                .resolve(six(2), &key, Resolution::NotDelivered, now + 20)
+                .await;
+            assert_eq!(resolved.ok(), Some(Resolved::Deleted));
+        }
+        // Failed on the new generation: the key is free.
+        Err(StateError::OwnerLost { stored: 2, .. }) => assert_eq!(record, None),
+        other => panic!("the deposed owner's claim: {other:?}"),
+    }
+    let begun = new.begin(six(2), &key, &claim(2, now + 30), STRICT).await;
+    assert!(matches!(begun, Ok(Begun::Claimed)), "{begun:?}");
+}
+
 // ---------------------------------------------------------------------------
 // 6. The schema at start-up
 

@@ -28,7 +28,7 @@ use fencegate::state::{
     StoredResponse, TakeOver,
 };
 
-use crate::support::postgres::PgServer;
+use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
 use crate::support::*;
 
@@ -1064,37 +1064,6 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
     assert!(wrong.is_empty(), "not OwnerLost: {wrong:?}");
 }
 
-/// Whether a backend of `db` waits on a lock in a statement that starts with
-/// `sql` (`pg_stat_activity`).
-fn waiting(pg: &PgServer, db: &str, sql: &str) -> bool {
-    pg.psql(
-        db,
-        &format!(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' \
-             AND wait_event_type = 'Lock' AND query LIKE '{sql}%'"
-        ),
-    ) != "0"
-}
-
-/// A transaction of the test's own holding an uncommitted row of `key` (route
-/// `pay`): a claim of that key waits on it at the database, after its owner
-/// check, until the test ends the transaction.
-async fn hold_key(url: &str, shard: u32, key: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    client
-        .batch_execute(&format!(
-            "BEGIN; INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
-               owner_generation, created_ms, updated_ms) \
-             VALUES ('pay', '{key}', {shard}, 2, decode(repeat('00', 32), 'hex'), 0, 0, 0, 0)"
-        ))
-        .await
-        .unwrap();
-    client
-}
-
 /// Issue 25, point 6 (SPEC §10.2, liveness): a deposed owner's claim either
 /// commits before the successor's takeover turns older generations' in-flight
 /// records in doubt, or fails on the new generation — never commits after it,
@@ -1167,13 +1136,13 @@ async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
     // (b) Shard 6: the claim waits at the database, past its owner check, across
     // the takeover.
     let key = rkey("waits-at-the-database");
-    let holder = hold_key(&url, 6, &key.key).await;
+    let holder = KeyHold::start(&url, "pay", 6, &key.key).await;
     let claim_b = {
         let (old, key) = (old.clone(), key.clone());
         tokio::spawn(async move { old.begin(six(1), &key, &claim(2, now), STRICT).await })
     };
     until("the claim waits at the database", || {
-        waiting(pg, &db, "INSERT INTO fencegate_dedup")
+        pg.waits_on_a_lock(&db, "INSERT INTO fencegate_dedup")
     })
     .await;
     let takeover = {
@@ -1184,11 +1153,11 @@ async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
         })
     };
     until("the takeover is done, or waits for the claim", || {
-        takeover.is_finished() || waiting(pg, &db, "INSERT INTO fencegate_owners")
+        takeover.is_finished() || pg.waits_on_a_lock(&db, "INSERT INTO fencegate_owners")
     })
     .await;
     let takeover_waited = !takeover.is_finished();
-    holder.batch_execute("ROLLBACK").await.unwrap();
+    holder.release().await;
     let claimed = claim_b.await.unwrap();
     let recovered = takeover.await.unwrap();
     let record = new.get(&key).await.unwrap();

@@ -71,6 +71,8 @@ pub struct Record {
     pub fingerprint: [u8; 32],
     pub epoch: Epoch,
     pub created_ms: u64,
+    /// When the record last changed state; for a `done` one, when it became
+    /// `done`, where its retention starts ([`Record::expired`]).
     pub updated_ms: u64,
     pub response: Option<StoredResponse>,
     /// `None` for records written before fencegate kept it.

@@ -247,13 +247,7 @@ async fn a_key_resolved_as_delivered_is_answered_dedup_done() {
             .unwrap()
     };
     send(req()).await.assert_error(504, "upstream_timeout");
-    let r = send(
-        Request::post(fg.admin_url("/v1/dedup/pay/k-deliv/resolve"))
-            .header("authorization", "Bearer admin-secret")
-            .body(body(r#"{"outcome": "delivered"}"#))
-            .unwrap(),
-    )
-    .await;
+    let r = resolve(&fg, "pay", "k-deliv", "delivered").await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     // Delivered, but with no response to replay: never an empty 200.
     let retry = send(req()).await;

@@ -221,7 +221,7 @@ mod tests {
             updated_ms: 300,
             ..rec(State::InDoubt, 1, 0)
         };
-        let resolved = doubt.clone().delivered(10_000);
+        let resolved = doubt.delivered(10_000);
         assert_eq!(
             (resolved.state, resolved.created_ms, resolved.updated_ms),
             (State::Done, 0, 10_000)

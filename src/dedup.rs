@@ -194,8 +194,8 @@ impl Dedup {
         let ttl = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
         TakeOver {
             in_doubt: policy == InDoubtPolicy::Resend,
-            // Expired when created + ttl <= now.
-            done_created_before_ms: now_ms.saturating_add(1).saturating_sub(ttl),
+            // Expired when done (updated) + ttl <= now.
+            done_before_ms: now_ms.saturating_add(1).saturating_sub(ttl),
         }
     }
 

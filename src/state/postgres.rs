@@ -6,7 +6,10 @@
 //! written only over the caller's own `in_flight` record, a mark only rises. Every
 //! write also carries the writer's [`Owner`] and matches no row when
 //! `fencegate_owners` holds a newer generation for the shard — so an instance that
-//! lost a shard cannot change its state ([`StateError::OwnerLost`]).
+//! lost a shard cannot change its state ([`StateError::OwnerLost`]). The write
+//! share-locks the shard's owner row while it checks, and a takeover updates that
+//! row, so the two serialize: a write of the old generation commits before the
+//! takeover's [`StateStore::recover`] looks, or fails (see `OWNER_OK`).
 //!
 //! Durability is PostgreSQL's commit: each statement commits on its own
 //! (autocommit), and `synchronous_commit` must be on (checked at start-up).
@@ -44,9 +47,23 @@ pub struct PostgresState {
     commits: AtomicU64,
 }
 
-/// A newer generation holds the shard (`$shard`, `$generation` are the writer's).
-const OWNER_OK: &str =
-    "NOT EXISTS (SELECT 1 FROM fencegate_owners o WHERE o.shard = $SHARD AND o.generation > $GEN)";
+/// No newer generation holds the shard (`$SHARD`, `$GEN` are the writer's), and
+/// the shard's owner row stays share-locked until the write commits.
+///
+/// The lock is what makes the check hold at commit and not only at the
+/// statement's start: under READ COMMITTED a check alone reads the statement's
+/// snapshot, so a deposed owner's claim could pass it, commit after the
+/// successor's [`StateStore::recover`] had looked, and leave its key in flight
+/// under the old generation — refused (409) until the next takeover, and not
+/// resolvable (issue 25). [`StateStore::claim_shard`] updates the row, which
+/// waits for every share lock: a write either commits before the takeover (and
+/// `recover` sees it) or waits for it and then sees the new generation. The
+/// locked read is a scalar subquery whose only condition is the shard, so the
+/// row is locked whatever its generation (a filter on the generation inside it
+/// would skip the lock exactly when the write goes ahead). No row (a single
+/// instance, or a shard never claimed): nothing to lock, nothing newer.
+const OWNER_OK: &str = "COALESCE((SELECT o.generation FROM fencegate_owners o \
+     WHERE o.shard = $SHARD FOR SHARE), 0) <= $GEN";
 
 fn owner_ok(shard: usize, generation: usize) -> String {
     OWNER_OK
@@ -655,6 +672,7 @@ impl StateStore for PostgresState {
         );
         let sql = match how {
             Resolution::NotDelivered => format!("DELETE FROM fencegate_dedup WHERE {cond}"),
+            // `updated_ms`: the record's retention starts now (`Record::delivered`).
             Resolution::Delivered => format!(
                 "UPDATE fencegate_dedup SET state = 1, updated_ms = $5, status = NULL, \
                    header_names = NULL, header_values = NULL, body = NULL WHERE {cond}"
@@ -749,7 +767,7 @@ impl StateStore for PostgresState {
 
     async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError> {
         const BATCH: i64 = 1000;
-        let before = ms(rules.done_created_before_ms);
+        let before = ms(rules.done_before_ms);
         let mut total = 0;
         loop {
             let n = self
@@ -758,7 +776,7 @@ impl StateStore for PostgresState {
                         .prepare_cached(
                             "DELETE FROM fencegate_dedup WHERE ctid = ANY(ARRAY(\
                                SELECT ctid FROM fencegate_dedup \
-                               WHERE state = 1 AND created_ms < $1 LIMIT $2))",
+                               WHERE state = 1 AND updated_ms < $1 LIMIT $2))",
                         )
                         .await?;
                     c.execute(&st, &[&before, &BATCH]).await
@@ -794,6 +812,9 @@ impl StateStore for PostgresState {
     }
 
     async fn claim_shard(&self, owner: Owner) -> Result<(), StateError> {
+        // The conflict's row is locked (FOR NO KEY UPDATE) before its WHERE is
+        // looked at: this waits for every write holding the owner row share-locked
+        // (`OWNER_OK`), so none of the old generation commits after it.
         let (sh, gen) = (shard(owner), generation(owner));
         let stored: i64 = self
             .with("claiming a shard", |c| async move {

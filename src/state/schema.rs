@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 3;
+pub const VERSION: i32 = 4;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -65,6 +65,11 @@ const MIGRATIONS: &[&str] = &[
         instance_id text PRIMARY KEY,
         seen_at timestamptz NOT NULL
     );",
+    // 3 → 4: a `done` record expires a TTL after it became done (`updated_ms`),
+    // not after its creation: the sweep's index follows. Existing rows need no
+    // change: every transition to done has always set `updated_ms`.
+    "CREATE INDEX fencegate_dedup_done_by_done_time ON fencegate_dedup (updated_ms) WHERE state = 1;
+    DROP INDEX IF EXISTS fencegate_dedup_done_by_age;",
 ];
 
 /// Creates or migrates the schema; returns the version found before.

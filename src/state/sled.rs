@@ -394,7 +394,7 @@ impl StateStore for SledState {
         self.check_owner(owner)?;
         let k = db_key(key);
         let current = self.dedup.get(&k).map_err(write_err)?;
-        let Some(mut rec) = current.as_ref().and_then(|v| codec::decode(v)) else {
+        let Some(rec) = current.as_ref().and_then(|v| codec::decode(v)) else {
             return Ok(Resolved::Missing);
         };
         if rec.state != State::InDoubt {
@@ -402,12 +402,7 @@ impl StateStore for SledState {
         }
         let new = match how {
             Resolution::NotDelivered => None,
-            Resolution::Delivered => {
-                rec.state = State::Done;
-                rec.updated_ms = now_ms;
-                rec.response = None;
-                Some(codec::encode(&rec))
-            }
+            Resolution::Delivered => Some(codec::encode(&rec.delivered(now_ms))),
         };
         if self
             .dedup

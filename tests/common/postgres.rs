@@ -328,6 +328,57 @@ impl PgServer {
     }
 }
 
+impl PgServer {
+    /// Whether a backend of `db` waits on a lock in a statement that starts with
+    /// `sql` (`pg_stat_activity`).
+    pub fn waits_on_a_lock(&self, db: &str, sql: &str) -> bool {
+        self.psql(
+            db,
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' \
+                 AND wait_event_type = 'Lock' AND query LIKE '{sql}%'"
+            ),
+        ) != "0"
+    }
+}
+
+/// A transaction of the test's own holding an uncommitted dedup record of `key`
+/// on `route`: fencegate's claim of that key waits on it inside the database —
+/// after the claim's owner check, before its commit — until
+/// [`KeyHold::release`]. What a slow commit (a WAL flush, a descheduled backend)
+/// does to a claim, for as long as a test needs; a relay cannot, since a claim
+/// is one autocommitted statement.
+pub struct KeyHold {
+    client: tokio_postgres::Client,
+}
+
+impl KeyHold {
+    pub async fn start(url: &str, route: &str, shard: u32, key: &str) -> KeyHold {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("connecting to hold a key");
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!(
+                "BEGIN; INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, \
+                   epoch, owner_generation, created_ms, updated_ms) \
+                 VALUES ('{route}', '{key}', {shard}, 2, decode(repeat('00', 32), 'hex'), \
+                   0, 0, 0, 0)"
+            ))
+            .await
+            .expect("holding a key");
+        KeyHold { client }
+    }
+
+    /// Rolls the transaction back: the waiting claim goes on.
+    pub async fn release(self) {
+        self.client
+            .batch_execute("ROLLBACK")
+            .await
+            .expect("releasing a key");
+    }
+}
+
 /// The postmaster's children (backends, checkpointer, WAL writer, …), from
 /// `/proc`: the processes that answer queries on open connections.
 fn children_of(parent: u32) -> Vec<u32> {

@@ -247,13 +247,7 @@ async fn a_key_resolved_as_delivered_is_answered_dedup_done() {
             .unwrap()
     };
     send(req()).await.assert_error(504, "upstream_timeout");
-    let r = send(
-        Request::post(fg.admin_url("/v1/dedup/pay/k-deliv/resolve"))
-            .header("authorization", "Bearer admin-secret")
-            .body(body(r#"{"outcome": "delivered"}"#))
-            .unwrap(),
-    )
-    .await;
+    let r = resolve(&fg, "pay", "k-deliv", "delivered").await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     // Delivered, but with no response to replay: never an empty 200.
     let retry = send(req()).await;
@@ -343,5 +337,131 @@ async fn safe_methods_without_a_key_are_not_recorded() {
     let again = send(get(Some("poll-1"))).await;
     assert_eq!(again.headers["x-fencegate-replayed"], "true");
     assert_eq!(origin.count(), 3);
+}
+}
+
+/// `pay` (in doubt after 300 ms, `reject`) and `resend` (`in_doubt = "resend"`)
+/// on lease `pay`, with `[dedup] ttl` = `ttl` and a sweep every 20 ms (on the
+/// harness's clock, which moves only when told).
+async fn setup_retention(ttl: Duration) -> (Origin, Fencegate, Holding) {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start_with(
+        Setup {
+            server: "admin_token = \"admin-secret\"",
+            ..Setup::default()
+        },
+        &format!(
+            "[dedup]\nttl = \"{}ms\"\nsweep_interval = \"20ms\"\n\n{}{}",
+            ttl.as_millis(),
+            route_toml("pay", "pay", &origin, "timeout_ms = 300"),
+            route_toml(
+                "resend",
+                "pay",
+                &origin,
+                "in_doubt = \"resend\"\ntimeout_ms = 300"
+            ),
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "pay", "worker-a", Duration::from_secs(600)).await;
+    (origin, fg, a)
+}
+
+/// The operator's resolution of an in-doubt key (SPEC §8).
+async fn resolve(fg: &Fencegate, route: &str, key: &str, outcome: &str) -> Reply {
+    send(
+        Request::post(fg.admin_url(&format!("/v1/dedup/{route}/{key}/resolve")))
+            .header("authorization", "Bearer admin-secret")
+            .body(body(&format!("{{\"outcome\": \"{outcome}\"}}")))
+            .unwrap(),
+    )
+    .await
+}
+
+/// Waits until two retention sweeps have started since the call (so one ran
+/// whole after it).
+async fn two_sweeps(fg: &Fencegate) {
+    const SWEEPS: &str = "fencegate_state_duration_seconds_count{op=\"sweep\"}";
+    let before = fg.metric_sum(SWEEPS).await;
+    eventually("two sweeps", || async {
+        fg.metric_sum(SWEEPS).await >= before + 2.0
+    })
+    .await;
+}
+
+/// How many times the origin received dedup key `key`.
+fn arrivals_of(origin: &Origin, key: &str) -> usize {
+    origin
+        .log()
+        .iter()
+        .filter(|a| a.header("idempotency-key").as_deref() == Some(key))
+        .count()
+}
+
+on_both_backends! {
+/// SPEC §6 (issue 25, point 3): a record is kept for `[dedup] ttl` from the moment
+/// it became `done`. A key left in doubt and resolved as delivered more than a
+/// TTL after its claim stays `done` for a TTL from the resolution: the identical
+/// retry is refused (409 `dedup_done`) and the sweeps leave it, so the
+/// destination receives the key once. A TTL after the resolution it expires.
+async fn a_late_delivered_resolution_is_kept_a_ttl_from_then() {
+    let ttl = Duration::from_secs(8);
+    let (origin, fg, a) = setup_retention(ttl).await;
+    let req = |hold: bool| {
+        let mut r = worker_req(&fg.url("/pay/charge"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "charge-7");
+        if hold {
+            r = r.header("x-test-hold", "stuck");
+        }
+        r.body(body("charge 7")).unwrap()
+    };
+    send(req(true)).await.assert_error(504, "upstream_timeout");
+    fg.clock.advance(Duration::from_secs(10));
+    let r = resolve(&fg, "pay", "charge-7", "delivered").await;
+    assert_eq!(r.status, 200, "{:?}", r.json());
+    assert_eq!(fg.admin_json("/v1/dedup/pay/charge-7").await["state"], "done");
+    two_sweeps(&fg).await;
+    let retry = send(req(false)).await;
+    retry.assert_error(409, "dedup_done");
+    assert_eq!(arrivals_of(&origin, "charge-7"), 1, "the retry reached the destination");
+    // Kept a TTL from the resolution, not for ever.
+    fg.clock.advance(ttl - Duration::from_millis(1));
+    two_sweeps(&fg).await;
+    send(req(false)).await.assert_error(409, "dedup_done");
+    fg.clock.advance(Duration::from_millis(1));
+    two_sweeps(&fg).await;
+    assert_eq!(fg.admin_json("/v1/dedup/pay/charge-7").await["state"], serde_json::Value::Null);
+    origin.release("stuck");
+    assert_eq!(arrivals_of(&origin, "charge-7"), 1);
+}
+
+/// SPEC §6 (issue 25, point 3): under `in_doubt = "resend"` a key resent more
+/// than a TTL after its first claim is `done` for a TTL from its new answer: a
+/// retry after that answer is replayed, not forwarded a third time.
+async fn a_late_resend_is_kept_a_ttl_from_its_answer() {
+    let ttl = Duration::from_secs(8);
+    let (origin, fg, a) = setup_retention(ttl).await;
+    let req = |hold: bool| {
+        let mut r = worker_req(&fg.url("/resend/charge"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "charge-8");
+        if hold {
+            r = r.header("x-test-hold", "stuck");
+        }
+        r.body(body("charge 8")).unwrap()
+    };
+    send(req(true)).await.assert_error(504, "upstream_timeout");
+    fg.clock.advance(Duration::from_secs(10));
+    let resent = send(req(false)).await;
+    assert_eq!(resent.status, 200);
+    assert!(!resent.headers.contains_key("x-fencegate-replayed"));
+    two_sweeps(&fg).await;
+    let retry = send(req(false)).await;
+    assert_eq!(retry.status, 200);
+    assert!(
+        retry.headers.contains_key("x-fencegate-replayed"),
+        "the retry was forwarded again"
+    );
+    origin.release("stuck");
+    assert_eq!(arrivals_of(&origin, "charge-8"), 2, "the first send and the resend");
 }
 }

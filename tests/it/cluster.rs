@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use crate::support::postgres::PgServer;
+use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::*;
 use bytes::Bytes;
 use fencegate::cluster::shard_of;
@@ -64,6 +64,8 @@ struct Rig {
     members: Vec<Member>,
     /// `gate_ttl` and `self_fence_margin` of every member, as TOML values.
     gate: (&'static str, &'static str),
+    /// Extra `[server]` keys of members added from now on.
+    server_extra: String,
 }
 
 struct Member {
@@ -91,6 +93,7 @@ impl Rig {
             leases: leases_per_shard(shards),
             members: Vec::new(),
             gate: ("6s", "2s"),
+            server_extra: String::new(),
         };
         for i in 0..n {
             rig.add(&format!("fg-{}", (b'a' + i as u8) as char));
@@ -140,7 +143,7 @@ impl Rig {
     fn add_on(&mut self, id: &str, port: u16, edit: impl FnOnce(String) -> String) {
         let fg = Fencegate::start_listening(
             &format!("127.0.0.1:{port}"),
-            "",
+            &self.server_extra,
             &edit(self.config(id, port)),
             &[],
         );
@@ -1682,4 +1685,96 @@ async fn a_member_cut_from_the_store_loses_its_shards_to_the_others() {
     let w = rig.worker(lease, "w").await;
     let r = post(b, &format!("/{lease}/x"), &w, "served").await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+/// Issue 25, point 6 (SPEC §10.2, liveness), with real processes: the owner's
+/// claim of a key passes its owner check and is held inside the database, before
+/// its commit (a transaction of the test's own holds the key's row, as a slow
+/// commit would: [`KeyHold`]); the owner freezes, and the other instance takes
+/// the shard meanwhile. Released, the claim must not leave the key in flight
+/// under the deposed generation (a 409 `dedup_in_flight` to every retry until
+/// the next takeover, and nothing an operator can resolve): the takeover waits
+/// for the claim and turns it in doubt. The retry through the new owner is
+/// refused as in doubt, the woken owner forwards nothing, the operator resolves
+/// the key as not delivered, and the destination receives it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_owners_claim_held_across_a_takeover_is_left_resolvable() {
+    skip_without_python!();
+    skip_without_postgres!();
+    const ADMIN: &str = "test-admin-token";
+    let mut rig = Rig::start(0, 1).await;
+    rig.server_extra = format!("admin_token = \"{ADMIN}\"");
+    // State calls may wait out the hold: what ends it is the test, not a timeout.
+    let patient = |c: String| c.replace("[state]\n", "[state]\ntimeout_ms = 30000\n");
+    rig.add_with("fg-a", patient);
+    rig.settled("fg-a owns the shard", |c| c.get("fg-a") == Some(&1))
+        .await;
+    rig.add_with("fg-b", patient);
+    rig.settled("fg-b joined", |c| c.get("fg-a") == Some(&1))
+        .await;
+    let lease = rig.leases[0].clone();
+    let w = rig.worker(&lease, "w").await;
+    let (a, b) = (rig.member("fg-a").fg(), rig.member("fg-b").fg());
+    let path = format!("/{lease}/k");
+    // The lease's mark raised, so that the claim is the request's next write.
+    assert_eq!(post(a, &path, &w, "warm").await.status, 200);
+
+    let pg = PgServer::shared();
+    let key = "k-across";
+    let hold = KeyHold::start(&rig.db, &lease, 0, key).await;
+    let pending = tokio::spawn(try_send(keyed(a, &path, &w, key, "across")));
+    eventually("fg-a's claim waits inside the database", || async {
+        tokio::task::block_in_place(|| {
+            pg.waits_on_a_lock(&rig.db_name, "INSERT INTO fencegate_dedup")
+        })
+    })
+    .await;
+    freeze(a.pid());
+    // fg-b takes the shard once fg-a's gate lease has expired: its takeover either
+    // completes (the claim did not hold it up) or waits for the claim.
+    eventually("fg-b's takeover reaches the database", || async {
+        Rig::shard_map(b).await == vec![Some("fg-b".to_owned())]
+            || tokio::task::block_in_place(|| {
+                pg.waits_on_a_lock(&rig.db_name, "INSERT INTO fencegate_owners")
+            })
+    })
+    .await;
+    hold.release().await;
+    eventually("fg-b serves the shard", || async {
+        Rig::shard_map(b).await == vec![Some("fg-b".to_owned())]
+    })
+    .await;
+    let retry = || send(keyed(b, &path, &w, key, "across"));
+    retry().await.assert_error(409, "dedup_in_doubt");
+    let record = b.admin_json(&format!("/v1/dedup/{lease}/{key}")).await;
+    assert_eq!(record["state"], "in_doubt", "{record}");
+
+    // The deposed owner wakes past its forwarding deadline: nothing forwarded.
+    signal(a, "-CONT");
+    let first = pending.await.unwrap().expect("fg-a answers its worker");
+    eprintln!(
+        "the deposed owner answered {} {:?}",
+        first.status,
+        first.error_code()
+    );
+    assert_eq!(
+        first.status,
+        503,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    assert!(payloads_at(&rig.origin, "across").is_empty());
+
+    // The operator finds nothing at the destination and says so; the retry goes.
+    let resolved = send(
+        http::Request::post(b.admin_url(&format!("/v1/dedup/{lease}/{key}/resolve")))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(body(r#"{"outcome": "not_delivered"}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(resolved.status, 200, "{:?}", resolved.json());
+    assert_eq!(retry().await.status, 200);
+    assert_eq!(retry().await.headers["x-fencegate-replayed"], "true");
+    assert_eq!(payloads_at(&rig.origin, "across").len(), 1);
 }

@@ -28,7 +28,7 @@ use fencegate::state::{
     StoredResponse, TakeOver,
 };
 
-use crate::support::postgres::PgServer;
+use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
 use crate::support::*;
 
@@ -795,7 +795,7 @@ fn ended(fp: u8, now: u64, state: State) -> Record {
 /// Claims never take over anything, except where a test says so.
 const STRICT: TakeOver = TakeOver {
     in_doubt: false,
-    done_created_before_ms: 0,
+    done_before_ms: 0,
 };
 
 /// Both tables as text, to compare before and after.
@@ -993,7 +993,7 @@ fn takeovers() -> [(&'static str, u8, TakeOver); 2] {
             3,
             TakeOver {
                 in_doubt: true,
-                done_created_before_ms: 0,
+                done_before_ms: 0,
             },
         ),
         (
@@ -1001,7 +1001,7 @@ fn takeovers() -> [(&'static str, u8, TakeOver); 2] {
             4,
             TakeOver {
                 in_doubt: false,
-                done_created_before_ms: u64::MAX,
+                done_before_ms: u64::MAX,
             },
         ),
     ]
@@ -1064,6 +1064,130 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
     assert!(wrong.is_empty(), "not OwnerLost: {wrong:?}");
 }
 
+/// Issue 25, point 6 (SPEC §10.2, liveness): a deposed owner's claim either
+/// commits before the successor's takeover turns older generations' in-flight
+/// records in doubt, or fails on the new generation — never commits after it,
+/// which left the key in flight under the old generation (409 to every retry,
+/// and no operator could resolve it) until the next takeover.
+///
+/// Generation 1 reaches the database through a relay the test controls, its
+/// successor (generation 2) directly. (a) The claim held in the relay, before
+/// the database, across the takeover: it fails (`OwnerLost`) and the key is
+/// free. (b) The claim at the database past its owner check, waiting across the
+/// takeover — on a row of the same key the test's own transaction holds, as a
+/// slow commit would keep it there: the takeover waits for the claim, so the
+/// claim's record is turned in doubt and resolvable. (A relay cannot hold a
+/// claim there: a claim is one autocommitted statement, its check and its
+/// commit both inside the server.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let relayed = StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    };
+    let old = PostgresState::connect(&relayed).await.unwrap();
+    let new = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let (five, six) = (
+        |generation| Owner {
+            shard: 5,
+            generation,
+        },
+        |generation| Owner {
+            shard: 6,
+            generation,
+        },
+    );
+    old.claim_shard(five(1)).await.unwrap();
+    old.claim_shard(six(1)).await.unwrap();
+    let now = 1_000;
+
+    // (a) Shard 5: the claim's statement held in the relay across the takeover.
+    let key = rkey("held-in-relay");
+    relay.hold_requests(true);
+    let claim_a = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move { old.begin(five(1), &key, &claim(1, now), STRICT).await })
+    };
+    until("the claim is held in the relay", || {
+        relay.held_requests() > 0
+    })
+    .await;
+    new.claim_shard(five(2)).await.unwrap();
+    assert_eq!(new.recover(five(2), now + 1).await.unwrap(), 0);
+    relay.hold_requests(false);
+    let r = claim_a.await.unwrap();
+    assert!(
+        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        "a claim that reached the database after the takeover: {r:?}"
+    );
+    assert_eq!(new.get(&key).await.unwrap(), None, "the key is free");
+    let begun = new.begin(five(2), &key, &claim(1, now + 2), STRICT).await;
+    assert!(matches!(begun, Ok(Begun::Claimed)), "{begun:?}");
+
+    // (b) Shard 6: the claim waits at the database, past its owner check, across
+    // the takeover.
+    let key = rkey("waits-at-the-database");
+    let holder = KeyHold::start(&url, "pay", 6, &key.key).await;
+    let claim_b = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move { old.begin(six(1), &key, &claim(2, now), STRICT).await })
+    };
+    until("the claim waits at the database", || {
+        pg.waits_on_a_lock(&db, "INSERT INTO fencegate_dedup")
+    })
+    .await;
+    let takeover = {
+        let new = new.clone();
+        tokio::spawn(async move {
+            new.claim_shard(six(2)).await?;
+            new.recover(six(2), now + 10).await
+        })
+    };
+    until("the takeover is done, or waits for the claim", || {
+        takeover.is_finished() || pg.waits_on_a_lock(&db, "INSERT INTO fencegate_owners")
+    })
+    .await;
+    let takeover_waited = !takeover.is_finished();
+    holder.release().await;
+    let claimed = claim_b.await.unwrap();
+    let recovered = takeover.await.unwrap();
+    let record = new.get(&key).await.unwrap();
+    eprintln!(
+        "claim across a takeover: the takeover waited: {takeover_waited}; claim {claimed:?}; \
+         recovered {recovered:?}; record {:?}",
+        record.as_ref().map(|r| r.state)
+    );
+    match claimed {
+        // Committed before the takeover's recovery: in doubt, and resolvable.
+        Ok(Begun::Claimed) => {
+            assert_eq!(
+                record.map(|r| r.state),
+                Some(State::InDoubt),
+                "the deposed owner's claim is left in flight"
+            );
+            assert_eq!(recovered.ok(), Some(1));
+            let resolved = new
+                .resolve(six(2), &key, Resolution::NotDelivered, now + 20)
+                .await;
+            assert_eq!(resolved.ok(), Some(Resolved::Deleted));
+        }
+        // Failed on the new generation: the key is free.
+        Err(StateError::OwnerLost { stored: 2, .. }) => assert_eq!(record, None),
+        other => panic!("the deposed owner's claim: {other:?}"),
+    }
+    let begun = new.begin(six(2), &key, &claim(2, now + 30), STRICT).await;
+    assert!(matches!(begun, Ok(Begun::Claimed)), "{begun:?}");
+}
+
 // ---------------------------------------------------------------------------
 // 6. The schema at start-up
 
@@ -1093,6 +1217,8 @@ async fn schema_1_records_survive_the_migration_to_2() {
     pg.psql(
         &db,
         "DROP INDEX fencegate_dedup_by_state_age; DROP TABLE fencegate_members; \
+         DROP INDEX fencegate_dedup_done_by_done_time; \
+         CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
@@ -1136,6 +1262,68 @@ async fn schema_1_records_survive_the_migration_to_2() {
         Some("/pay/new"),
         "the in-doubt record keeps the request line of its claim"
     );
+}
+
+/// The indexes on `fencegate_dedup`, by name.
+fn dedup_indexes(pg: &PgServer, db: &str) -> String {
+    pg.psql(
+        db,
+        "SELECT string_agg(indexname, ',' ORDER BY indexname) FROM pg_indexes \
+         WHERE tablename = 'fencegate_dedup'",
+    )
+}
+
+/// Schema 3 → 4 (issue 25, point 3): a `done` record expires a TTL after it
+/// became done (`updated_ms`), and the sweep's index follows. A schema-3 database
+/// keeps its records; one an operator resolved late (created long before it was
+/// resolved) is swept a TTL after its resolution, not after its creation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let first = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    first.close().await.unwrap();
+    drop(first);
+    let now_indexes = dedup_indexes(pg, &db);
+    // Back to schema 3, with a record resolved as delivered 10 s after its claim.
+    pg.psql(
+        &db,
+        "DROP INDEX fencegate_dedup_done_by_done_time; \
+         CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
+         UPDATE fencegate_schema SET version = 3; \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms) \
+         VALUES ('pay', 'late', 0, 1, decode(repeat('07', 32), 'hex'), \
+           (3 # (1::bigint << 63)), 0, 1000, 11000)",
+    );
+    assert!(dedup_indexes(pg, &db).contains("fencegate_dedup_done_by_age"));
+    let st = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(schema_version(pg, &db), current());
+    assert_eq!(
+        dedup_indexes(pg, &db),
+        now_indexes,
+        "the indexes of a new database"
+    );
+    assert!(
+        !now_indexes.contains("fencegate_dedup_done_by_age"),
+        "{now_indexes}"
+    );
+    let kept = st.get(&rkey("late")).await.unwrap().expect("the record");
+    assert_eq!(
+        (kept.state, kept.created_ms, kept.updated_ms),
+        (State::Done, 1000, 11000)
+    );
+    // ttl 8 s: expired at 19 s, not at 9 s.
+    let by = |done_before_ms| TakeOver {
+        in_doubt: false,
+        done_before_ms,
+    };
+    assert_eq!(st.sweep(by(11_000 + 1 - 8_000)).await.unwrap(), 0);
+    assert_eq!(st.sweep(by(11_000)).await.unwrap(), 0);
+    assert!(st.get(&rkey("late")).await.unwrap().is_some());
+    assert_eq!(st.sweep(by(11_001)).await.unwrap(), 1);
+    assert_eq!(st.get(&rkey("late")).await.unwrap(), None);
 }
 
 fn fencegate_tables(pg: &PgServer, db: &str) -> String {

@@ -178,7 +178,7 @@ fn group_commit(c: &mut Criterion) {
 }
 
 fn bookkeeping(c: &mut Criterion) {
-    let m = fencegate::metrics::Metrics::without_state();
+    let m = fencegate::metrics::Metrics::new();
     c.bench_function("metrics/request (forwarded)", |b| {
         b.iter(|| m.request(black_box("billing"), "forwarded", ""))
     });

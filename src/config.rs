@@ -240,6 +240,9 @@ fn from_env(key: &str, raw: &str) -> Result<String, String> {
     }
 }
 
+/// The most shards `[cluster] shards` allows (four digits in a gate lease's name).
+pub const MAX_SHARDS: u32 = 9999;
+
 fn default_shards() -> u32 {
     16
 }
@@ -562,7 +565,7 @@ impl Config {
                 c.advertise
             ));
         }
-        if !(1..=crate::setup::MAX_SHARDS).contains(&c.shards) {
+        if !(1..=MAX_SHARDS).contains(&c.shards) {
             return Err(format!(
                 "[cluster] shards ({}) must be between 1 and 9999",
                 c.shards

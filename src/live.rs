@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::epoch::TokenHash;
-use crate::proxy::RouteTable;
+use crate::proxy::routes::RouteTable;
 
 /// One consistent snapshot of what may change live.
 pub struct Live {
@@ -24,18 +24,6 @@ pub struct Live {
     pub tls: Option<tokio_rustls::TlsAcceptor>,
     /// `[server] access_log`.
     pub access_log: bool,
-}
-
-impl Live {
-    /// Nothing routed, nothing allowed: the value before start-up fills it in.
-    pub fn empty() -> Live {
-        Live {
-            routes: RouteTable::default(),
-            admin_token: None,
-            tls: None,
-            access_log: false,
-        }
-    }
 }
 
 /// The current [`Live`], replaced whole by a reload.

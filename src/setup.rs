@@ -19,11 +19,8 @@ use std::fmt;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::config::{StateConfig, StateKind};
+use crate::config::{StateConfig, StateKind, MAX_SHARDS};
 use crate::epoch::{EpochKind, EpochRecord};
-
-/// The most shards `[cluster] shards` allows (four digits in a gate lease's name).
-pub const MAX_SHARDS: u32 = 9999;
 
 /// A single instance, or a cluster of `shards` shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,126 +10,28 @@ use http::{HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-mod routes;
+pub mod routes;
 
-use routes::RouteIndex;
+pub use routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::admission::Claim;
 use crate::cluster::{peer as relay, Placement};
-use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
+use crate::config::DeriveKey;
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
-use crate::epoch::LeaseName;
 use crate::error::ProxyError;
 use crate::fence::{Fence, Fences};
-use crate::forward::{self, HttpsClient, Peer, Target, UpstreamError};
+use crate::forward::{self, HttpsClient, Peer, UpstreamError};
 use crate::gate::Pass;
 use crate::live::LiveConfig;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
 use crate::streaming::{ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 
 /// How much of an unrecorded route's answer is sent whole when it has all
 /// arrived with its head (no streaming machinery for a small answer).
 const READY_BYTES: usize = 64 << 10;
-
-/// One configured route, ready to serve.
-pub struct Route {
-    pub name: String,
-    pub target: Target,
-    pub lease: LeaseName,
-    /// The lease's shard (SPEC §10.2; 0 for a single instance).
-    pub shard: u32,
-    /// A single instance's fence of the lease, started with the route; in a
-    /// cluster the fence runs only while this instance owns the shard, and is
-    /// looked up per request.
-    pub fence: Option<Arc<Fence>>,
-    pub client: HttpsClient,
-    pub timeout: Duration,
-    pub drain_timeout: Duration,
-    pub require_token: bool,
-    pub derive_key: DeriveKey,
-    pub in_doubt: InDoubtPolicy,
-    pub retryable: Vec<u16>,
-    pub max_body_bytes: usize,
-    pub max_replay_bytes: usize,
-    /// This route's counter and histograms.
-    metrics: RouteMetrics,
-}
-
-impl Route {
-    pub fn new(
-        cfg: &RouteConfig,
-        fence: Option<Arc<Fence>>,
-        shard: u32,
-        client: HttpsClient,
-        metrics: &Metrics,
-    ) -> Result<Route, String> {
-        let headers = cfg.resolve_upstream_headers()?;
-        Ok(Route {
-            name: cfg.name.clone(),
-            target: Target::new(&cfg.path_prefix, &cfg.upstream, &cfg.dedup_header, headers)?,
-            lease: cfg.lease.clone(),
-            shard,
-            fence,
-            client,
-            timeout: cfg.timeout(),
-            drain_timeout: cfg.drain_timeout(),
-            require_token: cfg.require_token,
-            derive_key: cfg.derive_key,
-            in_doubt: cfg.in_doubt,
-            retryable: cfg.retryable_statuses.clone(),
-            max_body_bytes: cfg.max_body_bytes,
-            max_replay_bytes: cfg.max_replay_bytes,
-            metrics: metrics.for_route(&cfg.name),
-        })
-    }
-}
-
-/// The configured routes, indexed by path prefix. A reload replaces it whole
-/// (inside [`crate::live::Live`]).
-pub struct RouteTable {
-    /// Longest prefix first.
-    routes: Vec<Route>,
-    /// Indexes into `routes` by path prefix.
-    index: RouteIndex,
-}
-
-impl Default for RouteTable {
-    fn default() -> RouteTable {
-        RouteTable {
-            routes: Vec::new(),
-            index: RouteIndex::new(std::iter::empty()),
-        }
-    }
-}
-
-impl RouteTable {
-    pub fn new(mut routes: Vec<Route>) -> RouteTable {
-        routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
-        let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
-        RouteTable { routes, index }
-    }
-
-    /// The route a request goes to, if any (SPEC §3: never CONNECT, never a path
-    /// that is not origin-form or has dot segments).
-    fn find(&self, method: &Method, path: &str) -> Option<&Route> {
-        if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
-            return None;
-        }
-        self.index.find(path).and_then(|i| self.routes.get(i))
-    }
-
-    /// The route named `name`.
-    pub fn get(&self, name: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.name == name)
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = &Route> {
-        self.routes.iter()
-    }
-}
 
 pub struct Proxy {
     /// The routes and the access-log switch, as the last reload left them.

@@ -1,7 +1,115 @@
-//! The route index: which configured route a request path belongs to.
+//! The configured routes (what [`crate::live::Live`] holds) and their index:
+//! which route a request path belongs to.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+
+use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
+use crate::epoch::LeaseName;
+use crate::fence::Fence;
+use crate::forward::{self, HttpsClient, Target};
+use crate::metrics::{Metrics, RouteMetrics};
+
+/// One configured route, ready to serve.
+pub struct Route {
+    pub name: String,
+    pub target: Target,
+    pub lease: LeaseName,
+    /// The lease's shard (SPEC §10.2; 0 for a single instance).
+    pub shard: u32,
+    /// A single instance's fence of the lease, started with the route; in a
+    /// cluster the fence runs only while this instance owns the shard, and is
+    /// looked up per request.
+    pub fence: Option<Arc<Fence>>,
+    pub client: HttpsClient,
+    pub timeout: Duration,
+    pub drain_timeout: Duration,
+    pub require_token: bool,
+    pub derive_key: DeriveKey,
+    pub in_doubt: InDoubtPolicy,
+    pub retryable: Vec<u16>,
+    pub max_body_bytes: usize,
+    pub max_replay_bytes: usize,
+    /// This route's counter and histograms.
+    pub(super) metrics: RouteMetrics,
+}
+
+impl Route {
+    pub fn new(
+        cfg: &RouteConfig,
+        fence: Option<Arc<Fence>>,
+        shard: u32,
+        client: HttpsClient,
+        metrics: &Metrics,
+    ) -> Result<Route, String> {
+        let headers = cfg.resolve_upstream_headers()?;
+        Ok(Route {
+            name: cfg.name.clone(),
+            target: Target::new(&cfg.path_prefix, &cfg.upstream, &cfg.dedup_header, headers)?,
+            lease: cfg.lease.clone(),
+            shard,
+            fence,
+            client,
+            timeout: cfg.timeout(),
+            drain_timeout: cfg.drain_timeout(),
+            require_token: cfg.require_token,
+            derive_key: cfg.derive_key,
+            in_doubt: cfg.in_doubt,
+            retryable: cfg.retryable_statuses.clone(),
+            max_body_bytes: cfg.max_body_bytes,
+            max_replay_bytes: cfg.max_replay_bytes,
+            metrics: metrics.for_route(&cfg.name),
+        })
+    }
+}
+
+/// The configured routes, indexed by path prefix. A reload replaces it whole
+/// (inside [`crate::live::Live`]).
+pub struct RouteTable {
+    /// Longest prefix first.
+    routes: Vec<Route>,
+    /// Indexes into `routes` by path prefix.
+    index: RouteIndex,
+}
+
+impl Default for RouteTable {
+    fn default() -> RouteTable {
+        RouteTable {
+            routes: Vec::new(),
+            index: RouteIndex::new(std::iter::empty()),
+        }
+    }
+}
+
+impl RouteTable {
+    pub fn new(mut routes: Vec<Route>) -> RouteTable {
+        routes.sort_by_key(|r| std::cmp::Reverse(r.target.prefix.len()));
+        let index = RouteIndex::new(routes.iter().map(|r| r.target.prefix.as_str()));
+        RouteTable { routes, index }
+    }
+
+    /// The route a request goes to, if any (SPEC §3: never CONNECT, never a path
+    /// that is not origin-form or has dot segments).
+    pub(super) fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+        if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
+            return None;
+        }
+        self.index.find(path).and_then(|i| self.routes.get(i))
+    }
+
+    /// The route named `name`.
+    pub fn get(&self, name: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Route> {
+        self.routes.iter()
+    }
+}
 
 /// Routes by `path_prefix` (each ends in `/`, config validation): the longest
 /// prefix of a path wins, found with one hash probe per path segment whatever the

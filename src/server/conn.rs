@@ -7,10 +7,10 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -19,14 +19,15 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 use super::park;
+use super::socket::{Activity, Tracked};
 use crate::forward::Peer;
+use crate::metrics::ConnGauges;
 
 /// How connections are served: plain HTTP/1 by hyper's HTTP/1 server directly
 /// (so that an idle one can be [parked](super::park)), anything else (TLS, HTTP/2,
@@ -83,155 +84,6 @@ impl Shutdown {
     pub async fn shutdown(self) {
         let _ = self.tx.send(());
         self.tx.closed().await;
-    }
-}
-
-/// Counts of the proxy listener's connections (`fencegate_connections_open`,
-/// `fencegate_connections_parked`).
-#[derive(Clone, Default)]
-pub struct ConnGauges {
-    pub open: Gauge,
-    pub parked: Gauge,
-}
-
-/// What a connection is doing, for [`close_when_idle`] and parking: requests
-/// being served, answers being written, and when the last one ended.
-pub(super) struct Activity {
-    started: Instant,
-    in_flight: AtomicUsize,
-    /// Answers whose body is waiting for its source (a streamed upstream answer
-    /// between events): not idleness, however long. An answer waiting for the
-    /// *client* to read is, unless its writes move bytes.
-    body_waiting: AtomicUsize,
-    /// Answers handed to hyper and not yet dropped by it (their body not yet all
-    /// written): a connection with one is never parked.
-    open_answers: AtomicUsize,
-    /// The socket's last write would have blocked: hyper holds bytes not yet sent.
-    write_blocked: AtomicBool,
-    /// Milliseconds after `started` when the connection last became idle.
-    idle_since_ms: AtomicU64,
-    /// Milliseconds after `started` of the last write that moved bytes: a large
-    /// answer still going out to a slow reader is not idleness.
-    wrote_ms: AtomicU64,
-}
-
-impl Activity {
-    pub(super) fn new() -> Arc<Activity> {
-        Arc::new(Activity {
-            started: Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            body_waiting: AtomicUsize::new(0),
-            open_answers: AtomicUsize::new(0),
-            write_blocked: AtomicBool::new(false),
-            idle_since_ms: AtomicU64::new(0),
-            wrote_ms: AtomicU64::new(0),
-        })
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// How long the connection has been without a request (`None`: serving one).
-    pub(super) fn idle_for(&self) -> Option<Duration> {
-        if self.in_flight.load(Ordering::SeqCst) > 0 || self.body_waiting.load(Ordering::SeqCst) > 0
-        {
-            return None;
-        }
-        let since = self
-            .idle_since_ms
-            .load(Ordering::SeqCst)
-            .max(self.wrote_ms.load(Ordering::Relaxed));
-        Some(Duration::from_millis(self.now_ms().saturating_sub(since)))
-    }
-
-    /// Nothing of an exchange is left in hyper: no request being served, every
-    /// answer written out and dropped, no bytes waiting for the socket. Checked
-    /// between polls of the connection, so hyper has handed every complete
-    /// request head it read to the service already.
-    pub(super) fn at_rest(&self) -> bool {
-        self.in_flight.load(Ordering::SeqCst) == 0
-            && self.open_answers.load(Ordering::SeqCst) == 0
-            && !self.write_blocked.load(Ordering::SeqCst)
-    }
-}
-
-/// The connection's socket, noting in its [`Activity`] when a write moves bytes
-/// and whether the last one would have blocked; bytes already read from it
-/// (`ahead`: what hyper had read of a next request when its connection was
-/// [parked](super::park)) are read again first.
-pub(super) struct Tracked<S> {
-    pub io: S,
-    pub ahead: Bytes,
-    pub activity: Arc<Activity>,
-}
-
-impl<S> Tracked<S> {
-    fn wrote(&self, r: &Poll<std::io::Result<usize>>) {
-        let blocked = r.is_pending();
-        if self.activity.write_blocked.load(Ordering::Relaxed) != blocked {
-            self.activity.write_blocked.store(blocked, Ordering::SeqCst);
-        }
-        if let Poll::Ready(Ok(n)) = r {
-            if *n > 0 {
-                self.activity
-                    .wrote_ms
-                    .store(self.activity.now_ms(), Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Tracked<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        if this.ahead.is_empty() {
-            return Pin::new(&mut this.io).poll_read(cx, buf);
-        }
-        let n = this.ahead.len().min(buf.remaining());
-        buf.put_slice(&this.ahead[..n]);
-        bytes::Buf::advance(&mut this.ahead, n);
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        let r = Pin::new(&mut this.io).poll_write(cx, buf);
-        this.wrote(&r);
-        r
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
-        this.wrote(&r);
-        r
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
 

@@ -16,8 +16,9 @@ use tokio_util::sync::CancellationToken;
 
 mod conn;
 mod park;
+mod socket;
 
-pub use conn::ConnGauges;
+pub use crate::metrics::ConnGauges;
 pub mod reload;
 
 use conn::{accept_loop, http_builder, FinishOnDrop, Listener, Shutdown};
@@ -169,7 +170,8 @@ async fn build_on(
             .await?,
         ),
     };
-    let live = LiveConfig::new(Live::empty());
+    let metrics = Metrics::new();
+    let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics).await?);
     let shared = Arc::new(Shared {
         state: durable,
         state_metrics,
@@ -179,8 +181,7 @@ async fn build_on(
         mode: mode.clone(),
         live: live.clone(),
     });
-    let metrics = Metrics::new(shared.clone());
-    live.replace(build_live(cfg, &shared, &metrics).await?);
+    crate::metrics::collect::register(&metrics, shared.clone());
     // Peers are reached over plain HTTP or TLS with the system's roots.
     let peers = match &mode {
         Mode::Single(_) => None,
@@ -243,17 +244,21 @@ fn drain_timeouts(cfg: &Config) -> HashMap<LeaseName, Duration> {
 /// (a single instance's, started or the running one; a cluster's fences follow
 /// its shards), an upstream client per CA bundle, the admin token
 /// (`FENCEGATE_ADMIN_TOKEN` wins over the file), the listener's TLS.
-async fn build_live(cfg: &Config, shared: &Shared, metrics: &Metrics) -> Result<Live, StartError> {
+async fn build_live(
+    cfg: &Config,
+    fences: &Fences,
+    mode: &Mode,
+    metrics: &Metrics,
+) -> Result<Live, StartError> {
     let settle = drain_timeouts(cfg);
     let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
         HashMap::new();
     let mut routes = Vec::new();
-    let shards = shared.mode.cluster().map_or(1, |c| c.shards());
+    let shards = mode.cluster().map_or(1, |c| c.shards());
     for rc in &cfg.routes {
-        let fence = match shared.mode {
+        let fence = match mode {
             Mode::Single(_) => Some(
-                shared
-                    .fences
+                fences
                     .start(
                         &rc.lease,
                         settle.get(&rc.lease).copied().unwrap_or_default(),

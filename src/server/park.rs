@@ -39,7 +39,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::conn::{Activity, Tracked};
+use super::socket::{Activity, Tracked};
 
 /// How long a connection rests before it is parked (at most; a quarter of the
 /// idle limit when that is shorter). Re-serving a parked connection costs a new

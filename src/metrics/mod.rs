@@ -5,7 +5,6 @@
 //! batches, dedup counters) are read at scrape time by a collector, so the request
 //! path pays nothing for them.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use prometheus_client::collector::Collector;
@@ -19,7 +18,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::shared::Shared;
+pub mod collect;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct RequestLabels {
@@ -74,29 +73,23 @@ struct ReloadLabels {
 }
 
 pub struct Metrics {
-    registry: Registry,
+    /// Locked only to register (at start-up) and to render (a scrape): the
+    /// request path holds its own handles to the series.
+    registry: std::sync::Mutex<Registry>,
     requests: Family<RequestLabels, Counter>,
     admission: Family<RouteLabel, Histogram, fn() -> Histogram>,
     upstream: Family<RouteLabel, Histogram, fn() -> Histogram>,
     reloads: Family<ReloadLabels, Counter>,
     last_reload_ok: Gauge,
     /// The proxy listener's open and parked connections.
-    pub connections: crate::server::ConnGauges,
+    pub connections: ConnGauges,
 }
 
 impl Metrics {
-    /// Metrics whose collector reads `shared` at scrape time.
-    pub fn new(shared: Arc<Shared>) -> Arc<Metrics> {
-        Metrics::build(Some(shared))
-    }
-
-    /// The request path's counters and histograms only, with no state to read at
-    /// scrape time (for benches of the request path).
-    pub fn without_state() -> Arc<Metrics> {
-        Metrics::build(None)
-    }
-
-    fn build(shared: Option<Arc<Shared>>) -> Arc<Metrics> {
+    /// The request path's counters and histograms; what lives elsewhere is read
+    /// at scrape time by collectors registered once it exists
+    /// ([`collect::register`]).
+    pub fn new() -> Arc<Metrics> {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -134,7 +127,7 @@ impl Metrics {
             "0 when the last reload was refused (the file on disk is not what runs), else 1",
             last_reload_ok.clone(),
         );
-        let connections = crate::server::ConnGauges::default();
+        let connections = ConnGauges::default();
         registry.register(
             "fencegate_connections_open",
             "Client connections open on the proxy listener",
@@ -145,12 +138,8 @@ impl Metrics {
             "Of those, connections waiting for their next request without HTTP buffers (idle HTTP/1 keep-alive, or no request yet)",
             connections.parked.clone(),
         );
-        if let Some(shared) = shared {
-            shared.state_metrics.register(&mut registry);
-            registry.register_collector(Box::new(StateCollector(shared)));
-        }
         Arc::new(Metrics {
-            registry,
+            registry: std::sync::Mutex::new(registry),
             requests,
             admission,
             upstream,
@@ -194,24 +183,29 @@ impl Metrics {
         }
     }
 
+    /// Registers what a collector or another owner of series adds.
+    pub fn with_registry(&self, add: impl FnOnce(&mut Registry)) {
+        add(&mut self.registry.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
     /// The Prometheus/OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let registry = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
     }
 }
 
-/// Reads marks, drains, store calls, flushes and dedup counters at scrape time.
-struct StateCollector(Arc<Shared>);
-
-impl std::fmt::Debug for StateCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("StateCollector")
-    }
+/// Counts of the proxy listener's connections (`fencegate_connections_open`,
+/// `fencegate_connections_parked`).
+#[derive(Clone, Default)]
+pub struct ConnGauges {
+    pub open: Gauge,
+    pub parked: Gauge,
 }
 
-fn emit<M: EncodeMetric>(
+pub(crate) fn emit<M: EncodeMetric>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -224,176 +218,6 @@ fn emit<M: EncodeMetric>(
         m.encode(me)?;
     }
     Ok(())
-}
-
-impl Collector for StateCollector {
-    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let shared = &self.0;
-        let fences = shared.fences.all();
-        let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
-        let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
-        let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
-            views
-                .iter()
-                .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
-                .collect()
-        };
-        emit(
-            &mut enc,
-            "fencegate_high_water_mark",
-            "Durable high-water mark per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.mark.get() as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_latest_known_epoch",
-            "Latest epoch seen in the store per lease",
-            MetricType::Gauge,
-            g(&|v| v.latest_known.get() as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_in_flight",
-            "Admitted requests not yet answered by the upstream, per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.in_flight as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_in_doubt_in_drain",
-            "Requests whose outcome is unknown (timed out, reset) that a drain still waits for, per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.in_doubt as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_ok",
-            "1 when the last refresh of the lease's epochs succeeded",
-            MetricType::Gauge,
-            g(&|v| i64::from(v.store_ok)),
-        )?;
-        let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
-            views
-                .iter()
-                .map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc))))
-                .collect()
-        };
-        emit(
-            &mut enc,
-            "fencegate_mark_raises",
-            "High-water mark raises (a newer epoch admitted)",
-            MetricType::Counter,
-            c(&|v, _| v.gate.raises),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_drains_started",
-            "Mark raises that had to wait for older requests in flight",
-            MetricType::Counter,
-            c(&|v, _| v.gate.drains_started),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_drains_aborted",
-            "Drains that timed out and aborted older requests",
-            MetricType::Counter,
-            c(&|v, _| v.gate.drains_aborted),
-        )?;
-        let mut calls = Vec::new();
-        for (l, _, f) in &views {
-            for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
-                let mut labels = l.clone();
-                labels.push(("op", op.to_owned()));
-                calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
-            }
-        }
-        emit(
-            &mut enc,
-            "fencegate_store_calls",
-            "Lease store calls by lease and operation",
-            MetricType::Counter,
-            calls,
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_errors",
-            "Failed lease store refreshes",
-            MetricType::Counter,
-            c(&|_, f| f.calls.errors.load(Ordering::Relaxed)),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_on_demand_reads",
-            "Store reads triggered by a request above the latest known epoch",
-            MetricType::Counter,
-            c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_clock_offset_seconds",
-            "Estimated store clock minus local clock",
-            MetricType::Gauge,
-            vec![(
-                vec![],
-                ConstGauge::new(shared.store.clock().offset_ms() as f64 / 1000.0),
-            )],
-        )?;
-        let s = shared.state.stats();
-        emit(
-            &mut enc,
-            "fencegate_flush_batches",
-            "Group commits (sled flush + fdatasync)",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(s.batches))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_flush_records",
-            "Writes made durable by group commits (records per flush = records / batches)",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(s.records))],
-        )?;
-        let d = &shared.dedup.counters;
-        emit(
-            &mut enc,
-            "fencegate_dedup_replays",
-            "Responses answered from a done dedup record",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_conflicts",
-            "Dedup keys refused as in flight or reused",
-            MetricType::Counter,
-            vec![(
-                vec![],
-                ConstCounter::new(d.conflicts.load(Ordering::Relaxed)),
-            )],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_in_doubt",
-            "Dedup records that became in doubt",
-            MetricType::Counter,
-            vec![(
-                vec![],
-                ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)),
-            )],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_swept",
-            "Expired dedup records removed",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
-        )?;
-        if let Some(cl) = shared.mode.cluster() {
-            cluster_metrics(&mut enc, cl)?;
-        }
-        Ok(())
-    }
 }
 
 /// `fencegate_build_info`, and the process metrics Prometheus' own client
@@ -536,83 +360,4 @@ mod process {
             assert!(p.start_time_seconds > 1.6e9, "{}", p.start_time_seconds);
         }
     }
-}
-
-/// SPEC §10.2's metrics: shards owned, takeovers, requests relayed to peers.
-fn cluster_metrics(
-    enc: &mut DescriptorEncoder,
-    cl: &crate::cluster::Cluster,
-) -> Result<(), std::fmt::Error> {
-    let one = |n: u64| vec![(vec![], ConstCounter::new(n))];
-    emit(
-        enc,
-        "fencegate_cluster_shards_owned",
-        "Shards this instance serves now",
-        MetricType::Gauge,
-        vec![(vec![], ConstGauge::new(cl.owned() as i64))],
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_members",
-        "Instances seen alive at the last heartbeat",
-        MetricType::Gauge,
-        vec![(vec![], ConstGauge::new(cl.members().len() as i64))],
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_takeovers",
-        "Shards this instance took over",
-        MetricType::Counter,
-        one(cl.takeovers.load(Ordering::Relaxed)),
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_handovers",
-        "Shards this instance handed over with a release",
-        MetricType::Counter,
-        one(cl.handovers.load(Ordering::Relaxed)),
-    )?;
-    emit(
-        enc,
-        "fencegate_peer_forwards",
-        "Requests relayed to the owner of their shard",
-        MetricType::Counter,
-        one(cl.peer_forwards.load(Ordering::Relaxed)),
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_gate_store_calls",
-        "Lease store calls made for gate leases (renewals, looks at other shards, takeovers, releases)",
-        MetricType::Counter,
-        one(cl.gate_calls.load(Ordering::Relaxed)),
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_set_up_conflict",
-        "1 while a live gate object of another set-up (a single instance, another shard count) shares the prefix: nothing is forwarded",
-        MetricType::Gauge,
-        vec![(vec![], ConstGauge::new(i64::from(cl.conflict().is_some())))],
-    )?;
-    emit(
-        enc,
-        "fencegate_cluster_untrusted_gate_objects",
-        "Shards whose latest gate object fails authentication (no owner taken from it, nothing relayed)",
-        MetricType::Gauge,
-        vec![(
-            vec![],
-            ConstGauge::new(
-                cl.shard_gates()
-                    .iter()
-                    .filter(|s| s.untrusted.is_some())
-                    .count() as i64,
-            ),
-        )],
-    )?;
-    emit(
-        enc,
-        "fencegate_peer_failures",
-        "Relayed requests the owner did not answer (503 shard_unavailable)",
-        MetricType::Counter,
-        one(cl.peer_failures.load(Ordering::Relaxed)),
-    )
 }

@@ -1,0 +1,282 @@
+//! What the scrape reads from the running instance (SPEC §8): marks, in-flight
+//! requests, drains, store calls, flush batches, dedup counters and the
+//! cluster's shards — values that live elsewhere, read at scrape time so that
+//! the request path pays nothing for them. Registered once [`Shared`] exists.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+
+use super::{emit, Metrics};
+use crate::shared::Shared;
+
+/// Adds the state store's series and the scrape-time collector of `shared`.
+pub fn register(metrics: &Metrics, shared: Arc<Shared>) {
+    metrics.with_registry(|registry| {
+        shared.state_metrics.register(registry);
+        registry.register_collector(Box::new(StateCollector(shared)));
+    });
+}
+
+/// Reads marks, drains, store calls, flushes and dedup counters at scrape time.
+struct StateCollector(Arc<Shared>);
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let shared = &self.0;
+        let fences = shared.fences.all();
+        let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
+        let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
+        let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
+            views
+                .iter()
+                .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
+                .collect()
+        };
+        emit(
+            &mut enc,
+            "fencegate_high_water_mark",
+            "Durable high-water mark per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.mark.get() as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_latest_known_epoch",
+            "Latest epoch seen in the store per lease",
+            MetricType::Gauge,
+            g(&|v| v.latest_known.get() as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_in_flight",
+            "Admitted requests not yet answered by the upstream, per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.in_flight as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_in_doubt_in_drain",
+            "Requests whose outcome is unknown (timed out, reset) that a drain still waits for, per lease",
+            MetricType::Gauge,
+            g(&|v| v.gate.in_doubt as i64),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_ok",
+            "1 when the last refresh of the lease's epochs succeeded",
+            MetricType::Gauge,
+            g(&|v| i64::from(v.store_ok)),
+        )?;
+        let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
+            views
+                .iter()
+                .map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc))))
+                .collect()
+        };
+        emit(
+            &mut enc,
+            "fencegate_mark_raises",
+            "High-water mark raises (a newer epoch admitted)",
+            MetricType::Counter,
+            c(&|v, _| v.gate.raises),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_drains_started",
+            "Mark raises that had to wait for older requests in flight",
+            MetricType::Counter,
+            c(&|v, _| v.gate.drains_started),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_drains_aborted",
+            "Drains that timed out and aborted older requests",
+            MetricType::Counter,
+            c(&|v, _| v.gate.drains_aborted),
+        )?;
+        let mut calls = Vec::new();
+        for (l, _, f) in &views {
+            for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
+                let mut labels = l.clone();
+                labels.push(("op", op.to_owned()));
+                calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
+            }
+        }
+        emit(
+            &mut enc,
+            "fencegate_store_calls",
+            "Lease store calls by lease and operation",
+            MetricType::Counter,
+            calls,
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_errors",
+            "Failed lease store refreshes",
+            MetricType::Counter,
+            c(&|_, f| f.calls.errors.load(Ordering::Relaxed)),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_on_demand_reads",
+            "Store reads triggered by a request above the latest known epoch",
+            MetricType::Counter,
+            c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)),
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_store_clock_offset_seconds",
+            "Estimated store clock minus local clock",
+            MetricType::Gauge,
+            vec![(
+                vec![],
+                ConstGauge::new(shared.store.clock().offset_ms() as f64 / 1000.0),
+            )],
+        )?;
+        let s = shared.state.stats();
+        emit(
+            &mut enc,
+            "fencegate_flush_batches",
+            "Group commits (sled flush + fdatasync)",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(s.batches))],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_flush_records",
+            "Writes made durable by group commits (records per flush = records / batches)",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(s.records))],
+        )?;
+        let d = &shared.dedup.counters;
+        emit(
+            &mut enc,
+            "fencegate_dedup_replays",
+            "Responses answered from a done dedup record",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_conflicts",
+            "Dedup keys refused as in flight or reused",
+            MetricType::Counter,
+            vec![(
+                vec![],
+                ConstCounter::new(d.conflicts.load(Ordering::Relaxed)),
+            )],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_in_doubt",
+            "Dedup records that became in doubt",
+            MetricType::Counter,
+            vec![(
+                vec![],
+                ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)),
+            )],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_dedup_swept",
+            "Expired dedup records removed",
+            MetricType::Counter,
+            vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
+        )?;
+        if let Some(cl) = shared.mode.cluster() {
+            cluster_metrics(&mut enc, cl)?;
+        }
+        Ok(())
+    }
+}
+
+/// SPEC §10.2's metrics: shards owned, takeovers, requests relayed to peers.
+fn cluster_metrics(
+    enc: &mut DescriptorEncoder,
+    cl: &crate::cluster::Cluster,
+) -> Result<(), std::fmt::Error> {
+    let one = |n: u64| vec![(vec![], ConstCounter::new(n))];
+    emit(
+        enc,
+        "fencegate_cluster_shards_owned",
+        "Shards this instance serves now",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(cl.owned() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_members",
+        "Instances seen alive at the last heartbeat",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(cl.members().len() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_takeovers",
+        "Shards this instance took over",
+        MetricType::Counter,
+        one(cl.takeovers.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_handovers",
+        "Shards this instance handed over with a release",
+        MetricType::Counter,
+        one(cl.handovers.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_peer_forwards",
+        "Requests relayed to the owner of their shard",
+        MetricType::Counter,
+        one(cl.peer_forwards.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_gate_store_calls",
+        "Lease store calls made for gate leases (renewals, looks at other shards, takeovers, releases)",
+        MetricType::Counter,
+        one(cl.gate_calls.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_set_up_conflict",
+        "1 while a live gate object of another set-up (a single instance, another shard count) shares the prefix: nothing is forwarded",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(i64::from(cl.conflict().is_some())))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_untrusted_gate_objects",
+        "Shards whose latest gate object fails authentication (no owner taken from it, nothing relayed)",
+        MetricType::Gauge,
+        vec![(
+            vec![],
+            ConstGauge::new(
+                cl.shard_gates()
+                    .iter()
+                    .filter(|s| s.untrusted.is_some())
+                    .count() as i64,
+            ),
+        )],
+    )?;
+    emit(
+        enc,
+        "fencegate_peer_failures",
+        "Relayed requests the owner did not answer (503 shard_unavailable)",
+        MetricType::Counter,
+        one(cl.peer_failures.load(Ordering::Relaxed)),
+    )
+}

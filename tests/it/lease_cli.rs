@@ -1,7 +1,7 @@
 //! SPEC §2 and §8 from the worker's side: the `fencegate lease` commands on both
 //! store backends, concurrent acquires from many processes, the uncertain result
 //! (a create whose response was lost), the store self-test, `fencegate demo`, and
-//! the Python worker example in `scripts/worker/`.
+//! the Python worker example `examples/fenced_worker.py`.
 //!
 //! Measured (2 shared cores, debug build, single-threaded moto; run with
 //! `--nocapture` to see the figures): `fencegate lease acquire` against the test S3
@@ -1026,7 +1026,7 @@ async fn demo_tells_the_late_worker_story() {
 
 async fn run_python_worker(s3: &S3Server, fg: &Fencegate, extra: &[&str]) -> (i32, Value, String) {
     let out = tokio::process::Command::new(test_python())
-        .arg(repo_root().join("scripts/worker/fenced_worker.py"))
+        .arg(repo_root().join("examples/fenced_worker.py"))
         .args([
             "--endpoint",
             &s3.endpoint,
@@ -1046,7 +1046,7 @@ async fn run_python_worker(s3: &S3Server, fg: &Fencegate, extra: &[&str]) -> (i3
         .stdin(Stdio::null())
         .output()
         .await
-        .expect("running scripts/worker/fenced_worker.py");
+        .expect("running examples/fenced_worker.py");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     let json = serde_json::from_str(stdout.trim())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A complete fenced worker for fencegate, in Python with boto3.
 
-It implements the lease protocol of SPEC §2 (see PROTOCOL.md next to this file)
+It implements the lease protocol of SPEC §2 (see docs/worker-protocol.md)
 and calls a destination through fencegate (SPEC §3). Nothing here depends on
 fencegate's code: it is what a worker in any language has to do.
 

@@ -13,7 +13,7 @@ use crate::dedup::DedupKey;
 use crate::error::ProxyError;
 
 /// The request id header, sent upstream and echoed to the worker.
-pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// A worker's id longer than this is replaced (it ends up in every log line).
 const MAX_ID_LEN: usize = 200;
@@ -21,7 +21,7 @@ const MAX_ID_LEN: usize = 200;
 /// The request's id: the worker's `X-Request-Id` when it sent exactly one value
 /// of 1–200 visible ASCII characters, else a new one. Either way the header is set
 /// on `headers` (so it is forwarded upstream) and its value returned.
-pub fn request_id(headers: &mut HeaderMap) -> HeaderValue {
+pub(crate) fn request_id(headers: &mut HeaderMap) -> HeaderValue {
     let mut given = headers.get_all(&REQUEST_ID).iter();
     if let (Some(v), None) = (given.next(), given.next()) {
         let b = v.as_bytes();
@@ -53,7 +53,7 @@ fn new_id() -> HeaderValue {
 
 /// What a request revealed about itself before it ended, for its access line.
 #[derive(Default)]
-pub struct Seen {
+pub(crate) struct Seen {
     pub epoch: Option<u64>,
     pub key: Option<DedupKey>,
     /// Time from forwarding to the upstream's complete answer or failure.
@@ -61,7 +61,7 @@ pub struct Seen {
 }
 
 /// One request's access line.
-pub struct Line<'a> {
+pub(crate) struct Line<'a> {
     pub method: &'a Method,
     pub path: &'a str,
     pub route: Option<&'a str>,
@@ -80,7 +80,7 @@ pub struct Line<'a> {
 impl Line<'_> {
     /// Logs the line: flat fields, plain values (no Rust `Debug` forms), absent
     /// ones left out. The query string is not logged: it may carry secrets.
-    pub fn emit(&self) {
+    pub(crate) fn emit(&self) {
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         tracing::info!(
             target: "fencegate::access",

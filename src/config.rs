@@ -305,15 +305,15 @@ mod duration {
         }
     }
 
-    pub fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    pub(super) fn human<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         d.deserialize_any(Either)
     }
 
-    pub fn ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    pub(super) fn ms<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         human(d).map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
     }
 
-    pub fn ms_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    pub(super) fn ms_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
         ms(d).map(Some)
     }
 }

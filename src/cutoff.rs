@@ -41,10 +41,10 @@ struct Cut {
 
 /// The handle an abort cuts a connection with (kept in its `Connected` extras).
 #[derive(Debug, Clone)]
-pub struct CutHandle(Arc<Cut>);
+pub(crate) struct CutHandle(Arc<Cut>);
 
 impl CutHandle {
-    pub fn cut(&self) {
+    pub(crate) fn cut(&self) {
         self.0.cut.store(true, Ordering::SeqCst);
         self.0.read.wake();
         self.0.write.wake();
@@ -52,7 +52,7 @@ impl CutHandle {
 }
 
 /// Cuts the HTTP/1 connection a request was sent on, if it got one.
-pub fn cut(captured: &CaptureConnection) {
+pub(crate) fn cut(captured: &CaptureConnection) {
     let meta = captured.connection_metadata();
     let Some(conn) = meta.as_ref() else {
         return; // Still connecting: nothing of the request was written.

@@ -45,7 +45,7 @@ const PATH: &str = "/publish/report";
 
 /// Runs the story; `Ok(true)` when the stale write was refused and the
 /// destination's log is clean.
-pub async fn run() -> anyhow::Result<bool> {
+pub(crate) async fn run() -> anyhow::Result<bool> {
     let t0 = Instant::now();
     let tmp = TempDir::new()?;
     let origin = Origin::start().await?;
@@ -405,7 +405,7 @@ struct Origin {
 
 /// `fencegate origin`: the demo's destination on `addr`, printing each request it
 /// receives on stdout, until interrupted (the quick start's upstream).
-pub async fn serve_origin(addr: SocketAddr) -> anyhow::Result<()> {
+pub(crate) async fn serve_origin(addr: SocketAddr) -> anyhow::Result<()> {
     let origin = Origin::start_on(addr, true).await?;
     println!(
         "origin listening on http://{}/ — every request it receives is printed here",

@@ -14,11 +14,11 @@ use crate::epoch::{Epoch, LeaseName};
 use crate::fence::FenceError;
 use crate::state::{State, StateError};
 
-pub const ERROR_HEADER: &str = "x-fencegate-error";
+pub(crate) const ERROR_HEADER: &str = "x-fencegate-error";
 
 /// Why fencegate answered a request itself instead of the upstream.
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum ProxyError {
+pub(crate) enum ProxyError {
     #[error("no route matches this path")]
     RouteNotFound,
     #[error("X-Lease-Epoch is required")]
@@ -76,7 +76,7 @@ pub enum ProxyError {
 /// Why the admin API answered with an error (SPEC §8), mapped here like
 /// [`ProxyError`] and with the same body.
 #[derive(Debug, thiserror::Error)]
-pub enum AdminError {
+pub(crate) enum AdminError {
     #[error("no such admin endpoint")]
     NoSuchEndpoint,
     #[error("no route named {0:?}")]
@@ -106,7 +106,7 @@ pub enum AdminError {
 }
 
 impl AdminError {
-    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+    pub(crate) fn status_and_code(&self) -> (StatusCode, &'static str) {
         use AdminError as E;
         match self {
             E::NoSuchEndpoint => (StatusCode::NOT_FOUND, "not_found"),
@@ -124,7 +124,7 @@ impl AdminError {
         }
     }
 
-    pub fn to_response(&self) -> Response<Full<Bytes>> {
+    pub(crate) fn to_response(&self) -> Response<Full<Bytes>> {
         let (status, code) = self.status_and_code();
         let mut resp = error_response(status, code, self.to_string(), Map::new());
         if status == StatusCode::UNAUTHORIZED {
@@ -212,7 +212,7 @@ impl From<FenceError> for ProxyError {
 
 impl ProxyError {
     /// The SPEC §7 status and code.
-    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+    pub(crate) fn status_and_code(&self) -> (StatusCode, &'static str) {
         use ProxyError as E;
         match self {
             E::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
@@ -250,7 +250,7 @@ impl ProxyError {
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    pub(crate) fn code(&self) -> &'static str {
         self.status_and_code().1
     }
 
@@ -307,7 +307,7 @@ impl ProxyError {
     }
 
     /// The response fencegate sends for this error.
-    pub fn to_response(&self) -> Response<Full<Bytes>> {
+    pub(crate) fn to_response(&self) -> Response<Full<Bytes>> {
         let (status, code) = self.status_and_code();
         let mut ctx = Map::new();
         self.context(&mut ctx);

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 static ARMED: OnceLock<Option<String>> = OnceLock::new();
 
 /// Aborts the process if `name` is the armed failpoint.
-pub fn hit(name: &str) {
+pub(crate) fn hit(name: &str) {
     let armed = ARMED.get_or_init(|| {
         std::env::var("FENCEGATE_FAILPOINT")
             .ok()

@@ -735,7 +735,7 @@ const REFRESH_CONCURRENCY: usize = 32;
 /// The background refresh of every fence ([`Refresh`]): lists each fence in use
 /// when its listing falls due, from one task with a bounded number of calls in
 /// flight. A store outage is logged at most once per interval, not once per lease.
-pub async fn refresh_all(fences: Arc<Fences>, stop: CancellationToken) {
+pub(crate) async fn refresh_all(fences: Arc<Fences>, stop: CancellationToken) {
     let refresh = fences.refresh.clone();
     let mut calls = tokio::task::JoinSet::new();
     let mut queue: std::collections::VecDeque<Arc<Fence>> = Default::default();

@@ -624,7 +624,7 @@ mod test_support {
     use super::*;
     use crate::epoch::LeaseName;
 
-    pub fn admit_if(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
+    pub(super) fn admit_if(epoch: Epoch) -> impl Fn(Epoch) -> Result<Admit, Refusal> {
         move |mark| {
             if epoch < mark {
                 Err(Refusal::Stale {

@@ -28,6 +28,10 @@
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 
 #![forbid(unsafe_code)]
+// Lints as memory (issue 26): what is `pub` is the library's surface; a lock is
+// never held across an await; no `unwrap` outside tests.
+#![warn(unreachable_pub, clippy::await_holding_lock)]
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 pub(crate) mod access;
 pub mod admin;

@@ -23,10 +23,10 @@ mod held {
     }
 
     /// Marks `name` as held by this thread until dropped.
-    pub struct Held;
+    pub(super) struct Held;
 
     impl Held {
-        pub fn take(name: &'static str) -> Held {
+        pub(super) fn take(name: &'static str) -> Held {
             HELD.with(|h| {
                 if let Some(other) = h.get() {
                     panic!(
@@ -60,7 +60,7 @@ mod held {
 }
 
 /// A guard of a mutex under the one-lock-at-a-time rule.
-pub struct Ordered<'a, T> {
+pub(crate) struct Ordered<'a, T> {
     // Dropped first: the lock is released before the thread is marked free.
     guard: MutexGuard<'a, T>,
     _held: held::Held,
@@ -69,7 +69,7 @@ pub struct Ordered<'a, T> {
 /// Locks `m`, named `name` in the panic message of a nesting. A poisoned lock only
 /// means another thread panicked elsewhere; the state under it stays consistent on
 /// every panic-free path, so its guard is used as is.
-pub fn lock<'a, T>(name: &'static str, m: &'a Mutex<T>) -> Ordered<'a, T> {
+pub(crate) fn lock<'a, T>(name: &'static str, m: &'a Mutex<T>) -> Ordered<'a, T> {
     let held = held::Held::take(name);
     Ordered {
         guard: m.lock().unwrap_or_else(|p| p.into_inner()),

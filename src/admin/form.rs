@@ -3,7 +3,7 @@
 
 /// Decodes `%XX` escapes; with `plus_is_space` (form bodies, RFC 1866), `+` too.
 /// A malformed escape is kept as it is.
-pub fn decode(s: &str, plus_is_space: bool) -> Vec<u8> {
+pub(super) fn decode(s: &str, plus_is_space: bool) -> Vec<u8> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
@@ -31,7 +31,7 @@ pub fn decode(s: &str, plus_is_space: bool) -> Vec<u8> {
 }
 
 /// `name=value` pairs of a query string or form body, decoded (lossy UTF-8).
-pub fn pairs(s: &str, plus_is_space: bool) -> Vec<(String, String)> {
+pub(super) fn pairs(s: &str, plus_is_space: bool) -> Vec<(String, String)> {
     s.split('&')
         .filter(|p| !p.is_empty())
         .map(|p| {
@@ -44,7 +44,7 @@ pub fn pairs(s: &str, plus_is_space: bool) -> Vec<(String, String)> {
 
 /// Escapes everything but RFC 3986's unreserved characters (for a key in a path
 /// or a cursor in a query).
-pub fn encode(s: &str) -> String {
+pub(super) fn encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {

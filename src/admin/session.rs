@@ -14,10 +14,10 @@ use sha2::{Digest, Sha256};
 
 use crate::epoch::TokenHash;
 
-pub const COOKIE: &str = "fencegate_admin";
+pub(crate) const COOKIE: &str = "fencegate_admin";
 
 /// What a logged-in browser presents.
-pub struct Session {
+pub(crate) struct Session {
     cookie: String,
     csrf: String,
 }
@@ -38,7 +38,7 @@ fn same_secret(a: &str, b: &str) -> bool {
 impl Session {
     /// The session of the process whose secret is `secret`, for the admin token
     /// whose hash is `token`.
-    pub fn new(secret: &str, token: &TokenHash) -> Session {
+    pub(crate) fn new(secret: &str, token: &TokenHash) -> Session {
         let cookie = digest(&[
             b"fencegate-session\n",
             secret.as_bytes(),
@@ -49,7 +49,7 @@ impl Session {
     }
 
     /// Whether the request carries this session's cookie.
-    pub fn presented(&self, headers: &HeaderMap) -> bool {
+    pub(crate) fn presented(&self, headers: &HeaderMap) -> bool {
         headers
             .get_all(header::COOKIE)
             .iter()
@@ -60,15 +60,15 @@ impl Session {
     }
 
     /// The hidden field every form of the page carries.
-    pub fn csrf(&self) -> &str {
+    pub(crate) fn csrf(&self) -> &str {
         &self.csrf
     }
 
-    pub fn csrf_matches(&self, presented: &str) -> bool {
+    pub(crate) fn csrf_matches(&self, presented: &str) -> bool {
         same_secret(presented, &self.csrf)
     }
 
-    pub fn set_cookie(&self) -> HeaderValue {
+    pub(crate) fn set_cookie(&self) -> HeaderValue {
         HeaderValue::from_str(&format!(
             "{COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
             self.cookie
@@ -76,7 +76,7 @@ impl Session {
         .unwrap_or_else(|_| HeaderValue::from_static(""))
     }
 
-    pub fn clear_cookie() -> HeaderValue {
+    pub(crate) fn clear_cookie() -> HeaderValue {
         HeaderValue::from_static("fencegate_admin=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0")
     }
 }
@@ -85,7 +85,7 @@ impl Session {
 /// `Sec-Fetch-Site` other than `same-origin`, or an `Origin` naming another
 /// host, is a cross-site request. (Clients that send neither are judged by the
 /// form token alone.)
-pub fn same_origin(headers: &HeaderMap) -> bool {
+pub(crate) fn same_origin(headers: &HeaderMap) -> bool {
     if let Some(site) = headers.get("sec-fetch-site") {
         if site.as_bytes() != b"same-origin" {
             return false;

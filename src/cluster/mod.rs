@@ -1302,7 +1302,7 @@ mod weakened {
     }
 
     #[cfg(not(feature = "failpoints"))]
-    pub fn no_self_fence() -> bool {
+    pub(super) fn no_self_fence() -> bool {
         false
     }
 }

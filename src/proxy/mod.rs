@@ -10,9 +10,9 @@ use http::{HeaderValue, Method, Request, Response};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 
-pub mod routes;
+pub(crate) mod routes;
 
-pub use routes::{Route, RouteTable};
+pub(crate) use routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::admission::Claim;
@@ -33,7 +33,7 @@ use crate::streaming::{ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadSta
 /// arrived with its head (no streaming machinery for a small answer).
 const READY_BYTES: usize = 64 << 10;
 
-pub struct Proxy {
+pub(crate) struct Proxy {
     /// The routes and the access-log switch, as the last reload left them.
     live: Arc<LiveConfig>,
     dedup: Arc<Dedup>,
@@ -47,7 +47,7 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    pub fn new(shared: &Shared, metrics: Arc<Metrics>, peers: Option<HttpsClient>) -> Proxy {
+    pub(crate) fn new(shared: &Shared, metrics: Arc<Metrics>, peers: Option<HttpsClient>) -> Proxy {
         Proxy {
             live: shared.live.clone(),
             dedup: shared.dedup.clone(),
@@ -60,12 +60,12 @@ impl Proxy {
     }
 
     /// Shutdown's last resort: every request still forwarding ends now, in doubt.
-    pub fn abandon_all(&self) {
+    pub(crate) fn abandon_all(&self) {
         self.abandon.cancel();
     }
 
     /// The token [`Proxy::abandon_all`] cancels.
-    pub fn abandon_token(&self) -> tokio_util::sync::CancellationToken {
+    pub(crate) fn abandon_token(&self) -> tokio_util::sync::CancellationToken {
         self.abandon.clone()
     }
 
@@ -75,7 +75,7 @@ impl Proxy {
     ///
     /// No tracing span per request: creating and recording one cost ~5% of a
     /// forwarded request's CPU. The access line carries the request's fields.
-    pub async fn handle(
+    pub(crate) async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         peer: Arc<Peer>,

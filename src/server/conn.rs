@@ -69,19 +69,19 @@ pub(super) struct Shutdown {
 }
 
 impl Shutdown {
-    pub fn new() -> Shutdown {
+    pub(super) fn new() -> Shutdown {
         Shutdown {
             tx: watch::channel(()).0,
         }
     }
 
     /// Held by a connection for its life; changes when shutdown begins.
-    pub fn watcher(&self) -> watch::Receiver<()> {
+    pub(super) fn watcher(&self) -> watch::Receiver<()> {
         self.tx.subscribe()
     }
 
     /// Signals every connection, then waits until each has ended.
-    pub async fn shutdown(self) {
+    pub(super) async fn shutdown(self) {
         let _ = self.tx.send(());
         self.tx.closed().await;
     }

@@ -59,7 +59,7 @@ pub(super) struct Limits {
 }
 
 impl Limits {
-    pub fn new(idle: Duration) -> Limits {
+    pub(super) fn new(idle: Duration) -> Limits {
         Limits {
             idle,
             park_after: PARK_AFTER.min(idle / 4),

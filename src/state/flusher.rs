@@ -118,7 +118,7 @@ impl Flusher {
 
 impl GroupCommit {
     /// Starts the flusher thread.
-    pub fn start(flusher: Flusher) -> std::io::Result<Arc<GroupCommit>> {
+    pub(super) fn start(flusher: Flusher) -> std::io::Result<Arc<GroupCommit>> {
         let commit = Arc::new(GroupCommit {
             written: AtomicU64::new(0),
             requests: Mutex::new(Requests::default()),
@@ -138,12 +138,12 @@ impl GroupCommit {
     }
 
     /// After a write to the marks tree: a flusher that sees this version reads it.
-    pub fn marks_changed(&self) {
+    pub(super) fn marks_changed(&self) {
         self.marks_version.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Waits until every write made before this call is durable.
-    pub async fn commit(&self) -> Result<(), StateError> {
+    pub(super) async fn commit(&self) -> Result<(), StateError> {
         let seq = self.written.fetch_add(1, Ordering::SeqCst) + 1;
         let done = {
             let mut r = self.requests.lock().unwrap_or_else(|p| p.into_inner());
@@ -175,7 +175,7 @@ impl GroupCommit {
         }
     }
 
-    pub fn stats(&self) -> CommitStats {
+    pub(super) fn stats(&self) -> CommitStats {
         CommitStats {
             batches: self.batches.load(Ordering::Relaxed),
             records: self.records.load(Ordering::Relaxed),
@@ -183,12 +183,12 @@ impl GroupCommit {
     }
 
     /// Whether the last flush succeeded (readiness).
-    pub fn is_healthy(&self) -> bool {
+    pub(super) fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }
 
     /// Flushes everything and stops the flusher thread.
-    pub async fn close(&self) -> Result<(), StateError> {
+    pub(super) async fn close(&self) -> Result<(), StateError> {
         let res = self.commit().await;
         {
             let mut r = self.requests.lock().unwrap_or_else(|p| p.into_inner());

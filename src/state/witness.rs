@@ -18,17 +18,17 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-pub const FILES: [&str; 2] = ["witness.0", "witness.1"];
+pub(super) const FILES: [&str; 2] = ["witness.0", "witness.1"];
 const MAGIC: &[u8; 8] = b"FGWITNS1";
 
 #[derive(Debug, PartialEq, Eq)]
-pub struct Witness {
+pub(super) struct Witness {
     pub seq: u64,
     pub marks: Vec<(Vec<u8>, u64)>,
 }
 
 /// `MAGIC, seq u64, n u32, n × (len u16, lease, mark u64), SHA-256 of the rest`.
-pub fn encode(seq: u64, marks: &[(Vec<u8>, u64)]) -> Vec<u8> {
+pub(super) fn encode(seq: u64, marks: &[(Vec<u8>, u64)]) -> Vec<u8> {
     let mut out = Vec::with_capacity(52 + marks.len() * 80);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&seq.to_be_bytes());
@@ -43,7 +43,7 @@ pub fn encode(seq: u64, marks: &[(Vec<u8>, u64)]) -> Vec<u8> {
     out
 }
 
-pub fn decode(raw: &[u8]) -> Option<Witness> {
+pub(super) fn decode(raw: &[u8]) -> Option<Witness> {
     let (body, sum) = raw.split_at_checked(raw.len().checked_sub(32)?)?;
     if Sha256::digest(body)[..] != sum[..] || !body.starts_with(MAGIC) {
         return None;
@@ -66,7 +66,7 @@ pub fn decode(raw: &[u8]) -> Option<Witness> {
 }
 
 /// The newest valid witness; `None` when both files are absent or empty.
-pub fn read(dir: &Path) -> Result<Option<Witness>, String> {
+pub(super) fn read(dir: &Path) -> Result<Option<Witness>, String> {
     let mut best: Option<Witness> = None;
     let mut invalid = Vec::new();
     for name in FILES {
@@ -95,12 +95,12 @@ pub fn read(dir: &Path) -> Result<Option<Witness>, String> {
     }
 }
 
-pub struct Writer {
+pub(super) struct Writer {
     files: [File; 2],
 }
 
 impl Writer {
-    pub fn open(dir: &Path) -> std::io::Result<Writer> {
+    pub(super) fn open(dir: &Path) -> std::io::Result<Writer> {
         let open = |name: &str| {
             OpenOptions::new()
                 .read(true)
@@ -115,7 +115,7 @@ impl Writer {
     }
 
     /// Overwrites the slot of `seq` (the other keeps the previous commit).
-    pub fn write(&self, seq: u64, marks: &[(Vec<u8>, u64)]) -> std::io::Result<()> {
+    pub(super) fn write(&self, seq: u64, marks: &[(Vec<u8>, u64)]) -> std::io::Result<()> {
         let buf = encode(seq, marks);
         let f = &self.files[(seq % 2) as usize];
         f.write_all_at(&buf, 0)?;

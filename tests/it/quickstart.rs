@@ -1,7 +1,8 @@
 //! The README as a user meets it: the quick start's shell session runs as written
 //! (against `config/fencegate.toml`, with `fencegate` on the PATH; only the three
-//! ports are swapped for free ones), every relative link in README.md resolves
-//! inside the repository, and the commands have help texts.
+//! ports are swapped for free ones), every relative link in README.md, docs/ and
+//! benches/README.md resolves inside the repository, the README names the test
+//! command CI runs, and the commands have help texts.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -129,48 +130,137 @@ fn the_quick_start_runs_as_written() {
     );
 }
 
-/// Every relative link in README.md (markdown links, and file paths quoted in
-/// backticks) names a file in the repository. Breaks on a link to a file a clone
-/// does not have (SPEC.md, NOTES.md and a bench README once were).
+/// The documents a reader is sent to: the README, everything under `docs/`, and
+/// the benchmarks' README.
+fn doc_files(root: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = vec![root.join("README.md"), root.join("benches/README.md")];
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .expect("docs/")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// The text outside fenced code blocks.
+fn prose(text: &str) -> String {
+    let mut out = String::new();
+    let mut in_code = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            in_code = !in_code;
+        } else if !in_code {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The anchors GitHub makes for a file's headings: lower case, punctuation
+/// dropped, spaces as hyphens, `-1`, `-2`… on repeats.
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    let mut counts = std::collections::HashMap::<String, usize>::new();
+    for line in prose(text).lines() {
+        let Some(title) = line.strip_prefix('#') else {
+            continue;
+        };
+        let title = title.trim_start_matches('#');
+        if !title.starts_with(' ') {
+            continue;
+        }
+        let slug: String = title
+            .trim()
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                '-' | '_' => Some(c),
+                c if c.is_alphanumeric() => Some(c),
+                _ => None,
+            })
+            .flat_map(char::to_lowercase)
+            .collect();
+        let repeats = counts.entry(slug.clone()).or_insert(0);
+        seen.push(if *repeats == 0 {
+            slug
+        } else {
+            format!("{slug}-{repeats}")
+        });
+        *repeats += 1;
+    }
+    seen
+}
+
+/// Every relative link in README.md, docs/*.md and benches/README.md resolves:
+/// a markdown link (relative to its file, as GitHub reads it) names a file or
+/// directory in the repository, and its `#anchor`, when it points into a
+/// markdown file, names a heading there; a file path quoted in backticks (a file
+/// a reader is told to open, relative to the repository's root) exists. Breaks on
+/// a link to a file a clone does not have (SPEC.md, NOTES.md and a bench README
+/// once were), or to a section that was renamed or moved.
 #[test]
-fn every_relative_link_in_the_readme_resolves() {
+fn every_relative_link_in_the_docs_resolves() {
     let root = repo_root();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let mut missing = Vec::new();
     let mut checked = 0;
-    let mut check = |target: &str| {
-        let target = target.split('#').next().unwrap_or_default();
-        if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
-            return;
+    for file in doc_files(&root) {
+        let name = file.strip_prefix(&root).unwrap().display().to_string();
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let dir = file.parent().unwrap();
+        let mut check = |base: &Path, target: &str| {
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                return;
+            }
+            checked += 1;
+            let (path, anchor) = match target.split_once('#') {
+                Some((path, anchor)) => (path, Some(anchor)),
+                None => (target, None),
+            };
+            let resolved = if path.is_empty() {
+                file.clone()
+            } else {
+                base.join(path)
+            };
+            if !resolved.exists() {
+                missing.push(format!("{name}: {target}"));
+                return;
+            }
+            if let Some(anchor) = anchor {
+                if resolved.extension().is_some_and(|e| e == "md") {
+                    let there = std::fs::read_to_string(&resolved).unwrap();
+                    if !anchors(&there).iter().any(|a| a == anchor) {
+                        missing.push(format!("{name}: {target} (no such heading)"));
+                    }
+                }
+            }
+        };
+        for part in prose(&text).split("](").skip(1) {
+            if let Some(end) = part.find(')') {
+                check(dir, &part[..end]);
+            }
         }
-        checked += 1;
-        if !root.join(target).exists() {
-            missing.push(target.to_owned());
-        }
-    };
-    for part in readme.split("](").skip(1) {
-        if let Some(end) = part.find(')') {
-            check(&part[..end]);
+        // `path/to/file.ext` in backticks: a file a reader is told to open.
+        for (i, quoted) in text.split('`').enumerate() {
+            let file_like = i % 2 == 1
+                && !quoted.contains(char::is_whitespace)
+                && !quoted.starts_with('/')
+                && !quoted.contains(['{', '*', '$', '<', '='])
+                && [".md", ".rs", ".toml", ".sh", ".py"]
+                    .iter()
+                    .any(|ext| quoted.ends_with(ext))
+                && (quoted.contains('/') || quoted.ends_with(".md"));
+            if file_like {
+                check(&root, quoted);
+            }
         }
     }
-    // `path/to/file.ext` in backticks: a file a reader is told to open.
-    for (i, quoted) in readme.split('`').enumerate() {
-        let file_like = i % 2 == 1
-            && !quoted.contains(char::is_whitespace)
-            && !quoted.starts_with('/')
-            && !quoted.contains(['{', '*', '$', '<', '='])
-            && [".md", ".rs", ".toml", ".sh", ".py"]
-                .iter()
-                .any(|ext| quoted.ends_with(ext))
-            && (quoted.contains('/') || quoted.ends_with(".md"));
-        if file_like {
-            check(quoted);
-        }
-    }
-    assert!(checked >= 5, "found only {checked} links");
+    assert!(checked >= 50, "found only {checked} links");
     assert!(
         missing.is_empty(),
-        "README.md names missing files: {missing:?}"
+        "links that do not resolve: {missing:#?}"
     );
     for f in ["LICENSE", "SPEC.md"] {
         assert!(root.join(f).is_file(), "{f}");
@@ -184,6 +274,26 @@ fn every_relative_link_in_the_readme_resolves() {
                 .status()
                 .is_ok_and(|s| s.success()),
         "no committed __pycache__"
+    );
+}
+
+/// The README's test command is the one CI runs. Breaks when either changes
+/// without the other.
+#[test]
+fn the_readme_names_the_test_command_ci_runs() {
+    let root = repo_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
+    let command = "bash scripts/test.sh";
+    assert!(
+        ci.lines().any(|l| !l.trim_start().starts_with('#')
+            && !l.contains("step ")
+            && l.contains(command)),
+        ".ci/run no longer runs `{command}`"
+    );
+    assert!(
+        readme.lines().any(|l| l.starts_with(command)),
+        "the README's sh block does not name `{command}`"
     );
 }
 

@@ -103,6 +103,8 @@ pub struct Guard {
     /// Set once another process was found holding the guard under this id: from
     /// then on nothing is taken back at once.
     shared_id: AtomicBool,
+    /// Told when a renewal finds the tenure taken: what is in flight is aborted.
+    lost: tokio::sync::Notify,
 }
 
 /// This instance's id, created once in `data_dir`.
@@ -164,10 +166,14 @@ impl Guard {
             conflict: std::sync::Mutex::new(None),
             me: this_process(),
             shared_id: AtomicBool::new(false),
+            lost: tokio::sync::Notify::new(),
         });
         let before = acquire::status(&guard.epochs, &guard.shard).await?;
-        if let Some(rec) = guard.latest_record(before.latest).await? {
-            if SetUp::of(&rec) != SetUp::Single && !before.is_free(guard.grace) {
+        let free = guard.is_free(&before);
+        // Garbage at the latest epoch hides nothing: the checks read the latest
+        // gate object that parses.
+        if let Some(rec) = guard.last_record(before.latest).await? {
+            if SetUp::of(&rec) != SetUp::Single && !free {
                 return Err(GuardError::OtherMode {
                     mode: rec.mode.unwrap_or_default(),
                     shards: rec.shards.unwrap_or(0),
@@ -178,7 +184,7 @@ impl Guard {
             // taken over from without the operator's word.
             // (A live holder is refused below, by name and with its expiry.)
             let shares = rec.holder == guard.id || rec.state.as_deref() == Some(&guard.state_id);
-            if before.is_free(guard.grace) && !shares && !cfg.takeover_may_duplicate {
+            if free && !shares && !cfg.takeover_may_duplicate {
                 return Err(GuardError::OtherState {
                     holder: rec.holder,
                     theirs: rec.state,
@@ -199,8 +205,8 @@ impl Guard {
             Err(e) => return Err(e),
         }
         guard.after_take().await?;
-        let previous = before.object.as_ref().and_then(EpochObject::holder);
-        match previous {
+        let previous = guard.last_record(before.latest).await?.map(|r| r.holder);
+        match previous.as_deref() {
             Some(h) if h != guard.id => tracing::warn!(
                 previous = h,
                 instance = %guard.id,
@@ -211,40 +217,29 @@ impl Guard {
         Ok(guard)
     }
 
-    /// After a create that (re)took the guard: if the object it followed was a
-    /// cluster's, every shard that cluster used must be free — a cluster serves
+    /// After a create that (re)took the guard: every other shard gate lease
+    /// ever used under the prefix (a cluster's) must be free — a cluster serves
     /// nothing without shard 0 ([`crate::setup`]), but one that held it until
     /// just now may still hold others. Looked at after our own create, so a
-    /// cluster member taking a shard at the same time sees us, or we see it.
-    /// On a conflict the guard is released and nothing is forwarded.
+    /// cluster member taking a shard at the same time sees us, or we see it;
+    /// and found by probing (`.gate/NNNN/` whose first object exists), not by
+    /// what the object before ours claims, which may be garbage. On a conflict
+    /// the guard is released and nothing is forwarded.
     async fn after_take(&self) -> Result<(), GuardError> {
-        let Some(held) = self.holding.lock().await.clone() else {
-            return Ok(());
-        };
-        let previous = match held.epoch.get().checked_sub(1) {
-            Some(p) if p > 0 => self.latest_record(crate::epoch::Epoch::new(p)).await?,
-            _ => None,
-        };
-        let Some(rec) = previous else {
-            *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = None;
-            return Ok(());
-        };
-        let theirs = SetUp::of(&rec);
-        for shard in 1..theirs.shards() {
-            let name = crate::cluster::shard_name(shard);
+        let shards = crate::setup::shards_in_use(&self.epochs).await?;
+        for shard in 1..shards {
+            let name = crate::setup::shard_name(shard);
             let st = acquire::status(&self.epochs, &name).await?;
-            if st.is_free(self.grace) {
+            if self.is_free(&st) {
                 continue;
             }
-            let holder = st
-                .object
-                .as_ref()
-                .and_then(EpochObject::holder)
-                .unwrap_or_default()
-                .to_owned();
+            let (theirs, holder) = match &st.record {
+                Some(r) => (SetUp::of(r), r.holder.clone()),
+                None => (SetUp::Cluster { shards }, String::new()),
+            };
             let err = GuardError::OtherMode {
                 mode: theirs.mode().into(),
-                shards: theirs.shards(),
+                shards: theirs.shards().max(shards),
                 holder,
             };
             tracing::error!(error = %err, "a cluster still holds gate leases under this prefix: releasing the instance guard, forwarding nothing");
@@ -254,6 +249,33 @@ impl Guard {
         }
         *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = None;
         Ok(())
+    }
+
+    /// Whether a gate lease's latest object lets this instance in now: nothing
+    /// a single instance reads can be authenticated, so only a release that
+    /// proves its tenure is final at once ([`crate::setup::gate_free`]).
+    fn is_free(&self, st: &acquire::LeaseStatus) -> bool {
+        crate::setup::gate_free(st, false, self.ttl, self.grace)
+    }
+
+    /// The latest gate object of shard 0 at or below `latest` that parses
+    /// (garbage written over it says nothing of who held the guard); a few
+    /// epochs back at most.
+    async fn last_record(
+        &self,
+        latest: crate::epoch::Epoch,
+    ) -> Result<Option<EpochRecord>, StoreError> {
+        let mut e = latest.get();
+        for _ in 0..32 {
+            if e == 0 {
+                break;
+            }
+            if let Some(r) = self.latest_record(crate::epoch::Epoch::new(e)).await? {
+                return Ok(Some(r));
+            }
+            e -= 1;
+        }
+        Ok(None)
     }
 
     /// Why this instance forwards nothing, if another set-up holds the prefix.
@@ -297,8 +319,12 @@ impl Guard {
             r.process = process.clone();
         };
         let reclaim = |r: &EpochRecord| self.may_reclaim(r);
-        let reclaim_own: Option<acquire::Reclaim<'_>> =
-            (current.is_none() && !self.shared_id.load(Ordering::SeqCst)).then_some(&reclaim);
+        let free = |st: &acquire::LeaseStatus| self.is_free(st);
+        let rules = acquire::GateRules {
+            free: &free,
+            reclaim: (current.is_none() && !self.shared_id.load(Ordering::SeqCst))
+                .then_some(&reclaim as acquire::Reclaim<'_>),
+        };
         let held = match acquire::acquire_with(
             &self.epochs,
             &self.shard,
@@ -306,7 +332,7 @@ impl Guard {
             self.ttl,
             self.grace,
             current.map(|h| (h.epoch, h.token.as_str())),
-            reclaim_own,
+            Some(&rules),
             &decorate,
         )
         .await
@@ -429,6 +455,11 @@ impl Guard {
                 // own id by another process: stop at once and wait like anyone),
                 // and look for a cluster that may have held the prefix meanwhile.
                 Err(GuardError::Acquire(AcquireError::NotHolder { .. })) => {
+                    // Someone created the next gate epoch: our tenure is over
+                    // now, whatever our window said — stop, and abort what is
+                    // in flight (`abort_at_expiry`).
+                    self.forward_until_ms.store(0, Ordering::SeqCst);
+                    self.lost.notify_one();
                     self.check_shared_id(current.as_ref()).await;
                     match self.take(None).await {
                         Ok(()) => self.after_take().await,
@@ -490,6 +521,12 @@ impl Guard {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
+                _ = self.lost.notified() => {
+                    tracing::warn!("the instance guard's gate lease was taken: requests in flight are aborted");
+                    for f in fences.all() {
+                        f.abort_in_flight();
+                    }
+                }
             }
         }
     }

@@ -19,8 +19,12 @@ use std::fmt;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use std::time::{Duration, SystemTime};
+
 use crate::config::{StateConfig, StateKind, MAX_SHARDS};
-use crate::epoch::{EpochKind, EpochRecord};
+use crate::epoch::{object_key, Epoch, EpochKind, EpochObject, EpochRecord, LeaseName};
+use crate::lease::acquire::{free_at, LeaseStatus};
+use crate::lease::{Epochs, StoreError};
 
 /// A single instance, or a cluster of `shards` shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +76,64 @@ impl fmt::Display for SetUp {
             SetUp::Cluster { shards } => write!(f, "a cluster of {shards} shards"),
         }
     }
+}
+
+/// The gate lease's name of a shard: `0007`.
+pub fn shard_name(shard: u32) -> LeaseName {
+    // Four digits always make a valid lease name.
+    LeaseName::parse(&format!("{shard:04}")).unwrap_or_else(|_| unreachable!())
+}
+
+/// Whether a gate lease's latest object (SPEC §10) lets a contender in now.
+///
+/// Anyone who can write under `.gate/` can create the next epoch of a gate
+/// lease, so an object's own word must never end the tenure before it any
+/// sooner than that tenure would end by itself. `trusted`: the object was
+/// written by a member of this set-up (a cluster's MAC verified) — its TTL is
+/// believed and its release is final. Otherwise: a release is final only when
+/// it proves the tenure it ends (it carries that epoch's token), and anything
+/// else — an acquire, garbage, an unproven release — lets a contender in no
+/// sooner than `gate_ttl` after it was written (plus `LastModified`'s
+/// resolution and `grace`), nor before its own expiry: by then the tenure it
+/// followed, renewed at the latest just before it, has ended.
+pub fn gate_free(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Duration) -> bool {
+    gate_free_at(st, trusted, gate_ttl, grace).is_none_or(|at| st.store_earliest > at)
+}
+
+/// When [`gate_free`] turns true on the store's clock; `None`: free already
+/// (no object, or a final release).
+pub fn gate_free_at(
+    st: &LeaseStatus,
+    trusted: bool,
+    gate_ttl: Duration,
+    grace: Duration,
+) -> Option<SystemTime> {
+    let (Some(object), Some(written)) = (&st.object, st.written) else {
+        return None;
+    };
+    let after_write = free_at(written + gate_ttl, grace);
+    Some(match object {
+        EpochObject::Acquire { expires_at, .. } if trusted => free_at(*expires_at, grace),
+        EpochObject::Acquire { expires_at, .. } => free_at(*expires_at, grace).max(after_write),
+        EpochObject::Release { .. } if trusted || st.release_proven => return None,
+        _ => after_write,
+    })
+}
+
+/// How many shard gate leases have ever been used under the prefix: shard `k`
+/// was used if its first gate object exists (gate objects are never deleted).
+/// A set-up taking shard 0 over from an object it cannot trust reads every one
+/// of them, whatever that object claims. One read per shard used, plus one.
+pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
+    let mut k = 1;
+    while k < MAX_SHARDS {
+        let key = object_key(epochs.prefix(), &shard_name(k), Epoch::new(1));
+        if epochs.store().get(&key).await?.is_none() {
+            break;
+        }
+        k += 1;
+    }
+    Ok(k)
 }
 
 /// Where an instance keeps marks and dedup records, as its gate objects name it:

@@ -55,11 +55,7 @@ pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
     u32::try_from(s).unwrap_or(0)
 }
 
-/// The gate lease's name of a shard: `0007`.
-pub fn shard_name(shard: u32) -> LeaseName {
-    // Four digits always make a valid lease name.
-    LeaseName::parse(&format!("{shard:04}")).unwrap_or_else(|_| unreachable!())
-}
+pub use crate::setup::shard_name;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -135,12 +131,11 @@ struct Seen {
     expires_at: Option<SystemTime>,
     /// A contender may take it now (SPEC §2 step 2, with `grace_ms`).
     free: bool,
-    /// The latest gate object as read (objects are immutable: read once per epoch).
-    object: Option<(EpochObject, Option<String>)>,
+    /// The latest gate object as read (objects are immutable: read once per
+    /// epoch; judged again at every look).
+    status: Option<acquire::LeaseStatus>,
     /// What the latest gate object is to this cluster (`None`: no object).
     verdict: Option<Verdict>,
-    /// Its `LastModified`.
-    written: Option<SystemTime>,
 }
 
 impl Seen {
@@ -317,10 +312,11 @@ impl Cluster {
     /// refuses start-up. Running, the keeper looks again every round.
     async fn check_set_up(&self) -> Result<(), ClusterError> {
         let anchor = self.read_latest(0).await?;
-        let mut shards = self.shards;
-        if let Some((_, Some(rec), _)) = &anchor {
-            shards = shards.max(SetUp::of(rec).shards());
-        }
+        // Every shard gate lease ever used under the prefix, whatever shard 0's
+        // latest object claims (it may be garbage).
+        let shards = self
+            .shards
+            .max(crate::setup::shards_in_use(&self.epochs).await?);
         for shard in 0..shards {
             let read = if shard == 0 {
                 anchor.clone()
@@ -355,19 +351,16 @@ impl Cluster {
         if epoch == Epoch::NONE {
             return Ok(None);
         }
-        let name = shard_name(shard);
-        let key = crate::epoch::object_key(self.epochs.prefix(), &name, epoch);
-        let Some(o) = self.epochs.store().get(&key).await? else {
+        let st = acquire::status_at(&self.epochs, &shard_name(shard), epoch).await?;
+        if st.object.is_none() {
             return Ok(None);
-        };
-        let rec = serde_json::from_slice::<EpochRecord>(&o.body).ok();
-        let object = EpochObject::from_stored(&name, epoch, &o.body, o.last_modified);
-        let free = self.is_free(&self.verdict(rec.as_ref()), &object, o.last_modified);
-        Ok(Some((epoch, rec, free)))
+        }
+        let free = self.is_free(&self.verdict(shard, st.record.as_ref()), &st);
+        Ok(Some((epoch, st.record, free)))
     }
 
-    /// What a gate object is to this cluster.
-    fn verdict(&self, rec: Option<&EpochRecord>) -> Verdict {
+    /// What a gate object of `shard` is to this cluster.
+    fn verdict(&self, shard: u32, rec: Option<&EpochRecord>) -> Verdict {
         let Some(rec) = rec else {
             return Verdict::Untrusted("the gate object does not parse".into());
         };
@@ -383,7 +376,12 @@ impl Cluster {
             };
         }
         match theirs {
-            SetUp::Single => Verdict::Foreign(theirs),
+            SetUp::Single if shard == 0 => Verdict::Foreign(theirs),
+            // A single instance holds shard 0 only.
+            SetUp::Single => Verdict::Untrusted(format!(
+                "the gate object of epoch {} claims a single instance ({:?}) on shard {shard}, which a single instance never uses: forged",
+                rec.epoch, rec.holder
+            )),
             SetUp::Cluster { .. } => Verdict::Untrusted(format!(
                 "the gate object of epoch {} names holder {:?} but its MAC does not verify: not written by a member with this peer_token (forged, or a member configured with another token)",
                 rec.epoch, rec.holder
@@ -391,23 +389,13 @@ impl Cluster {
         }
     }
 
-    /// Whether a contender may take a shard whose latest gate object is `object`
-    /// (SPEC §2 step 2, with `grace_ms`). An untrusted object's own TTL is not
-    /// believed: it may be taken `gate_ttl` after it was written, by when any
-    /// tenure it could have cut short has ended.
-    fn is_free(&self, verdict: &Verdict, object: &EpochObject, last_modified: SystemTime) -> bool {
-        let earliest = self.epochs.store().clock().earliest();
-        match verdict {
-            Verdict::Untrusted(_) => {
-                earliest > acquire::free_at(last_modified + self.ttl, self.grace)
-            }
-            _ => match object {
-                EpochObject::Acquire { expires_at, .. } => {
-                    earliest > acquire::free_at(*expires_at, self.grace)
-                }
-                _ => true,
-            },
-        }
+    /// Whether a contender may take a shard whose latest gate object is read in
+    /// `st` (SPEC §2 step 2, with `grace_ms`): a member's object is believed;
+    /// anything else — another set-up's, forged, garbage — ends the tenure it
+    /// follows no sooner than that tenure would end itself
+    /// ([`crate::setup::gate_free`]).
+    fn is_free(&self, verdict: &Verdict, st: &acquire::LeaseStatus) -> bool {
+        crate::setup::gate_free(st, *verdict == Verdict::Ours, self.ttl, self.grace)
     }
 
     /// A conflict if `read` (a shard's latest gate object) is a live one of
@@ -418,7 +406,7 @@ impl Cluster {
         read: Option<&(Epoch, Option<EpochRecord>, bool)>,
     ) -> Option<Conflict> {
         let (_, rec, free) = read?;
-        match self.verdict(rec.as_ref()) {
+        match self.verdict(shard, rec.as_ref()) {
             Verdict::Foreign(theirs) if !free => Some(Conflict {
                 shard,
                 theirs,
@@ -629,14 +617,12 @@ impl Cluster {
             .filter(|g| !g.busy.load(Ordering::SeqCst) && lock(&g.holding).is_none())
             .filter_map(|g| {
                 let seen = lock(&g.seen);
-                match &seen.object {
-                    Some((EpochObject::Acquire { expires_at, .. }, _)) if !seen.free => {
-                        // Already past (the look came just before): look again.
-                        let at = acquire::free_at(*expires_at, self.grace);
-                        Some(at.duration_since(earliest).unwrap_or_default())
-                    }
-                    _ => None,
-                }
+                let (Some(st), Some(v), false) = (&seen.status, &seen.verdict, seen.free) else {
+                    return None;
+                };
+                // Already past (the look came just before): look again.
+                crate::setup::gate_free_at(st, *v == Verdict::Ours, self.ttl, self.grace)
+                    .map(|at| at.duration_since(earliest).unwrap_or_default())
             })
             .min()
             .map(|d| d + Duration::from_millis(50))
@@ -743,7 +729,7 @@ impl Cluster {
             }
             return None;
         }
-        match self.look(g).await {
+        match self.look(shard, g).await {
             Ok(seen) => {
                 let conflict = match &seen.verdict {
                     Some(Verdict::Foreign(theirs)) if !seen.free => Some(Conflict {
@@ -776,67 +762,48 @@ impl Cluster {
     /// epochs after the last one seen), and a GET only when the epoch changed
     /// (gate objects are immutable). An owner and its `advertise` are taken
     /// only from an object a member of this set-up sealed ([`Verdict::Ours`]).
-    async fn look(&self, g: &ShardGate) -> Result<Seen, StoreError> {
+    async fn look(&self, shard: u32, g: &ShardGate) -> Result<Seen, StoreError> {
         // Listed after the epoch last seen (objects are never deleted): the cost
         // of a look does not grow with the shard's history.
         let known = lock(&g.seen).epoch;
         let latest = self.epochs.latest_after(&g.name, known).await?;
         let cached = {
             let seen = lock(&g.seen);
-            (seen.epoch == latest && seen.object.is_some())
-                .then(|| (seen.object.clone(), seen.verdict.clone(), seen.written))
+            seen.status
+                .clone()
+                .filter(|st| st.latest == latest && seen.epoch == latest)
         };
-        let (object, verdict, written) = match cached {
-            Some(c) => c,
-            None if latest == Epoch::NONE => (None, None, None),
-            None => {
-                let key = crate::epoch::object_key(self.epochs.prefix(), &g.name, latest);
-                match self.epochs.store().get(&key).await? {
-                    None => (None, None, None),
-                    Some(o) => {
-                        let rec = serde_json::from_slice::<EpochRecord>(&o.body).ok();
-                        let verdict = self.verdict(rec.as_ref());
-                        let advertise = match verdict {
-                            Verdict::Ours => rec.and_then(|r| r.advertise),
-                            _ => None,
-                        };
-                        (
-                            Some((
-                                EpochObject::from_stored(&g.name, latest, &o.body, o.last_modified),
-                                advertise,
-                            )),
-                            Some(verdict),
-                            Some(o.last_modified),
-                        )
-                    }
-                }
-            }
+        let mut st = match cached {
+            Some(st) => st,
+            None => acquire::status_at(&self.epochs, &g.name, latest).await?,
         };
-        let free = match (&object, &verdict, written) {
-            (Some((o, _)), Some(v), Some(at)) => self.is_free(v, o, at),
-            _ => true,
+        // Judged as of now, on the object read once.
+        st.store_now = self.epochs.store_now();
+        st.store_earliest = self.epochs.store().clock().earliest();
+        let verdict = st
+            .object
+            .as_ref()
+            .map(|_| self.verdict(shard, st.record.as_ref()));
+        let free = match &verdict {
+            Some(v) => self.is_free(v, &st),
+            None => true,
         };
         let mut seen = Seen {
             epoch: latest,
             free,
-            object: object.clone(),
             verdict: verdict.clone(),
-            written,
+            status: Some(st.clone()),
             ..Seen::default()
         };
-        let store_earliest = self.epochs.store().clock().earliest();
-        if let Some((
-            EpochObject::Acquire {
-                holder, expires_at, ..
-            },
-            advertise,
-        )) = &object
+        if let Some(EpochObject::Acquire {
+            holder, expires_at, ..
+        }) = &st.object
         {
             seen.holder = Some(holder.clone());
-            if verdict == Some(Verdict::Ours) && store_earliest <= *expires_at {
+            if verdict == Some(Verdict::Ours) && st.store_earliest <= *expires_at {
                 seen.owner = Some(holder.clone());
                 seen.expires_at = Some(*expires_at);
-                seen.advertise = advertise.clone();
+                seen.advertise = st.record.as_ref().and_then(|r| r.advertise.clone());
             }
         }
         Ok(seen)
@@ -850,9 +817,8 @@ impl Cluster {
             advertise: Some(self.advertise.clone()),
             expires_at: Some(h.expires_at),
             free: false,
-            object: None,
+            status: None,
             verdict: Some(Verdict::Ours),
-            written: None,
         };
     }
 
@@ -971,35 +937,26 @@ impl Cluster {
                 let _op = g.op.lock().await;
                 let sent = Instant::now();
                 let decorate = self.decorate();
-                let taken = match (&previous.verdict, previous.free) {
-                    // An untrusted object's own TTL is not believed (a forged
-                    // one could name a year): judged free by this cluster's
-                    // rule, the epoch after it is created straight away — the
-                    // conditional create still decides against anyone else.
-                    (Some(Verdict::Untrusted(_)), true) => {
-                        let after = Holding {
-                            lease: g.name.clone(),
-                            epoch: previous.epoch,
-                            token: String::new(),
-                            holder: self.id.clone(),
-                            expires_at: SystemTime::UNIX_EPOCH,
-                        };
-                        acquire::renew_direct(&self.epochs, &after, self.ttl, &decorate).await
-                    }
-                    _ => {
-                        acquire::acquire_with(
-                            &self.epochs,
-                            &g.name,
-                            &self.id,
-                            self.ttl,
-                            self.grace,
-                            None,
-                            None,
-                            &decorate,
-                        )
-                        .await
-                    }
+                // Judged again as the create's read sees it, by this cluster's
+                // rule: a forged object's own word frees nothing early.
+                let free = |st: &acquire::LeaseStatus| {
+                    self.is_free(&self.verdict(shard, st.record.as_ref()), st)
                 };
+                let rules = acquire::GateRules {
+                    free: &free,
+                    reclaim: None,
+                };
+                let taken = acquire::acquire_with(
+                    &self.epochs,
+                    &g.name,
+                    &self.id,
+                    self.ttl,
+                    self.grace,
+                    None,
+                    Some(&rules),
+                    &decorate,
+                )
+                .await;
                 match taken {
                     Ok(h) => {
                         self.extend(g, sent);
@@ -1071,7 +1028,7 @@ impl Cluster {
                 return Err(AnchorError::Conflict(c));
             }
             return match anchor {
-                Some((_, rec, _)) if self.verdict(rec.as_ref()) == Verdict::Ours => Ok(()),
+                Some((_, rec, _)) if self.verdict(0, rec.as_ref()) == Verdict::Ours => Ok(()),
                 _ => Err(AnchorError::NotAnchored),
             };
         }
@@ -1084,12 +1041,14 @@ impl Cluster {
             .map_err(AnchorError::Store)?;
         let shards = match &before {
             None => return Ok(()),
-            Some((_, rec, _)) => match self.verdict(rec.as_ref()) {
+            // Whatever the object before ours claims (it may be garbage),
+            // every shard gate lease ever used under the prefix is looked at.
+            Some((_, rec, _)) => match self.verdict(0, rec.as_ref()) {
                 Verdict::Ours => return Ok(()),
-                Verdict::Foreign(theirs) => theirs.shards().max(self.shards),
-                // Whatever an untrusted object claims, every shard name this
-                // set-up uses is looked at.
-                Verdict::Untrusted(_) => self.shards,
+                _ => crate::setup::shards_in_use(&self.epochs)
+                    .await
+                    .map_err(AnchorError::Store)?
+                    .max(self.shards),
             },
         };
         for s in 1..shards {

@@ -65,6 +65,13 @@ impl AcquireError {
 pub struct LeaseStatus {
     pub latest: Epoch,
     pub object: Option<EpochObject>,
+    /// The latest object as stored, if it parses (a gate object's set-up, MAC…).
+    pub record: Option<EpochRecord>,
+    /// The latest object's `LastModified`.
+    pub written: Option<SystemTime>,
+    /// The latest object is a release carrying the token of the epoch it
+    /// releases (read back and checked against that epoch's token hash).
+    pub release_proven: bool,
     /// The store's clock, upper estimate (for judging one's own tenure).
     pub store_now: SystemTime,
     /// The store's clock, lower estimate (for judging someone else's tenure).
@@ -123,14 +130,55 @@ pub async fn status_after(
     known: Epoch,
 ) -> Result<LeaseStatus, StoreError> {
     let latest = epochs.latest_after(lease, known).await?;
-    let object = if latest == Epoch::NONE {
+    status_at(epochs, lease, latest).await
+}
+
+/// The status of `lease` whose latest epoch is `latest` (listed by the caller):
+/// its object, read once, and — for a release that carries a token — whether it
+/// proves the tenure it releases (one more read, of the epoch before).
+pub async fn status_at(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    latest: Epoch,
+) -> Result<LeaseStatus, StoreError> {
+    let stored = if latest == Epoch::NONE {
         None
     } else {
-        epochs.read(lease, latest).await?
+        let key = crate::epoch::object_key(epochs.prefix(), lease, latest);
+        epochs.store().get(&key).await?
+    };
+    let (object, record, written) = match &stored {
+        Some(o) => (
+            Some(EpochObject::from_stored(
+                lease,
+                latest,
+                &o.body,
+                o.last_modified,
+            )),
+            serde_json::from_slice::<EpochRecord>(&o.body).ok(),
+            Some(o.last_modified),
+        ),
+        None => (None, None, None),
+    };
+    let release_proven = match (
+        &object,
+        record.as_ref().and_then(|r| r.released_token.as_deref()),
+    ) {
+        (Some(EpochObject::Release { .. }), Some(token)) => match latest.get().checked_sub(1) {
+            Some(before) if before > 0 => matches!(
+                epochs.read(lease, Epoch::new(before)).await?,
+                Some(EpochObject::Acquire { token: hash, .. }) if hash.matches(&TokenHash::of(token.as_bytes()))
+            ),
+            _ => false,
+        },
+        _ => false,
     };
     Ok(LeaseStatus {
         latest,
         object,
+        record,
+        written,
+        release_proven,
         store_now: epochs.store_now(),
         store_earliest: epochs.store().clock().earliest(),
     })
@@ -223,10 +271,23 @@ pub async fn acquire(
 /// restarted without its token, SPEC §10.1).
 pub type Reclaim<'a> = &'a (dyn Fn(&EpochRecord) -> bool + Sync);
 
-/// [`acquire`] with two additions for gate leases (SPEC §10): `reclaim_own` takes
-/// a lease whose latest acquire names `holder` at once, expired or not, when it
-/// says so of that acquire's record, and `decorate` adds fields to the object
-/// written.
+/// How a gate lease's contender (SPEC §10) judges the latest object, in place
+/// of a worker's [`LeaseStatus::is_free`]: a gate object may be forged by
+/// anyone who can write under `.gate/`, so its own word (a release, a short
+/// TTL, garbage) must not end the tenure it follows any sooner than that
+/// tenure's own end ([`crate::setup::gate_free`]).
+pub struct GateRules<'a> {
+    /// Whether the latest object lets a contender in now.
+    pub free: &'a (dyn Fn(&LeaseStatus) -> bool + Sync),
+    /// An acquire under our own holder name this lets us take back at once.
+    pub reclaim: Option<Reclaim<'a>>,
+}
+
+/// [`acquire`] with two additions for gate leases (SPEC §10): `gate` judges
+/// whether the latest object lets a contender in ([`GateRules`]: its `free`
+/// replaces `grace`'s rule, its `reclaim` takes a lease whose latest acquire
+/// names `holder` back at once when it says so of that acquire's record), and
+/// `decorate` adds fields to the object written.
 #[allow(clippy::too_many_arguments)]
 pub async fn acquire_with(
     epochs: &Epochs,
@@ -235,7 +296,7 @@ pub async fn acquire_with(
     ttl: Duration,
     grace: Duration,
     current: Option<(Epoch, &str)>,
-    reclaim_own: Option<Reclaim<'_>>,
+    gate: Option<&GateRules<'_>>,
     decorate: &(dyn Fn(&mut EpochRecord) + Sync),
 ) -> Result<Holding, AcquireError> {
     let known = current.map_or(Epoch::NONE, |(e, _)| e);
@@ -264,21 +325,28 @@ pub async fn acquire_with(
                     });
                 }
             }
-        } else if !(st.is_free(grace)
-            || reclaimable(epochs, lease, &st, holder, reclaim_own).await?)
+        } else if !(gate.map_or_else(|| st.is_free(grace), |g| (g.free)(&st))
+            || reclaimable(&st, holder, gate.and_then(|g| g.reclaim)))
         {
             // Neither free nor our own tenure to take back (a restart lost its token).
-            if let Some(EpochObject::Acquire {
-                holder, expires_at, ..
-            }) = &st.object
-            {
-                return Err(AcquireError::Held {
-                    lease: lease.clone(),
-                    epoch: st.latest,
-                    holder: holder.clone(),
-                    expires_at: *expires_at,
-                });
-            }
+            // (A gate lease's rules may hold even a release or garbage a while.)
+            let (holder, expires_at) = match &st.object {
+                Some(EpochObject::Acquire {
+                    holder, expires_at, ..
+                }) => (holder.clone(), *expires_at),
+                _ => (
+                    st.record
+                        .as_ref()
+                        .map_or_else(|| "an unreadable object".to_owned(), |r| r.holder.clone()),
+                    st.written.unwrap_or(st.store_now),
+                ),
+            };
+            return Err(AcquireError::Held {
+                lease: lease.clone(),
+                epoch: st.latest,
+                holder,
+                expires_at,
+            });
         }
         let Some(next) = st.latest.next() else {
             return Err(AcquireError::GaveUp {
@@ -298,28 +366,14 @@ pub async fn acquire_with(
     })
 }
 
-/// Whether the latest epoch in `st` is an acquire by `holder` that `reclaim_own`
-/// lets it take back at once, judged on the record as stored (read only then).
-async fn reclaimable(
-    epochs: &Epochs,
-    lease: &LeaseName,
-    st: &LeaseStatus,
-    holder: &str,
-    reclaim_own: Option<Reclaim<'_>>,
-) -> Result<bool, StoreError> {
-    let Some(gone) = reclaim_own else {
-        return Ok(false);
+/// Whether the latest epoch in `st` is an acquire by `holder` that `reclaim`
+/// lets it take back at once, judged on the record as stored.
+fn reclaimable(st: &LeaseStatus, holder: &str, reclaim: Option<Reclaim<'_>>) -> bool {
+    let Some(gone) = reclaim else {
+        return false;
     };
-    if !matches!(&st.object, Some(EpochObject::Acquire { holder: h, .. }) if h == holder) {
-        return Ok(false);
-    }
-    let key = crate::epoch::object_key(epochs.prefix(), lease, st.latest);
-    Ok(epochs
-        .store()
-        .get(&key)
-        .await?
-        .and_then(|o| serde_json::from_slice::<EpochRecord>(&o.body).ok())
-        .is_some_and(|r| gone(&r)))
+    matches!(&st.object, Some(EpochObject::Acquire { holder: h, .. }) if h == holder)
+        && st.record.as_ref().is_some_and(gone)
 }
 
 /// Renews a held tenure in two store calls: creates L+1 straight away (the
@@ -434,6 +488,7 @@ pub async fn release_with(
         why: "epoch numbers are exhausted".into(),
     })?;
     let mut record = EpochRecord::release(lease, next, holder);
+    record.released_token = Some(token.to_owned());
     decorate(&mut record);
     let body = Bytes::from(record.to_json());
     let expected = body.clone();
@@ -552,16 +607,39 @@ mod tests {
         acquire_with(&epochs, &lease, "me", ttl, ttl, None, None, &mark)
             .await
             .expect("acquired");
+        let free = |st: &LeaseStatus| st.is_free(ttl);
+        let rules = |reclaim| GateRules {
+            free: &free,
+            reclaim,
+        };
         for reclaim in [None, Some(&(|_: &EpochRecord| false) as Reclaim<'_>)] {
-            let err = acquire_with(&epochs, &lease, "me", ttl, ttl, None, reclaim, &|_| {})
-                .await
-                .expect_err("held: no proof its writer is gone");
+            let err = acquire_with(
+                &epochs,
+                &lease,
+                "me",
+                ttl,
+                ttl,
+                None,
+                Some(&rules(reclaim)),
+                &|_| {},
+            )
+            .await
+            .expect_err("held: no proof its writer is gone");
             assert!(matches!(err, AcquireError::Held { ref holder, .. } if holder == "me"));
         }
         let seen = |r: &EpochRecord| r.mode.as_deref() == Some("marked");
-        let held = acquire_with(&epochs, &lease, "me", ttl, ttl, None, Some(&seen), &|_| {})
-            .await
-            .expect("taken back at once");
+        let held = acquire_with(
+            &epochs,
+            &lease,
+            "me",
+            ttl,
+            ttl,
+            None,
+            Some(&rules(Some(&seen))),
+            &|_| {},
+        )
+        .await
+        .expect("taken back at once");
         assert_eq!(held.epoch, Epoch::new(2));
         // Someone else's live acquire is never taken back, whatever the predicate.
         let err = acquire_with(
@@ -571,7 +649,7 @@ mod tests {
             ttl,
             ttl,
             None,
-            Some(&|_| true),
+            Some(&rules(Some(&|_| true))),
             &|_| {},
         )
         .await

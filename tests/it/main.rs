@@ -21,4 +21,5 @@ mod ops;
 mod postgres;
 mod quickstart;
 mod reload;
+mod review;
 mod startup;

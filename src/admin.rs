@@ -720,7 +720,7 @@ impl Admin {
             Mode::Cluster(c) => {
                 let me = c.id();
                 return c
-                    .shard_gates()
+                    .shard_leases()
                     .into_iter()
                     .map(|s| ShardRow {
                         shard: s.shard,

@@ -227,7 +227,7 @@ fn report(r: anyhow::Result<()>) -> ExitCode {
             // A state backend that cannot be opened as configured (a database
             // unreachable, a newer schema, synchronous_commit off) is the
             // operator's to fix, like a bad config file.
-            use crate::guard::GuardError;
+            use crate::cluster::guard::GuardError;
             use crate::server::StartError;
             let config_like = matches!(
                 e.downcast_ref::<StartError>(),

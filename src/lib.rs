@@ -20,7 +20,7 @@
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
 //!   parked: `server/park.rs`), the admin API, Prometheus.
-//! - [`guard`] — the instance guard: one instance per lease store and prefix (§10.1);
+//! - [`cluster::guard`] — the instance guard: one instance per lease store and prefix (§10.1);
 //!   [`process`] — which process wrote a gate object, and whether it is gone.
 //! - [`cluster`] — several instances: shards, gate leases, takeover, relaying to
 //!   the owner (§10.2).
@@ -49,7 +49,6 @@ pub(crate) mod failpoint;
 pub(crate) mod fence;
 pub mod forward;
 pub mod gate;
-pub mod guard;
 pub mod lease;
 pub(crate) mod live;
 pub(crate) mod lock_order;

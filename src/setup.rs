@@ -6,7 +6,7 @@
 //! other serves), and so do two clusters of different shard counts (a lease
 //! hashes to different shards). Every gate object carries its writer's set-up,
 //! and every instance that reads one of another set-up that is still live stops
-//! forwarding ([`crate::cluster`], [`crate::guard`]).
+//! forwarding ([`crate::cluster`], [`crate::cluster::guard`]).
 //!
 //! Shard 0 is the prefix's *anchor*: a cluster serves no shard unless shard 0's
 //! latest gate object is one of its own set-up, so a set-up that takes shard 0

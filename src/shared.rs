@@ -5,11 +5,11 @@
 
 use std::sync::Arc;
 
+use crate::cluster::guard::InstanceGuard;
 use crate::cluster::Cluster;
 use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::fence::Fences;
-use crate::guard::Guard;
 use crate::lease::LeaseStore;
 use crate::live::LiveConfig;
 use crate::state::timed::StateMetrics;
@@ -35,7 +35,7 @@ pub struct Shared {
 #[derive(Clone)]
 pub enum Mode {
     /// Forwarding only while the instance guard is held (§10.1).
-    Single(Arc<Guard>),
+    Single(Arc<InstanceGuard>),
     /// Forwarding only on the shards whose gate leases this instance holds (§10.2).
     Cluster(Arc<Cluster>),
 }
@@ -58,7 +58,7 @@ impl Mode {
                 .conflict()
                 .map(|c| format!("forwarding stopped: {c}"))
                 .into_iter()
-                .chain(c.shard_gates().into_iter().filter_map(|s| {
+                .chain(c.shard_leases().into_iter().filter_map(|s| {
                     s.untrusted
                         .map(|why| format!("shard {} unavailable: {why}", s.shard))
                 }))

@@ -265,7 +265,7 @@ fn cluster_metrics(
         vec![(
             vec![],
             ConstGauge::new(
-                cl.shard_gates()
+                cl.shard_leases()
                     .iter()
                     .filter(|s| s.untrusted.is_some())
                     .count() as i64,

@@ -25,6 +25,7 @@ use conn::{accept_loop, http_builder, FinishOnDrop, Listener, Shutdown};
 
 use crate::admin::Admin;
 use crate::clock::Clock;
+use crate::cluster::guard::InstanceGuard;
 use crate::cluster::Cluster;
 use crate::config::Config;
 use crate::config::StateKind;
@@ -33,7 +34,6 @@ use crate::epoch::LeaseName;
 use crate::epoch::TokenHash;
 use crate::fence::Fences;
 use crate::forward::Peer;
-use crate::guard::Guard;
 use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
@@ -52,7 +52,7 @@ pub enum StartError {
     #[error(transparent)]
     Probe(#[from] lease::probe::ProbeError),
     #[error(transparent)]
-    Guard(#[from] crate::guard::GuardError),
+    Guard(#[from] crate::cluster::guard::GuardError),
     #[error(transparent)]
     Cluster(#[from] crate::cluster::ClusterError),
     #[error("route {route}: {message}")]
@@ -149,7 +149,8 @@ async fn build_on(
     let mode = match &cfg.cluster {
         None => {
             let guard =
-                Guard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen)).await?;
+                InstanceGuard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen))
+                    .await?;
             let recovered = dedup.recover(Owner::SINGLE).await?;
             if recovered > 0 {
                 tracing::warn!(

@@ -242,7 +242,7 @@ async fn full_data_directory_refuses_new_epochs_and_keys() {
     // admitted yet). Not a copy: sled's data file is sparse and must stay so.
     fg.kill9();
     let state = fg.dir.path().join("state");
-    let instance_id = std::fs::read(state.join(fencegate::guard::ID_FILE)).unwrap();
+    let instance_id = std::fs::read(state.join(fencegate::cluster::guard::ID_FILE)).unwrap();
     std::fs::remove_dir_all(&state).unwrap();
     std::fs::create_dir(&state).unwrap();
     let tmpfs = match Tmpfs::mount(&state, "4m") {
@@ -253,7 +253,7 @@ async fn full_data_directory_refuses_new_epochs_and_keys() {
         }
     };
     // The same instance (its id kept), so that it takes its instance guard back.
-    std::fs::write(state.join(fencegate::guard::ID_FILE), &instance_id).unwrap();
+    std::fs::write(state.join(fencegate::cluster::guard::ID_FILE), &instance_id).unwrap();
     fg.spawn(None).expect("fencegate on the tmpfs");
 
     let epochs = s3.epochs().await;

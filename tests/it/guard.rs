@@ -22,8 +22,12 @@ async fn a_second_instance_on_the_same_store_exits_2_naming_the_holder() {
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&config(&s3, &origin));
-    let id = std::fs::read_to_string(data_dir(&fg).join("state").join(fencegate::guard::ID_FILE))
-        .unwrap();
+    let id = std::fs::read_to_string(
+        data_dir(&fg)
+            .join("state")
+            .join(fencegate::cluster::guard::ID_FILE),
+    )
+    .unwrap();
     let (code, stderr) = serve_expecting_exit(&config(&s3, &origin));
     assert_eq!(code, Some(2), "{stderr}");
     let first_line = stderr.lines().next().unwrap_or_default();
@@ -60,7 +64,7 @@ async fn the_same_instance_takes_its_guard_back_at_once_after_kill_9() {
 
 /// This instance's id, as kept in its data_dir.
 fn instance_id(fg: &Fencegate) -> String {
-    std::fs::read_to_string(state_dir(fg).join(fencegate::guard::ID_FILE))
+    std::fs::read_to_string(state_dir(fg).join(fencegate::cluster::guard::ID_FILE))
         .unwrap()
         .trim()
         .to_owned()
@@ -69,7 +73,11 @@ fn instance_id(fg: &Fencegate) -> String {
 /// Writes `id` as the instance id of a data_dir not yet used (a copied one).
 fn copy_id(state: &std::path::Path, id: &str) {
     std::fs::create_dir_all(state).unwrap();
-    std::fs::write(state.join(fencegate::guard::ID_FILE), format!("{id}\n")).unwrap();
+    std::fs::write(
+        state.join(fencegate::cluster::guard::ID_FILE),
+        format!("{id}\n"),
+    )
+    .unwrap();
 }
 
 /// `kill -CONT`: resumes a frozen process.

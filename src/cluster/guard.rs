@@ -29,7 +29,7 @@
 //! - A graceful stop writes a `release` gate object: a successor starts at once.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -80,7 +80,7 @@ pub enum GuardError {
     },
 }
 
-pub struct Guard {
+pub struct InstanceGuard {
     epochs: Epochs,
     shard: LeaseName,
     id: String,
@@ -88,9 +88,8 @@ pub struct Guard {
     ttl: Duration,
     margin: Duration,
     grace: Duration,
-    origin: Instant,
-    /// Milliseconds after `origin` until which forwarding is allowed.
-    forward_until_ms: AtomicU64,
+    /// When forwarding is allowed, and when what is in flight is aborted.
+    window: crate::cluster::window::Window,
     holding: tokio::sync::Mutex<Option<Holding>>,
     /// Where this instance keeps deliveries ([`crate::setup::state_of`]).
     state_id: String,
@@ -139,16 +138,16 @@ fn this_process() -> Option<ProcessId> {
     me
 }
 
-impl Guard {
+impl InstanceGuard {
     /// Takes the instance guard at start-up, or says who holds it.
     pub async fn acquire(
         cfg: &Config,
         store: Arc<dyn LeaseStore>,
         advertise: String,
-    ) -> Result<Arc<Guard>, GuardError> {
+    ) -> Result<Arc<InstanceGuard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
         let state_id = crate::setup::state_of(&cfg.state, &id);
-        let guard = Arc::new(Guard {
+        let guard = Arc::new(InstanceGuard {
             epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
             shard: LeaseName::parse("0000").map_err(|e| GuardError::Id {
                 path: "shard".into(),
@@ -159,8 +158,7 @@ impl Guard {
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
             grace: Duration::from_millis(cfg.store.grace_ms),
-            origin: Instant::now(),
-            forward_until_ms: AtomicU64::new(0),
+            window: crate::cluster::window::Window::new(),
             holding: tokio::sync::Mutex::new(None),
             state_id,
             conflict: std::sync::Mutex::new(None),
@@ -358,12 +356,7 @@ impl Guard {
             }
             Err(e) => return Err(e.into()),
         };
-        let until =
-            (sent + self.ttl.saturating_sub(self.margin)).saturating_duration_since(self.origin);
-        self.forward_until_ms.fetch_max(
-            u64::try_from(until.as_millis()).unwrap_or(u64::MAX),
-            Ordering::SeqCst,
-        );
+        self.window.extend(sent, self.ttl, self.margin);
         *self.holding.lock().await = Some(held);
         Ok(())
     }
@@ -406,7 +399,7 @@ impl Guard {
         if ours || self.shared_id.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.forward_until_ms.store(0, Ordering::SeqCst);
+        self.window.close();
         let other = rec.process.as_ref().map_or_else(
             || "a process the gate object does not name (an older fencegate)".to_owned(),
             ProcessId::to_string,
@@ -422,8 +415,7 @@ impl Guard {
 
     /// Whether this instance may start a forward now.
     pub fn may_forward(&self) -> bool {
-        let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
-        now < self.forward_until_ms.load(Ordering::SeqCst)
+        self.window.is_open()
     }
 
     /// The gate epoch this instance holds and when it ends (store's clock), if it
@@ -458,7 +450,7 @@ impl Guard {
                     // Someone created the next gate epoch: our tenure is over
                     // now, whatever our window said — stop, and abort what is
                     // in flight (`abort_at_expiry`).
-                    self.forward_until_ms.store(0, Ordering::SeqCst);
+                    self.window.close();
                     self.lost.notify_one();
                     self.check_shared_id(current.as_ref()).await;
                     match self.take(None).await {
@@ -497,13 +489,11 @@ impl Guard {
         fences: Arc<crate::fence::Fences>,
         stop: CancellationToken,
     ) {
-        let margin = u64::try_from(self.margin.as_millis()).unwrap_or(u64::MAX);
         let mut aborted_for = None;
         loop {
-            let until = self.forward_until_ms.load(Ordering::SeqCst);
-            let abort_at = until.saturating_add(margin);
-            let now = u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX);
-            let wait = if until == 0 || aborted_for == Some(until) {
+            let abort_at = self.window.abort_at_ms();
+            let now = self.window.now_ms();
+            let wait = if abort_at == 0 || aborted_for == Some(abort_at) {
                 // Not held yet, or aborted already: look again for a renewal.
                 Duration::from_millis(100)
             } else if now < abort_at {
@@ -515,7 +505,7 @@ impl Guard {
                 for f in fences.all() {
                     f.abort_in_flight();
                 }
-                aborted_for = Some(until);
+                aborted_for = Some(abort_at);
                 continue;
             };
             tokio::select! {
@@ -536,7 +526,7 @@ impl Guard {
         let Some(h) = self.holding.lock().await.take() else {
             return;
         };
-        self.forward_until_ms.store(0, Ordering::SeqCst);
+        self.window.close();
         match acquire::release(&self.epochs, &self.shard, &self.id, h.epoch, &h.token).await {
             Ok(e) => tracing::info!(gate_epoch = %e, "released the instance guard"),
             Err(e) => {

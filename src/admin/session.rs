@@ -7,7 +7,7 @@
 //! or after a restart (log in again) and changes when the token does. It is
 //! `HttpOnly` (no script reads it), `SameSite=Strict` (no other site's page makes
 //! the browser send it) and host-only with `Path=/`. Browsers scope cookies by
-//! host, not port: the README says so.
+//! host, not port: docs/operations.md says so.
 
 use http::{header, HeaderMap, HeaderValue};
 use sha2::{Digest, Sha256};

@@ -7,6 +7,19 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+/// The monotonic side of time is tokio's clock: every deadline, window, idle
+/// limit and sleep in fencegate runs on `tokio::time::Instant` and
+/// `tokio::time::sleep`, which a test pauses and advances
+/// (`#[tokio::test(start_paused = true)]`, `tokio::time::advance`) — and
+/// [`TokioClock`] makes the wall clock follow it, so one advance moves both.
+/// `std::time::Instant::now` is for measurements that decide nothing (latency
+/// metrics, log fields), through [`stopwatch`] only (clippy.toml).
+pub fn stopwatch() -> std::time::Instant {
+    // The one place a measurement's start is read (clippy.toml).
+    #[allow(clippy::disallowed_methods)]
+    std::time::Instant::now()
+}
+
 /// The local wall clock.
 pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> SystemTime;
@@ -21,6 +34,30 @@ impl Clock for SystemClock {
     #[allow(clippy::disallowed_methods)]
     fn now(&self) -> SystemTime {
         SystemTime::now()
+    }
+}
+
+/// A wall clock that follows tokio's: `start` plus the time tokio says has
+/// passed since it was made. Under a paused runtime it moves only with
+/// `tokio::time::advance` (or auto-advance), together with every deadline.
+#[derive(Debug)]
+pub struct TokioClock {
+    start: SystemTime,
+    origin: tokio::time::Instant,
+}
+
+impl TokioClock {
+    pub fn new(start: SystemTime) -> Arc<TokioClock> {
+        Arc::new(TokioClock {
+            start,
+            origin: tokio::time::Instant::now(),
+        })
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> SystemTime {
+        self.start + self.origin.elapsed()
     }
 }
 

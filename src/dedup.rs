@@ -61,7 +61,7 @@ impl DedupKey {
         // `fg-` and 128 random bits in lowercase hex, built without formatting (it
         // runs on every such request).
         let mut bits = [0u8; 16];
-        rand::RngCore::fill_bytes(&mut rand::thread_rng(), &mut bits);
+        crate::entropy::fill(&mut bits);
         let mut hex = [0u8; 32];
         let _ = hex::encode_to_slice(bits, &mut hex);
         let mut key = String::with_capacity(35);

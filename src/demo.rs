@@ -26,7 +26,6 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use rand::RngCore;
 
 use crate::clock::{rfc3339, SystemClock};
 use crate::config::Config;
@@ -46,7 +45,7 @@ const PATH: &str = "/publish/report";
 /// Runs the story; `Ok(true)` when the stale write was refused and the
 /// destination's log is clean.
 pub(crate) async fn run() -> anyhow::Result<bool> {
-    let t0 = Instant::now();
+    let t0 = crate::clock::stopwatch();
     let tmp = TempDir::new()?;
     let origin = Origin::start().await?;
     let cfg = demo_config(tmp.path(), origin.addr)?;
@@ -365,7 +364,7 @@ impl TempDir {
         let name = format!(
             "fencegate-demo-{}-{:016x}",
             std::process::id(),
-            rand::thread_rng().next_u64()
+            crate::entropy::u64()
         );
         let path = std::env::temp_dir().join(name);
         std::fs::create_dir(&path)
@@ -474,7 +473,7 @@ async fn record(
     let n = {
         let mut log = log.lock().unwrap_or_else(|p| p.into_inner());
         let r = Received {
-            at: Instant::now(),
+            at: crate::clock::stopwatch(),
             method: parts.method.to_string(),
             path: parts.uri.path().to_owned(),
             epoch: header("x-lease-epoch"),

@@ -43,6 +43,7 @@ pub mod config;
 pub(crate) mod cutoff;
 pub mod dedup;
 pub(crate) mod demo;
+pub mod entropy;
 pub mod epoch;
 pub(crate) mod error;
 pub(crate) mod failpoint;

@@ -12,7 +12,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -313,7 +315,7 @@ impl Streamed {
             if until <= Instant::now() {
                 return true;
             }
-            self.idle.as_mut().reset(until.into());
+            self.idle.as_mut().reset(until);
         }
     }
 }

@@ -7,7 +7,9 @@
 //! matters. One type for both holders, so the rule is written once.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 pub(crate) struct Window {
     origin: Instant,
@@ -63,7 +65,7 @@ impl Window {
     /// When what is in flight is aborted: `gate_ttl` after the latest create
     /// was sent.
     pub(crate) fn abort_deadline(&self) -> tokio::time::Instant {
-        tokio::time::Instant::from_std(self.origin + Duration::from_millis(self.abort_at_ms()))
+        self.origin + Duration::from_millis(self.abort_at_ms())
     }
 
     /// The tenure is over (released, or taken): no forward from now on.

@@ -9,7 +9,6 @@
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use rand::RngCore;
 
 use super::{CreateOutcome, Epochs, StoreError};
 use crate::epoch::{Epoch, EpochObject, EpochRecord, LeaseName, TokenHash};
@@ -110,7 +109,7 @@ impl LeaseStatus {
 /// A fresh random token: 256 bits, hex.
 pub fn fresh_token() -> String {
     let mut b = [0u8; 32];
-    rand::thread_rng().fill_bytes(&mut b);
+    crate::entropy::fill(&mut b);
     hex::encode(b)
 }
 

@@ -12,7 +12,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use rand::RngCore;
 
 use super::{CreateOutcome, LeaseStore, StoreError, StoredObject};
 use crate::clock::{Clock, StoreClock};
@@ -66,7 +65,7 @@ fn create_if_absent_sync(path: &Path, body: &[u8]) -> Result<CreateOutcome, Stor
         .parent()
         .ok_or_else(|| StoreError::Refused("key has no parent directory".into()))?;
     fs::create_dir_all(dir).map_err(io_err)?;
-    let tmp = dir.join(format!(".tmp-{:016x}", rand::thread_rng().next_u64()));
+    let tmp = dir.join(format!(".tmp-{:016x}", crate::entropy::u64()));
     let result = (|| {
         let mut f = fs::OpenOptions::new()
             .write(true)

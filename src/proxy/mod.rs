@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response};
@@ -80,7 +80,7 @@ impl Proxy {
         mut req: Request<Incoming>,
         peer: Arc<Peer>,
     ) -> Response<ProxyBody> {
-        let started = Instant::now();
+        let started = crate::clock::stopwatch();
         let request_id = access::request_id(req.headers_mut());
         let method = req.method().clone();
         let uri = req.uri().clone();
@@ -200,7 +200,7 @@ impl Proxy {
             peer.clone()
         };
 
-        let admit_started = Instant::now();
+        let admit_started = crate::clock::stopwatch();
         let claim = Claim { epoch, token };
         let pass = fence
             .admit(claim, route.require_token, route.drain_timeout)
@@ -336,7 +336,7 @@ impl Proxy {
             let lease = route.lease.clone();
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
-        let upstream_started = Instant::now();
+        let upstream_started = crate::clock::stopwatch();
         // Kept for the failure log: the request itself is consumed by the send.
         let upstream_uri = upstream_req.uri().clone();
         let stop = stop_on(&pass, &self.abandon);

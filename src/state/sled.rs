@@ -556,12 +556,12 @@ mod tests {
     /// flush interval after the last handle is dropped. (A restarted process never
     /// waits: the old one's exit released it.) Reopening at once failed under load.
     async fn open_when_free(dir: &Path) -> Result<Arc<SledState>, StateError> {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
             match SledState::open(dir) {
                 Err(StateError::Open { detail, .. })
                     if detail.contains("another fencegate process")
-                        && std::time::Instant::now() < deadline =>
+                        && tokio::time::Instant::now() < deadline =>
                 {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await
                 }

@@ -7,7 +7,7 @@
 //! operation and kind): the request path touches them without a labelled lookup.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -186,7 +186,7 @@ impl Timed {
         op: Op,
         f: impl std::future::Future<Output = Result<T, StateError>>,
     ) -> Result<T, StateError> {
-        let start = Instant::now();
+        let start = crate::clock::stopwatch();
         let r = f.await;
         self.metrics.record(op, start.elapsed(), &r);
         r

@@ -6,7 +6,8 @@
 //!   acquire/renew/release algorithm, and the store self-test.
 //! - [`admission`] — the pure admission decision (SPEC §4).
 //! - [`gate`] — per-lease high-water mark, in-flight tracking and the drain (§4–§5).
-//! - [`fence`] — everything kept for one lease: gate, known epochs, refresher.
+//! - [`fence`] — everything kept for one lease: gate, known epochs; how fences are
+//!   kept current (`fence/refresh.rs`) and the running ones (`fence/registry.rs`).
 //! - [`state`] — marks and dedup records behind one trait; `sled` (group commit,
 //!   witness) is the embedded backend.
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).

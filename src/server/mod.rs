@@ -197,7 +197,10 @@ async fn build_on(
         Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
     };
     let mut tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences.clone(), stop.clone())),
+        tokio::spawn(crate::fence::refresh_all(
+            fences.refresh().clone(),
+            stop.clone(),
+        )),
         keeper,
         tokio::spawn(
             dedup

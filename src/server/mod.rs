@@ -32,7 +32,7 @@ use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::epoch::TokenHash;
 use crate::fence::Fences;
-use crate::forward::Peer;
+use crate::forward::ClientHop;
 use crate::guard::Guard;
 use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::live::{Live, LiveConfig};
@@ -340,13 +340,13 @@ impl App {
         let accept_stop = CancellationToken::new();
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let proxy = self.proxy.clone();
-        let proxy_handler = move |req: Request<Incoming>, peer: Arc<Peer>| {
+        let proxy_handler = move |req: Request<Incoming>, hop: Arc<ClientHop>| {
             // A client going away must not cancel a request halfway through its
             // gate or dedup transitions.
-            FinishOnDrop::new(proxy.clone().handle(req, peer))
+            FinishOnDrop::new(proxy.clone().handle(req, hop))
         };
         let admin = self.admin.clone();
-        let admin_handler = move |req: Request<Incoming>, _peer: Arc<Peer>| {
+        let admin_handler = move |req: Request<Incoming>, _hop: Arc<ClientHop>| {
             let a = admin.clone();
             Box::pin(async move { a.handle(req).await })
         };

@@ -200,12 +200,13 @@ fn bookkeeping(c: &mut Criterion) {
         .expect("request");
     let (parts, _) = req.into_parts();
     let body = bytes::Bytes::from_static(&[b'x'; 100]);
-    let peer = fencegate::forward::Peer::new("127.0.0.1:40000".parse().expect("peer"), "http");
+    let hop =
+        fencegate::forward::ClientHop::new("127.0.0.1:40000".parse().expect("client hop"), "http");
     c.bench_function("forward/build_request", |b| {
         b.iter_batched(
             || (parts.clone(), body.clone()),
             |(parts, body)| {
-                fencegate::forward::build_request(&target, parts, body.into(), &peer, "fg-0123")
+                fencegate::forward::build_request(&target, parts, body.into(), &hop, "fg-0123")
             },
             BatchSize::SmallInput,
         )

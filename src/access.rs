@@ -7,13 +7,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use http::{HeaderMap, HeaderValue, Method};
 
 use crate::dedup::DedupKey;
 use crate::error::ProxyError;
-
-/// The request id header, sent upstream and echoed to the worker.
-pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+use crate::headers::REQUEST_ID;
 
 /// A worker's id longer than this is replaced (it ends up in every log line).
 const MAX_ID_LEN: usize = 200;

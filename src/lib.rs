@@ -6,11 +6,14 @@
 //!   acquire/renew/release algorithm, and the store self-test.
 //! - [`admission`] — the pure admission decision (SPEC §4).
 //! - [`gate`] — per-lease high-water mark, in-flight tracking and the drain (§4–§5).
-//! - [`fence`] — everything kept for one lease: gate, known epochs, refresher.
+//! - [`fence`] — everything kept for one lease: gate, known epochs; how fences are
+//!   kept current (`fence/refresh.rs`) and the running ones (`fence/registry.rs`).
 //! - [`state`] — marks and dedup records behind one trait; `sled` (group commit,
 //!   witness) is the embedded backend.
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
-//! - [`forward`] — the pooled upstream client and header hygiene (SPEC §3).
+//! - [`forward`] — the request mapped to the upstream and header hygiene (SPEC §3);
+//!   the pooled client over rustls is `forward/client.rs`.
+//! - [`headers`] — the header names fencegate reads and adds (SPEC §3, §10.2).
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
 //! - [`proxy`] — the request path tying the above together; [`access`] — its
 //!   access log line and request id.
@@ -50,6 +53,7 @@ pub(crate) mod failpoint;
 pub(crate) mod fence;
 pub mod forward;
 pub mod gate;
+pub mod headers;
 pub mod lease;
 pub(crate) mod live;
 pub(crate) mod lock_order;

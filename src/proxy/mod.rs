@@ -22,8 +22,12 @@ use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
 use crate::error::ProxyError;
 use crate::fence::{Fence, Fences};
-use crate::forward::{self, HttpsClient, Peer, UpstreamError};
+use crate::forward::{self, ClientHop, HttpsClient, UpstreamError};
 use crate::gate::Pass;
+use crate::headers::{
+    IDEMPOTENCY_KEY_NAME, LEASE_EPOCH_NAME, LEASE_TOKEN_NAME, PEER_NAME, PEER_TOKEN_NAME,
+    REQUEST_ID,
+};
 use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
@@ -78,7 +82,7 @@ impl Proxy {
     pub(crate) async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
-        peer: Arc<Peer>,
+        hop: Arc<ClientHop>,
     ) -> Response<ProxyBody> {
         let started = crate::clock::stopwatch();
         let request_id = access::request_id(req.headers_mut());
@@ -98,7 +102,7 @@ impl Proxy {
                     "refused",
                 )
             }
-            Some(route) => match self.serve(route, req, &peer, &mut seen, &request_id).await {
+            Some(route) => match self.serve(route, req, &hop, &mut seen, &request_id).await {
                 Ok((resp, outcome)) => {
                     if outcome == "forwarded" {
                         route.metrics.forwarded.inc();
@@ -125,13 +129,13 @@ impl Proxy {
                 outcome,
                 refusal: refusal.as_ref(),
                 seen: &seen,
-                client: peer.addr,
+                client: hop.addr,
                 request_id: &request_id,
                 elapsed: started.elapsed(),
             }
             .emit();
         }
-        resp.headers_mut().insert(access::REQUEST_ID, request_id);
+        resp.headers_mut().insert(REQUEST_ID, request_id);
         resp
     }
 
@@ -139,7 +143,7 @@ impl Proxy {
         &self,
         route: &Route,
         req: Request<Incoming>,
-        peer: &Peer,
+        hop: &ClientHop,
         seen: &'s mut Seen,
         request_id: &HeaderValue,
     ) -> Result<(Response<ProxyBody>, &'static str), ProxyError> {
@@ -149,14 +153,14 @@ impl Proxy {
         if parts.headers.contains_key(http::header::UPGRADE) {
             return Err(ProxyError::UpgradeUnsupported);
         }
-        let epoch = single_header(&parts.headers, &forward::LEASE_EPOCH_NAME)
+        let epoch = single_header(&parts.headers, &LEASE_EPOCH_NAME)
             .map_err(|_| ProxyError::EpochMalformed("is repeated: send exactly one"))?
             .ok_or(ProxyError::EpochMissing)?;
         let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed(
             "must be a plain decimal u64: digits only, no sign, no spaces",
         ))?;
         seen.epoch = Some(epoch.get());
-        let worker_key = match single_header(&parts.headers, &forward::IDEMPOTENCY_KEY_NAME) {
+        let worker_key = match single_header(&parts.headers, &IDEMPOTENCY_KEY_NAME) {
             Err(()) => return Err(ProxyError::DedupKeyMalformed("repeated")),
             Ok(None) => None,
             Ok(Some(v)) => {
@@ -164,7 +168,7 @@ impl Proxy {
             }
         };
         // Two tokens: neither can be trusted, and the worker is told why.
-        let token: Option<&[u8]> = single_header(&parts.headers, &forward::LEASE_TOKEN_NAME)
+        let token: Option<&[u8]> = single_header(&parts.headers, &LEASE_TOKEN_NAME)
             .map_err(|()| ProxyError::TokenRepeated)?
             .map(http::HeaderValue::as_bytes);
         let relayed = self.relayed(&parts.headers)?;
@@ -190,15 +194,11 @@ impl Proxy {
                     Payload::Whole(b) => UpBody::from(b),
                     Payload::Stream(b) => UpBody::Stream(Upload::new(b, route.max_body_bytes).0),
                 };
-                let resp = self.relay(route, &owner, &url, parts, body, peer).await?;
+                let resp = self.relay(route, &owner, &url, parts, body, hop).await?;
                 return Ok((resp, "relayed"));
             }
         };
-        let peer = &if relayed {
-            peer.relayed()
-        } else {
-            peer.clone()
-        };
+        let hop = &if relayed { hop.relayed() } else { hop.clone() };
 
         let admit_started = crate::clock::stopwatch();
         let claim = Claim { epoch, token };
@@ -262,7 +262,7 @@ impl Proxy {
                     upload,
                     recorded: ticket.is_some(),
                 },
-                peer,
+                hop,
                 pass,
                 Trace {
                     key,
@@ -307,7 +307,7 @@ impl Proxy {
             upload,
             recorded,
         }: Outgoing,
-        peer: &Peer,
+        hop: &ClientHop,
         pass: Pass,
         Trace {
             key,
@@ -317,7 +317,7 @@ impl Proxy {
     ) -> (Result<Answer, ProxyError>, Sent) {
         // Built only once the request will really be forwarded (not for a replay).
         let upstream_req =
-            match forward::build_request(&route.target, parts, body, peer, key.as_str()) {
+            match forward::build_request(&route.target, parts, body, hop, key.as_str()) {
                 Ok(r) => r,
                 Err(detail) => {
                     return (
@@ -447,11 +447,11 @@ impl Proxy {
     /// naming a peer without the cluster's peer token is refused, and so is any
     /// request naming a peer on a single instance (it has no peers).
     fn relayed(&self, headers: &http::HeaderMap) -> Result<bool, ProxyError> {
-        if !headers.contains_key(forward::PEER_NAME) {
+        if !headers.contains_key(PEER_NAME) {
             return Ok(false);
         }
         let presented = headers
-            .get(forward::PEER_TOKEN_NAME)
+            .get(PEER_TOKEN_NAME)
             .map(http::HeaderValue::as_bytes);
         match (self.mode.cluster(), presented) {
             (Some(c), Some(t)) if relay::token_matches(t, c.peer_token()) => Ok(true),
@@ -495,7 +495,7 @@ impl Proxy {
         url: &str,
         parts: http::request::Parts,
         body: UpBody,
-        peer: &Peer,
+        hop: &ClientHop,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (Some(cluster), Some(client)) = (self.mode.cluster(), &self.peers) else {
             return Err(ProxyError::ShardUnavailable {
@@ -513,7 +513,7 @@ impl Proxy {
             cluster.peer_token(),
             parts,
             body,
-            peer,
+            hop,
             timeout,
         )
         .await

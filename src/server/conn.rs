@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::park;
 use super::socket::{Activity, Tracked};
-use crate::forward::Peer;
+use crate::forward::ClientHop;
 use crate::metrics::ConnGauges;
 
 /// How connections are served: plain HTTP/1 by hyper's HTTP/1 server directly
@@ -172,18 +172,18 @@ impl Drop for Busy {
 }
 
 /// The service hyper calls for each request of a connection: the handler, with
-/// the connection's peer and activity. Its future is `Unpin` (hyper's
+/// the connection's client hop and activity. Its future is `Unpin` (hyper's
 /// `poll_without_shutdown`, which parking needs, asks for it).
 #[derive(Clone)]
 pub(super) struct Svc<H> {
     handler: H,
-    peer: Arc<Peer>,
+    hop: Arc<ClientHop>,
     activity: Arc<Activity>,
 }
 
 impl<H, Fut, B> hyper::service::Service<Request<Incoming>> for Svc<H>
 where
-    H: Fn(Request<Incoming>, Arc<Peer>) -> Fut,
+    H: Fn(Request<Incoming>, Arc<ClientHop>) -> Fut,
     Fut: Future<Output = Response<B>> + Unpin,
 {
     type Response = Response<Watched<B>>;
@@ -193,7 +193,7 @@ where
     fn call(&self, req: Request<Incoming>) -> Serving<Fut> {
         Serving {
             busy: Some(Busy::start(&self.activity)),
-            fut: (self.handler)(req, self.peer.clone()),
+            fut: (self.handler)(req, self.hop.clone()),
         }
     }
 }
@@ -367,7 +367,7 @@ pub(super) struct Listener {
 /// `shutdown` tracks the connections for a graceful stop.
 pub(super) async fn accept_loop<F, Fut, B>(l: Listener, handler: F, shutdown: &Shutdown)
 where
-    F: Fn(Request<Incoming>, Arc<Peer>) -> Fut + Clone + Send + Sync + Unpin + 'static,
+    F: Fn(Request<Incoming>, Arc<ClientHop>) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Unpin + Send + 'static,
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -404,7 +404,7 @@ where
         let activity = Activity::new();
         let svc = Svc {
             handler: handler.clone(),
-            peer: Arc::new(Peer::new(peer, proto)),
+            hop: Arc::new(ClientHop::new(peer, proto)),
             activity: activity.clone(),
         };
         let builders = builders.clone();

@@ -33,7 +33,7 @@ use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::epoch::TokenHash;
 use crate::fence::Fences;
-use crate::forward::Peer;
+use crate::forward::ClientHop;
 use crate::lease::{self, Epochs, LeaseStore, StoreError};
 use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
@@ -198,7 +198,10 @@ async fn build_on(
         Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
     };
     let mut tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(fences.clone(), stop.clone())),
+        tokio::spawn(crate::fence::refresh_all(
+            fences.refresh().clone(),
+            stop.clone(),
+        )),
         keeper,
         tokio::spawn(
             dedup
@@ -338,13 +341,13 @@ impl App {
         let accept_stop = CancellationToken::new();
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let proxy = self.proxy.clone();
-        let proxy_handler = move |req: Request<Incoming>, peer: Arc<Peer>| {
+        let proxy_handler = move |req: Request<Incoming>, hop: Arc<ClientHop>| {
             // A client going away must not cancel a request halfway through its
             // gate or dedup transitions.
-            FinishOnDrop::new(proxy.clone().handle(req, peer))
+            FinishOnDrop::new(proxy.clone().handle(req, hop))
         };
         let admin = self.admin.clone();
-        let admin_handler = move |req: Request<Incoming>, _peer: Arc<Peer>| {
+        let admin_handler = move |req: Request<Incoming>, _hop: Arc<ClientHop>| {
             let a = admin.clone();
             Box::pin(async move { a.handle(req).await })
         };

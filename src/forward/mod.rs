@@ -1,10 +1,20 @@
-//! Forwarding to the upstream (SPEC §3): a pooled hyper-util client over rustls,
-//! the path-prefix mapping, header hygiene, and upstream failures classified by
-//! what the worker may conclude (nothing sent vs. outcome unknown).
+//! Forwarding to the upstream (SPEC §3): the path-prefix mapping ([`Target`]),
+//! header hygiene, the client's hop appended ([`ClientHop`]), and the exchange —
+//! upstream failures classified by what the worker may conclude (nothing sent
+//! vs. outcome unknown). The pooled client over rustls is `client.rs`; the header
+//! names are `crate::headers`.
+
+mod client;
+
+pub use client::{client, tls_config, HttpsClient};
+// Transitional (issue 26): `cluster/peer.rs`, restructured next, still imports
+// these names from here (`build_request` reads the two header names through
+// this import too). Remove with that import.
+pub(crate) use crate::headers::{PEER_NAME, PEER_TOKEN_NAME};
+pub(crate) use ClientHop as Peer;
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,20 +22,11 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
 
 use hyper::body::{Body, Incoming};
-use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection, HttpConnector};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::CertificateDer;
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
 
-use crate::cutoff::{self, CuttableConnector};
+use crate::cutoff;
+use crate::headers::{LEASE_TOKEN_NAME, X_FORWARDED_FOR};
 use crate::streaming::UpBody;
-
-pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
-
-/// Headers fencegate reads from workers and never forwards.
-pub const LEASE_TOKEN: &str = "x-lease-token";
-pub const LEASE_EPOCH: &str = "x-lease-epoch";
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-hop credentials. Typed
 /// names: removing by `&str` parses the name again on every request.
@@ -41,16 +42,6 @@ const HOP_BY_HOP: [HeaderName; 10] = [
     header::PROXY_AUTHENTICATE,
     header::EXPECT,
 ];
-/// Typed names of the headers read on every request: looking up by `&str` parses
-/// and validates the name again each time.
-pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
-pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
-pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
-/// SPEC §10.2: the instance that relayed a request to its shard's owner, and the
-/// cluster's shared secret proving it. Neither is ever sent upstream.
-pub const PEER_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer");
-pub const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// How an upstream exchange failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -73,55 +64,6 @@ pub struct UpstreamHead {
     pub body: Incoming,
     /// The connection it came on, to cut if the exchange is ended early.
     pub conn: CaptureConnection,
-}
-
-/// Builds the TLS client config: system roots when present, else webpki roots,
-/// plus an optional per-route CA bundle.
-pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
-    let mut roots = rustls::RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    let (added, _) = roots.add_parsable_certificates(native.certs);
-    if added == 0 {
-        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-    }
-    if let Some(path) = extra_ca {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
-            .map_err(|e| format!("reading CA bundle {}: {e}", path.display()))?
-            .collect::<Result<_, _>>()
-            .map_err(|e| format!("parsing CA bundle {}: {e}", path.display()))?;
-        if certs.is_empty() {
-            return Err(format!("CA bundle {} holds no certificate", path.display()));
-        }
-        for c in certs {
-            roots
-                .add(c)
-                .map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
-        }
-    }
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())
-        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
-}
-
-/// A pooled client for one upstream (or a set of upstreams sharing TLS roots).
-pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClient {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(connect_timeout));
-    http.set_keepalive(Some(Duration::from_secs(60)));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .wrap_connector(CuttableConnector(http));
-    Client::builder(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .build(https)
 }
 
 /// The part of a route forwarding needs.
@@ -294,10 +236,12 @@ pub fn strip_admin_cookie(headers: &mut HeaderMap) {
     }
 }
 
-/// What the forwarding headers say about one client connection, worked out once
-/// per connection rather than formatted again for every request on it.
+/// The hop a client connection adds to the forwarding headers (`X-Forwarded-For`,
+/// `Forwarded`), worked out once per connection rather than formatted again for
+/// every request on it. The worker's connection, not another fencegate instance
+/// (that is a cluster peer, `cluster::peer`).
 #[derive(Debug, Clone)]
-pub struct Peer {
+pub struct ClientHop {
     /// The client's address, for the access log.
     pub addr: SocketAddr,
     /// The client's IP, as appended to `X-Forwarded-For`.
@@ -308,16 +252,16 @@ pub struct Peer {
     relayed: bool,
 }
 
-impl Peer {
+impl ClientHop {
     /// `proto` is how the client reached fencegate (`http` or `https`).
-    pub fn new(addr: SocketAddr, proto: &str) -> Peer {
+    pub fn new(addr: SocketAddr, proto: &str) -> ClientHop {
         let ip = addr.ip().to_string();
         let forwarded = if addr.is_ipv6() {
             format!("for=\"[{ip}]\";proto={proto}")
         } else {
             format!("for={ip};proto={proto}")
         };
-        Peer {
+        ClientHop {
             addr,
             // An IP address is always a valid header value.
             ip: HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")),
@@ -328,8 +272,8 @@ impl Peer {
 
     /// The same client, reached through a cluster peer (SPEC §10.2) that
     /// appended its hop already.
-    pub fn relayed(&self) -> Peer {
-        Peer {
+    pub fn relayed(&self) -> ClientHop {
+        ClientHop {
             relayed: true,
             ..self.clone()
         }
@@ -340,21 +284,21 @@ impl Peer {
 /// request was relayed by a cluster peer that appended the client's hop already.
 pub fn append_forwarding(
     headers: &mut HeaderMap,
-    peer: &Peer,
+    hop: &ClientHop,
     orig_host: Option<&HeaderValue>,
 ) -> Result<(), String> {
-    if peer.relayed {
+    if hop.relayed {
         return Ok(());
     }
     let xff = match headers.get(X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
         Some(prev) => {
-            let mut v = Vec::with_capacity(prev.len() + 2 + peer.ip.len());
+            let mut v = Vec::with_capacity(prev.len() + 2 + hop.ip.len());
             v.extend_from_slice(prev);
             v.extend_from_slice(b", ");
-            v.extend_from_slice(peer.ip.as_bytes());
+            v.extend_from_slice(hop.ip.as_bytes());
             HeaderValue::from_maybe_shared(Bytes::from(v)).map_err(|e| e.to_string())?
         }
-        None => peer.ip.clone(),
+        None => hop.ip.clone(),
     };
     headers.insert(X_FORWARDED_FOR, xff);
     let prev = headers
@@ -365,13 +309,13 @@ pub fn append_forwarding(
         .and_then(|h| h.to_str().ok())
         .filter(|h| !h.contains(['"', ';', ',']));
     let mut fwd = String::with_capacity(
-        prev.map_or(0, |p| p.len() + 2) + peer.forwarded.len() + host.map_or(0, |h| h.len() + 8),
+        prev.map_or(0, |p| p.len() + 2) + hop.forwarded.len() + host.map_or(0, |h| h.len() + 8),
     );
     if let Some(p) = prev {
         fwd.push_str(p);
         fwd.push_str(", ");
     }
-    fwd.push_str(&peer.forwarded);
+    fwd.push_str(&hop.forwarded);
     if let Some(h) = host {
         fwd.push_str(";host=\"");
         fwd.push_str(h);
@@ -390,7 +334,7 @@ pub fn build_request(
     target: &Target,
     parts: http::request::Parts,
     body: UpBody,
-    peer: &Peer,
+    hop: &ClientHop,
     dedup_key: &str,
 ) -> Result<Request<UpBody>, String> {
     let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
@@ -402,7 +346,7 @@ pub fn build_request(
     headers.remove(PEER_TOKEN_NAME);
     headers.remove(header::CONTENT_LENGTH);
     strip_admin_cookie(&mut headers);
-    append_forwarding(&mut headers, peer, orig_host.as_ref())?;
+    append_forwarding(&mut headers, hop, orig_host.as_ref())?;
     headers.insert(header::HOST, target.host.clone());
     headers.insert(
         target.dedup_header.clone(),
@@ -671,7 +615,7 @@ mod tests {
             &target(),
             parts,
             Bytes::new().into(),
-            &Peer::new("127.0.0.1:5555".parse().unwrap(), "http"),
+            &ClientHop::new("127.0.0.1:5555".parse().unwrap(), "http"),
             "k1",
         )
         .unwrap();
@@ -705,8 +649,8 @@ mod tests {
             .body(())
             .unwrap();
         let (parts, _) = req.into_parts();
-        let peer = Peer::new("[::1]:5555".parse().unwrap(), "https");
-        let out = build_request(&target(), parts, Bytes::new().into(), &peer, "k1").unwrap();
+        let hop = ClientHop::new("[::1]:5555".parse().unwrap(), "https");
+        let out = build_request(&target(), parts, Bytes::new().into(), &hop, "k1").unwrap();
         let h = out.headers();
         // A host that would break the element's syntax is left out.
         assert_eq!(h["forwarded"], "for=10.0.0.1, for=\"[::1]\";proto=https");

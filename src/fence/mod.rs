@@ -11,15 +11,27 @@
 //! admission decision runs under the gate's lock, so it reads the latest known
 //! epoch from an atomic mirror, never from `known`; and [`Fence::view`] copies out
 //! of `known` and releases it before it reads the gate.
+//!
+//! Here: the fence of one lease ([`Fence`], [`FenceError`], [`FenceView`]);
+//! `refresh.rs`: how fences are kept current (SPEC §4.3); `registry.rs`: the
+//! running fences ([`Fences`]).
+
+mod refresh;
+mod registry;
+
+pub(crate) use refresh::{refresh_all, Refresh};
+pub(crate) use registry::Fences;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
-use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
+
+use self::refresh::fresh;
 
 use crate::admission::{self, Claim, Facts, Refusal};
 use crate::epoch::{Epoch, EpochObject, LeaseName};
@@ -300,7 +312,7 @@ impl Fence {
                 now,
                 self.listed_at.load(Ordering::SeqCst),
                 self.listing_since.load(Ordering::SeqCst),
-                self.refresh.interval_ms,
+                self.refresh.interval_ms(),
             )
     }
 
@@ -488,298 +500,8 @@ impl Fence {
     fn wants_listing(&self, now: u64) -> bool {
         let listed = self.listed_at.load(Ordering::SeqCst);
         !self.is_stopped()
-            && now >= listed.saturating_add(self.refresh.interval_ms)
+            && now >= listed.saturating_add(self.refresh.interval_ms())
             && (self.used_at.load(Ordering::SeqCst) >= listed || self.gate.raise_pending())
-    }
-}
-
-/// Whether knowledge is fresh enough to admit on (SPEC §4.3, "known"): the latest
-/// completed listing started less than `interval` ago, or one is in progress that
-/// the schedule started on time (within [`LATE_MS`] of it falling due) — the same
-/// age a refresher listing every lease each interval gives, where a request never
-/// waits for the listing in progress either. Times in [`Refresh::now`] units.
-fn fresh(now: u64, listed_at: u64, listing_since: u64, interval: u64) -> bool {
-    listed_at != 0
-        && (now < listed_at.saturating_add(interval)
-            || (listing_since != 0
-                && listing_since <= listed_at.saturating_add(interval + LATE_MS)))
-}
-
-/// How late after falling due a listing may start and still count as on time: the
-/// timer's resolution and a busy runtime's delay, not the store's latency.
-const LATE_MS: u64 = 20;
-
-/// When each lease must next be listed. Store calls follow traffic (SPEC §4.3):
-/// a lease is listed at most once per `interval` while it is in use and not at all
-/// while idle; a request arriving when the latest listing is older than the
-/// interval reads the store itself before it is decided (coalesced with any other
-/// such request), so it is decided on knowledge no older than a refresher listing
-/// every lease each interval would give.
-///
-/// One task ([`refresh_all`]) runs the schedule: each listing, when it completes,
-/// books the next one an interval after it started; when that falls due the lease
-/// is listed again only if it was used meanwhile. A timer per lease cost 30% of a
-/// core for 10,000 idle leases; a sorted map of due times costs nothing while idle.
-pub struct Refresh {
-    interval_ms: u64,
-    base: Instant,
-    /// Tests move the schedule's clock forward instead of sleeping.
-    #[cfg(test)]
-    skew_ms: AtomicU64,
-    due: Mutex<BTreeMap<(u64, LeaseName), Weak<Fence>>>,
-    wake: Notify,
-}
-
-impl Refresh {
-    pub fn new(interval: Duration) -> Arc<Refresh> {
-        Arc::new(Refresh {
-            interval_ms: u64::try_from(interval.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1),
-            base: Instant::now(),
-            #[cfg(test)]
-            skew_ms: AtomicU64::new(0),
-            due: Mutex::new(BTreeMap::new()),
-            wake: Notify::new(),
-        })
-    }
-
-    pub fn interval(&self) -> Duration {
-        Duration::from_millis(self.interval_ms)
-    }
-
-    /// Milliseconds since the schedule began, plus one: 0 stands for "never".
-    fn now(&self) -> u64 {
-        let now = u64::try_from(self.base.elapsed().as_millis())
-            .unwrap_or(u64::MAX)
-            .saturating_add(1);
-        #[cfg(test)]
-        let now = now.saturating_add(self.skew_ms.load(Ordering::SeqCst));
-        now
-    }
-
-    fn due(&self) -> Ordered<'_, BTreeMap<(u64, LeaseName), Weak<Fence>>> {
-        crate::lock_order::lock("refresh schedule", &self.due)
-    }
-
-    /// Books the listing after one that started at `started`.
-    fn schedule(&self, started: u64, lease: &LeaseName, fence: Weak<Fence>) {
-        let at = started.saturating_add(self.interval_ms);
-        let first = {
-            let mut due = self.due();
-            due.insert((at, lease.clone()), fence);
-            due.keys().next().is_some_and(|(t, _)| *t == at)
-        };
-        if first {
-            self.wake.notify_one();
-        }
-    }
-
-    /// The fences due by `now`, and when the next one falls due.
-    fn take_due(&self, now: u64) -> (Vec<Arc<Fence>>, Option<u64>) {
-        let mut due = self.due();
-        let mut ready = Vec::new();
-        while let Some(first) = due.first_entry() {
-            if first.key().0 > now {
-                return (ready, Some(first.key().0));
-            }
-            ready.extend(first.remove().upgrade());
-        }
-        (ready, None)
-    }
-}
-
-/// The running fences, one per lease.
-pub struct Fences {
-    epochs: Epochs,
-    state: Arc<dyn StateStore>,
-    refresh: Arc<Refresh>,
-    running: Mutex<BTreeMap<LeaseName, Arc<Fence>>>,
-}
-
-impl Fences {
-    /// `refresh_interval`: SPEC §4.3's, the most a lease in use waits between listings.
-    pub fn new(
-        epochs: Epochs,
-        state: Arc<dyn StateStore>,
-        refresh_interval: Duration,
-    ) -> Arc<Fences> {
-        Arc::new(Fences {
-            epochs,
-            state,
-            refresh: Refresh::new(refresh_interval),
-            running: Mutex::new(BTreeMap::new()),
-        })
-    }
-
-    fn running(&self) -> Ordered<'_, BTreeMap<LeaseName, Arc<Fence>>> {
-        crate::lock_order::lock("fences", &self.running)
-    }
-
-    /// Starts the fence of `lease` from its durable mark, or returns the running
-    /// one. `settle` is the longest drain timeout of its routes ([`Fence::new`]).
-    pub async fn start(
-        &self,
-        lease: &LeaseName,
-        settle: Duration,
-    ) -> Result<Arc<Fence>, StateError> {
-        if let Some(f) = self.get(lease) {
-            return Ok(f);
-        }
-        let stored = self.state.marks(lease).await?;
-        let fence = Fence::new(
-            lease.clone(),
-            self.epochs.clone(),
-            self.state.clone(),
-            Owner::SINGLE,
-            settle,
-            self.refresh.clone(),
-            stored,
-            Epoch::NONE,
-        );
-        // Two starters of one lease: the first one in wins, the other's is dropped
-        // unused (nothing was admitted through it).
-        Ok(self.running().entry(lease.clone()).or_insert(fence).clone())
-    }
-
-    /// A takeover (SPEC §10.2): starts the fence of `lease` under `owner` with
-    /// mark = max(stored mark, the latest epoch listed in the store now). A fence
-    /// of an older tenure still registered is replaced, and stopped at once (its
-    /// tenure is over: its writes would fail anyway).
-    pub async fn take_over(
-        &self,
-        lease: &LeaseName,
-        settle: Duration,
-        owner: Owner,
-    ) -> Result<Arc<Fence>, FenceError> {
-        // Listed after the stored mark (an epoch the store had: objects are never
-        // deleted), so a takeover does not page through the lease's history.
-        let stored = self.state.marks(lease).await.map_err(FenceError::State)?;
-        let listed = self
-            .epochs
-            .latest_after(lease, stored.mark)
-            .await
-            .map_err(|e| FenceError::StoreUnavailable {
-                lease: lease.clone(),
-                epoch: Epoch::NONE,
-                detail: e.to_string(),
-            })?;
-        let fence = Fence::new(
-            lease.clone(),
-            self.epochs.clone(),
-            self.state.clone(),
-            owner,
-            settle,
-            self.refresh.clone(),
-            stored,
-            listed,
-        );
-        let old = self.running().insert(lease.clone(), fence.clone());
-        if let Some(old) = old {
-            tokio::spawn(async move { old.stop(Duration::ZERO).await });
-        }
-        Ok(fence)
-    }
-
-    pub fn get(&self, lease: &LeaseName) -> Option<Arc<Fence>> {
-        self.running().get(lease).cloned()
-    }
-
-    /// Every running fence, by lease name.
-    pub fn all(&self) -> Vec<Arc<Fence>> {
-        self.running().values().cloned().collect()
-    }
-
-    /// Stops the fence of `lease` if it runs under `owner` (a cluster's tenure;
-    /// a newer tenure's fence is left alone), aborting what is still in flight
-    /// at `deadline`. Returns whether it was stopped.
-    pub async fn stop_owned(
-        &self,
-        lease: &LeaseName,
-        owner: Owner,
-        deadline: tokio::time::Instant,
-    ) -> bool {
-        let fence = {
-            let mut running = self.running();
-            match running.get(lease) {
-                Some(f) if f.owner() == owner => running.remove(lease),
-                _ => None,
-            }
-        };
-        match fence {
-            Some(f) => {
-                f.stop_by(deadline).await;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Stops the fence of `lease` ([`Fence::stop`]) and forgets it. Returns
-    /// whether it was running.
-    pub async fn stop(&self, lease: &LeaseName, drain_timeout: Duration) -> bool {
-        let fence = self.running().remove(lease);
-        match fence {
-            Some(f) => {
-                f.stop(drain_timeout).await;
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// Most store calls the background refresh has in flight at once.
-const REFRESH_CONCURRENCY: usize = 32;
-
-/// The background refresh of every fence ([`Refresh`]): lists each fence in use
-/// when its listing falls due, from one task with a bounded number of calls in
-/// flight. A store outage is logged at most once per interval, not once per lease.
-pub(crate) async fn refresh_all(fences: Arc<Fences>, stop: CancellationToken) {
-    let refresh = fences.refresh.clone();
-    let mut calls = tokio::task::JoinSet::new();
-    let mut queue: std::collections::VecDeque<Arc<Fence>> = Default::default();
-    let mut failed = 0usize;
-    let mut first_error: Option<(LeaseName, StoreError)> = None;
-    let mut logged: Option<Instant> = None;
-    loop {
-        let now = refresh.now();
-        let (ready, next) = refresh.take_due(now);
-        queue.extend(ready.into_iter().filter(|f| f.wants_listing(now)));
-        while calls.len() < REFRESH_CONCURRENCY {
-            let Some(f) = queue.pop_front() else { break };
-            calls.spawn(async move { (f.lease.clone(), f.refresh_due().await) });
-        }
-        while let Some(r) = calls.try_join_next() {
-            if let Ok((lease, Err(e))) = r {
-                failed += 1;
-                first_error.get_or_insert((lease, e));
-            }
-        }
-        if failed > 0 && logged.is_none_or(|t| t.elapsed() >= refresh.interval()) {
-            if let Some((lease, e)) = first_error.take() {
-                tracing::warn!(failed, %lease, error = %e, "epoch refresh failed");
-            }
-            failed = 0;
-            logged = Some(Instant::now());
-        }
-        let sleep = match next {
-            // Queued listings wait for a call to finish, not for a due time.
-            _ if !queue.is_empty() => Duration::from_secs(3600),
-            Some(at) => Duration::from_millis(at.saturating_sub(refresh.now())),
-            None => refresh.interval(),
-        };
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = refresh.wake.notified() => {}
-            Some(r) = calls.join_next(), if !calls.is_empty() => {
-                if let Ok((lease, Err(e))) = r {
-                    failed += 1;
-                    first_error.get_or_insert((lease, e));
-                }
-            }
-            _ = tokio::time::sleep(sleep) => {}
-        }
     }
 }
 
@@ -894,18 +616,6 @@ mod tests {
         durable.close().await.unwrap();
     }
 
-    #[test]
-    fn knowledge_is_fresh_for_an_interval_or_while_an_on_time_listing_runs() {
-        // Never listed: a request must read.
-        assert!(!fresh(5, 0, 0, 1000));
-        assert!(fresh(1000, 1, 0, 1000));
-        assert!(!fresh(1001, 1, 0, 1000));
-        // The due listing started on time and is still running.
-        assert!(fresh(1050, 1, 1001 + LATE_MS, 1000));
-        // It started late (the lease was idle; a request started it).
-        assert!(!fresh(5000, 1, 4990, 1000));
-    }
-
     async fn registry_on(
         dir: &std::path::Path,
         names: &[&str],
@@ -926,11 +636,10 @@ mod tests {
         f.calls.lists.load(Ordering::Relaxed)
     }
 
-    /// Moves the schedule's clock and lists what falls due, as `refresh_all` would.
+    /// Moves tokio's (paused) clock and lists what falls due, as `refresh_all` would.
     async fn advance(registry: &Fences, by: Duration) {
-        let r = &registry.refresh;
-        r.skew_ms
-            .fetch_add(u64::try_from(by.as_millis()).unwrap(), Ordering::SeqCst);
+        let r = registry.refresh();
+        tokio::time::advance(by).await;
         let now = r.now();
         let (ready, _) = r.take_due(now);
         for f in ready.into_iter().filter(|f| f.wants_listing(now)) {
@@ -942,7 +651,7 @@ mod tests {
     /// lease in use is listed at most once per interval, and once more after its
     /// last request; a stopped one never. Fails when the refresh lists every lease
     /// each interval, or lists a used lease more often than the interval.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn idle_leases_cost_nothing_and_used_ones_one_listing_per_interval() {
         let dir = tempfile::tempdir().unwrap();
         let (registry, fences, epochs, durable) = registry_on(dir.path(), &["l", "b", "c"]).await;
@@ -998,7 +707,7 @@ mod tests {
     /// created, so the first request after the interval reads the store before it
     /// is decided and the older epoch is refused. Fails when a request is decided
     /// on knowledge older than the refresh interval.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_first_request_after_idle_learns_a_newer_epoch_before_admission() {
         let dir = tempfile::tempdir().unwrap();
         let (registry, fences, epochs, durable) = registry_on(dir.path(), &["l"]).await;

@@ -1,0 +1,65 @@
+//! The pooled upstream client (SPEC §3): hyper-util's over rustls, its
+//! connections cuttable (`cutoff`), and the TLS roots it trusts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::CertificateDer;
+
+use crate::cutoff::CuttableConnector;
+use crate::streaming::UpBody;
+
+pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
+
+/// Builds the TLS client config: system roots when present, else webpki roots,
+/// plus an optional per-route CA bundle.
+pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    let (added, _) = roots.add_parsable_certificates(native.certs);
+    if added == 0 {
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    }
+    if let Some(path) = extra_ca {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(path)
+            .map_err(|e| format!("reading CA bundle {}: {e}", path.display()))?
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("parsing CA bundle {}: {e}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!("CA bundle {} holds no certificate", path.display()));
+        }
+        for c in certs {
+            roots
+                .add(c)
+                .map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
+        }
+    }
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+}
+
+/// A pooled client for one upstream (or a set of upstreams sharing TLS roots).
+pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClient {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(CuttableConnector(http));
+    Client::builder(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .build(https)
+}

@@ -1,0 +1,29 @@
+//! The request headers fencegate itself reads or adds, in one place: a worker's
+//! lease claim, dedup key and request id (SPEC §3), the forwarding hop it appends
+//! (§3), and the headers a cluster instance relays a request with (§10.2).
+//!
+//! Typed names: looking a header up by `&str` parses and validates the name
+//! again on every request.
+
+use http::header::HeaderName;
+
+/// The worker's lease token: read, checked against the epoch's object, and never
+/// forwarded (SPEC §3).
+pub const LEASE_TOKEN: &str = "x-lease-token";
+/// The worker's epoch: read, and forwarded as it came (SPEC §3).
+pub const LEASE_EPOCH: &str = "x-lease-epoch";
+
+pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
+/// The worker's dedup key (SPEC §3, §6), when it chose one.
+pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
+/// The request id, sent upstream and echoed to the worker (`access`).
+pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The client hop fencegate appends to (SPEC §3), with `Forwarded`.
+pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// SPEC §10.2: the instance that relayed a request to its shard's owner, and the
+/// cluster's shared secret proving it. Neither is ever sent upstream.
+pub const PEER_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer");
+pub const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");

@@ -10,6 +10,7 @@
 mod common;
 mod support;
 
+mod conformance;
 mod corpus;
 mod dedup;
 mod edges;

@@ -212,13 +212,12 @@ async fn totals(s: &dyn StateStore) -> String {
     out
 }
 
-under_faults! {
-
 /// Issue 26 (errors before the call): every write refused before it reaches the
 /// store fails with a `Write` error and leaves the store as it was — its
 /// record, its marks, its shard's generation, and every count; the same call
 /// then goes through.
-async fn a_refused_write_changes_nothing(s, f) {
+async fn a_refused_write_changes_nothing(s: Subject) {
+    let f = faults(&s);
     let mut wrong = Vec::new();
     for (n, call) in Call::ALL.into_iter().enumerate() {
         let run = Run::new(call, n as u32, "refused");
@@ -231,7 +230,9 @@ async fn a_refused_write_changes_nothing(s, f) {
         }
         let after = (totals(&*s.inner).await, call.observe(&*s.inner, &run).await);
         if after != before {
-            wrong.push(format!("{call:?} changed the store:\n{before:?}\n{after:?}"));
+            wrong.push(format!(
+                "{call:?} changed the store:\n{before:?}\n{after:?}"
+            ));
         }
         // Not refused any more: it goes through.
         if let Err(e) = call.call(&*s.store, &run).await {
@@ -246,7 +247,8 @@ async fn a_refused_write_changes_nothing(s, f) {
 /// Issue 26 (unknown outcomes): a write applied whose answer is lost leaves the
 /// store exactly as the same write answered does (compared on keys of its own),
 /// so reading back tells the caller what happened.
-async fn a_write_whose_answer_is_lost_did_what_it_would_have(s, f) {
+async fn a_write_whose_answer_is_lost_did_what_it_would_have(s: Subject) {
+    let f = faults(&s);
     let mut wrong = Vec::new();
     for (n, call) in Call::ALL.into_iter().enumerate() {
         let lost = Run::new(call, 2 * n as u32, "lost");
@@ -263,7 +265,9 @@ async fn a_write_whose_answer_is_lost_did_what_it_would_have(s, f) {
         }
         let after_clean = call.observe(&*s.inner, &clean).await;
         if after_lost != after_clean {
-            wrong.push(format!("{call:?}:\nlost answer: {after_lost}\nanswered: {after_clean}"));
+            wrong.push(format!(
+                "{call:?}:\nlost answer: {after_lost}\nanswered: {after_clean}"
+            ));
         }
     }
     assert_eq!(f.fired(), Call::ALL.len());
@@ -276,7 +280,8 @@ async fn a_write_whose_answer_is_lost_did_what_it_would_have(s, f) {
 /// from the request's own claim (at the gateway: 409 `dedup_in_flight`, never a
 /// second forward); reading the record back finds the caller's own claim —
 /// same fingerprint, same creation time — so the caller may go on as claimed.
-async fn a_claim_whose_answer_was_lost_is_found_by_reading_back(s, f) {
+async fn a_claim_whose_answer_was_lost_is_found_by_reading_back(s: Subject) {
+    let f = faults(&s);
     let k = rkey("pay", "k");
     let c = claim(1, 1_000);
     f.add(Rule::new(Op::Begin, Fault::Unknown).once());
@@ -286,7 +291,10 @@ async fn a_claim_whose_answer_was_lost_is_found_by_reading_back(s, f) {
         other => panic!("asking again: {other:?}"),
     }
     assert_eq!(get(&*s.store, &k).await, Some(c.clone()));
-    s.store.finish(SINGLE, &k, done(&c, 1_200, response(200, Some(b"ok")))).await.unwrap();
+    s.store
+        .finish(SINGLE, &k, done(&c, 1_200, response(200, Some(b"ok"))))
+        .await
+        .unwrap();
     assert_eq!(get(&*s.store, &k).await.map(|r| r.state), Some(State::Done));
 }
 
@@ -294,27 +302,51 @@ async fn a_claim_whose_answer_was_lost_is_found_by_reading_back(s, f) {
 /// lost, reading back shows it applied, and repeating it changes nothing
 /// further (an outcome is written only over an in-flight record; a resolution
 /// only of an in-doubt key).
-async fn a_lost_outcome_or_resolution_is_applied_once(s, f) {
+async fn a_lost_outcome_or_resolution_is_applied_once(s: Subject) {
+    let f = faults(&s);
     let (answered, resolved) = (rkey("pay", "answered"), rkey("pay", "resolved"));
     let c = claim(1, 1_000);
     claimed(&*s.store, SINGLE, &answered, &c).await;
     claimed(&*s.store, SINGLE, &resolved, &c).await;
-    s.store.finish(SINGLE, &resolved, in_doubt(&c, 1_100)).await.unwrap();
+    s.store
+        .finish(SINGLE, &resolved, in_doubt(&c, 1_100))
+        .await
+        .unwrap();
 
     f.add(Rule::new(Op::Finish, Fault::Unknown).once());
     let end = || done(&c, 1_200, response(201, Some(b"first")));
     assert!(s.store.finish(SINGLE, &answered, end()).await.is_err());
     let read = get(&*s.store, &answered).await;
-    assert_eq!(read.as_ref().map(|r| (r.state, r.updated_ms)), Some((State::Done, 1_200)));
-    let again = s.store.finish(SINGLE, &answered, done(&c, 1_300, response(500, None))).await;
-    assert_eq!(get(&*s.inner, &answered).await, read, "repeating the outcome: {again:?}");
+    assert_eq!(
+        read.as_ref().map(|r| (r.state, r.updated_ms)),
+        Some((State::Done, 1_200))
+    );
+    let again = s
+        .store
+        .finish(SINGLE, &answered, done(&c, 1_300, response(500, None)))
+        .await;
+    assert_eq!(
+        get(&*s.inner, &answered).await,
+        read,
+        "repeating the outcome: {again:?}"
+    );
 
     f.add(Rule::new(Op::Resolve, Fault::Unknown).once());
-    assert!(s.store.resolve(SINGLE, &resolved, Resolution::Delivered, 2_000).await.is_err());
+    assert!(s
+        .store
+        .resolve(SINGLE, &resolved, Resolution::Delivered, 2_000)
+        .await
+        .is_err());
     let read = get(&*s.store, &resolved).await;
-    assert_eq!(read.as_ref().map(|r| (r.state, r.updated_ms)), Some((State::Done, 2_000)));
     assert_eq!(
-        s.store.resolve(SINGLE, &resolved, Resolution::NotDelivered, 3_000).await.unwrap(),
+        read.as_ref().map(|r| (r.state, r.updated_ms)),
+        Some((State::Done, 2_000))
+    );
+    assert_eq!(
+        s.store
+            .resolve(SINGLE, &resolved, Resolution::NotDelivered, 3_000)
+            .await
+            .unwrap(),
         Resolved::NotInDoubt(State::Done)
     );
     assert_eq!(get(&*s.inner, &resolved).await, read);
@@ -322,7 +354,8 @@ async fn a_lost_outcome_or_resolution_is_applied_once(s, f) {
 
 /// Issue 26 (errors on reads): a refused read is an error, never a wrong
 /// answer (an empty mark, a missing record), and the next read answers.
-async fn a_refused_read_is_an_error_not_an_answer(s, f) {
+async fn a_refused_read_is_an_error_not_an_answer(s: Subject) {
+    let f = faults(&s);
     let (l, k) = (lease("l"), rkey("pay", "k"));
     s.store.raise_mark(SINGLE, &l, Epoch::new(4)).await.unwrap();
     claimed(&*s.store, SINGLE, &k, &claim(1, 1_000)).await;
@@ -335,18 +368,31 @@ async fn a_refused_read_is_an_error_not_an_answer(s, f) {
     assert!(s.store.check().await.is_err());
     assert_eq!(s.store.marks(&l).await.unwrap().mark, Epoch::new(4));
     assert_eq!(get(&*s.store, &k).await, Some(claim(1, 1_000)));
-    assert_eq!(s.store.list(State::InFlight, None, None, 10).await.unwrap().total, 1);
+    assert_eq!(
+        s.store
+            .list(State::InFlight, None, None, 10)
+            .await
+            .unwrap()
+            .total,
+        1
+    );
     s.store.check().await.unwrap();
 }
 
 /// `StateStore::begin` ("two concurrent claims of one key never both
 /// succeed") under latency: the claim that reaches the store first wins, not the
 /// one sent first; the slowed one is answered from the winner's record.
-async fn a_slowed_claim_loses_to_the_one_that_reaches_the_store_first(s, f) {
+async fn a_slowed_claim_loses_to_the_one_that_reaches_the_store_first(s: Subject) {
+    let f = faults(&s);
     let k = rkey("pay", "k");
-    f.add(Rule::new(Op::Begin, Fault::Latency(Duration::from_millis(100))).key("pay/k").once());
+    f.add(
+        Rule::new(Op::Begin, Fault::Latency(Duration::from_millis(100)))
+            .key("pay/k")
+            .once(),
+    );
     let (store, k2) = (s.store.clone(), k.clone());
-    let slow = tokio::spawn(async move { store.begin(SINGLE, &k2, &claim(1, 1_000), STRICT).await });
+    let slow =
+        tokio::spawn(async move { store.begin(SINGLE, &k2, &claim(1, 1_000), STRICT).await });
     tokio::time::sleep(Duration::from_millis(20)).await;
     claimed(&*s.store, SINGLE, &k, &claim(2, 1_001)).await;
     match slow.await.unwrap() {
@@ -356,4 +402,11 @@ async fn a_slowed_claim_loses_to_the_one_that_reaches_the_store_first(s, f) {
     assert_eq!(f.calls(Op::Begin), 2);
 }
 
+under_faults! {
+    a_refused_write_changes_nothing,
+    a_write_whose_answer_is_lost_did_what_it_would_have,
+    a_claim_whose_answer_was_lost_is_found_by_reading_back,
+    a_lost_outcome_or_resolution_is_applied_once,
+    a_refused_read_is_an_error_not_an_answer,
+    a_slowed_claim_loses_to_the_one_that_reaches_the_store_first,
 }

@@ -2,9 +2,9 @@
 //! written once against `Arc<dyn StateStore>`, run on every backend — as slatedb
 //! runs one suite on each object store.
 //!
-//! Each rule is declared with [`conformance!`] and becomes four tests,
-//! `RULE::sled`, `RULE::postgres`, `RULE::faulty_sled` and `RULE::faulty_postgres`:
-//! sled in a temporary directory, a fresh database on the test run's PostgreSQL
+//! Each rule is an `async fn RULE(s: Subject)`, declared with [`conformance!`]
+//! as four tests, `RULE::sled`, `RULE::postgres`, `RULE::faulty_sled` and
+//! `RULE::faulty_postgres`: sled in a temporary directory, a fresh database on the test run's PostgreSQL
 //! ([`PgServer::shared`]; skipped, saying why, only when PostgreSQL is not
 //! installed and `FENCEGATE_TEST_REQUIRE_POSTGRES` is unset), and each of them
 //! behind the fault-injecting [`FaultState`] with latency on every call. The
@@ -158,87 +158,81 @@ async fn open_sled(dir: &Path) -> Arc<dyn StateStore> {
     }
 }
 
-/// Declares each rule as four tests (see the module docs). `#[differs(sled =
-/// "…")]` or `#[differs(postgres = "…")]` ignores the rule on that backend (and
-/// its faulty variant), giving the exact difference as the reason.
+/// Runs `rule` on a fresh store of `backend` (behind [`FaultState`] if
+/// `faulty`), unless the backend cannot run here.
+pub async fn run<F, Fut>(backend: Backend, faulty: bool, rule: F)
+where
+    F: FnOnce(Subject) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    if let Some(s) = Subject::new(backend, faulty).await {
+        rule(s).await
+    }
+}
+
+/// The fault wrapper of a faulty subject.
+pub fn faults(s: &Subject) -> &FaultState {
+    s.faults().expect("a subject behind the fault wrapper")
+}
+
+/// Declares each rule — an `async fn RULE(s: Subject)` of the calling module —
+/// as four tests (see the module docs), in a module named after it.
+/// `#[differs(sled = "…")]` or `#[differs(postgres = "…")]` ignores the rule on
+/// that backend (and its faulty variant), giving the exact difference as the
+/// reason.
 macro_rules! conformance {
     ($(
-        $(#[doc = $doc:expr])*
         $(#[differs(sled = $sled:literal)])?
         $(#[differs(postgres = $pg:literal)])?
-        async fn $name:ident($s:ident) $body:block
-    )*) => {$(
-        $(#[doc = $doc])*
+        $name:ident
+    ),* $(,)?) => {$(
         mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-            use $crate::conformance::{Backend, Subject};
-
-            async fn rule($s: Subject) $body
-
-            async fn on(backend: Backend, faulty: bool) {
-                if let Some(s) = Subject::new(backend, faulty).await {
-                    rule(s).await
-                }
-            }
+            use $crate::conformance::{run, Backend};
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             $(#[ignore = $sled])?
             async fn sled() {
-                on(Backend::Sled, false).await
+                run(Backend::Sled, false, super::$name).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             $(#[ignore = $pg])?
             async fn postgres() {
-                on(Backend::Postgres, false).await
+                run(Backend::Postgres, false, super::$name).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             $(#[ignore = $sled])?
             async fn faulty_sled() {
-                on(Backend::Sled, true).await
+                run(Backend::Sled, true, super::$name).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             $(#[ignore = $pg])?
             async fn faulty_postgres() {
-                on(Backend::Postgres, true).await
+                run(Backend::Postgres, true, super::$name).await
             }
         }
     )*};
 }
 pub(crate) use conformance;
 
-/// Declares each fault rule as two tests, `RULE::sled` and `RULE::postgres`,
-/// both behind [`FaultState`] (the test adds its faults to the standing latency).
+/// Declares each fault rule — an `async fn RULE(s: Subject)` that adds faults
+/// through [`faults`] — as two tests, `RULE::sled` and `RULE::postgres`, both
+/// behind [`FaultState`] (the rule's faults come before the standing latency).
 macro_rules! under_faults {
-    ($(
-        $(#[doc = $doc:expr])*
-        async fn $name:ident($s:ident, $f:ident) $body:block
-    )*) => {$(
-        $(#[doc = $doc])*
+    ($($name:ident),* $(,)?) => {$(
         mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-            use $crate::conformance::{Backend, FaultState, Subject};
-
-            async fn rule($s: &Subject, $f: &FaultState) $body
-
-            async fn on(backend: Backend) {
-                if let Some(s) = Subject::new(backend, true).await {
-                    rule(&s, s.faults().expect("a faulty subject")).await
-                }
-            }
+            use $crate::conformance::{run, Backend};
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn sled() {
-                on(Backend::Sled).await
+                run(Backend::Sled, true, super::$name).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn postgres() {
-                on(Backend::Postgres).await
+                run(Backend::Postgres, true, super::$name).await
             }
         }
     )*};

@@ -206,7 +206,10 @@ pub trait StateStore: Send + Sync + 'static {
         rules: TakeOver,
     ) -> Result<Begun, StateError>;
 
-    /// Ends a claimed key.
+    /// Ends a claimed key: writes the outcome (state, `updated_ms`, response)
+    /// over the key's `in_flight` record, whose other fields stay as the claim
+    /// wrote them (a resend keeps the first claim's creation time). Fails, and
+    /// changes nothing, when the key's record is no longer in flight.
     async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError>;
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError>;

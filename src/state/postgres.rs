@@ -264,6 +264,61 @@ impl PostgresState {
         }
     }
 
+    /// Claims `key` with `fresh` if it has no record (and no newer owner holds
+    /// the shard): whether it did. After an error the claim may have landed: it
+    /// is marked in doubt if it can be.
+    async fn insert_claim(
+        &self,
+        owner: Owner,
+        key: &RecordKey,
+        fresh: &Record,
+    ) -> Result<bool, StateError> {
+        let insert = format!(
+            "INSERT INTO fencegate_dedup \
+               (route, key, shard, state, fingerprint, epoch, owner_generation, created_ms, updated_ms, method, path) \
+             SELECT $1, $2, $3, 0, $4, $5, $6, $7, $7, $8, $9 WHERE {} \
+             ON CONFLICT (route, key) DO NOTHING RETURNING 1",
+            owner_ok(3, 6)
+        );
+        let (route, k) = (key.route.clone(), key.key.clone());
+        let fp = fresh.fingerprint.to_vec();
+        let (epoch, created) = (epoch_to_sql(fresh.epoch.get()), ms(fresh.created_ms));
+        let (method, path) = request_columns(fresh);
+        let claimed = self
+            .with("claiming a key", |c| async move {
+                let st = c.prepare_cached(&insert).await?;
+                c.query_opt(
+                    &st,
+                    &[
+                        &route,
+                        &k,
+                        &shard(owner),
+                        &fp,
+                        &epoch,
+                        &generation(owner),
+                        &created,
+                        &method,
+                        &path,
+                    ],
+                )
+                .await
+            })
+            .await;
+        match claimed {
+            Ok(Some(_)) => {
+                self.committed();
+                crate::failpoint::hit("dedup_in_flight_flushed");
+                Ok(true)
+            }
+            Ok(None) => Ok(false),
+            Err(e) => {
+                self.mark_in_doubt(owner, key, fresh.created_ms, fresh.created_ms)
+                    .await;
+                Err(e)
+            }
+        }
+    }
+
     /// Best effort after a write whose outcome is unknown: this request's own
     /// `in_flight` record (the one created at `created_ms`, if the write did land
     /// or never changed it) becomes `in_doubt`, so a retry is refused rather than
@@ -431,60 +486,23 @@ impl StateStore for PostgresState {
         fresh: &Record,
         rules: TakeOver,
     ) -> Result<Begun, StateError> {
-        let insert = format!(
-            "INSERT INTO fencegate_dedup \
-               (route, key, shard, state, fingerprint, epoch, owner_generation, created_ms, updated_ms, method, path) \
-             SELECT $1, $2, $3, 0, $4, $5, $6, $7, $7, $8, $9 WHERE {} \
-             ON CONFLICT (route, key) DO NOTHING RETURNING 1",
-            owner_ok(3, 6)
-        );
-        let (route, k) = (key.route.clone(), key.key.clone());
-        let fp = fresh.fingerprint.to_vec();
-        let (epoch, created) = (epoch_to_sql(fresh.epoch.get()), ms(fresh.created_ms));
-        let (method, path) = request_columns(fresh);
-        let claimed = self
-            .with("claiming a key", |c| async move {
-                let st = c.prepare_cached(&insert).await?;
-                c.query_opt(
-                    &st,
-                    &[
-                        &route,
-                        &k,
-                        &shard(owner),
-                        &fp,
-                        &epoch,
-                        &generation(owner),
-                        &created,
-                        &method,
-                        &path,
-                    ],
-                )
-                .await
-            })
-            .await;
-        match claimed {
-            Ok(Some(_)) => {
-                self.committed();
-                crate::failpoint::hit("dedup_in_flight_flushed");
-                return Ok(Begun::Claimed);
-            }
-            Ok(None) => {}
-            Err(e) => {
-                self.mark_in_doubt(owner, key, fresh.created_ms, fresh.created_ms)
-                    .await;
-                return Err(e);
-            }
+        if self.insert_claim(owner, key, fresh).await? {
+            return Ok(Begun::Claimed);
         }
         // The key exists (or a newer owner holds the shard): look, and take over
         // only the exact version seen.
         for _ in 0..8 {
             let Some(existing) = self.get(key).await? else {
-                return Err(self
-                    .lost_or(
-                        owner,
-                        StateError::Write("the key vanished while claiming it; retry".into()),
-                    )
-                    .await);
+                // Gone since the insert found it (an operator's "not delivered",
+                // a freed claim, a sweep), or a newer owner holds the shard.
+                let why = StateError::Write(String::new());
+                if let e @ StateError::OwnerLost { .. } = self.lost_or(owner, why).await {
+                    return Err(e);
+                }
+                if self.insert_claim(owner, key, fresh).await? {
+                    return Ok(Begun::Claimed);
+                }
+                continue;
             };
             let Some(write) = existing.taken_over_by(fresh, &rules) else {
                 return Ok(Begun::Exists(existing));

@@ -359,24 +359,51 @@ impl StateStore for SledState {
     async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError> {
         self.check_owner(owner)?;
         let k = db_key(key);
-        match end {
-            End::Delete => self.dedup.remove(&k).map(drop).map_err(write_err),
-            // Not awaited as durable: a crash here leaves `in_flight`, which
-            // start-up turns into `in_doubt` anyway.
-            End::InDoubt(r) => self
+        // Only the outcome is written, and only over the key's `in_flight`
+        // record: the rest stays as the claim wrote it — a resend's claim keeps
+        // the first claim's creation time (`Record::taken_over_by`), which the
+        // resend's own ticket does not know. As PostgreSQL does.
+        let (state, updated_ms, response) = match end {
+            End::Delete => (None, 0, None),
+            End::InDoubt(r) => (Some(State::InDoubt), r.updated_ms, None),
+            End::Done(r) => (Some(State::Done), r.updated_ms, r.response),
+        };
+        let mut current = self.dedup.get(&k).map_err(write_err)?;
+        loop {
+            let claim = current
+                .as_ref()
+                .and_then(|v| codec::decode(v))
+                .filter(|r| r.state == State::InFlight);
+            let Some(claim) = claim else {
+                return Err(StateError::Write(
+                    "the key's record is no longer this request's in-flight record".into(),
+                ));
+            };
+            let new = state.map(|state| {
+                codec::encode(&Record {
+                    state,
+                    updated_ms,
+                    response: response.clone(),
+                    ..claim
+                })
+            });
+            match self
                 .dedup
-                .insert(&k, codec::encode(&r))
-                .map(drop)
-                .map_err(write_err),
-            End::Done(r) => {
-                self.dedup
-                    .insert(&k, codec::encode(&r))
-                    .map_err(write_err)?;
-                self.commit.commit().await?;
-                crate::failpoint::hit("dedup_done_flushed");
-                Ok(())
+                .compare_and_swap(&k, current.as_ref(), new)
+                .map_err(write_err)?
+            {
+                Ok(()) => break,
+                Err(e) => current = e.current,
             }
         }
+        // Only `done` is awaited as durable: a crash before an unknown outcome or
+        // a delete is flushed leaves `in_flight`, which start-up turns into
+        // `in_doubt` anyway.
+        if state == Some(State::Done) {
+            self.commit.commit().await?;
+            crate::failpoint::hit("dedup_done_flushed");
+        }
+        Ok(())
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError> {

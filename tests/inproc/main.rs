@@ -2,6 +2,8 @@
 //! process, on the `dir` store with a manual clock, and a recording origin. No
 //! Python, no S3 server, no child processes: plain `cargo test` runs them. What
 //! needs S3, the CLI, a crash, a signal or the campaign stays in `tests/it`.
+//! `conformance` is the `StateStore` suite: one set of rules run on sled, on
+//! PostgreSQL, and on each behind a fault-injecting wrapper.
 
 // Tests may read the wall clock and sleep (clippy.toml bans both in the library).
 #![allow(clippy::disallowed_methods)]
@@ -10,6 +12,7 @@
 mod common;
 mod support;
 
+mod conformance;
 mod corpus;
 mod dedup;
 mod edges;

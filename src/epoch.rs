@@ -165,13 +165,6 @@ pub struct EpochRecord {
     /// proof.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<crate::process::ProcessId>,
-    /// A release's proof that its writer held the tenure it ends: the token of
-    /// the released epoch (whose hash that epoch's object names). The tenure is
-    /// over, so the token is worth nothing now; a reader that checks it knows the
-    /// release is not a forgery (SPEC §10: a gate lease is free at once only
-    /// after a proven release).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub released_token: Option<String>,
     /// A cluster's gate objects only: HMAC-SHA256 over the fields above, keyed
     /// by the peer token ([`crate::setup::GateKey`]), hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -199,7 +192,6 @@ impl EpochRecord {
             shards: None,
             state: None,
             process: None,
-            released_token: None,
             mac: None,
         }
     }
@@ -218,7 +210,6 @@ impl EpochRecord {
             shards: None,
             state: None,
             process: None,
-            released_token: None,
             mac: None,
         }
     }

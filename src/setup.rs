@@ -22,8 +22,8 @@ use sha2::Sha256;
 use std::time::{Duration, SystemTime};
 
 use crate::config::{StateConfig, StateKind, MAX_SHARDS};
-use crate::epoch::{object_key, Epoch, EpochKind, EpochObject, EpochRecord, LeaseName};
-use crate::lease::acquire::{free_at, LeaseStatus};
+use crate::epoch::{EpochKind, EpochObject, EpochRecord, LeaseName};
+use crate::lease::acquire::{free_at, LeaseStatus, PriorExpiry};
 use crate::lease::{Epochs, StoreError};
 
 /// A single instance, or a cluster of `shards` shards.
@@ -89,51 +89,71 @@ pub fn shard_name(shard: u32) -> LeaseName {
 /// Anyone who can write under `.gate/` can create the next epoch of a gate
 /// lease, so an object's own word must never end the tenure before it any
 /// sooner than that tenure would end by itself. `trusted`: the object was
-/// written by a member of this set-up (a cluster's MAC verified) — its TTL is
-/// believed and its release is final. Otherwise: a release is final only when
-/// it proves the tenure it ends (it carries that epoch's token), and anything
-/// else — an acquire, garbage, an unproven release — lets a contender in no
-/// sooner than `gate_ttl` after it was written (plus `LastModified`'s
-/// resolution and `grace`), nor before its own expiry: by then the tenure it
-/// followed, renewed at the latest just before it, has ended.
+/// sealed by a member of this set-up (a cluster's MAC, or this single
+/// instance's own key) and matches its key — its TTL is believed and its
+/// release is final. Anything else — another instance's object, garbage, a
+/// forged acquire or release — lets a contender in no sooner than `gate_ttl`
+/// after it was written, nor before its own expiry, nor before the acquire it
+/// follows expires by that acquire's own TTL (a holder with a longer `gate_ttl`
+/// than the reader's); never, when nothing below it parses.
 pub fn gate_free(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Duration) -> bool {
-    gate_free_at(st, trusted, gate_ttl, grace).is_none_or(|at| st.store_earliest > at)
-}
-
-/// When [`gate_free`] turns true on the store's clock; `None`: free already
-/// (no object, or a final release).
-pub fn gate_free_at(
-    st: &LeaseStatus,
-    trusted: bool,
-    gate_ttl: Duration,
-    grace: Duration,
-) -> Option<SystemTime> {
-    let (Some(object), Some(written)) = (&st.object, st.written) else {
-        return None;
-    };
-    let after_write = free_at(written + gate_ttl, grace);
-    Some(match object {
-        EpochObject::Acquire { expires_at, .. } if trusted => free_at(*expires_at, grace),
-        EpochObject::Acquire { expires_at, .. } => free_at(*expires_at, grace).max(after_write),
-        EpochObject::Release { .. } if trusted || st.release_proven => return None,
-        _ => after_write,
-    })
-}
-
-/// How many shard gate leases have ever been used under the prefix: shard `k`
-/// was used if its first gate object exists (gate objects are never deleted).
-/// A set-up taking shard 0 over from an object it cannot trust reads every one
-/// of them, whatever that object claims. One read per shard used, plus one.
-pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
-    let mut k = 1;
-    while k < MAX_SHARDS {
-        let key = object_key(epochs.prefix(), &shard_name(k), Epoch::new(1));
-        if epochs.store().get(&key).await?.is_none() {
-            break;
-        }
-        k += 1;
+    match gate_free_at(st, trusted, gate_ttl, grace) {
+        Free::Now => true,
+        Free::At(at) => st.store_earliest > at,
+        Free::Never => false,
     }
-    Ok(k)
+}
+
+/// When [`gate_free`] turns true on the store's clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Free {
+    Now,
+    At(SystemTime),
+    Never,
+}
+
+pub fn gate_free_at(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Duration) -> Free {
+    let (Some(object), Some(written)) = (&st.object, st.written) else {
+        return Free::Now;
+    };
+    if trusted {
+        return match object {
+            EpochObject::Acquire { expires_at, .. } => Free::At(free_at(*expires_at, grace)),
+            _ => Free::Now,
+        };
+    }
+    let mut at = free_at(written + gate_ttl, grace);
+    if let EpochObject::Acquire { expires_at, .. } = object {
+        at = at.max(free_at(*expires_at, grace));
+    }
+    match st.prior_expiry {
+        Some(PriorExpiry::At(prior)) => Free::At(at.max(free_at(prior, grace))),
+        Some(PriorExpiry::Unknown) => Free::Never,
+        Some(PriorExpiry::Nothing) | None => Free::At(at),
+    }
+}
+
+/// How many shard gate leases have been used under the prefix: one more than
+/// the highest `{prefix}.gate/NNNN/` that holds any object (read in one
+/// delimiter listing; gaps and deleted old epochs do not hide a shard). A
+/// set-up taking shard 0 over from an object it cannot trust reads every one
+/// of them, whatever that object claims.
+pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
+    let prefix = epochs.prefix();
+    let highest = epochs
+        .store()
+        .list_folders(prefix)
+        .await?
+        .iter()
+        .filter_map(|f| {
+            f.strip_prefix(prefix)?
+                .strip_suffix('/')?
+                .parse::<u32>()
+                .ok()
+        })
+        .filter(|s| *s < MAX_SHARDS)
+        .max();
+    Ok(highest.map_or(1, |h| h + 1))
 }
 
 /// Where an instance keeps marks and dedup records, as its gate objects name it:
@@ -183,12 +203,28 @@ impl fmt::Debug for GateKey {
 }
 
 impl GateKey {
-    pub fn from_peer_token(token: &str) -> GateKey {
-        // HMAC takes a key of any length; a label keeps this use of the token
-        // apart from the peer header's.
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(b"fencegate gate object v1")
+    /// A cluster's key: its peer token, bound to the gate objects' prefix (a
+    /// sealed object copied from another prefix — a staging set-up with the
+    /// same token — does not verify here).
+    pub fn from_peer_token(token: &str, prefix: &str) -> GateKey {
+        GateKey::derive(b"fencegate gate object v1", token.as_bytes(), prefix)
+    }
+
+    /// A single instance's key: a secret kept in its `data_dir`, so it can
+    /// tell its own gate objects (taken back after a restart, or a release
+    /// that is final) from anyone else's.
+    pub fn from_secret(secret: &[u8], prefix: &str) -> GateKey {
+        GateKey::derive(b"fencegate instance gate object v1", secret, prefix)
+    }
+
+    fn derive(label: &[u8], secret: &[u8], prefix: &str) -> GateKey {
+        // HMAC takes a key of any length; a label keeps this use of the secret
+        // apart from any other.
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(label)
             .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
-        mac.update(token.as_bytes());
+        mac.update(&(secret.len() as u64).to_be_bytes());
+        mac.update(secret);
+        mac.update(prefix.as_bytes());
         let key = mac.finalize().into_bytes();
         GateKey(
             <Hmac<Sha256> as Mac>::new_from_slice(&key)
@@ -265,11 +301,12 @@ mod tests {
     /// A sealed object verifies; any field changed, another key or no MAC does not.
     #[test]
     fn a_seal_covers_every_field_and_only_its_key_verifies_it() {
-        let key = GateKey::from_peer_token("0123456789abcdef");
+        let key = GateKey::from_peer_token("0123456789abcdef", "p/.gate/");
         let mut r = record();
         key.seal(&mut r);
         assert!(key.verifies(&r));
-        assert!(!GateKey::from_peer_token("0123456789abcdeX").verifies(&r));
+        assert!(!GateKey::from_peer_token("0123456789abcdeX", "p/.gate/").verifies(&r));
+        assert!(!GateKey::from_peer_token("0123456789abcdef", "staging/.gate/").verifies(&r));
         let edits: [fn(&mut EpochRecord); 7] = [
             |r| r.advertise = Some("http://evil:80".into()),
             |r| r.holder = "fg-z".into(),

@@ -95,6 +95,8 @@ pub struct InstanceGuard {
     holding: tokio::sync::Mutex<Option<Holding>>,
     /// Where this instance keeps deliveries ([`crate::setup::state_of`]).
     state_id: String,
+    /// Seals this instance's gate objects ([`KEY_FILE`]).
+    key: crate::setup::GateKey,
     /// A cluster found live under the prefix after taking the guard (nothing is
     /// forwarded while it is set).
     conflict: std::sync::Mutex<Option<String>>,
@@ -131,6 +133,32 @@ pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
     Ok(id)
 }
 
+/// The file in `data_dir` that keeps the secret this instance seals its gate
+/// objects with (SPEC §10: only its own objects are believed).
+pub const KEY_FILE: &str = "gate-key";
+
+/// This instance's gate-object secret, created once in `data_dir`.
+fn gate_secret(data_dir: &Path) -> Result<String, GuardError> {
+    let path = data_dir.join(KEY_FILE);
+    let err = |detail: String| GuardError::Id {
+        path: path.display().to_string(),
+        detail,
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e.to_string())),
+    }
+    std::fs::create_dir_all(data_dir).map_err(|e| err(e.to_string()))?;
+    let secret = acquire::fresh_token();
+    let tmp = data_dir.join(format!("{KEY_FILE}.tmp"));
+    std::fs::write(&tmp, format!("{secret}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(secret)
+}
+
 /// This process as gate objects record it, or `None` (said once) without `/proc`.
 fn this_process() -> Option<ProcessId> {
     let me = ProcessId::current();
@@ -149,6 +177,10 @@ impl InstanceGuard {
     ) -> Result<Arc<InstanceGuard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
         let state_id = crate::setup::state_of(&cfg.state, &id);
+        let key = crate::setup::GateKey::from_secret(
+            gate_secret(&cfg.server.data_dir)?.as_bytes(),
+            &format!("{}.gate/", cfg.store.prefix),
+        );
         let guard = Arc::new(InstanceGuard {
             epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
             shard: LeaseName::parse("0000").map_err(|e| GuardError::Id {
@@ -163,6 +195,7 @@ impl InstanceGuard {
             window: crate::cluster::window::Window::new(),
             holding: tokio::sync::Mutex::new(None),
             state_id,
+            key,
             conflict: std::sync::Mutex::new(None),
             me: this_process(),
             shared_id: AtomicBool::new(false),
@@ -172,7 +205,21 @@ impl InstanceGuard {
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
-        if let Some(rec) = guard.last_record(before.latest).await? {
+        let last = guard.last_record(before.latest).await?;
+        if last.is_none()
+            && before.latest != crate::epoch::Epoch::NONE
+            && free
+            && !cfg.takeover_may_duplicate
+        {
+            // Garbage all the way down: whoever held the guard is unknown, and
+            // so is where it kept its deliveries.
+            return Err(GuardError::OtherState {
+                holder: "an instance no readable gate object names".into(),
+                theirs: None,
+                ours: guard.state_id.clone(),
+            });
+        }
+        if let Some(rec) = last {
             if SetUp::of(&rec) != SetUp::Single && !free {
                 return Err(GuardError::OtherMode {
                     mode: rec.mode.unwrap_or_default(),
@@ -255,7 +302,19 @@ impl InstanceGuard {
     /// a single instance reads can be authenticated, so only a release that
     /// proves its tenure is final at once ([`crate::setup::gate_free`]).
     fn is_free(&self, st: &acquire::LeaseStatus) -> bool {
-        crate::setup::gate_free(st, false, self.ttl, self.grace)
+        crate::setup::gate_free(st, self.own(st), self.ttl, self.grace)
+    }
+
+    /// Whether the latest gate object is this instance's own: sealed with its
+    /// key (from its `data_dir`) where it lies, under its id. Only such an
+    /// object is believed: taken back after a restart, its release final.
+    fn own(&self, st: &acquire::LeaseStatus) -> bool {
+        st.record.as_ref().is_some_and(|r| {
+            r.holder == self.id
+                && r.lease == self.shard.as_str()
+                && r.epoch == st.latest.get()
+                && self.key.verifies(r)
+        })
     }
 
     /// The latest gate object of shard 0 at or below `latest` that parses
@@ -309,15 +368,7 @@ impl InstanceGuard {
     /// after the create was sent.
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
         let sent = Instant::now();
-        let advertise = self.advertise.clone();
-        let state = self.state_id.clone();
-        let process = self.me.clone();
-        let decorate = move |r: &mut EpochRecord| {
-            r.advertise = Some(advertise.clone());
-            SetUp::Single.stamp(r);
-            r.state = Some(state.clone());
-            r.process = process.clone();
-        };
+        let decorate = self.decorate();
         let reclaim = |r: &EpochRecord| self.may_reclaim(r);
         let free = |st: &acquire::LeaseStatus| self.is_free(st);
         let rules = acquire::GateRules {
@@ -363,9 +414,26 @@ impl InstanceGuard {
         Ok(())
     }
 
+    /// What this instance writes into each of its gate objects: its set-up,
+    /// where it keeps deliveries, the process, and its seal (last: over the rest).
+    fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
+        move |r: &mut EpochRecord| {
+            r.advertise = Some(self.advertise.clone());
+            SetUp::Single.stamp(r);
+            r.state = Some(self.state_id.clone());
+            r.process = self.me.clone();
+            self.key.seal(r);
+        }
+    }
+
     /// Whether the gate object `r`, an acquire under this instance's id, may be
     /// taken back at once: this process wrote it, or its process is provably gone.
     fn may_reclaim(&self, r: &EpochRecord) -> bool {
+        // Only an object this instance sealed (a forged one could name any
+        // process), at the epoch it names (checked by the caller).
+        if !self.key.verifies(r) {
+            return false;
+        }
         match (&self.me, &r.process) {
             (Some(me), Some(p)) => p == me || p.provably_gone(me),
             _ => false,
@@ -529,7 +597,17 @@ impl InstanceGuard {
             return;
         };
         self.window.close();
-        match acquire::release(&self.epochs, &self.shard, &self.id, h.epoch, &h.token).await {
+        let decorate = self.decorate();
+        match acquire::release_with(
+            &self.epochs,
+            &self.shard,
+            &self.id,
+            h.epoch,
+            &h.token,
+            &decorate,
+        )
+        .await
+        {
             Ok(e) => tracing::info!(gate_epoch = %e, "released the instance guard"),
             Err(e) => {
                 tracing::warn!(error = %e, "could not release the instance guard; a successor waits for its expiry")

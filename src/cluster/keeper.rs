@@ -66,8 +66,12 @@ impl Cluster {
                     return None;
                 };
                 // Already past (the look came just before): look again.
-                crate::setup::gate_free_at(st, *v == Verdict::Ours, self.ttl, self.grace)
-                    .map(|at| at.duration_since(earliest).unwrap_or_default())
+                match crate::setup::gate_free_at(st, *v == Verdict::Ours, self.ttl, self.grace) {
+                    crate::setup::Free::At(at) => {
+                        Some(at.duration_since(earliest).unwrap_or_default())
+                    }
+                    _ => None,
+                }
             })
             .min()
             .map(|d| d + Duration::from_millis(50))
@@ -201,7 +205,7 @@ impl Cluster {
         let verdict = st
             .object
             .as_ref()
-            .map(|_| self.verdict(shard, st.record.as_ref()));
+            .map(|_| self.verdict(shard, st.latest, st.record.as_ref()));
         let free = match &verdict {
             Some(v) => self.is_free(v, &st),
             None => true,

@@ -170,7 +170,10 @@ impl Cluster {
             advertise: cc.advertise.trim_end_matches('/').to_owned(),
             shards,
             peer_token: cc.resolved_peer_token().unwrap_or_default(),
-            key: GateKey::from_peer_token(&cc.resolved_peer_token().unwrap_or_default()),
+            key: GateKey::from_peer_token(
+                &cc.resolved_peer_token().unwrap_or_default(),
+                &format!("{}.gate/", cfg.store.prefix),
+            ),
             state_id: crate::setup::state_of(&cfg.state, &cc.instance_id),
             conflict: Mutex::new(None),
             epochs: Epochs::new(counted, format!("{}.gate/", cfg.store.prefix)),
@@ -345,6 +348,10 @@ impl LeaseStore for Counted {
     ) -> Result<Vec<String>, StoreError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         self.inner.list(prefix, start_after).await
+    }
+    async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.inner.list_folders(prefix).await
     }
     async fn get(&self, key: &str) -> Result<Option<crate::lease::StoredObject>, StoreError> {
         self.calls.fetch_add(1, Ordering::Relaxed);

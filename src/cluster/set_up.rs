@@ -100,15 +100,23 @@ impl Cluster {
         if st.object.is_none() {
             return Ok(None);
         }
-        let free = self.is_free(&self.verdict(shard, st.record.as_ref()), &st);
+        let free = self.is_free(&self.verdict(shard, epoch, st.record.as_ref()), &st);
         Ok(Some((epoch, st.record, free)))
     }
 
     /// What a gate object of `shard` is to this cluster.
-    pub(super) fn verdict(&self, shard: u32, rec: Option<&EpochRecord>) -> Verdict {
+    pub(super) fn verdict(&self, shard: u32, epoch: Epoch, rec: Option<&EpochRecord>) -> Verdict {
         let Some(rec) = rec else {
             return Verdict::Untrusted("the gate object does not parse".into());
         };
+        // A sealed object is ours only where it was written: copied to another
+        // shard or epoch it proves nothing (the prefix is in the key).
+        if rec.lease != shard_name(shard).as_str() || rec.epoch != epoch.get() {
+            return Verdict::Untrusted(format!(
+                "the gate object at shard {shard} epoch {epoch} names lease {:?} epoch {}: copied from elsewhere",
+                rec.lease, rec.epoch
+            ));
+        }
         let theirs = SetUp::of(rec);
         let ours = SetUp::Cluster {
             shards: self.shards,
@@ -150,8 +158,8 @@ impl Cluster {
         shard: u32,
         read: Option<&(Epoch, Option<EpochRecord>, bool)>,
     ) -> Option<Conflict> {
-        let (_, rec, free) = read?;
-        match self.verdict(shard, rec.as_ref()) {
+        let (epoch, rec, free) = read?;
+        match self.verdict(shard, *epoch, rec.as_ref()) {
             Verdict::Foreign(theirs) if !free => Some(Conflict {
                 shard,
                 theirs,
@@ -209,7 +217,7 @@ impl Cluster {
                 return Err(AnchorError::Conflict(c));
             }
             return match anchor {
-                Some((_, rec, _)) if self.verdict(0, rec.as_ref()) == Verdict::Ours => Ok(()),
+                Some((e, rec, _)) if self.verdict(0, e, rec.as_ref()) == Verdict::Ours => Ok(()),
                 _ => Err(AnchorError::NotAnchored),
             };
         }
@@ -224,7 +232,7 @@ impl Cluster {
             None => return Ok(()),
             // Whatever the object before ours claims (it may be garbage),
             // every shard gate lease ever used under the prefix is looked at.
-            Some((_, rec, _)) => match self.verdict(0, rec.as_ref()) {
+            Some((e, rec, _)) => match self.verdict(0, *e, rec.as_ref()) {
                 Verdict::Ours => return Ok(()),
                 _ => crate::setup::shards_in_use(&self.epochs)
                     .await

@@ -70,7 +70,7 @@ impl Cluster {
                 // Judged again as the create's read sees it, by this cluster's
                 // rule: a forged object's own word frees nothing early.
                 let free = |st: &acquire::LeaseStatus| {
-                    self.is_free(&self.verdict(shard, st.record.as_ref()), st)
+                    self.is_free(&self.verdict(shard, st.latest, st.record.as_ref()), st)
                 };
                 let rules = acquire::GateRules {
                     free: &free,

@@ -68,9 +68,11 @@ pub struct LeaseStatus {
     pub record: Option<EpochRecord>,
     /// The latest object's `LastModified`.
     pub written: Option<SystemTime>,
-    /// The latest object is a release carrying the token of the epoch it
-    /// releases (read back and checked against that epoch's token hash).
-    pub release_proven: bool,
+    /// For a latest object without a MAC: when the nearest acquire below it
+    /// that parses expires (its own `LastModified + ttl_ms`) — the latest any
+    /// tenure it may have cut short could last. `Some(None)`-like absence is
+    /// [`PriorExpiry::Unknown`] when none was found within [`PRIOR_WALK`].
+    pub prior_expiry: Option<PriorExpiry>,
     /// The store's clock, upper estimate (for judging one's own tenure).
     pub store_now: SystemTime,
     /// The store's clock, lower estimate (for judging someone else's tenure).
@@ -159,28 +161,62 @@ pub async fn status_at(
         ),
         None => (None, None, None),
     };
-    let release_proven = match (
-        &object,
-        record.as_ref().and_then(|r| r.released_token.as_deref()),
-    ) {
-        (Some(EpochObject::Release { .. }), Some(token)) => match latest.get().checked_sub(1) {
-            Some(before) if before > 0 => matches!(
-                epochs.read(lease, Epoch::new(before)).await?,
-                Some(EpochObject::Acquire { token: hash, .. }) if hash.matches(&TokenHash::of(token.as_bytes()))
-            ),
-            _ => false,
-        },
-        _ => false,
+    // A gate object without a MAC may be forged: whoever judges it needs to
+    // know when the tenure it may have cut short ends (the nearest acquire
+    // below it that parses). Objects with a MAC and worker leases never pay for it.
+    let prior_expiry = if record.as_ref().is_some_and(|r| r.mac.is_some()) {
+        None
+    } else {
+        prior_acquire_expiry(epochs, lease, latest).await?
     };
     Ok(LeaseStatus {
         latest,
         object,
         record,
         written,
-        release_proven,
+        prior_expiry,
         store_now: epochs.store_now(),
         store_earliest: epochs.store().clock().earliest(),
     })
+}
+
+/// How far below an untrusted gate object [`status_at`] looks for the acquire
+/// it follows.
+pub const PRIOR_WALK: u64 = 64;
+
+/// When the tenure below an untrusted object ends, as far as the store shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PriorExpiry {
+    /// The nearest acquire below it expires (or expired) then.
+    At(SystemTime),
+    /// No epoch below it: nothing to cut short.
+    Nothing,
+    /// Nothing parses within [`PRIOR_WALK`] epochs below it: unknown, so never.
+    Unknown,
+}
+
+/// The expiry of the nearest acquire below `latest` that parses.
+async fn prior_acquire_expiry(
+    epochs: &Epochs,
+    lease: &LeaseName,
+    latest: Epoch,
+) -> Result<Option<PriorExpiry>, StoreError> {
+    if latest == Epoch::NONE {
+        return Ok(None);
+    }
+    let mut e = latest.get();
+    for _ in 0..PRIOR_WALK {
+        e -= 1;
+        if e == 0 {
+            return Ok(Some(PriorExpiry::Nothing));
+        }
+        if let Some(EpochObject::Acquire { expires_at, .. }) =
+            epochs.read(lease, Epoch::new(e)).await?
+        {
+            return Ok(Some(PriorExpiry::At(expires_at)));
+        }
+    }
+    Ok(Some(PriorExpiry::Unknown))
 }
 
 /// Why `epoch` is not the caller's tenure, from a [`status_after`] `epoch`.
@@ -372,7 +408,10 @@ fn reclaimable(st: &LeaseStatus, holder: &str, reclaim: Option<Reclaim<'_>>) -> 
         return false;
     };
     matches!(&st.object, Some(EpochObject::Acquire { holder: h, .. }) if h == holder)
-        && st.record.as_ref().is_some_and(gone)
+        && st
+            .record
+            .as_ref()
+            .is_some_and(|r| r.epoch == st.latest.get() && gone(r))
 }
 
 /// Renews a held tenure in two store calls: creates L+1 straight away (the
@@ -487,7 +526,6 @@ pub async fn release_with(
         why: "epoch numbers are exhausted".into(),
     })?;
     let mut record = EpochRecord::release(lease, next, holder);
-    record.released_token = Some(token.to_owned());
     decorate(&mut record);
     let body = Bytes::from(record.to_json());
     let expected = body.clone();

@@ -61,6 +61,22 @@ pub trait LeaseStore: Send + Sync + 'static {
         prefix: &str,
         start_after: Option<&str>,
     ) -> Result<Vec<String>, StoreError>;
+    /// The folders directly under `prefix` (each ending in `/`): which shard
+    /// gate leases exist (SPEC §10), read in one call on S3 (a delimiter
+    /// listing), whatever old epochs were deleted. The default lists every key.
+    async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let mut folders: Vec<String> = Vec::new();
+        for key in self.list(prefix, None).await? {
+            if let Some((folder, _)) = key[prefix.len().min(key.len())..].split_once('/') {
+                let f = format!("{prefix}{folder}/");
+                if folders.last() != Some(&f) {
+                    folders.push(f);
+                }
+            }
+        }
+        folders.dedup();
+        Ok(folders)
+    }
     /// The object at `key`, or `None` when it does not exist.
     async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError>;
     /// Creates `key` only if it does not exist (`If-None-Match: *`).

@@ -234,6 +234,34 @@ fn is_precondition_conflict(status: Option<u16>, code: Option<&str>) -> bool {
 
 #[async_trait]
 impl LeaseStore for S3Store {
+    async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let mut folders = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut req = self
+                .client
+                .list_objects_v2()
+                .bucket(&self.bucket)
+                .prefix(prefix)
+                .delimiter("/");
+            if let Some(t) = &token {
+                req = req.continuation_token(t);
+            }
+            let out = req.send().await.map_err(classify)?;
+            folders.extend(
+                out.common_prefixes()
+                    .iter()
+                    .filter_map(|p| p.prefix().map(str::to_owned)),
+            );
+            match out.next_continuation_token() {
+                Some(t) if out.is_truncated() == Some(true) => token = Some(t.to_owned()),
+                _ => break,
+            }
+        }
+        folders.sort();
+        Ok(folders)
+    }
+
     async fn list(
         &self,
         prefix: &str,

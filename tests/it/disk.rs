@@ -243,6 +243,7 @@ async fn full_data_directory_refuses_new_epochs_and_keys() {
     fg.kill9();
     let state = fg.dir.path().join("state");
     let instance_id = std::fs::read(state.join(fencegate::cluster::guard::ID_FILE)).unwrap();
+    let gate_key = std::fs::read(state.join(fencegate::cluster::guard::KEY_FILE)).unwrap();
     std::fs::remove_dir_all(&state).unwrap();
     std::fs::create_dir(&state).unwrap();
     let tmpfs = match Tmpfs::mount(&state, "4m") {
@@ -254,6 +255,7 @@ async fn full_data_directory_refuses_new_epochs_and_keys() {
     };
     // The same instance (its id kept), so that it takes its instance guard back.
     std::fs::write(state.join(fencegate::cluster::guard::ID_FILE), &instance_id).unwrap();
+    std::fs::write(state.join(fencegate::cluster::guard::KEY_FILE), &gate_key).unwrap();
     fg.spawn(None).expect("fencegate on the tmpfs");
 
     let epochs = s3.epochs().await;

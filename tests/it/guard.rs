@@ -296,8 +296,17 @@ async fn an_instance_with_other_state_takes_over_only_when_told_duplicates_may_f
     let charge = || keyed(&first, "/billing/x", &a, "charge-42", "charge");
     assert_eq!(send(charge()).await.status, 200);
     assert!(first.terminate().success());
-    let (code, stderr) = serve_expecting_exit(&config(&s3, &origin));
-    assert_eq!(code, Some(2), "{stderr}");
+    // Refused while the release is not another instance's to believe (held,
+    // gate_ttl after it), then for the state: never let in without the flag.
+    let stopped = Instant::now();
+    let stderr = loop {
+        let (code, stderr) = serve_expecting_exit(&config(&s3, &origin));
+        assert_eq!(code, Some(2), "{stderr}");
+        if stderr.contains("--takeover-may-duplicate") {
+            break stderr;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(15), "{stderr}");
+    };
     let line = stderr.lines().next().unwrap_or_default();
     assert!(
         line.contains("--takeover-may-duplicate") && line.contains("sled:"),
@@ -375,25 +384,51 @@ async fn an_instance_that_cannot_renew_stops_forwarding_and_resumes_later() {
     .await;
 }
 
+/// A graceful stop writes a release sealed with the instance's own key: the
+/// same instance (its data_dir) starts again at once. Another instance cannot
+/// tell that release from a forged one (SPEC §10: a release is final only to
+/// its own set-up), so it waits gate_ttl after it — here 3 s plus grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_graceful_stop_releases_the_guard_for_a_successor_at_once() {
+async fn a_graceful_stop_lets_the_same_instance_in_at_once_and_another_after_gate_ttl() {
     skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
     let mut first = Fencegate::start(&config(&s3, &origin));
     assert!(first.terminate().success());
     let stopped = Instant::now();
-    // Another data_dir: the operator accepts that its deliveries are elsewhere.
-    let _second = Fencegate::start_with_args(
-        "127.0.0.1:0",
-        "",
-        &config(&s3, &origin),
-        &[],
-        &["--takeover-may-duplicate"],
-    );
+    first
+        .spawn(None)
+        .expect("the same instance starts again at once");
     assert!(
         stopped.elapsed() < Duration::from_secs(3),
-        "the successor waited {:?} (a release should let it in at once)",
+        "the same instance waited {:?} (its own release lets it in at once)",
+        stopped.elapsed()
+    );
+    assert!(first.terminate().success());
+    let stopped = Instant::now();
+    // Another data_dir (the operator accepts that its deliveries are elsewhere).
+    let (code, stderr) =
+        serve_expecting_exit_with(&config(&s3, &origin), &["--takeover-may-duplicate"]);
+    assert_eq!(code, Some(2), "another instance waits gate_ttl: {stderr}");
+    let _second = loop {
+        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Fencegate::start_with_args(
+                "127.0.0.1:0",
+                "",
+                &config(&s3, &origin),
+                &[],
+                &["--takeover-may-duplicate"],
+            )
+        }));
+        if let Ok(fg) = attempt {
+            break fg;
+        }
+        assert!(stopped.elapsed() < Duration::from_secs(15), "never let in");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        stopped.elapsed() >= Duration::from_secs(3),
+        "another instance was let in {:?} after the release, before gate_ttl",
         stopped.elapsed()
     );
 }

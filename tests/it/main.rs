@@ -22,4 +22,5 @@ mod postgres;
 mod quickstart;
 mod reload;
 mod review;
+mod review2;
 mod startup;

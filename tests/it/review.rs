@@ -14,13 +14,13 @@ use crate::support::*;
 const LEASE: &str = "billing";
 
 /// The gate leases' epochs (`{prefix}.gate/`).
-async fn gates(s3: &S3Server) -> Epochs {
+pub(crate) async fn gates(s3: &S3Server) -> Epochs {
     Epochs::new(s3.store().await, format!("{PREFIX}.gate/"))
 }
 
 /// Creates `body` as the next gate object of `shard` (retrying if the holder's
 /// renewal wins the number first); returns the epoch written.
-async fn forge_next(gates: &Epochs, shard: u32, body: impl Fn(u64) -> Vec<u8>) -> u64 {
+pub(crate) async fn forge_next(gates: &Epochs, shard: u32, body: impl Fn(u64) -> Vec<u8>) -> u64 {
     let name = LeaseName::parse(&format!("{shard:04}")).unwrap();
     for _ in 0..20 {
         let latest = gates.latest_after(&name, Epoch::NONE).await.unwrap();
@@ -38,7 +38,7 @@ async fn forge_next(gates: &Epochs, shard: u32, body: impl Fn(u64) -> Vec<u8>) -
 
 /// A single instance's config: gate lease 6 s, margin 1 s (forwards until 5 s
 /// after each renewal, renewed every 2 s).
-fn single_config(s3: &S3Server, origin: &Origin) -> String {
+pub(crate) fn single_config(s3: &S3Server, origin: &Origin) -> String {
     format!(
         "{}gate_ttl = \"6s\"\nself_fence_margin = \"1s\"\n{}",
         s3.store_toml(200),
@@ -157,10 +157,10 @@ async fn r1_garbage_gate_object_lets_a_second_single_instance_serve_beside_a_liv
 
 // ---------------------------------------------------------------- cluster
 
-const PEER_TOKEN: &str = "test-peer-token-0123456789";
+pub(crate) const PEER_TOKEN: &str = "test-peer-token-0123456789";
 
 /// A free loopback port (a member's `advertise`).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -171,7 +171,7 @@ fn free_port() -> u16 {
 /// A cluster member's config: one route `/billing/` (fencing only, drain
 /// timeout 1 s) on lease `billing`, `shards` shards.
 #[allow(clippy::too_many_arguments)]
-fn member_config(
+pub(crate) fn member_config(
     s3: &S3Server,
     db: &str,
     origin: &Origin,
@@ -196,7 +196,7 @@ fn member_config(
     )
 }
 
-fn start_member(
+pub(crate) fn start_member(
     s3: &S3Server,
     db: &str,
     origin: &Origin,
@@ -214,13 +214,13 @@ fn start_member(
 }
 
 /// Whether `fg` serves `shard` itself right now.
-async fn serves(fg: &Fencegate, shard: u32) -> bool {
+pub(crate) async fn serves(fg: &Fencegate, shard: u32) -> bool {
     fg.admin_json("/v1/cluster").await["shard_map"][shard as usize]["served_here"] == true
 }
 
 /// Waits until the latest gate epoch of `shard` moves past what it is now (its
 /// owner just renewed), and returns the new one.
-async fn next_renewal(gates: &Epochs, shard: u32) -> u64 {
+pub(crate) async fn next_renewal(gates: &Epochs, shard: u32) -> u64 {
     let name = LeaseName::parse(&format!("{shard:04}")).unwrap();
     let now = gates.latest_after(&name, Epoch::NONE).await.unwrap();
     loop {
@@ -232,7 +232,7 @@ async fn next_renewal(gates: &Epochs, shard: u32) -> u64 {
     }
 }
 
-fn dump(origin: &Origin, t0: Instant) -> Vec<Arrival> {
+pub(crate) fn dump(origin: &Origin, t0: Instant) -> Vec<Arrival> {
     let log = origin.log();
     for x in &log {
         eprintln!(

@@ -23,10 +23,16 @@
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
 //!   parked: `server/park.rs`), the admin API, Prometheus.
-//! - [`cluster::guard`] — the instance guard: one instance per lease store and prefix (§10.1);
-//!   [`process`] — which process wrote a gate object, and whether it is gone.
-//! - [`cluster`] — several instances: shards, gate leases, takeover, relaying to
-//!   the owner (§10.2).
+//! - [`setup`] — what a gate object says of the set-up that wrote it, its seal,
+//!   and when a contender may believe it (§10).
+//! - [`cluster`] — several instances: a shard's lease (`shard`), exclusion
+//!   between set-ups (`set_up`), the keeper's rounds (`keeper`), a tenure
+//!   (`tenure`), the forwarding window (`window`), relaying to the owner
+//!   (`peer`); and [`cluster::guard`], the instance guard — the one-shard case
+//!   (§10.1). [`process`] — which process wrote a gate object, and whether it
+//!   is gone.
+//! - [`clock`] — time, injected (the monotonic side is tokio's clock);
+//!   [`entropy`] — randomness, from one place.
 //! - [`lock_order`] — the one-mutex-at-a-time rule, checked in debug builds.
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 

@@ -29,6 +29,8 @@
 
 pub mod guard;
 mod keeper;
+#[cfg(test)]
+mod keeper_tests;
 pub mod peer;
 mod set_up;
 mod shard;

@@ -9,6 +9,7 @@ use crate::epoch::{Epoch, EpochObject, LeaseName, TokenHash};
 /// What a request claims.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim<'a> {
+    /// The epoch named by `X-Lease-Epoch`.
     pub epoch: Epoch,
     /// The `X-Lease-Token` bytes, if sent.
     pub token: Option<&'a [u8]>,
@@ -17,6 +18,7 @@ pub struct Claim<'a> {
 /// What fencegate knows about the lease at the moment of the decision.
 #[derive(Debug, Clone, Copy)]
 pub struct Facts<'a> {
+    /// The lease the route names.
     pub lease: &'a LeaseName,
     /// HWM(L): the durable high-water mark (or a raise in progress).
     pub high_water_mark: Epoch,
@@ -26,6 +28,7 @@ pub struct Facts<'a> {
     pub object: Option<&'a EpochObject>,
     /// The store's clock, estimated.
     pub store_now: SystemTime,
+    /// The route's `require_token`: whether rule 2's token check applies.
     pub require_token: bool,
     /// The claim's token bytes equal ones already found to hash to this epoch's
     /// `token_sha256` (objects are immutable): the SHA-256 need not be computed
@@ -36,45 +39,75 @@ pub struct Facts<'a> {
 /// An admitted request: at the current mark, or one that raises it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Admit {
+    /// At the high-water mark: forwarded without a drain.
     AtMark,
+    /// Above the mark: the mark is raised durably and lower epochs drained first (SPEC §5).
     Raise,
 }
 
 /// A refused request, with what the worker needs to know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
+    /// The route requires a token and none was sent (rule 2).
     #[error("X-Lease-Token is required for lease {lease}")]
-    TokenMissing { lease: LeaseName },
+    TokenMissing {
+        /// The lease of the route.
+        lease: LeaseName,
+    },
+    /// SHA-256 of the token is not the epoch's `token_sha256` (rule 2).
     #[error("the token does not match epoch {epoch} of lease {lease}")]
-    TokenInvalid { lease: LeaseName, epoch: Epoch },
+    TokenInvalid {
+        /// The lease of the route.
+        lease: LeaseName,
+        /// The claimed epoch.
+        epoch: Epoch,
+    },
+    /// No epoch object exists for the claim (rule 2).
     #[error("epoch {epoch} of lease {lease} does not exist")]
     EpochUnknown {
+        /// The lease of the route.
         lease: LeaseName,
+        /// The claimed epoch.
         epoch: Epoch,
+        /// The greatest epoch known, so the worker can tell it is ahead or behind.
         latest_epoch: Epoch,
     },
+    /// The epoch object does not parse, disagrees with its key, or is a release (rule 2).
     #[error("epoch {epoch} of lease {lease} admits no request: {reason}")]
     EpochInvalid {
+        /// The lease of the route.
         lease: LeaseName,
+        /// The claimed epoch.
         epoch: Epoch,
+        /// What is wrong with the object.
         reason: String,
     },
+    /// Below the mark, or a newer epoch is known (rules 1 and 3).
     #[error("epoch {epoch} of lease {lease} is stale: a newer epoch has been seen (high-water mark {high_water_mark}, latest epoch {latest_epoch})")]
     Stale {
+        /// The lease of the route.
         lease: LeaseName,
+        /// The claimed epoch.
         epoch: Epoch,
+        /// The durable mark at the time of the decision.
         high_water_mark: Epoch,
+        /// The greatest epoch known.
         latest_epoch: Epoch,
     },
+    /// Past `LastModified + ttl_ms` on the store's clock (rule 4).
     #[error("epoch {epoch} of lease {lease} has expired on the store's clock")]
     Expired {
+        /// The lease of the route.
         lease: LeaseName,
+        /// The claimed epoch.
         epoch: Epoch,
+        /// When it expired, on the store's clock.
         expired_at: SystemTime,
     },
 }
 
 impl Refusal {
+    /// The lease and (when one was judged) the epoch, for the error body and logs (SPEC §7).
     pub fn lease_epoch(&self) -> (&LeaseName, Option<Epoch>) {
         match self {
             Refusal::TokenMissing { lease } => (lease, None),

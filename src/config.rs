@@ -11,33 +11,55 @@ use serde::Deserialize;
 
 use crate::epoch::LeaseName;
 
+/// Why a configuration could not be loaded; reported before any port is bound.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The file could not be read.
     #[error("cannot read config {path}: {source}")]
     Read {
+        /// The file that was asked for.
         path: PathBuf,
+        /// The I/O failure.
         #[source]
         source: std::io::Error,
     },
+    /// The file is not valid TOML, or has an unknown key or a mistyped value.
     #[error("config {path}: {message}")]
-    Parse { path: PathBuf, message: String },
+    Parse {
+        /// The file that was read.
+        path: PathBuf,
+        /// The parser's message, naming the key.
+        message: String,
+    },
+    /// The file parsed but failed [`Config::validate`].
     #[error("config {path}: {message}")]
-    Invalid { path: PathBuf, message: String },
+    Invalid {
+        /// The file that was read.
+        path: PathBuf,
+        /// Which rule was broken, naming the key.
+        message: String,
+    },
 }
 
+/// The whole configuration file (SPEC §9), as loaded and validated at start-up and on reload.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// `[server]`: listeners, limits, logging.
     #[serde(default)]
     pub server: ServerConfig,
+    /// `[store]`: where epoch objects live and how they are read (SPEC §2).
     #[serde(default)]
     pub store: StoreConfig,
+    /// `[dedup]`: retention of dedup records (SPEC §6).
     #[serde(default)]
     pub dedup: DedupConfig,
+    /// `[state]`: where marks and dedup records live.
     #[serde(default)]
     pub state: StateConfig,
     /// `[cluster]` (SPEC §10.2); absent: a single instance (§10.1).
     pub cluster: Option<ClusterConfig>,
+    /// `[[route]]`: path prefix → upstream, each protected by one lease (SPEC §3).
     #[serde(rename = "route", default)]
     pub routes: Vec<RouteConfig>,
     /// `fencegate serve --takeover-may-duplicate` (never a config key: an
@@ -47,14 +69,17 @@ pub struct Config {
     pub takeover_may_duplicate: bool,
 }
 
+/// `[server]`: the listeners and their limits, logging (SPEC §8–§9).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// `host:port`; a host name is resolved once, at load (`localhost:8080`).
     #[serde(deserialize_with = "socket_addr")]
     pub listen: SocketAddr,
+    /// Admin API and metrics listener; must differ from `listen`.
     #[serde(deserialize_with = "socket_addr")]
     pub admin_listen: SocketAddr,
+    /// Where the sled state lives (marks, dedup records).
     pub data_dir: PathBuf,
     /// Bearer token for mutating admin calls; `FENCEGATE_ADMIN_TOKEN` overrides.
     pub admin_token: Option<String>,
@@ -81,7 +106,9 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TlsConfig {
+    /// PEM certificate chain presented to clients.
     pub cert: PathBuf,
+    /// PEM private key for `cert`.
     pub key: PathBuf,
 }
 
@@ -103,36 +130,53 @@ impl Default for ServerConfig {
     }
 }
 
+/// `[server] log_format`: how log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
+    /// Readable lines for a terminal.
     #[default]
     Human,
+    /// One JSON object per line, for log collectors.
     Json,
 }
 
+/// `[store] kind`: which lease store backend holds the epoch objects (SPEC §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum StoreKind {
+    /// S3 or an S3-compatible server.
     S3,
+    /// A local directory (one machine; tests and demos).
     #[default]
     Dir,
 }
 
+/// `[store]`: the lease store and how often and how patiently it is read (SPEC §2, §4).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
+    /// Which backend.
     pub kind: StoreKind,
+    /// S3 bucket (required for `s3`).
     pub bucket: Option<String>,
+    /// Key prefix for epoch objects: empty or ending in `/`.
     pub prefix: String,
+    /// S3-compatible endpoint URL; absent: AWS.
     pub endpoint: Option<String>,
+    /// S3 region used for signing.
     pub region: String,
+    /// Path-style addressing, which many S3-compatible servers need.
     pub force_path_style: bool,
+    /// Directory of the `dir` backend.
     pub path: PathBuf,
+    /// How often each lease's epochs are listed, to learn of newer epochs (SPEC §4 rule 3).
     #[serde(alias = "refresh_interval", deserialize_with = "duration::ms")]
     pub refresh_interval_ms: u64,
+    /// How long a contender waits past an epoch's expiry before taking the lease (SPEC §2).
     #[serde(alias = "grace", deserialize_with = "duration::ms")]
     pub grace_ms: u64,
+    /// Bound on each store request; beyond it the store counts as unreachable.
     #[serde(alias = "timeout", deserialize_with = "duration::ms")]
     pub timeout_ms: u64,
     /// TTL of the instance guard's (and a cluster's) gate leases (SPEC §10).
@@ -162,6 +206,7 @@ impl Default for StoreConfig {
     }
 }
 
+/// `[state] kind`: which backend holds marks and dedup records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum StateKind {
@@ -176,10 +221,12 @@ pub enum StateKind {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StateConfig {
+    /// Which backend.
     pub kind: StateKind,
     /// PostgreSQL connection string (`postgres://…` or `key=value …`); `${NAME}`
     /// is read from the environment. Never logged or shown.
     pub url: Option<String>,
+    /// Most connections kept open to PostgreSQL.
     pub pool_size: usize,
     /// Extra CA bundle (PEM) trusted for the database's TLS certificate.
     pub ca_file: Option<PathBuf>,
@@ -210,6 +257,7 @@ impl StateConfig {
         from_env("[state] url", raw)
     }
 
+    /// `timeout_ms` as a [`Duration`].
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
     }
@@ -254,6 +302,7 @@ impl ClusterConfig {
     }
 }
 
+/// `[dedup]`: how long finished dedup records are kept (SPEC §6).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DedupConfig {
@@ -338,49 +387,70 @@ fn socket_addr<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::
         .ok_or_else(|| serde::de::Error::custom(format!("{s:?} resolves to no address")))
 }
 
+/// `[[route]] derive_key`: the dedup key used when the worker sends none (SPEC §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DeriveKey {
+    /// A hash of route, method, path and query, and body: identical requests
+    /// deduplicate.
     #[default]
     Content,
+    /// A fresh key each time; nothing is recorded.
     None,
 }
 
+/// `[[route]] in_doubt`: what a repeat of an in-doubt key gets (SPEC §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum InDoubtPolicy {
+    /// 409 `dedup_in_doubt` until an operator resolves the key.
     #[default]
     Reject,
+    /// Forward it again: for upstreams that tolerate a duplicate.
     Resend,
 }
 
+/// `[[route]]`: one path prefix mapped to an upstream and the lease that fences it (SPEC §3, §9).
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
+    /// Names the route in logs, metrics, dedup scopes and admin calls.
     pub name: String,
+    /// Requests whose path starts with this go to this route.
     pub path_prefix: String,
+    /// Upstream base URL; the prefix is replaced by its path.
     pub upstream: String,
+    /// The lease whose epochs admit requests on this route (SPEC §4).
     pub lease: LeaseName,
+    /// Bound on one upstream exchange; past it the outcome is in doubt (SPEC §6).
     #[serde(
         default = "d_timeout",
         alias = "timeout",
         deserialize_with = "duration::ms"
     )]
     pub timeout_ms: u64,
+    /// Whether `X-Lease-Token` must be sent and checked (SPEC §4 rule 2).
     #[serde(default = "d_true")]
     pub require_token: bool,
+    /// Header carrying the dedup key upstream (SPEC §3).
     #[serde(default = "d_dedup_header")]
     pub dedup_header: String,
+    /// Key used when the worker sends none.
     #[serde(default)]
     pub derive_key: DeriveKey,
+    /// What a repeat of an in-doubt key gets.
     #[serde(default)]
     pub in_doubt: InDoubtPolicy,
+    /// Upstream statuses that delete the dedup record instead of keeping it `done`, so a retry is forwarded.
     #[serde(default = "d_retryable")]
     pub retryable_statuses: Vec<u16>,
+    /// Larger request bodies are refused (413).
     #[serde(default = "d_mib")]
     pub max_body_bytes: usize,
+    /// Larger responses are not kept for replay; a repeat gets 409 `dedup_done`.
     #[serde(default = "d_mib")]
     pub max_replay_bytes: usize,
+    /// How long a raise waits for lower epochs in flight before aborting them (SPEC §5); absent: `timeout_ms`.
     #[serde(
         default,
         alias = "drain_timeout",
@@ -427,10 +497,12 @@ fn d_mib() -> usize {
 }
 
 impl RouteConfig {
+    /// `timeout_ms` as a [`Duration`].
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
     }
 
+    /// How long a drain waits (SPEC §5): `drain_timeout_ms`, else `timeout_ms`.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms.unwrap_or(self.timeout_ms))
     }

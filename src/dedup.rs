@@ -25,6 +25,7 @@ use crate::state::{Begun, End, Owner, RecordKey, StateError, StateStore, TakeOve
 pub struct DedupKey(String);
 
 impl DedupKey {
+    /// Validates a worker's `Idempotency-Key` header (SPEC §3); the error says why.
     pub fn parse(raw: &[u8]) -> Result<DedupKey, &'static str> {
         if raw.is_empty() {
             return Err("empty");
@@ -70,6 +71,7 @@ impl DedupKey {
         DedupKey(key)
     }
 
+    /// The key, as forwarded and stored.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -88,11 +90,14 @@ pub fn fingerprint(method: &str, path_query: &str, body: &[u8]) -> [u8; 32] {
 /// §6) and, for operators resolving it, its method and path.
 #[derive(Debug, Clone)]
 pub struct Action {
+    /// Tells a repeat of the request from a reused key.
     pub fingerprint: [u8; 32],
+    /// Method and path, for operators resolving an in-doubt key.
     pub request: RequestLine,
 }
 
 impl Action {
+    /// The action of this request.
     pub fn new(method: &str, path_query: &str, body: &[u8]) -> Action {
         Action {
             fingerprint: fingerprint(method, path_query, body),
@@ -122,10 +127,15 @@ pub enum Begin {
 pub enum Outcome<'a> {
     /// The upstream answered.
     Response {
+        /// The upstream's status.
         status: StatusCode,
+        /// The upstream's response headers.
         headers: &'a HeaderMap,
+        /// The upstream's response body, as read so far.
         body: &'a Bytes,
+        /// Whether the status is in the route's `retryable_statuses`: the record is deleted.
         retryable: bool,
+        /// Bodies larger than this are not kept for replay.
         max_replay_bytes: usize,
     },
     /// Nothing was sent (connect failure): the key is free again.
@@ -137,16 +147,34 @@ pub enum Outcome<'a> {
 /// Why a key may not be forwarded now (SPEC §6).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum DedupError {
+    /// 409 `dedup_in_flight`: the first request has not ended.
     #[error("a request with this idempotency key is already in flight")]
-    InFlight { key: String },
+    InFlight {
+        /// The dedup key.
+        key: String,
+    },
+    /// 409 `dedup_in_doubt`: the route's policy is `reject`.
     #[error("the outcome of an earlier request with this idempotency key is unknown")]
-    InDoubt { key: String },
+    InDoubt {
+        /// The dedup key.
+        key: String,
+    },
+    /// 422 `dedup_key_reused`: the key's record has a different fingerprint.
     #[error("this idempotency key was used for a different request")]
-    KeyReused { key: String },
+    KeyReused {
+        /// The dedup key.
+        key: String,
+    },
     /// Delivered, but no response to replay: too large to store, or resolved as
     /// delivered by an operator (SPEC §6: never an empty 200).
     #[error("this idempotency key was delivered; its response was not stored")]
-    Done { key: String, status: Option<u16> },
+    Done {
+        /// The dedup key.
+        key: String,
+        /// The upstream's status, when known (`upstream_status` in the body).
+        status: Option<u16>,
+    },
+    /// The state backend failed: the request is refused, not forwarded unrecorded.
     #[error(transparent)]
     State(#[from] StateError),
 }
@@ -154,9 +182,13 @@ pub enum DedupError {
 /// Counters for metrics.
 #[derive(Debug, Default)]
 pub struct DedupCounters {
+    /// Repeats answered from a stored response.
     pub replays: AtomicU64,
+    /// Repeats refused (in flight, in doubt, reused, done without a body).
     pub conflicts: AtomicU64,
+    /// Records that went in doubt.
     pub in_doubt: AtomicU64,
+    /// Expired `done` records removed by the sweeper.
     pub swept: AtomicU64,
 }
 
@@ -165,6 +197,7 @@ pub struct Dedup {
     state: Arc<dyn StateStore>,
     clock: Arc<dyn Clock>,
     ttl: Duration,
+    /// Exported as metrics.
     pub counters: DedupCounters,
 }
 
@@ -176,6 +209,7 @@ fn record_key(route: &str, key: &DedupKey) -> RecordKey {
 }
 
 impl Dedup {
+    /// Dedup over `state`, keeping `done` records for `ttl` past their outcome.
     pub fn new(state: Arc<dyn StateStore>, clock: Arc<dyn Clock>, ttl: Duration) -> Dedup {
         Dedup {
             state,

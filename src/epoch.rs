@@ -14,12 +14,15 @@ use sha2::{Digest, Sha256};
 pub struct Epoch(u64);
 
 impl Epoch {
+    /// "No epoch yet": the mark of a lease never admitted, below every real epoch.
     pub const NONE: Epoch = Epoch(0);
 
+    /// The epoch numbered `n` (as in the object's key).
     pub const fn new(n: u64) -> Epoch {
         Epoch(n)
     }
 
+    /// The epoch's number, for keys, headers and storage.
     pub const fn get(self) -> u64 {
         self.0
     }
@@ -55,6 +58,7 @@ impl fmt::Display for Epoch {
 pub struct LeaseName(String);
 
 impl LeaseName {
+    /// Validates a lease name from config, a header or a key; the error says why.
     pub fn parse(s: &str) -> Result<LeaseName, String> {
         let b = s.as_bytes();
         let ok_first = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
@@ -67,6 +71,7 @@ impl LeaseName {
         Ok(LeaseName(s.to_owned()))
     }
 
+    /// The name, as used in object keys and file names.
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -90,6 +95,7 @@ impl<'de> Deserialize<'de> for LeaseName {
 pub struct TokenHash([u8; 32]);
 
 impl TokenHash {
+    /// Hashes a token as the worker sends it (admission rule 2).
     pub fn of(token: &[u8]) -> TokenHash {
         TokenHash(Sha256::digest(token).into())
     }
@@ -104,6 +110,7 @@ impl TokenHash {
         Some(TokenHash(out))
     }
 
+    /// Lowercase hex, as written in `token_sha256`.
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
@@ -128,7 +135,9 @@ impl fmt::Debug for TokenHash {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EpochKind {
+    /// Starts a tenure: carries a token hash and a TTL.
     Acquire,
+    /// Ends a tenure voluntarily, so a contender need not wait for expiry.
     Release,
 }
 
@@ -136,13 +145,20 @@ pub enum EpochKind {
 /// are ignored when reading.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EpochRecord {
+    /// Format version; 1.
     pub v: u32,
+    /// The lease; must match the object's key.
     pub lease: String,
+    /// The epoch number; must match the object's key.
     pub epoch: u64,
+    /// Acquire or release.
     pub kind: EpochKind,
+    /// Free text naming the holder, for operators.
     pub holder: String,
+    /// Acquire only: lowercase hex SHA-256 of the token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_sha256: Option<String>,
+    /// Acquire only: the tenure's length from `LastModified`, on the store's clock.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_ms: Option<u64>,
     /// Gate objects only (SPEC §10.2): how peers reach the holder's proxy.
@@ -172,6 +188,7 @@ pub struct EpochRecord {
 }
 
 impl EpochRecord {
+    /// The body of an acquire of `epoch` with `token`, valid for `ttl`.
     pub fn acquire(
         lease: &LeaseName,
         epoch: Epoch,
@@ -196,6 +213,7 @@ impl EpochRecord {
         }
     }
 
+    /// The body of a release of `epoch`.
     pub fn release(lease: &LeaseName, epoch: Epoch, holder: &str) -> Self {
         EpochRecord {
             v: 1,
@@ -214,6 +232,7 @@ impl EpochRecord {
         }
     }
 
+    /// The body as stored.
     pub fn to_json(&self) -> Vec<u8> {
         // Serializing a struct of strings and integers cannot fail.
         serde_json::to_vec(self).unwrap_or_default()
@@ -227,14 +246,23 @@ pub enum EpochObject {
     /// A valid acquire: admits requests carrying the token until `expires_at` on the
     /// store's clock.
     Acquire {
+        /// Who acquired it.
         holder: String,
+        /// The token's hash, checked against each request's token.
         token: TokenHash,
+        /// `LastModified + ttl_ms`, on the store's clock (rule 4).
         expires_at: SystemTime,
     },
     /// A voluntary release: ends the previous tenure, admits nothing.
-    Release { holder: String },
+    Release {
+        /// Who released it.
+        holder: String,
+    },
     /// Exists (so it makes older epochs stale) but admits nothing.
-    Invalid { reason: String },
+    Invalid {
+        /// Why it admits nothing (unparsable, disagrees with its key, …).
+        reason: String,
+    },
 }
 
 impl EpochObject {
@@ -285,6 +313,7 @@ impl EpochObject {
         }
     }
 
+    /// The holder named in the object, unless it is invalid.
     pub fn holder(&self) -> Option<&str> {
         match self {
             EpochObject::Acquire { holder, .. } | EpochObject::Release { holder } => Some(holder),

@@ -24,16 +24,25 @@ pub const REFRESH_SECS: u32 = 10;
 /// One lease as the page shows it.
 #[derive(Debug, Clone)]
 pub struct LeaseRow {
+    /// The lease's name.
     pub lease: String,
+    /// Its durable high-water mark.
     pub mark: u64,
+    /// The greatest epoch known in the store.
     pub latest: u64,
+    /// The latest epoch's holder, if it is a live acquire.
     pub holder: Option<String>,
     /// On the store's clock.
     pub expires_at: Option<SystemTime>,
+    /// Requests admitted whose upstream response head has not arrived (SPEC §5).
     pub in_flight: usize,
+    /// Dedup records in doubt for the lease's routes.
     pub in_doubt: usize,
+    /// Drains begun since start-up.
     pub drains_started: u64,
+    /// Drains that timed out and aborted requests.
     pub drains_aborted: u64,
+    /// The last store call's failure, if it failed.
     pub store_error: Option<String>,
 }
 
@@ -41,10 +50,13 @@ pub struct LeaseRow {
 /// instance guard's gate lease (SPEC §10.1); a cluster has `shards` of them.
 #[derive(Debug, Clone)]
 pub struct ShardRow {
+    /// The shard's number.
     pub shard: u32,
+    /// How many shards there are.
     pub shards: u32,
     /// The instance holding the shard's gate lease, if anyone does.
     pub owner: Option<String>,
+    /// The epoch of the shard's current gate object.
     pub gate_epoch: Option<u64>,
     /// On the store's clock.
     pub expires_at: Option<SystemTime>,
@@ -57,8 +69,11 @@ pub struct ShardRow {
 /// One in-doubt key.
 #[derive(Debug, Clone)]
 pub struct KeyRow {
+    /// The route whose dedup scope holds the key.
     pub route: String,
+    /// The dedup key.
     pub key: String,
+    /// The epoch the request was admitted at.
     pub epoch: u64,
     /// When the request arrived (fencegate's clock).
     pub created: SystemTime,
@@ -66,6 +81,7 @@ pub struct KeyRow {
     pub updated: SystemTime,
     /// The request's method and path, when the record keeps them.
     pub method: Option<String>,
+    /// See `method`.
     pub path: Option<String>,
 }
 
@@ -75,15 +91,20 @@ pub enum Access {
     /// No admin token configured: the page is read-only.
     ReadOnly,
     /// Logged in: forms carry this token.
-    Resolve { csrf: String },
+    Resolve {
+        /// The CSRF token, checked on every form post.
+        csrf: String,
+    },
 }
 
 /// The store and the state backend.
 #[derive(Debug, Clone)]
 pub struct StoreHealth {
+    /// The lease store, as configured (kind and location).
     pub store: String,
     /// Store minus local clock (upper end of the estimate), ms.
     pub clock_offset_ms: i64,
+    /// Whether the state backend answered.
     pub state_ok: bool,
     /// Leases whose last store call failed.
     pub leases_failing: usize,
@@ -92,20 +113,27 @@ pub struct StoreHealth {
 /// Everything the page shows.
 #[derive(Debug, Clone)]
 pub struct PageView {
+    /// This instance's id (or host) in the page title.
     pub instance: String,
+    /// fencegate's version.
     pub version: &'static str,
     /// This instance's clock (record times).
     pub now: SystemTime,
     /// The store's clock (lease and gate expiries).
     pub store_now: SystemTime,
+    /// The store and state backend's health.
     pub health: StoreHealth,
     /// This page of the lease table, and where it starts.
     pub leases: Vec<LeaseRow>,
+    /// How many leases there are in all.
     pub leases_total: usize,
+    /// Index of the first row in `leases`.
     pub leases_offset: usize,
+    /// The shard map.
     pub shards: Vec<ShardRow>,
     /// This page of the in-doubt keys, oldest first.
     pub keys: Vec<KeyRow>,
+    /// How many in-doubt keys there are in all.
     pub keys_total: u64,
     /// The cursor of the next page, if there may be one.
     pub keys_next: Option<String>,
@@ -116,6 +144,7 @@ pub struct PageView {
     /// Why this instance forwards nothing, or trusts no owner of some shard
     /// (another set-up on the prefix, an untrusted gate object: SPEC §10).
     pub fence_problems: Vec<String>,
+    /// Whether the resolve buttons are shown.
     pub access: Access,
     /// A line about what the viewer just did.
     pub notice: Option<String>,

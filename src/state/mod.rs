@@ -34,7 +34,9 @@ pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 /// The generation under which an instance writes the state of one shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Owner {
+    /// The shard the lease's state belongs to (0 for a single instance).
     pub shard: u32,
+    /// The gate epoch under which the shard is held; older writers are refused.
     pub generation: u64,
 }
 
@@ -58,7 +60,9 @@ pub struct LeaseMarks {
 /// A dedup record's key: route and the worker's (or derived) key.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RecordKey {
+    /// The route the key is scoped to (SPEC §6).
     pub route: String,
+    /// The worker's `Idempotency-Key`, or the derived one.
     pub key: String,
 }
 
@@ -67,7 +71,9 @@ pub struct RecordKey {
 /// follow one whose last record was resolved (and so is gone) meanwhile.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ListCursor {
+    /// Creation time of the last record listed, ms since the Unix epoch.
     pub created_ms: u64,
+    /// Key of the last record listed (breaks ties in time).
     pub key: RecordKey,
 }
 
@@ -77,6 +83,7 @@ impl ListCursor {
         format!("{}/{}/{}", self.created_ms, self.key.route, self.key.key)
     }
 
+    /// Reads what [`ListCursor::encode`] wrote; `None` for anything else.
     pub fn parse(s: &str) -> Option<ListCursor> {
         let (ms, rest) = s.split_once('/')?;
         let (route, key) = rest.split_once('/')?;
@@ -93,26 +100,42 @@ impl ListCursor {
 /// One page of a listing, and how many records matched in all.
 #[derive(Debug, Default)]
 pub struct Listing {
+    /// This page's records, oldest first.
     pub records: Vec<(RecordKey, Record)>,
+    /// How many records matched, across all pages.
     pub total: u64,
 }
 
+/// Why the state backend failed; a write failure refuses the request (SPEC §7).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StateError {
+    /// The backend could not be opened at start-up.
     #[error("cannot open the state in {path}: {detail}")]
     Open {
+        /// Where the state lives.
         path: std::path::PathBuf,
+        /// What went wrong.
         detail: String,
     },
+    /// The stored state is unreadable: starting empty would forget marks and readmit stale epochs.
     #[error("the state in {path} is damaged ({detail}); refusing to start from an empty high-water mark. Restore the directory from a backup or, if every lease's epochs are known to be safe, move it aside")]
     Damaged {
+        /// Where the state lives.
         path: std::path::PathBuf,
+        /// What is damaged.
         detail: String,
     },
+    /// A write (or the read before it) failed; nothing is known to be durable.
     #[error("state write failed: {0}")]
     Write(String),
+    /// Another instance now owns the shard (SPEC §10.2): this one must stop writing.
     #[error("shard {} is owned under generation {stored}, newer than this instance's {}", .ours.shard, .ours.generation)]
-    OwnerLost { ours: Owner, stored: u64 },
+    OwnerLost {
+        /// The generation this instance wrote under.
+        ours: Owner,
+        /// The newer generation stored for the shard.
+        stored: u64,
+    },
 }
 
 /// What [`StateStore::begin`] found.
@@ -139,7 +162,9 @@ pub enum End {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Resolution {
+    /// The request reached the destination: the record becomes `done`.
     Delivered,
+    /// It did not: the record is deleted, so a retry is forwarded.
     NotDelivered,
 }
 
@@ -169,7 +194,9 @@ pub enum Resolved {
 /// Group-commit figures, for metrics and benches.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommitStats {
+    /// Commits made (each one fsync or transaction).
     pub batches: u64,
+    /// Records written by those commits.
     pub records: u64,
 }
 
@@ -212,6 +239,7 @@ pub trait StateStore: Send + Sync + 'static {
     /// changes nothing, when the key's record is no longer in flight.
     async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError>;
 
+    /// The key's record, if there is one.
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError>;
 
     /// Resolves an in-doubt key; durable on return.
@@ -267,6 +295,7 @@ pub trait StateStore: Send + Sync + 'static {
     /// Readiness: the backend can take a write now (the database answers).
     async fn check(&self) -> Result<(), StateError>;
 
+    /// Group-commit figures since start-up.
     fn stats(&self) -> CommitStats;
 
     /// Makes everything durable and stops background work (shutdown).

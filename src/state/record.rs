@@ -5,14 +5,19 @@ use bytes::Bytes;
 
 use crate::epoch::Epoch;
 
+/// Where a dedup record stands (SPEC §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
+    /// Claimed and forwarded; the outcome is not known yet.
     InFlight,
+    /// The upstream answered; a repeat is answered from the record.
     Done,
+    /// Sent, but the outcome is unknown (timeout, reset, crash); an operator resolves it.
     InDoubt,
 }
 
 impl State {
+    /// The name the SPEC, admin API and logs use.
     pub fn as_str(self) -> &'static str {
         match self {
             State::InFlight => "in_flight",
@@ -25,7 +30,9 @@ impl State {
 /// A stored response (for `done`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
+    /// The upstream's status.
     pub status: u16,
+    /// The upstream's response headers, replayed as they were.
     pub headers: Vec<(String, Vec<u8>)>,
     /// `None` when the body exceeded `max_replay_bytes` or an operator resolved the
     /// key as delivered.
@@ -36,7 +43,9 @@ pub struct StoredResponse {
 /// destination (the path without its query, which may carry secrets).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestLine {
+    /// The request's method.
     pub method: String,
+    /// The request's path, without its query.
     pub path: String,
 }
 
@@ -67,13 +76,18 @@ fn cut(s: &str, max: usize) -> &str {
 /// One dedup record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
+    /// Where the record stands.
     pub state: State,
+    /// SHA-256 of the request, to tell a repeat from a reused key (422 `dedup_key_reused`).
     pub fingerprint: [u8; 32],
+    /// The epoch the request was admitted at.
     pub epoch: Epoch,
+    /// When the key was first claimed, ms since the Unix epoch.
     pub created_ms: u64,
     /// When the record last changed state; for a `done` one, when it became
     /// `done`, where its retention starts ([`Record::expired`]).
     pub updated_ms: u64,
+    /// The upstream's response, once `done`.
     pub response: Option<StoredResponse>,
     /// `None` for records written before fencegate kept it.
     pub request: Option<RequestLine>,

@@ -58,6 +58,7 @@ impl AbortSignal {
         self.notify.notify_waiters();
     }
 
+    /// Whether a newer epoch's drain timed out and aborted the passes.
     pub fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::SeqCst)
     }
@@ -106,8 +107,11 @@ struct State {
 /// Counters for metrics and the admin API.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GateStats {
+    /// The durable high-water mark.
     pub mark: Epoch,
+    /// The mark, or the epoch a raise in progress is moving to.
     pub barrier: Epoch,
+    /// Requests admitted and not yet answered by the upstream (SPEC §5).
     pub in_flight: usize,
     /// Requests whose outcome is unknown, still counted by a drain (lingering).
     pub in_doubt: usize,
@@ -115,13 +119,16 @@ pub struct GateStats {
     pub raises: u64,
     /// Raises that had to wait for older requests in flight.
     pub drains_started: u64,
+    /// Drains that timed out and aborted what was in flight.
     pub drains_aborted: u64,
 }
 
 /// One registered request in flight (the core's half of a [`Pass`]).
 #[derive(Debug)]
 pub struct Entry {
+    /// The epoch the request was admitted at.
     pub epoch: Epoch,
+    /// Its epoch's abort signal, fired when a newer epoch's drain times out.
     pub abort: Arc<AbortSignal>,
 }
 
@@ -172,6 +179,7 @@ pub struct Core {
 }
 
 impl Core {
+    /// A core at `mark` with nothing left to settle.
     pub fn new(mark: Epoch) -> Core {
         Core::settling(mark, mark)
     }
@@ -351,6 +359,7 @@ impl Core {
         self.lock().barrier
     }
 
+    /// Counters, read in one critical section.
     pub fn stats(&self) -> GateStats {
         let st = self.lock();
         GateStats {
@@ -380,7 +389,9 @@ pub struct Gate {
 /// Why a raise did not produce a pass.
 #[derive(Debug)]
 pub enum RaiseError {
+    /// The gate refused (stale, closed, settling).
     Denied(Denied),
+    /// The raised mark could not be made durable: nothing is forwarded.
     State(StateError),
 }
 
@@ -392,6 +403,7 @@ pub struct Pass {
 }
 
 impl Pass {
+    /// The epoch the request was admitted at.
     pub fn epoch(&self) -> Epoch {
         self.entry.epoch
     }
@@ -401,6 +413,7 @@ impl Pass {
         self.entry.abort.wait().await
     }
 
+    /// Whether the request was aborted by a newer epoch's drain.
     pub fn is_aborted(&self) -> bool {
         self.entry.abort.is_aborted()
     }
@@ -436,6 +449,7 @@ impl Drop for Pass {
 }
 
 impl Gate {
+    /// A gate at `mark` for a fresh state (nothing to settle).
     pub fn new(mark: Epoch) -> Arc<Gate> {
         Gate::restarted(mark, mark, Duration::ZERO)
     }
@@ -460,10 +474,12 @@ impl Gate {
         })
     }
 
+    /// Counters for metrics and the admin API.
     pub fn stats(&self) -> GateStats {
         self.core.stats()
     }
 
+    /// The durable high-water mark.
     pub fn mark(&self) -> Epoch {
         self.core.stats().mark
     }
@@ -473,6 +489,7 @@ impl Gate {
         self.raising.try_lock().is_err()
     }
 
+    /// The mark, or the epoch a raise in progress is moving to: nothing below it is admitted.
     pub fn barrier(&self) -> Epoch {
         self.core.barrier()
     }

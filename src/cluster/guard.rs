@@ -47,41 +47,65 @@ use crate::setup::SetUp;
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
 
+/// Why a single instance may not take the instance guard (SPEC §10.1): each case is one that would let two instances forward for one prefix, or lose what was delivered.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
+    /// Another live instance holds the guard.
     #[error("another fencegate instance ({holder:?}) holds the instance guard of this lease store and prefix until {}; two instances on one store would each keep their own marks and dedup records. Stop it, or wait until its gate lease ends (plus grace_ms)", crate::clock::rfc3339(*.until))]
     Held {
+        /// The other instance's id.
         holder: String,
+        /// When its gate lease ends, on the store's clock.
         until: std::time::SystemTime,
     },
+    /// A cluster uses this store and prefix.
     #[error("a fencegate cluster (mode {mode:?}, {shards} shards, instance {holder:?}) uses this lease store and prefix; a single instance and a cluster never share a prefix")]
     OtherMode {
+        /// The mode its gate object names.
         mode: String,
+        /// Its shard count.
         shards: u32,
+        /// The instance that wrote the gate object.
         holder: String,
     },
+    /// The last holder kept its state elsewhere: taking over would repeat its deliveries.
     #[error("the instance guard was last held by instance {holder:?}, which keeps its marks and dedup records in {}; this instance keeps them in {ours}. Taking over would forward again the retries of keys it delivered. Give this instance the same state (that data_dir, or the same [state] database), or accept duplicates for this start with `fencegate serve --takeover-may-duplicate`", .theirs.as_deref().unwrap_or("a place it did not name"))]
     OtherState {
+        /// The last holder's id.
         holder: String,
+        /// Where it kept its state, if it said.
         theirs: Option<String>,
+        /// Where this instance keeps its state.
         ours: String,
     },
+    /// Acquiring the gate lease failed.
     #[error("the instance guard: {0}")]
     Acquire(#[from] AcquireError),
+    /// The lease store failed.
     #[error("the instance guard: {0}")]
     Store(#[from] StoreError),
+    /// The instance id file could not be read or written.
     #[error("the instance id in {path}: {detail}")]
-    Id { path: String, detail: String },
+    Id {
+        /// The id file.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
     /// The guard is held under this instance's own id by a process that is not
     /// provably gone.
     #[error("this instance's own id {id:?} holds the instance guard of this lease store and prefix until {}, written by another process ({other}) that is not provably gone. If this data_dir was copied, two processes share instance id {id}: give one a fresh data_dir (a new instance-id). If it was moved from a machine where that process no longer runs, start again after that time plus grace_ms", crate::clock::rfc3339(*.until))]
     SharedId {
+        /// This instance's id.
         id: String,
+        /// The other process, as its gate object names it.
         other: String,
+        /// When the gate lease ends, on the store's clock.
         until: std::time::SystemTime,
     },
 }
 
+/// The instance guard (SPEC §10.1): the gate lease one single instance holds on its store and prefix, so no second instance forwards with its own marks; renewed in the background and self-fencing before it lapses.
 pub struct InstanceGuard {
     epochs: Epochs,
     shard: LeaseName,
@@ -498,6 +522,7 @@ impl InstanceGuard {
             .map(|h| (h.epoch, h.expires_at))
     }
 
+    /// This instance's id, as written in the gate object.
     pub fn id(&self) -> &str {
         &self.id
     }

@@ -70,12 +70,16 @@ pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
 
 pub use crate::setup::shard_name;
 
+/// Why a cluster member could not start (SPEC §10.2).
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
+    /// Another set-up (a single instance, or a cluster sealed differently) uses this store and prefix.
     #[error("{0}")]
     OtherSetUp(Conflict),
+    /// The lease store failed.
     #[error("cluster start-up: {0}")]
     Store(#[from] StoreError),
+    /// The state backend failed.
     #[error("cluster start-up: {0}")]
     State(#[from] StateError),
 }
@@ -86,11 +90,17 @@ pub enum Placement {
     /// Here, under this tenure.
     Local(Owner),
     /// By the instance holding the shard's gate lease.
-    Peer { owner: String, url: String },
+    Peer {
+        /// The owner's instance id.
+        owner: String,
+        /// The owner's advertised proxy URL, where the request is relayed.
+        url: String,
+    },
     /// Nobody serves it right now (no owner, or a takeover or handover under way).
     Unavailable,
 }
 
+/// This instance's membership of a cluster (SPEC §10.2): the shards' gate leases it holds and sees, where each request is served, and the keeper that balances and takes over shards.
 pub struct Cluster {
     id: String,
     advertise: String,
@@ -116,9 +126,13 @@ pub struct Cluster {
     /// Wakes the keeper for an early round (a request found no owner).
     nudged: tokio::sync::Notify,
     stopping: CancellationToken,
+    /// Shards taken over from a dead owner.
     pub takeovers: AtomicU64,
+    /// Shards handed over on a graceful leave.
     pub handovers: AtomicU64,
+    /// Requests relayed to the shard's owner.
     pub peer_forwards: AtomicU64,
+    /// Relays that failed to reach the owner.
     pub peer_failures: AtomicU64,
     /// Store calls made for gate leases (renewals, looks, takeovers, releases).
     pub gate_calls: Arc<AtomicU64>,
@@ -205,10 +219,12 @@ impl Cluster {
         lock(&self.conflict).clone()
     }
 
+    /// This instance's id (`[cluster] instance_id`).
     pub fn id(&self) -> &str {
         &self.id
     }
 
+    /// The number of shards (`[cluster] shards`).
     pub fn shards(&self) -> u32 {
         self.shards
     }

@@ -58,13 +58,19 @@ pub(super) struct ShardLease {
 /// A shard's gate lease as this instance last saw it.
 #[derive(Debug, Clone)]
 pub struct ShardLeaseView {
+    /// The shard's number.
     pub shard: u32,
+    /// The instance holding the shard's gate lease, if the lease is live.
     pub owner: Option<String>,
+    /// How peers reach the owner's proxy (relaying, SPEC §10.2).
     pub advertise: Option<String>,
+    /// The epoch of the shard's latest gate object.
     pub gate_epoch: u64,
     /// On the store's clock.
     pub expires_at: Option<SystemTime>,
+    /// Whether this instance forwards the shard's requests now.
     pub served_here: bool,
+    /// The leases of the configured routes that hash to the shard.
     pub leases: Vec<String>,
     /// Why the latest gate object was not trusted, if it was not.
     pub untrusted: Option<String>,
@@ -73,14 +79,21 @@ pub struct ShardLeaseView {
 /// A shard as `/v1/cluster` shows it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ShardView {
+    /// The shard's number.
     pub shard: u32,
+    /// The instance holding the shard's gate lease, if the lease is live.
     pub owner: Option<String>,
+    /// How peers reach the owner's proxy.
     pub advertise: Option<String>,
+    /// The epoch of the shard's latest gate object.
     pub gate_epoch: u64,
     /// On the store's clock, RFC 3339.
     pub expires_at: Option<String>,
+    /// Whether this instance forwards the shard's requests now.
     pub served_here: bool,
+    /// The leases of the configured routes that hash to the shard.
     pub leases: Vec<String>,
+    /// Why the latest gate object was not trusted, if it was not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub untrusted: Option<String>,
 }

@@ -16,9 +16,13 @@ use crate::epoch::{Epoch, EpochObject, EpochRecord, LeaseName, TokenHash};
 /// A tenure this process holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Holding {
+    /// The lease held.
     pub lease: LeaseName,
+    /// The epoch whose object this process created.
     pub epoch: Epoch,
+    /// The token sent as `X-Lease-Token`; its hash is in the object.
     pub token: String,
+    /// The `holder` written in the object.
     pub holder: String,
     /// `LastModified + ttl` of our epoch object, on the store's clock.
     pub expires_at: SystemTime,
@@ -30,23 +34,36 @@ pub enum AcquireError {
     /// Someone else holds the lease (or the caller no longer does).
     #[error("lease {lease} is held by {holder:?} at epoch {epoch} until {}", crate::clock::rfc3339(*.expires_at))]
     Held {
+        /// The lease asked for.
         lease: LeaseName,
+        /// The epoch that holds it.
         epoch: Epoch,
+        /// Who holds it.
         holder: String,
+        /// When the holder's tenure ends, on the store's clock (then `grace_ms`).
         expires_at: SystemTime,
     },
     /// The caller claimed a tenure it does not hold (renew/release).
     #[error("not the holder of lease {lease} at epoch {epoch}: {why}")]
     NotHolder {
+        /// The lease named.
         lease: LeaseName,
+        /// The epoch the caller claimed.
         epoch: Epoch,
+        /// Why the claim does not hold.
         why: String,
     },
+    /// The store failed, or its answer was uncertain and could not be read back.
     #[error(transparent)]
     Store(#[from] StoreError),
     /// Lost too many races in a row, or epoch numbers ran out.
     #[error("gave up on lease {lease}: {why}")]
-    GaveUp { lease: LeaseName, why: String },
+    GaveUp {
+        /// The lease asked for.
+        lease: LeaseName,
+        /// Why it gave up.
+        why: String,
+    },
 }
 
 impl AcquireError {
@@ -62,7 +79,9 @@ impl AcquireError {
 /// The state of a lease as a reader sees it.
 #[derive(Debug, Clone)]
 pub struct LeaseStatus {
+    /// The latest epoch in the store (`Epoch::NONE` when there is none).
     pub latest: Epoch,
+    /// What the latest object means to admission, if there is one.
     pub object: Option<EpochObject>,
     /// The latest object as stored, if it parses (a gate object's set-up, MAC…).
     pub record: Option<EpochRecord>,

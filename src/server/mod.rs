@@ -43,25 +43,41 @@ use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
 use crate::state::{Owner, StateError, StateStore};
 
+/// Why `serve` could not start; every case is found before the proxy admits anything.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
+    /// The state backend could not be opened.
     #[error(transparent)]
     State(#[from] StateError),
+    /// The lease store failed.
     #[error("lease store: {0}")]
     Store(#[from] StoreError),
+    /// The store's self-test failed: it does not honour conditional creates (SPEC §2).
     #[error(transparent)]
     Probe(#[from] lease::probe::ProbeError),
+    /// The instance guard could not be taken (SPEC §10.1).
     #[error(transparent)]
     Guard(#[from] crate::cluster::guard::GuardError),
+    /// The cluster could not be joined (SPEC §10.2).
     #[error(transparent)]
     Cluster(#[from] crate::cluster::ClusterError),
+    /// A route could not be built (upstream URL, headers, CA file).
     #[error("route {route}: {message}")]
-    Route { route: String, message: String },
+    Route {
+        /// The route's name.
+        route: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The TLS certificate or key could not be loaded.
     #[error("TLS: {0}")]
     Tls(String),
+    /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        /// The address asked for.
         addr: SocketAddr,
+        /// The bind failure.
         #[source]
         source: std::io::Error,
     },

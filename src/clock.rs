@@ -22,6 +22,7 @@ pub fn stopwatch() -> std::time::Instant {
 
 /// The local wall clock.
 pub trait Clock: Send + Sync + 'static {
+    /// The current wall-clock time.
     fn now(&self) -> SystemTime;
 }
 
@@ -47,6 +48,7 @@ pub struct TokioClock {
 }
 
 impl TokioClock {
+    /// A clock that reads `start` now and advances with tokio's (possibly paused) time.
     pub fn new(start: SystemTime) -> Arc<TokioClock> {
         Arc::new(TokioClock {
             start,
@@ -66,10 +68,12 @@ impl Clock for TokioClock {
 pub struct ManualClock(Mutex<SystemTime>);
 
 impl ManualClock {
+    /// A clock stopped at `at`.
     pub fn new(at: SystemTime) -> Arc<ManualClock> {
         Arc::new(ManualClock(Mutex::new(at)))
     }
 
+    /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
         let mut t = self.0.lock().unwrap_or_else(|p| p.into_inner());
         *t += by;
@@ -127,6 +131,7 @@ fn plus_ms(t: SystemTime, ms: i64) -> SystemTime {
 }
 
 impl StoreClock {
+    /// An estimate of the store's clock, at zero offset until the first `Date` header is seen.
     pub fn new(local: Arc<dyn Clock>) -> StoreClock {
         StoreClock {
             local,

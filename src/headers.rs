@@ -13,7 +13,9 @@ pub const LEASE_TOKEN: &str = "x-lease-token";
 /// The worker's epoch: read, and forwarded as it came (SPEC §3).
 pub const LEASE_EPOCH: &str = "x-lease-epoch";
 
+/// [`LEASE_TOKEN`] as a header name, for lookups and removal.
 pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+/// [`LEASE_EPOCH`] as a header name.
 pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
 /// The worker's dedup key (SPEC §3, §6), when it chose one.
 pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
@@ -26,4 +28,5 @@ pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwar
 /// SPEC §10.2: the instance that relayed a request to its shard's owner, and the
 /// cluster's shared secret proving it. Neither is ever sent upstream.
 pub const PEER_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer");
+/// The cluster's shared secret on a relayed request ([`PEER_NAME`]).
 pub const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");

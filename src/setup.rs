@@ -29,8 +29,13 @@ use crate::lease::{Epochs, StoreError};
 /// A single instance, or a cluster of `shards` shards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SetUp {
+    /// One instance holding the instance guard (SPEC §10.1).
     Single,
-    Cluster { shards: u32 },
+    /// Several instances sharing shards (SPEC §10.2).
+    Cluster {
+        /// How many shards.
+        shards: u32,
+    },
 }
 
 impl SetUp {
@@ -61,6 +66,7 @@ impl SetUp {
         rec.shards = Some(self.shards());
     }
 
+    /// The `mode` a gate object records: `single` or `cluster`.
     pub fn mode(self) -> &'static str {
         match self {
             SetUp::Single => "single",
@@ -107,11 +113,15 @@ pub fn gate_free(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Dur
 /// When [`gate_free`] turns true on the store's clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Free {
+    /// A contender may take it now.
     Now,
+    /// Not before this time, on the store's clock.
     At(SystemTime),
+    /// Never: nothing below the latest object parses, so no expiry can be believed.
     Never,
 }
 
+/// When [`gate_free`] turns true, so a waiting contender (or the keeper) knows when to look again.
 pub fn gate_free_at(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Duration) -> Free {
     let (Some(object), Some(written)) = (&st.object, st.written) else {
         return Free::Now;

@@ -23,6 +23,7 @@ use hyper_util::client::legacy::connect::CaptureConnection;
 
 use crate::gate::Pass;
 
+/// Any error a body may end with, as hyper's body traits expect.
 pub type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// What ends a streamed exchange early: a drain abort or shutdown, with its reason.
@@ -47,6 +48,7 @@ pub enum UploadEnd {
 pub struct UploadState(AtomicU8);
 
 impl UploadState {
+    /// How the upload ended, read after the exchange to tell the worker's fault from the upstream's.
     pub fn get(&self) -> UploadEnd {
         match self.0.load(Ordering::SeqCst) {
             1 => UploadEnd::Complete,
@@ -77,6 +79,7 @@ pub struct Upload {
 }
 
 impl Upload {
+    /// Wraps a request body, limited to `limit` bytes; the state tells how it ended.
     pub fn new(body: Incoming, limit: usize) -> (Upload, Arc<UploadState>) {
         let state = Arc::new(UploadState::default());
         let up = Upload {
@@ -140,7 +143,9 @@ impl Body for Upload {
 
 /// A body held whole, or streamed by `S`.
 pub enum OrFull<S> {
+    /// Held whole (a small or replayed body).
     Full(Full<Bytes>),
+    /// Streamed as it arrives.
     Stream(S),
 }
 
@@ -243,10 +248,13 @@ impl Held {
 /// Why a streamed response ended before the upstream finished it.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
+    /// A drain abort or shutdown stopped it (the reason).
     #[error("{0}")]
     Stopped(&'static str),
+    /// The upstream paused longer than the route's timeout (ms).
     #[error("the upstream sent nothing for {0} ms")]
     Idle(u128),
+    /// The upstream connection failed mid-body.
     #[error("reading the upstream's response body: {0}")]
     Upstream(hyper::Error),
 }

@@ -31,6 +31,7 @@ use crate::state::{ListCursor, Listing, Record, RecordKey};
 use page::{Access, KeyRow, LeaseRow, PageView, ShardRow, StoreHealth};
 use session::Session;
 
+/// The admin API and operator page (SPEC §8): leases, in-doubt keys and their resolution, reload, cluster view; mutating calls need the admin token.
 pub struct Admin {
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,
@@ -195,6 +196,7 @@ fn key_json(k: &RecordKey, r: &Record) -> Value {
 }
 
 impl Admin {
+    /// The admin API over the running instance; `store_timeout` bounds its store calls.
     pub fn new(shared: Arc<Shared>, metrics: Arc<Metrics>, store_timeout: Duration) -> Admin {
         Admin {
             shared,
@@ -215,6 +217,7 @@ impl Admin {
         self.token().map(|t| Session::new(&self.session_secret, &t))
     }
 
+    /// Answers one admin request; every failure becomes its SPEC §7 response.
     pub async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
         let head = req.method() == Method::HEAD;
         let mut resp = self.route(req).await.unwrap_or_else(|e| e.to_response());

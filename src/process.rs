@@ -32,6 +32,7 @@ pub struct ProcessId {
     pub pid_ns: String,
     /// The real user id (`Uid:` in `/proc/self/status`).
     pub uid: u32,
+    /// The process id, meaningful with `boot_id` and `pid_ns`.
     pub pid: u32,
     /// Field 22 of `/proc/PID/stat`: clock ticks after boot at which it started.
     pub start_ticks: u64,
@@ -43,7 +44,10 @@ pub enum Seen {
     /// No such process, or a zombie.
     Gone,
     /// A process that started at `start_ticks`.
-    Running { start_ticks: u64 },
+    Running {
+        /// When the process now at that pid started, to tell it from the writer.
+        start_ticks: u64,
+    },
     /// `/proc` could not tell (permissions, a read racing the exit).
     Unknown,
 }

@@ -15,9 +15,13 @@ use crate::setup::SetUp;
 /// seen, this instance forwards nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Conflict {
+    /// The shard whose gate object was seen.
     pub shard: u32,
+    /// The set-up that object names.
     pub theirs: SetUp,
+    /// This instance's set-up.
     pub ours: SetUp,
+    /// The instance that wrote the object.
     pub holder: String,
 }
 

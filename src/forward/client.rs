@@ -13,6 +13,7 @@ use rustls_pki_types::CertificateDer;
 use crate::cutoff::CuttableConnector;
 use crate::streaming::UpBody;
 
+/// The pooled upstream client (HTTP/1.1 and h2 over rustls), shared by every route.
 pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
 
 /// Builds the TLS client config: system roots when present, else webpki roots,

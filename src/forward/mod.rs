@@ -57,10 +57,12 @@ pub enum UpstreamError {
 /// An upstream response whose head has arrived; its body is still to be read.
 #[derive(Debug)]
 pub struct UpstreamHead {
+    /// The upstream's status.
     pub status: http::StatusCode,
     /// Hop-by-hop headers and `Content-Length` removed (the body sent on says its
     /// own length).
     pub headers: HeaderMap,
+    /// The body, streamed to the worker.
     pub body: Incoming,
     /// The connection it came on, to cut if the exchange is ended early.
     pub conn: CaptureConnection,
@@ -71,19 +73,23 @@ pub struct UpstreamHead {
 pub struct Target {
     /// `path_prefix` of the route, e.g. `/billing/`.
     pub prefix: String,
+    /// `http` or `https`, from the upstream URL.
     pub scheme: http::uri::Scheme,
+    /// Host and port of the upstream.
     pub authority: http::uri::Authority,
     /// `Host` for the upstream, made once: left to the client, it is formatted
     /// for every request.
     pub host: HeaderValue,
     /// Path of the upstream base URL, ending in `/`.
     pub base_path: String,
+    /// The route's `dedup_header`, carrying the dedup key upstream (SPEC §3).
     pub dedup_header: HeaderName,
     /// Set on every forwarded request, replacing the worker's (secrets).
     pub fixed_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Target {
+    /// The target of a route: `upstream` parsed, `upstream_headers` resolved; an error says which is wrong.
     pub fn new(
         prefix: &str,
         upstream: &str,

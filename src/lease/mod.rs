@@ -23,6 +23,7 @@ use crate::epoch::{epoch_of_key, lease_prefix, object_key, Epoch, EpochObject, L
 /// An object as read back from the store.
 #[derive(Debug, Clone)]
 pub struct StoredObject {
+    /// The object's bytes.
     pub body: Bytes,
     /// The store's `LastModified` (1 s resolution on S3).
     pub last_modified: SystemTime,
@@ -97,6 +98,7 @@ pub struct Epochs {
 }
 
 impl Epochs {
+    /// Epoch objects of `store` under `prefix`.
     pub fn new(store: Arc<dyn LeaseStore>, prefix: impl Into<String>) -> Epochs {
         Epochs {
             store,
@@ -104,10 +106,12 @@ impl Epochs {
         }
     }
 
+    /// The store underneath.
     pub fn store(&self) -> &Arc<dyn LeaseStore> {
         &self.store
     }
 
+    /// The key prefix (`[store] prefix`).
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -152,6 +156,7 @@ impl Epochs {
             .await
     }
 
+    /// The store's clock, estimated (admission rule 4).
     pub fn store_now(&self) -> SystemTime {
         self.store.clock().now()
     }

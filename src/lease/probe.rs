@@ -12,16 +12,26 @@ use bytes::Bytes;
 use super::{CreateOutcome, LeaseStore, StoreError};
 use crate::lease::acquire::fresh_token;
 
+/// Why the store self-test (SPEC §2) refused the store: fencing needs conditional creates.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
+    /// The second conditional create succeeded: the store ignores `If-None-Match`.
     #[error(
         "{store} ignores conditional writes (a second PutObject with If-None-Match: * on {key} succeeded): \
          fencing is impossible on this store; use a store that supports conditional creates"
     )]
-    NotFencing { store: String, key: String },
+    NotFencing {
+        /// The store, described.
+        store: String,
+        /// The probe object's key.
+        key: String,
+    },
+    /// The store could not be reached or answered an error.
     #[error("store self-test failed on {store}: {source}")]
     Store {
+        /// The store, described.
         store: String,
+        /// The store's failure.
         #[source]
         source: StoreError,
     },

@@ -30,9 +30,13 @@ use crate::clock::{Clock, StoreClock};
 /// Connection settings for an S3 store (the `[store]` section with `kind = "s3"`).
 #[derive(Debug, Clone)]
 pub struct S3Settings {
+    /// `[store] bucket`.
     pub bucket: String,
+    /// `[store] endpoint`; `None` is AWS.
     pub endpoint: Option<String>,
+    /// `[store] region`.
     pub region: String,
+    /// `[store] force_path_style`, which many S3-compatible servers need.
     pub force_path_style: bool,
     /// Bound on one store call, SDK retries included.
     pub timeout: Duration,
@@ -40,6 +44,7 @@ pub struct S3Settings {
     pub static_credentials: Option<(String, String)>,
 }
 
+/// The lease store on S3 or an S3-compatible server (SPEC §2), creating with `If-None-Match: *` and estimating the store's clock from `Date`.
 pub struct S3Store {
     client: aws_sdk_s3::Client,
     bucket: String,
@@ -101,6 +106,7 @@ impl Intercept for DateObserver {
 }
 
 impl S3Store {
+    /// Builds the client (rustls; no network call until the first request).
     pub async fn connect(s: &S3Settings, local: Arc<dyn Clock>) -> S3Store {
         let http_client = aws_smithy_http_client::Builder::new()
             .tls_provider(tls::Provider::Rustls(

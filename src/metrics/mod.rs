@@ -55,7 +55,9 @@ struct RouteLabel {
 pub struct RouteMetrics {
     /// `fencegate_requests_total{route, outcome="forwarded"}`.
     pub forwarded: Counter,
+    /// `fencegate_admission_duration_seconds{route}`.
     pub admission: Histogram,
+    /// `fencegate_upstream_duration_seconds{route}`.
     pub upstream: Histogram,
 }
 
@@ -72,6 +74,7 @@ struct ReloadLabels {
     result: &'static str,
 }
 
+/// fencegate's Prometheus registry and the series the proxy, admin API and collector update (SPEC §8).
 pub struct Metrics {
     /// Locked only to register (at start-up) and to render (a scrape): the
     /// request path holds its own handles to the series.
@@ -149,6 +152,7 @@ impl Metrics {
         })
     }
 
+    /// Counts one request in `fencegate_requests_total{route, outcome, code}`.
     pub fn request(&self, route: &str, outcome: &str, code: &str) {
         self.request_counter(route, outcome, code).inc();
     }
@@ -201,7 +205,9 @@ impl Metrics {
 /// `fencegate_connections_parked`).
 #[derive(Clone, Default)]
 pub struct ConnGauges {
+    /// Connections open now.
     pub open: Gauge,
+    /// Idle HTTP/1 connections parked now.
     pub parked: Gauge,
 }
 

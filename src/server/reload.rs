@@ -30,10 +30,16 @@ const LIVE_SERVER_KEYS: &[&str] = &["admin_token", "access_log", "log_level", "t
 /// Why a reload was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
+    /// The new file does not load or validate; the running configuration stays.
     #[error("{0}")]
     Invalid(String),
+    /// A key that only a restart can change was changed.
     #[error("{key} cannot change while fencegate runs (restart to apply it)")]
-    Fixed { key: String },
+    Fixed {
+        /// The key, e.g. `server.listen`.
+        key: String,
+    },
+    /// The new routes could not be built.
     #[error(transparent)]
     Build(#[from] super::StartError),
 }
@@ -41,7 +47,9 @@ pub enum ReloadError {
 /// What a reload changed, for its log line.
 #[derive(Debug, Default)]
 pub struct Reloaded {
+    /// Routes the new file adds.
     pub routes_added: Vec<String>,
+    /// Routes the new file removes.
     pub routes_removed: Vec<String>,
     /// Leases no route uses any more: drained, then stopped.
     pub leases_stopped: Vec<LeaseName>,

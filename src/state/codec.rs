@@ -14,6 +14,7 @@ const V1: u8 = 1;
 /// Version 1, then the method and the path (each a u16 length and UTF-8).
 const V2: u8 = 2;
 
+/// A record's bytes as the embedded backend stores them (the newest version).
 pub fn encode(r: &Record) -> Vec<u8> {
     let mut out = Vec::with_capacity(
         64 + r
@@ -115,6 +116,7 @@ pub fn peek(raw: &[u8]) -> Option<(State, u64)> {
     Some((state, r.u64()?))
 }
 
+/// Reads a record of any version; `None` when the bytes are not one.
 pub fn decode(raw: &[u8]) -> Option<Record> {
     let mut r = Reader(raw);
     let (version, state) = r.head()?;

@@ -40,6 +40,7 @@ use super::{
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
 
+/// The state in PostgreSQL: several instances share it (SPEC §10.2), each write fenced by its [`Owner`].
 pub struct PostgresState {
     pool: Pool,
     timeout: Duration,

@@ -143,6 +143,7 @@ impl StateMetrics {
         }
     }
 
+    /// Adds `fencegate_state_duration_seconds` and its error counter to `registry`.
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "fencegate_state_duration_seconds",
@@ -172,6 +173,7 @@ pub struct Timed {
 }
 
 impl Timed {
+    /// Wraps a backend so each call's latency and failure are measured.
     pub fn wrap(inner: Arc<dyn StateStore>) -> (Arc<Timed>, StateMetrics) {
         let metrics = StateMetrics::new();
         let t = Arc::new(Timed {

@@ -108,7 +108,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// The lease and (when one was judged) the epoch, for the error body and logs (SPEC §7).
-    pub fn lease_epoch(&self) -> (&LeaseName, Option<Epoch>) {
+    pub(crate) fn lease_epoch(&self) -> (&LeaseName, Option<Epoch>) {
         match self {
             Refusal::TokenMissing { lease } => (lease, None),
             Refusal::TokenInvalid { lease, epoch }

@@ -14,9 +14,9 @@ pub const LEASE_TOKEN: &str = "x-lease-token";
 pub const LEASE_EPOCH: &str = "x-lease-epoch";
 
 /// [`LEASE_TOKEN`] as a header name, for lookups and removal.
-pub const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
+pub(crate) const LEASE_TOKEN_NAME: HeaderName = HeaderName::from_static(LEASE_TOKEN);
 /// [`LEASE_EPOCH`] as a header name.
-pub const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
+pub(crate) const LEASE_EPOCH_NAME: HeaderName = HeaderName::from_static(LEASE_EPOCH);
 /// The worker's dedup key (SPEC §3, §6), when it chose one.
 pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotency-key");
 /// The request id, sent upstream and echoed to the worker (`access`).
@@ -29,4 +29,4 @@ pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwar
 /// cluster's shared secret proving it. Neither is ever sent upstream.
 pub const PEER_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer");
 /// The cluster's shared secret on a relayed request ([`PEER_NAME`]).
-pub const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");
+pub(crate) const PEER_TOKEN_NAME: HeaderName = HeaderName::from_static("x-fencegate-peer-token");

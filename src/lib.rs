@@ -37,9 +37,10 @@
 //! - [`config`], [`clock`], [`cli`], [`demo`], [`failpoint`] — the rest.
 
 #![forbid(unsafe_code)]
-// Lints as memory (issue 26): what is `pub` is the library's surface; a lock is
-// never held across an await; no `unwrap` outside tests.
-#![warn(unreachable_pub, clippy::await_holding_lock)]
+// Lints as memory (issue 26): what is `pub` is the library's surface, and every
+// item of it says what it is for; a lock is never held across an await; no
+// `unwrap` outside tests.
+#![warn(missing_docs, unreachable_pub, clippy::await_holding_lock)]
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 pub(crate) mod access;

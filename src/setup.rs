@@ -122,7 +122,12 @@ pub enum Free {
 }
 
 /// When [`gate_free`] turns true, so a waiting contender (or the keeper) knows when to look again.
-pub fn gate_free_at(st: &LeaseStatus, trusted: bool, gate_ttl: Duration, grace: Duration) -> Free {
+pub(crate) fn gate_free_at(
+    st: &LeaseStatus,
+    trusted: bool,
+    gate_ttl: Duration,
+    grace: Duration,
+) -> Free {
     let (Some(object), Some(written)) = (&st.object, st.written) else {
         return Free::Now;
     };

@@ -24,7 +24,7 @@ use hyper_util::client::legacy::connect::CaptureConnection;
 use crate::gate::Pass;
 
 /// Any error a body may end with, as hyper's body traits expect.
-pub type BoxError = Box<dyn StdError + Send + Sync>;
+pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 
 /// What ends a streamed exchange early: a drain abort or shutdown, with its reason.
 pub type Stop = Pin<Box<dyn Future<Output = &'static str> + Send>>;

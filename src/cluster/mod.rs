@@ -129,11 +129,11 @@ pub struct Cluster {
     /// Shards taken over from a dead owner.
     pub takeovers: AtomicU64,
     /// Shards handed over on a graceful leave.
-    pub handovers: AtomicU64,
+    pub(crate) handovers: AtomicU64,
     /// Requests relayed to the shard's owner.
-    pub peer_forwards: AtomicU64,
+    pub(crate) peer_forwards: AtomicU64,
     /// Relays that failed to reach the owner.
-    pub peer_failures: AtomicU64,
+    pub(crate) peer_failures: AtomicU64,
     /// Store calls made for gate leases (renewals, looks, takeovers, releases).
     pub gate_calls: Arc<AtomicU64>,
 }

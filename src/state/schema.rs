@@ -20,7 +20,7 @@ pub fn epoch_to_sql(e: u64) -> i64 {
 }
 
 /// The inverse of [`epoch_to_sql`].
-pub fn epoch_from_sql(v: i64) -> u64 {
+pub(crate) fn epoch_from_sql(v: i64) -> u64 {
     (v as u64) ^ (1 << 63)
 }
 

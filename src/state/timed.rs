@@ -144,7 +144,7 @@ impl StateMetrics {
     }
 
     /// Adds `fencegate_state_duration_seconds` and its error counter to `registry`.
-    pub fn register(&self, registry: &mut Registry) {
+    pub(crate) fn register(&self, registry: &mut Registry) {
         registry.register(
             "fencegate_state_duration_seconds",
             "State store (sled or PostgreSQL) call latency by operation, failures included",

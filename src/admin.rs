@@ -31,7 +31,8 @@ use crate::state::{ListCursor, Listing, Record, RecordKey};
 use page::{Access, KeyRow, LeaseRow, PageView, ShardRow, StoreHealth};
 use session::Session;
 
-/// The admin API and operator page (SPEC §8): leases, in-doubt keys and their resolution, reload, cluster view; mutating calls need the admin token.
+/// The admin API and operator page (SPEC §8): leases, in-doubt keys and their
+/// resolution, reload, cluster view; mutating calls need the admin token.
 pub struct Admin {
     shared: Arc<Shared>,
     metrics: Arc<Metrics>,

@@ -41,7 +41,8 @@ pub struct Facts<'a> {
 pub enum Admit {
     /// At the high-water mark: forwarded without a drain.
     AtMark,
-    /// Above the mark: the mark is raised durably and lower epochs drained first (SPEC §5).
+    /// Above the mark: the mark is raised durably and lower epochs drained first (SPEC
+    /// §5).
     Raise,
 }
 
@@ -107,7 +108,8 @@ pub enum Refusal {
 }
 
 impl Refusal {
-    /// The lease and (when one was judged) the epoch, for the error body and logs (SPEC §7).
+    /// The lease and (when one was judged) the epoch, for the error body and logs (SPEC
+    /// §7).
     pub(crate) fn lease_epoch(&self) -> (&LeaseName, Option<Epoch>) {
         match self {
             Refusal::TokenMissing { lease } => (lease, None),

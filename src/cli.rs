@@ -138,7 +138,8 @@ const EXIT_ERROR: u8 = 1;
 const EXIT_CONFIG: u8 = 2;
 const EXIT_HELD: u8 = 3;
 
-/// The `fencegate` command line: parses arguments, runs the subcommand, and maps its outcome to the exit code (0 ok, 1 error, 2 config or usage, 3 lease held).
+/// The `fencegate` command line: parses arguments, runs the subcommand, and maps its
+/// outcome to the exit code (0 ok, 1 error, 2 config or usage, 3 lease held).
 pub fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,

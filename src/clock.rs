@@ -131,7 +131,8 @@ fn plus_ms(t: SystemTime, ms: i64) -> SystemTime {
 }
 
 impl StoreClock {
-    /// An estimate of the store's clock, at zero offset until the first `Date` header is seen.
+    /// An estimate of the store's clock, at zero offset until the first `Date` header
+    /// is seen.
     pub fn new(local: Arc<dyn Clock>) -> StoreClock {
         StoreClock {
             local,

@@ -41,7 +41,8 @@ pub enum ConfigError {
     },
 }
 
-/// The whole configuration file (SPEC §9), as loaded and validated at start-up and on reload.
+/// The whole configuration file (SPEC §9), as loaded and validated at start-up and on
+/// reload.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -170,10 +171,12 @@ pub struct StoreConfig {
     pub force_path_style: bool,
     /// Directory of the `dir` backend.
     pub path: PathBuf,
-    /// How often each lease's epochs are listed, to learn of newer epochs (SPEC §4 rule 3).
+    /// How often each lease's epochs are listed, to learn of newer epochs (SPEC §4 rule
+    /// 3).
     #[serde(alias = "refresh_interval", deserialize_with = "duration::ms")]
     pub refresh_interval_ms: u64,
-    /// How long a contender waits past an epoch's expiry before taking the lease (SPEC §2).
+    /// How long a contender waits past an epoch's expiry before taking the lease (SPEC
+    /// §2).
     #[serde(alias = "grace", deserialize_with = "duration::ms")]
     pub grace_ms: u64,
     /// Bound on each store request; beyond it the store counts as unreachable.
@@ -410,7 +413,8 @@ pub enum InDoubtPolicy {
     Resend,
 }
 
-/// `[[route]]`: one path prefix mapped to an upstream and the lease that fences it (SPEC §3, §9).
+/// `[[route]]`: one path prefix mapped to an upstream and the lease that fences it
+/// (SPEC §3, §9).
 #[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
@@ -441,7 +445,8 @@ pub struct RouteConfig {
     /// What a repeat of an in-doubt key gets.
     #[serde(default)]
     pub in_doubt: InDoubtPolicy,
-    /// Upstream statuses that delete the dedup record instead of keeping it `done`, so a retry is forwarded.
+    /// Upstream statuses that delete the dedup record instead of keeping it `done`, so
+    /// a retry is forwarded.
     #[serde(default = "d_retryable")]
     pub retryable_statuses: Vec<u16>,
     /// Larger request bodies are refused (413).
@@ -450,7 +455,8 @@ pub struct RouteConfig {
     /// Larger responses are not kept for replay; a repeat gets 409 `dedup_done`.
     #[serde(default = "d_mib")]
     pub max_replay_bytes: usize,
-    /// How long a raise waits for lower epochs in flight before aborting them (SPEC §5); absent: `timeout_ms`.
+    /// How long a raise waits for lower epochs in flight before aborting them (SPEC
+    /// §5); absent: `timeout_ms`.
     #[serde(
         default,
         alias = "drain_timeout",

@@ -133,7 +133,8 @@ pub enum Outcome<'a> {
         headers: &'a HeaderMap,
         /// The upstream's response body, as read so far.
         body: &'a Bytes,
-        /// Whether the status is in the route's `retryable_statuses`: the record is deleted.
+        /// Whether the status is in the route's `retryable_statuses`: the record is
+        /// deleted.
         retryable: bool,
         /// Bodies larger than this are not kept for replay.
         max_replay_bytes: usize,

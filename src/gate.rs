@@ -489,7 +489,8 @@ impl Gate {
         self.raising.try_lock().is_err()
     }
 
-    /// The mark, or the epoch a raise in progress is moving to: nothing below it is admitted.
+    /// The mark, or the epoch a raise in progress is moving to: nothing below it is
+    /// admitted.
     pub fn barrier(&self) -> Epoch {
         self.core.barrier()
     }

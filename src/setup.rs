@@ -121,7 +121,8 @@ pub enum Free {
     Never,
 }
 
-/// When [`gate_free`] turns true, so a waiting contender (or the keeper) knows when to look again.
+/// When [`gate_free`] turns true, so a waiting contender (or the keeper) knows when to
+/// look again.
 pub(crate) fn gate_free_at(
     st: &LeaseStatus,
     trusted: bool,

@@ -48,7 +48,8 @@ pub enum UploadEnd {
 pub struct UploadState(AtomicU8);
 
 impl UploadState {
-    /// How the upload ended, read after the exchange to tell the worker's fault from the upstream's.
+    /// How the upload ended, read after the exchange to tell the worker's fault from
+    /// the upstream's.
     pub fn get(&self) -> UploadEnd {
         match self.0.load(Ordering::SeqCst) {
             1 => UploadEnd::Complete,

@@ -47,7 +47,8 @@ use crate::setup::SetUp;
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
 
-/// Why a single instance may not take the instance guard (SPEC §10.1): each case is one that would let two instances forward for one prefix, or lose what was delivered.
+/// Why a single instance may not take the instance guard (SPEC §10.1): each case is one
+/// that would let two instances forward for one prefix, or lose what was delivered.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
     /// Another live instance holds the guard.
@@ -105,7 +106,9 @@ pub enum GuardError {
     },
 }
 
-/// The instance guard (SPEC §10.1): the gate lease one single instance holds on its store and prefix, so no second instance forwards with its own marks; renewed in the background and self-fencing before it lapses.
+/// The instance guard (SPEC §10.1): the gate lease one single instance holds on its
+/// store and prefix, so no second instance forwards with its own marks; renewed in the
+/// background and self-fencing before it lapses.
 pub struct InstanceGuard {
     epochs: Epochs,
     shard: LeaseName,

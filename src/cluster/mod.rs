@@ -73,7 +73,8 @@ pub use crate::setup::shard_name;
 /// Why a cluster member could not start (SPEC §10.2).
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
-    /// Another set-up (a single instance, or a cluster sealed differently) uses this store and prefix.
+    /// Another set-up (a single instance, or a cluster sealed differently) uses this
+    /// store and prefix.
     #[error("{0}")]
     OtherSetUp(Conflict),
     /// The lease store failed.
@@ -100,7 +101,9 @@ pub enum Placement {
     Unavailable,
 }
 
-/// This instance's membership of a cluster (SPEC §10.2): the shards' gate leases it holds and sees, where each request is served, and the keeper that balances and takes over shards.
+/// This instance's membership of a cluster (SPEC §10.2): the shards' gate leases it
+/// holds and sees, where each request is served, and the keeper that balances and takes
+/// over shards.
 pub struct Cluster {
     id: String,
     advertise: String,

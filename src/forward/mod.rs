@@ -89,7 +89,8 @@ pub struct Target {
 }
 
 impl Target {
-    /// The target of a route: `upstream` parsed, `upstream_headers` resolved; an error says which is wrong.
+    /// The target of a route: `upstream` parsed, `upstream_headers` resolved; an error
+    /// says which is wrong.
     pub fn new(
         prefix: &str,
         upstream: &str,

@@ -16,7 +16,9 @@ use bytes::Bytes;
 use super::{CreateOutcome, LeaseStore, StoreError, StoredObject};
 use crate::clock::{Clock, StoreClock};
 
-/// The lease store in a local directory (`kind = "dir"`): a create is a hard link of a fully written file, which fails when the name exists; for one machine, tests and demos.
+/// The lease store in a local directory (`kind = "dir"`): a create is a hard link of a
+/// fully written file, which fails when the name exists; for one machine, tests and
+/// demos.
 pub struct DirStore {
     root: PathBuf,
     clock: StoreClock,

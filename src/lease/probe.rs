@@ -12,7 +12,8 @@ use bytes::Bytes;
 use super::{CreateOutcome, LeaseStore, StoreError};
 use crate::lease::acquire::fresh_token;
 
-/// Why the store self-test (SPEC §2) refused the store: fencing needs conditional creates.
+/// Why the store self-test (SPEC §2) refused the store: fencing needs conditional
+/// creates.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
     /// The second conditional create succeeded: the store ignores `If-None-Match`.

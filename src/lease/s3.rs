@@ -44,7 +44,8 @@ pub struct S3Settings {
     pub static_credentials: Option<(String, String)>,
 }
 
-/// The lease store on S3 or an S3-compatible server (SPEC §2), creating with `If-None-Match: *` and estimating the store's clock from `Date`.
+/// The lease store on S3 or an S3-compatible server (SPEC §2), creating with
+/// `If-None-Match: *` and estimating the store's clock from `Date`.
 pub struct S3Store {
     client: aws_sdk_s3::Client,
     bucket: String,

@@ -74,7 +74,8 @@ struct ReloadLabels {
     result: &'static str,
 }
 
-/// fencegate's Prometheus registry and the series the proxy, admin API and collector update (SPEC §8).
+/// fencegate's Prometheus registry and the series the proxy, admin API and collector
+/// update (SPEC §8).
 pub struct Metrics {
     /// Locked only to register (at start-up) and to render (a scrape): the
     /// request path holds its own handles to the series.

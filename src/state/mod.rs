@@ -117,7 +117,8 @@ pub enum StateError {
         /// What went wrong.
         detail: String,
     },
-    /// The stored state is unreadable: starting empty would forget marks and readmit stale epochs.
+    /// The stored state is unreadable: starting empty would forget marks and readmit
+    /// stale epochs.
     #[error("the state in {path} is damaged ({detail}); refusing to start from an empty high-water mark. Restore the directory from a backup or, if every lease's epochs are known to be safe, move it aside")]
     Damaged {
         /// Where the state lives.

@@ -40,7 +40,8 @@ use super::{
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
 
-/// The state in PostgreSQL: several instances share it (SPEC §10.2), each write fenced by its [`Owner`].
+/// The state in PostgreSQL: several instances share it (SPEC §10.2), each write fenced
+/// by its [`Owner`].
 pub struct PostgresState {
     pool: Pool,
     timeout: Duration,

@@ -78,7 +78,8 @@ fn cut(s: &str, max: usize) -> &str {
 pub struct Record {
     /// Where the record stands.
     pub state: State,
-    /// SHA-256 of the request, to tell a repeat from a reused key (422 `dedup_key_reused`).
+    /// SHA-256 of the request, to tell a repeat from a reused key (422
+    /// `dedup_key_reused`).
     pub fingerprint: [u8; 32],
     /// The epoch the request was admitted at.
     pub epoch: Epoch,

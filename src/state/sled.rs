@@ -25,7 +25,8 @@ const SENTINEL: &[u8] = b"fencegate-state-v1";
 /// In sled's `meta` tree, per shard: the newest owner generation that wrote.
 const OWNER_PREFIX: &[u8] = b"owner/";
 
-/// The state in an embedded sled database under `data_dir` (one instance), with group commit.
+/// The state in an embedded sled database under `data_dir` (one instance), with group
+/// commit.
 pub struct SledState {
     path: PathBuf,
     meta: sled::Tree,

@@ -107,7 +107,9 @@ impl Intercept for DateObserver {
 }
 
 impl S3Store {
-    /// Builds the client (rustls; no network call until the first request).
+    /// Builds the client from the standard AWS chain (SPEC §9): every call bounded by
+    /// `timeout`, SDK retries inside it, the store's clock read from each `Date`.
+    /// Makes no store request.
     pub async fn connect(s: &S3Settings, local: Arc<dyn Clock>) -> S3Store {
         let http_client = aws_smithy_http_client::Builder::new()
             .tls_provider(tls::Provider::Rustls(

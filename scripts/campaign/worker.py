@@ -51,11 +51,22 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          renew, poll NEW with the new epoch until the origin
                          answers, then poll OLD once with the superseded epoch
                          -> `N late OUTCOME` or `N failed WHY`; then release
+  `N uploads OWNER`      (with --upload-leases) acquire each upload lease and send
+                         OWNER one held upload per lease: a POST of
+                         --upload-bytes whose body the origin reads only once
+                         released (`X-Campaign-Hold: N`, scripts/campaign/origin.py),
+                         so that each stays in flight at OWNER
+                         -> `N uploading REQ...` (the uploads' request ids, sent
+                         meanwhile) or `N failed WHY`
   `N abort`              release the lease (the nemesis gave the step up)
   `stop`                 exit
+With uploads in flight, `renew` first renews every upload lease and polls NEW
+with each newer epoch until the origin answers (-> `N newer ok` or
+`N newer failed`), then does the above; once it has answered `late` it waits for
+the uploads to end (the nemesis releases the holds) and releases their leases.
 The polls are GETs logged like any attempt (kinds "poll-directed",
-"poll-directed-retry" and "poll-directed-late"): the checker judges them from the
-history like the rest.
+"poll-directed-retry" and "poll-directed-late"), the uploads are attempts of kind
+"upload": the checker judges them from the history like the rest.
 """
 import argparse
 import hashlib
@@ -308,6 +319,44 @@ class Worker:
             time.sleep(0.2)
         return False
 
+    def upload(self, ten, addr, hold, body):
+        """A held upload (module doc): a POST of `body` without an Idempotency-Key
+        on a route that records nothing, so fencegate streams it. Returns the
+        thread sending it and the attempt's request id."""
+        req = f"w{self.id}-{next(self.counter)}"
+
+        def run():
+            route = "r" + ten.lease[1:]
+            rec = {"ev": "attempt", "w": self.id, "req": req, "kind": "upload", "route": route,
+                   "lease": ten.lease, "epoch": ten.epoch, "token": ten.token, "key": "",
+                   "body": f"{len(body)} bytes", "status": None, "error": None,
+                   "replayed": False, "resp_body": None, "detail": None,
+                   "invoke": time.monotonic_ns()}
+            try:
+                host, port = addr.rsplit(":", 1)
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                conn.request("POST", f"/{route}/upload", body=body, headers={
+                    "x-lease-epoch": str(ten.epoch), "x-lease-token": ten.token,
+                    "x-campaign-req": req, "x-campaign-hold": str(hold),
+                    "content-type": "application/octet-stream"})
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                rec.update(outcome="response", status=r.status,
+                           error=r.getheader("x-fencegate-error"),
+                           replayed=r.getheader("x-fencegate-replayed") == "true",
+                           resp_body=data.decode("latin-1"))
+            except TimeoutError as e:
+                rec.update(outcome="timeout", detail=repr(e))
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                rec.update(outcome="conn_error", detail=repr(e))
+            rec["complete"] = time.monotonic_ns()
+            self.emit(rec)
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t, req
+
     def directed(self):
         """The directed late worker (--directed, module doc): steps on command."""
         lease = self.a.leases.split(",")[0]
@@ -319,6 +368,19 @@ class Worker:
             os.replace(ack + ".tmp", ack)
 
         ten, done = None, None
+        upload_leases = [l for l in self.a.upload_leases.split(",") if l]
+        uploads, up_tens, body = [], [], None
+
+        def end_uploads():
+            """Waits for the uploads (bounded by the origin's longest hold) and
+            releases their leases."""
+            nonlocal uploads, up_tens
+            for t in uploads:
+                t.join(timeout=70)
+            for u in up_tens:
+                self.release(u)
+            uploads, up_tens = [], []
+
         while time.monotonic() < self.stop_at:
             try:
                 with open(cmd) as f:
@@ -348,7 +410,35 @@ class Worker:
                     answer(n, "acquired", ten.epoch)
                 else:
                     answer(n, "failed", "the owner did not forward")
+            elif verb == "uploads" and upload_leases:
+                end_uploads()
+                if body is None:
+                    body = b"u" * self.a.upload_bytes
+                for ul in upload_leases:
+                    u = None
+                    for _ in range(10):
+                        u = self.acquire(ul)
+                        if u:
+                            break
+                        time.sleep(0.3)
+                    if u:
+                        up_tens.append(u)
+                if len(up_tens) < len(upload_leases):
+                    end_uploads()
+                    answer(n, "failed", "could not acquire the upload leases")
+                    continue
+                reqs = []
+                for u in up_tens:
+                    t, req = self.upload(u, words[2], n, body)
+                    uploads.append(t)
+                    reqs.append(req)
+                answer(n, "uploading", *reqs)
             elif verb == "renew" and ten is not None:
+                if up_tens:
+                    newer = [self.acquire(u.lease, current=u) for u in up_tens]
+                    ok = all(newer) and all(self.forwarded(u, words[2], 8) for u in newer)
+                    answer(n, "newer", "ok" if ok else "failed")
+                    up_tens = [u or old for u, old in zip(newer, up_tens)]
                 old, new = ten, self.acquire(lease, current=ten)
                 if new is None:
                     answer(n, "failed", "could not renew")
@@ -363,10 +453,12 @@ class Worker:
                     answer(n, "late", *how)
                 self.release(ten)
                 ten = None
+                end_uploads()
             else:  # abort, or a renewal without a tenure
                 if ten is not None:
                     self.release(ten)
                     ten = None
+                end_uploads()
                 if verb != "abort":
                     answer(n, "failed", "no tenure to renew")
 
@@ -447,6 +539,10 @@ def main():
                    help="every tenure's TTL (instead of the random ones)")
     p.add_argument("--directed", default="",
                    help="play the directed late worker, commanded through CTL.cmd/CTL.ack")
+    p.add_argument("--upload-leases", default="",
+                   help="with --directed: the leases of the held uploads (command `uploads`)")
+    p.add_argument("--upload-bytes", type=int, default=32 << 20,
+                   help="the size of each held upload's body")
     Worker(p.parse_args()).run()
 
 

@@ -86,11 +86,18 @@
 //! (504 `upstream_timeout` instead of `drain_aborted`). The CI smoke is 30 s
 //! of faults; `scripts/campaign.sh cluster [secs] [seed]` runs longer.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use super::*;
 use crate::cluster::free_port;
 use crate::support::postgres::PgServer;
 use crate::support::relay::Relay;
 use crate::support::state_toml;
+use fencegate::cluster::shard_of;
+use fencegate::epoch::{Epoch, EpochRecord, LeaseName};
+use fencegate::lease::{CreateOutcome, Epochs};
+use fencegate::setup::{GateKey, SetUp};
 
 /// l0..l3 fall into shards 4, 5, 4, 2: three busy shards, two per instance.
 const SHARDS: u32 = 6;
@@ -112,6 +119,38 @@ const DIRECTED_TTL_MS: u64 = 30_000;
 /// healthy and quiet), the next ones this long after the previous one ended.
 const DIRECTED_FIRST: Duration = Duration::from_secs(3);
 const DIRECTED_EVERY: Duration = Duration::from_secs(60);
+/// The directed lease's shard.
+const DIRECTED_SHARD: u32 = 5;
+/// The busy shard's upload leases (module doc): shard 5 with `l1` and `l4`, held
+/// by the directed worker alone, each with its route `r{n}`: a route timeout far
+/// above the drain timeout, nothing recorded (the body is streamed), bodies up to
+/// twice [`UPLOAD_BYTES`].
+const UPLOAD_LEASES: [&str; 4] = ["l6", "l7", "l15", "l21"];
+const UPLOAD_ROUTE: RouteConf = RouteConf {
+    timeout_ms: 30_000,
+    drain_timeout_ms: 300,
+};
+/// Each held upload's body: well above what can be in transit between fencegate
+/// and the origin (scripts/campaign/origin.py: ~8.5 MiB here).
+const UPLOAD_BYTES: usize = 32 << 20;
+/// The foreign set-up steps (module doc): the first single instance this long
+/// after the faults start, the other shard count right after it, both again
+/// this long after the last one.
+const FOREIGN_FIRST: Duration = Duration::from_secs(16);
+const FOREIGN_EVERY: Duration = Duration::from_secs(60);
+/// How long a foreign process that was let in serves beside the cluster before
+/// the step stops it.
+const FOREIGN_SERVES: Duration = Duration::from_secs(8);
+/// The shard counts a foreign cluster instance may have: each puts `l0`, `l2`
+/// (or `l3`) into its shard 0, which it can take while the step holds it free.
+const FOREIGN_SHARDS: [u32; 3] = [2, 4, 5];
+/// The forged gate object step: first this long after the faults start, then
+/// this long after the shard was served again; the forged object's TTL.
+const FORGED_FIRST: Duration = Duration::from_secs(1);
+const FORGED_EVERY: Duration = Duration::from_secs(60);
+const FORGED_TTL: Duration = Duration::from_secs(10);
+/// The rule of the forged-object check (the campaign's own, outside the history).
+const FORGED_RULE: &str = "forged gate relay";
 
 /// Where the directed step is (module doc). The directed worker is told each
 /// move through `directed.cmd` and answers in `directed.ack`
@@ -125,6 +164,21 @@ enum Directed {
         n: u32,
         owner: usize,
         since: Instant,
+    },
+    /// The worker sends `owner` one held upload per upload lease (the busy shard).
+    Uploading {
+        n: u32,
+        owner: usize,
+        since: Instant,
+    },
+    /// The uploads are in flight at `owner`: waiting for its next renewal of the
+    /// shard's gate lease (a new gate epoch in its `/v1/cluster`), to cut it from
+    /// the store right after: its shard's deadline is then as late as it gets.
+    Arming {
+        n: u32,
+        owner: usize,
+        since: Instant,
+        gate: Option<u64>,
     },
     /// `owner` is cut from the store; waiting for another instance to serve the shard.
     Cut {
@@ -142,6 +196,132 @@ enum Directed {
     },
     /// The faults are over: no new step.
     Over,
+}
+
+/// What a foreign set-up step starts against the cluster's prefix (module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ForeignKind {
+    /// A single instance (sled state) on the same store and prefix.
+    Single,
+    /// A cluster instance of another shard count (same store, prefix, database
+    /// and peer token).
+    OtherShards,
+}
+
+impl ForeignKind {
+    fn name(self) -> &'static str {
+        match self {
+            ForeignKind::Single => "single instance beside the cluster",
+            ForeignKind::OtherShards => "instance of another shard count",
+        }
+    }
+}
+
+/// Where the foreign set-up steps are.
+enum Foreign {
+    /// The next step, of this kind, is due at this instant.
+    Idle(Instant, ForeignKind),
+    /// A foreign process was let in (a build that does not refuse it) and serves
+    /// beside the cluster, in the workers' `proxy.addr`, until `until`; `down` is
+    /// the stopped owner of shard 0, restarted once it is gone.
+    Serving {
+        kind: ForeignKind,
+        fg: Box<Fencegate>,
+        down: usize,
+        until: Instant,
+    },
+    /// The faults are over: no new step.
+    Over,
+}
+
+/// Where the forged gate object step is.
+#[derive(Debug, Clone, Copy)]
+enum Forged {
+    Idle(Instant),
+    /// A forged object is `epoch` of `shard`'s gate lease, written at `at`.
+    Watching { shard: u32, epoch: u64, at: Instant },
+    Over,
+}
+
+/// The forger's recording listener: the `advertise` of every forged gate object.
+/// Anything that reaches it is a worker's request a member relayed to the forger
+/// (with the peer token, in a build that trusts the object): a violation.
+struct Forger {
+    addr: std::net::SocketAddr,
+    seen: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Forger {
+    fn start() -> Forger {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (log, done) = (seen.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((conn, peer)) => {
+                        let entry = Forger::record(conn, peer);
+                        log.lock().unwrap().push(entry);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        Forger { addr, seen, stop }
+    }
+
+    /// Reads a request head (bounded), answers 503 `shard_unavailable` and says
+    /// what came: when, from where, the request line, the campaign's request id
+    /// and whether the peer token came with it.
+    fn record(mut conn: std::net::TcpStream, peer: std::net::SocketAddr) -> String {
+        use std::io::{Read, Write};
+        let at = mono_ns();
+        let _ = conn.set_nonblocking(false);
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+            match conn.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let _ = conn.write_all(b"HTTP/1.1 503 Service Unavailable\r\nx-fencegate-error: shard_unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+        let text = String::from_utf8_lossy(&head);
+        let header = |name: &str| {
+            text.lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+                })
+                .unwrap_or_default()
+        };
+        format!(
+            "at mono {at} ns from {peer}: {:?}, x-campaign-req {:?}, x-lease-epoch {:?}, peer token {}",
+            text.lines().next().unwrap_or_default(),
+            header("x-campaign-req"),
+            header("x-lease-epoch"),
+            if header("x-fencegate-peer-token").is_empty() {
+                "absent"
+            } else {
+                "PRESENT (leaked to the forger)"
+            }
+        )
+    }
+
+    fn seen(&self) -> Vec<String> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Forger {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
 }
 
 /// One cluster instance; `fg` keeps its config and `data_dir` across restarts.
@@ -212,12 +392,64 @@ struct ClusterNemesis<'a> {
     directed_done: usize,
     /// When `/v1/cluster` is next asked about the directed lease's shard.
     directed_look: Instant,
+    /// The epoch the directed worker's poll made the owner's fence hold.
+    directed_epoch: String,
+    /// The directed step's held uploads (their request ids), and the last step
+    /// whose holds the origin was told to release (`origin.hold`).
+    uploads: Vec<String>,
+    released: u32,
+    /// The proxy address of each instance (the workers' `proxy.addr`, with a
+    /// foreign process's while one may serve).
+    addrs: Vec<String>,
+    /// What a foreign process is started with: the campaign's routes, the
+    /// `[store]` section on the S3 server itself and the database's URL.
+    routes: String,
+    store_toml: String,
+    db: String,
+    foreign: Foreign,
+    /// Foreign steps played, of each kind.
+    foreign_done: BTreeMap<&'static str, usize>,
+    /// When the foreign step next asks `/v1/cluster` who owns shard 0.
+    foreign_look: Instant,
+    forger: Forger,
+    forged: Forged,
+    forged_done: usize,
+    forged_look: Instant,
+    /// The gate leases under `{prefix}.gate/` (the forger writes there).
+    gates: Epochs,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
     _s3: &'a S3Server,
     t0: Instant,
     t0_ns: u64,
+}
+
+/// How a foreign process that did not start ended ("exit 2").
+fn exit_of(fg: &Fencegate) -> String {
+    match fg.last_exit.and_then(|s| s.code()) {
+        Some(c) => format!("exit {c}"),
+        None => format!("{:?}", fg.last_exit),
+    }
+}
+
+/// The last line of a refused process's stderr: its reason.
+fn last_line(stderr: &str) -> String {
+    stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or_default()
+        .chars()
+        .take(400)
+        .collect()
+}
+
+fn kind_tag(kind: ForeignKind) -> &'static str {
+    match kind {
+        ForeignKind::Single => "single",
+        ForeignKind::OtherShards => "shards",
+    }
 }
 
 /// Sums a metric family in a `/metrics` text.
@@ -285,6 +517,46 @@ impl ClusterNemesis<'_> {
         )
     }
 
+    /// `shard`'s gate epoch as instance `i` last saw it (`/v1/cluster`).
+    fn gate_epoch(&self, i: usize, shard: u32) -> Option<u64> {
+        let text = admin_get(self.instances[i].fg.admin, "/v1/cluster")?;
+        let v: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()?;
+        v["shard_map"][shard as usize]["gate_epoch"].as_u64()
+    }
+
+    /// The instance that says it serves `shard`, if one does.
+    fn shard_owner(&self, shard: u32) -> Option<usize> {
+        (0..self.instances.len()).find(|&i| {
+            admin_get(self.instances[i].fg.admin, "/v1/cluster")
+                .and_then(|t| {
+                    let v: serde_json::Value =
+                        serde_json::from_str(t.split("\r\n\r\n").nth(1)?).ok()?;
+                    Some(v["shard_map"][shard as usize]["served_here"] == true)
+                })
+                .unwrap_or(false)
+        })
+    }
+
+    /// Lets the origin read the held uploads of directed step `n` (and earlier).
+    fn release_uploads(&mut self, n: u32) {
+        if self.released >= n {
+            return;
+        }
+        self.released = n;
+        let tmp = self.dir.join(format!("{HOLD_FILE}.tmp"));
+        fs::write(&tmp, n.to_string()).unwrap();
+        fs::rename(tmp, self.dir.join(HOLD_FILE)).unwrap();
+    }
+
+    /// The workers' `proxy.addr`: the instances, and `extra` (a foreign process).
+    fn write_addrs(&self, extra: Option<&str>) {
+        let mut lines = self.addrs.clone();
+        lines.extend(extra.map(str::to_owned));
+        let tmp = self.dir.join("proxy.addr.tmp");
+        fs::write(&tmp, lines.join("\n") + "\n").unwrap();
+        fs::rename(tmp, self.dir.join("proxy.addr")).unwrap();
+    }
+
     /// Whether instance `i` serves the directed lease's shard now.
     fn serves_directed(&self, i: usize) -> bool {
         self.served(i)
@@ -302,10 +574,18 @@ impl ClusterNemesis<'_> {
             Directed::Over => false,
             _ => true,
         };
-        if healthy.len() < self.instances.len() || Instant::now() < self.quiet_until || directed_due
+        let foreign_due = match self.foreign {
+            Foreign::Idle(at, _) => Instant::now() >= at,
+            Foreign::Over => false,
+            Foreign::Serving { .. } => true,
+        };
+        if healthy.len() < self.instances.len()
+            || Instant::now() < self.quiet_until
+            || directed_due
+            || foreign_due
         {
-            // One fault at a time, with a pause in between; a directed step that is
-            // due goes first.
+            // One fault at a time, with a pause in between; a directed or foreign
+            // step that is due goes first.
             return None;
         }
         let busy: Vec<String> = (0..self.workers.len())
@@ -368,6 +648,8 @@ impl ClusterNemesis<'_> {
     /// A step given up is tried again soon.
     fn end_directed(&mut self, n: u32, owner: Option<usize>, kind: &str, detail: String) {
         self.command(format!("{n} abort"));
+        self.release_uploads(n);
+        self.uploads.clear();
         if let Some(o) = owner {
             self.instances[o].cut_until = None;
             self.instances[o].store.refuse(false);
@@ -419,21 +701,9 @@ impl ClusterNemesis<'_> {
             }
             Directed::Acquiring { n, owner, since } => match self.answer(n) {
                 Some(w) if w.first().is_some_and(|v| v == "acquired") => {
-                    let epoch = w.get(1).cloned().unwrap_or_default();
-                    let id = self.instances[owner].id.clone();
-                    if !self.serves_directed(owner) {
-                        let detail = format!("{n}: {id} no longer serves the shard");
-                        return self.end_directed(n, None, "directed step given up", detail);
-                    }
-                    self.instances[owner].store.refuse(true);
-                    self.instances[owner].store.cut();
-                    // A bound only: the step restores the store itself, sooner.
-                    self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
-                    self.note(
-                        "directed: cut the owner from the store",
-                        format!("{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}"),
-                    );
-                    self.directed = Directed::Cut {
+                    self.directed_epoch = w.get(1).cloned().unwrap_or_default();
+                    self.command(format!("{n} uploads {}", self.instances[owner].fg.proxy));
+                    self.directed = Directed::Uploading {
                         n,
                         owner,
                         since: now,
@@ -449,6 +719,91 @@ impl ClusterNemesis<'_> {
                 }
                 None => {}
             },
+            Directed::Uploading { n, owner, since } => {
+                let answer = self.answer(n).unwrap_or_default();
+                let arm = |me: &mut Self| {
+                    let gate = me.gate_epoch(owner, DIRECTED_SHARD);
+                    me.directed = Directed::Arming {
+                        n,
+                        owner,
+                        since: Instant::now(),
+                        gate,
+                    };
+                };
+                match answer.first().map(String::as_str) {
+                    Some("uploading") => {
+                        if self.uploads.is_empty() {
+                            self.uploads = answer[1..].to_vec();
+                        }
+                        let at = arrived(&self.dir, &self.uploads);
+                        if at < self.uploads.len() && now < since + Duration::from_secs(10) {
+                            return;
+                        }
+                        let detail = format!(
+                            "{n}: {at} of {} uploads of {} ({} MiB each, held unread) at the origin through {}",
+                            self.uploads.len(),
+                            UPLOAD_LEASES.join(", "),
+                            UPLOAD_BYTES >> 20,
+                            self.instances[owner].id
+                        );
+                        self.note("directed: busy shard, uploads in flight at its owner", detail);
+                        arm(self);
+                    }
+                    Some("failed") => {
+                        let detail = format!("{n}: {}", answer.join(" "));
+                        self.note("directed: busy shard, uploads not started", detail);
+                        arm(self);
+                    }
+                    _ if now > since + Duration::from_secs(20) => {
+                        let detail = format!("{n}: no answer to uploads");
+                        self.note("directed: busy shard, uploads not started", detail);
+                        arm(self);
+                    }
+                    _ => {}
+                }
+            }
+            Directed::Arming {
+                n,
+                owner,
+                since,
+                gate,
+            } => {
+                // Look often: the cut should follow the renewal closely.
+                self.directed_look = now + Duration::from_millis(50);
+                let renewed = self
+                    .gate_epoch(owner, DIRECTED_SHARD)
+                    .is_some_and(|g| gate.is_some_and(|before| g > before));
+                if !renewed && now < since + Duration::from_millis(2500) {
+                    return;
+                }
+                let id = self.instances[owner].id.clone();
+                if !self.serves_directed(owner) {
+                    let detail = format!("{n}: {id} no longer serves the shard");
+                    return self.end_directed(n, None, "directed step given up", detail);
+                }
+                self.instances[owner].store.refuse(true);
+                self.instances[owner].store.cut();
+                // A bound only: the step restores the store itself, sooner.
+                self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
+                let epoch = self.directed_epoch.clone();
+                self.note(
+                    "directed: cut the owner from the store",
+                    format!(
+                        "{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}, {} ms after {}",
+                        (now - since).as_millis(),
+                        if renewed {
+                            "it renewed the shard's gate lease"
+                        } else {
+                            "the uploads were in flight (no renewal seen)"
+                        }
+                    ),
+                );
+                self.directed = Directed::Cut {
+                    n,
+                    owner,
+                    since: now,
+                };
+            }
             Directed::Cut { n, owner, since } => {
                 let successor = (0..self.instances.len())
                     .find(|&i| i != owner && self.healthy(i) && self.serves_directed(i));
@@ -497,6 +852,19 @@ impl ClusterNemesis<'_> {
                     let detail = format!("{n}: {}", w.join(" "));
                     self.end_directed(n, Some(owner), "directed step given up", detail);
                 }
+                // The upload leases' newer epochs are at the destination: the
+                // origin reads the held bodies now, whole only from an owner
+                // still writing them.
+                Some(w) if w.first().is_some_and(|v| v == "newer") && self.released < n => {
+                    self.release_uploads(n);
+                    let detail = format!(
+                        "{n}: {} forwarded the newer epochs of {} ({}); the origin reads the held uploads now",
+                        self.instances[successor].id,
+                        UPLOAD_LEASES.join(", "),
+                        w[1..].join(" ")
+                    );
+                    self.note("directed: busy shard, newer epochs through the successor", detail);
+                }
                 // Still the answer to `acquire`.
                 Some(_) | None if now <= since + Duration::from_secs(30) => {}
                 Some(_) | None => {
@@ -505,6 +873,315 @@ impl ClusterNemesis<'_> {
                 }
             },
         }
+    }
+
+    /// The foreign set-up steps (module doc), one move per call.
+    fn foreign_step(&mut self) {
+        let now = Instant::now();
+        match &self.foreign {
+            Foreign::Over => {}
+            Foreign::Serving { until, .. } => {
+                if now >= *until {
+                    self.end_foreign();
+                }
+            }
+            Foreign::Idle(at, kind) => {
+                let (at, kind) = (*at, *kind);
+                let directed_busy = match self.directed {
+                    Directed::Idle(d) => now >= d,
+                    Directed::Over => false,
+                    _ => true,
+                };
+                let all_healthy = (0..self.instances.len()).all(|i| self.healthy(i));
+                if now < at
+                    || now < self.quiet_until
+                    || now < self.foreign_look
+                    || directed_busy
+                    || !all_healthy
+                {
+                    return;
+                }
+                self.foreign_look = now + Duration::from_millis(200);
+                if let Some(o0) = self.shard_owner(0) {
+                    self.start_foreign(kind, o0);
+                }
+            }
+        }
+    }
+
+    /// A foreign set-up started against the prefix while shard 0 is free: the
+    /// other instances frozen (short of their self-fence), shard 0's owner
+    /// stopped gracefully (its release makes the shard free), the foreign process
+    /// started with its address already in the workers' `proxy.addr`, the others
+    /// resumed. A refusal (exit 2) is the expected outcome; a process let in
+    /// serves beside the cluster for [`FOREIGN_SERVES`].
+    fn start_foreign(&mut self, kind: ForeignKind, o0: usize) {
+        let frozen = Instant::now();
+        let others: Vec<usize> = (0..self.instances.len()).filter(|&i| i != o0).collect();
+        for &i in &others {
+            self.signal(i, "-STOP");
+        }
+        self.scrape(o0);
+        let status = self.instances[o0].fg.terminate();
+        // Restarted once the step is over (a cluster member does not start
+        // beside a live foreign set-up).
+        self.instances[o0].down_until = Some(frozen + Duration::from_secs(3600));
+        let n = self.foreign_done.get(kind.name()).copied().unwrap_or(0) + 1;
+        let detail = format!(
+            "{n}: SIGTERM {} (shard 0's owner): {status}; {} frozen",
+            self.instances[o0].id,
+            others
+                .iter()
+                .map(|&i| self.instances[i].id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        self.note(&format!("{}: shard 0 made free", kind.name()), detail);
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        self.write_addrs(Some(&addr));
+        let (config, label) = match kind {
+            ForeignKind::Single => (self.single_toml(), "sled state".to_owned()),
+            ForeignKind::OtherShards => {
+                let shards = FOREIGN_SHARDS[self.rng.gen_range(0..FOREIGN_SHARDS.len())];
+                let id = format!("fg-x{n}");
+                (
+                    self.cluster_toml(&id, &addr, shards),
+                    format!("{id}, {shards} shards"),
+                )
+            }
+        };
+        let mut fg = Fencegate::unstarted_with_args(&addr, "", &config, &[], &[]);
+        let started = fg.spawn(None);
+        let took = frozen.elapsed();
+        let refused = started.is_err();
+        match started {
+            Err(stderr) => {
+                self.write_addrs(None);
+                let detail = format!(
+                    "{n}: {label}, {} after {} ms: {}",
+                    exit_of(&fg),
+                    took.as_millis(),
+                    last_line(&stderr)
+                );
+                self.note(&format!("{}: refused", kind.name()), detail);
+                fs::write(
+                    self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
+                    stderr,
+                )
+                .unwrap();
+            }
+            Ok(()) => {
+                let detail = format!(
+                    "{n}: {label}, serving at {addr} after {} ms; the workers send to it too",
+                    took.as_millis()
+                );
+                self.note(&format!("{}: LET IN", kind.name()), detail);
+            }
+        }
+        // The operator's override, while the cluster's gate leases are surely
+        // live (its own checks of the other shards come after its create): it
+        // must still find them, give shard 0 back and exit 2. Not in the
+        // workers' `proxy.addr`: had the cluster's leases ended, taking over
+        // with duplicates allowed would be legitimate.
+        if kind == ForeignKind::Single && refused && frozen.elapsed() < Duration::from_millis(2000)
+        {
+            let addr2 = format!("127.0.0.1:{}", free_port());
+            let mut forced = Fencegate::unstarted_with_args(
+                &addr2,
+                "",
+                &self.single_toml(),
+                &[],
+                &["--takeover-may-duplicate"],
+            );
+            let kind2 = "single instance beside the cluster, --takeover-may-duplicate";
+            match forced.spawn(None) {
+                Err(stderr) => {
+                    let detail = format!(
+                        "{n}: {} after {} ms: {}",
+                        exit_of(&forced),
+                        frozen.elapsed().as_millis(),
+                        last_line(&stderr)
+                    );
+                    self.note(&format!("{kind2}: refused"), detail);
+                }
+                Ok(()) => {
+                    let status = forced.terminate();
+                    let detail = format!(
+                        "{n}: serving after {} ms, stopped at once ({status})",
+                        frozen.elapsed().as_millis()
+                    );
+                    self.note(&format!("{kind2}: LET IN"), detail);
+                }
+            }
+        }
+        for &i in &others {
+            self.signal(i, "-CONT");
+        }
+        let detail = format!(
+            "{n}: the others resumed after {} ms",
+            frozen.elapsed().as_millis()
+        );
+        self.note(&format!("{}: step over", kind.name()), detail);
+        self.quiet();
+        *self.foreign_done.entry(kind.name()).or_default() += 1;
+        if refused {
+            self.instances[o0].down_until = Some(Instant::now() + Duration::from_millis(500));
+            self.foreign = self.next_foreign(kind);
+        } else {
+            self.foreign = Foreign::Serving {
+                kind,
+                fg: Box::new(fg),
+                down: o0,
+                until: Instant::now() + FOREIGN_SERVES,
+            };
+        }
+    }
+
+    /// Stops a foreign process that was let in, and restarts shard 0's owner.
+    fn end_foreign(&mut self) {
+        let Foreign::Serving { kind, mut fg, down, .. } =
+            std::mem::replace(&mut self.foreign, Foreign::Over)
+        else {
+            return;
+        };
+        self.write_addrs(None);
+        let status = if fg.exited() {
+            "had exited".to_owned()
+        } else {
+            fg.terminate().to_string()
+        };
+        let n = self.foreign_done.get(kind.name()).copied().unwrap_or(0);
+        fs::write(
+            self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
+            fg.stderr(),
+        )
+        .unwrap();
+        self.note(
+            &format!("{}: stopped after serving", kind.name()),
+            format!("{n}: SIGTERM: {status}"),
+        );
+        self.instances[down].down_until = Some(Instant::now());
+        self.foreign = self.next_foreign(kind);
+    }
+
+    /// The step after one of `kind`: the other shard count right after a single
+    /// instance, the next single instance a while later.
+    fn next_foreign(&self, kind: ForeignKind) -> Foreign {
+        match kind {
+            ForeignKind::Single => Foreign::Idle(Instant::now(), ForeignKind::OtherShards),
+            ForeignKind::OtherShards => {
+                Foreign::Idle(Instant::now() + FOREIGN_EVERY, ForeignKind::Single)
+            }
+        }
+    }
+
+    /// A single instance's config on the cluster's store and prefix (sled state
+    /// in its own fresh `data_dir`).
+    fn single_toml(&self) -> String {
+        format!(
+            "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n\n{}",
+            self.store_toml, self.routes
+        )
+    }
+
+    /// A cluster instance's config on the cluster's store, prefix, database and
+    /// peer token, with `shards` shards.
+    fn cluster_toml(&self, id: &str, addr: &str, shards: u32) -> String {
+        format!(
+            "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://{addr}\"\nshards = {shards}\npeer_token = \"{PEER_TOKEN}\"\n\n{}",
+            self.store_toml,
+            state_toml(&self.db, ""),
+            self.routes
+        )
+    }
+
+    /// The forged gate object step (module doc), one move per call.
+    fn forged_step(&mut self) {
+        let now = Instant::now();
+        match self.forged {
+            Forged::Over => {}
+            Forged::Idle(at) => {
+                if now >= at {
+                    self.forge();
+                }
+            }
+            Forged::Watching { shard, epoch, at } => {
+                if now < self.forged_look || now < at + Duration::from_secs(5) {
+                    return;
+                }
+                self.forged_look = now + Duration::from_millis(200);
+                let served = self.shard_owner(shard);
+                if served.is_none() && now < at + Duration::from_secs(25) {
+                    return;
+                }
+                let detail = match served {
+                    Some(i) => format!(
+                        "shard {shard} (forged epoch {epoch}) served by {} again {} ms after the forged object",
+                        self.instances[i].id,
+                        (now - at).as_millis()
+                    ),
+                    None => format!("shard {shard}: no member serves it 25 s after the forged object"),
+                };
+                self.note("forged gate object: the shard served again", detail);
+                self.forged_done += 1;
+                self.forged = Forged::Idle(now + FORGED_EVERY);
+            }
+        }
+    }
+
+    /// Writes the next gate epoch of a busy shard (2 or 4, never the directed
+    /// step's nor shard 0) as someone with write access to the store but not the
+    /// peer token would: a cluster object naming a holder that is no member and
+    /// the forger's listener as `advertise`, its MAC missing, zeros, or made with
+    /// another key (in turn).
+    fn forge(&mut self) {
+        let shard = [2, 4][self.rng.gen_range(0..2)];
+        let variant = self.forged_done % 3;
+        let name = LeaseName::parse(&format!("{shard:04}")).unwrap();
+        let advertise = format!("http://{}", self.forger.addr);
+        let gates = &self.gates;
+        let written = tokio::runtime::Handle::current().block_on(async {
+            for _ in 0..5 {
+                let latest = gates.latest_after(&name, Epoch::NONE).await.ok()?;
+                let next = latest.next()?;
+                let mut rec = EpochRecord::acquire(
+                    &name,
+                    next,
+                    "fg-forger",
+                    b"forged token",
+                    FORGED_TTL,
+                );
+                SetUp::Cluster { shards: SHARDS }.stamp(&mut rec);
+                rec.advertise = Some(advertise.clone());
+                match variant {
+                    0 => rec.mac = None,
+                    1 => rec.mac = Some("00".repeat(32)),
+                    _ => GateKey::from_peer_token("not-the-peer-token").seal(&mut rec),
+                }
+                match gates.create(&name, next, rec.to_json().into()).await {
+                    Ok(CreateOutcome::Created) => return Some(next.get()),
+                    // A renewal got there first: the next one.
+                    Ok(CreateOutcome::AlreadyExists) | Err(_) => {}
+                }
+            }
+            None
+        });
+        let how = ["no MAC", "a MAC of zeros", "a MAC made with another key"][variant];
+        let Some(epoch) = written else {
+            self.note("forged gate object not written", format!("shard {shard}"));
+            self.forged = Forged::Idle(Instant::now() + Duration::from_secs(3));
+            return;
+        };
+        self.note(
+            "forged gate object written",
+            format!("shard {shard} epoch {epoch}: holder fg-forger, advertise {advertise}, {how}, ttl {} s", FORGED_TTL.as_secs()),
+        );
+        self.forged = Forged::Watching {
+            shard,
+            epoch,
+            at: Instant::now(),
+        };
     }
 
     /// The next instance fault comes 1–4 s after this one ended.
@@ -556,6 +1233,8 @@ impl ClusterNemesis<'_> {
             }
         }
         self.directed_step();
+        self.foreign_step();
+        self.forged_step();
     }
 
     fn inject(&mut self) {
@@ -636,16 +1315,53 @@ impl ClusterNemesis<'_> {
     fn heal(&mut self) -> Vec<String> {
         // At least one step per run, even a short one: the faults under way end by
         // themselves meanwhile (bounded; no new ones start).
+        // The same for the foreign and forged steps: each kind plays at least once.
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
-            let idle = matches!(self.directed, Directed::Idle(_));
-            if idle && (self.directed_done > 0 || Instant::now() > deadline) {
+            let idle = matches!(self.directed, Directed::Idle(_))
+                && matches!(self.foreign, Foreign::Idle(..))
+                && matches!(self.forged, Forged::Idle(_));
+            let played = self.directed_done > 0
+                && self.foreign_done.len() == 2
+                && self.forged_done > 0;
+            if idle && (played || Instant::now() > deadline) {
                 break;
+            }
+            if Instant::now() > deadline {
+                // Not due again before the deadline: only finish what is under way.
+                if let Directed::Idle(at) = &mut self.directed {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+                if let Foreign::Idle(at, _) = &mut self.foreign {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+                if let Forged::Idle(at) = &mut self.forged {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+            } else {
+                // Played already: not again.
+                if self.foreign_done.len() == 2 {
+                    if let Foreign::Idle(at, _) = &mut self.foreign {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
+                if self.forged_done > 0 {
+                    if let Forged::Idle(at) = &mut self.forged {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
+                if self.directed_done > 0 {
+                    if let Directed::Idle(at) = &mut self.directed {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
             }
             self.tick();
             std::thread::sleep(Duration::from_millis(20));
         }
         self.directed = Directed::Over;
+        self.foreign = Foreign::Over;
+        self.forged = Forged::Over;
         self.command("stop".into());
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
             w.cont();
@@ -746,11 +1462,27 @@ async fn cluster_fault_campaign() {
         .and_then(|p| p.parse().ok())
         .expect("the database's port");
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
-    let routes = routes_toml(&origin_addr, "")
+    for lease in UPLOAD_LEASES.iter().chain([&DIRECTED_LEASE]) {
+        let name = LeaseName::parse(lease).unwrap();
+        assert_eq!(shard_of(&name, SHARDS), DIRECTED_SHARD, "{lease}'s shard");
+    }
+    let mut routes = routes_toml(&origin_addr, "")
         + &format!(
             "\n[[route]]\nname = \"r4\"\npath_prefix = \"/r4/\"\nupstream = \"http://{origin_addr}/r4/\"\nlease = \"{DIRECTED_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
             DIRECTED_ROUTE.timeout_ms, DIRECTED_ROUTE.drain_timeout_ms
         );
+    for lease in UPLOAD_LEASES {
+        let route = format!("r{}", &lease[1..]);
+        routes.push_str(&format!(
+            "\n[[route]]\nname = \"{route}\"\npath_prefix = \"/{route}/\"\nupstream = \"http://{origin_addr}/{route}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\nderive_key = \"none\"\nmax_body_bytes = {}\n",
+            UPLOAD_ROUTE.timeout_ms,
+            UPLOAD_ROUTE.drain_timeout_ms,
+            2 * UPLOAD_BYTES
+        ));
+    }
+    let direct_store = s3
+        .store_toml(200)
+        .replace("timeout_ms = 1500", "timeout_ms = 1000");
     let s3_port: u16 = s3
         .endpoint
         .rsplit(':')
@@ -794,6 +1526,7 @@ async fn cluster_fault_campaign() {
     tokio::task::block_in_place(|| settle(&instances));
     let addrs: Vec<String> = instances.iter().map(|m| m.fg.proxy.to_string()).collect();
     fs::write(dir.join("proxy.addr"), addrs.join("\n") + "\n").unwrap();
+    let gates = Epochs::new(s3.store().await, format!("{PREFIX}.gate/"));
 
     let mut nemesis = ClusterNemesis {
         rng: StdRng::seed_from_u64(seed),
@@ -809,6 +1542,21 @@ async fn cluster_fault_campaign() {
         directed: Directed::Idle(Instant::now() + DIRECTED_FIRST),
         directed_done: 0,
         directed_look: Instant::now(),
+        directed_epoch: String::new(),
+        uploads: Vec::new(),
+        released: 0,
+        addrs,
+        routes,
+        store_toml: direct_store,
+        db: db.clone(),
+        foreign: Foreign::Idle(Instant::now() + FOREIGN_FIRST, ForeignKind::Single),
+        foreign_done: BTreeMap::new(),
+        foreign_look: Instant::now(),
+        forger: Forger::start(),
+        forged: Forged::Idle(Instant::now() + FORGED_FIRST),
+        forged_done: 0,
+        forged_look: Instant::now(),
+        gates,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
@@ -857,6 +1605,10 @@ async fn cluster_fault_campaign() {
             &DIRECTED_TTL_MS.to_string(),
             "--directed",
             ctl.to_str().unwrap(),
+            "--upload-leases",
+            &UPLOAD_LEASES.join(","),
+            "--upload-bytes",
+            &UPLOAD_BYTES.to_string(),
             "--client-timeout",
             "3",
         ],
@@ -865,6 +1617,7 @@ async fn cluster_fault_campaign() {
         nemesis.run(secs);
         nemesis.heal()
     });
+    let relayed = nemesis.forger.seen();
     let ClusterNemesis {
         mut events,
         timeline,
@@ -896,6 +1649,29 @@ async fn cluster_fault_campaign() {
     *events
         .entry("(arrivals within 0.2 s after an instance woke from a long pause)".into())
         .or_default() += woke;
+    // The held uploads: how far each got at the destination.
+    let bodies: Vec<serde_json::Value> = json_lines(&dir.join("origin.jsonl"))
+        .into_iter()
+        .filter(|v| v["ev"] == "body")
+        .collect();
+    let whole = bodies.iter().filter(|v| v["whole"] == true).count();
+    *events
+        .entry("(held uploads delivered whole)".into())
+        .or_default() += whole;
+    *events
+        .entry("(held uploads cut short at the destination)".into())
+        .or_default() += bodies.len() - whole;
+    *events
+        .entry("(requests relayed to a forged gate object's advertise)".into())
+        .or_default() += relayed.len();
+    let extra_violations: Vec<checker::Violation> = relayed
+        .into_iter()
+        .map(|r| checker::Violation {
+            rule: FORGED_RULE,
+            what: "a member relayed a worker's request to the advertise of a forged gate object (no valid MAC)".into(),
+            entries: vec![r],
+        })
+        .collect();
     let mut problems = worker_failures;
     problems.extend(
         unexpected_exits
@@ -910,7 +1686,7 @@ async fn cluster_fault_campaign() {
             n_workers: n_workers + 1,
             title: format!(
                 "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
-                LEASES.len() + 1
+                LEASES.len() + 1 + UPLOAD_LEASES.len()
             ),
             events,
             timeline,
@@ -918,7 +1694,10 @@ async fn cluster_fault_campaign() {
             origin_pauses: Vec::new(),
             problems,
             begun,
-            extra_lease: Some((DIRECTED_LEASE, DIRECTED_ROUTE)),
+            extra_leases: std::iter::once((DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE))
+                .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
+                .collect(),
+            extra_violations,
         },
     )
     .await;

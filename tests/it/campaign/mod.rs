@@ -70,6 +70,7 @@ use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
 
 /// One route of the campaign's fencegate: route `r{i}` protects lease `LEASES[i]`.
+#[derive(Debug, Clone, Copy)]
 struct RouteConf {
     timeout_ms: u64,
     drain_timeout_ms: u64,
@@ -233,6 +234,9 @@ impl Drop for Proc {
 
 /// The origin's slow window (`--slow-file`), written by the nemesis.
 const SLOW_FILE: &str = "origin.slow";
+/// The held uploads released so far (`--hold-file`: the cluster campaign's
+/// directed step number), written by the nemesis.
+const HOLD_FILE: &str = "origin.hold";
 
 /// Every request arriving at the origin before `until` takes `ms` (a range).
 fn slow_origin(dir: &Path, until: Instant, ms: (u64, u64)) {
@@ -250,6 +254,8 @@ fn start_origin(dir: &Path, seed: u64) -> (Proc, String) {
         .arg(dir.join("origin.jsonl"))
         .arg("--slow-file")
         .arg(dir.join(SLOW_FILE))
+        .arg("--hold-file")
+        .arg(dir.join(HOLD_FILE))
         .args(["--seed", &seed.to_string()])
         .stdout(Stdio::piped())
         .stderr(fs::File::create(dir.join("origin.stderr")).unwrap())
@@ -700,6 +706,15 @@ impl Faults for Nemesis<'_> {
     }
 }
 
+/// How many of the requests `reqs` (worker request ids) the origin logged as
+/// arrived.
+fn arrived(dir: &Path, reqs: &[String]) -> usize {
+    let text = fs::read_to_string(dir.join("origin.jsonl")).unwrap_or_default();
+    reqs.iter()
+        .filter(|r| text.contains(&format!("\"req\":\"{r}\"")))
+        .count()
+}
+
 /// Lets the workers finish (40 s at most): how those that failed ended.
 fn wait_workers(workers: &mut [Proc]) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(40);
@@ -905,6 +920,7 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
                     key: s(&v["key"]),
                     arrive: v["arrive"].as_u64().unwrap(),
                     complete: None,
+                    wrote_after: None,
                     status: None,
                     body: None,
                 },
@@ -912,11 +928,17 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
         }
     }
     for v in &lines {
+        if v["ev"] != "done" && v["ev"] != "body" {
+            continue;
+        }
+        let a = by_seq.get_mut(&v["seq"].as_u64().unwrap()).unwrap();
         if v["ev"] == "done" {
-            let a = by_seq.get_mut(&v["seq"].as_u64().unwrap()).unwrap();
             a.complete = v["complete"].as_u64();
             a.status = v["status"].as_u64().map(|s| s as u16);
             a.body = s(&v["body"]);
+        } else {
+            // A held upload's body (scripts/campaign/origin.py).
+            a.wrote_after = v["wrote_after"].as_u64();
         }
     }
     by_seq.into_values().collect()
@@ -1112,7 +1134,8 @@ async fn fault_campaign() {
             origin_pauses,
             problems,
             begun,
-            extra_lease: None,
+            extra_leases: Vec::new(),
+            extra_violations: Vec::new(),
         },
     )
     .await;
@@ -1131,9 +1154,13 @@ struct Run {
     /// Failures seen outside the history (workers, unexpected exits).
     problems: Vec<String>,
     begun: Instant,
-    /// A lease beyond [`LEASES`] and its route (`r` and the lease's digits): the
-    /// cluster campaign's directed lease.
-    extra_lease: Option<(&'static str, RouteConf)>,
+    /// Leases beyond [`LEASES`] and their routes (`r` and the lease's digits): the
+    /// cluster campaign's directed lease and its upload leases.
+    extra_leases: Vec<(String, RouteConf)>,
+    /// Violations the nemesis saw itself, outside the history (the cluster
+    /// campaign's requests relayed to a forged gate object's `advertise`):
+    /// printed and counted with the checker's.
+    extra_violations: Vec<checker::Violation>,
 }
 
 /// Reads the history in `tmp` (origin log, worker logs, the store's epochs),
@@ -1149,10 +1176,11 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         origin_pauses,
         mut problems,
         begun,
-        extra_lease,
+        extra_leases,
+        extra_violations,
     } = run;
     let dir = tmp.path().to_owned();
-    let mut leases = LEASES.to_vec();
+    let mut leases: Vec<&str> = LEASES.to_vec();
     let mut routes: BTreeMap<String, String> = LEASES
         .iter()
         .enumerate()
@@ -1163,7 +1191,7 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         .enumerate()
         .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
         .collect();
-    if let Some((lease, r)) = &extra_lease {
+    for (lease, r) in &extra_leases {
         let route = format!("r{}", &lease[1..]);
         leases.push(lease);
         routes.insert(route.clone(), lease.to_string());
@@ -1209,7 +1237,8 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         tenures.extend(read_tenures(&log));
     }
     edge_figures(&history, &tenures, &expiry, &origin_pauses, &mut events);
-    let report = checker::check(&history);
+    let mut report = checker::check(&history);
+    report.violations.extend(extra_violations);
 
     println!("\n=== {title} ===");
     println!(

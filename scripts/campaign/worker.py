@@ -6,7 +6,8 @@ through fencegate to the recording origin.
 Every request attempt is one JSON line in --log:
   {"ev": "attempt", "w", "req", "kind", "route", "lease", "epoch", "token", "key",
    "body", "invoke", "complete", "outcome", "status", "error", "replayed",
-   "resp_body", "detail"}
+   "resp_body", "detail", "addr"}
+(`addr`: the fencegate it was sent to, for humans.)
 `outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
 connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
@@ -58,12 +59,15 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          so that each stays in flight at OWNER
                          -> `N uploading REQ...` (the uploads' request ids, sent
                          meanwhile) or `N failed WHY`
+  `N renew-uploads`      (OWNER is cut from the store) renew every upload lease
+                         -> `N renewed EPOCH...`
   `N abort`              release the lease (the nemesis gave the step up)
   `stop`                 exit
-With uploads in flight, `renew` first renews every upload lease and polls NEW
-with each newer epoch until the origin answers (-> `N newer ok` or
-`N newer failed`), then does the above; once it has answered `late` it waits for
-the uploads to end (the nemesis releases the holds) and releases their leases.
+With uploads in flight, `renew` first polls NEW with each upload lease's newer
+epoch (renewing them first if `renew-uploads` did not), all at once, until the
+origin answers (-> `N newer ok` or `N newer failed`), then does the above; once
+it has answered `late` it waits for the uploads to end (the nemesis releases the
+holds) and releases their leases.
 The polls are GETs logged like any attempt (kinds "poll-directed",
 "poll-directed-retry" and "poll-directed-late"), the uploads are attempts of kind
 "upload": the checker judges them from the history like the rest.
@@ -244,6 +248,7 @@ class Worker:
                 with open(self.a.addr_file) as f:
                     addrs = f.read().split()
                 addr = addrs[0] if len(addrs) == 1 else self.rng.choice(addrs)
+            rec["addr"] = addr
             host, port = addr.rsplit(":", 1)
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
             headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
@@ -330,7 +335,7 @@ class Worker:
             rec = {"ev": "attempt", "w": self.id, "req": req, "kind": "upload", "route": route,
                    "lease": ten.lease, "epoch": ten.epoch, "token": ten.token, "key": "",
                    "body": f"{len(body)} bytes", "status": None, "error": None,
-                   "replayed": False, "resp_body": None, "detail": None,
+                   "replayed": False, "resp_body": None, "detail": None, "addr": addr,
                    "invoke": time.monotonic_ns()}
             try:
                 host, port = addr.rsplit(":", 1)
@@ -369,17 +374,37 @@ class Worker:
 
         ten, done = None, None
         upload_leases = [l for l in self.a.upload_leases.split(",") if l]
-        uploads, up_tens, body = [], [], None
+        # The uploads' threads, their tenures, and the renewed tenures.
+        uploads, up_tens, up_new, body = [], [], [], None
 
         def end_uploads():
             """Waits for the uploads (bounded by the origin's longest hold) and
             releases their leases."""
-            nonlocal uploads, up_tens
+            nonlocal uploads, up_tens, up_new
             for t in uploads:
                 t.join(timeout=70)
-            for u in up_tens:
+            for u in up_new + up_tens:
                 self.release(u)
-            uploads, up_tens = [], []
+            uploads, up_tens, up_new = [], [], []
+
+        def renew_uploads():
+            nonlocal up_new
+            if not up_new:
+                up_new = [u for u in (self.acquire(u.lease, current=u) for u in up_tens) if u]
+
+        def poll_uploads(addr):
+            """Polls `addr` with every renewed upload lease at once: whether the
+            origin answered each."""
+            got = [False] * len(up_new)
+
+            def one(i, u):
+                got[i] = self.forwarded(u, addr, 10)
+            threads = [threading.Thread(target=one, args=(i, u)) for i, u in enumerate(up_new)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return bool(got) and all(got) and len(up_new) == len(up_tens)
 
         while time.monotonic() < self.stop_at:
             try:
@@ -433,12 +458,13 @@ class Worker:
                     uploads.append(t)
                     reqs.append(req)
                 answer(n, "uploading", *reqs)
+            elif verb == "renew-uploads":
+                renew_uploads()
+                answer(n, "renewed", *[u.epoch for u in up_new])
             elif verb == "renew" and ten is not None:
                 if up_tens:
-                    newer = [self.acquire(u.lease, current=u) for u in up_tens]
-                    ok = all(newer) and all(self.forwarded(u, words[2], 8) for u in newer)
-                    answer(n, "newer", "ok" if ok else "failed")
-                    up_tens = [u or old for u, old in zip(newer, up_tens)]
+                    renew_uploads()
+                    answer(n, "newer", "ok" if poll_uploads(words[2]) else "failed")
                 old, new = ten, self.acquire(lease, current=ten)
                 if new is None:
                     answer(n, "failed", "could not renew")

@@ -548,10 +548,13 @@ impl ClusterNemesis<'_> {
         fs::rename(tmp, self.dir.join(HOLD_FILE)).unwrap();
     }
 
-    /// The workers' `proxy.addr`: the instances, and `extra` (a foreign process).
+    /// The workers' `proxy.addr`: the instances, and `extra` (a foreign process,
+    /// three times: half the requests go to it).
     fn write_addrs(&self, extra: Option<&str>) {
         let mut lines = self.addrs.clone();
-        lines.extend(extra.map(str::to_owned));
+        for _ in 0..3 {
+            lines.extend(extra.map(str::to_owned));
+        }
         let tmp = self.dir.join("proxy.addr.tmp");
         fs::write(&tmp, lines.join("\n") + "\n").unwrap();
         fs::rename(tmp, self.dir.join("proxy.addr")).unwrap();
@@ -785,6 +788,11 @@ impl ClusterNemesis<'_> {
                 self.instances[owner].store.cut();
                 // A bound only: the step restores the store itself, sooner.
                 self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
+                if !self.uploads.is_empty() {
+                    // The upload leases' next epochs, ready before a successor
+                    // serves (the cut-off owner cannot see them).
+                    self.command(format!("{n} renew-uploads"));
+                }
                 let epoch = self.directed_epoch.clone();
                 self.note(
                     "directed: cut the owner from the store",
@@ -836,6 +844,10 @@ impl ClusterNemesis<'_> {
                 since,
             } => match self.answer(n) {
                 Some(w) if w.first().is_some_and(|v| v == "late") => {
+                    if self.released < n {
+                        // `newer` was overwritten before it was read.
+                        self.newer_epochs_in(n, successor, "ok, answered with late");
+                    }
                     let how = w[1..].join(" ");
                     let kind = if how.ends_with("origin") {
                         "directed: the late poll was answered by the origin"
@@ -856,14 +868,7 @@ impl ClusterNemesis<'_> {
                 // origin reads the held bodies now, whole only from an owner
                 // still writing them.
                 Some(w) if w.first().is_some_and(|v| v == "newer") && self.released < n => {
-                    self.release_uploads(n);
-                    let detail = format!(
-                        "{n}: {} forwarded the newer epochs of {} ({}); the origin reads the held uploads now",
-                        self.instances[successor].id,
-                        UPLOAD_LEASES.join(", "),
-                        w[1..].join(" ")
-                    );
-                    self.note("directed: busy shard, newer epochs through the successor", detail);
+                    self.newer_epochs_in(n, successor, &w[1..].join(" "));
                 }
                 // Still the answer to `acquire`.
                 Some(_) | None if now <= since + Duration::from_secs(30) => {}
@@ -873,6 +878,18 @@ impl ClusterNemesis<'_> {
                 }
             },
         }
+    }
+
+    /// The upload leases' newer epochs are at the destination (through
+    /// `successor`): the origin reads the held uploads now.
+    fn newer_epochs_in(&mut self, n: u32, successor: usize, how: &str) {
+        self.release_uploads(n);
+        let detail = format!(
+            "{n}: {} forwarded the newer epochs of {} ({how}); the origin reads the held uploads now",
+            self.instances[successor].id,
+            UPLOAD_LEASES.join(", "),
+        );
+        self.note("directed: busy shard, newer epochs through the successor", detail);
     }
 
     /// The foreign set-up steps (module doc), one move per call.
@@ -973,7 +990,7 @@ impl ClusterNemesis<'_> {
             }
             Ok(()) => {
                 let detail = format!(
-                    "{n}: {label}, serving at {addr} after {} ms; the workers send to it too",
+                    "{n}: {label}, serving at {addr} after {} ms; half the requests go to it",
                     took.as_millis()
                 );
                 self.note(&format!("{}: LET IN", kind.name()), detail);

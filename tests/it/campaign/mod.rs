@@ -50,6 +50,7 @@
 //! and must make the checker report R4 violations).
 
 mod checker;
+mod clone;
 mod cluster;
 
 use std::collections::BTreeMap;
@@ -373,6 +374,15 @@ struct Nemesis<'a> {
     /// Kill fencegate as soon as its drains-started counter exceeds this value,
     /// unless the instant passes first.
     drain_watch: Option<(Instant, u64)>,
+    /// The `[store]` section and routes: what a copy of the instance starts with.
+    base_config: String,
+    /// The instance's own relay to the S3 server (the copy reaches it directly).
+    store_relay: crate::support::relay::Relay,
+    /// The clone step (tests/it/campaign/clone.rs), the steps played, and the
+    /// address of a copy that may be serving (in `proxy.addr` with the original's).
+    clone: clone::CloneStep,
+    clones_done: usize,
+    clone_addr: Option<String>,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -397,7 +407,11 @@ impl Nemesis<'_> {
 
     fn write_addr(&self) {
         let tmp = self.dir.join("proxy.addr.tmp");
-        fs::write(&tmp, self.fg.proxy.to_string()).unwrap();
+        let mut text = self.fg.proxy.to_string();
+        if let Some(copy) = &self.clone_addr {
+            text = format!("{text}\n{copy}");
+        }
+        fs::write(&tmp, text).unwrap();
         fs::rename(tmp, self.dir.join("proxy.addr")).unwrap();
     }
 
@@ -475,6 +489,7 @@ impl Nemesis<'_> {
             }
         }
         self.watch_drain(now);
+        self.clone_step();
     }
 
     /// The kill -9 during a drain: once a raise of a lease with a wide drain
@@ -558,6 +573,9 @@ impl Nemesis<'_> {
     fn inject(&mut self) {
         let now = Instant::now();
         let x = self.rng.gen_range(0..100);
+        if x >= 30 && self.clone_serving() {
+            return; // nothing on the original while a copy serves beside it
+        }
         if x < 30 {
             if let Some((kind, detail)) = pause_worker(
                 &mut self.rng,
@@ -639,6 +657,16 @@ impl Nemesis<'_> {
 
     /// Ends every fault, then lets the workers finish (bounded).
     fn heal(&mut self) -> Vec<String> {
+        // Both clone steps at least once, even in a short run (bounded).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while (self.clones_done < 2 || self.clone_serving()) && Instant::now() < deadline {
+            self.tick();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if self.clone_serving() {
+            self.end_clone();
+        }
+        self.clone = clone::CloneStep::Over;
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
             w.cont();
             *r = None;
@@ -1055,7 +1083,22 @@ async fn fault_campaign() {
     // Extra route lines, for checking the checker against a weakened fencegate
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
-    let config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
+    let base_config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
+    // The instance reaches the store through its own relay: the clone step cuts
+    // it while the instance is frozen, so that the single-threaded S3 server is
+    // not held by a request the frozen process was in the middle of (a copy
+    // started then would fail its store self-test instead of meeting the guard).
+    let s3_port: u16 = s3
+        .endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("the S3 server's port");
+    let store_relay = crate::support::relay::Relay::start(s3_port).await;
+    let config = base_config.replace(
+        &format!("http://127.0.0.1:{s3_port}"),
+        &format!("http://127.0.0.1:{}", store_relay.addr.port()),
+    );
     let fg = Fencegate::start(&config);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
@@ -1083,6 +1126,11 @@ async fn fault_campaign() {
         armed: None,
         down: None,
         drain_watch: None,
+        base_config,
+        store_relay,
+        clone: clone::CloneStep::first(),
+        clones_done: 0,
+        clone_addr: None,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),

@@ -24,11 +24,12 @@ it). --slow-file names a file the nemesis may write, `UNTIL_NS MIN_MS MAX_MS`: a
 request arriving before UNTIL_NS (time.monotonic_ns()) takes MIN_MS-MAX_MS
 instead, so that a drain starting meanwhile finds it still executing.
 
-Held uploads (the cluster campaign's busy-shard uploads): a request with
-`X-Campaign-Hold: N` is logged on arrival (its head), then its body is not read
-until --hold-file holds a number >= N (at most 45 s), so fencegate's write of a
-large body blocks meanwhile. Then the body is read as fast as it comes and one
-more line says how far it got:
+Held requests (the cluster campaign's busy-shard uploads and split-brain
+probes): a request with `X-Campaign-Hold: TOKEN` is logged on arrival (its head),
+then its body is not read (nor the request answered) until TOKEN is a line of
+--hold-file (at most 45 s), so fencegate's write of a large body blocks
+meanwhile. Then the body is read as fast as it comes and one more line says how
+far it got:
 
   {"ev": "body", "seq", "size", "read", "whole", "wrote_after"}
 
@@ -99,12 +100,12 @@ def in_transit_bound(listener):
     return rcvbuf + sysctl_max("tcp_wmem") + (4 << 20)
 
 
-def released(n):
+def released(token):
     path = STATE["hold_file"]
     try:
         with open(path) as f:
-            return int(f.read().strip() or 0) >= n
-    except (OSError, ValueError, TypeError):
+            return token in f.read().split()
+    except (OSError, TypeError):
         return False
 
 
@@ -163,7 +164,7 @@ class Handler(BaseHTTPRequestHandler):
         length = int(h.get("content-length") or 0)
         hold = h.get("x-campaign-hold")
         if hold is not None:
-            read, wrote_after = held_body(self.rfile, length, int(hold))
+            read, wrote_after = held_body(self.rfile, length, hold)
             write({"ev": "body", "seq": seq, "size": length, "read": read,
                    "whole": read == length, "wrote_after": wrote_after})
             if read < length:

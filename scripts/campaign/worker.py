@@ -61,6 +61,14 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          meanwhile) or `N failed WHY`
   `N renew-uploads`      (OWNER is cut from the store) renew every upload lease
                          -> `N renewed EPOCH...`
+  `N split FIRST SECOND HOLD`
+                         (with --split-lease) the split-brain probe: acquire
+                         the lease, poll FIRST with it held at the origin
+                         (`X-Campaign-Hold: HOLD`), renew, poll SECOND with the
+                         newer epoch until the origin answers
+                         -> `N split ok LEASE EPOCH NEWER` or `N split failed WHY`;
+                         the lease is released once the held poll has ended
+                         (before the next command)
   `N abort`              release the lease (the nemesis gave the step up)
   `stop`                 exit
 With uploads in flight, `renew` first polls NEW with each upload lease's newer
@@ -69,8 +77,9 @@ origin answers (-> `N newer ok` or `N newer failed`), then does the above; once
 it has answered `late` it waits for the uploads to end (the nemesis releases the
 holds) and releases their leases.
 The polls are GETs logged like any attempt (kinds "poll-directed",
-"poll-directed-retry" and "poll-directed-late"), the uploads are attempts of kind
-"upload": the checker judges them from the history like the rest.
+"poll-directed-retry", "poll-directed-late" and "poll-split-held"), the uploads
+are attempts of kind "upload": the checker judges them from the history like the
+rest.
 """
 import argparse
 import hashlib
@@ -177,6 +186,7 @@ class Worker:
         self.log = open(a.log, "a", encoding="utf-8")
         self.counter = itertools.count(1)
         self.stop_at = time.monotonic() + a.secs
+        self.pending = []  # split probes' held polls, and the tenure to release after
 
     def holding(self, ten):
         """Tells the nemesis which lease we hold (it prefers to pause holders)."""
@@ -234,7 +244,7 @@ class Worker:
         except (BotoCoreError, ClientError, RuntimeError, ValueError):
             pass
 
-    def send(self, ten, kind, key, body, epoch=None, token=None, addr=None):
+    def send(self, ten, kind, key, body, epoch=None, token=None, addr=None, hold=None):
         req = f"w{self.id}-{next(self.counter)}"
         epoch = ten.epoch if epoch is None else epoch
         token = ten.token if token is None else token
@@ -253,6 +263,8 @@ class Worker:
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
             headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
                        "x-campaign-req": req, "content-type": "application/json"}
+            if hold is not None:
+                headers["x-campaign-hold"] = hold
             if kind.startswith("poll"):
                 conn.request("GET", f"/{route}/op", headers=headers)
             else:
@@ -342,7 +354,7 @@ class Worker:
                 conn = http.client.HTTPConnection(host, int(port), timeout=60)
                 conn.request("POST", f"/{route}/upload", body=body, headers={
                     "x-lease-epoch": str(ten.epoch), "x-lease-token": ten.token,
-                    "x-campaign-req": req, "x-campaign-hold": str(hold),
+                    "x-campaign-req": req, "x-campaign-hold": hold,
                     "content-type": "application/octet-stream"})
                 r = conn.getresponse()
                 data = r.read()
@@ -361,6 +373,34 @@ class Worker:
         t = threading.Thread(target=run)
         t.start()
         return t, req
+
+    def split(self, first, second, hold):
+        """The split-brain probe: a poll of a fresh epoch of --split-lease through
+        `first`, held at the origin (token `hold`), then the next epoch polled
+        through `second` until the origin answers, then the lease released once
+        the held poll ended. Returns the words of the answer."""
+        lease = self.a.split_lease
+        ten = None
+        for _ in range(20):
+            ten = self.acquire(lease)
+            if ten:
+                break
+            time.sleep(0.3)
+        if ten is None:
+            return ["failed", "could not acquire", lease]
+        held = threading.Thread(target=self.send, args=(ten, "poll-split-held", "", ""),
+                                kwargs={"addr": first, "hold": hold})
+        held.start()
+        time.sleep(0.1)
+        new = self.acquire(lease, current=ten)
+        if new is None:
+            words = ["failed", "could not renew", lease]
+        elif self.forwarded(new, second, 6):
+            words = ["ok", lease, ten.epoch, new.epoch]
+        else:
+            words = ["failed", "the newer epoch was not forwarded", lease]
+        self.pending.append((held, new or ten))
+        return words
 
     def directed(self):
         """The directed late worker (--directed, module doc): steps on command."""
@@ -419,6 +459,11 @@ class Worker:
                 continue
             done = words[:2]
             n, verb = words[0], words[1]
+            # A split probe's held poll ends once the nemesis released it.
+            for t, u in self.pending:
+                t.join(timeout=20)
+                self.release(u)
+            self.pending = []
             if verb == "acquire":
                 new = None
                 for _ in range(20):
@@ -454,10 +499,12 @@ class Worker:
                     continue
                 reqs = []
                 for u in up_tens:
-                    t, req = self.upload(u, words[2], n, body)
+                    t, req = self.upload(u, words[2], f"u{n}", body)
                     uploads.append(t)
                     reqs.append(req)
                 answer(n, "uploading", *reqs)
+            elif verb == "split" and self.a.split_lease:
+                answer(n, "split", *self.split(words[2], words[3], words[4]))
             elif verb == "renew-uploads":
                 renew_uploads()
                 answer(n, "renewed", *[u.epoch for u in up_new])
@@ -490,7 +537,11 @@ class Worker:
 
     def run(self):
         if self.a.directed:
-            return self.directed()
+            self.directed()
+            for t, u in self.pending:
+                t.join(timeout=20)
+                self.release(u)
+            return None
         leases = self.a.leases.split(",")
         while time.monotonic() < self.stop_at:
             lease = self.rng.choice(leases)
@@ -569,6 +620,8 @@ def main():
                    help="with --directed: the leases of the held uploads (command `uploads`)")
     p.add_argument("--upload-bytes", type=int, default=32 << 20,
                    help="the size of each held upload's body")
+    p.add_argument("--split-lease", default="",
+                   help="with --directed: the lease of the split-brain probe (command `split`)")
     Worker(p.parse_args()).run()
 
 

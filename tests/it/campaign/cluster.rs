@@ -144,6 +144,14 @@ const FOREIGN_SERVES: Duration = Duration::from_secs(8);
 /// The shard counts a foreign cluster instance may have: each puts `l0`, `l2`
 /// (or `l3`) into its shard 0, which it can take while the step holds it free.
 const FOREIGN_SHARDS: [u32; 3] = [2, 4, 5];
+/// The split-brain probe's lease (module doc), held by the directed worker alone,
+/// and its route `r20`: in the cluster's shard 4 (with `l0` and `l2`) and in
+/// shard 0 of every foreign shard count, with a long drain timeout.
+const SPLIT_LEASE: &str = "l20";
+const SPLIT_ROUTE: RouteConf = RouteConf {
+    timeout_ms: 3000,
+    drain_timeout_ms: 2000,
+};
 /// The forged gate object step: first this long after the faults start, then
 /// this long after the shard was served again; the forged object's TTL.
 const FORGED_FIRST: Duration = Duration::from_secs(1);
@@ -221,14 +229,18 @@ impl ForeignKind {
 enum Foreign {
     /// The next step, of this kind, is due at this instant.
     Idle(Instant, ForeignKind),
-    /// A foreign process was let in (a build that does not refuse it) and serves
-    /// beside the cluster, in the workers' `proxy.addr`, until `until`; `down` is
-    /// the stopped owner of shard 0, restarted once it is gone.
-    Serving {
+    /// Step `n`'s foreign process was refused (`fg` is `None`) or let in: then
+    /// it serves beside the cluster, in the workers' `proxy.addr`, until
+    /// `until`, and `down`, the stopped owner of shard 0, is restarted once it is
+    /// gone. `probe`: the split-brain probe's command number and start, while it
+    /// runs.
+    Active {
         kind: ForeignKind,
-        fg: Box<Fencegate>,
+        n: usize,
+        fg: Option<Box<Fencegate>>,
         down: usize,
         until: Instant,
+        probe: Option<(u32, Instant)>,
     },
     /// The faults are over: no new step.
     Over,
@@ -398,6 +410,8 @@ struct ClusterNemesis<'a> {
     /// whose holds the origin was told to release (`origin.hold`).
     uploads: Vec<String>,
     released: u32,
+    /// Every hold token released so far (`origin.hold`).
+    holds: Vec<String>,
     /// The proxy address of each instance (the workers' `proxy.addr`, with a
     /// foreign process's while one may serve).
     addrs: Vec<String>,
@@ -537,14 +551,20 @@ impl ClusterNemesis<'_> {
         })
     }
 
-    /// Lets the origin read the held uploads of directed step `n` (and earlier).
+    /// Lets the origin read the held uploads of directed step `n`.
     fn release_uploads(&mut self, n: u32) {
         if self.released >= n {
             return;
         }
         self.released = n;
+        self.release_hold(&format!("u{n}"));
+    }
+
+    /// Lets the origin answer the requests held under `token` (`origin.hold`).
+    fn release_hold(&mut self, token: &str) {
+        self.holds.push(token.to_owned());
         let tmp = self.dir.join(format!("{HOLD_FILE}.tmp"));
-        fs::write(&tmp, n.to_string()).unwrap();
+        fs::write(&tmp, self.holds.join("\n") + "\n").unwrap();
         fs::rename(tmp, self.dir.join(HOLD_FILE)).unwrap();
     }
 
@@ -580,7 +600,7 @@ impl ClusterNemesis<'_> {
         let foreign_due = match self.foreign {
             Foreign::Idle(at, _) => Instant::now() >= at,
             Foreign::Over => false,
-            Foreign::Serving { .. } => true,
+            Foreign::Active { .. } => true,
         };
         if healthy.len() < self.instances.len()
             || Instant::now() < self.quiet_until
@@ -682,7 +702,8 @@ impl ClusterNemesis<'_> {
             Directed::Over => {}
             Directed::Idle(at) => {
                 let all_healthy = (0..self.instances.len()).all(|i| self.healthy(i));
-                if now < at || now < self.quiet_until || !all_healthy {
+                let foreign_busy = matches!(self.foreign, Foreign::Active { .. });
+                if now < at || now < self.quiet_until || !all_healthy || foreign_busy {
                     return;
                 }
                 let Some(owner) = (0..self.instances.len()).find(|&i| self.serves_directed(i))
@@ -897,9 +918,19 @@ impl ClusterNemesis<'_> {
         let now = Instant::now();
         match &self.foreign {
             Foreign::Over => {}
-            Foreign::Serving { until, .. } => {
-                if now >= *until {
-                    self.end_foreign();
+            Foreign::Active {
+                kind,
+                n,
+                fg,
+                probe,
+                until,
+                ..
+            } => {
+                let (kind, n, let_in, until) = (*kind, *n, fg.is_some(), *until);
+                match *probe {
+                    Some((pn, since)) => self.probe_answer(kind, n, pn, since, let_in),
+                    None if now >= until => self.end_foreign(),
+                    None => {}
                 }
             }
             Foreign::Idle(at, kind) => {
@@ -931,7 +962,8 @@ impl ClusterNemesis<'_> {
     /// stopped gracefully (its release makes the shard free), the foreign process
     /// started with its address already in the workers' `proxy.addr`, the others
     /// resumed. A refusal (exit 2) is the expected outcome; a process let in
-    /// serves beside the cluster for [`FOREIGN_SERVES`].
+    /// serves beside the cluster for [`FOREIGN_SERVES`]. Then the split-brain
+    /// probe.
     fn start_foreign(&mut self, kind: ForeignKind, o0: usize) {
         let frozen = Instant::now();
         let others: Vec<usize> = (0..self.instances.len()).filter(|&i| i != o0).collect();
@@ -1039,46 +1071,89 @@ impl ClusterNemesis<'_> {
             "{n}: the others resumed after {} ms",
             frozen.elapsed().as_millis()
         );
-        self.note(&format!("{}: step over", kind.name()), detail);
+        self.note(&format!("{}: others resumed", kind.name()), detail);
         self.quiet();
         *self.foreign_done.entry(kind.name()).or_default() += 1;
+        let now = Instant::now();
         if refused {
-            self.instances[o0].down_until = Some(Instant::now() + Duration::from_millis(500));
-            self.foreign = self.next_foreign(kind);
+            self.instances[o0].down_until = Some(now + Duration::from_millis(500));
+        }
+        // The split-brain probe: a poll held at the destination through the
+        // foreign process (one let in), or through a member (the control: one
+        // set-up), then the lease's next epoch through another member.
+        let members: Vec<usize> = others.clone();
+        let first = if refused {
+            self.instances[members[0]].fg.proxy.to_string()
         } else {
-            self.foreign = Foreign::Serving {
-                kind,
-                fg: Box::new(fg),
-                down: o0,
-                until: Instant::now() + FOREIGN_SERVES,
-            };
+            addr.clone()
+        };
+        let second = self.instances[*members.last().unwrap_or(&o0)].fg.proxy.to_string();
+        let pn = 1000 + self.events.get("(split-brain probes)").copied().unwrap_or(0) as u32 + 1;
+        *self.events.entry("(split-brain probes)".into()).or_default() += 1;
+        self.command(format!("{pn} split {first} {second} s{pn}"));
+        self.foreign = Foreign::Active {
+            kind,
+            n,
+            fg: (!refused).then(|| Box::new(fg)),
+            down: o0,
+            until: if refused { now } else { now + FOREIGN_SERVES },
+            probe: Some((pn, now)),
+        };
+    }
+
+    /// The split-brain probe's answer, once there is one (bounded): its held
+    /// poll is released.
+    fn probe_answer(&mut self, kind: ForeignKind, n: usize, pn: u32, since: Instant, let_in: bool) {
+        let answer = self.answer(pn);
+        let done = answer
+            .as_ref()
+            .is_some_and(|w| w.first().is_some_and(|v| v == "split"));
+        if !done && since.elapsed() < Duration::from_secs(20) {
+            return;
+        }
+        self.release_hold(&format!("s{pn}"));
+        let how = answer.map_or("no answer within 20 s".to_owned(), |w| w[1..].join(" "));
+        let through = if let_in {
+            "held through the foreign process, newer epoch through a member"
+        } else {
+            "control: held through one member, newer epoch through another"
+        };
+        self.note(
+            &format!("{}: split-brain probe", kind.name()),
+            format!("{n}: {through} ({SPLIT_LEASE}): {how}"),
+        );
+        if let Foreign::Active { probe, .. } = &mut self.foreign {
+            *probe = None;
         }
     }
 
-    /// Stops a foreign process that was let in, and restarts shard 0's owner.
+    /// Ends a foreign step: a process that was let in is stopped, and shard 0's
+    /// owner restarted.
     fn end_foreign(&mut self) {
-        let Foreign::Serving { kind, mut fg, down, .. } =
-            std::mem::replace(&mut self.foreign, Foreign::Over)
+        let Foreign::Active {
+            kind, n, fg, down, ..
+        } = std::mem::replace(&mut self.foreign, Foreign::Over)
         else {
             return;
         };
-        self.write_addrs(None);
-        let status = if fg.exited() {
-            "had exited".to_owned()
-        } else {
-            fg.terminate().to_string()
-        };
-        let n = self.foreign_done.get(kind.name()).copied().unwrap_or(0);
-        fs::write(
-            self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
-            fg.stderr(),
-        )
-        .unwrap();
-        self.note(
-            &format!("{}: stopped after serving", kind.name()),
-            format!("{n}: SIGTERM: {status}"),
-        );
-        self.instances[down].down_until = Some(Instant::now());
+        if let Some(mut fg) = fg {
+            self.write_addrs(None);
+            let status = if fg.exited() {
+                "had exited".to_owned()
+            } else {
+                fg.terminate().to_string()
+            };
+            fs::write(
+                self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
+                fg.stderr(),
+            )
+            .unwrap();
+            self.note(
+                &format!("{}: stopped after serving", kind.name()),
+                format!("{n}: SIGTERM: {status}"),
+            );
+            self.instances[down].down_until = Some(Instant::now());
+        }
         self.foreign = self.next_foreign(kind);
     }
 
@@ -1483,11 +1558,20 @@ async fn cluster_fault_campaign() {
         let name = LeaseName::parse(lease).unwrap();
         assert_eq!(shard_of(&name, SHARDS), DIRECTED_SHARD, "{lease}'s shard");
     }
+    let split = LeaseName::parse(SPLIT_LEASE).unwrap();
+    assert!(shard_of(&split, SHARDS) != 0);
+    for k in FOREIGN_SHARDS {
+        assert_eq!(shard_of(&split, k), 0, "{SPLIT_LEASE} in shard 0 of {k}");
+    }
     let mut routes = routes_toml(&origin_addr, "")
         + &format!(
             "\n[[route]]\nname = \"r4\"\npath_prefix = \"/r4/\"\nupstream = \"http://{origin_addr}/r4/\"\nlease = \"{DIRECTED_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
             DIRECTED_ROUTE.timeout_ms, DIRECTED_ROUTE.drain_timeout_ms
         );
+    routes.push_str(&format!(
+        "\n[[route]]\nname = \"r20\"\npath_prefix = \"/r20/\"\nupstream = \"http://{origin_addr}/r20/\"\nlease = \"{SPLIT_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
+        SPLIT_ROUTE.timeout_ms, SPLIT_ROUTE.drain_timeout_ms
+    ));
     for lease in UPLOAD_LEASES {
         let route = format!("r{}", &lease[1..]);
         routes.push_str(&format!(
@@ -1562,6 +1646,7 @@ async fn cluster_fault_campaign() {
         directed_epoch: String::new(),
         uploads: Vec::new(),
         released: 0,
+        holds: Vec::new(),
         addrs,
         routes,
         store_toml: direct_store,
@@ -1626,6 +1711,8 @@ async fn cluster_fault_campaign() {
             &UPLOAD_LEASES.join(","),
             "--upload-bytes",
             &UPLOAD_BYTES.to_string(),
+            "--split-lease",
+            SPLIT_LEASE,
             "--client-timeout",
             "3",
         ],
@@ -1669,7 +1756,7 @@ async fn cluster_fault_campaign() {
     // The held uploads: how far each got at the destination.
     let bodies: Vec<serde_json::Value> = json_lines(&dir.join("origin.jsonl"))
         .into_iter()
-        .filter(|v| v["ev"] == "body")
+        .filter(|v| v["ev"] == "body" && v["size"].as_u64().is_some_and(|n| n > 0))
         .collect();
     let whole = bodies.iter().filter(|v| v["whole"] == true).count();
     *events
@@ -1703,7 +1790,7 @@ async fn cluster_fault_campaign() {
             n_workers: n_workers + 1,
             title: format!(
                 "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
-                LEASES.len() + 1 + UPLOAD_LEASES.len()
+                LEASES.len() + 2 + UPLOAD_LEASES.len()
             ),
             events,
             timeline,
@@ -1711,9 +1798,13 @@ async fn cluster_fault_campaign() {
             origin_pauses: Vec::new(),
             problems,
             begun,
-            extra_leases: std::iter::once((DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE))
-                .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
-                .collect(),
+            extra_leases: [
+                (DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE),
+                (SPLIT_LEASE.to_owned(), SPLIT_ROUTE),
+            ]
+            .into_iter()
+            .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
+            .collect(),
             extra_violations,
         },
     )

@@ -63,8 +63,10 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          -> `N renewed EPOCH...`
   `N split FIRST SECOND HOLD`
                          (with --split-lease) the split-brain probe: acquire
-                         the lease, poll FIRST with it held at the origin
-                         (`X-Campaign-Hold: HOLD`), renew, poll SECOND with the
+                         the lease, poll FIRST with it until the origin
+                         answers, poll FIRST with it held at the origin
+                         (`X-Campaign-Hold: HOLD`; again while refused at
+                         once), renew, poll SECOND with the
                          newer epoch until the origin answers
                          -> `N split ok LEASE EPOCH NEWER` or `N split failed WHY`;
                          the lease is released once the held poll has ended
@@ -388,10 +390,22 @@ class Worker:
             time.sleep(0.3)
         if ten is None:
             return ["failed", "could not acquire", lease]
-        held = threading.Thread(target=self.send, args=(ten, "poll-split-held", "", ""),
-                                kwargs={"addr": first, "hold": hold})
-        held.start()
-        time.sleep(0.1)
+        # First a poll through `first` until the origin answers: whatever serves
+        # the lease there holds this epoch and has settled (a takeover's settle
+        # would hold the held poll back until the newer epoch makes it stale).
+        if not self.forwarded(ten, first, 6):
+            self.pending.append((None, ten))
+            return ["failed", "not forwarded through", first]
+        # Until a held poll stays unanswered (held at the origin): one refused at
+        # once (a member still taking its shards) is sent again.
+        for _ in range(20):
+            held = threading.Thread(target=self.send, args=(ten, "poll-split-held", "", ""),
+                                    kwargs={"addr": first, "hold": hold})
+            held.start()
+            held.join(timeout=0.5)
+            if held.is_alive():
+                break
+            time.sleep(0.3)
         new = self.acquire(lease, current=ten)
         if new is None:
             words = ["failed", "could not renew", lease]
@@ -461,7 +475,8 @@ class Worker:
             n, verb = words[0], words[1]
             # A split probe's held poll ends once the nemesis released it.
             for t, u in self.pending:
-                t.join(timeout=20)
+                if t is not None:
+                    t.join(timeout=20)
                 self.release(u)
             self.pending = []
             if verb == "acquire":
@@ -539,7 +554,8 @@ class Worker:
         if self.a.directed:
             self.directed()
             for t, u in self.pending:
-                t.join(timeout=20)
+                if t is not None:
+                    t.join(timeout=20)
                 self.release(u)
             return None
         leases = self.a.leases.split(",")

@@ -1075,12 +1075,22 @@ impl ClusterNemesis<'_> {
         self.quiet();
         *self.foreign_done.entry(kind.name()).or_default() += 1;
         let now = Instant::now();
-        if refused {
-            self.instances[o0].down_until = Some(now + Duration::from_millis(500));
-        }
         // The split-brain probe: a poll held at the destination through the
         // foreign process (one let in), or through a member (the control: one
-        // set-up), then the lease's next epoch through another member.
+        // set-up, once per run), then the lease's next epoch through another
+        // member.
+        let control = refused && self.events.contains_key("(split-brain probes)");
+        if control {
+            self.foreign = Foreign::Active {
+                kind,
+                n,
+                fg: None,
+                down: o0,
+                until: now,
+                probe: None,
+            };
+            return;
+        }
         let members: Vec<usize> = others.clone();
         let first = if refused {
             self.instances[members[0]].fg.proxy.to_string()
@@ -1128,7 +1138,7 @@ impl ClusterNemesis<'_> {
     }
 
     /// Ends a foreign step: a process that was let in is stopped, and shard 0's
-    /// owner restarted.
+    /// owner restarted (after the probe in any case).
     fn end_foreign(&mut self) {
         let Foreign::Active {
             kind, n, fg, down, ..
@@ -1152,8 +1162,9 @@ impl ClusterNemesis<'_> {
                 &format!("{}: stopped after serving", kind.name()),
                 format!("{n}: SIGTERM: {status}"),
             );
-            self.instances[down].down_until = Some(Instant::now());
         }
+        // Only now: a restart's rebalancing would hold the probe's polls up.
+        self.instances[down].down_until = Some(Instant::now());
         self.foreign = self.next_foreign(kind);
     }
 

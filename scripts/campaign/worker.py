@@ -61,10 +61,10 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          meanwhile) or `N failed WHY`
   `N renew-uploads`      (OWNER is cut from the store) renew every upload lease
                          -> `N renewed EPOCH...`
-  `N split FIRST SECOND HOLD`
-                         (with --split-lease) the split-brain probe: acquire
-                         the lease, poll FIRST with it until the origin
-                         answers, poll FIRST with it held at the origin
+  `N split FIRST SECOND HOLD LEASE`
+                         the split-brain probe: acquire LEASE, poll FIRST and
+                         SECOND with it until the
+                         origin answers, poll FIRST with it held at the origin
                          (`X-Campaign-Hold: HOLD`; again while refused at
                          once), renew, poll SECOND with the
                          newer epoch until the origin answers
@@ -376,12 +376,11 @@ class Worker:
         t.start()
         return t, req
 
-    def split(self, first, second, hold):
-        """The split-brain probe: a poll of a fresh epoch of --split-lease through
+    def split(self, first, second, hold, lease):
+        """The split-brain probe: a poll of a fresh epoch of `lease` through
         `first`, held at the origin (token `hold`), then the next epoch polled
         through `second` until the origin answers, then the lease released once
         the held poll ended. Returns the words of the answer."""
-        lease = self.a.split_lease
         ten = None
         for _ in range(20):
             ten = self.acquire(lease)
@@ -390,12 +389,16 @@ class Worker:
             time.sleep(0.3)
         if ten is None:
             return ["failed", "could not acquire", lease]
-        # First a poll through `first` until the origin answers: whatever serves
-        # the lease there holds this epoch and has settled (a takeover's settle
-        # would hold the held poll back until the newer epoch makes it stale).
-        if not self.forwarded(ten, first, 6):
-            self.pending.append((None, ten))
-            return ["failed", "not forwarded through", first]
+        # First a poll through each until the origin answers: whatever serves
+        # the lease behind `first` holds this epoch and has settled (a takeover's
+        # settle would hold the held poll back until the newer epoch made it
+        # stale), and so does whatever serves it behind `second` (its raise then
+        # has nothing of its own to drain: the newer poll follows the held one
+        # closely, however long a takeover behind `second` took).
+        for addr, secs in ((first, 10), (second, 15)):
+            if not self.forwarded(ten, addr, secs):
+                self.pending.append((None, ten))
+                return ["failed", "not forwarded through", addr]
         # Until a held poll stays unanswered (held at the origin): one refused at
         # once (a member still taking its shards) is sent again.
         for _ in range(20):
@@ -518,8 +521,8 @@ class Worker:
                     uploads.append(t)
                     reqs.append(req)
                 answer(n, "uploading", *reqs)
-            elif verb == "split" and self.a.split_lease:
-                answer(n, "split", *self.split(words[2], words[3], words[4]))
+            elif verb == "split":
+                answer(n, "split", *self.split(words[2], words[3], words[4], words[5]))
             elif verb == "renew-uploads":
                 renew_uploads()
                 answer(n, "renewed", *[u.epoch for u in up_new])
@@ -636,8 +639,7 @@ def main():
                    help="with --directed: the leases of the held uploads (command `uploads`)")
     p.add_argument("--upload-bytes", type=int, default=32 << 20,
                    help="the size of each held upload's body")
-    p.add_argument("--split-lease", default="",
-                   help="with --directed: the lease of the split-brain probe (command `split`)")
+
     Worker(p.parse_args()).run()
 
 

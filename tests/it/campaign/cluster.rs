@@ -95,7 +95,7 @@ use crate::support::postgres::PgServer;
 use crate::support::relay::Relay;
 use crate::support::state_toml;
 use fencegate::cluster::shard_of;
-use fencegate::epoch::{Epoch, EpochRecord, LeaseName};
+use fencegate::epoch::{Epoch, EpochObject, EpochRecord, LeaseName};
 use fencegate::lease::{CreateOutcome, Epochs};
 use fencegate::setup::{GateKey, SetUp};
 
@@ -144,10 +144,12 @@ const FOREIGN_SERVES: Duration = Duration::from_secs(8);
 /// The shard counts a foreign cluster instance may have: each puts `l0`, `l2`
 /// (or `l3`) into its shard 0, which it can take while the step holds it free.
 const FOREIGN_SHARDS: [u32; 3] = [2, 4, 5];
-/// The split-brain probe's lease (module doc), held by the directed worker alone,
-/// and its route `r20`: in the cluster's shard 4 (with `l0` and `l2`) and in
-/// shard 0 of every foreign shard count, with a long drain timeout.
-const SPLIT_LEASE: &str = "l20";
+/// The split-brain probe's leases (module doc), held by the directed worker
+/// alone, each with its route `r{n}`: in the cluster's shard 4 (with `l0` and
+/// `l2`) and shard 2 (with `l3`), and in shard 0 of every foreign shard count,
+/// with a long drain timeout. The probe takes the one whose shard a running
+/// member serves (shard 0's owner may have held the other).
+const SPLIT_LEASES: [&str; 2] = ["l20", "l18"];
 const SPLIT_ROUTE: RouteConf = RouteConf {
     timeout_ms: 3000,
     drain_timeout_ms: 2000,
@@ -548,6 +550,22 @@ impl ClusterNemesis<'_> {
                     Some(v["shard_map"][shard as usize]["served_here"] == true)
                 })
                 .unwrap_or(false)
+        })
+    }
+
+    /// Whether shard 0's latest gate object is a release (a graceful stop of
+    /// its owner wrote it: the shard is free).
+    fn shard0_released(&self) -> bool {
+        let gates = &self.gates;
+        let shard = LeaseName::parse("0000").unwrap();
+        tokio::runtime::Handle::current().block_on(async {
+            let Ok(latest) = gates.latest_after(&shard, Epoch::NONE).await else {
+                return false;
+            };
+            matches!(
+                gates.read(&shard, latest).await,
+                Ok(Some(EpochObject::Release { .. }))
+            )
         })
     }
 
@@ -965,20 +983,33 @@ impl ClusterNemesis<'_> {
     /// serves beside the cluster for [`FOREIGN_SERVES`]. Then the split-brain
     /// probe.
     fn start_foreign(&mut self, kind: ForeignKind, o0: usize) {
-        let frozen = Instant::now();
         let others: Vec<usize> = (0..self.instances.len()).filter(|&i| i != o0).collect();
+        self.scrape(o0);
+        // SIGTERM: shard 0's owner hands its shards over (release objects)
+        // while it drains; the others are frozen as soon as shard 0 is free, so
+        // that none takes it (and not longer than the foreign start-up).
+        let stopping = Instant::now();
+        self.signal(o0, "-TERM");
+        while !self.shard0_released() && stopping.elapsed() < Duration::from_secs(6) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let released = stopping.elapsed();
+        let frozen = Instant::now();
         for &i in &others {
             self.signal(i, "-STOP");
+            // Frozen in the middle of a store call, it would hold the
+            // single-threaded S3 server: its connections end (its own relay).
+            self.instances[i].store.refuse(true);
+            self.instances[i].store.cut();
         }
-        self.scrape(o0);
-        let status = self.instances[o0].fg.terminate();
         // Restarted once the step is over (a cluster member does not start
         // beside a live foreign set-up).
         self.instances[o0].down_until = Some(frozen + Duration::from_secs(3600));
         let n = self.foreign_done.get(kind.name()).copied().unwrap_or(0) + 1;
         let detail = format!(
-            "{n}: SIGTERM {} (shard 0's owner): {status}; {} frozen",
+            "{n}: SIGTERM {} (shard 0's owner), shard 0 released {} ms later; {} frozen",
             self.instances[o0].id,
+            released.as_millis(),
             others
                 .iter()
                 .map(|&i| self.instances[i].id.as_str())
@@ -1065,11 +1096,15 @@ impl ClusterNemesis<'_> {
             }
         }
         for &i in &others {
+            self.instances[i].store.refuse(false);
             self.signal(i, "-CONT");
         }
+        let resumed = frozen.elapsed();
+        let status = self.instances[o0].fg.wait_exit();
         let detail = format!(
-            "{n}: the others resumed after {} ms",
-            frozen.elapsed().as_millis()
+            "{n}: the others resumed after {} ms; {} {status}",
+            resumed.as_millis(),
+            self.instances[o0].id
         );
         self.note(&format!("{}: others resumed", kind.name()), detail);
         self.quiet();
@@ -1091,16 +1126,28 @@ impl ClusterNemesis<'_> {
             };
             return;
         }
-        let members: Vec<usize> = others.clone();
+        // `second`: a member that serves the probe lease's shard, as it says.
+        let (lease, owner) = SPLIT_LEASES
+            .iter()
+            .find_map(|l| {
+                let m = others.iter().copied().find(|&i| {
+                    self.served(i)
+                        .is_some_and(|sh| sh.iter().flatten().any(|x| x == l))
+                })?;
+                Some((*l, m))
+            })
+            .unwrap_or((SPLIT_LEASES[0], *others.last().unwrap_or(&o0)));
         let first = if refused {
-            self.instances[members[0]].fg.proxy.to_string()
+            // The control: through the other member (which relays).
+            let other = others.iter().copied().find(|&i| i != owner).unwrap_or(owner);
+            self.instances[other].fg.proxy.to_string()
         } else {
             addr.clone()
         };
-        let second = self.instances[*members.last().unwrap_or(&o0)].fg.proxy.to_string();
+        let second = self.instances[owner].fg.proxy.to_string();
         let pn = 1000 + self.events.get("(split-brain probes)").copied().unwrap_or(0) as u32 + 1;
         *self.events.entry("(split-brain probes)".into()).or_default() += 1;
-        self.command(format!("{pn} split {first} {second} s{pn}"));
+        self.command(format!("{pn} split {first} {second} s{pn} {lease}"));
         self.foreign = Foreign::Active {
             kind,
             n,
@@ -1130,7 +1177,7 @@ impl ClusterNemesis<'_> {
         };
         self.note(
             &format!("{}: split-brain probe", kind.name()),
-            format!("{n}: {through} ({SPLIT_LEASE}): {how}"),
+            format!("{n}: {through}: {how}"),
         );
         if let Foreign::Active { probe, .. } = &mut self.foreign {
             *probe = None;
@@ -1569,20 +1616,25 @@ async fn cluster_fault_campaign() {
         let name = LeaseName::parse(lease).unwrap();
         assert_eq!(shard_of(&name, SHARDS), DIRECTED_SHARD, "{lease}'s shard");
     }
-    let split = LeaseName::parse(SPLIT_LEASE).unwrap();
-    assert!(shard_of(&split, SHARDS) != 0);
-    for k in FOREIGN_SHARDS {
-        assert_eq!(shard_of(&split, k), 0, "{SPLIT_LEASE} in shard 0 of {k}");
+    for lease in SPLIT_LEASES {
+        let split = LeaseName::parse(lease).unwrap();
+        assert!(shard_of(&split, SHARDS) != 0);
+        for k in FOREIGN_SHARDS {
+            assert_eq!(shard_of(&split, k), 0, "{lease} in shard 0 of {k}");
+        }
     }
     let mut routes = routes_toml(&origin_addr, "")
         + &format!(
             "\n[[route]]\nname = \"r4\"\npath_prefix = \"/r4/\"\nupstream = \"http://{origin_addr}/r4/\"\nlease = \"{DIRECTED_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
             DIRECTED_ROUTE.timeout_ms, DIRECTED_ROUTE.drain_timeout_ms
         );
-    routes.push_str(&format!(
-        "\n[[route]]\nname = \"r20\"\npath_prefix = \"/r20/\"\nupstream = \"http://{origin_addr}/r20/\"\nlease = \"{SPLIT_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
-        SPLIT_ROUTE.timeout_ms, SPLIT_ROUTE.drain_timeout_ms
-    ));
+    for lease in SPLIT_LEASES {
+        let route = format!("r{}", &lease[1..]);
+        routes.push_str(&format!(
+            "\n[[route]]\nname = \"{route}\"\npath_prefix = \"/{route}/\"\nupstream = \"http://{origin_addr}/{route}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
+            SPLIT_ROUTE.timeout_ms, SPLIT_ROUTE.drain_timeout_ms
+        ));
+    }
     for lease in UPLOAD_LEASES {
         let route = format!("r{}", &lease[1..]);
         routes.push_str(&format!(
@@ -1722,8 +1774,7 @@ async fn cluster_fault_campaign() {
             &UPLOAD_LEASES.join(","),
             "--upload-bytes",
             &UPLOAD_BYTES.to_string(),
-            "--split-lease",
-            SPLIT_LEASE,
+
             "--client-timeout",
             "3",
         ],
@@ -1801,7 +1852,7 @@ async fn cluster_fault_campaign() {
             n_workers: n_workers + 1,
             title: format!(
                 "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
-                LEASES.len() + 2 + UPLOAD_LEASES.len()
+                LEASES.len() + 1 + SPLIT_LEASES.len() + UPLOAD_LEASES.len()
             ),
             events,
             timeline,
@@ -1809,13 +1860,10 @@ async fn cluster_fault_campaign() {
             origin_pauses: Vec::new(),
             problems,
             begun,
-            extra_leases: [
-                (DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE),
-                (SPLIT_LEASE.to_owned(), SPLIT_ROUTE),
-            ]
-            .into_iter()
-            .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
-            .collect(),
+            extra_leases: std::iter::once((DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE))
+                .chain(SPLIT_LEASES.iter().map(|l| (l.to_string(), SPLIT_ROUTE)))
+                .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
+                .collect(),
             extra_violations,
         },
     )

@@ -253,7 +253,11 @@ enum Foreign {
 enum Forged {
     Idle(Instant),
     /// A forged object is `epoch` of `shard`'s gate lease, written at `at`.
-    Watching { shard: u32, epoch: u64, at: Instant },
+    Watching {
+        shard: u32,
+        epoch: u64,
+        at: Instant,
+    },
     Over,
 }
 
@@ -310,7 +314,9 @@ impl Forger {
             text.lines()
                 .find_map(|l| {
                     let (k, v) = l.split_once(':')?;
-                    k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+                    k.trim()
+                        .eq_ignore_ascii_case(name)
+                        .then(|| v.trim().to_owned())
                 })
                 .unwrap_or_default()
         };
@@ -788,7 +794,10 @@ impl ClusterNemesis<'_> {
                             UPLOAD_BYTES >> 20,
                             self.instances[owner].id
                         );
-                        self.note("directed: busy shard, uploads in flight at its owner", detail);
+                        self.note(
+                            "directed: busy shard, uploads in flight at its owner",
+                            detail,
+                        );
                         arm(self);
                     }
                     Some("failed") => {
@@ -928,7 +937,10 @@ impl ClusterNemesis<'_> {
             self.instances[successor].id,
             UPLOAD_LEASES.join(", "),
         );
-        self.note("directed: busy shard, newer epochs through the successor", detail);
+        self.note(
+            "directed: busy shard, newer epochs through the successor",
+            detail,
+        );
     }
 
     /// The foreign set-up steps (module doc), one move per call.
@@ -1046,7 +1058,8 @@ impl ClusterNemesis<'_> {
                 );
                 self.note(&format!("{}: refused", kind.name()), detail);
                 fs::write(
-                    self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
+                    self.dir
+                        .join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
                     stderr,
                 )
                 .unwrap();
@@ -1139,14 +1152,27 @@ impl ClusterNemesis<'_> {
             .unwrap_or((SPLIT_LEASES[0], *others.last().unwrap_or(&o0)));
         let first = if refused {
             // The control: through the other member (which relays).
-            let other = others.iter().copied().find(|&i| i != owner).unwrap_or(owner);
+            let other = others
+                .iter()
+                .copied()
+                .find(|&i| i != owner)
+                .unwrap_or(owner);
             self.instances[other].fg.proxy.to_string()
         } else {
             addr.clone()
         };
         let second = self.instances[owner].fg.proxy.to_string();
-        let pn = 1000 + self.events.get("(split-brain probes)").copied().unwrap_or(0) as u32 + 1;
-        *self.events.entry("(split-brain probes)".into()).or_default() += 1;
+        let pn = 1000
+            + self
+                .events
+                .get("(split-brain probes)")
+                .copied()
+                .unwrap_or(0) as u32
+            + 1;
+        *self
+            .events
+            .entry("(split-brain probes)".into())
+            .or_default() += 1;
         self.command(format!("{pn} split {first} {second} s{pn} {lease}"));
         self.foreign = Foreign::Active {
             kind,
@@ -1201,7 +1227,8 @@ impl ClusterNemesis<'_> {
                 fg.terminate().to_string()
             };
             fs::write(
-                self.dir.join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
+                self.dir
+                    .join(format!("foreign-{}-{n}.stderr", kind_tag(kind))),
                 fg.stderr(),
             )
             .unwrap();
@@ -1295,13 +1322,8 @@ impl ClusterNemesis<'_> {
             for _ in 0..5 {
                 let latest = gates.latest_after(&name, Epoch::NONE).await.ok()?;
                 let next = latest.next()?;
-                let mut rec = EpochRecord::acquire(
-                    &name,
-                    next,
-                    "fg-forger",
-                    b"forged token",
-                    FORGED_TTL,
-                );
+                let mut rec =
+                    EpochRecord::acquire(&name, next, "fg-forger", b"forged token", FORGED_TTL);
                 SetUp::Cluster { shards: SHARDS }.stamp(&mut rec);
                 rec.advertise = Some(advertise.clone());
                 match variant {
@@ -1471,9 +1493,8 @@ impl ClusterNemesis<'_> {
             let idle = matches!(self.directed, Directed::Idle(_))
                 && matches!(self.foreign, Foreign::Idle(..))
                 && matches!(self.forged, Forged::Idle(_));
-            let played = self.directed_done > 0
-                && self.foreign_done.len() == 2
-                && self.forged_done > 0;
+            let played =
+                self.directed_done > 0 && self.foreign_done.len() == 2 && self.forged_done > 0;
             if idle && (played || Instant::now() > deadline) {
                 break;
             }
@@ -1774,7 +1795,6 @@ async fn cluster_fault_campaign() {
             &UPLOAD_LEASES.join(","),
             "--upload-bytes",
             &UPLOAD_BYTES.to_string(),
-
             "--client-timeout",
             "3",
         ],

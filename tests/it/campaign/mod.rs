@@ -22,7 +22,17 @@
 //!   fencegate's `fencegate_drains_started` goes up for a lease with a wide drain
 //!   timeout (`l1`, `l3`) — a raise is waiting for an older request still
 //!   executing at the destination — fencegate is killed and restarted at once. After the restart nothing above the epoch whose drain
-//!   completed may be forwarded before the drain timeout has passed (SPEC §5).
+//!   completed may be forwarded before the drain timeout has passed (SPEC §5);
+//! - a copy of the instance (issue 25, point 4: [`clone`]): a second fencegate
+//!   started with a copy of the running instance's `instance-id` (odd steps) or
+//!   of its whole `data_dir` (even steps), on the same store and prefix, with
+//!   its address in the workers' `proxy.addr` (half the requests go to it), 6 s
+//!   into the faults with the original running, then with the original
+//!   SIGSTOPped (resumed as soon as the copy's start-up is over), and again
+//!   every 60 s. Expected: both exit 2 (the guard is held under their id by a
+//!   process that is not provably gone), logged in the timeline as refused; a
+//!   build that lets a copy in has two processes forwarding, each with its own
+//!   marks and dedup records, for 6 s.
 //!
 //! Two edges are exercised by the set-up rather than by events: route `r1` has a
 //! route timeout (300 ms) well below its drain timeout (1200 ms) and below many of
@@ -41,7 +51,14 @@
 //! store, each route's drain timeout). Any violation fails the test with the
 //! offending entries printed and the run's directory kept.
 //!
-//! The CI smoke is 30 s of faults (~45 s in all). The long run:
+//! The instance reaches the S3 server through its own TCP relay, which the clone
+//! step cuts while the instance is frozen (a single-threaded S3 server held by a
+//! call the frozen process was in the middle of would fail the copy's store
+//! self-test instead of letting it meet the guard).
+//!
+//! CLONE_RESULTS_PLACEHOLDER
+//!
+//! The CI smoke is 30 s of faults (~40 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables
 //! `FENCEGATE_CAMPAIGN_SECS`, `FENCEGATE_CAMPAIGN_SEED`,
 //! `FENCEGATE_CAMPAIGN_WORKERS` (default 6), `FENCEGATE_CAMPAIGN_KEEP=1` (keep

@@ -15,6 +15,16 @@
 //! own marks and dedup records: the copy serves for [`CLONE_SERVES`], then is
 //! killed (kill -9, so that it writes no release under the shared id), and the
 //! checker judges what reached the destination meanwhile.
+//!
+//! In runs of a minute or more a third variant follows, 20 s later: the
+//! original frozen, its whole `data_dir` copied while it is frozen (the copy
+//! has exactly its state), the copy started again every 500 ms until the
+//! frozen original's gate lease and grace have ended and it takes the guard
+//! over (legitimately: a failover with the same state), then the original
+//! resumed beside it for [`CLONE_SERVES`]: it must find its id held by another
+//! process, stop forwarding and say so (the step counts the lines). The checker
+//! judges both; then the copy is killed, and the original waits out the copy's
+//! gate lease before it serves again.
 
 use super::*;
 use crate::support::state_dir;
@@ -30,7 +40,12 @@ const CLONE_SERVES: Duration = Duration::from_secs(6);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Original {
     Running,
+    /// SIGSTOPped while the copy starts, resumed at once.
     Stopped,
+    /// SIGSTOPped, its whole `data_dir` copied, and kept frozen until the copy
+    /// has taken the guard over (after its gate lease and grace: legitimately,
+    /// with the same state); then resumed beside the copy.
+    FrozenPastTtl,
 }
 
 /// Where the clone step is.
@@ -58,8 +73,13 @@ fn kind(original: Original) -> &'static str {
     match original {
         Original::Running => "clone of the data_dir, original running",
         Original::Stopped => "clone of the data_dir, original SIGSTOPped",
+        Original::FrozenPastTtl => "clone of the data_dir, original frozen past its gate lease",
     }
 }
+
+/// What a resumed original says once it finds its id held by another process
+/// (src/guard.rs).
+const SHARED_ID: &str = "two processes share instance id";
 
 impl Nemesis<'_> {
     /// Whether a copy serves beside the original now (no fault on the original
@@ -105,9 +125,23 @@ impl Nemesis<'_> {
             .port();
         let addr = format!("127.0.0.1:{port}");
         let mut copy = Fencegate::unstarted_with_args(&addr, "", &self.base_config, &[], &[]);
+        let pid = self.fg.pid().to_string();
+        let signal = |sig: &str| {
+            let _ = Command::new("kill").args([sig, &pid]).status();
+        };
+        let frozen = original != Original::Running;
+        let started = Instant::now();
+        if frozen {
+            signal("-STOP");
+            // Frozen in the middle of a store call, it would hold the
+            // single-threaded S3 server: its connections end (its own relay).
+            self.store_relay.refuse(true);
+            self.store_relay.cut();
+        }
         let (from, to) = (state_dir(&self.fg), state_dir(&copy));
-        // Odd steps copy the id alone, even ones the whole directory.
-        let what = if n % 2 == 1 {
+        // The id alone (odd steps), or the whole directory (even steps, and
+        // always for a takeover: then the copy has the original's state).
+        let what = if n % 2 == 1 && original != Original::FrozenPastTtl {
             fs::create_dir_all(&to).unwrap();
             fs::copy(
                 from.join(fencegate::guard::ID_FILE),
@@ -123,29 +157,40 @@ impl Nemesis<'_> {
                 .status()
                 .is_ok_and(|s| s.success());
             assert!(ok, "copying {} to {}", from.display(), to.display());
-            "the whole data_dir (copied live)"
+            if frozen {
+                "the whole data_dir (copied while frozen)"
+            } else {
+                "the whole data_dir (copied live)"
+            }
         };
         self.clone_addr = Some(addr.clone());
         self.write_addr();
-        let pid = self.fg.pid().to_string();
-        let signal = |sig: &str| {
-            let _ = Command::new("kill").args([sig, &pid]).status();
+        let mut refusals = 0;
+        let spawned = loop {
+            match copy.spawn(None) {
+                // Refused while the frozen original's gate lease (and grace)
+                // runs: again, until it has ended.
+                Err(_)
+                    if original == Original::FrozenPastTtl
+                        && started.elapsed() < Duration::from_secs(25) =>
+                {
+                    refusals += 1;
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                other => break other,
+            }
         };
-        let started = Instant::now();
-        if original == Original::Stopped {
-            signal("-STOP");
-            // Frozen in the middle of a store call, it would hold the
-            // single-threaded S3 server: its connections end (its own relay).
-            self.store_relay.refuse(true);
-            self.store_relay.cut();
-        }
-        let spawned = copy.spawn(None);
-        if original == Original::Stopped {
+        if frozen {
             self.store_relay.refuse(false);
             signal("-CONT");
         }
         let took = started.elapsed().as_millis();
         self.clones_done = n;
+        let refused_first = if refusals > 0 {
+            format!(" ({refusals} starts refused first)")
+        } else {
+            String::new()
+        };
         match spawned {
             Err(stderr) => {
                 self.clone_addr = None;
@@ -170,9 +215,14 @@ impl Nemesis<'_> {
                 self.clone = self.next_clone(original);
             }
             Ok(()) => {
+                let how = if original == Original::FrozenPastTtl {
+                    "took over"
+                } else {
+                    "LET IN"
+                };
                 self.note(
-                    &format!("{}: LET IN", kind(original)),
-                    format!("{n}: a copy of {what}, serving at {addr} after {took} ms; half the requests go to it"),
+                    &format!("{}: {how}", kind(original)),
+                    format!("{n}: a copy of {what}, serving at {addr} after {took} ms{refused_first}; half the requests go to it"),
                 );
                 self.clone = CloneStep::Serving {
                     fg: Box::new(copy),
@@ -199,20 +249,31 @@ impl Nemesis<'_> {
         self.write_addr();
         fg.kill9();
         fs::write(self.dir.join(format!("clone-{n}.stderr")), fg.stderr()).unwrap();
+        // The resumed original must have found its id held by the copy's
+        // process, stopped forwarding and said so.
+        let said = self.fg.stderr().matches(SHARED_ID).count();
         self.note(
             &format!("{}: killed after serving", kind(original)),
-            format!("{n}"),
+            format!("{n}: the original said {said} times that {SHARED_ID}"),
         );
         self.clone = self.next_clone(original);
     }
 
+    /// Running, then stopped right after; in a run of a minute or more, the
+    /// takeover 20 s later (it takes ~25 s: not in the CI smoke); the next
+    /// round a minute later.
     fn next_clone(&self, original: Original) -> CloneStep {
+        let now = Instant::now();
         match original {
-            Original::Running => CloneStep::Idle(
-                Instant::now() + Duration::from_millis(1500),
-                Original::Stopped,
-            ),
-            Original::Stopped => CloneStep::Idle(Instant::now() + CLONE_EVERY, Original::Running),
+            Original::Running => {
+                CloneStep::Idle(now + Duration::from_millis(1500), Original::Stopped)
+            }
+            Original::Stopped if self.long_run => {
+                CloneStep::Idle(now + Duration::from_secs(20), Original::FrozenPastTtl)
+            }
+            Original::Stopped | Original::FrozenPastTtl => {
+                CloneStep::Idle(now + CLONE_EVERY, Original::Running)
+            }
         }
     }
 }

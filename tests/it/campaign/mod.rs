@@ -400,6 +400,8 @@ struct Nemesis<'a> {
     clone: clone::CloneStep,
     clones_done: usize,
     clone_addr: Option<String>,
+    /// A run of a minute or more (the clone step's takeover variant).
+    long_run: bool,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -1148,6 +1150,7 @@ async fn fault_campaign() {
         clone: clone::CloneStep::first(),
         clones_done: 0,
         clone_addr: None,
+        long_run: secs >= 60,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),

@@ -56,7 +56,14 @@
 //! call the frozen process was in the middle of would fail the copy's store
 //! self-test instead of letting it meet the guard).
 //!
-//! CLONE_RESULTS_PLACEHOLDER
+//! Issue 25's runs of the clone step (2 shared cores): the correct build, seeds
+//! 5 and 23 (30 s) and 11 (60 s): 0 violations, every copy refused (exit 2);
+//! in the 60 s run the copy of the frozen original took over 9.2 s into the
+//! freeze after 15 refused starts, and the resumed original said once that two
+//! processes share its id. The build before the fixes (b53332f, with
+//! `FENCEGATE_TEST_BIN`) let every copy in at once: seed 5, 30 s: 4 violations
+//! (`[R2 drain]` 1, `[R4 dedup]` 3); seed 11, 30 s: 11 (5 and 6); seed 11, 60 s:
+//! 23 (8 and 15), all while a copy served.
 //!
 //! The CI smoke is 30 s of faults (~40 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables

@@ -119,21 +119,21 @@
 //! (504 `upstream_timeout` instead of `drain_aborted`).
 //!
 //! Issue 25's runs (2 shared cores). The correct build: seed 7, 30 s of
-//! faults: 373 attempts, 164 arrivals, 0 violations, 40 s in all; seed 23,
-//! 30 s: 327 and 134, 0, 45 s; seed 11, 60 s: 621 and 316, 0, 69 s. Each time
+//! faults: 433 attempts, 137 arrivals, 0 violations, 43 s in all; seed 23,
+//! 30 s: 301 and 92, 0, 42 s; seed 11, 60 s: 576 and 246, 0, 74 s. Each time
 //! the four uploads reached the destination cut short, both foreign processes
 //! (and the single instance with `--takeover-may-duplicate`) exited 2 with
-//! their reason, nothing was relayed to the forger, and a member served the
+//! their reason, nothing was relayed to the forger, and a member served each
 //! forged shard again 7.5–9 s after the forged object. The build before the
-//! fixes (b53332f, run with `FENCEGATE_TEST_BIN`): seed 7, 30 s: 86 violations
-//! — the busy shard `[R2 drain]` on `l6` and `l7` (the shard's third and fourth
-//! uploads, aborted 8 and 10 s after the first, read whole after the
-//! successor's newer epochs arrived); the single instance, let in: `[R2 drain]`
-//! on the probe's lease and 5 `[R4 dedup]`; the 4-shard instance, let in:
-//! `[R2 drain]` on the probe's lease; the forged object: 77 `[forged gate
-//! relay]`, each with the peer token. Seed 11, 60 s: 70 — `l6`, `l7`; the probe
-//! and one `[R4 dedup]` beside the single instance; the probe beside the
-//! 4-shard one; 65 relays to the forger.
+//! fixes (b53332f, run with `FENCEGATE_TEST_BIN`) — seed 7, 30 s: 144
+//! violations: the busy shard `[R2 drain]` on `l7` (the shard's uploads were
+//! aborted 2 s apart; the last ones read whole after the successor's newer
+//! epochs arrived); the single instance, let in: `[R2 drain]` on the probe's
+//! lease and on `l0`; the 4-shard instance, let in: `[R2 drain]` on the probe's
+//! lease; the forged objects (no MAC, zeros): 140 `[forged gate relay]`, each
+//! with the peer token. Seed 11, 60 s: 76 — `l6` and `l7`; the probe beside
+//! the single instance and beside the 2-shard one; 72 relays to the forger.
+//! Earlier seeds gave `[R4 dedup]` beside the single instance too.
 //!
 //! The CI smoke is 30 s of faults (~40 s in all); `scripts/campaign.sh cluster
 //! [secs] [seed]` runs longer.

@@ -62,8 +62,9 @@
 //! freeze after 15 refused starts, and the resumed original said once that two
 //! processes share its id. The build before the fixes (b53332f, with
 //! `FENCEGATE_TEST_BIN`) let every copy in at once: seed 5, 30 s: 4 violations
-//! (`[R2 drain]` 1, `[R4 dedup]` 3); seed 11, 30 s: 11 (5 and 6); seed 11, 60 s:
-//! 23 (8 and 15), all while a copy served.
+//! (`[R4 dedup]`, and in another run `[R2 drain]` too); seed 11, 30 s: 11
+//! (`[R2 drain]` 5, `[R4 dedup]` 6); seed 11, 60 s: 23 (8 and 15), all while a
+//! copy served; the resumed original never said a word.
 //!
 //! The CI smoke is 30 s of faults (~40 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables

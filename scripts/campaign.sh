@@ -10,8 +10,20 @@
 # cluster-weak fails every run with an `[R1 epoch order]` violation on lease l4:
 # the campaign's directed step sends a late worker's poll to an owner cut off from
 # the store after its successor forwarded a newer epoch, and the weakened owner
-# forwards it (tests/it/campaign/cluster.rs, module doc). CI runs
-# `cluster-weak 15 7` and requires that violation (.ci/run).
+# forwards it (tests/it/campaign/cluster.rs, module doc); it also reports
+# `[R2 drain]` on the busy shard's upload leases (never aborted). CI runs
+# `cluster-weak 15 7` and requires the R1 violation (.ci/run).
+#
+# Besides the random faults, each campaign plays directed steps for issue 25:
+# the cluster's busy shard (held uploads on four leases of the cut-off owner's
+# shard), a single instance and an instance of another shard count started
+# against the cluster's prefix while shard 0 is free (each followed by a
+# split-brain probe), a forged gate object whose `advertise` is a recording
+# listener (anything relayed there is a `[forged gate relay]` violation); the
+# single instance's clone step (a copy of its data_dir started beside it,
+# running and SIGSTOPped). Refused starts (exit 2) are the expected outcome and
+# are logged. FENCEGATE_TEST_BIN=<path> runs another fencegate binary (an older
+# build) under the same campaign.
 #
 # Prints the histories checked, operations by outcome, nemesis events by kind and
 # every violation (the test fails on any). Re-run a failing seed to reproduce the

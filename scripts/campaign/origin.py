@@ -24,7 +24,25 @@ it). --slow-file names a file the nemesis may write, `UNTIL_NS MIN_MS MAX_MS`: a
 request arriving before UNTIL_NS (time.monotonic_ns()) takes MIN_MS-MAX_MS
 instead, so that a drain starting meanwhile finds it still executing.
 
-Usage: origin.py --log FILE [--seed N] [--port 0] [--slow-file FILE];
+Held requests (the cluster campaign's busy-shard uploads and split-brain
+probes): a request with `X-Campaign-Hold: TOKEN` is logged on arrival (its head),
+then its body is not read (nor the request answered) until TOKEN is a line of
+--hold-file (at most 45 s), so fencegate's write of a large body blocks
+meanwhile. Then the body is read as fast as it comes and one more line says how
+far it got:
+
+  {"ev": "body", "seq", "size", "read", "whole", "wrote_after"}
+
+`wrote_after` (whole bodies larger than the in-transit bound only) is when the
+origin had read `size - bound` bytes: fencegate cannot have written the last
+byte before then, since at most `bound` bytes can be in transit between its write
+and our read (our receive buffer, fixed at start-up so that autotuning cannot grow
+it, plus the kernel's largest send buffer, plus slack for user-space buffers).
+So fencegate was still writing the request at `wrote_after`. A body cut short
+(fencegate aborted the forward: SPEC §5, §10.2) gets `"whole": false` and a
+`done` line without status or body.
+
+Usage: origin.py --log FILE [--seed N] [--port 0] [--slow-file FILE] [--hold-file FILE];
 prints `LISTENING host:port`.
 """
 import argparse
@@ -32,13 +50,19 @@ import json
 import random
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 LOCK = threading.Lock()
-STATE = {"seq": 0, "rng": random.Random(0), "log": None, "slow_file": None}
+STATE = {"seq": 0, "rng": random.Random(0), "log": None, "slow_file": None, "hold_file": None,
+         "in_transit": None}
+# The receive buffer of every accepted connection (set on the listening socket, which
+# also locks it: no autotuning), so that the in-transit bound stays small.
+RCVBUF = 256 << 10
+HOLD_MAX_S = 45
 
 
 def write(rec):
@@ -59,6 +83,49 @@ def slow_window(arrive):
     except (OSError, ValueError):
         return None
     return (lo / 1000, hi / 1000) if arrive < until else None
+
+
+def sysctl_max(name):
+    """The largest buffer the kernel may autotune a TCP socket's buffer to."""
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 64 << 20  # unknown: assume a large one (then few bodies qualify)
+
+
+def in_transit_bound(listener):
+    """Bytes that can be between fencegate's write and our read (module doc)."""
+    rcvbuf = listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    return rcvbuf + sysctl_max("tcp_wmem") + (4 << 20)
+
+
+def released(token):
+    path = STATE["hold_file"]
+    try:
+        with open(path) as f:
+            return token in f.read().split()
+    except (OSError, TypeError):
+        return False
+
+
+def held_body(rfile, length, hold):
+    """Waits for the release of hold `hold`, then reads the body: (read, wrote_after)."""
+    end = time.monotonic() + HOLD_MAX_S
+    while not released(hold) and time.monotonic() < end:
+        time.sleep(0.05)
+    bound, read, wrote_after = STATE["in_transit"], 0, None
+    while read < length:
+        try:
+            chunk = rfile.read1(min(1 << 20, length - read))
+        except OSError:
+            chunk = b""  # fencegate reset the connection: cut short
+        if not chunk:
+            break
+        read += len(chunk)
+        if wrote_after is None and length > bound and read >= length - bound:
+            wrote_after = time.monotonic_ns()
+    return read, (wrote_after if read == length else None)
 
 
 def draw(arrive):
@@ -95,7 +162,19 @@ class Handler(BaseHTTPRequestHandler):
         write({"ev": "arrive", "seq": seq, "path": self.path, "req": h.get("x-campaign-req"),
                "epoch": h.get("x-lease-epoch"), "key": h.get("idempotency-key"), "arrive": arrive})
         length = int(h.get("content-length") or 0)
-        self.rfile.read(length)
+        hold = h.get("x-campaign-hold")
+        if hold is not None:
+            read, wrote_after = held_body(self.rfile, length, hold)
+            write({"ev": "body", "seq": seq, "size": length, "read": read,
+                   "whole": read == length, "wrote_after": wrote_after})
+            if read < length:
+                write({"ev": "done", "seq": seq, "complete": time.monotonic_ns(),
+                       "status": None, "body": None})
+                self.close_connection = True
+                return
+            delay = 0
+        else:
+            self.rfile.read(length)
         time.sleep(delay)
         body = json.dumps({"seq": seq, "req": h.get("x-campaign-req"),
                            "nonce": secrets.token_hex(8)}).encode()
@@ -116,6 +195,11 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256
 
+    def server_bind(self):
+        # Before listen(): accepted connections inherit it (and its lock).
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+        super().server_bind()
+
     def handle_error(self, request, client_address):
         pass  # fencegate gave up on an answer (timeout, drain abort, kill): expected
 
@@ -126,12 +210,15 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--slow-file")
+    p.add_argument("--hold-file")
     args = p.parse_args()
     STATE["slow_file"] = args.slow_file
+    STATE["hold_file"] = args.hold_file
     STATE["rng"] = random.Random(args.seed)
     STATE["log"] = open(args.log, "a", encoding="utf-8")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     srv = Server(("127.0.0.1", args.port), Handler)
+    STATE["in_transit"] = in_transit_bound(srv.socket)
     host, port = srv.server_address[:2]
     print(f"LISTENING {host}:{port}", flush=True)
     srv.serve_forever()

@@ -6,7 +6,8 @@ through fencegate to the recording origin.
 Every request attempt is one JSON line in --log:
   {"ev": "attempt", "w", "req", "kind", "route", "lease", "epoch", "token", "key",
    "body", "invoke", "complete", "outcome", "status", "error", "replayed",
-   "resp_body", "detail"}
+   "resp_body", "detail", "addr"}
+(`addr`: the fencegate it was sent to, for humans.)
 `outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
 connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
@@ -51,11 +52,36 @@ campaign's directed late worker, one step at a time as the nemesis commands
                          renew, poll NEW with the new epoch until the origin
                          answers, then poll OLD once with the superseded epoch
                          -> `N late OUTCOME` or `N failed WHY`; then release
+  `N uploads OWNER`      (with --upload-leases) acquire each upload lease and send
+                         OWNER one held upload per lease: a POST of
+                         --upload-bytes whose body the origin reads only once
+                         released (`X-Campaign-Hold: N`, scripts/campaign/origin.py),
+                         so that each stays in flight at OWNER
+                         -> `N uploading REQ...` (the uploads' request ids, sent
+                         meanwhile) or `N failed WHY`
+  `N renew-uploads`      (OWNER is cut from the store) renew every upload lease
+                         -> `N renewed EPOCH...`
+  `N split FIRST SECOND HOLD LEASE`
+                         the split-brain probe: acquire LEASE, poll FIRST and
+                         SECOND with it until the
+                         origin answers, poll FIRST with it held at the origin
+                         (`X-Campaign-Hold: HOLD`; again while refused at
+                         once), renew, poll SECOND with the
+                         newer epoch until the origin answers
+                         -> `N split ok LEASE EPOCH NEWER` or `N split failed WHY`;
+                         the lease is released once the held poll has ended
+                         (before the next command)
   `N abort`              release the lease (the nemesis gave the step up)
   `stop`                 exit
+With uploads in flight, `renew` first polls NEW with each upload lease's newer
+epoch (renewing them first if `renew-uploads` did not), all at once, until the
+origin answers (-> `N newer ok` or `N newer failed`), then does the above; once
+it has answered `late` it waits for the uploads to end (the nemesis releases the
+holds) and releases their leases.
 The polls are GETs logged like any attempt (kinds "poll-directed",
-"poll-directed-retry" and "poll-directed-late"): the checker judges them from the
-history like the rest.
+"poll-directed-retry", "poll-directed-late" and "poll-split-held"), the uploads
+are attempts of kind "upload": the checker judges them from the history like the
+rest.
 """
 import argparse
 import hashlib
@@ -162,6 +188,7 @@ class Worker:
         self.log = open(a.log, "a", encoding="utf-8")
         self.counter = itertools.count(1)
         self.stop_at = time.monotonic() + a.secs
+        self.pending = []  # split probes' held polls, and the tenure to release after
 
     def holding(self, ten):
         """Tells the nemesis which lease we hold (it prefers to pause holders)."""
@@ -219,7 +246,7 @@ class Worker:
         except (BotoCoreError, ClientError, RuntimeError, ValueError):
             pass
 
-    def send(self, ten, kind, key, body, epoch=None, token=None, addr=None):
+    def send(self, ten, kind, key, body, epoch=None, token=None, addr=None, hold=None):
         req = f"w{self.id}-{next(self.counter)}"
         epoch = ten.epoch if epoch is None else epoch
         token = ten.token if token is None else token
@@ -233,10 +260,13 @@ class Worker:
                 with open(self.a.addr_file) as f:
                     addrs = f.read().split()
                 addr = addrs[0] if len(addrs) == 1 else self.rng.choice(addrs)
+            rec["addr"] = addr
             host, port = addr.rsplit(":", 1)
             conn = http.client.HTTPConnection(host, int(port), timeout=self.a.client_timeout)
             headers = {"x-lease-epoch": str(epoch), "x-lease-token": token,
                        "x-campaign-req": req, "content-type": "application/json"}
+            if hold is not None:
+                headers["x-campaign-hold"] = hold
             if kind.startswith("poll"):
                 conn.request("GET", f"/{route}/op", headers=headers)
             else:
@@ -308,6 +338,87 @@ class Worker:
             time.sleep(0.2)
         return False
 
+    def upload(self, ten, addr, hold, body):
+        """A held upload (module doc): a POST of `body` without an Idempotency-Key
+        on a route that records nothing, so fencegate streams it. Returns the
+        thread sending it and the attempt's request id."""
+        req = f"w{self.id}-{next(self.counter)}"
+
+        def run():
+            route = "r" + ten.lease[1:]
+            rec = {"ev": "attempt", "w": self.id, "req": req, "kind": "upload", "route": route,
+                   "lease": ten.lease, "epoch": ten.epoch, "token": ten.token, "key": "",
+                   "body": f"{len(body)} bytes", "status": None, "error": None,
+                   "replayed": False, "resp_body": None, "detail": None, "addr": addr,
+                   "invoke": time.monotonic_ns()}
+            try:
+                host, port = addr.rsplit(":", 1)
+                conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                conn.request("POST", f"/{route}/upload", body=body, headers={
+                    "x-lease-epoch": str(ten.epoch), "x-lease-token": ten.token,
+                    "x-campaign-req": req, "x-campaign-hold": hold,
+                    "content-type": "application/octet-stream"})
+                r = conn.getresponse()
+                data = r.read()
+                conn.close()
+                rec.update(outcome="response", status=r.status,
+                           error=r.getheader("x-fencegate-error"),
+                           replayed=r.getheader("x-fencegate-replayed") == "true",
+                           resp_body=data.decode("latin-1"))
+            except TimeoutError as e:
+                rec.update(outcome="timeout", detail=repr(e))
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                rec.update(outcome="conn_error", detail=repr(e))
+            rec["complete"] = time.monotonic_ns()
+            self.emit(rec)
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t, req
+
+    def split(self, first, second, hold, lease):
+        """The split-brain probe: a poll of a fresh epoch of `lease` through
+        `first`, held at the origin (token `hold`), then the next epoch polled
+        through `second` until the origin answers, then the lease released once
+        the held poll ended. Returns the words of the answer."""
+        ten = None
+        for _ in range(20):
+            ten = self.acquire(lease)
+            if ten:
+                break
+            time.sleep(0.3)
+        if ten is None:
+            return ["failed", "could not acquire", lease]
+        # First a poll through each until the origin answers: whatever serves
+        # the lease behind `first` holds this epoch and has settled (a takeover's
+        # settle would hold the held poll back until the newer epoch made it
+        # stale), and so does whatever serves it behind `second` (its raise then
+        # has nothing of its own to drain: the newer poll follows the held one
+        # closely, however long a takeover behind `second` took).
+        for addr, secs in ((first, 10), (second, 15)):
+            if not self.forwarded(ten, addr, secs):
+                self.pending.append((None, ten))
+                return ["failed", "not forwarded through", addr]
+        # Until a held poll stays unanswered (held at the origin): one refused at
+        # once (a member still taking its shards) is sent again.
+        for _ in range(20):
+            held = threading.Thread(target=self.send, args=(ten, "poll-split-held", "", ""),
+                                    kwargs={"addr": first, "hold": hold})
+            held.start()
+            held.join(timeout=0.5)
+            if held.is_alive():
+                break
+            time.sleep(0.3)
+        new = self.acquire(lease, current=ten)
+        if new is None:
+            words = ["failed", "could not renew", lease]
+        elif self.forwarded(new, second, 6):
+            words = ["ok", lease, ten.epoch, new.epoch]
+        else:
+            words = ["failed", "the newer epoch was not forwarded", lease]
+        self.pending.append((held, new or ten))
+        return words
+
     def directed(self):
         """The directed late worker (--directed, module doc): steps on command."""
         lease = self.a.leases.split(",")[0]
@@ -319,6 +430,39 @@ class Worker:
             os.replace(ack + ".tmp", ack)
 
         ten, done = None, None
+        upload_leases = [l for l in self.a.upload_leases.split(",") if l]
+        # The uploads' threads, their tenures, and the renewed tenures.
+        uploads, up_tens, up_new, body = [], [], [], None
+
+        def end_uploads():
+            """Waits for the uploads (bounded by the origin's longest hold) and
+            releases their leases."""
+            nonlocal uploads, up_tens, up_new
+            for t in uploads:
+                t.join(timeout=70)
+            for u in up_new + up_tens:
+                self.release(u)
+            uploads, up_tens, up_new = [], [], []
+
+        def renew_uploads():
+            nonlocal up_new
+            if not up_new:
+                up_new = [u for u in (self.acquire(u.lease, current=u) for u in up_tens) if u]
+
+        def poll_uploads(addr):
+            """Polls `addr` with every renewed upload lease at once: whether the
+            origin answered each."""
+            got = [False] * len(up_new)
+
+            def one(i, u):
+                got[i] = self.forwarded(u, addr, 10)
+            threads = [threading.Thread(target=one, args=(i, u)) for i, u in enumerate(up_new)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return bool(got) and all(got) and len(up_new) == len(up_tens)
+
         while time.monotonic() < self.stop_at:
             try:
                 with open(cmd) as f:
@@ -332,6 +476,12 @@ class Worker:
                 continue
             done = words[:2]
             n, verb = words[0], words[1]
+            # A split probe's held poll ends once the nemesis released it.
+            for t, u in self.pending:
+                if t is not None:
+                    t.join(timeout=20)
+                self.release(u)
+            self.pending = []
             if verb == "acquire":
                 new = None
                 for _ in range(20):
@@ -348,7 +498,38 @@ class Worker:
                     answer(n, "acquired", ten.epoch)
                 else:
                     answer(n, "failed", "the owner did not forward")
+            elif verb == "uploads" and upload_leases:
+                end_uploads()
+                if body is None:
+                    body = b"u" * self.a.upload_bytes
+                for ul in upload_leases:
+                    u = None
+                    for _ in range(10):
+                        u = self.acquire(ul)
+                        if u:
+                            break
+                        time.sleep(0.3)
+                    if u:
+                        up_tens.append(u)
+                if len(up_tens) < len(upload_leases):
+                    end_uploads()
+                    answer(n, "failed", "could not acquire the upload leases")
+                    continue
+                reqs = []
+                for u in up_tens:
+                    t, req = self.upload(u, words[2], f"u{n}", body)
+                    uploads.append(t)
+                    reqs.append(req)
+                answer(n, "uploading", *reqs)
+            elif verb == "split":
+                answer(n, "split", *self.split(words[2], words[3], words[4], words[5]))
+            elif verb == "renew-uploads":
+                renew_uploads()
+                answer(n, "renewed", *[u.epoch for u in up_new])
             elif verb == "renew" and ten is not None:
+                if up_tens:
+                    renew_uploads()
+                    answer(n, "newer", "ok" if poll_uploads(words[2]) else "failed")
                 old, new = ten, self.acquire(lease, current=ten)
                 if new is None:
                     answer(n, "failed", "could not renew")
@@ -363,16 +544,23 @@ class Worker:
                     answer(n, "late", *how)
                 self.release(ten)
                 ten = None
+                end_uploads()
             else:  # abort, or a renewal without a tenure
                 if ten is not None:
                     self.release(ten)
                     ten = None
+                end_uploads()
                 if verb != "abort":
                     answer(n, "failed", "no tenure to renew")
 
     def run(self):
         if self.a.directed:
-            return self.directed()
+            self.directed()
+            for t, u in self.pending:
+                if t is not None:
+                    t.join(timeout=20)
+                self.release(u)
+            return None
         leases = self.a.leases.split(",")
         while time.monotonic() < self.stop_at:
             lease = self.rng.choice(leases)
@@ -447,6 +635,11 @@ def main():
                    help="every tenure's TTL (instead of the random ones)")
     p.add_argument("--directed", default="",
                    help="play the directed late worker, commanded through CTL.cmd/CTL.ack")
+    p.add_argument("--upload-leases", default="",
+                   help="with --directed: the leases of the held uploads (command `uploads`)")
+    p.add_argument("--upload-bytes", type=int, default=32 << 20,
+                   help="the size of each held upload's body")
+
     Worker(p.parse_args()).run()
 
 

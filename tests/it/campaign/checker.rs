@@ -38,6 +38,17 @@
 //!   to the origin). A pair whose `a` has no known attempt (also an R3 violation)
 //!   or whose lease has no known drain timeout gets no exemption. Exempt pairs are
 //!   counted under one reason, "drain timeout elapsed".
+//!
+//!   Nor does a request that fencegate was still *writing* to the destination
+//!   after `b` arrived ([`Arrival::wrote_after`] later than `b.arrive`: a large
+//!   upload's last bytes, which the destination read whole): SPEC §5 has an
+//!   aborted request's upstream write stop at once, before the raise forwards
+//!   anything newer, so a request still being written then was not aborted by
+//!   the drain `b` waited for — whatever the timing bound says. Across a
+//!   cluster takeover (SPEC §10.2) the bound always holds (the successor waits
+//!   out the gate lease and then settles a drain timeout), and this is what
+//!   tells an old owner that aborted its shard's requests at `gate_ttl` from one
+//!   that let an upload stream on after the successor forwarded a newer epoch.
 //! - **R3 token** — every request that reached the destination was sent by a known
 //!   worker attempt on the same route, with the epoch fencegate forwarded, and that
 //!   epoch's object in the store is an acquire whose `token_sha256` is the SHA-256
@@ -145,6 +156,9 @@ pub struct Arrival {
     pub arrive: u64,
     /// When the origin wrote its answer; `None` if it never did.
     pub complete: Option<u64>,
+    /// A time at which fencegate was verifiably still writing this request to
+    /// the destination (a held upload read whole: scripts/campaign/origin.py).
+    pub wrote_after: Option<u64>,
     pub status: Option<u16>,
     pub body: Option<String>,
 }
@@ -410,12 +424,15 @@ pub fn check(h: &History) -> Report {
                 continue;
             }
             let at = attempt_of(a);
+            // Still being written after b arrived: not aborted by b's drain.
+            let written_on = a.wrote_after.filter(|&w| w > b.arrive);
             // SPEC §5's one exemption, checked by its timing bound (module doc).
-            let drain_elapsed = at.is_some_and(|at| {
-                drain_timeout
-                    .get(lease)
-                    .is_some_and(|d| b.arrive >= at.invoke.saturating_add(*d))
-            });
+            let drain_elapsed = written_on.is_none()
+                && at.is_some_and(|at| {
+                    drain_timeout
+                        .get(lease)
+                        .is_some_and(|d| b.arrive >= at.invoke.saturating_add(*d))
+                });
             if drain_elapsed {
                 *r.exempt.entry(EXEMPT_DRAIN_TIMEOUT).or_default() += 1;
                 continue;
@@ -425,6 +442,11 @@ pub fn check(h: &History) -> Report {
             entries.push(format!("first newer: {}", clk.arrival(b)));
             entries.extend(attempt_of(b).map(|bt| clk.attempt(bt)));
             entries.push(match (at, drain_timeout.get(lease)) {
+                _ if written_on.is_some() => format!(
+                    "not exempt: fencegate was still writing this request to the destination {} ({:.3}s after the newer request arrived): no drain aborted it",
+                    clk.t(written_on.unwrap_or_default()),
+                    (written_on.unwrap_or_default() as f64 - b.arrive as f64) / 1e9
+                ),
                 (Some(at), Some(d)) => format!(
                     "not exempt: the newer request arrived {:.3}s after this attempt was invoked, within the lease's smallest drain timeout ({:.3}s)",
                     (b.arrive as f64 - at.invoke as f64) / 1e9,
@@ -681,6 +703,7 @@ mod tests {
             key: Some(key.into()),
             arrive: t.0 * MS,
             complete: Some(t.1 * MS),
+            wrote_after: None,
             status: Some(200),
             body: Some(body.into()),
         }
@@ -842,6 +865,30 @@ mod tests {
         let r = check(&h);
         assert!(r.violations.is_empty(), "{:#?}", r.violations);
         assert_eq!(r.exempt[EXEMPT_DRAIN_TIMEOUT], 1);
+    }
+
+    #[test]
+    fn r2_no_exemption_for_a_request_still_being_written_after_the_newer_arrived() {
+        // a1 is an upload: invoked at 0 ms, its head at the destination at 10 ms,
+        // its body read whole by 210 ms; b1 (epoch 2) arrived at 160 ms, past the
+        // 100 ms drain timeout. Its last bytes were written after 150 ms (the
+        // in-transit bound): written before b1 arrived, the timing bound exempts
+        // the pair; written after, no drain aborted a1 in time.
+        let mut h = a1_outlives_b1_arrival();
+        h.attempts[0].outcome = refused(504, "drain_aborted");
+        h.arrivals[1].arrive = 160 * MS;
+        h.arrivals[1].complete = Some(170 * MS);
+        h.arrivals[0].complete = Some(210 * MS);
+        h.arrivals[0].wrote_after = Some(150 * MS);
+        let r = check(&h);
+        assert!(r.violations.is_empty(), "{:#?}", r.violations);
+        assert_eq!(r.exempt[EXEMPT_DRAIN_TIMEOUT], 1);
+        h.arrivals[0].wrote_after = Some(165 * MS);
+        let r = check(&h);
+        assert_eq!(rules(&r), vec!["R2 drain"], "{:#?}", r.violations);
+        assert!(r.exempt.is_empty());
+        let text = r.violations[0].to_string();
+        assert!(text.contains("still writing"), "{text}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! hop to the shard's owner).
 //!
 //! Gate leases as in tests/it/cluster.rs: `gate_ttl` 6 s, `self_fence_margin`
-//! 2 s, `grace_ms` 500, four shards. A seeded nemesis injects, one instance at a
+//! 2 s, `grace_ms` 500, six shards. A seeded nemesis injects, one instance at a
 //! time:
 //!
 //! - kill -9 of an instance and a restart 0–3 s later (its id kept in its
@@ -28,23 +28,54 @@
 //!   504 `upstream_timeout` when the cut comes after the owner may have
 //!   forwarded; the owner still serves what reaches it directly;
 //! - the single-instance campaign's worker pauses and slow-origin windows;
-//! - the directed step, 3 s into the faults and every 60 s after the previous
-//!   one (a run too short for one plays it after the faults): it makes certain
-//!   what the random cuts only make possible. A directed worker (its own lease
-//!   `l4`, shard 5 with `l1`, a 30 s TTL) acquires epoch e and has the shard's
-//!   owner O forward a poll with it (O's fence now holds e); O is cut from the
-//!   store; once another instance P says in `/v1/cluster` that it serves the shard
-//!   (7–8.5 s later), the worker renews to e+1 and polls P until the origin
-//!   answers e+1; then it sends O one poll with e (the late worker). A correct O
-//!   fenced itself long before (503 `shard_unavailable`); an O that did not, and
-//!   cannot see e+1, forwards e after e+1: R1. O gets the store back, and no other
-//!   instance fault runs, from the step's start to its end (~10 s). The worker
-//!   is `scripts/campaign/worker.py --directed`, commanded through two files;
-//!   its polls are attempts in its log like any worker's, judged by the checker
-//!   from the history alone.
+//! - the directed step with its busy shard, 3 s into the faults and every 60 s
+//!   after the previous one (a run too short for one plays it after the
+//!   faults), the foreign set-up steps and the forged gate object (below).
 //!
-//! Instance faults come one at a time, 1–4 s apart. Four shards would put three
-//! of the four leases in one shard; six spread them over three.
+//! **The directed step** makes certain what the random cuts only make possible.
+//! A directed worker (its own lease `l4`, shard 5 with `l1`, a 30 s TTL)
+//! acquires epoch e and has the shard's owner O forward a poll with it (O's
+//! fence now holds e). **The busy shard** (issue 25, point 1): the same worker
+//! then acquires the four upload leases `l6`, `l7`, `l15`, `l21` (all in shard
+//! 5; routes with a 30 s route timeout and a 300 ms drain timeout, nothing
+//! recorded, so bodies are streamed) and sends O one 32 MiB upload per lease
+//! whose body the origin does not read (`X-Campaign-Hold`,
+//! scripts/campaign/origin.py): shard 5 then has up to six busy leases (`l1`,
+//! `l4` and these four), four of them with a long request in flight. Once their
+//! heads are at the origin, the nemesis waits for O's next renewal of shard 5's
+//! gate lease (a new `gate_epoch` in its `/v1/cluster`, at most 2.5 s) and cuts
+//! O from the store right after it: O's
+//! shard deadline is then `gate_ttl` (6 s) after that create. The worker renews
+//! the upload leases at once (O cannot see it). Once another instance P says in
+//! `/v1/cluster` that it serves the shard (7–8.5 s after the cut), the worker
+//! polls P with the four newer upload epochs at once until the origin answers
+//! each, then renews `l4` to e+1, polls P until the origin answers e+1, and
+//! sends O one poll with e (the late worker). The origin reads the held bodies
+//! as soon as the newer epochs are answered: a correct O aborted every upload
+//! at its one deadline, long before P's takeover, so each body arrives cut
+//! short; an O that closes its fences one after another, each with a timeout of
+//! its own (the old `stop_serving`), aborts upload k at `gate_ttl + (k−1) ×
+//! self_fence_margin`, and the last ones are still streaming when the newer
+//! epochs arrive: read whole, fencegate verifiably still writing them after the
+//! newer epoch arrived (`wrote_after`), R2 (the checker's drain exemption does
+//! not cover a request still being written then: checker module doc). A
+//! correct O fenced itself long before the late poll (503 `shard_unavailable`);
+//! an O that did not, and cannot see e+1, forwards e after e+1: R1. O gets the
+//! store back, and no other instance fault runs, from the step's start to its
+//! end (~12 s). The worker is `scripts/campaign/worker.py --directed`,
+//! commanded through two files; its polls and uploads are attempts in its log
+//! like any worker's, judged by the checker from the history alone.
+//!
+//! **The foreign set-up steps** (issue 25, point 2: [`foreign`]), 16 s into the
+//! faults and every 60 s: a single instance, then an instance of another shard
+//! count, each started against the cluster's prefix while shard 0 is free, each
+//! followed by a split-brain probe. **The forged gate objects** (issue 25,
+//! point 5: [`forged`]), 1 s into the faults and every 60 s: gate objects
+//! without a valid MAC whose `advertise` is the campaign's recording listener.
+//!
+//! Instance faults come one at a time, 1–4 s apart, and none while a directed
+//! or foreign step is due or under way. Four shards would put three of the
+//! four worker leases in one shard; six spread them over three.
 //!
 //! Self-fencing is observable at the destination only where the fences and the
 //! database do not already refuse: a worker epoch that outlives a gate lease
@@ -62,7 +93,9 @@
 //! not exempted: a SIGSTOP can land in that window only while a request is
 //! between `may_forward` and its first bytes on the upstream socket (microseconds
 //! on loopback). The summary counts arrivals within 0.2 s after an instance woke
-//! from a long pause, so a violation there can be told apart.
+//! from a long pause, so a violation there can be told apart; the held uploads
+//! delivered whole or cut short; the requests relayed to a forged `advertise`;
+//! the split-brain probes.
 //!
 //! The weakened build: `scripts/campaign.sh cluster-weak [secs] [seed]` builds
 //! with `--features failpoints` and runs this campaign with `FENCEGATE_WEAKEN=
@@ -72,25 +105,53 @@
 //! violation, `[R1 epoch order]` on lease `l4` (the late poll's epoch e arrived
 //! after e+1), out of 252–384 attempts and 94–138 arrivals per 30 s run. CI
 //! runs it for 15 s of faults (~30 s, plus ~50 s for the failpoints build) and
-//! requires that violation (.ci/run).
+//! requires that violation (.ci/run). Since the busy shard, the same run also
+//! reports `[R2 drain]` on each of the four upload leases (never aborted, all
+//! four bodies read whole after the newer epochs arrived): 15 s, seed 7, 5
+//! violations.
 //! The random faults alone had not shown it (three 90 s runs, seed 7: 0
 //! violations): a frozen owner lists the store again on waking and finds its
 //! epochs stale or expired, keyed requests need a write under the owner
 //! generation, and in the windows in which a cut-off owner and its successor
 //! both serve (about 3 s per cut) no stale poll happened to reach the cut-off
-//! one after a newer epoch. The correct build, two 30 s runs (seed 7): 0
-//! violations in 313 and 350 attempts, 131 and 149 arrivals, the late poll
-//! refused both times; 42 s each, as before. What also fails
-//! against the weakened build is
+//! one after a newer epoch. What also fails against the weakened build is
 //! `cluster::an_owner_cut_off_from_the_store_stops_then_aborts_at_gate_ttl`
-//! (504 `upstream_timeout` instead of `drain_aborted`). The CI smoke is 30 s
-//! of faults; `scripts/campaign.sh cluster [secs] [seed]` runs longer.
+//! (504 `upstream_timeout` instead of `drain_aborted`).
+//!
+//! Issue 25's runs (2 shared cores). The correct build: seed 7, 30 s of
+//! faults: 433 attempts, 137 arrivals, 0 violations, 43 s in all; seed 23,
+//! 30 s: 301 and 92, 0, 42 s; seed 11, 60 s: 576 and 246, 0, 74 s. Each time
+//! the four uploads reached the destination cut short, both foreign processes
+//! (and the single instance with `--takeover-may-duplicate`) exited 2 with
+//! their reason, nothing was relayed to the forger, and a member served each
+//! forged shard again 7.5–9 s after the forged object. The build before the
+//! fixes (b53332f, run with `FENCEGATE_TEST_BIN`) — seed 7, 30 s: 144
+//! violations: the busy shard `[R2 drain]` on `l7` (the shard's uploads were
+//! aborted 2 s apart; the last ones read whole after the successor's newer
+//! epochs arrived); the single instance, let in: `[R2 drain]` on the probe's
+//! lease and on `l0`; the 4-shard instance, let in: `[R2 drain]` on the probe's
+//! lease; the forged objects (no MAC, zeros): 140 `[forged gate relay]`, each
+//! with the peer token. Seed 11, 60 s: 76 — `l6` and `l7`; the probe beside
+//! the single instance and beside the 2-shard one; 72 relays to the forger.
+//! Earlier seeds gave `[R4 dedup]` beside the single instance too.
+//!
+//! The CI smoke is 30 s of faults (~40 s in all); `scripts/campaign.sh cluster
+//! [secs] [seed]` runs longer.
 
 use super::*;
 use crate::cluster::free_port;
 use crate::support::postgres::PgServer;
 use crate::support::relay::Relay;
 use crate::support::state_toml;
+use fencegate::cluster::shard_of;
+use fencegate::epoch::{Epoch, EpochObject, LeaseName};
+use fencegate::lease::Epochs;
+
+mod foreign;
+mod forged;
+
+use foreign::{Foreign, ForeignKind, FOREIGN_FIRST, FOREIGN_SHARDS, SPLIT_LEASES, SPLIT_ROUTE};
+use forged::{Forged, Forger, FORGED_FIRST, FORGED_RULE};
 
 /// l0..l3 fall into shards 4, 5, 4, 2: three busy shards, two per instance.
 const SHARDS: u32 = 6;
@@ -112,7 +173,20 @@ const DIRECTED_TTL_MS: u64 = 30_000;
 /// healthy and quiet), the next ones this long after the previous one ended.
 const DIRECTED_FIRST: Duration = Duration::from_secs(3);
 const DIRECTED_EVERY: Duration = Duration::from_secs(60);
-
+/// The directed lease's shard.
+const DIRECTED_SHARD: u32 = 5;
+/// The busy shard's upload leases (module doc): shard 5 with `l1` and `l4`, held
+/// by the directed worker alone, each with its route `r{n}`: a route timeout far
+/// above the drain timeout, nothing recorded (the body is streamed), bodies up to
+/// twice [`UPLOAD_BYTES`].
+const UPLOAD_LEASES: [&str; 4] = ["l6", "l7", "l15", "l21"];
+const UPLOAD_ROUTE: RouteConf = RouteConf {
+    timeout_ms: 30_000,
+    drain_timeout_ms: 300,
+};
+/// Each held upload's body: well above what can be in transit between fencegate
+/// and the origin (scripts/campaign/origin.py: ~8.5 MiB here).
+const UPLOAD_BYTES: usize = 32 << 20;
 /// Where the directed step is (module doc). The directed worker is told each
 /// move through `directed.cmd` and answers in `directed.ack`
 /// (scripts/campaign/worker.py `--directed`).
@@ -125,6 +199,21 @@ enum Directed {
         n: u32,
         owner: usize,
         since: Instant,
+    },
+    /// The worker sends `owner` one held upload per upload lease (the busy shard).
+    Uploading {
+        n: u32,
+        owner: usize,
+        since: Instant,
+    },
+    /// The uploads are in flight at `owner`: waiting for its next renewal of the
+    /// shard's gate lease (a new gate epoch in its `/v1/cluster`), to cut it from
+    /// the store right after: its shard's deadline is then as late as it gets.
+    Arming {
+        n: u32,
+        owner: usize,
+        since: Instant,
+        gate: Option<u64>,
     },
     /// `owner` is cut from the store; waiting for another instance to serve the shard.
     Cut {
@@ -212,6 +301,33 @@ struct ClusterNemesis<'a> {
     directed_done: usize,
     /// When `/v1/cluster` is next asked about the directed lease's shard.
     directed_look: Instant,
+    /// The epoch the directed worker's poll made the owner's fence hold.
+    directed_epoch: String,
+    /// The directed step's held uploads (their request ids), and the last step
+    /// whose holds the origin was told to release (`origin.hold`).
+    uploads: Vec<String>,
+    released: u32,
+    /// Every hold token released so far (`origin.hold`).
+    holds: Vec<String>,
+    /// The proxy address of each instance (the workers' `proxy.addr`, with a
+    /// foreign process's while one may serve).
+    addrs: Vec<String>,
+    /// What a foreign process is started with: the campaign's routes, the
+    /// `[store]` section on the S3 server itself and the database's URL.
+    routes: String,
+    store_toml: String,
+    db: String,
+    foreign: Foreign,
+    /// Foreign steps played, of each kind.
+    foreign_done: BTreeMap<&'static str, usize>,
+    /// When the foreign step next asks `/v1/cluster` who owns shard 0.
+    foreign_look: Instant,
+    forger: Forger,
+    forged: Forged,
+    forged_done: usize,
+    forged_look: Instant,
+    /// The gate leases under `{prefix}.gate/` (the forger writes there).
+    gates: Epochs,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -285,6 +401,71 @@ impl ClusterNemesis<'_> {
         )
     }
 
+    /// `shard`'s gate epoch as instance `i` last saw it (`/v1/cluster`).
+    fn gate_epoch(&self, i: usize, shard: u32) -> Option<u64> {
+        let text = admin_get(self.instances[i].fg.admin, "/v1/cluster")?;
+        let v: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()?;
+        v["shard_map"][shard as usize]["gate_epoch"].as_u64()
+    }
+
+    /// The instance that says it serves `shard`, if one does.
+    fn shard_owner(&self, shard: u32) -> Option<usize> {
+        (0..self.instances.len()).find(|&i| {
+            admin_get(self.instances[i].fg.admin, "/v1/cluster")
+                .and_then(|t| {
+                    let v: serde_json::Value =
+                        serde_json::from_str(t.split("\r\n\r\n").nth(1)?).ok()?;
+                    Some(v["shard_map"][shard as usize]["served_here"] == true)
+                })
+                .unwrap_or(false)
+        })
+    }
+
+    /// Whether shard 0's latest gate object is a release (a graceful stop of
+    /// its owner wrote it: the shard is free).
+    fn shard0_released(&self) -> bool {
+        let gates = &self.gates;
+        let shard = LeaseName::parse("0000").unwrap();
+        tokio::runtime::Handle::current().block_on(async {
+            let Ok(latest) = gates.latest_after(&shard, Epoch::NONE).await else {
+                return false;
+            };
+            matches!(
+                gates.read(&shard, latest).await,
+                Ok(Some(EpochObject::Release { .. }))
+            )
+        })
+    }
+
+    /// Lets the origin read the held uploads of directed step `n`.
+    fn release_uploads(&mut self, n: u32) {
+        if self.released >= n {
+            return;
+        }
+        self.released = n;
+        self.release_hold(&format!("u{n}"));
+    }
+
+    /// Lets the origin answer the requests held under `token` (`origin.hold`).
+    fn release_hold(&mut self, token: &str) {
+        self.holds.push(token.to_owned());
+        let tmp = self.dir.join(format!("{HOLD_FILE}.tmp"));
+        fs::write(&tmp, self.holds.join("\n") + "\n").unwrap();
+        fs::rename(tmp, self.dir.join(HOLD_FILE)).unwrap();
+    }
+
+    /// The workers' `proxy.addr`: the instances, and `extra` (a foreign process,
+    /// three times: half the requests go to it).
+    fn write_addrs(&self, extra: Option<&str>) {
+        let mut lines = self.addrs.clone();
+        for _ in 0..3 {
+            lines.extend(extra.map(str::to_owned));
+        }
+        let tmp = self.dir.join("proxy.addr.tmp");
+        fs::write(&tmp, lines.join("\n") + "\n").unwrap();
+        fs::rename(tmp, self.dir.join("proxy.addr")).unwrap();
+    }
+
     /// Whether instance `i` serves the directed lease's shard now.
     fn serves_directed(&self, i: usize) -> bool {
         self.served(i)
@@ -302,10 +483,18 @@ impl ClusterNemesis<'_> {
             Directed::Over => false,
             _ => true,
         };
-        if healthy.len() < self.instances.len() || Instant::now() < self.quiet_until || directed_due
+        let foreign_due = match self.foreign {
+            Foreign::Idle(at, _) => Instant::now() >= at,
+            Foreign::Over => false,
+            Foreign::Active { .. } => true,
+        };
+        if healthy.len() < self.instances.len()
+            || Instant::now() < self.quiet_until
+            || directed_due
+            || foreign_due
         {
-            // One fault at a time, with a pause in between; a directed step that is
-            // due goes first.
+            // One fault at a time, with a pause in between; a directed or foreign
+            // step that is due goes first.
             return None;
         }
         let busy: Vec<String> = (0..self.workers.len())
@@ -368,6 +557,8 @@ impl ClusterNemesis<'_> {
     /// A step given up is tried again soon.
     fn end_directed(&mut self, n: u32, owner: Option<usize>, kind: &str, detail: String) {
         self.command(format!("{n} abort"));
+        self.release_uploads(n);
+        self.uploads.clear();
         if let Some(o) = owner {
             self.instances[o].cut_until = None;
             self.instances[o].store.refuse(false);
@@ -397,7 +588,8 @@ impl ClusterNemesis<'_> {
             Directed::Over => {}
             Directed::Idle(at) => {
                 let all_healthy = (0..self.instances.len()).all(|i| self.healthy(i));
-                if now < at || now < self.quiet_until || !all_healthy {
+                let foreign_busy = matches!(self.foreign, Foreign::Active { .. });
+                if now < at || now < self.quiet_until || !all_healthy || foreign_busy {
                     return;
                 }
                 let Some(owner) = (0..self.instances.len()).find(|&i| self.serves_directed(i))
@@ -419,21 +611,9 @@ impl ClusterNemesis<'_> {
             }
             Directed::Acquiring { n, owner, since } => match self.answer(n) {
                 Some(w) if w.first().is_some_and(|v| v == "acquired") => {
-                    let epoch = w.get(1).cloned().unwrap_or_default();
-                    let id = self.instances[owner].id.clone();
-                    if !self.serves_directed(owner) {
-                        let detail = format!("{n}: {id} no longer serves the shard");
-                        return self.end_directed(n, None, "directed step given up", detail);
-                    }
-                    self.instances[owner].store.refuse(true);
-                    self.instances[owner].store.cut();
-                    // A bound only: the step restores the store itself, sooner.
-                    self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
-                    self.note(
-                        "directed: cut the owner from the store",
-                        format!("{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}"),
-                    );
-                    self.directed = Directed::Cut {
+                    self.directed_epoch = w.get(1).cloned().unwrap_or_default();
+                    self.command(format!("{n} uploads {}", self.instances[owner].fg.proxy));
+                    self.directed = Directed::Uploading {
                         n,
                         owner,
                         since: now,
@@ -449,6 +629,99 @@ impl ClusterNemesis<'_> {
                 }
                 None => {}
             },
+            Directed::Uploading { n, owner, since } => {
+                let answer = self.answer(n).unwrap_or_default();
+                let arm = |me: &mut Self| {
+                    let gate = me.gate_epoch(owner, DIRECTED_SHARD);
+                    me.directed = Directed::Arming {
+                        n,
+                        owner,
+                        since: Instant::now(),
+                        gate,
+                    };
+                };
+                match answer.first().map(String::as_str) {
+                    Some("uploading") => {
+                        if self.uploads.is_empty() {
+                            self.uploads = answer[1..].to_vec();
+                        }
+                        let at = arrived(&self.dir, &self.uploads);
+                        if at < self.uploads.len() && now < since + Duration::from_secs(10) {
+                            return;
+                        }
+                        let detail = format!(
+                            "{n}: {at} of {} uploads of {} ({} MiB each, held unread) at the origin through {}",
+                            self.uploads.len(),
+                            UPLOAD_LEASES.join(", "),
+                            UPLOAD_BYTES >> 20,
+                            self.instances[owner].id
+                        );
+                        self.note(
+                            "directed: busy shard, uploads in flight at its owner",
+                            detail,
+                        );
+                        arm(self);
+                    }
+                    Some("failed") => {
+                        let detail = format!("{n}: {}", answer.join(" "));
+                        self.note("directed: busy shard, uploads not started", detail);
+                        arm(self);
+                    }
+                    _ if now > since + Duration::from_secs(20) => {
+                        let detail = format!("{n}: no answer to uploads");
+                        self.note("directed: busy shard, uploads not started", detail);
+                        arm(self);
+                    }
+                    _ => {}
+                }
+            }
+            Directed::Arming {
+                n,
+                owner,
+                since,
+                gate,
+            } => {
+                // Look often: the cut should follow the renewal closely.
+                self.directed_look = now + Duration::from_millis(50);
+                let renewed = self
+                    .gate_epoch(owner, DIRECTED_SHARD)
+                    .is_some_and(|g| gate.is_some_and(|before| g > before));
+                if !renewed && now < since + Duration::from_millis(2500) {
+                    return;
+                }
+                let id = self.instances[owner].id.clone();
+                if !self.serves_directed(owner) {
+                    let detail = format!("{n}: {id} no longer serves the shard");
+                    return self.end_directed(n, None, "directed step given up", detail);
+                }
+                self.instances[owner].store.refuse(true);
+                self.instances[owner].store.cut();
+                // A bound only: the step restores the store itself, sooner.
+                self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
+                if !self.uploads.is_empty() {
+                    // The upload leases' next epochs, ready before a successor
+                    // serves (the cut-off owner cannot see them).
+                    self.command(format!("{n} renew-uploads"));
+                }
+                let epoch = self.directed_epoch.clone();
+                self.note(
+                    "directed: cut the owner from the store",
+                    format!(
+                        "{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}, {} ms after {}",
+                        (now - since).as_millis(),
+                        if renewed {
+                            "it renewed the shard's gate lease"
+                        } else {
+                            "the uploads were in flight (no renewal seen)"
+                        }
+                    ),
+                );
+                self.directed = Directed::Cut {
+                    n,
+                    owner,
+                    since: now,
+                };
+            }
             Directed::Cut { n, owner, since } => {
                 let successor = (0..self.instances.len())
                     .find(|&i| i != owner && self.healthy(i) && self.serves_directed(i));
@@ -481,6 +754,10 @@ impl ClusterNemesis<'_> {
                 since,
             } => match self.answer(n) {
                 Some(w) if w.first().is_some_and(|v| v == "late") => {
+                    if self.released < n {
+                        // `newer` was overwritten before it was read.
+                        self.newer_epochs_in(n, successor, "ok, answered with late");
+                    }
                     let how = w[1..].join(" ");
                     let kind = if how.ends_with("origin") {
                         "directed: the late poll was answered by the origin"
@@ -497,6 +774,12 @@ impl ClusterNemesis<'_> {
                     let detail = format!("{n}: {}", w.join(" "));
                     self.end_directed(n, Some(owner), "directed step given up", detail);
                 }
+                // The upload leases' newer epochs are at the destination: the
+                // origin reads the held bodies now, whole only from an owner
+                // still writing them.
+                Some(w) if w.first().is_some_and(|v| v == "newer") && self.released < n => {
+                    self.newer_epochs_in(n, successor, &w[1..].join(" "));
+                }
                 // Still the answer to `acquire`.
                 Some(_) | None if now <= since + Duration::from_secs(30) => {}
                 Some(_) | None => {
@@ -505,6 +788,21 @@ impl ClusterNemesis<'_> {
                 }
             },
         }
+    }
+
+    /// The upload leases' newer epochs are at the destination (through
+    /// `successor`): the origin reads the held uploads now.
+    fn newer_epochs_in(&mut self, n: u32, successor: usize, how: &str) {
+        self.release_uploads(n);
+        let detail = format!(
+            "{n}: {} forwarded the newer epochs of {} ({how}); the origin reads the held uploads now",
+            self.instances[successor].id,
+            UPLOAD_LEASES.join(", "),
+        );
+        self.note(
+            "directed: busy shard, newer epochs through the successor",
+            detail,
+        );
     }
 
     /// The next instance fault comes 1–4 s after this one ended.
@@ -556,6 +854,8 @@ impl ClusterNemesis<'_> {
             }
         }
         self.directed_step();
+        self.foreign_step();
+        self.forged_step();
     }
 
     fn inject(&mut self) {
@@ -636,16 +936,52 @@ impl ClusterNemesis<'_> {
     fn heal(&mut self) -> Vec<String> {
         // At least one step per run, even a short one: the faults under way end by
         // themselves meanwhile (bounded; no new ones start).
+        // The same for the foreign and forged steps: each kind plays at least once.
         let deadline = Instant::now() + Duration::from_secs(90);
         loop {
-            let idle = matches!(self.directed, Directed::Idle(_));
-            if idle && (self.directed_done > 0 || Instant::now() > deadline) {
+            let idle = matches!(self.directed, Directed::Idle(_))
+                && matches!(self.foreign, Foreign::Idle(..))
+                && matches!(self.forged, Forged::Idle(_));
+            let played =
+                self.directed_done > 0 && self.foreign_done.len() == 2 && self.forged_done > 0;
+            if idle && (played || Instant::now() > deadline) {
                 break;
+            }
+            if Instant::now() > deadline {
+                // Not due again before the deadline: only finish what is under way.
+                if let Directed::Idle(at) = &mut self.directed {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+                if let Foreign::Idle(at, _) = &mut self.foreign {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+                if let Forged::Idle(at) = &mut self.forged {
+                    *at = deadline + Duration::from_secs(3600);
+                }
+            } else {
+                // Played already: not again.
+                if self.foreign_done.len() == 2 {
+                    if let Foreign::Idle(at, _) = &mut self.foreign {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
+                if self.forged_done > 0 {
+                    if let Forged::Idle(at) = &mut self.forged {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
+                if self.directed_done > 0 {
+                    if let Directed::Idle(at) = &mut self.directed {
+                        *at = deadline + Duration::from_secs(3600);
+                    }
+                }
             }
             self.tick();
             std::thread::sleep(Duration::from_millis(20));
         }
         self.directed = Directed::Over;
+        self.foreign = Foreign::Over;
+        self.forged = Forged::Over;
         self.command("stop".into());
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
             w.cont();
@@ -746,11 +1082,41 @@ async fn cluster_fault_campaign() {
         .and_then(|p| p.parse().ok())
         .expect("the database's port");
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
-    let routes = routes_toml(&origin_addr, "")
+    for lease in UPLOAD_LEASES.iter().chain([&DIRECTED_LEASE]) {
+        let name = LeaseName::parse(lease).unwrap();
+        assert_eq!(shard_of(&name, SHARDS), DIRECTED_SHARD, "{lease}'s shard");
+    }
+    for lease in SPLIT_LEASES {
+        let split = LeaseName::parse(lease).unwrap();
+        assert!(shard_of(&split, SHARDS) != 0);
+        for k in FOREIGN_SHARDS {
+            assert_eq!(shard_of(&split, k), 0, "{lease} in shard 0 of {k}");
+        }
+    }
+    let mut routes = routes_toml(&origin_addr, "")
         + &format!(
             "\n[[route]]\nname = \"r4\"\npath_prefix = \"/r4/\"\nupstream = \"http://{origin_addr}/r4/\"\nlease = \"{DIRECTED_LEASE}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
             DIRECTED_ROUTE.timeout_ms, DIRECTED_ROUTE.drain_timeout_ms
         );
+    for lease in SPLIT_LEASES {
+        let route = format!("r{}", &lease[1..]);
+        routes.push_str(&format!(
+            "\n[[route]]\nname = \"{route}\"\npath_prefix = \"/{route}/\"\nupstream = \"http://{origin_addr}/{route}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\n",
+            SPLIT_ROUTE.timeout_ms, SPLIT_ROUTE.drain_timeout_ms
+        ));
+    }
+    for lease in UPLOAD_LEASES {
+        let route = format!("r{}", &lease[1..]);
+        routes.push_str(&format!(
+            "\n[[route]]\nname = \"{route}\"\npath_prefix = \"/{route}/\"\nupstream = \"http://{origin_addr}/{route}/\"\nlease = \"{lease}\"\ntimeout_ms = {}\ndrain_timeout_ms = {}\nderive_key = \"none\"\nmax_body_bytes = {}\n",
+            UPLOAD_ROUTE.timeout_ms,
+            UPLOAD_ROUTE.drain_timeout_ms,
+            2 * UPLOAD_BYTES
+        ));
+    }
+    let direct_store = s3
+        .store_toml(200)
+        .replace("timeout_ms = 1500", "timeout_ms = 1000");
     let s3_port: u16 = s3
         .endpoint
         .rsplit(':')
@@ -794,6 +1160,7 @@ async fn cluster_fault_campaign() {
     tokio::task::block_in_place(|| settle(&instances));
     let addrs: Vec<String> = instances.iter().map(|m| m.fg.proxy.to_string()).collect();
     fs::write(dir.join("proxy.addr"), addrs.join("\n") + "\n").unwrap();
+    let gates = Epochs::new(s3.store().await, format!("{PREFIX}.gate/"));
 
     let mut nemesis = ClusterNemesis {
         rng: StdRng::seed_from_u64(seed),
@@ -809,6 +1176,22 @@ async fn cluster_fault_campaign() {
         directed: Directed::Idle(Instant::now() + DIRECTED_FIRST),
         directed_done: 0,
         directed_look: Instant::now(),
+        directed_epoch: String::new(),
+        uploads: Vec::new(),
+        released: 0,
+        holds: Vec::new(),
+        addrs,
+        routes,
+        store_toml: direct_store,
+        db: db.clone(),
+        foreign: Foreign::Idle(Instant::now() + FOREIGN_FIRST, ForeignKind::Single),
+        foreign_done: BTreeMap::new(),
+        foreign_look: Instant::now(),
+        forger: Forger::start(),
+        forged: Forged::Idle(Instant::now() + FORGED_FIRST),
+        forged_done: 0,
+        forged_look: Instant::now(),
+        gates,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
@@ -857,6 +1240,10 @@ async fn cluster_fault_campaign() {
             &DIRECTED_TTL_MS.to_string(),
             "--directed",
             ctl.to_str().unwrap(),
+            "--upload-leases",
+            &UPLOAD_LEASES.join(","),
+            "--upload-bytes",
+            &UPLOAD_BYTES.to_string(),
             "--client-timeout",
             "3",
         ],
@@ -865,6 +1252,7 @@ async fn cluster_fault_campaign() {
         nemesis.run(secs);
         nemesis.heal()
     });
+    let relayed = nemesis.forger.seen();
     let ClusterNemesis {
         mut events,
         timeline,
@@ -896,6 +1284,29 @@ async fn cluster_fault_campaign() {
     *events
         .entry("(arrivals within 0.2 s after an instance woke from a long pause)".into())
         .or_default() += woke;
+    // The held uploads: how far each got at the destination.
+    let bodies: Vec<serde_json::Value> = json_lines(&dir.join("origin.jsonl"))
+        .into_iter()
+        .filter(|v| v["ev"] == "body" && v["size"].as_u64().is_some_and(|n| n > 0))
+        .collect();
+    let whole = bodies.iter().filter(|v| v["whole"] == true).count();
+    *events
+        .entry("(held uploads delivered whole)".into())
+        .or_default() += whole;
+    *events
+        .entry("(held uploads cut short at the destination)".into())
+        .or_default() += bodies.len() - whole;
+    *events
+        .entry("(requests relayed to a forged gate object's advertise)".into())
+        .or_default() += relayed.len();
+    let extra_violations: Vec<checker::Violation> = relayed
+        .into_iter()
+        .map(|r| checker::Violation {
+            rule: FORGED_RULE,
+            what: "a member relayed a worker's request to the advertise of a forged gate object (no valid MAC)".into(),
+            entries: vec![r],
+        })
+        .collect();
     let mut problems = worker_failures;
     problems.extend(
         unexpected_exits
@@ -910,7 +1321,7 @@ async fn cluster_fault_campaign() {
             n_workers: n_workers + 1,
             title: format!(
                 "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
-                LEASES.len() + 1
+                LEASES.len() + 1 + SPLIT_LEASES.len() + UPLOAD_LEASES.len()
             ),
             events,
             timeline,
@@ -918,7 +1329,11 @@ async fn cluster_fault_campaign() {
             origin_pauses: Vec::new(),
             problems,
             begun,
-            extra_lease: Some((DIRECTED_LEASE, DIRECTED_ROUTE)),
+            extra_leases: std::iter::once((DIRECTED_LEASE.to_owned(), DIRECTED_ROUTE))
+                .chain(SPLIT_LEASES.iter().map(|l| (l.to_string(), SPLIT_ROUTE)))
+                .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
+                .collect(),
+            extra_violations,
         },
     )
     .await;

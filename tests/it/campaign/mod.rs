@@ -22,7 +22,17 @@
 //!   fencegate's `fencegate_drains_started` goes up for a lease with a wide drain
 //!   timeout (`l1`, `l3`) — a raise is waiting for an older request still
 //!   executing at the destination — fencegate is killed and restarted at once. After the restart nothing above the epoch whose drain
-//!   completed may be forwarded before the drain timeout has passed (SPEC §5).
+//!   completed may be forwarded before the drain timeout has passed (SPEC §5);
+//! - a copy of the instance (issue 25, point 4: [`clone`]): a second fencegate
+//!   started with a copy of the running instance's `instance-id` (odd steps) or
+//!   of its whole `data_dir` (even steps), on the same store and prefix, with
+//!   its address in the workers' `proxy.addr` (half the requests go to it), 6 s
+//!   into the faults with the original running, then with the original
+//!   SIGSTOPped (resumed as soon as the copy's start-up is over), and again
+//!   every 60 s. Expected: both exit 2 (the guard is held under their id by a
+//!   process that is not provably gone), logged in the timeline as refused; a
+//!   build that lets a copy in has two processes forwarding, each with its own
+//!   marks and dedup records, for 6 s.
 //!
 //! Two edges are exercised by the set-up rather than by events: route `r1` has a
 //! route timeout (300 ms) well below its drain timeout (1200 ms) and below many of
@@ -41,7 +51,22 @@
 //! store, each route's drain timeout). Any violation fails the test with the
 //! offending entries printed and the run's directory kept.
 //!
-//! The CI smoke is 30 s of faults (~45 s in all). The long run:
+//! The instance reaches the S3 server through its own TCP relay, which the clone
+//! step cuts while the instance is frozen (a single-threaded S3 server held by a
+//! call the frozen process was in the middle of would fail the copy's store
+//! self-test instead of letting it meet the guard).
+//!
+//! Issue 25's runs of the clone step (2 shared cores): the correct build, seeds
+//! 5 and 23 (30 s) and 11 (60 s): 0 violations, every copy refused (exit 2);
+//! in the 60 s run the copy of the frozen original took over 9.2 s into the
+//! freeze after 15 refused starts, and the resumed original said once that two
+//! processes share its id. The build before the fixes (b53332f, with
+//! `FENCEGATE_TEST_BIN`) let every copy in at once: seed 5, 30 s: 4 violations
+//! (`[R4 dedup]`, and in another run `[R2 drain]` too); seed 11, 30 s: 11
+//! (`[R2 drain]` 5, `[R4 dedup]` 6); seed 11, 60 s: 23 (8 and 15), all while a
+//! copy served; the resumed original never said a word.
+//!
+//! The CI smoke is 30 s of faults (~40 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables
 //! `FENCEGATE_CAMPAIGN_SECS`, `FENCEGATE_CAMPAIGN_SEED`,
 //! `FENCEGATE_CAMPAIGN_WORKERS` (default 6), `FENCEGATE_CAMPAIGN_KEEP=1` (keep
@@ -50,6 +75,7 @@
 //! and must make the checker report R4 violations).
 
 mod checker;
+mod clone;
 mod cluster;
 
 use std::collections::BTreeMap;
@@ -70,6 +96,7 @@ use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
 const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
 
 /// One route of the campaign's fencegate: route `r{i}` protects lease `LEASES[i]`.
+#[derive(Debug, Clone, Copy)]
 struct RouteConf {
     timeout_ms: u64,
     drain_timeout_ms: u64,
@@ -233,6 +260,9 @@ impl Drop for Proc {
 
 /// The origin's slow window (`--slow-file`), written by the nemesis.
 const SLOW_FILE: &str = "origin.slow";
+/// The held uploads released so far (`--hold-file`: the cluster campaign's
+/// directed step number), written by the nemesis.
+const HOLD_FILE: &str = "origin.hold";
 
 /// Every request arriving at the origin before `until` takes `ms` (a range).
 fn slow_origin(dir: &Path, until: Instant, ms: (u64, u64)) {
@@ -250,6 +280,8 @@ fn start_origin(dir: &Path, seed: u64) -> (Proc, String) {
         .arg(dir.join("origin.jsonl"))
         .arg("--slow-file")
         .arg(dir.join(SLOW_FILE))
+        .arg("--hold-file")
+        .arg(dir.join(HOLD_FILE))
         .args(["--seed", &seed.to_string()])
         .stdout(Stdio::piped())
         .stderr(fs::File::create(dir.join("origin.stderr")).unwrap())
@@ -367,6 +399,17 @@ struct Nemesis<'a> {
     /// Kill fencegate as soon as its drains-started counter exceeds this value,
     /// unless the instant passes first.
     drain_watch: Option<(Instant, u64)>,
+    /// The `[store]` section and routes: what a copy of the instance starts with.
+    base_config: String,
+    /// The instance's own relay to the S3 server (the copy reaches it directly).
+    store_relay: crate::support::relay::Relay,
+    /// The clone step (tests/it/campaign/clone.rs), the steps played, and the
+    /// address of a copy that may be serving (in `proxy.addr` with the original's).
+    clone: clone::CloneStep,
+    clones_done: usize,
+    clone_addr: Option<String>,
+    /// A run of a minute or more (the clone step's takeover variant).
+    long_run: bool,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -391,7 +434,11 @@ impl Nemesis<'_> {
 
     fn write_addr(&self) {
         let tmp = self.dir.join("proxy.addr.tmp");
-        fs::write(&tmp, self.fg.proxy.to_string()).unwrap();
+        let mut text = self.fg.proxy.to_string();
+        if let Some(copy) = &self.clone_addr {
+            text = format!("{text}\n{copy}");
+        }
+        fs::write(&tmp, text).unwrap();
         fs::rename(tmp, self.dir.join("proxy.addr")).unwrap();
     }
 
@@ -469,6 +516,7 @@ impl Nemesis<'_> {
             }
         }
         self.watch_drain(now);
+        self.clone_step();
     }
 
     /// The kill -9 during a drain: once a raise of a lease with a wide drain
@@ -552,6 +600,9 @@ impl Nemesis<'_> {
     fn inject(&mut self) {
         let now = Instant::now();
         let x = self.rng.gen_range(0..100);
+        if x >= 30 && self.clone_serving() {
+            return; // nothing on the original while a copy serves beside it
+        }
         if x < 30 {
             if let Some((kind, detail)) = pause_worker(
                 &mut self.rng,
@@ -633,6 +684,16 @@ impl Nemesis<'_> {
 
     /// Ends every fault, then lets the workers finish (bounded).
     fn heal(&mut self) -> Vec<String> {
+        // Both clone steps at least once, even in a short run (bounded).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while (self.clones_done < 2 || self.clone_serving()) && Instant::now() < deadline {
+            self.tick();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if self.clone_serving() {
+            self.end_clone();
+        }
+        self.clone = clone::CloneStep::Over;
         for (w, r) in self.workers.iter_mut().zip(self.worker_resume.iter_mut()) {
             w.cont();
             *r = None;
@@ -698,6 +759,15 @@ impl Faults for Nemesis<'_> {
     fn rng(&mut self) -> &mut StdRng {
         &mut self.rng
     }
+}
+
+/// How many of the requests `reqs` (worker request ids) the origin logged as
+/// arrived.
+fn arrived(dir: &Path, reqs: &[String]) -> usize {
+    let text = fs::read_to_string(dir.join("origin.jsonl")).unwrap_or_default();
+    reqs.iter()
+        .filter(|r| text.contains(&format!("\"req\":\"{r}\"")))
+        .count()
 }
 
 /// Lets the workers finish (40 s at most): how those that failed ended.
@@ -905,6 +975,7 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
                     key: s(&v["key"]),
                     arrive: v["arrive"].as_u64().unwrap(),
                     complete: None,
+                    wrote_after: None,
                     status: None,
                     body: None,
                 },
@@ -912,11 +983,17 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
         }
     }
     for v in &lines {
+        if v["ev"] != "done" && v["ev"] != "body" {
+            continue;
+        }
+        let a = by_seq.get_mut(&v["seq"].as_u64().unwrap()).unwrap();
         if v["ev"] == "done" {
-            let a = by_seq.get_mut(&v["seq"].as_u64().unwrap()).unwrap();
             a.complete = v["complete"].as_u64();
             a.status = v["status"].as_u64().map(|s| s as u16);
             a.body = s(&v["body"]);
+        } else {
+            // A held upload's body (scripts/campaign/origin.py).
+            a.wrote_after = v["wrote_after"].as_u64();
         }
     }
     by_seq.into_values().collect()
@@ -1033,7 +1110,22 @@ async fn fault_campaign() {
     // Extra route lines, for checking the checker against a weakened fencegate
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
-    let config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
+    let base_config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
+    // The instance reaches the store through its own relay: the clone step cuts
+    // it while the instance is frozen, so that the single-threaded S3 server is
+    // not held by a request the frozen process was in the middle of (a copy
+    // started then would fail its store self-test instead of meeting the guard).
+    let s3_port: u16 = s3
+        .endpoint
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("the S3 server's port");
+    let store_relay = crate::support::relay::Relay::start(s3_port).await;
+    let config = base_config.replace(
+        &format!("http://127.0.0.1:{s3_port}"),
+        &format!("http://127.0.0.1:{}", store_relay.addr.port()),
+    );
     let fg = Fencegate::start(&config);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
@@ -1061,6 +1153,12 @@ async fn fault_campaign() {
         armed: None,
         down: None,
         drain_watch: None,
+        base_config,
+        store_relay,
+        clone: clone::CloneStep::first(),
+        clones_done: 0,
+        clone_addr: None,
+        long_run: secs >= 60,
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
@@ -1112,7 +1210,8 @@ async fn fault_campaign() {
             origin_pauses,
             problems,
             begun,
-            extra_lease: None,
+            extra_leases: Vec::new(),
+            extra_violations: Vec::new(),
         },
     )
     .await;
@@ -1131,9 +1230,13 @@ struct Run {
     /// Failures seen outside the history (workers, unexpected exits).
     problems: Vec<String>,
     begun: Instant,
-    /// A lease beyond [`LEASES`] and its route (`r` and the lease's digits): the
-    /// cluster campaign's directed lease.
-    extra_lease: Option<(&'static str, RouteConf)>,
+    /// Leases beyond [`LEASES`] and their routes (`r` and the lease's digits): the
+    /// cluster campaign's directed lease and its upload leases.
+    extra_leases: Vec<(String, RouteConf)>,
+    /// Violations the nemesis saw itself, outside the history (the cluster
+    /// campaign's requests relayed to a forged gate object's `advertise`):
+    /// printed and counted with the checker's.
+    extra_violations: Vec<checker::Violation>,
 }
 
 /// Reads the history in `tmp` (origin log, worker logs, the store's epochs),
@@ -1149,10 +1252,11 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         origin_pauses,
         mut problems,
         begun,
-        extra_lease,
+        extra_leases,
+        extra_violations,
     } = run;
     let dir = tmp.path().to_owned();
-    let mut leases = LEASES.to_vec();
+    let mut leases: Vec<&str> = LEASES.to_vec();
     let mut routes: BTreeMap<String, String> = LEASES
         .iter()
         .enumerate()
@@ -1163,7 +1267,7 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         .enumerate()
         .map(|(i, r)| (format!("r{i}"), r.drain_timeout_ms * 1_000_000))
         .collect();
-    if let Some((lease, r)) = &extra_lease {
+    for (lease, r) in &extra_leases {
         let route = format!("r{}", &lease[1..]);
         leases.push(lease);
         routes.insert(route.clone(), lease.to_string());
@@ -1209,7 +1313,8 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         tenures.extend(read_tenures(&log));
     }
     edge_figures(&history, &tenures, &expiry, &origin_pauses, &mut events);
-    let report = checker::check(&history);
+    let mut report = checker::check(&history);
+    report.violations.extend(extra_violations);
 
     println!("\n=== {title} ===");
     println!(

@@ -232,6 +232,8 @@ pub struct Fencegate {
     /// More `serve` arguments.
     args: Vec<String>,
     pub stderr_path: PathBuf,
+    /// How the last [`Fencegate::spawn`] that failed ended (e.g. exit 2: refused).
+    pub last_exit: Option<std::process::ExitStatus>,
 }
 
 /// The fencegate binary under test: this build's, or `FENCEGATE_TEST_BIN` (to
@@ -326,6 +328,7 @@ impl Fencegate {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
             args: args.iter().map(|a| a.to_string()).collect(),
+            last_exit: None,
         }
     }
 
@@ -359,7 +362,7 @@ impl Fencegate {
         let mut line = String::new();
         let _ = BufReader::new(stdout).read_line(&mut line);
         if line.trim().is_empty() {
-            let _ = child.wait();
+            self.last_exit = child.wait().ok();
             return Err(self.stderr());
         }
         let v: serde_json::Value = serde_json::from_str(line.trim())

@@ -144,8 +144,8 @@ impl Nemesis<'_> {
         let what = if n % 2 == 1 && original != Original::FrozenPastTtl {
             fs::create_dir_all(&to).unwrap();
             fs::copy(
-                from.join(fencegate::guard::ID_FILE),
-                to.join(fencegate::guard::ID_FILE),
+                from.join(fencegate::cluster::guard::ID_FILE),
+                to.join(fencegate::cluster::guard::ID_FILE),
             )
             .unwrap();
             "its instance-id"

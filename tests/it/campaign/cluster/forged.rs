@@ -196,7 +196,11 @@ impl ClusterNemesis<'_> {
                     match variant {
                         0 => rec.mac = None,
                         1 => rec.mac = Some("00".repeat(32)),
-                        _ => GateKey::from_peer_token("not-the-peer-token").seal(&mut rec),
+                        _ => GateKey::from_peer_token(
+                            "not-the-peer-token",
+                            &format!("{PREFIX}.gate/"),
+                        )
+                        .seal(&mut rec),
                     }
                     match gates.create(&name, next, rec.to_json().into()).await {
                         Ok(CreateOutcome::Created) => return Some(next.get()),

@@ -139,25 +139,9 @@ pub struct InstanceGuard {
 
 /// This instance's id, created once in `data_dir`.
 pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
-    let path = data_dir.join(ID_FILE);
-    let err = |detail: String| GuardError::Id {
-        path: path.display().to_string(),
-        detail,
-    };
-    match std::fs::read_to_string(&path) {
-        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_owned()),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(err(e.to_string())),
-    }
-    std::fs::create_dir_all(data_dir).map_err(|e| err(e.to_string()))?;
-    let id = format!("fg-{}", &acquire::fresh_token()[..16]);
-    // Written to a temporary name and renamed: never a half-written id.
-    let tmp = data_dir.join(format!("{ID_FILE}.tmp"));
-    std::fs::write(&tmp, format!("{id}\n"))
-        .and_then(|()| std::fs::rename(&tmp, &path))
-        .map_err(|e| err(e.to_string()))?;
-    Ok(id)
+    kept(data_dir, ID_FILE, || {
+        format!("fg-{}", &acquire::fresh_token()[..16])
+    })
 }
 
 /// The file in `data_dir` that keeps the secret this instance seals its gate
@@ -166,7 +150,13 @@ pub const KEY_FILE: &str = "gate-key";
 
 /// This instance's gate-object secret, created once in `data_dir`.
 fn gate_secret(data_dir: &Path) -> Result<String, GuardError> {
-    let path = data_dir.join(KEY_FILE);
+    kept(data_dir, KEY_FILE, acquire::fresh_token)
+}
+
+/// The value kept in `data_dir/file`, made by `make` and written the first time
+/// (to a temporary name, then renamed: never half written).
+fn kept(data_dir: &Path, file: &str, make: impl FnOnce() -> String) -> Result<String, GuardError> {
+    let path = data_dir.join(file);
     let err = |detail: String| GuardError::Id {
         path: path.display().to_string(),
         detail,
@@ -178,12 +168,12 @@ fn gate_secret(data_dir: &Path) -> Result<String, GuardError> {
         Err(e) => return Err(err(e.to_string())),
     }
     std::fs::create_dir_all(data_dir).map_err(|e| err(e.to_string()))?;
-    let secret = acquire::fresh_token();
-    let tmp = data_dir.join(format!("{KEY_FILE}.tmp"));
-    std::fs::write(&tmp, format!("{secret}\n"))
+    let value = make();
+    let tmp = data_dir.join(format!("{file}.tmp"));
+    std::fs::write(&tmp, format!("{value}\n"))
         .and_then(|()| std::fs::rename(&tmp, &path))
         .map_err(|e| err(e.to_string()))?;
-    Ok(secret)
+    Ok(value)
 }
 
 /// This process as gate objects record it, or `None` (said once) without `/proc`.

@@ -620,12 +620,82 @@ fn dockerfile_runtime_stage_matches_the_binary() {
         assert!(expose.contains(&port.to_string()), "EXPOSE {port}");
     }
     assert!(runtime.contains(&format!(
-        "http://127.0.0.1:{}/healthz",
+        "http://127.0.0.1:{}/readyz",
         cfg.server.admin_listen.port()
     )));
+    // No admin listener open to the network without a token.
+    assert!(
+        cfg.server.admin_listen.ip().is_loopback() || cfg.server.admin_token.is_some(),
+        "the baked config exposes the admin API without a token"
+    );
     // Every path the image uses for state is under the declared volume.
     assert!(cfg.server.data_dir.starts_with("/var/lib/fencegate"));
     assert!(runtime.contains("VOLUME [\"/var/lib/fencegate\"]"));
+}
+
+/// The image's build stage copies every path the manifest names (the benches
+/// Cargo.toml declares, build.rs, the lockfile, src, config): without them
+/// `cargo build` fails before compiling anything (a newcomer's first build did).
+/// And the build context leaves out what is large and local.
+#[test]
+fn dockerfile_build_stage_copies_what_the_manifest_needs() {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap();
+    let build = text.split("FROM ").nth(1).unwrap();
+    let copied: Vec<&str> = build
+        .lines()
+        .filter_map(|l| l.strip_prefix("COPY "))
+        .flat_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            parts[..parts.len() - 1].to_vec()
+        })
+        .collect();
+    let manifest: toml::Table =
+        toml::from_str(&std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap()).unwrap();
+    let mut needed = vec![
+        "Cargo.toml".to_owned(),
+        "Cargo.lock".to_owned(),
+        "build.rs".to_owned(),
+        "src".to_owned(),
+    ];
+    for table in ["bench", "test", "example"] {
+        for t in manifest
+            .get(table)
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let name = t["name"].as_str().unwrap();
+            let path = t
+                .get("path")
+                .and_then(|p| p.as_str())
+                .map(str::to_owned)
+                .unwrap_or_else(|| {
+                    let dir = match table {
+                        "bench" => "benches",
+                        "test" => "tests",
+                        _ => "examples",
+                    };
+                    format!("{dir}/{name}.rs")
+                });
+            needed.push(path);
+        }
+    }
+    for path in &needed {
+        assert!(
+            copied
+                .iter()
+                .any(|c| path == c || path.starts_with(&format!("{}/", c.trim_end_matches('/')))),
+            "the build stage does not copy {path} (COPY lines: {copied:?})"
+        );
+        assert!(
+            repo_root().join(path).exists(),
+            "{path} is named but missing"
+        );
+    }
+    let ignore = std::fs::read_to_string(repo_root().join(".dockerignore")).unwrap();
+    for big in ["target/", ".venv/", "node_modules/"] {
+        assert!(ignore.contains(big), ".dockerignore leaves out {big}");
+    }
 }
 
 /// SPEC §8: SIGHUP reloads the listener's TLS certificate. New connections get the

@@ -339,3 +339,57 @@ fn every_command_has_help() {
         "the commit in --version"
     );
 }
+
+/// The minimum Rust the README and Cargo.toml state is the real one: no locked
+/// dependency built on Linux declares a higher `rust-version` (21 aws crates
+/// declared 1.94.1 while both said 1.85), and the README says the same version.
+#[test]
+fn the_stated_rust_version_is_the_real_minimum() {
+    let root = repo_root();
+    let manifest: toml::Table =
+        toml::from_str(&std::fs::read_to_string(root.join("Cargo.toml")).unwrap()).unwrap();
+    let ours = manifest["package"]["rust-version"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let version = |v: &str| -> Vec<u64> { v.split('.').map(|p| p.parse().unwrap()).collect() };
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(["metadata", "--format-version", "1", "--locked"])
+        .args(["--filter-platform", "x86_64-unknown-linux-gnu"])
+        .current_dir(&root)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let used: std::collections::HashSet<&str> = meta["resolve"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n["id"].as_str())
+        .collect();
+    let higher: Vec<String> = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["id"].as_str().is_some_and(|id| used.contains(id)))
+        .filter_map(|p| {
+            let rv = p["rust_version"].as_str()?;
+            (version(rv) > version(&ours))
+                .then(|| format!("{} {} needs {rv}", p["name"], p["version"]))
+        })
+        .collect();
+    assert!(
+        higher.is_empty(),
+        "rust-version {ours} is below: {higher:?}"
+    );
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("Rust {ours}+")),
+        "the README states another minimum than Cargo.toml's {ours}"
+    );
+    assert!(readme.contains("cargo install --path . --locked"));
+}

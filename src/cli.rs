@@ -487,6 +487,19 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
     let epochs = Epochs::new(store, cfg.store.prefix.clone());
     let grace = Duration::from_millis(cfg.store.grace_ms);
     let held_or = |e: AcquireError| -> anyhow::Result<ExitCode> {
+        if env && e.is_held() {
+            // Nothing a shell could use as its own: `eval "$(…)"` of this
+            // unsets what an earlier run set, says why on stderr, and fails
+            // (another holder's epoch, set, would be sent with no token).
+            println!("unset FENCEGATE_EPOCH FENCEGATE_TOKEN FENCEGATE_EXPIRES_AT");
+            println!(
+                "echo 'fencegate: {} (nothing was acquired: exit 3)' >&2",
+                e.to_string().replace('\'', "")
+            );
+            println!("false");
+            eprintln!("fencegate: {e}");
+            return Ok(ExitCode::from(EXIT_HELD));
+        }
         if let AcquireError::Held {
             lease,
             epoch,

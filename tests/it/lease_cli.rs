@@ -410,6 +410,44 @@ async fn cli_round_trip_on_dir_store() {
     );
 }
 
+/// `--format env` when the lease is held by someone else (issue 32: a second run
+/// of the quick start): exit 3, and what `eval` runs sets nothing usable — no
+/// other holder's epoch — unsets an earlier run's values, says why on stderr and
+/// fails, so a script with `eval "$(…)" || exit` stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn format_env_of_a_held_lease_sets_nothing_and_fails_in_the_shell() {
+    let cli = LeaseCli::dir();
+    let first = cli
+        .run(
+            "acquire",
+            &["--lease", "jobs", "--holder", "one", "--format", "env"],
+        )
+        .await;
+    assert_eq!(first.code, 0, "{first:?}");
+    assert!(first.stdout.contains("FENCEGATE_TOKEN='"), "{first:?}");
+    let second = cli
+        .run(
+            "acquire",
+            &["--lease", "jobs", "--holder", "two", "--format", "env"],
+        )
+        .await;
+    assert_eq!(second.code, 3, "{second:?}");
+    assert!(!second.stdout.contains("FENCEGATE_EPOCH="), "{second:?}");
+    let script = format!(
+        "FENCEGATE_EPOCH=7; FENCEGATE_TOKEN=t; eval \"$(cat <<'EOF'\n{}EOF\n)\" && echo evaluated; echo \"epoch=${{FENCEGATE_EPOCH:-unset}}\"",
+        second.stdout
+    );
+    let sh = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&sh.stdout);
+    let err = String::from_utf8_lossy(&sh.stderr);
+    assert!(!out.contains("evaluated"), "eval succeeded: {out}");
+    assert!(out.contains("epoch=unset"), "{out}");
+    assert!(err.contains("nothing was acquired"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_usage_and_config_errors_exit_2() {
     let cli = LeaseCli::dir();

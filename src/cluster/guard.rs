@@ -222,7 +222,8 @@ impl InstanceGuard {
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
-        let last = guard.last_record(before.latest).await?;
+        let last = guard.last_record(&before).await?;
+        let previous = last.as_ref().map(|r| r.holder.clone());
         if last.is_none()
             && before.latest != crate::epoch::Epoch::NONE
             && free
@@ -269,7 +270,6 @@ impl InstanceGuard {
             Err(e) => return Err(e),
         }
         guard.after_take().await?;
-        let previous = guard.last_record(before.latest).await?.map(|r| r.holder);
         match previous.as_deref() {
             Some(h) if h != guard.id => tracing::warn!(
                 previous = h,
@@ -307,11 +307,11 @@ impl InstanceGuard {
                 holder,
             };
             tracing::error!(error = %err, "a cluster still holds gate leases under this prefix: releasing the instance guard, forwarding nothing");
-            *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = Some(err.to_string());
+            self.set_conflict(Some(err.to_string()));
             self.release().await;
             return Err(err);
         }
-        *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.set_conflict(None);
         Ok(())
     }
 
@@ -334,15 +334,18 @@ impl InstanceGuard {
         })
     }
 
-    /// The latest gate object of shard 0 at or below `latest` that parses
-    /// (garbage written over it says nothing of who held the guard); a few
+    /// The latest gate object of shard 0 that parses (garbage written over it
+    /// says nothing of who held the guard), from `st`'s own read and a few
     /// epochs back at most.
     async fn last_record(
         &self,
-        latest: crate::epoch::Epoch,
+        st: &acquire::LeaseStatus,
     ) -> Result<Option<EpochRecord>, StoreError> {
-        let mut e = latest.get();
-        for _ in 0..32 {
+        if let Some(r) = &st.record {
+            return Ok(Some(r.clone()));
+        }
+        let mut e = st.latest.get().saturating_sub(1);
+        for _ in 1..32 {
             if e == 0 {
                 break;
             }
@@ -352,6 +355,10 @@ impl InstanceGuard {
             e -= 1;
         }
         Ok(None)
+    }
+
+    fn set_conflict(&self, why: Option<String>) {
+        *self.conflict.lock().unwrap_or_else(|p| p.into_inner()) = why;
     }
 
     /// Why this instance forwards nothing, if another set-up holds the prefix.
@@ -468,7 +475,7 @@ impl InstanceGuard {
         let Ok(st) = acquire::status_after(&self.epochs, &self.shard, known).await else {
             return; // the next round looks again
         };
-        let Ok(Some(rec)) = self.latest_record(st.latest).await else {
+        let Some(rec) = &st.record else {
             return;
         };
         if rec.holder != self.id {

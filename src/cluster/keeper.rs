@@ -18,7 +18,6 @@ use super::{lock, shard_of_id, Cluster};
 use crate::epoch::EpochObject;
 use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::StoreError;
-use crate::setup::SetUp;
 
 impl Cluster {
     /// Keeps this instance's shards until `stop`, then hands them all over.
@@ -153,17 +152,10 @@ impl Cluster {
         }
         match self.look(shard, g).await {
             Ok(seen) => {
-                let conflict = match &seen.verdict {
-                    Some(Verdict::Foreign(theirs)) if !seen.free => Some(Conflict {
-                        shard,
-                        theirs: *theirs,
-                        ours: SetUp::Cluster {
-                            shards: self.shards,
-                        },
-                        holder: seen.holder.clone().unwrap_or_default(),
-                    }),
-                    _ => None,
-                };
+                let conflict = seen
+                    .verdict
+                    .as_ref()
+                    .and_then(|v| self.conflict_of(shard, v, seen.free, seen.holder.as_deref()));
                 if let Some(Verdict::Untrusted(why)) = &seen.verdict {
                     if lock(&g.seen).epoch != seen.epoch {
                         tracing::error!(shard, gate_epoch = %seen.epoch, why, "an untrusted gate object: no owner is taken from it, nothing is relayed by it, and the shard is unavailable until gate_ttl after it was written");

@@ -60,18 +60,13 @@ impl Cluster {
     /// shard this cluster uses, or any the set-up named by shard 0 uses —
     /// refuses start-up. Running, the keeper looks again every round.
     pub(super) async fn check_set_up(&self) -> Result<(), ClusterError> {
-        let anchor = self.read_latest(0).await?;
         // Every shard gate lease ever used under the prefix, whatever shard 0's
         // latest object claims (it may be garbage).
         let shards = self
             .shards
             .max(crate::setup::shards_in_use(&self.epochs).await?);
         for shard in 0..shards {
-            let read = if shard == 0 {
-                anchor.clone()
-            } else {
-                self.read_latest(shard).await?
-            };
+            let read = self.read_latest(shard).await?;
             if let Some(c) = self.live_conflict(shard, read.as_ref()) {
                 return Err(ClusterError::OtherSetUp(c));
             }
@@ -81,12 +76,19 @@ impl Cluster {
 
     /// The latest gate object of `shard` (any shard name, ours or another
     /// set-up's): its epoch, its record if it parses, and whether it is free.
+    /// Listed after the epoch this instance last saw of it, if any (never
+    /// below the latest: the look or renewal that saw it listed or created it),
+    /// so that a takeover's anchor check does not page through shard 0's history.
     pub(super) async fn read_latest(
         &self,
         shard: u32,
     ) -> Result<Option<(Epoch, Option<EpochRecord>, bool)>, StoreError> {
         let name = shard_name(shard);
-        let latest = self.epochs.latest_after(&name, Epoch::NONE).await?;
+        let known = self
+            .gates
+            .get(shard as usize)
+            .map_or(Epoch::NONE, |g| lock(&g.seen).epoch);
+        let latest = self.epochs.latest_after(&name, known).await?;
         self.read_at(shard, latest).await
     }
 
@@ -163,14 +165,31 @@ impl Cluster {
         read: Option<&(Epoch, Option<EpochRecord>, bool)>,
     ) -> Option<Conflict> {
         let (epoch, rec, free) = read?;
-        match self.verdict(shard, *epoch, rec.as_ref()) {
+        let holder = rec.as_ref().map(|r| r.holder.as_str());
+        self.conflict_of(
+            shard,
+            &self.verdict(shard, *epoch, rec.as_ref()),
+            *free,
+            holder,
+        )
+    }
+
+    /// The conflict a shard's latest gate object makes: another set-up's, live.
+    pub(super) fn conflict_of(
+        &self,
+        shard: u32,
+        verdict: &Verdict,
+        free: bool,
+        holder: Option<&str>,
+    ) -> Option<Conflict> {
+        match verdict {
             Verdict::Foreign(theirs) if !free => Some(Conflict {
                 shard,
-                theirs,
+                theirs: *theirs,
                 ours: SetUp::Cluster {
                     shards: self.shards,
                 },
-                holder: rec.as_ref().map(|r| r.holder.clone()).unwrap_or_default(),
+                holder: holder.unwrap_or_default().to_owned(),
             }),
             _ => None,
         }

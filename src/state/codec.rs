@@ -37,13 +37,7 @@ pub fn encode(r: &Record) -> Vec<u8> {
         Some(s) => {
             out.push(1);
             out.extend_from_slice(&s.status.to_be_bytes());
-            out.extend_from_slice(&(s.headers.len() as u32).to_be_bytes());
-            for (n, v) in &s.headers {
-                out.extend_from_slice(&(n.len() as u32).to_be_bytes());
-                out.extend_from_slice(n.as_bytes());
-                out.extend_from_slice(&(v.len() as u32).to_be_bytes());
-                out.extend_from_slice(v);
-            }
+            put_headers(&mut out, &s.headers);
             match &s.body {
                 None => out.push(0),
                 Some(b) => {
@@ -105,6 +99,49 @@ impl<'a> Reader<'a> {
             .and_then(|b| b.try_into().ok())
             .map(u64::from_be_bytes)
     }
+    fn headers(&mut self) -> Option<Vec<(String, Vec<u8>)>> {
+        let n = self.u32()? as usize;
+        let mut headers = Vec::with_capacity(n.min(128));
+        for _ in 0..n {
+            let nl = self.u32()? as usize;
+            let name = std::str::from_utf8(self.take(nl)?).ok()?.to_owned();
+            let vl = self.u32()? as usize;
+            headers.push((name, self.take(vl)?.to_vec()));
+        }
+        Some(headers)
+    }
+}
+
+/// Response headers as a count (u32) and each name and value with a u32 length:
+/// the record layout's header part, which the PostgreSQL backend also stores as
+/// one `bytea` (a column per record, so that a batch of outcomes is one array).
+fn put_headers(out: &mut Vec<u8>, headers: &[(String, Vec<u8>)]) {
+    out.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+    for (n, v) in headers {
+        out.extend_from_slice(&(n.len() as u32).to_be_bytes());
+        out.extend_from_slice(n.as_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+        out.extend_from_slice(v);
+    }
+}
+
+/// [`put_headers`] alone.
+pub fn encode_headers(headers: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(
+        4 + headers
+            .iter()
+            .map(|(n, v)| 8 + n.len() + v.len())
+            .sum::<usize>(),
+    );
+    put_headers(&mut out, headers);
+    out
+}
+
+/// The inverse of [`encode_headers`]; `None` unless the bytes are exactly that.
+pub fn decode_headers(raw: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let mut r = Reader(raw);
+    let headers = r.headers()?;
+    r.0.is_empty().then_some(headers)
 }
 
 /// A record's state and creation time without decoding the rest (listings scan
@@ -128,14 +165,7 @@ pub fn decode(raw: &[u8]) -> Option<Record> {
         0 => None,
         1 => {
             let status = r.u16()?;
-            let n = r.u32()? as usize;
-            let mut headers = Vec::with_capacity(n.min(128));
-            for _ in 0..n {
-                let nl = r.u32()? as usize;
-                let name = std::str::from_utf8(r.take(nl)?).ok()?.to_owned();
-                let vl = r.u32()? as usize;
-                headers.push((name, r.take(vl)?.to_vec()));
-            }
+            let headers = r.headers()?;
             let body = match r.u8()? {
                 0 => None,
                 1 => {

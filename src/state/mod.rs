@@ -24,6 +24,8 @@ pub mod sled;
 pub mod timed;
 
 mod flusher;
+mod gather;
+mod pg_batch;
 mod witness;
 
 use async_trait::async_trait;

@@ -13,25 +13,32 @@
 //!
 //! Durability is PostgreSQL's commit: each statement commits on its own
 //! (autocommit), and `synchronous_commit` must be on (checked at start-up).
-//! Concurrent commits share WAL flushes inside the server, so requests use the
-//! pool's connections side by side. Statements are prepared once per connection;
-//! every call is bounded by `[state] timeout_ms`.
+//! Claims and outcomes — two statements per request — go in batches
+//! ([`super::pg_batch`]): the claims of concurrent requests are one statement
+//! and one commit, their outcomes another. The rest (marks, take-overs,
+//! operators' actions) are one statement each. Statements are prepared once per
+//! connection; every call is bounded by `[state] timeout_ms`.
 //!
 //! A statement whose outcome is unknown (the connection dropped after it was
-//! sent) is an error the request sees (503, nothing forwarded) — and the key it
-//! may have claimed or finished is then marked `in_doubt` if it can be, so that a
-//! retry is never forwarded silently.
+//! sent) is an error the request sees (503, nothing forwarded) — and is settled
+//! afterwards, so that a retry is never forwarded silently and no key stays
+//! blocked: a batch's claims are freed, its outcomes written again; a take-over
+//! of an existing record is marked `in_doubt`.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
+use super::gather::Gather;
+use super::pg_batch::{self, BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem};
 use super::schema::{self, epoch_from_sql, epoch_to_sql};
 use super::{
     Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey,
@@ -45,9 +52,22 @@ use crate::epoch::{Epoch, LeaseName};
 pub struct PostgresState {
     pool: Pool,
     timeout: Duration,
-    healthy: AtomicBool,
-    commits: AtomicU64,
+    healthy: Arc<AtomicBool>,
+    commits: Arc<AtomicU64>,
+    records: Arc<AtomicU64>,
+    claims: Gather<ClaimItem>,
+    outcomes: Gather<OutcomeItem>,
+    /// The claim number of each key this process holds in flight (claimed,
+    /// outcome not yet written): an outcome is written only over that claim.
+    /// A leaf lock, held for an insert or a remove.
+    held: Mutex<HashMap<RecordKey, i64>>,
 }
+
+/// Batches in flight at once, per kind (claims, outcomes): one forming while
+/// one is sent, as the sled flusher does.
+const BATCH_WORKERS: usize = 1;
+/// The most rows in one batch statement.
+const BATCH_MAX: usize = 256;
 
 /// No newer generation holds the shard (`$SHARD`, `$GEN` are the writer's), and
 /// the shard's owner row stays share-locked until the write commits.
@@ -91,30 +111,42 @@ fn state_of(code: i16) -> Option<State> {
 }
 
 const RECORD_COLUMNS: &str =
-    "state, fingerprint, epoch, created_ms, updated_ms, status, header_names, header_values, body, method, path";
+    "state, fingerprint, epoch, created_ms, updated_ms, status, header_names, header_values, body, method, path, headers";
 
 fn record_of(row: &Row) -> Option<Record> {
-    let fingerprint: Vec<u8> = row.get(1);
-    let status: Option<i16> = row.get(5);
-    let names: Option<Vec<String>> = row.get(6);
-    let values: Option<Vec<Vec<u8>>> = row.get(7);
-    let body: Option<Vec<u8>> = row.get(8);
-    let method: Option<String> = row.get(9);
-    let path: Option<String> = row.get(10);
-    let state = state_of(row.get(0))?;
+    record_at(row, 0)
+}
+
+/// The record in [`RECORD_COLUMNS`] from column `at` on (`None` when its state
+/// is NULL: no record).
+pub(super) fn record_at(row: &Row, at: usize) -> Option<Record> {
+    let state = state_of(row.get::<_, Option<i16>>(at)?)?;
+    let fingerprint: Vec<u8> = row.get(at + 1);
+    let status: Option<i16> = row.get(at + 5);
+    let names: Option<Vec<String>> = row.get(at + 6);
+    let values: Option<Vec<Vec<u8>>> = row.get(at + 7);
+    let body: Option<Vec<u8>> = row.get(at + 8);
+    let method: Option<String> = row.get(at + 9);
+    let path: Option<String> = row.get(at + 10);
+    let packed: Option<Vec<u8>> = row.get(at + 11);
+    // Since schema 5 the headers are one column; older records keep two arrays.
+    let headers = match packed {
+        Some(raw) => super::codec::decode_headers(&raw)?,
+        None => names
+            .unwrap_or_default()
+            .into_iter()
+            .zip(values.unwrap_or_default())
+            .collect(),
+    };
     Some(Record {
         state,
         fingerprint: fingerprint.try_into().ok()?,
-        epoch: Epoch::new(epoch_from_sql(row.get(2))),
-        created_ms: u64::try_from(row.get::<_, i64>(3)).ok()?,
-        updated_ms: u64::try_from(row.get::<_, i64>(4)).ok()?,
+        epoch: Epoch::new(epoch_from_sql(row.get(at + 2))),
+        created_ms: u64::try_from(row.get::<_, i64>(at + 3)).ok()?,
+        updated_ms: u64::try_from(row.get::<_, i64>(at + 4)).ok()?,
         response: status.map(|s| StoredResponse {
             status: u16::try_from(s).unwrap_or(0),
-            headers: names
-                .unwrap_or_default()
-                .into_iter()
-                .zip(values.unwrap_or_default())
-                .collect(),
+            headers,
             body: body.map(Bytes::from),
         }),
         request: method
@@ -129,6 +161,22 @@ fn request_columns(r: &Record) -> (Option<String>, Option<String>) {
         .as_ref()
         .map(|q| (q.method.clone(), q.path.clone()))
         .unzip()
+}
+
+/// A claim's number: random, so that settling one claim never touches another
+/// claim of the same key.
+fn new_claim() -> i64 {
+    i64::from_be_bytes(crate::entropy::u64().to_be_bytes())
+}
+
+/// A batch's failure as the request sees it (503, nothing forwarded).
+fn batch_error(what: &str, e: &BatchError) -> StateError {
+    match e {
+        BatchError::Refused(d) => StateError::Write(format!("{what}: {d}")),
+        BatchError::Unknown(d) => StateError::Write(format!(
+            "{what}: {d} (the outcome is unknown; it is settled in the background)"
+        )),
+    }
 }
 
 fn ms(v: u64) -> i64 {
@@ -175,11 +223,28 @@ impl PostgresState {
             .recycle_timeout(Some(cfg.timeout()))
             .build()
             .map_err(|e| open(e.to_string()))?;
+        let db = Db {
+            pool: pool.clone(),
+            timeout: cfg.timeout(),
+            healthy: Arc::new(AtomicBool::new(true)),
+            commits: Arc::new(AtomicU64::new(0)),
+            records: Arc::new(AtomicU64::new(0)),
+        };
         let state = PostgresState {
             pool,
             timeout: cfg.timeout(),
-            healthy: AtomicBool::new(true),
-            commits: AtomicU64::new(0),
+            healthy: Arc::clone(&db.healthy),
+            commits: Arc::clone(&db.commits),
+            records: Arc::clone(&db.records),
+            claims: Gather::start(BATCH_WORKERS, BATCH_MAX, {
+                let db = db.clone();
+                move |batch| pg_batch::claims(db.clone(), batch)
+            }),
+            outcomes: Gather::start(BATCH_WORKERS, BATCH_MAX, {
+                let db = db.clone();
+                move |batch| pg_batch::outcomes(db.clone(), batch)
+            }),
+            held: Mutex::new(HashMap::new()),
         };
         let mut client = state
             .pool
@@ -189,7 +254,7 @@ impl PostgresState {
         let sync: String = client
             .query_one("SHOW synchronous_commit", &[])
             .await
-            .map_err(|e| open(e.to_string()))?
+            .map_err(|e| open(pg_batch::describe(&e)))?
             .get(0);
         if sync == "off" {
             return Err(open(
@@ -223,7 +288,7 @@ impl PostgresState {
                 })?;
             f(client)
                 .await
-                .map_err(|e| StateError::Write(format!("{what}: {e}")))
+                .map_err(|e| StateError::Write(format!("{what}: {}", pg_batch::describe(&e))))
         };
         let res = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -236,9 +301,22 @@ impl PostgresState {
         res
     }
 
-    /// Counts a committed write (each statement is its own commit).
+    /// Counts a committed one-record statement.
     fn committed(&self) {
         self.commits.fetch_add(1, Ordering::Relaxed);
+        self.records.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Notes the claim number of a key this process now holds in flight.
+    fn hold(&self, key: &RecordKey, claim: i64) {
+        if let Ok(mut held) = self.held.lock() {
+            held.insert(key.clone(), claim);
+        }
+    }
+
+    /// The claim number of a key held in flight, no longer held.
+    fn release(&self, key: &RecordKey) -> Option<i64> {
+        self.held.lock().ok().and_then(|mut held| held.remove(key))
     }
 
     /// After a write matched no row: a newer owner generation, or `other`.
@@ -267,57 +345,54 @@ impl PostgresState {
     }
 
     /// Claims `key` with `fresh` if it has no record (and no newer owner holds
-    /// the shard): whether it did. After an error the claim may have landed: it
-    /// is marked in doubt if it can be.
-    async fn insert_claim(
+    /// the shard), in the next claim batch: claimed, or the record that stood
+    /// in the way (`None`: one that appeared meanwhile; read it). After an error
+    /// nothing is forwarded, and the batch frees whatever it may have claimed.
+    async fn claim(
         &self,
         owner: Owner,
         key: &RecordKey,
         fresh: &Record,
-    ) -> Result<bool, StateError> {
-        let insert = format!(
-            "INSERT INTO fencegate_dedup \
-               (route, key, shard, state, fingerprint, epoch, owner_generation, created_ms, updated_ms, method, path) \
-             SELECT $1, $2, $3, 0, $4, $5, $6, $7, $7, $8, $9 WHERE {} \
-             ON CONFLICT (route, key) DO NOTHING RETURNING 1",
-            owner_ok(3, 6)
-        );
-        let (route, k) = (key.route.clone(), key.key.clone());
-        let fp = fresh.fingerprint.to_vec();
-        let (epoch, created) = (epoch_to_sql(fresh.epoch.get()), ms(fresh.created_ms));
+    ) -> Result<Result<(), Option<Record>>, StateError> {
         let (method, path) = request_columns(fresh);
-        let claimed = self
-            .with("claiming a key", |c| async move {
-                let st = c.prepare_cached(&insert).await?;
-                c.query_opt(
-                    &st,
-                    &[
-                        &route,
-                        &k,
-                        &shard(owner),
-                        &fp,
-                        &epoch,
-                        &generation(owner),
-                        &created,
-                        &method,
-                        &path,
-                    ],
-                )
-                .await
-            })
-            .await;
-        match claimed {
-            Ok(Some(_)) => {
-                self.committed();
-                crate::failpoint::hit("dedup_in_flight_flushed");
-                Ok(true)
+        let claim = new_claim();
+        let (reply, answer) = oneshot::channel();
+        let item = ClaimItem {
+            key: key.clone(),
+            shard: shard(owner),
+            generation: generation(owner),
+            fingerprint: fresh.fingerprint.to_vec(),
+            epoch: epoch_to_sql(fresh.epoch.get()),
+            created_ms: ms(fresh.created_ms),
+            method,
+            path,
+            claim,
+            reply,
+        };
+        if self.claims.submit(item).is_err() {
+            return Err(StateError::Write(
+                "claiming a key: the database writer has stopped".into(),
+            ));
+        }
+        let answer = answer
+            .await
+            .map_err(|_| StateError::Write("claiming a key: the batch was lost".into()))?
+            .map_err(|e| batch_error("claiming a key", &e))?;
+        match answer {
+            Claimed::Yes => {
+                self.hold(key, claim);
+                Ok(Ok(()))
             }
-            Ok(None) => Ok(false),
-            Err(e) => {
-                self.mark_in_doubt(owner, key, fresh.created_ms, fresh.created_ms)
-                    .await;
-                Err(e)
-            }
+            Claimed::No {
+                existing,
+                owner: stored,
+            } => match stored.and_then(|g| u64::try_from(g).ok()) {
+                Some(stored) if stored > owner.generation => Err(StateError::OwnerLost {
+                    ours: owner,
+                    stored,
+                }),
+                _ => Ok(Err(existing)),
+            },
         }
     }
 
@@ -488,23 +563,19 @@ impl StateStore for PostgresState {
         fresh: &Record,
         rules: TakeOver,
     ) -> Result<Begun, StateError> {
-        if self.insert_claim(owner, key, fresh).await? {
-            return Ok(Begun::Claimed);
-        }
-        // The key exists (or a newer owner holds the shard): look, and take over
-        // only the exact version seen.
         for _ in 0..8 {
-            let Some(existing) = self.get(key).await? else {
-                // Gone since the insert found it (an operator's "not delivered",
-                // a freed claim, a sweep), or a newer owner holds the shard.
-                let why = StateError::Write(String::new());
-                if let e @ StateError::OwnerLost { .. } = self.lost_or(owner, why).await {
-                    return Err(e);
-                }
-                if self.insert_claim(owner, key, fresh).await? {
-                    return Ok(Begun::Claimed);
-                }
-                continue;
+            // The key exists (or a newer owner holds the shard): take it over
+            // only by the exact version seen.
+            let existing = match self.claim(owner, key, fresh).await? {
+                Ok(()) => return Ok(Begun::Claimed),
+                Err(Some(existing)) => existing,
+                // Inserted by a batch that committed while ours ran: read it.
+                Err(None) => match self.get(key).await? {
+                    Some(existing) => existing,
+                    // Gone again (an operator's "not delivered", a freed claim,
+                    // a sweep): claim again.
+                    None => continue,
+                },
             };
             let Some(write) = existing.taken_over_by(fresh, &rules) else {
                 return Ok(Begun::Exists(existing));
@@ -513,7 +584,7 @@ impl StateStore for PostgresState {
                 "UPDATE fencegate_dedup SET state = 0, fingerprint = $3, epoch = $4, \
                    owner_generation = $6, shard = $5, created_ms = $7, updated_ms = $8, \
                    status = NULL, header_names = NULL, header_values = NULL, body = NULL, \
-                   method = $12, path = $13 \
+                   headers = NULL, method = $12, path = $13, claim = $14 \
                  WHERE route = $1 AND key = $2 AND state = $9 AND updated_ms = $10 \
                    AND fingerprint = $11 AND {}",
                 owner_ok(5, 6)
@@ -521,6 +592,7 @@ impl StateStore for PostgresState {
             let (route, k) = (key.route.clone(), key.key.clone());
             let (fp, old_fp) = (write.fingerprint.to_vec(), existing.fingerprint.to_vec());
             let (method, path) = request_columns(&write);
+            let claim = new_claim();
             let n = self
                 .with("taking over a key", |c| async move {
                     let st = c.prepare_cached(&update).await?;
@@ -540,6 +612,7 @@ impl StateStore for PostgresState {
                             &old_fp,
                             &method,
                             &path,
+                            &claim,
                         ],
                     )
                     .await
@@ -548,6 +621,7 @@ impl StateStore for PostgresState {
             match n {
                 Ok(1) => {
                     self.committed();
+                    self.hold(key, claim);
                     crate::failpoint::hit("dedup_in_flight_flushed");
                     return Ok(Begun::Claimed);
                 }
@@ -572,96 +646,58 @@ impl StateStore for PostgresState {
     }
 
     async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError> {
-        let cond = format!(
-            "route = $1 AND key = $2 AND state = 0 AND owner_generation = $4 AND {}",
-            owner_ok(3, 4)
-        );
-        let (route, k) = (key.route.clone(), key.key.clone());
-        let (sh, gen) = (shard(owner), generation(owner));
-        // (created, now) of the record, to mark it in doubt after an uncertain write.
-        let mut mine = None;
-        let n = match end {
-            End::Delete => {
-                let sql = format!("DELETE FROM fencegate_dedup WHERE {cond}");
-                self.with("freeing a key", |c| async move {
-                    let st = c.prepare_cached(&sql).await?;
-                    c.execute(&st, &[&route, &k, &sh, &gen]).await
-                })
-                .await
-            }
-            End::InDoubt(r) => {
-                mine = Some((r.created_ms, r.updated_ms));
-                let sql =
-                    format!("UPDATE fencegate_dedup SET state = 2, updated_ms = $5 WHERE {cond}");
-                self.with("recording an unknown outcome", |c| async move {
-                    let st = c.prepare_cached(&sql).await?;
-                    c.execute(&st, &[&route, &k, &sh, &gen, &ms(r.updated_ms)])
-                        .await
-                })
-                .await
-            }
-            End::Done(r) => {
-                mine = Some((r.created_ms, r.updated_ms));
-                let sql = format!(
-                    "UPDATE fencegate_dedup SET state = 1, updated_ms = $5, status = $6, \
-                       header_names = $7, header_values = $8, body = $9 WHERE {cond}"
-                );
-                let resp = r.response.unwrap_or(StoredResponse {
+        let (op, updated, response) = match end {
+            // A failed delete (nothing was sent) leaves the key in flight
+            // until it is written again: only a liveness cost.
+            End::Delete => (Op::Delete, 0, None),
+            End::InDoubt(r) => (Op::InDoubt, r.updated_ms, None),
+            End::Done(r) => (
+                Op::Done,
+                r.updated_ms,
+                Some(r.response.unwrap_or(StoredResponse {
                     status: 0,
                     headers: Vec::new(),
                     body: None,
-                });
-                let status = i16::try_from(resp.status).unwrap_or(0);
-                let (names, values): (Vec<String>, Vec<Vec<u8>>) = resp.headers.into_iter().unzip();
-                let body = resp.body.map(|b| b.to_vec());
-                let n = self
-                    .with("recording a response", |c| async move {
-                        let st = c.prepare_cached(&sql).await?;
-                        c.execute(
-                            &st,
-                            &[
-                                &route,
-                                &k,
-                                &sh,
-                                &gen,
-                                &ms(r.updated_ms),
-                                &status,
-                                &names,
-                                &values,
-                                &body,
-                            ],
-                        )
-                        .await
-                    })
-                    .await;
-                if n.is_ok() {
-                    crate::failpoint::hit("dedup_done_flushed");
-                }
-                n
-            }
+                })),
+            ),
         };
-        match n {
-            Ok(1) => {
-                self.committed();
-                Ok(())
-            }
-            Ok(_) => Err(self
-                .lost_or(
-                    owner,
-                    StateError::Write(
-                        "the key's record is no longer this request's in-flight record".into(),
-                    ),
-                )
-                .await),
-            Err(e) => {
-                // A failed delete (nothing was sent) leaves the key in flight
-                // until a restart: only a liveness cost.
-                if let Some((created, now)) = mine {
-                    self.mark_in_doubt(owner, key, created, now).await;
-                }
-                Err(e)
-            }
+        let (reply, answer) = oneshot::channel();
+        let item = OutcomeItem {
+            key: key.clone(),
+            shard: shard(owner),
+            generation: generation(owner),
+            op,
+            claim: self.release(key),
+            updated_ms: ms(updated),
+            status: response
+                .as_ref()
+                .map(|r| i16::try_from(r.status).unwrap_or(0)),
+            headers: response
+                .as_ref()
+                .map(|r| super::codec::encode_headers(&r.headers)),
+            body: response.and_then(|r| r.body).map(|b| b.to_vec()),
+            reply: Some(reply),
+        };
+        if self.outcomes.submit(item).is_err() {
+            return Err(StateError::Write(
+                "recording an outcome: the database writer has stopped".into(),
+            ));
         }
+        let matched = answer
+            .await
+            .map_err(|_| StateError::Write("recording an outcome: the batch was lost".into()))?
+            .map_err(|e| batch_error("recording an outcome", &e))?;
+        if matched {
+            return Ok(());
+        }
+        Err(self
+            .lost_or(
+                owner,
+                StateError::Write(
+                    "the key's record is no longer this request's in-flight record".into(),
+                ),
+            )
+            .await)
     }
 
     async fn get(&self, key: &RecordKey) -> Result<Option<Record>, StateError> {
@@ -772,8 +808,8 @@ impl StateStore for PostgresState {
             .filter_map(|r| {
                 Some((
                     RecordKey {
-                        route: r.get(11),
-                        key: r.get(12),
+                        route: r.get(12),
+                        key: r.get(13),
                     },
                     record_of(r)?,
                 ))
@@ -915,11 +951,10 @@ impl StateStore for PostgresState {
     }
 
     fn stats(&self) -> CommitStats {
-        // Each statement is its own commit; PostgreSQL groups their WAL flushes.
-        let n = self.commits.load(Ordering::Relaxed);
+        // Each statement is its own commit; a batch writes several records.
         CommitStats {
-            batches: n,
-            records: n,
+            batches: self.commits.load(Ordering::Relaxed),
+            records: self.records.load(Ordering::Relaxed),
         }
     }
 

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 4;
+pub const VERSION: i32 = 5;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -71,11 +71,23 @@ const MIGRATIONS: &[&str] = &[
     // change: every transition to done has always set `updated_ms`.
     "CREATE INDEX fencegate_dedup_done_by_done_time ON fencegate_dedup (updated_ms) WHERE state = 1;
     DROP INDEX IF EXISTS fencegate_dedup_done_by_age;",
+    // 4 → 5: batched writes (issue 27). `claim` numbers a claim while it is in
+    // flight (an uncertain batch settles exactly its own claims); `headers`
+    // keeps a response's headers as one value (a batch of outcomes is one array
+    // per column; PostgreSQL arrays cannot nest unevenly). Older records keep
+    // `header_names`/`header_values` and are read as before. Adding nullable
+    // columns rewrites nothing.
+    "ALTER TABLE fencegate_dedup ADD COLUMN claim bigint, ADD COLUMN headers bytea;",
 ];
 
 /// Creates or migrates the schema; returns the version found before.
 pub async fn migrate(client: &mut Client) -> Result<i32, StateError> {
-    let err = |e: tokio_postgres::Error| StateError::Write(format!("schema migration: {e}"));
+    let err = |e: tokio_postgres::Error| {
+        StateError::Write(format!(
+            "schema migration: {}",
+            super::pg_batch::describe(&e)
+        ))
+    };
     let tx = client.transaction().await.map_err(err)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await

@@ -41,12 +41,18 @@ async fn crash_on_each_durable_boundary(backend: Backend) {
     // (how it dies, reached origin?, what a retry after restart gets). Every
     // backend passes `dedup_in_flight_flushed` once the claim is durable (sled's
     // group commit, PostgreSQL's commit of the claiming statement).
-    let cases = vec![
+    let mut cases = vec![
         (Crash::At("dedup_in_flight_flushed"), 0, "dedup_in_doubt"),
         (Crash::WhileAtOrigin, 1, "dedup_in_doubt"),
         (Crash::At("dedup_response_before_done"), 1, "dedup_in_doubt"),
         (Crash::At("dedup_done_flushed"), 1, "replayed"),
     ];
+    if matches!(backend, Backend::Postgres) {
+        // The batched path's own boundaries (issue 27): a batch's statement
+        // has returned (committed), its requests not yet answered.
+        cases.push((Crash::At("pg_claim_batch_answered"), 0, "dedup_in_doubt"));
+        cases.push((Crash::At("pg_outcome_batch_answered"), 1, "replayed"));
+    }
     let mut expected_at_origin = origin.count();
     for (i, (crash, reached, after)) in cases.into_iter().enumerate() {
         let key = format!("crash-{i}");

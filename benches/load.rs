@@ -26,8 +26,9 @@
 //! PostgreSQL gives its processes — and from `pg_stat_wal` /
 //! `pg_stat_database`, read over one extra connection at the window's edges:
 //! commits per WAL fsync (PostgreSQL's group commit), WAL bytes per request, and
-//! fencegate's statements per request (its `fencegate_flush_records_total`: on
-//! PostgreSQL every statement is its own commit, one record per statement).
+//! fencegate's write statements per request (its `fencegate_flush_batches_total`:
+//! on PostgreSQL every statement is its own commit, and a batch of claims or of
+//! outcomes is one statement), and the database's commits per request.
 //! PostgreSQL publishes a backend's statistics at most once a second, so the WAL
 //! figures lag by up to a second at each edge; under steady load both edges lag
 //! alike and the ratios hold, the absolute counts of a short window less so.
@@ -826,6 +827,7 @@ struct DbRow {
     /// CPU µs per request by kind of PostgreSQL process.
     parts: BTreeMap<String, f64>,
     statements_per_request: f64,
+    commits_per_request: f64,
     records_per_statement: f64,
     commits_per_wal_sync: f64,
     wal_bytes_per_request: f64,
@@ -843,6 +845,7 @@ impl DbRow {
             "cpu_us_per_request": nan_null(self.cpu_us),
             "cpu_us_per_request_by_process": self.parts,
             "statements_per_request": nan_null(self.statements_per_request),
+            "commits_per_request": nan_null(self.commits_per_request),
             "records_per_statement": nan_null(self.records_per_statement),
             "commits_per_wal_sync": nan_null(self.commits_per_wal_sync),
             "wal_bytes_per_request": nan_null(self.wal_bytes_per_request),
@@ -901,7 +904,8 @@ fn db_row(ss: &[Sample], sled: Option<&Vec<Sample>>) -> DbRow {
     DbRow {
         cpu_us: ss.iter().filter_map(|s| s.db_cpu).sum::<f64>() * 1e6 / ok.max(1) as f64,
         parts,
-        statements_per_request: div(records, ok_total as f64),
+        statements_per_request: div(batches, ok_total as f64),
+        commits_per_request: div(probe[4], probed_ok),
         records_per_statement: div(records, batches),
         commits_per_wal_sync: div(probe[4], probe[0]),
         wal_bytes_per_request: if probed.is_empty() {
@@ -1067,8 +1071,8 @@ fn report(
     if let Some(d) = idx("dedup-pg") {
         md.push_str(&format!(
             "\nDurable dedup on PostgreSQL ({}; `[state]` pool_size the default, 16; on the same CPU as everything else):\n\n\
-             | conns | req/s | p50 ms | p99 ms | fencegate CPU µs/req | PostgreSQL CPU µs/req | both µs/req | statements/req | records/statement | commits per WAL fsync | WAL bytes/req | req/s ÷ sled dedup | fencegate CPU ÷ sled dedup | both ÷ sled dedup |\n\
-             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+             | conns | req/s | p50 ms | p99 ms | fencegate CPU µs/req | PostgreSQL CPU µs/req | both µs/req | statements/req | records/statement | commits/req | commits per WAL fsync | WAL bytes/req | req/s ÷ sled dedup | fencegate CPU ÷ sled dedup | both ÷ sled dedup |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             postgres_version()
         ));
         let mut per_c = serde_json::Map::new();
@@ -1081,7 +1085,7 @@ fn report(
             let r = row(ss);
             let db = db_row(ss, sled);
             md.push_str(&format!(
-                "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.rps,
                 r.p50 / 1e3,
                 r.p99 / 1e3,
@@ -1090,6 +1094,7 @@ fn report(
                 r.cpu_us + db.cpu_us,
                 fmt_num(db.statements_per_request, 2),
                 fmt_num(db.records_per_statement, 2),
+                fmt_num(db.commits_per_request, 2),
                 fmt_num(db.commits_per_wal_sync, 1),
                 fmt_num(db.wal_bytes_per_request, 0),
                 fmt_ratio(db.vs_sled.0),
@@ -1115,9 +1120,9 @@ fn report(
         md.push_str(&by_process);
         md.push_str(
             "\nPostgreSQL CPU: the postmaster and every process whose parent it is, utime+stime+cutime+cstime ÷ answered requests. \
-             statements/req: fencegate_flush_records_total over the run (warm-up included) ÷ the run's answers; \
-             records/statement: its flush_records ÷ flush_batches (every statement is its own commit). \
-             Commits per WAL fsync and WAL bytes: pg_stat_database.xact_commit, pg_stat_wal.wal_sync and the WAL insert position over the window \
+             statements/req: fencegate's write statements (fencegate_flush_batches_total: a batch of claims or outcomes is one statement, one commit) over the run (warm-up included) ÷ the run's answers; \
+             records/statement: its flush_records ÷ flush_batches. \
+             commits/req, commits per WAL fsync and WAL bytes: pg_stat_database.xact_commit (every transaction, reads included), pg_stat_wal.wal_sync and the WAL insert position over the window \
              (PostgreSQL publishes a backend's counters at most once a second). Ratios to sled dedup: median over rounds within one round.\n",
         );
         pg_json = json!({

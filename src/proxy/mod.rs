@@ -551,7 +551,7 @@ impl Proxy {
     /// never repeated.
     async fn finish_quietly(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) {
         if let Err(e) = self.dedup.finish(ticket, outcome).await {
-            tracing::error!(error = %e, "could not record the outcome of a forwarded request; its key stays in flight until restart");
+            tracing::error!(error = %e, "could not record the outcome of a forwarded request; a retry of its key is refused until the outcome is settled (PostgreSQL: written again in the background) or a restart makes it in doubt");
         }
     }
 }

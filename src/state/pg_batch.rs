@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::Pool;
+use deadpool_postgres::{Object, ObjectId, Pool};
 use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
@@ -47,6 +47,8 @@ pub(super) struct Db {
     pub commits: Arc<AtomicU64>,
     /// Records written by those commits.
     pub records: Arc<AtomicU64>,
+    /// The server process of each pooled connection, once asked.
+    pub backends: Arc<std::sync::Mutex<std::collections::HashMap<ObjectId, Backend>>>,
 }
 
 impl Db {
@@ -144,7 +146,12 @@ const CLAIM_BATCH: &str = "/* fencegate: claims */ WITH owners AS MATERIALIZED (
      LEFT JOIN ins ON ins.route = a.route AND ins.key = a.key \
      LEFT JOIN fencegate_dedup d ON ins.key IS NULL AND d.route = a.route AND d.key = a.key";
 
-/// Outcomes: the rows written come back by index.
+/// Outcomes: the rows written come back by index. Each row's record is found
+/// by its primary key alone and then written by `ctid` with the conditions
+/// checked on the row itself: with `state = 0` in the lookup the planner
+/// prefers scanning the partial in-flight index (every in-flight record of the
+/// shard, and the dead entries of every outcome since the last vacuum) to one
+/// key lookup per row.
 const OUTCOME_BATCH: &str = "/* fencegate: outcomes */ WITH owners AS MATERIALIZED ( \
        SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
        ORDER BY shard FOR SHARE), \
@@ -152,29 +159,40 @@ const OUTCOME_BATCH: &str = "/* fencegate: outcomes */ WITH owners AS MATERIALIZ
        SELECT * FROM unnest($2::int4[], $3::text[], $4::text[], $5::int4[], $6::int8[], \
          $7::int2[], $8::int8[], $9::int8[], $10::int2[], $11::bytea[], $12::bytea[]) \
          AS t(i, route, key, shard, gen, op, claim, updated, status, headers, body)), \
-     ok AS MATERIALIZED ( \
-       SELECT * FROM input \
-       WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = input.shard), 0) <= gen), \
+     target AS MATERIALIZED ( \
+       SELECT input.*, d.ctid AS tid FROM input \
+       JOIN fencegate_dedup d ON d.route = input.route AND d.key = input.key \
+       WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = input.shard), 0) \
+         <= input.gen), \
      del AS ( \
-       DELETE FROM fencegate_dedup d USING ok \
-       WHERE ok.op = 3 AND d.route = ok.route AND d.key = ok.key AND d.state = 0 \
-         AND d.owner_generation = ok.gen AND (ok.claim IS NULL OR d.claim = ok.claim) \
-       RETURNING ok.i), \
+       DELETE FROM fencegate_dedup d USING target t \
+       WHERE t.op = 3 AND d.ctid = t.tid AND d.state = 0 AND d.owner_generation = t.gen \
+         AND (t.claim IS NULL OR d.claim = t.claim) \
+       RETURNING t.i), \
      upd AS ( \
-       UPDATE fencegate_dedup d SET state = ok.op, updated_ms = ok.updated, status = ok.status, \
-         headers = ok.headers, header_names = NULL, header_values = NULL, body = ok.body \
-       FROM ok \
-       WHERE ok.op IN (1, 2) AND d.route = ok.route AND d.key = ok.key AND d.state = 0 \
-         AND d.owner_generation = ok.gen AND (ok.claim IS NULL OR d.claim = ok.claim) \
-       RETURNING ok.i) \
+       UPDATE fencegate_dedup d SET state = t.op, updated_ms = t.updated, status = t.status, \
+         headers = t.headers, header_names = NULL, header_values = NULL, body = t.body \
+       FROM target t \
+       WHERE t.op IN (1, 2) AND d.ctid = t.tid AND d.state = 0 AND d.owner_generation = t.gen \
+         AND (t.claim IS NULL OR d.claim = t.claim) \
+       RETURNING t.i) \
      SELECT i FROM del UNION ALL SELECT i FROM upd";
 
 /// Frees claims that were never forwarded (their batch's outcome was unknown,
 /// or their request was gone when the answer came): by claim number, so only
-/// that claim's record, in flight or turned in doubt by a successor's recovery.
-const RELEASE_CLAIMS: &str = "DELETE FROM fencegate_dedup d \
-     USING unnest($1::text[], $2::text[], $3::int8[]) AS u(route, key, claim) \
-     WHERE d.route = u.route AND d.key = u.key AND d.claim = u.claim AND d.state IN (0, 2) \
+/// that claim's record, while it is in flight, and — like every write of an
+/// owner — only while no newer generation holds its shard (a successor's
+/// recovery has made it in doubt: an operator's to resolve).
+const RELEASE_CLAIMS: &str = "/* fencegate: release */ WITH owners AS MATERIALIZED ( \
+       SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
+       ORDER BY shard FOR SHARE), \
+     u AS ( \
+       SELECT * FROM unnest($2::text[], $3::text[], $4::int4[], $5::int8[], $6::int8[]) \
+         AS t(route, key, shard, gen, claim) \
+       WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = t.shard), 0) <= t.gen) \
+     DELETE FROM fencegate_dedup d USING u \
+     WHERE d.route = u.route AND d.key = u.key AND d.claim = u.claim AND d.state = 0 \
+       AND d.owner_generation = u.gen \
      RETURNING 1";
 
 /// How often, and for how long, a batch whose outcome was unknown is settled.
@@ -214,43 +232,134 @@ fn classify(e: &tokio_postgres::Error) -> (BatchError, bool) {
     }
 }
 
+/// The connection a statement whose outcome is unknown went on, and its
+/// server process: what settling it must wait for.
+pub(super) struct Sent {
+    conn: Object,
+    backend: Option<Backend>,
+}
+
+/// A failed statement.
+pub(super) struct Failed {
+    pub error: BatchError,
+    /// Set when the statement may still commit (its outcome is unknown).
+    sent: Option<Sent>,
+    retry: bool,
+}
+
+impl Failed {
+    /// The error alone; a connection still busy with the statement (or
+    /// broken) is closed rather than handed back to the pool.
+    fn into_error(self) -> BatchError {
+        if let Some(sent) = self.sent {
+            drop(Object::take(sent.conn));
+        }
+        self.error
+    }
+
+    fn refused(detail: String) -> Failed {
+        Failed {
+            error: BatchError::Refused(detail),
+            sent: None,
+            retry: false,
+        }
+    }
+}
+
+/// A server process, as `pg_stat_activity` names it (its pid alone may be
+/// reused once it has exited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Backend {
+    pid: i32,
+    started_us: i64,
+}
+
+const WHO_AM_I: &str = "SELECT pid, (extract(epoch FROM backend_start) * 1000000)::int8 \
+     FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+
+/// The server process behind a pooled connection: asked once per connection.
+async fn backend_of(db: &Db, conn: &Object) -> Result<Option<Backend>, tokio_postgres::Error> {
+    let id = Object::id(conn);
+    if let Some(b) = db.backends.lock().ok().and_then(|m| m.get(&id).copied()) {
+        return Ok(Some(b));
+    }
+    let row = conn.query_opt(WHO_AM_I, &[]).await?;
+    let backend = row.map(|r| Backend {
+        pid: r.get(0),
+        started_us: r.get(1),
+    });
+    if let (Some(b), Ok(mut m)) = (backend, db.backends.lock()) {
+        // Connections come and go; their entries are only worth a lookup.
+        if m.len() > 1024 {
+            m.clear();
+        }
+        m.insert(id, b);
+    }
+    Ok(backend)
+}
+
 /// Runs one statement with a pooled connection, bounded by the timeout, sent
 /// again when the database refused it for a conflict with another transaction.
 async fn run(
     db: &Db,
     sql: &'static str,
     params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-) -> Result<Vec<Row>, BatchError> {
+) -> Result<Vec<Row>, Failed> {
     let mut tries = 0;
     loop {
         tries += 1;
-        let once = async {
-            let client = db.pool.get().await.map_err(|e| {
-                (
-                    BatchError::Refused(format!("no database connection: {e}")),
-                    false,
-                )
-            })?;
-            let st = client.prepare_cached(sql).await.map_err(|e| classify(&e))?;
-            client.query(&st, params).await.map_err(|e| classify(&e))
-        };
-        let res = match tokio::time::timeout(db.timeout, once).await {
-            Ok(r) => r,
-            Err(_) => Err((
-                BatchError::Unknown(format!(
-                    "no answer from the database within {} ms",
-                    db.timeout.as_millis()
-                )),
-                false,
-            )),
-        };
+        let res = run_once(db, sql, params).await;
         match res {
-            Err((_, true)) if tries < RETRIES => continue,
+            Err(f) if f.retry && tries < RETRIES => continue,
             other => {
                 db.healthy.store(other.is_ok(), Ordering::Relaxed);
-                return other.map_err(|(e, _)| e);
+                return other;
             }
         }
+    }
+}
+
+async fn run_once(
+    db: &Db,
+    sql: &'static str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<Row>, Failed> {
+    let deadline = tokio::time::Instant::now() + db.timeout;
+    let late = || {
+        format!(
+            "no answer from the database within {} ms",
+            db.timeout.as_millis()
+        )
+    };
+    // Until the statement itself is sent, a failure changed nothing.
+    let conn = match tokio::time::timeout_at(deadline, db.pool.get()).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return Err(Failed::refused(format!("no database connection: {e}"))),
+        Err(_) => return Err(Failed::refused(late())),
+    };
+    let backend = match tokio::time::timeout_at(deadline, backend_of(db, &conn)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => return Err(Failed::refused(describe(&e))),
+        Err(_) => return Err(Failed::refused(late())),
+    };
+    let st = match tokio::time::timeout_at(deadline, conn.prepare_cached(sql)).await {
+        Ok(Ok(st)) => st,
+        Ok(Err(e)) => return Err(Failed::refused(describe(&e))),
+        Err(_) => return Err(Failed::refused(late())),
+    };
+    let answer = tokio::time::timeout_at(deadline, conn.query(&st, params)).await;
+    match answer {
+        Ok(Ok(rows)) => Ok(rows),
+        Ok(Err(e)) => {
+            let (error, retry) = classify(&e);
+            let sent = matches!(error, BatchError::Unknown(_)).then_some(Sent { conn, backend });
+            Err(Failed { error, sent, retry })
+        }
+        Err(_) => Err(Failed {
+            error: BatchError::Unknown(late()),
+            sent: Some(Sent { conn, backend }),
+            retry: false,
+        }),
     }
 }
 
@@ -305,12 +414,12 @@ async fn claim_round(db: &Db, batch: Vec<ClaimItem>) {
     crate::failpoint::hit("pg_claim_batch_answered");
     let rows = match res {
         Ok(rows) => rows,
-        Err(e) => {
-            if matches!(e, BatchError::Unknown(_)) {
-                release_in_background(db.clone(), claim_refs(&batch));
+        Err(Failed { error, sent, .. }) => {
+            if matches!(error, BatchError::Unknown(_)) {
+                release_in_background(db.clone(), releases(&batch), sent);
             }
             for c in batch {
-                let _ = c.reply.send(Err(e.clone()));
+                let _ = c.reply.send(Err(error.clone()));
             }
             return;
         }
@@ -350,45 +459,172 @@ async fn claim_round(db: &Db, batch: Vec<ClaimItem>) {
             owner: None,
         });
         let was_claimed = matches!(answer, Claimed::Yes);
-        if c.reply.send(Ok(answer)).is_err() && was_claimed {
-            orphans.push((c.key, c.claim));
+        if was_claimed {
+            let release = Release::of(&c);
+            if c.reply.send(Ok(answer)).is_err() {
+                orphans.push(release);
+            }
+        } else {
+            let _ = c.reply.send(Ok(answer));
         }
     }
     if !orphans.is_empty() {
-        release_in_background(db.clone(), orphans);
+        // Committed: nothing to wait for.
+        release_in_background(db.clone(), orphans, None);
     }
 }
 
-fn claim_refs(batch: &[ClaimItem]) -> Vec<(RecordKey, i64)> {
-    batch.iter().map(|c| (c.key.clone(), c.claim)).collect()
+/// A claim to free: it was never forwarded.
+struct Release {
+    key: RecordKey,
+    shard: i32,
+    generation: i64,
+    claim: i64,
 }
 
-/// Deletes never-forwarded claims, trying until the database answers.
-fn release_in_background(db: Db, claims: Vec<(RecordKey, i64)>) {
+impl Release {
+    fn of(c: &ClaimItem) -> Release {
+        Release {
+            key: c.key.clone(),
+            shard: c.shard,
+            generation: c.generation,
+            claim: c.claim,
+        }
+    }
+}
+
+fn releases(batch: &[ClaimItem]) -> Vec<Release> {
+    batch.iter().map(Release::of).collect()
+}
+
+/// How long settling waits for the statement it settles to end on its own
+/// connection (it may wait on a lock at the database).
+const SETTLE_BEHIND: Duration = Duration::from_secs(600);
+
+/// Waits until the statement of an uncertain batch can no longer commit: on its
+/// own connection, a statement sent after it runs after it ends; when that
+/// connection is gone, until its server process has ended (a server finishes —
+/// and commits — a statement whose client is gone). Whether that happened in
+/// time, and the release sent behind it, if it was.
+async fn after_it_ended(db: &Db, sent: Sent, release: &Released<'_>) -> Option<u64> {
+    let Sent { conn, backend } = sent;
+    let behind = tokio::time::timeout(SETTLE_BEHIND, release.on(&conn)).await;
+    match behind {
+        Ok(Ok(n)) => return Some(n),
+        // Never hand back a connection still busy with it, or broken.
+        _ => drop(Object::take(conn)),
+    }
+    let backend = backend?;
+    for _ in 0..SETTLE_TRIES {
+        let gone = async {
+            let c = db.pool.get().await.ok()?;
+            let row = c
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 \
+                       AND (extract(epoch FROM backend_start) * 1000000)::int8 = $2",
+                    &[&backend.pid, &backend.started_us],
+                )
+                .await
+                .ok()?;
+            Some(row.is_none())
+        };
+        if let Ok(Some(true)) = tokio::time::timeout(db.timeout, gone).await {
+            return None;
+        }
+        tokio::time::sleep(SETTLE_EVERY).await;
+    }
+    None
+}
+
+/// The release statement's parameters.
+struct Released<'a> {
+    locked: Vec<i32>,
+    routes: Vec<&'a str>,
+    keys: Vec<&'a str>,
+    shards: Vec<i32>,
+    gens: Vec<i64>,
+    ids: Vec<i64>,
+}
+
+impl<'a> Released<'a> {
+    fn new(claims: &'a [Release]) -> Released<'a> {
+        let shards: Vec<i32> = claims.iter().map(|c| c.shard).collect();
+        Released {
+            locked: shards_of(shards.iter()),
+            routes: claims.iter().map(|c| c.key.route.as_str()).collect(),
+            keys: claims.iter().map(|c| c.key.key.as_str()).collect(),
+            shards,
+            gens: claims.iter().map(|c| c.generation).collect(),
+            ids: claims.iter().map(|c| c.claim).collect(),
+        }
+    }
+
+    /// Sends the release on `conn`; the records it deleted.
+    async fn on(&self, conn: &Object) -> Result<u64, tokio_postgres::Error> {
+        let st = conn.prepare_cached(RELEASE_CLAIMS).await?;
+        let rows = conn
+            .query(
+                &st,
+                &[
+                    &self.locked,
+                    &self.routes,
+                    &self.keys,
+                    &self.shards,
+                    &self.gens,
+                    &self.ids,
+                ],
+            )
+            .await?;
+        Ok(u64::try_from(rows.len()).unwrap_or(0))
+    }
+}
+
+/// Deletes never-forwarded claims once their statement can no longer commit
+/// (`sent`: the uncertain batch's connection), trying until the database
+/// answers.
+fn release_in_background(db: Db, claims: Vec<Release>, sent: Option<Sent>) {
     tokio::spawn(async move {
-        let routes: Vec<String> = claims.iter().map(|(k, _)| k.route.clone()).collect();
-        let keys: Vec<String> = claims.iter().map(|(k, _)| k.key.clone()).collect();
-        let ids: Vec<i64> = claims.iter().map(|(_, c)| *c).collect();
-        for attempt in 0..SETTLE_TRIES {
-            if attempt > 0 {
-                tokio::time::sleep(SETTLE_EVERY).await;
+        let release = Released::new(&claims);
+        let done = match sent {
+            Some(sent) => after_it_ended(&db, sent, &release).await,
+            None => None,
+        };
+        let freed = match done {
+            Some(n) => Some(n),
+            None => {
+                let mut freed = None;
+                for attempt in 0..SETTLE_TRIES {
+                    if attempt > 0 {
+                        tokio::time::sleep(SETTLE_EVERY).await;
+                    }
+                    let once = async {
+                        let conn = db.pool.get().await.ok()?;
+                        release.on(&conn).await.ok()
+                    };
+                    if let Ok(Some(n)) = tokio::time::timeout(db.timeout, once).await {
+                        freed = Some(n);
+                        break;
+                    }
+                }
+                freed
             }
-            if let Ok(rows) = run(&db, RELEASE_CLAIMS, &[&routes, &keys, &ids]).await {
-                if !rows.is_empty() {
-                    db.committed(rows.len());
+        };
+        match freed {
+            Some(n) => {
+                if n > 0 {
+                    db.committed(usize::try_from(n).unwrap_or(0));
                 }
                 tracing::info!(
-                    claims = ids.len(),
-                    freed = rows.len(),
+                    claims = claims.len(),
+                    freed = n,
                     "claims that were never forwarded are settled"
                 );
-                return;
             }
+            None => tracing::error!(
+                claims = claims.len(),
+                "gave up settling claims that were never forwarded; they stay in flight until a restart makes them in doubt"
+            ),
         }
-        tracing::error!(
-            claims = ids.len(),
-            "gave up settling claims that were never forwarded; they stay until a restart or an operator resolves them"
-        );
     });
 }
 
@@ -450,7 +686,8 @@ async fn outcome_round(db: &Db, batch: &[OutcomeItem]) -> Result<Vec<bool>, Batc
             &headers, &bodies,
         ],
     )
-    .await?;
+    .await
+    .map_err(Failed::into_error)?;
     let mut matched = vec![false; n];
     for row in &rows {
         if let Some(m) = row

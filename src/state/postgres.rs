@@ -203,6 +203,16 @@ impl PostgresState {
             .parse()
             .map_err(|e| open(format!("the connection string does not parse: {e}")))?;
         pg.connect_timeout(cfg.timeout());
+        // Every statement fencegate sends is prepared once per connection and
+        // fits one plan whatever its parameters; planning the batch statements
+        // anew for each call (PostgreSQL's default for the first executions and
+        // whenever it judges the custom plan cheaper) costs more CPU than
+        // running them.
+        let options = match pg.get_options() {
+            Some(o) if !o.is_empty() => format!("{o} -c plan_cache_mode=force_generic_plan"),
+            _ => "-c plan_cache_mode=force_generic_plan".to_owned(),
+        };
+        pg.options(&options);
         if pg.get_application_name().is_none() {
             pg.application_name("fencegate");
         }
@@ -229,6 +239,7 @@ impl PostgresState {
             healthy: Arc::new(AtomicBool::new(true)),
             commits: Arc::new(AtomicU64::new(0)),
             records: Arc::new(AtomicU64::new(0)),
+            backends: Arc::default(),
         };
         let state = PostgresState {
             pool,

@@ -23,4 +23,5 @@ mod quickstart;
 mod reload;
 mod review;
 mod review2;
+mod review_batch;
 mod startup;

@@ -46,14 +46,14 @@ macro_rules! skip_without_postgres {
 /// fencegate on the `dir` lease store and PostgreSQL at `url`, with three routes
 /// to one recording origin: `pay` (dedup on content), and the fencing-only `feed`
 /// and `jobs` (`derive_key = "none"`), each on a lease of its own name.
-struct Rig {
+pub(crate) struct Rig {
     _leases: tempfile::TempDir,
     epochs: Epochs,
-    origin: Origin,
-    fg: Fencegate,
+    pub(crate) origin: Origin,
+    pub(crate) fg: Fencegate,
 }
 
-async fn rig(url: &str, state_extra: &str) -> Rig {
+pub(crate) async fn rig(url: &str, state_extra: &str) -> Rig {
     let leases = tempfile::tempdir().unwrap();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&format!(
@@ -73,12 +73,12 @@ async fn rig(url: &str, state_extra: &str) -> Rig {
 }
 
 impl Rig {
-    async fn hold(&self, lease: &str) -> Holding {
+    pub(crate) async fn hold(&self, lease: &str) -> Holding {
         acquire(&self.epochs, lease, "worker", Duration::from_secs(300)).await
     }
 
     /// How many times the origin received dedup key `key`.
-    fn arrivals_of(&self, key: &str) -> usize {
+    pub(crate) fn arrivals_of(&self, key: &str) -> usize {
         self.origin
             .log()
             .iter()
@@ -100,7 +100,7 @@ impl Rig {
 
 /// A request's answer, as a worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Answer {
+pub(crate) enum Answer {
     /// The upstream's answer, forwarded now.
     Forwarded(u16),
     /// A stored answer (`X-Fencegate-Replayed: true`).
@@ -111,7 +111,7 @@ enum Answer {
     Broken(String),
 }
 
-fn answer(r: Result<Reply, String>) -> Answer {
+pub(crate) fn answer(r: Result<Reply, String>) -> Answer {
     match r {
         Err(e) => Answer::Broken(e),
         Ok(r) => match r.error_code() {
@@ -133,7 +133,7 @@ fn answer(r: Result<Reply, String>) -> Answer {
     }
 }
 
-fn refused(code: &str) -> Answer {
+pub(crate) fn refused(code: &str) -> Answer {
     let status = match code {
         "store_unavailable" => 503,
         _ => 409,
@@ -141,7 +141,7 @@ fn refused(code: &str) -> Answer {
     Answer::Refused(status, code.to_owned())
 }
 
-async fn keyed_answer(fg: &Fencegate, h: &Holding, key: &str) -> Answer {
+pub(crate) async fn keyed_answer(fg: &Fencegate, h: &Holding, key: &str) -> Answer {
     answer(
         try_send(keyed(
             fg,
@@ -187,7 +187,7 @@ fn tally<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeMap<String, 
 
 /// The state of `key` in the database, read by psql past fencegate: "0"
 /// in_flight, "1" done, "2" in_doubt, "" absent.
-fn db_state(pg: &PgServer, db: &str, key: &str) -> String {
+pub(crate) fn db_state(pg: &PgServer, db: &str, key: &str) -> String {
     pg.psql(
         db,
         &format!("SELECT state FROM fencegate_dedup WHERE route = 'pay' AND key = '{key}'"),
@@ -195,7 +195,7 @@ fn db_state(pg: &PgServer, db: &str, key: &str) -> String {
 }
 
 /// Polls `cond` (a blocking check, e.g. psql) every 10 ms for up to 20 s.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !tokio::task::block_in_place(&mut cond) {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");
@@ -374,7 +374,7 @@ async fn database_frozen_refuses_state_writes_while_fencing_flows() {
 }
 
 /// Sends `req` on a task of its own: its answer and how long it took.
-fn timed(
+pub(crate) fn timed(
     req: http::Request<http_body_util::Full<bytes::Bytes>>,
 ) -> tokio::task::JoinHandle<(Answer, Duration)> {
     tokio::spawn(async move {
@@ -834,7 +834,7 @@ async fn connections_cut_at_random_moments_never_repeat_a_delivery() {
 // ---------------------------------------------------------------------------
 // 5. Two owners of one shard (library level: two pools, two "instances")
 
-fn pg_config(url: &str) -> StateConfig {
+pub(crate) fn pg_config(url: &str) -> StateConfig {
     StateConfig {
         kind: StateKind::Postgres,
         url: Some(url.to_owned()),
@@ -842,14 +842,14 @@ fn pg_config(url: &str) -> StateConfig {
     }
 }
 
-fn rkey(key: &str) -> RecordKey {
+pub(crate) fn rkey(key: &str) -> RecordKey {
     RecordKey {
         route: "pay".into(),
         key: key.into(),
     }
 }
 
-fn claim(fp: u8, now: u64) -> Record {
+pub(crate) fn claim(fp: u8, now: u64) -> Record {
     Record {
         state: State::InFlight,
         fingerprint: [fp; 32],
@@ -861,7 +861,7 @@ fn claim(fp: u8, now: u64) -> Record {
     }
 }
 
-fn ended(fp: u8, now: u64, state: State) -> Record {
+pub(crate) fn ended(fp: u8, now: u64, state: State) -> Record {
     Record {
         state,
         updated_ms: now + 1,
@@ -875,13 +875,13 @@ fn ended(fp: u8, now: u64, state: State) -> Record {
 }
 
 /// Claims never take over anything, except where a test says so.
-const STRICT: TakeOver = TakeOver {
+pub(crate) const STRICT: TakeOver = TakeOver {
     in_doubt: false,
     done_before_ms: 0,
 };
 
 /// Both tables as text, to compare before and after.
-fn dump(pg: &PgServer, db: &str) -> String {
+pub(crate) fn dump(pg: &PgServer, db: &str) -> String {
     pg.psql(
         db,
         "SELECT route, key, shard, state, encode(fingerprint, 'hex'), epoch, owner_generation, \

@@ -1,0 +1,317 @@
+//! A skeptical review of the PostgreSQL group commit (8700b36..12f2834):
+//! attempts to break the destination-level rules of SPEC §6, §7 and §10
+//! through the batched claims and outcomes and their background settling.
+//! Tests named `f*` failed on 12f2834 (findings); `held_*` passed.
+
+use std::time::{Duration, Instant};
+
+use fencegate::config::StateConfig;
+use fencegate::state::postgres::PostgresState;
+use fencegate::state::{Begun, Owner, State, StateError, StateStore};
+
+use crate::postgres::{
+    claim, db_state, keyed_answer, pg_config, refused, rig, rkey, timed, until, Answer, STRICT,
+};
+use crate::support::postgres::{KeyHold, PgServer};
+use crate::support::relay::Relay;
+use crate::support::*;
+
+macro_rules! skip_without_postgres {
+    () => {
+        if !$crate::support::postgres::available_or_skip() {
+            return;
+        }
+    };
+}
+
+/// Opens `n` pooled connections at once (as a loaded instance has them), so
+/// that a background statement does not queue behind a timed-out one on the
+/// same connection.
+async fn warm_pool(s: &std::sync::Arc<PostgresState>, n: usize) {
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            // A read that holds its connection a little while.
+            let _ = s.get(&rkey(&format!("warm-{i}"))).await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// F1. A claim batch that times out while its statement waits at the database:
+// the background settle runs at once, finds nothing (the claim has not
+// committed yet), declares the batch settled — and then the statement commits.
+
+/// Rule 5 (and docs/operations.md: "no answer within timeout_ms … is settled in
+/// the background"): a worker's request whose claim batch got no answer within
+/// `timeout_ms` (the statement waits at the database, e.g. on a lock or a slow
+/// commit) is refused 503 and nothing is forwarded. Its retries must get the key
+/// forwarded once the database is well again. Observed: the claim commits
+/// after the settling DELETE ran, and the key stays `in_flight` — every retry is
+/// `409 dedup_in_flight`, the destination never receives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let r = rig(&url, "timeout_ms = 1000").await;
+    let pay = r.hold("pay").await;
+    // Several connections in the pool, as under load.
+    let warm: Vec<_> = (0..6)
+        .map(|i| {
+            let k = format!("warm-{i}");
+            timed(keyed(&r.fg, &format!("/pay/{k}"), &pay, &k, &format!("pay {k}")))
+        })
+        .collect();
+    for w in warm {
+        assert_eq!(w.await.unwrap().0, Answer::Forwarded(200));
+    }
+    let key = "claim-timed-out";
+    let holder = KeyHold::start(&url, "pay", 0, key).await;
+    let pending = timed(keyed(
+        &r.fg,
+        &format!("/pay/{key}"),
+        &pay,
+        key,
+        &format!("pay {key}"),
+    ));
+    until("the claim batch waits at the database", || {
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    let (a, took) = pending.await.unwrap();
+    eprintln!("the claim that timed out: {a:?} after {took:?}");
+    assert_eq!(a, refused("store_unavailable"));
+    assert!(
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */"),
+        "the statement still waits at the database after its client gave up"
+    );
+    // The background settle has run by now (its first try is immediate).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The lock goes away (the slow transaction rolls back): the database is
+    // well again.
+    holder.release().await;
+    until("the orphaned claim statement finished", || {
+        !pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    eprintln!("after the statement finished: record state {:?}", db_state(pg, &db, key));
+    // The worker retries, for up to 15 s.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut answers = Vec::new();
+    loop {
+        let a = keyed_answer(&r.fg, &pay, key).await;
+        answers.push(a.clone());
+        if a == Answer::Forwarded(200) || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let arrivals = r.arrivals_of(key);
+    let state = db_state(pg, &db, key);
+    eprintln!(
+        "retries: {} (last {:?}); arrivals {arrivals}; record state {state:?}",
+        answers.len(),
+        answers.last()
+    );
+    assert!(arrivals <= 1, "delivered {arrivals} times");
+    assert_eq!(
+        arrivals, 1,
+        "the key is never forwarded after a transient database slowness: \
+         every retry answered {:?}, the record is {state:?} (0 = in_flight, never settled)",
+        answers.last()
+    );
+}
+
+/// F1 at the library level: `begin` fails (unknown outcome) after
+/// `timeout_ms`; when the statement then commits, the key must not stay in
+/// flight — nothing will ever write its outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f1b_library_claim_timed_out_then_committed_stays_in_flight() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let s = PostgresState::connect(&StateConfig {
+        timeout_ms: 1000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    warm_pool(&s, 4).await;
+    let owner = Owner::SINGLE;
+    let key = rkey("lib-timed-out");
+    let holder = KeyHold::start(&url, "pay", 0, &key.key).await;
+    let begun = s.begin(owner, &key, &claim(1, 1_000), STRICT).await;
+    eprintln!("begin: {begun:?}");
+    assert!(
+        matches!(&begun, Err(StateError::Write(d)) if d.contains("unknown")),
+        "{begun:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.release().await;
+    until("the orphaned claim statement finished", || {
+        !pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    // Give the background settling every chance (it retries each second).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let record = s.get(&key).await.unwrap();
+    let again = s.begin(owner, &key, &claim(1, 2_000), STRICT).await;
+    eprintln!(
+        "record after settling: {:?}; a retry's begin: {:?}",
+        record.as_ref().map(|r| r.state),
+        again.as_ref().map(|b| matches!(b, Begun::Claimed))
+    );
+    assert_eq!(
+        record.map(|r| r.state),
+        None,
+        "a claim that was never forwarded is left in flight, unsettled"
+    );
+    assert!(matches!(again, Ok(Begun::Claimed)));
+}
+
+// ---------------------------------------------------------------------------
+// F2. The settling delete of a deposed owner is not conditioned on its
+// generation.
+
+/// Rule 3 (SPEC §10: every state write of an owner is conditioned on its
+/// generation): owner A's claim batch commits and its answer is lost (503,
+/// nothing forwarded); A cannot reach the database. B takes the shard over
+/// (claim_shard + recover): A's claim is now B's `in_doubt` record, listed for
+/// B's operator. When A reaches the database again, its background settle
+/// deletes B's record — a write of a deposed generation after the takeover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f2_deposed_owners_settle_deletes_the_successors_in_doubt_record() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let old = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let new = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let five = |generation| Owner {
+        shard: 5,
+        generation,
+    };
+    old.claim_shard(five(1)).await.unwrap();
+    let key = rkey("settled-after-takeover");
+    relay.hold_replies(true);
+    let begun = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move { old.begin(five(1), &key, &claim(1, 1_000), STRICT).await })
+    };
+    until("the claim committed", || db_state(pg, &db, &key.key) == "0").await;
+    relay.refuse(true);
+    relay.cut();
+    let r = begun.await.unwrap();
+    assert!(r.is_err(), "the claim's answer was lost: {r:?}");
+    // B takes over.
+    new.claim_shard(five(2)).await.unwrap();
+    assert_eq!(new.recover(five(2), 2_000).await.unwrap(), 1);
+    assert_eq!(db_state(pg, &db, &key.key), "2", "B's in_doubt record");
+    // A reaches the database again.
+    relay.hold_replies(false);
+    relay.refuse(false);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let state = db_state(pg, &db, &key.key);
+    eprintln!("B's in_doubt record after A's settle: {state:?}");
+    assert_eq!(
+        state, "2",
+        "the deposed owner (generation 1) deleted the successor's record after the takeover"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// What held
+
+/// Rule 1: one key claimed concurrently many times on one instance (same and
+/// next batches) and on a second instance (a concurrent batch): exactly one
+/// claim wins; every other sees the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_one_key_claimed_in_one_and_in_concurrent_batches_wins_once() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (_db, url) = pg.new_database();
+    let a = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    for round in 0..20 {
+        let key = rkey(&format!("dup-{round}"));
+        let mut tasks = Vec::new();
+        for i in 0..12 {
+            let s = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let key = key.clone();
+            tasks.push(tokio::spawn(async move {
+                s.begin(Owner::SINGLE, &key, &claim(1, 1_000), STRICT).await
+            }));
+        }
+        let mut claimed = 0;
+        for t in tasks {
+            match t.await.unwrap() {
+                Ok(Begun::Claimed) => claimed += 1,
+                Ok(Begun::Exists(r)) => assert_eq!(r.state, State::InFlight),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(claimed, 1, "round {round}: {claimed} claims of one key");
+    }
+}
+
+/// Rule 1 with a worker hanging up while its claim waits at the database (in a
+/// batch): the request goes on without its client (FinishOnDrop) and the key
+/// reaches the origin at most once; a retry afterwards is a replay or a 409,
+/// never a second delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_worker_hangs_up_while_its_claim_is_in_a_batch() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let r = rig(&url, "timeout_ms = 10000").await;
+    let pay = r.hold("pay").await;
+    assert_eq!(keyed_answer(&r.fg, &pay, "warm").await, Answer::Forwarded(200));
+    let key = "hung-up";
+    let holder = KeyHold::start(&url, "pay", 0, key).await;
+    let req = keyed(&r.fg, &format!("/pay/{key}"), &pay, key, &format!("pay {key}"));
+    let sent = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(30), try_send(req)).await
+    });
+    until("the claim batch waits at the database", || {
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    // The worker hangs up.
+    sent.abort();
+    let _ = sent.await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.release().await;
+    until("the claim settled", || {
+        !pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = keyed_answer(&r.fg, &pay, key).await;
+    eprintln!(
+        "after the hang-up: arrivals {}, record {:?}, retry {retry:?}",
+        r.arrivals_of(key),
+        db_state(pg, &db, key)
+    );
+    assert!(
+        matches!(retry, Answer::Replayed(200) | Answer::Forwarded(200)),
+        "{retry:?}"
+    );
+    assert_eq!(r.arrivals_of(key), 1);
+    assert_eq!(keyed_answer(&r.fg, &pay, key).await, Answer::Replayed(200));
+    assert_eq!(r.arrivals_of(key), 1);
+}

@@ -2,15 +2,21 @@
 //! attempts to break the destination-level rules of SPEC §6, §7 and §10
 //! through the batched claims and outcomes and their background settling.
 //! Tests named `f*` failed on 12f2834 (findings); `held_*` passed.
+//!
+//! On 12f2834: `f1_claim_batch_timed_out_at_the_database_blocks_its_key`,
+//! `f1b_library_claim_timed_out_then_committed_stays_in_flight` and
+//! `f2_deposed_owners_settle_deletes_the_successors_in_doubt_record` FAIL
+//! (findings); every `held_*` test PASSES.
 
 use std::time::{Duration, Instant};
 
 use fencegate::config::StateConfig;
 use fencegate::state::postgres::PostgresState;
-use fencegate::state::{Begun, Owner, State, StateError, StateStore};
+use fencegate::state::{Begun, End, Owner, State, StateError, StateStore, TakeOver};
 
 use crate::postgres::{
-    claim, db_state, keyed_answer, pg_config, refused, rig, rkey, timed, until, Answer, STRICT,
+    answer, claim, db_state, ended, keyed_answer, pg_config, refused, rig, rkey, timed, until, Answer,
+    STRICT,
 };
 use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
@@ -70,49 +76,81 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
     for w in warm {
         assert_eq!(w.await.unwrap().0, Answer::Forwarded(200));
     }
-    let key = "claim-timed-out";
-    let holder = KeyHold::start(&url, "pay", 0, key).await;
-    let pending = timed(keyed(
-        &r.fg,
-        &format!("/pay/{key}"),
-        &pay,
-        key,
-        &format!("pay {key}"),
-    ));
-    until("the claim batch waits at the database", || {
-        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
-    })
-    .await;
-    let (a, took) = pending.await.unwrap();
-    eprintln!("the claim that timed out: {a:?} after {took:?}");
-    assert_eq!(a, refused("store_unavailable"));
-    assert!(
-        pg.waits_on_a_lock(&db, "/* fencegate: claims */"),
-        "the statement still waits at the database after its client gave up"
-    );
-    // The background settle has run by now (its first try is immediate).
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    // The lock goes away (the slow transaction rolls back): the database is
-    // well again.
-    holder.release().await;
-    until("the orphaned claim statement finished", || {
-        !pg.waits_on_a_lock(&db, "/* fencegate: claims */")
-    })
-    .await;
-    eprintln!("after the statement finished: record state {:?}", db_state(pg, &db, key));
-    // The worker retries, for up to 15 s.
+    // A second pooled connection, for sure: a claim waits at the database on
+    // one while a mark raise (the `feed` lease's first request) takes another.
+    {
+        let w = "warm-blocked";
+        let holder = KeyHold::start(&url, "pay", 0, w).await;
+        let pending = timed(keyed(&r.fg, &format!("/pay/{w}"), &pay, w, &format!("pay {w}")));
+        until("the warm claim waits at the database", || {
+            pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+        })
+        .await;
+        let feed = r.hold("feed").await;
+        let tick = worker_req(&r.fg.url("/feed/tick"), feed.epoch.get(), &feed.token)
+            .body(body("tick"))
+            .unwrap();
+        assert_eq!(answer(try_send(tick).await), Answer::Forwarded(200));
+        holder.release().await;
+        assert_eq!(pending.await.unwrap().0, Answer::Forwarded(200));
+    }
+    // The race needs the settling DELETE on another pooled connection than
+    // the timed-out claim (on the same one it queues behind the claim and
+    // works): a loaded pool has several. Up to five rounds, a key each.
+    let mut blocked = None;
+    for round in 0..5 {
+        let key = format!("claim-timed-out-{round}");
+        let holder = KeyHold::start(&url, "pay", 0, &key).await;
+        let pending = timed(keyed(
+            &r.fg,
+            &format!("/pay/{key}"),
+            &pay,
+            &key,
+            &format!("pay {key}"),
+        ));
+        until("the claim batch waits at the database", || {
+            pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+        })
+        .await;
+        let (a, took) = pending.await.unwrap();
+        eprintln!("round {round}: the claim that timed out: {a:?} after {took:?}");
+        assert_eq!(a, refused("store_unavailable"));
+        // The background settle has run by now (its first try is immediate).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // The lock goes away (the slow transaction rolls back): the database
+        // is well again, and the claim's statement commits.
+        holder.release().await;
+        until("the orphaned claim statement finished", || {
+            !pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let state = db_state(pg, &db, &key);
+        eprintln!("round {round}: record state {state:?} after settling");
+        if state == "0" {
+            blocked = Some(key);
+            break;
+        }
+        assert_eq!(keyed_answer(&r.fg, &pay, &key).await, Answer::Forwarded(200));
+        assert_eq!(r.arrivals_of(&key), 1);
+    }
+    let Some(key) = blocked else {
+        eprintln!("no round left its key in flight");
+        return;
+    };
+    // The worker retries, for 15 s.
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut answers = Vec::new();
     loop {
-        let a = keyed_answer(&r.fg, &pay, key).await;
+        let a = keyed_answer(&r.fg, &pay, &key).await;
         answers.push(a.clone());
         if a == Answer::Forwarded(200) || Instant::now() > deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let arrivals = r.arrivals_of(key);
-    let state = db_state(pg, &db, key);
+    let arrivals = r.arrivals_of(&key);
+    let state = db_state(pg, &db, &key);
     eprintln!(
         "retries: {} (last {:?}); arrivals {arrivals}; record state {state:?}",
         answers.len(),
@@ -207,6 +245,16 @@ async fn f2_deposed_owners_settle_deletes_the_successors_in_doubt_record() {
         generation,
     };
     old.claim_shard(five(1)).await.unwrap();
+    // The batch statements prepared on the pooled connection (a prepare is a
+    // round trip of its own, which a held reply would stop).
+    let warm = rkey("warm");
+    assert!(matches!(
+        old.begin(five(1), &warm, &claim(9, 500), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    old.finish(five(1), &warm, fencegate::state::End::Delete)
+        .await
+        .unwrap();
     let key = rkey("settled-after-takeover");
     relay.hold_replies(true);
     let begun = {
@@ -314,4 +362,75 @@ async fn held_worker_hangs_up_while_its_claim_is_in_a_batch() {
     assert_eq!(r.arrivals_of(key), 1);
     assert_eq!(keyed_answer(&r.fg, &pay, key).await, Answer::Replayed(200));
     assert_eq!(r.arrivals_of(key), 1);
+}
+
+/// Rule 2 and rule 1: `done` commits and its answer is lost (the outcome batch
+/// is unknown; the instance cannot reach the database, so the background
+/// re-write waits). The `done` expires and a new request takes the key over
+/// (in flight again, a new claim). When the old instance's re-write finally
+/// lands it must match nothing: the successor's in-flight record and then its
+/// own `done` stand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a_late_outcome_rewrite_never_touches_a_takeover_of_its_key() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let old = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let o = Owner::SINGLE;
+    let warm = rkey("warm");
+    assert!(matches!(
+        old.begin(o, &warm, &claim(9, 500), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    old.finish(o, &warm, End::Done(ended(9, 500, State::Done)))
+        .await
+        .unwrap();
+    let key = rkey("late-rewrite");
+    assert!(matches!(
+        old.begin(o, &key, &claim(1, 1_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    relay.hold_replies(true);
+    let fin = {
+        let (old, key) = (old.clone(), key.clone());
+        tokio::spawn(async move {
+            old.finish(o, &key, End::Done(ended(1, 1_000, State::Done)))
+                .await
+        })
+    };
+    until("done committed", || db_state(pg, &db, &key.key) == "1").await;
+    relay.refuse(true);
+    relay.cut();
+    assert!(fin.await.unwrap().is_err(), "the outcome's answer was lost");
+    // The done expires; a new request takes the key over.
+    let expired = TakeOver {
+        in_doubt: false,
+        done_before_ms: 1_000_000,
+    };
+    assert!(matches!(
+        new.begin(o, &key, &claim(1, 2_000_000), expired).await,
+        Ok(Begun::Claimed)
+    ));
+    relay.hold_replies(false);
+    relay.refuse(false);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        db_state(pg, &db, &key.key),
+        "0",
+        "the successor's claim was overwritten by a late re-write"
+    );
+    let mut mine = ended(1, 2_000_000, State::Done);
+    mine.response.as_mut().unwrap().status = 202;
+    new.finish(o, &key, End::Done(mine)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r = new.get(&key).await.unwrap().unwrap();
+    assert_eq!(r.state, State::Done);
+    assert_eq!(r.response.map(|r| r.status), Some(202), "the successor's done stands");
 }

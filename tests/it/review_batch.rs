@@ -15,8 +15,8 @@ use fencegate::state::postgres::PostgresState;
 use fencegate::state::{Begun, End, Owner, State, StateError, StateStore, TakeOver};
 
 use crate::postgres::{
-    answer, claim, db_state, ended, keyed_answer, pg_config, refused, rig, rkey, timed, until, Answer,
-    STRICT,
+    answer, claim, db_state, ended, keyed_answer, pg_config, refused, rig, rkey, timed, until,
+    Answer, STRICT,
 };
 use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
@@ -70,7 +70,13 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
     let warm: Vec<_> = (0..6)
         .map(|i| {
             let k = format!("warm-{i}");
-            timed(keyed(&r.fg, &format!("/pay/{k}"), &pay, &k, &format!("pay {k}")))
+            timed(keyed(
+                &r.fg,
+                &format!("/pay/{k}"),
+                &pay,
+                &k,
+                &format!("pay {k}"),
+            ))
         })
         .collect();
     for w in warm {
@@ -81,7 +87,13 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
     {
         let w = "warm-blocked";
         let holder = KeyHold::start(&url, "pay", 0, w).await;
-        let pending = timed(keyed(&r.fg, &format!("/pay/{w}"), &pay, w, &format!("pay {w}")));
+        let pending = timed(keyed(
+            &r.fg,
+            &format!("/pay/{w}"),
+            &pay,
+            w,
+            &format!("pay {w}"),
+        ));
         until("the warm claim waits at the database", || {
             pg.waits_on_a_lock(&db, "/* fencegate: claims */")
         })
@@ -131,7 +143,10 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
             blocked = Some(key);
             break;
         }
-        assert_eq!(keyed_answer(&r.fg, &pay, &key).await, Answer::Forwarded(200));
+        assert_eq!(
+            keyed_answer(&r.fg, &pay, &key).await,
+            Answer::Forwarded(200)
+        );
         assert_eq!(r.arrivals_of(&key), 1);
     }
     let Some(key) = blocked else {
@@ -158,7 +173,8 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
     );
     assert!(arrivals <= 1, "delivered {arrivals} times");
     assert_eq!(
-        arrivals, 1,
+        arrivals,
+        1,
         "the key is never forwarded after a transient database slowness: \
          every retry answered {:?}, the record is {state:?} (0 = in_flight, never settled)",
         answers.last()
@@ -328,13 +344,23 @@ async fn held_worker_hangs_up_while_its_claim_is_in_a_batch() {
     let (db, url) = pg.new_database();
     let r = rig(&url, "timeout_ms = 10000").await;
     let pay = r.hold("pay").await;
-    assert_eq!(keyed_answer(&r.fg, &pay, "warm").await, Answer::Forwarded(200));
+    assert_eq!(
+        keyed_answer(&r.fg, &pay, "warm").await,
+        Answer::Forwarded(200)
+    );
     let key = "hung-up";
     let holder = KeyHold::start(&url, "pay", 0, key).await;
-    let req = keyed(&r.fg, &format!("/pay/{key}"), &pay, key, &format!("pay {key}"));
-    let sent = tokio::spawn(async move {
-        tokio::time::timeout(Duration::from_secs(30), try_send(req)).await
-    });
+    let req = keyed(
+        &r.fg,
+        &format!("/pay/{key}"),
+        &pay,
+        key,
+        &format!("pay {key}"),
+    );
+    let sent =
+        tokio::spawn(
+            async move { tokio::time::timeout(Duration::from_secs(30), try_send(req)).await },
+        );
     until("the claim batch waits at the database", || {
         pg.waits_on_a_lock(&db, "/* fencegate: claims */")
     })
@@ -432,5 +458,9 @@ async fn held_a_late_outcome_rewrite_never_touches_a_takeover_of_its_key() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let r = new.get(&key).await.unwrap().unwrap();
     assert_eq!(r.state, State::Done);
-    assert_eq!(r.response.map(|r| r.status), Some(202), "the successor's done stands");
+    assert_eq!(
+        r.response.map(|r| r.status),
+        Some(202),
+        "the successor's done stands"
+    );
 }

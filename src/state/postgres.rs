@@ -22,6 +22,8 @@
 //! may have claimed or finished is then marked `in_doubt` if it can be, so that a
 //! retry is never forwarded silently.
 
+mod ownership;
+
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -890,6 +892,38 @@ impl StateStore for PostgresState {
             })
             .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    async fn owner_rows(&self) -> Result<Vec<super::OwnerRow>, StateError> {
+        self.rows_of_owners().await
+    }
+
+    async fn take_shard(
+        &self,
+        shard: u32,
+        seen: Option<(u64, u64)>,
+        id: &str,
+        advertise: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, StateError> {
+        self.take(shard, seen, id, advertise, ttl).await
+    }
+
+    async fn renew_shards(
+        &self,
+        id: &str,
+        held: &[(u32, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        self.renew(id, held, ttl).await
+    }
+
+    async fn release_shard(&self, id: &str, shard: u32, generation: u64) -> Result<bool, StateError> {
+        self.release(id, shard, generation).await
+    }
+
+    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        self.count_beat(id).await
     }
 
     async fn leave(&self, id: &str) -> Result<(), StateError> {

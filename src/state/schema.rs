@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 4;
+pub const VERSION: i32 = 5;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -71,6 +71,21 @@ const MIGRATIONS: &[&str] = &[
     // change: every transition to done has always set `updated_ms`.
     "CREATE INDEX fencegate_dedup_done_by_done_time ON fencegate_dedup (updated_ms) WHERE state = 1;
     DROP INDEX IF EXISTS fencegate_dedup_done_by_age;",
+    // 4 → 5: shard ownership in the database (SPEC §10.2, issue 28): the owner
+    // row names its instance, counts its renewals (a successor watches them on
+    // its own clock), and shows its expiry on the database's clock; the
+    // previous tenure's owner and last renewal are kept for inspection. A
+    // membership row counts its beats the same way.
+    "ALTER TABLE fencegate_owners
+        ADD COLUMN owner text,
+        ADD COLUMN advertise text,
+        ADD COLUMN renewals bigint NOT NULL DEFAULT 0,
+        ADD COLUMN expires_at timestamptz,
+        ADD COLUMN renewed_at timestamptz,
+        ADD COLUMN taken_at timestamptz,
+        ADD COLUMN previous_owner text,
+        ADD COLUMN previous_renewed_at timestamptz;
+    ALTER TABLE fencegate_members ADD COLUMN beats bigint NOT NULL DEFAULT 0;",
 ];
 
 /// Creates or migrates the schema; returns the version found before.

@@ -1428,6 +1428,98 @@ async fn figures() {
     }
 }
 
+/// Issue 28's figures (not a check; run by hand, debug build):
+/// `cargo test --test it cluster::at_rest_figures -- --ignored --nocapture`.
+/// Three instances, every `[store]`/`[cluster]` timing key at its default (16
+/// shards, `gate_ttl` 10 s, `self_fence_margin` 2 s, `grace_ms` 2 s), no
+/// traffic: the lease store calls the cluster's coordination makes, per hour for
+/// the three, by operation when the build counts them so, priced at S3
+/// Standard (PUT and LIST $0.005 per 1,000, GET and HEAD $0.0004), over 60 s
+/// after a 30 s settle; and the database calls of coordination per instance
+/// per second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "figures, minutes long: run by hand"]
+async fn at_rest_figures() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let mut rig = Rig::start(0, 16).await;
+    rig.gate = ("10s", "2s");
+    let defaults = |c: String| {
+        c.replace("grace_ms = 500", "grace_ms = 2000")
+            .replace("refresh_interval_ms = 200", "refresh_interval_ms = 1000")
+    };
+    for id in ["fg-a", "fg-b", "fg-c"] {
+        rig.add_with(id, defaults);
+    }
+    rig.settled("three", balanced(16, 3)).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    async fn by_op(fg: &Fencegate, name: &str) -> BTreeMap<String, f64> {
+        let r = send(
+            http::Request::get(fg.admin_url("/metrics"))
+                .body(body(""))
+                .unwrap(),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&r.body).into_owned();
+        let mut out = BTreeMap::new();
+        for line in text.lines().filter(|l| l.starts_with(name)) {
+            let op = line
+                .split("op=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .unwrap_or("all")
+                .to_owned();
+            let v: f64 = line
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0.0);
+            *out.entry(op).or_default() += v;
+        }
+        out
+    }
+    let sum = |ms: &[BTreeMap<String, f64>]| {
+        let mut t: BTreeMap<String, f64> = BTreeMap::new();
+        for m in ms {
+            for (k, v) in m {
+                *t.entry(k.clone()).or_default() += v;
+            }
+        }
+        t
+    };
+    let (mut s0, mut d0) = (Vec::new(), Vec::new());
+    for m in rig.running() {
+        s0.push(by_op(m.fg(), "fencegate_cluster_gate_store_calls_total").await);
+        d0.push(by_op(m.fg(), "fencegate_cluster_db_calls_total").await);
+    }
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let (mut s1, mut d1) = (Vec::new(), Vec::new());
+    for m in rig.running() {
+        s1.push(by_op(m.fg(), "fencegate_cluster_gate_store_calls_total").await);
+        d1.push(by_op(m.fg(), "fencegate_cluster_db_calls_total").await);
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let (s0, s1) = (sum(&s0), sum(&s1));
+    let mut dollars = 0.0;
+    for (op, v) in &s1 {
+        let per_hour = (v - s0.get(op).copied().unwrap_or(0.0)) / secs * 3600.0;
+        let price = match op.as_str() {
+            "get" | "head" => 0.0004,
+            _ => 0.005,
+        };
+        let month = per_hour * 24.0 * 30.0 * price / 1000.0;
+        dollars += month;
+        eprintln!("at rest, 3 instances: {per_hour:.0} store calls per hour ({op}), ${month:.2} a month");
+    }
+    eprintln!("at rest, 3 instances: ${dollars:.2} a month in lease store calls");
+    let (d0, d1) = (sum(&d0), sum(&d1));
+    for (op, v) in &d1 {
+        let per_s = (v - d0.get(op).copied().unwrap_or(0.0)) / secs / 3.0;
+        eprintln!("at rest: {per_s:.2} database calls per instance per second ({op})");
+    }
+}
+
 /// Time from kill -9 of an owner to the first request served for its shard by
 /// another instance, over 20 takeovers (gate_ttl 6 s, grace 0.5 s), on a
 /// cluster of its own with four shards: the test S3 server lists a prefix in time

@@ -56,6 +56,8 @@ pub(super) struct AnchorSeen {
 
 pub(super) struct Anchor {
     pub(super) window: super::window::Window,
+    /// The send of the latest anchor read the store answered.
+    pub(super) answered: Mutex<Option<Instant>>,
     pub(super) seen: Mutex<AnchorSeen>,
     pub(super) op: tokio::sync::Mutex<()>,
 }
@@ -64,6 +66,7 @@ impl Anchor {
     pub(super) fn new() -> Anchor {
         Anchor {
             window: super::window::Window::new(),
+            answered: Mutex::new(None),
             seen: Mutex::new(AnchorSeen::default()),
             op: tokio::sync::Mutex::new(()),
         }
@@ -71,6 +74,23 @@ impl Anchor {
 }
 
 impl Cluster {
+    /// Whether this instance may keep its shards: its window of the anchor is
+    /// open and the lease store answered within a third of `gate_ttl` (a member
+    /// that cannot reach the store cannot admit a new epoch: it lets its
+    /// shards go to the others).
+    pub(super) fn vouches(&self) -> bool {
+        self.anchor.window.is_open()
+            && lock(&self.anchor.answered)
+                .is_some_and(|at| at.elapsed() < self.ttl / 3)
+    }
+
+    /// When a window extended by a database call sent at `sent` starts: no
+    /// later than the latest anchor read the store answered — an owner cut
+    /// from the store self-fences as it did when its gate lease lived there.
+    pub(super) fn window_from(&self, sent: Instant) -> Instant {
+        lock(&self.anchor.answered).map_or(sent, |at| at.min(sent))
+    }
+
     /// Seals an anchor gate object as this set-up's (SPEC §10).
     pub(super) fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
         move |r: &mut EpochRecord| {
@@ -106,10 +126,12 @@ impl Cluster {
     /// conflict if its latest object is another set-up's, live.
     pub(super) async fn anchor_round(&self) -> Option<Conflict> {
         let _op = self.anchor.op.lock().await;
+        let sent = Instant::now();
         if let Err(e) = self.read_anchor().await {
             tracing::warn!(error = %e, "could not read the prefix's anchor");
             return lock(&self.conflict).clone();
         }
+        *lock(&self.anchor.answered) = Some(sent);
         let seen = lock(&self.anchor.seen).clone();
         if let Some(v) = &seen.verdict {
             if let Some(c) = self.conflict_of(0, v, seen.free, seen.holder.as_deref()) {

@@ -87,10 +87,10 @@ impl Cluster {
             .filter_map(|(s, g)| lock(&g.holding).map(|gen| (s, gen)))
             .collect();
         if !held.is_empty() {
-            if !self.anchor.window.is_open() && !super::weakened::no_self_fence() {
+            if !self.vouches() && !super::weakened::no_self_fence() {
                 // Not renewing is how shards go to the others: this instance
                 // cannot serve them while it cannot vouch for the anchor.
-                tracing::warn!("the prefix's anchor is not known to be this set-up's: not renewing this instance's shards");
+                tracing::warn!("the lease store does not answer, or the prefix's anchor is not known to be this set-up's: not renewing this instance's shards");
             } else {
                 self.renew_held(&held).await;
             }
@@ -125,7 +125,8 @@ impl Cluster {
             }
             match renewed.iter().find(|(s, gen, _)| *s == shard && *gen == generation) {
                 Some(&(_, _, renewals)) => {
-                    g.window.extend(sent, self.ttl, self.margin);
+                    g.window
+                        .extend(self.window_from(sent), self.ttl, self.margin);
                     if let Some(row) = lock(&g.seen).row.as_mut() {
                         if row.generation == generation {
                             row.renewals = renewals;
@@ -151,6 +152,8 @@ impl Cluster {
     fn saw_beats(&self, beats: Vec<(String, u64)>) {
         let now = Instant::now();
         let mut seen = lock(&self.beats);
+        // A member that left (its row deleted) is gone at once.
+        seen.retain(|id, _| beats.iter().any(|(b, _)| b == id));
         for (id, n) in beats {
             match seen.get(&id) {
                 Some((m, _)) if *m == n => {}
@@ -198,6 +201,18 @@ impl Cluster {
             let since = if same { seen.since.or(Some(now)) } else { Some(now) };
             *seen = Seen { row, since };
         }
+        // A released row (a member left or is balancing): membership now, so
+        // that the shard is taken without waiting for the next beat.
+        let released = self.gates.iter().any(|g| {
+            lock(&g.holding).is_none()
+                && lock(&g.seen).row.as_ref().is_some_and(|r| r.owner.is_none())
+        });
+        if released {
+            self.db_calls.fetch_add(1, Ordering::Relaxed);
+            if let Ok(beats) = self.state.beat(&self.id).await {
+                self.saw_beats(beats);
+            }
+        }
         if !self.stopping.is_cancelled() && lock(&self.conflict).is_none() {
             self.balance();
         }
@@ -209,7 +224,7 @@ impl Cluster {
     /// below ⌊n/l⌋ makes another one give up a shard, and then only the one holding
     /// the most (lowest id first) gives one per round: no flapping.
     pub(super) fn balance(self: &Arc<Self>) {
-        if !self.anchor.window.is_open() {
+        if !self.vouches() {
             return; // nothing is served until the anchor is this set-up's
         }
         let mut counts: HashMap<String, usize> = HashMap::new();

@@ -64,7 +64,8 @@ impl Cluster {
                 .await
             {
                 Ok(Some(generation)) => {
-                    g.window.extend(sent, self.ttl, self.margin);
+                    g.window
+                        .extend(self.window_from(sent), self.ttl, self.margin);
                     *lock(&g.holding) = Some(generation);
                     lock(&g.seen).row = Some(OwnerRow {
                         shard,

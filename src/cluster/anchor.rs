@@ -80,8 +80,7 @@ impl Cluster {
     /// shards go to the others).
     pub(super) fn vouches(&self) -> bool {
         self.anchor.window.is_open()
-            && lock(&self.anchor.answered)
-                .is_some_and(|at| at.elapsed() < self.ttl / 3)
+            && lock(&self.anchor.answered).is_some_and(|at| at.elapsed() < self.ttl / 3)
     }
 
     /// When a window extended by a database call sent at `sent` starts: no
@@ -160,7 +159,11 @@ impl Cluster {
             seen.created_after
                 .is_none_or(|c| now.saturating_duration_since(c) >= quarter)
         } else {
-            self.anchor.window.forward_deadline().saturating_duration_since(now) < quarter
+            self.anchor
+                .window
+                .forward_deadline()
+                .saturating_duration_since(now)
+                < quarter
         };
         if !due {
             return None;
@@ -321,7 +324,9 @@ impl Cluster {
     }
 
     fn created_anchor(&self, h: Holding, sent: Instant) {
-        self.anchor.window.extend(sent, self.anchor_ttl(), self.margin);
+        self.anchor
+            .window
+            .extend(sent, self.anchor_ttl(), self.margin);
         let mut rec = EpochRecord::acquire(
             &h.lease,
             h.epoch,

@@ -100,7 +100,9 @@ impl Cluster {
         // once its rows go unrenewed (announced, its shards stayed unserved
         // for as long as the cut lasted — found by the cluster fault campaign).
         if !lock(&self.anchor.answered).is_some_and(|at| at.elapsed() < self.ttl / 3) {
-            tracing::warn!("the lease store does not answer; not announcing this instance to the cluster");
+            tracing::warn!(
+                "the lease store does not answer; not announcing this instance to the cluster"
+            );
             return;
         }
         self.db_calls.fetch_add(1, Ordering::Relaxed);
@@ -131,7 +133,10 @@ impl Cluster {
             if *lock(&g.holding) != Some(generation) {
                 continue; // released or restarted meanwhile
             }
-            match renewed.iter().find(|(s, gen, _)| *s == shard && *gen == generation) {
+            match renewed
+                .iter()
+                .find(|(s, gen, _)| *s == shard && *gen == generation)
+            {
                 Some(&(_, _, renewals)) => {
                     g.window
                         .extend(self.window_from(sent), self.ttl, self.margin);
@@ -206,14 +211,21 @@ impl Cluster {
                 (None, None) => true,
                 _ => false,
             };
-            let since = if same { seen.since.or(Some(now)) } else { Some(now) };
+            let since = if same {
+                seen.since.or(Some(now))
+            } else {
+                Some(now)
+            };
             *seen = Seen { row, since };
         }
         // A released row (a member left or is balancing): membership now, so
         // that the shard is taken without waiting for the next beat.
         let released = self.gates.iter().any(|g| {
             lock(&g.holding).is_none()
-                && lock(&g.seen).row.as_ref().is_some_and(|r| r.owner.is_none())
+                && lock(&g.seen)
+                    .row
+                    .as_ref()
+                    .is_some_and(|r| r.owner.is_none())
         });
         if released {
             self.db_calls.fetch_add(1, Ordering::Relaxed);
@@ -253,7 +265,10 @@ impl Cluster {
                 continue;
             }
             let seen = lock(&g.seen).clone();
-            match seen.owner(self.ttl, self.grace).and_then(|r| r.owner.clone()) {
+            match seen
+                .owner(self.ttl, self.grace)
+                .and_then(|r| r.owner.clone())
+            {
                 Some(o) if o != self.id => {
                     live.insert(o.clone());
                     *counts.entry(o).or_default() += 1;

@@ -42,8 +42,8 @@ pub(crate) mod window;
 pub use set_up::Conflict;
 use set_up::Verdict;
 use shard::{Seen, ShardLease};
-use tokio::time::Instant;
 pub use shard::{ShardLeaseView, ShardView};
+use tokio::time::Instant;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -307,13 +307,10 @@ impl Cluster {
     /// least once and every shard has an owner it can name.
     pub fn is_ready(&self) -> bool {
         lock(&self.conflict).is_none()
-            && self
-                .gates
-                .iter()
-                .all(|g| {
-                    g.serving.load(Ordering::SeqCst) != 0
-                        || lock(&g.seen).owner(self.ttl, self.grace).is_some()
-                })
+            && self.gates.iter().all(|g| {
+                g.serving.load(Ordering::SeqCst) != 0
+                    || lock(&g.seen).owner(self.ttl, self.grace).is_some()
+            })
     }
 
     /// Every shard as last seen, for `/v1/cluster` and the page.

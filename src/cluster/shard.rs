@@ -41,7 +41,8 @@ impl Seen {
 
     /// Whether a contender may take it now.
     pub(super) fn is_free(&self, ttl: Duration, grace: Duration) -> bool {
-        self.free_at(ttl, grace).is_none_or(|at| Instant::now() >= at)
+        self.free_at(ttl, grace)
+            .is_none_or(|at| Instant::now() >= at)
     }
 
     /// The owner named by the row while its tenure may still run.

@@ -347,7 +347,12 @@ pub trait StateStore: Send + Sync + 'static {
 
     /// Releases `shard` held by `id` under `generation` (a handover): a
     /// successor may take it at once. Whether it was released.
-    async fn release_shard(&self, _id: &str, _shard: u32, _generation: u64) -> Result<bool, StateError> {
+    async fn release_shard(
+        &self,
+        _id: &str,
+        _shard: u32,
+        _generation: u64,
+    ) -> Result<bool, StateError> {
         Err(unshared())
     }
 

@@ -918,7 +918,12 @@ impl StateStore for PostgresState {
         self.renew(id, held, ttl).await
     }
 
-    async fn release_shard(&self, id: &str, shard: u32, generation: u64) -> Result<bool, StateError> {
+    async fn release_shard(
+        &self,
+        id: &str,
+        shard: u32,
+        generation: u64,
+    ) -> Result<bool, StateError> {
         self.release(id, shard, generation).await
     }
 

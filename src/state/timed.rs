@@ -313,7 +313,12 @@ impl StateStore for Timed {
         self.inner.renew_shards(id, held, ttl).await
     }
 
-    async fn release_shard(&self, id: &str, shard: u32, generation: u64) -> Result<bool, StateError> {
+    async fn release_shard(
+        &self,
+        id: &str,
+        shard: u32,
+        generation: u64,
+    ) -> Result<bool, StateError> {
         self.inner.release_shard(id, shard, generation).await
     }
 

@@ -1507,7 +1507,9 @@ async fn at_rest_figures() {
         };
         let month = per_hour * 24.0 * 30.0 * price / 1000.0;
         dollars += month;
-        eprintln!("at rest, 3 instances: {per_hour:.0} store calls per hour ({op}), ${month:.2} a month");
+        eprintln!(
+            "at rest, 3 instances: {per_hour:.0} store calls per hour ({op}), ${month:.2} a month"
+        );
     }
     eprintln!("at rest, 3 instances: ${dollars:.2} a month in lease store calls");
     let (d0, d1) = (sum(&d0), sum(&d1));
@@ -1963,7 +1965,10 @@ async fn an_owner_losing_the_database(fault: &str) {
         .filter(|x| x.arrived >= first_new)
         .map(|x| String::from_utf8_lossy(&x.body).into_owned())
         .collect();
-    assert!(late.is_empty(), "the old owner delivered after the successor: {late:?}");
+    assert!(
+        late.is_empty(),
+        "the old owner delivered after the successor: {late:?}"
+    );
     let last_old = payloads_at(&rig.origin, "old owner")
         .into_iter()
         .map(|x| x.arrived)
@@ -2038,7 +2043,10 @@ async fn the_database_clock_jumping_moves_no_shard() {
         pg.psql(&db_name, &format!("UPDATE skew.by SET d = '{by}'"));
     };
     jump("1 hour");
-    let shown = pg.psql(&rig.db_name, "SELECT extract(epoch FROM now() - pg_catalog.now())::int");
+    let shown = pg.psql(
+        &rig.db_name,
+        "SELECT extract(epoch FROM now() - pg_catalog.now())::int",
+    );
     assert!(shown.contains("3600"), "now() is shadowed: {shown}");
     jump("0");
     rig.add_at_once(&["fg-a", "fg-b"]);
@@ -2061,13 +2069,23 @@ async fn the_database_clock_jumping_moves_no_shard() {
         // Several renew and look periods at each reading.
         tokio::time::sleep(Duration::from_secs(8)).await;
         let v = rig.member("fg-a").fg().admin_json("/v1/cluster").await;
-        eprintln!("now() {by} off: shard 0 expires_at {}", v["shard_map"][0]["expires_at"]);
+        eprintln!(
+            "now() {by} off: shard 0 expires_at {}",
+            v["shard_map"][0]["expires_at"]
+        );
     }
     stop.cancel();
     let sent = sender.await.unwrap();
-    assert_eq!(moves().await, before, "a shard changed hands while the database's clock jumped");
+    assert_eq!(
+        moves().await,
+        before,
+        "a shard changed hands while the database's clock jumped"
+    );
     let sent_all = payloads_at(&rig.origin, "jumping").len();
-    assert_eq!(sent, sent_all, "every request answered 200 reached the destination");
+    assert_eq!(
+        sent, sent_all,
+        "every request answered 200 reached the destination"
+    );
     assert!(sent >= 300, "served throughout: {sent}");
     for m in rig.running() {
         assert_eq!(
@@ -2087,7 +2105,10 @@ async fn the_database_clock_jumping_moves_no_shard() {
     rig.sole_owner(survivor).await;
     let took = killed.elapsed();
     eprintln!("taken over {took:?} after kill -9 with now() an hour behind");
-    assert!(took <= Duration::from_millis(6500 + 2000 + 1500), "{took:?}");
+    assert!(
+        took <= Duration::from_millis(6500 + 2000 + 1500),
+        "{took:?}"
+    );
 }
 
 /// Issue 28: the single-instance exclusion holds after the member that last
@@ -2115,5 +2136,10 @@ async fn the_anchor_outlives_the_member_that_renewed_it() {
     let fg = rig.sole_owner(other).await;
     let lease = rig.leases[1].clone();
     let w = rig.worker(&lease, "w").await;
-    assert_eq!(post(fg, &format!("/{lease}-ff/x"), &w, "served").await.status, 200);
+    assert_eq!(
+        post(fg, &format!("/{lease}-ff/x"), &w, "served")
+            .await
+            .status,
+        200
+    );
 }

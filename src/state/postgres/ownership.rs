@@ -188,4 +188,3 @@ impl PostgresState {
         Ok(rows.iter().map(|r| (r.get(0), uint(r.get(1)))).collect())
     }
 }
-

@@ -252,6 +252,7 @@ impl Cluster {
         live.insert(self.id.clone());
         let mut free = Vec::new();
         let mut mine = Vec::new();
+        let mut gone: BTreeSet<String> = BTreeSet::new();
         for (shard, g) in (0..self.shards).zip(&self.gates) {
             if g.busy.load(Ordering::SeqCst) {
                 if lock(&g.holding).is_some() {
@@ -275,10 +276,20 @@ impl Cluster {
                 }
                 // A row naming this instance that it does not hold (a restart
                 // of this instance): free once watched long enough, like any.
-                _ if seen.is_free(self.ttl, self.grace) => free.push(shard),
+                _ if seen.is_free(self.ttl, self.grace) => {
+                    // Its owner stopped renewing: dead or cut off, whatever
+                    // its last beat says — it reserves no share.
+                    if let Some(o) = seen.row.as_ref().and_then(|r| r.owner.as_ref()) {
+                        if *o != self.id {
+                            gone.insert(o.clone());
+                        }
+                    }
+                    free.push(shard)
+                }
                 _ => {}
             }
         }
+        live.retain(|id| !gone.contains(id) || counts.contains_key(id));
         let n = self.shards as usize;
         let l = live.len().max(1);
         let (lo, hi) = (n / l, n.div_ceil(l));

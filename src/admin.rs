@@ -356,6 +356,7 @@ impl Admin {
                     "members": c.members(),
                     "owned": c.owned(),
                     "conflict": c.conflict().map(|c| c.to_string()),
+                    "anchor": c.anchor_view(),
                     "shard_map": c.view(),
                 }),
             ),
@@ -731,7 +732,9 @@ impl Admin {
                         shards: c.shards(),
                         this_instance: s.owner.as_deref() == Some(me),
                         owner: s.owner,
-                        gate_epoch: (s.gate_epoch > 0).then_some(s.gate_epoch),
+                        // A cluster's shard: its owner generation (the anchor's epoch is in
+                        // /v1/cluster).
+                        gate_epoch: (s.generation > 0).then_some(s.generation),
                         expires_at: s.expires_at,
                         serving: s.served_here,
                     })

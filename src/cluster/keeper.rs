@@ -1,7 +1,14 @@
-//! The keeper (SPEC §10.2): one task per instance, every third of `gate_ttl`,
-//! renews the gate leases held here, looks at the others, records a heartbeat
-//! and balances — takes free shards while below this instance's share, hands
-//! shards over while above it.
+//! The keeper (SPEC §10.2): three tasks per instance.
+//! - Renewals, every third of `gate_ttl`: one `UPDATE` renews every shard row
+//!   this instance owns (only while its anchor window is open: an instance that
+//!   cannot vouch for the prefix's anchor lets its shards go), and one beat
+//!   records membership.
+//! - Looks, every tenth of `gate_ttl` (at most 1 s, at least 100 ms): one
+//!   `SELECT` of every owner row; a row whose `(generation, renewals)` has not
+//!   changed for `gate_ttl + grace_ms` on this instance's clock is free, and so
+//!   is a released one. Then balance: take free shards while below this
+//!   instance's share, hand shards over while above it.
+//! - The anchor ([`super::anchor`]), every quarter of `gate_ttl`.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
@@ -9,231 +16,226 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-
 use tokio_util::sync::CancellationToken;
 
-use super::set_up::{Conflict, Verdict};
-use super::shard::{Seen, ShardLease};
+use super::shard::Seen;
 use super::{lock, shard_of_id, Cluster};
-use crate::epoch::EpochObject;
-use crate::lease::acquire::{self, AcquireError, Holding};
-use crate::lease::StoreError;
 
 impl Cluster {
-    /// Keeps this instance's shards until `stop`, then hands them all over.
+    /// Keeps this instance's shards until `stop` (then [`Cluster::leave`]
+    /// hands them over).
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
-        // Rounds start every third of gate_ttl, however long the last one took:
-        // a slow store must not stretch the renewal period.
+        let anchor = tokio::spawn(self.clone().anchor_loop(stop.clone()));
+        let renewals = tokio::spawn(self.clone().renew_loop(stop.clone()));
+        self.clone().look_loop(stop).await;
+        let _ = anchor.await;
+        let _ = renewals.await;
+    }
+
+    /// How often the owner rows are read: a tenth of `gate_ttl`, 100 ms to 1 s
+    /// (a takeover after a crash comes at most this much after the earliest).
+    pub(super) fn look_every(&self) -> Duration {
+        (self.ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+    }
+
+    async fn renew_loop(self: Arc<Self>, stop: CancellationToken) {
+        // Renewals start every third of gate_ttl, however long the last took.
         let mut ticks = tokio::time::interval(self.ttl / 3);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let free_in = self.next_free_in();
             tokio::select! {
-                _ = stop.cancelled() => break,
+                _ = stop.cancelled() => return,
                 _ = ticks.tick() => {}
-                _ = self.nudged.notified() => {
-                    // At most a few early rounds a second, whatever the traffic.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                // A shard held elsewhere becomes free before the next tick: look
-                // then, not up to a renew period later (a takeover after a
-                // crash is that much sooner).
-                _ = tokio::time::sleep(free_in.unwrap_or(self.ttl)), if free_in.is_some() => {}
             }
-            self.round().await;
+            self.renew_round().await;
         }
     }
 
-    /// How long until the earliest shard held elsewhere may be taken — its gate
-    /// epoch's expiry plus `LastModified`'s resolution and `grace_ms`, on the
-    /// earliest reading of the store's clock (what [`acquire::LeaseStatus::is_free`]
-    /// decides on) — plus a little. A live owner's renewals keep pushing this
-    /// beyond the next tick; only a dead or stalled owner's shard comes sooner.
-    /// Not while the store fails: the last round's looks are stale, and rounds
-    /// would follow one another as fast as they fail.
-    pub(super) fn next_free_in(&self) -> Option<Duration> {
-        if self.store_failures.load(Ordering::SeqCst) > 0 {
-            return None;
+    async fn look_loop(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            self.look_round().await;
+            let wait = self
+                .next_free_in()
+                .map_or(self.look_every(), |d| d.min(self.look_every()));
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.nudged.notified() => {
+                    // At most a few early looks a second, whatever the traffic.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
         }
-        let earliest = self.epochs.store().clock().earliest();
+    }
+
+    /// How long until the earliest shard owned elsewhere may be taken, plus a
+    /// little; `None` when none will be.
+    pub(super) fn next_free_in(&self) -> Option<Duration> {
+        let now = Instant::now();
         self.gates
             .iter()
             .filter(|g| !g.busy.load(Ordering::SeqCst) && lock(&g.holding).is_none())
-            .filter_map(|g| {
-                let seen = lock(&g.seen);
-                let (Some(st), Some(v), false) = (&seen.status, &seen.verdict, seen.free) else {
-                    return None;
-                };
-                // Already past (the look came just before): look again.
-                match crate::setup::gate_free_at(st, *v == Verdict::Ours, self.ttl, self.grace) {
-                    crate::setup::Free::At(at) => {
-                        Some(at.duration_since(earliest).unwrap_or_default())
-                    }
-                    _ => None,
-                }
-            })
+            .filter_map(|g| lock(&g.seen).free_at(self.ttl, self.grace))
             .min()
-            .map(|d| d + Duration::from_millis(50))
+            .map(|at| at.saturating_duration_since(now) + Duration::from_millis(20))
     }
 
-    /// One keeper round: renew and look, heartbeat, balance.
-    pub(super) async fn round(self: &Arc<Self>) {
-        self.store_failures.store(0, Ordering::SeqCst);
-        let mut looks = tokio::task::JoinSet::new();
-        for shard in 0..self.shards {
-            let me = self.clone();
-            looks.spawn(async move { me.renew_and_look(shard).await });
-        }
-        let mut conflict = None;
-        while let Some(found) = looks.join_next().await {
-            if let Ok(Some(c)) = found {
-                conflict = Some(c);
+    /// One renewal: every row held here, in one statement, then a beat.
+    pub(super) async fn renew_round(self: &Arc<Self>) {
+        let held: Vec<(u32, u64)> = (0..self.shards)
+            .zip(&self.gates)
+            .filter_map(|(s, g)| lock(&g.holding).map(|gen| (s, gen)))
+            .collect();
+        if !held.is_empty() {
+            if !self.vouches() && !super::weakened::no_self_fence() {
+                // Not renewing is how shards go to the others: this instance
+                // cannot serve them while it cannot vouch for the anchor.
+                tracing::warn!("the lease store does not answer, or the prefix's anchor is not known to be this set-up's: not renewing this instance's shards");
+            } else {
+                self.renew_held(&held).await;
             }
         }
-        self.set_conflict(conflict);
-        // An instance that reached the lease store for no shard this round can
-        // neither renew nor take one: it stops announcing itself, so that the
-        // others stop reserving its share and take its shards once their gate
-        // leases expire. (It announced itself before: cut from S3 but not from
-        // PostgreSQL, its shards stayed unserved for as long as the cut lasted —
-        // found by the cluster fault campaign.)
-        if self.store_failures.load(Ordering::SeqCst) >= self.shards as usize {
-            tracing::warn!("the lease store answered no shard's call this round; not announcing this instance to the cluster");
-        } else {
-            match self.state.heartbeat(&self.id, self.ttl).await {
-                Ok(m) => *lock(&self.members) = m,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
+        // An instance the lease store does not answer stops announcing itself,
+        // so that the others stop reserving its share and take its shards
+        // once its rows go unrenewed (announced, its shards stayed unserved
+        // for as long as the cut lasted — found by the cluster fault campaign).
+        if !lock(&self.anchor.answered).is_some_and(|at| at.elapsed() < self.ttl / 3) {
+            tracing::warn!(
+                "the lease store does not answer; not announcing this instance to the cluster"
+            );
+            return;
+        }
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        match self.state.beat(&self.id).await {
+            Ok(beats) => self.saw_beats(beats),
+            Err(e) => {
+                tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
+            }
+        }
+    }
+
+    async fn renew_held(self: &Arc<Self>, held: &[(u32, u64)]) {
+        let sent = Instant::now();
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        let renewed = match self.state.renew_shards(&self.id, held, self.ttl).await {
+            Ok(r) => r,
+            Err(e) => {
+                // Outcome unknown: the windows stay where the last confirmed
+                // renewal put them (a renewal that did commit only makes a
+                // successor wait longer).
+                tracing::warn!(error = %e, shards = held.len(), "could not renew this instance's shards; retrying next period");
+                return;
+            }
+        };
+        for &(shard, generation) in held {
+            let g = &self.gates[shard as usize];
+            let _op = g.op.lock().await;
+            if *lock(&g.holding) != Some(generation) {
+                continue; // released or restarted meanwhile
+            }
+            match renewed
+                .iter()
+                .find(|(s, gen, _)| *s == shard && *gen == generation)
+            {
+                Some(&(_, _, renewals)) => {
+                    g.window
+                        .extend(self.window_from(sent), self.ttl, self.margin);
+                    if let Some(row) = lock(&g.seen).row.as_mut() {
+                        if row.generation == generation {
+                            row.renewals = renewals;
+                        }
+                    }
+                    if g.serving.load(Ordering::SeqCst) == 0 && !g.busy.load(Ordering::SeqCst) {
+                        // Self-fenced while renewals failed; owned again: a new
+                        // tenure, under a new generation.
+                        drop(_op);
+                        self.clone().spawn_takeover(shard);
+                    }
                 }
+                None => {
+                    *lock(&g.holding) = None;
+                    tracing::warn!(shard, generation, "lost a shard: its row changed");
+                    self.stop_serving(shard, Instant::now(), "ownership lost");
+                }
+            }
+        }
+    }
+
+    /// Membership by beats seen to change on this instance's clock.
+    fn saw_beats(&self, beats: Vec<(String, u64)>) {
+        let now = Instant::now();
+        let mut seen = lock(&self.beats);
+        // A member that left (its row deleted) is gone at once.
+        seen.retain(|id, _| beats.iter().any(|(b, _)| b == id));
+        for (id, n) in beats {
+            match seen.get(&id) {
+                Some((m, _)) if *m == n => {}
+                _ => {
+                    seen.insert(id, (n, now));
+                }
+            }
+        }
+        let alive_for = self.ttl;
+        let mut members: Vec<String> = seen
+            .iter()
+            .filter(|(id, (_, at))| *id == &self.id || now.duration_since(*at) < alive_for)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if !members.contains(&self.id) {
+            members.push(self.id.clone());
+        }
+        members.sort();
+        *lock(&self.members) = members;
+    }
+
+    /// One look: every owner row, then balance.
+    pub(super) async fn look_round(self: &Arc<Self>) {
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        let rows = match self.state.owner_rows().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the shards' owners");
+                return;
+            }
+        };
+        let now = Instant::now();
+        let mut by_shard: HashMap<u32, crate::state::OwnerRow> =
+            rows.into_iter().map(|r| (r.shard, r)).collect();
+        for (shard, g) in (0..self.shards).zip(&self.gates) {
+            let row = by_shard.remove(&shard);
+            let mut seen = lock(&g.seen);
+            let same = match (&seen.row, &row) {
+                (Some(a), Some(b)) => {
+                    a.generation == b.generation && a.renewals == b.renewals && a.owner == b.owner
+                }
+                (None, None) => true,
+                _ => false,
+            };
+            let since = if same {
+                seen.since.or(Some(now))
+            } else {
+                Some(now)
+            };
+            *seen = Seen { row, since };
+        }
+        // A released row (a member left or is balancing): membership now, so
+        // that the shard is taken without waiting for the next beat.
+        let released = self.gates.iter().any(|g| {
+            lock(&g.holding).is_none()
+                && lock(&g.seen)
+                    .row
+                    .as_ref()
+                    .is_some_and(|r| r.owner.is_none())
+        });
+        if released {
+            self.db_calls.fetch_add(1, Ordering::Relaxed);
+            if let Ok(beats) = self.state.beat(&self.id).await {
+                self.saw_beats(beats);
             }
         }
         if !self.stopping.is_cancelled() && lock(&self.conflict).is_none() {
             self.balance();
         }
-    }
-
-    /// Renews the shard's gate lease if held here, and records its latest gate;
-    /// returns a conflict if that is a live gate object of another set-up.
-    pub(super) async fn renew_and_look(self: &Arc<Self>, shard: u32) -> Option<Conflict> {
-        let g = &self.gates[shard as usize];
-        let held = lock(&g.holding).clone();
-        if let Some(h) = held {
-            let _op = g.op.lock().await;
-            // A handover may have released it while we waited.
-            if lock(&g.holding).as_ref() != Some(&h) {
-                return None;
-            }
-            let sent = Instant::now();
-            let decorate = self.decorate();
-            let renewed = acquire::renew_direct(&self.epochs, &h, self.ttl, &decorate).await;
-            match renewed {
-                Ok(new) => {
-                    self.extend(g, sent);
-                    self.saw_ours(g, &new);
-                    *lock(&g.holding) = Some(new.clone());
-                    if g.serving.load(Ordering::SeqCst) == 0 && !g.busy.load(Ordering::SeqCst) {
-                        // Self-fenced while renewals failed; held again: a new tenure.
-                        drop(_op);
-                        self.clone().spawn_takeover(shard, Some((new, sent)));
-                    }
-                }
-                Err(AcquireError::NotHolder { why, .. }) => {
-                    // Someone else created the next gate epoch: the tenure is over.
-                    *lock(&g.holding) = None;
-                    tracing::warn!(shard, gate_epoch = %h.epoch, why, "lost the gate lease of a shard");
-                    self.stop_serving(shard, tokio::time::Instant::now(), "gate lease lost");
-                }
-                Err(e) => {
-                    self.store_failures.fetch_add(1, Ordering::SeqCst);
-                    tracing::warn!(shard, error = %e, "could not renew a shard's gate lease; retrying next round")
-                }
-            }
-            return None;
-        }
-        match self.look(shard, g).await {
-            Ok(seen) => {
-                let conflict = seen
-                    .verdict
-                    .as_ref()
-                    .and_then(|v| self.conflict_of(shard, v, seen.free, seen.holder.as_deref()));
-                if let Some(Verdict::Untrusted(why)) = &seen.verdict {
-                    if lock(&g.seen).epoch != seen.epoch {
-                        tracing::error!(shard, gate_epoch = %seen.epoch, why, "an untrusted gate object: no owner is taken from it, nothing is relayed by it, and the shard is unavailable until gate_ttl after it was written");
-                    }
-                }
-                *lock(&g.seen) = seen;
-                conflict
-            }
-            Err(e) => {
-                self.store_failures.fetch_add(1, Ordering::SeqCst);
-                tracing::warn!(shard, error = %e, "could not look at a shard's gate lease");
-                None
-            }
-        }
-    }
-
-    /// The latest gate object of a shard held elsewhere: one LIST a round (of the
-    /// epochs after the last one seen), and a GET only when the epoch changed
-    /// (gate objects are immutable). An owner and its `advertise` are taken
-    /// only from an object a member of this set-up sealed ([`Verdict::Ours`]).
-    pub(super) async fn look(&self, shard: u32, g: &ShardLease) -> Result<Seen, StoreError> {
-        // Listed after the epoch last seen (objects are never deleted): the cost
-        // of a look does not grow with the shard's history.
-        let known = lock(&g.seen).epoch;
-        let latest = self.epochs.latest_after(&g.name, known).await?;
-        let cached = {
-            let seen = lock(&g.seen);
-            seen.status
-                .clone()
-                .filter(|st| st.latest == latest && seen.epoch == latest)
-        };
-        let mut st = match cached {
-            Some(st) => st,
-            None => acquire::status_at(&self.epochs, &g.name, latest).await?,
-        };
-        // Judged as of now, on the object read once.
-        st.store_now = self.epochs.store_now();
-        st.store_earliest = self.epochs.store().clock().earliest();
-        let verdict = st
-            .object
-            .as_ref()
-            .map(|_| self.verdict(shard, st.latest, st.record.as_ref()));
-        let free = match &verdict {
-            Some(v) => self.is_free(v, &st),
-            None => true,
-        };
-        let mut seen = Seen {
-            epoch: latest,
-            free,
-            verdict: verdict.clone(),
-            status: Some(st.clone()),
-            ..Seen::default()
-        };
-        if let Some(EpochObject::Acquire {
-            holder, expires_at, ..
-        }) = &st.object
-        {
-            seen.holder = Some(holder.clone());
-            if verdict == Some(Verdict::Ours) && st.store_earliest <= *expires_at {
-                seen.owner = Some(holder.clone());
-                seen.expires_at = Some(*expires_at);
-                seen.advertise = st.record.as_ref().and_then(|r| r.advertise.clone());
-            }
-        }
-        Ok(seen)
-    }
-
-    pub(super) fn saw_ours(&self, g: &ShardLease, h: &Holding) {
-        *lock(&g.seen) = Seen {
-            epoch: h.epoch,
-            owner: Some(self.id.clone()),
-            holder: Some(self.id.clone()),
-            advertise: Some(self.advertise.clone()),
-            expires_at: Some(h.expires_at),
-            free: false,
-            status: None,
-            verdict: Some(Verdict::Ours),
-        };
     }
 
     /// Takes free shards while holding fewer than this instance's share, hands
@@ -242,11 +244,15 @@ impl Cluster {
     /// below ⌊n/l⌋ makes another one give up a shard, and then only the one holding
     /// the most (lowest id first) gives one per round: no flapping.
     pub(super) fn balance(self: &Arc<Self>) {
+        if !self.vouches() {
+            return; // nothing is served until the anchor is this set-up's
+        }
         let mut counts: HashMap<String, usize> = HashMap::new();
         let mut live: BTreeSet<String> = self.members().into_iter().collect();
         live.insert(self.id.clone());
         let mut free = Vec::new();
         let mut mine = Vec::new();
+        let mut gone: BTreeSet<String> = BTreeSet::new();
         for (shard, g) in (0..self.shards).zip(&self.gates) {
             if g.busy.load(Ordering::SeqCst) {
                 if lock(&g.holding).is_some() {
@@ -260,15 +266,30 @@ impl Cluster {
                 continue;
             }
             let seen = lock(&g.seen).clone();
-            match seen.owner {
-                Some(o) => {
+            match seen
+                .owner(self.ttl, self.grace)
+                .and_then(|r| r.owner.clone())
+            {
+                Some(o) if o != self.id => {
                     live.insert(o.clone());
                     *counts.entry(o).or_default() += 1;
                 }
-                None if seen.free => free.push(shard),
-                None => {}
+                // A row naming this instance that it does not hold (a restart
+                // of this instance): free once watched long enough, like any.
+                _ if seen.is_free(self.ttl, self.grace) => {
+                    // Its owner stopped renewing: dead or cut off, whatever
+                    // its last beat says — it reserves no share.
+                    if let Some(o) = seen.row.as_ref().and_then(|r| r.owner.as_ref()) {
+                        if *o != self.id {
+                            gone.insert(o.clone());
+                        }
+                    }
+                    free.push(shard)
+                }
+                _ => {}
             }
         }
+        live.retain(|id| !gone.contains(id) || counts.contains_key(id));
         let n = self.shards as usize;
         let l = live.len().max(1);
         let (lo, hi) = (n / l, n.div_ceil(l));
@@ -306,17 +327,8 @@ impl Cluster {
         // same free shard.
         let offset = usize::try_from(shard_of_id(&self.id) % n.max(1) as u64).unwrap_or(0);
         free.sort_by_key(|s| (*s as usize + n - offset) % n);
-        // Shard 0 first while it is not this set-up's: until it is, no other
-        // shard is served ([`crate::setup`]'s anchor).
-        let (free, want) = if self.anchored() {
-            (free, want)
-        } else if free.contains(&0) {
-            (vec![0], 1)
-        } else {
-            (Vec::new(), 0)
-        };
         for shard in free.into_iter().take(want) {
-            self.clone().spawn_takeover(shard, None);
+            self.clone().spawn_takeover(shard);
         }
     }
 }

@@ -1,36 +1,38 @@
 //! A cluster (SPEC §10.2): several instances with the same routes, lease store and
-//! PostgreSQL database. S3 gate leases — §2's protocol under
-//! `{prefix}.gate/{shard:04}/` — decide which instance serves each shard of
-//! leases; PostgreSQL keeps what was delivered. No consensus of our own.
+//! PostgreSQL database. Rows of `fencegate_owners` decide which instance serves
+//! each shard of leases (issue 28: coordination costs nothing in the lease
+//! store per shard); one gate lease in the store, the prefix's anchor under
+//! `{prefix}.gate/0000/` ([`anchor`]), keeps other set-ups out; PostgreSQL
+//! keeps what was delivered. No consensus of our own.
 //!
-//! One keeper task per instance ([`Cluster::run`]), every third of `gate_ttl`:
-//! - records a heartbeat in the database (membership is advisory: it only says
-//!   how many instances share the shards; ownership is the gate lease alone);
-//! - renews every gate lease it holds (read-back of uncertain creates included)
-//!   and looks at the others;
-//! - balances: takes free shards (no gate, a `release`, or an acquire expired by
-//!   more than `grace_ms` on the store's clock) while it holds fewer than its
-//!   share, and hands shards over (drain, then a `release` gate object) while it
-//!   holds more.
+//! The keeper ([`Cluster::run`], `keeper`) renews every row this instance owns
+//! in one `UPDATE` every third of `gate_ttl`, reads every row every tenth of it
+//! (at most 1 s), records a beat (membership is advisory: it only says how many
+//! instances share the shards), and balances: takes free shards while it holds
+//! fewer than its share, hands shards over (drain, then release the row) while
+//! it holds more.
 //!
-//! A tenure of shard *s* begins when this instance creates a gate epoch *g* for it
-//! from a free shard (renewals keep the tenure; every successor's epoch is
-//! greater): *g* is the owner generation of every state write. A takeover claims
-//! the shard in the database (older generations' writes fail from then on), turns
-//! older generations' `in_flight` records into `in_doubt`, and starts the fences
-//! of the shard's leases at max(stored mark, latest listed epoch), settling for
+//! A row is free when released, or when this instance has seen its
+//! `(generation, renewals)` unchanged for `gate_ttl + grace_ms` on its own
+//! monotonic clock — never judged on the database's clock, which may jump. A
+//! take is an `UPDATE` conditioned on exactly that pair, raising the
+//! generation: the owner generation of every state write. The take waits for
+//! the old generation's writes in progress (the owner row's lock), turns older
+//! generations' `in_flight` records into `in_doubt`, and starts the fences of
+//! the shard's leases at max(stored mark, latest listed epoch), settling for
 //! the drain timeout as after a restart (SPEC §5).
 //!
 //! Self-fencing: forwards on *s* are allowed until `gate_ttl − self_fence_margin`
-//! after the latest gate create was *sent* (this instance's monotonic clock; the
-//! send, not the confirmation, so the window only errs short). A watcher stops
-//! the shard there: no new forward, and the fences' in-flight requests get the
-//! remaining `self_fence_margin` before they are aborted — at `gate_ttl`.
+//! after the latest successful renewal (or take) was *sent* (this instance's
+//! monotonic clock; the send, not the confirmation, so the window only errs
+//! short), and while the anchor's window is open. A watcher stops the shard
+//! there: no new forward, and the fences' in-flight requests are aborted at
+//! `gate_ttl` after that send. A renewal whose outcome is unknown extends
+//! nothing; if it committed, successors only wait longer.
 
+mod anchor;
 pub mod guard;
 mod keeper;
-#[cfg(test)]
-mod keeper_tests;
 pub mod peer;
 mod set_up;
 mod shard;
@@ -41,9 +43,10 @@ pub use set_up::Conflict;
 use set_up::Verdict;
 use shard::{Seen, ShardLease};
 pub use shard::{ShardLeaseView, ShardView};
+use tokio::time::Instant;
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -57,7 +60,7 @@ use crate::fence::Fences;
 
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::setup::GateKey;
-use crate::state::{Owner, StateError, StateStore};
+use crate::state::{Owner, OwnerRow, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
 pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
@@ -90,7 +93,7 @@ pub enum ClusterError {
 pub enum Placement {
     /// Here, under this tenure.
     Local(Owner),
-    /// By the instance holding the shard's gate lease.
+    /// By the instance owning the shard's row.
     Peer {
         /// The owner's instance id.
         owner: String,
@@ -101,9 +104,9 @@ pub enum Placement {
     Unavailable,
 }
 
-/// This instance's membership of a cluster (SPEC §10.2): the shards' gate leases it
-/// holds and sees, where each request is served, and the keeper that balances and takes
-/// over shards.
+/// This instance's membership of a cluster (SPEC §10.2): the shards it owns and
+/// sees owned, the prefix's anchor, where each request is served, and the
+/// keeper that balances and takes over shards.
 pub struct Cluster {
     id: String,
     advertise: String,
@@ -113,8 +116,12 @@ pub struct Cluster {
     key: GateKey,
     /// Where deliveries are kept ([`crate::setup::state_of`]).
     state_id: String,
-    /// A live gate object of another set-up seen in the last round, if any.
+    /// A live gate object of another set-up on the anchor, if any.
     conflict: Mutex<Option<Conflict>>,
+    /// The prefix's anchor gate lease ([`anchor`]).
+    anchor: anchor::Anchor,
+    /// Each member's latest beat count and when it was first seen.
+    beats: Mutex<HashMap<String, (u64, Instant)>>,
     epochs: Epochs,
     ttl: Duration,
     margin: Duration,
@@ -124,8 +131,6 @@ pub struct Cluster {
     state: Arc<dyn StateStore>,
     dedup: Arc<Dedup>,
     members: Mutex<Vec<String>>,
-    /// Shards whose store call failed in the current keeper round.
-    store_failures: AtomicUsize,
     /// Wakes the keeper for an early round (a request found no owner).
     nudged: tokio::sync::Notify,
     stopping: CancellationToken,
@@ -137,8 +142,13 @@ pub struct Cluster {
     pub(crate) peer_forwards: AtomicU64,
     /// Relays that failed to reach the owner.
     pub(crate) peer_failures: AtomicU64,
-    /// Store calls made for gate leases (renewals, looks, takeovers, releases).
-    pub gate_calls: Arc<AtomicU64>,
+    /// Store calls made for the anchor, by operation: list, get, put, delete.
+    pub gate_calls: Arc<[AtomicU64; 4]>,
+    /// Database calls made by coordination (renewals, looks, takes, releases,
+    /// beats).
+    pub db_calls: AtomicU64,
+    /// Anchor epochs created by this instance.
+    pub anchor_creates: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -165,7 +175,6 @@ impl Cluster {
         }
         let gates = (0..shards)
             .map(|s| ShardLease {
-                name: shard_name(s),
                 leases: settle
                     .iter()
                     .filter(|(l, _)| shard_of(l, shards) == s)
@@ -179,7 +188,7 @@ impl Cluster {
                 seen: Mutex::new(Seen::default()),
             })
             .collect();
-        let gate_calls = Arc::new(AtomicU64::new(0));
+        let gate_calls: Arc<[AtomicU64; 4]> = Arc::new(Default::default());
         let counted: Arc<dyn LeaseStore> = Arc::new(Counted {
             inner: store,
             calls: gate_calls.clone(),
@@ -195,6 +204,8 @@ impl Cluster {
             ),
             state_id: crate::setup::state_of(&cfg.state, &cc.instance_id),
             conflict: Mutex::new(None),
+            anchor: anchor::Anchor::new(),
+            beats: Mutex::new(HashMap::new()),
             epochs: Epochs::new(counted, format!("{}.gate/", cfg.store.prefix)),
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
@@ -204,7 +215,6 @@ impl Cluster {
             state,
             dedup,
             members: Mutex::new(vec![cc.instance_id.clone()]),
-            store_failures: AtomicUsize::new(0),
             nudged: tokio::sync::Notify::new(),
             stopping: CancellationToken::new(),
             takeovers: AtomicU64::new(0),
@@ -212,6 +222,8 @@ impl Cluster {
             peer_forwards: AtomicU64::new(0),
             peer_failures: AtomicU64::new(0),
             gate_calls,
+            db_calls: AtomicU64::new(0),
+            anchor_creates: AtomicU64::new(0),
         });
         cluster.check_set_up().await?;
         Ok(cluster)
@@ -246,12 +258,19 @@ impl Cluster {
             return Placement::Unavailable;
         }
         let generation = g.serving.load(Ordering::SeqCst);
-        if generation != 0 && (g.window.is_open() || weakened::no_self_fence()) {
+        if generation != 0 && (self.window_open(g) || weakened::no_self_fence()) {
             return Placement::Local(Owner { shard, generation });
         }
         let seen = lock(&g.seen).clone();
-        match (seen.owner, seen.advertise) {
-            (Some(owner), Some(url)) if owner != self.id => Placement::Peer { owner, url },
+        match seen.owner(self.ttl, self.grace) {
+            Some(OwnerRow {
+                owner: Some(owner),
+                advertise: Some(url),
+                ..
+            }) if *owner != self.id => Placement::Peer {
+                owner: owner.clone(),
+                url: url.clone(),
+            },
             _ => Placement::Unavailable,
         }
     }
@@ -267,7 +286,7 @@ impl Cluster {
     pub fn may_forward(&self, owner: Owner) -> bool {
         self.gates.get(owner.shard as usize).is_some_and(|g| {
             g.serving.load(Ordering::SeqCst) == owner.generation
-                && (g.window.is_open() || weakened::no_self_fence())
+                && (self.window_open(g) || weakened::no_self_fence())
         })
     }
 
@@ -288,33 +307,59 @@ impl Cluster {
     /// least once and every shard has an owner it can name.
     pub fn is_ready(&self) -> bool {
         lock(&self.conflict).is_none()
-            && self
-                .gates
-                .iter()
-                .all(|g| g.serving.load(Ordering::SeqCst) != 0 || lock(&g.seen).owner.is_some())
+            && self.gates.iter().all(|g| {
+                g.serving.load(Ordering::SeqCst) != 0
+                    || lock(&g.seen).owner(self.ttl, self.grace).is_some()
+            })
     }
 
-    /// Every shard's gate lease as last seen, for `/v1/cluster` and the page.
+    /// Every shard as last seen, for `/v1/cluster` and the page.
     pub fn shard_leases(&self) -> Vec<ShardLeaseView> {
+        let anchor = lock(&self.anchor.seen).clone();
         (0..self.shards)
             .zip(&self.gates)
             .map(|(shard, g)| {
                 let seen = lock(&g.seen).clone();
+                let owner = seen.owner(self.ttl, self.grace).cloned();
+                let row = seen.row.clone().unwrap_or(OwnerRow {
+                    shard,
+                    generation: 0,
+                    owner: None,
+                    advertise: None,
+                    renewals: 0,
+                    expires_at: None,
+                });
                 ShardLeaseView {
                     shard,
-                    owner: seen.owner,
-                    advertise: seen.advertise,
-                    gate_epoch: seen.epoch.get(),
-                    expires_at: seen.expires_at,
+                    owner: owner.as_ref().and_then(|r| r.owner.clone()),
+                    advertise: owner.as_ref().and_then(|r| r.advertise.clone()),
+                    generation: row.generation,
+                    renewals: row.renewals,
+                    gate_epoch: (shard == 0).then(|| anchor.epoch.get()),
+                    expires_at: row.expires_at,
                     served_here: g.serving.load(Ordering::SeqCst) != 0,
                     leases: g.leases.iter().map(|(l, _)| l.to_string()).collect(),
-                    untrusted: match seen.verdict {
-                        Some(Verdict::Untrusted(why)) => Some(why),
+                    untrusted: match (&anchor.verdict, shard) {
+                        (Some(Verdict::Untrusted(why)), 0) => Some(why.clone()),
                         _ => None,
                     },
                 }
             })
             .collect()
+    }
+
+    /// The anchor as last seen, for `/v1/cluster`: its latest epoch, who
+    /// created it, whether it is this set-up's and whether this instance's
+    /// window of it is open.
+    pub fn anchor_view(&self) -> serde_json::Value {
+        let seen = lock(&self.anchor.seen).clone();
+        serde_json::json!({
+            "gate_epoch": seen.epoch.get(),
+            "holder": seen.holder,
+            "ours": seen.verdict == Some(Verdict::Ours),
+            "window_open": self.anchor.window.is_open(),
+            "ttl_ms": u64::try_from(self.anchor_ttl().as_millis()).unwrap_or(u64::MAX),
+        })
     }
 
     /// [`Cluster::shard_leases`] as JSON rows (times in RFC 3339).
@@ -325,6 +370,8 @@ impl Cluster {
                 shard: g.shard,
                 owner: g.owner,
                 advertise: g.advertise,
+                generation: g.generation,
+                renewals: g.renewals,
                 gate_epoch: g.gate_epoch,
                 expires_at: g.expires_at.map(crate::clock::rfc3339),
                 served_here: g.served_here,
@@ -337,7 +384,7 @@ impl Cluster {
 
 /// A deliberately weakened build, to show the fault campaign's checker failing
 /// (tests/it/campaign/cluster.rs): only with the `failpoints` feature, and only
-/// when `FENCEGATE_WEAKEN=no_self_fence` is set, an owner whose gate lease was not
+/// when `FENCEGATE_WEAKEN=no_self_fence` is set, an owner whose row was not
 /// renewed keeps forwarding past `gate_ttl − self_fence_margin` and never aborts
 /// its in-flight requests at `gate_ttl`.
 mod weakened {
@@ -353,12 +400,16 @@ mod weakened {
     }
 }
 
-/// The lease store as the keeper uses it, counting its calls: what gate leases
-/// cost at rest (`fencegate_cluster_gate_store_calls_total`).
+/// The lease store as the keeper uses it, counting its calls by operation (list,
+/// get, put, delete): what coordination costs at rest
+/// (`fencegate_cluster_gate_store_calls_total`).
 struct Counted {
     inner: Arc<dyn LeaseStore>,
-    calls: Arc<AtomicU64>,
+    calls: Arc<[AtomicU64; 4]>,
 }
+
+/// The operations [`Counted`] counts, in its order.
+pub const GATE_CALL_OPS: [&str; 4] = ["list", "get", "put", "delete"];
 
 #[async_trait::async_trait]
 impl LeaseStore for Counted {
@@ -367,15 +418,15 @@ impl LeaseStore for Counted {
         prefix: &str,
         start_after: Option<&str>,
     ) -> Result<Vec<String>, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls[0].fetch_add(1, Ordering::Relaxed);
         self.inner.list(prefix, start_after).await
     }
     async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls[0].fetch_add(1, Ordering::Relaxed);
         self.inner.list_folders(prefix).await
     }
     async fn get(&self, key: &str) -> Result<Option<crate::lease::StoredObject>, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls[1].fetch_add(1, Ordering::Relaxed);
         self.inner.get(key).await
     }
     async fn create_if_absent(
@@ -383,11 +434,11 @@ impl LeaseStore for Counted {
         key: &str,
         body: bytes::Bytes,
     ) -> Result<crate::lease::CreateOutcome, StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls[2].fetch_add(1, Ordering::Relaxed);
         self.inner.create_if_absent(key, body).await
     }
     async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.calls[3].fetch_add(1, Ordering::Relaxed);
         self.inner.delete(key).await
     }
     fn clock(&self) -> &crate::clock::StoreClock {

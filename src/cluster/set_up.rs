@@ -1,6 +1,6 @@
 //! Exclusion between set-ups on one prefix (SPEC §10): what a gate object is to
 //! this cluster ([`Verdict`]), when it lets a contender in, the check at
-//! start-up, the anchor (shard 0) checked after every takeover's create, and
+//! start-up, the anchor (shard 0) checked after it is taken from another set-up, and
 //! the conflict that stops all forwarding while another set-up's gate lease is
 //! live.
 
@@ -48,10 +48,9 @@ pub(super) enum Verdict {
     Untrusted(String),
 }
 
-/// Why a shard just taken is not served.
+/// Why the anchor just taken is not served.
 pub(super) enum AnchorError {
     Conflict(Conflict),
-    NotAnchored,
     Store(StoreError),
 }
 
@@ -62,9 +61,9 @@ impl Cluster {
     pub(super) async fn check_set_up(&self) -> Result<(), ClusterError> {
         // Every shard gate lease ever used under the prefix, whatever shard 0's
         // latest object claims (it may be garbage).
-        let shards = self
-            .shards
-            .max(crate::setup::shards_in_use(&self.epochs).await?);
+        // (A cluster keeps only shard 0's, its anchor, in the store; older
+        // builds kept one per shard.)
+        let shards = crate::setup::shards_in_use(&self.epochs).await?.max(1);
         for shard in 0..shards {
             let read = self.read_latest(shard).await?;
             if let Some(c) = self.live_conflict(shard, read.as_ref()) {
@@ -84,10 +83,11 @@ impl Cluster {
         shard: u32,
     ) -> Result<Option<(Epoch, Option<EpochRecord>, bool)>, StoreError> {
         let name = shard_name(shard);
-        let known = self
-            .gates
-            .get(shard as usize)
-            .map_or(Epoch::NONE, |g| lock(&g.seen).epoch);
+        let known = if shard == 0 {
+            lock(&self.anchor.seen).epoch
+        } else {
+            Epoch::NONE
+        };
         let latest = self.epochs.latest_after(&name, known).await?;
         self.read_at(shard, latest).await
     }
@@ -212,6 +212,7 @@ impl Cluster {
             _ => {}
         }
         if now.is_some() {
+            self.anchor.window.close();
             for shard in 0..self.shards {
                 self.stop_serving(
                     shard,
@@ -222,28 +223,11 @@ impl Cluster {
         }
     }
 
-    /// Whether shard 0's latest gate object is this set-up's (held here, or
-    /// sealed by a member, released or not): only then are other shards served.
-    pub(super) fn anchored(&self) -> bool {
-        let g = &self.gates[0];
-        lock(&g.holding).is_some() || lock(&g.seen).ours()
-    }
-
-    /// After creating gate epoch `epoch` of `shard` and before serving it: shard
-    /// 0 (the anchor) must be this set-up's, and a set-up that took shard 0 over
-    /// from another one looks at every shard that one used — after its own
-    /// create, so of two set-ups starting side by side one sees the other.
-    pub(super) async fn check_anchor(&self, shard: u32, epoch: Epoch) -> Result<(), AnchorError> {
-        if shard != 0 {
-            let anchor = self.read_latest(0).await.map_err(AnchorError::Store)?;
-            if let Some(c) = self.live_conflict(0, anchor.as_ref()) {
-                return Err(AnchorError::Conflict(c));
-            }
-            return match anchor {
-                Some((e, rec, _)) if self.verdict(0, e, rec.as_ref()) == Verdict::Ours => Ok(()),
-                _ => Err(AnchorError::NotAnchored),
-            };
-        }
+    /// After creating the anchor's epoch `epoch` over another set-up's object:
+    /// a set-up that took shard 0 over from another one looks at every shard
+    /// that one used — after its own create, so of two set-ups starting side
+    /// by side one sees the other.
+    pub(super) async fn check_anchor(&self, epoch: Epoch) -> Result<(), AnchorError> {
         if epoch.get() <= 1 {
             return Ok(());
         }

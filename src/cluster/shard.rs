@@ -1,78 +1,99 @@
-//! A shard's gate lease as this instance holds or sees it (SPEC §10.2): the
-//! lease, its forwarding window and abort deadline, and the latest gate object
-//! read from the store — and the views `/v1/cluster` and the page show.
+//! A shard as this instance holds or sees it (SPEC §10.2): its ownership row in
+//! the database, its forwarding window and abort deadline, and when the row was
+//! last seen to change — and the views `/v1/cluster` and the page show.
 
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use super::set_up::Verdict;
-use crate::epoch::{Epoch, LeaseName};
-use crate::lease::acquire::{self, Holding};
+use tokio::time::Instant;
 
-/// The latest gate object seen for a shard.
+use crate::epoch::LeaseName;
+use crate::state::OwnerRow;
+
+/// A shard's ownership row as last read, and since when it has read so.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Seen {
-    pub(super) epoch: Epoch,
-    /// The holder of a live acquire (not expired on the store's clock).
-    pub(super) owner: Option<String>,
-    /// The holder named by the latest acquire, live or not (for logs).
-    pub(super) holder: Option<String>,
-    pub(super) advertise: Option<String>,
-    pub(super) expires_at: Option<SystemTime>,
-    /// A contender may take it now (SPEC §2 step 2, with `grace_ms`).
-    pub(super) free: bool,
-    /// The latest gate object as read (objects are immutable: read once per
-    /// epoch; judged again at every look).
-    pub(super) status: Option<acquire::LeaseStatus>,
-    /// What the latest gate object is to this cluster (`None`: no object).
-    pub(super) verdict: Option<Verdict>,
+    /// The row (`None`: the shard was never taken).
+    pub(super) row: Option<OwnerRow>,
+    /// When a read first returned the row's current `(generation, renewals,
+    /// owner)`: the answer's arrival, after the commit that wrote it. A tenure
+    /// is over `gate_ttl + grace_ms` after this, on this monotonic clock.
+    pub(super) since: Option<Instant>,
 }
 
 impl Seen {
-    /// Whether the latest gate object is one of this set-up's (shard 0: the
-    /// prefix's anchor, [`crate::setup`]).
-    pub(super) fn ours(&self) -> bool {
-        self.verdict == Some(Verdict::Ours)
+    /// The `(generation, renewals)` a take is conditioned on.
+    pub(super) fn taken_from(&self) -> Option<(u64, u64)> {
+        self.row.as_ref().map(|r| (r.generation, r.renewals))
+    }
+
+    /// When a contender may take the shard: at once for no row or a released
+    /// one; otherwise `ttl + grace` after the row was first seen as it is.
+    pub(super) fn free_at(&self, ttl: Duration, grace: Duration) -> Option<Instant> {
+        match (&self.row, self.since) {
+            (None, _) => None,
+            (Some(r), _) if r.owner.is_none() => None,
+            (Some(_), Some(since)) => Some(since + ttl + grace),
+            (Some(_), None) => Some(Instant::now() + ttl + grace),
+        }
+    }
+
+    /// Whether a contender may take it now.
+    pub(super) fn is_free(&self, ttl: Duration, grace: Duration) -> bool {
+        self.free_at(ttl, grace)
+            .is_none_or(|at| Instant::now() >= at)
+    }
+
+    /// The owner named by the row while its tenure may still run.
+    pub(super) fn owner(&self, ttl: Duration, grace: Duration) -> Option<&OwnerRow> {
+        self.row
+            .as_ref()
+            .filter(|r| r.owner.is_some() && !self.is_free(ttl, grace))
     }
 }
 
 pub(super) struct ShardLease {
-    pub(super) name: LeaseName,
     /// The configured leases of this shard, with their longest drain timeout.
     pub(super) leases: Vec<(LeaseName, Duration)>,
     /// The generation of the tenure being served here; 0 when not served.
     pub(super) serving: AtomicU64,
     /// When forwards on the shard may start, and when what is in flight is
-    /// aborted (every lease alike).
+    /// aborted (every lease alike): from the send of the latest renewal that
+    /// succeeded.
     pub(super) window: super::window::Window,
-    /// The gate epoch held (renewals, takeover and release go through `op`).
-    pub(super) holding: Mutex<Option<Holding>>,
-    /// Serializes the gate's store operations: a renewal never races a release.
+    /// The generation of the row this instance owns, if it owns it.
+    pub(super) holding: Mutex<Option<u64>>,
+    /// Serializes a shard's row operations: a renewal's outcome never races a
+    /// release.
     pub(super) op: tokio::sync::Mutex<()>,
     /// A takeover or a handover task is running.
     pub(super) busy: AtomicBool,
     pub(super) seen: Mutex<Seen>,
 }
 
-/// A shard's gate lease as this instance last saw it.
+/// A shard as this instance last saw it.
 #[derive(Debug, Clone)]
 pub struct ShardLeaseView {
     /// The shard's number.
     pub shard: u32,
-    /// The instance holding the shard's gate lease, if the lease is live.
+    /// The instance owning the shard, if its tenure may still run.
     pub owner: Option<String>,
     /// How peers reach the owner's proxy (relaying, SPEC §10.2).
     pub advertise: Option<String>,
-    /// The epoch of the shard's latest gate object.
-    pub gate_epoch: u64,
-    /// On the store's clock.
+    /// The tenure's generation (every state write carries it).
+    pub generation: u64,
+    /// The tenure's renewals so far.
+    pub renewals: u64,
+    /// Shard 0 only: the epoch of the prefix's anchor, `{prefix}.gate/0000/`.
+    pub gate_epoch: Option<u64>,
+    /// The row's expiry on the database's clock (shown, never judged on).
     pub expires_at: Option<SystemTime>,
     /// Whether this instance forwards the shard's requests now.
     pub served_here: bool,
     /// The leases of the configured routes that hash to the shard.
     pub leases: Vec<String>,
-    /// Why the latest gate object was not trusted, if it was not.
+    /// Shard 0 only: why the anchor's latest gate object was not trusted.
     pub untrusted: Option<String>,
 }
 
@@ -81,19 +102,24 @@ pub struct ShardLeaseView {
 pub struct ShardView {
     /// The shard's number.
     pub shard: u32,
-    /// The instance holding the shard's gate lease, if the lease is live.
+    /// The instance owning the shard, if its tenure may still run.
     pub owner: Option<String>,
     /// How peers reach the owner's proxy.
     pub advertise: Option<String>,
-    /// The epoch of the shard's latest gate object.
-    pub gate_epoch: u64,
-    /// On the store's clock, RFC 3339.
+    /// The tenure's generation.
+    pub generation: u64,
+    /// The tenure's renewals so far.
+    pub renewals: u64,
+    /// Shard 0 only: the epoch of the prefix's anchor gate object.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gate_epoch: Option<u64>,
+    /// On the database's clock, RFC 3339 (shown, never judged on).
     pub expires_at: Option<String>,
     /// Whether this instance forwards the shard's requests now.
     pub served_here: bool,
     /// The leases of the configured routes that hash to the shard.
     pub leases: Vec<String>,
-    /// Why the latest gate object was not trusted, if it was not.
+    /// Why the anchor's latest gate object was not trusted, if it was not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub untrusted: Option<String>,
 }

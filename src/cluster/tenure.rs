@@ -1,7 +1,8 @@
-//! A tenure of one shard (SPEC §10.2): taking it (the create, the anchor check,
-//! the state claim and the fences started at the latest epoch), serving it
-//! until its forwarding deadline, and leaving it — self-fenced, handed over or
-//! lost — with every lease held to the shard's one abort deadline.
+//! A tenure of one shard (SPEC §10.2): taking its row (conditioned on the row
+//! as watched), the state claim and the fences started at the latest epoch,
+//! serving it until its forwarding deadline — the shard's own window, and the
+//! anchor's — and leaving it, self-fenced, handed over or lost, with every
+//! lease held to the shard's one abort deadline.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -9,120 +10,90 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::set_up::{AnchorError, Verdict};
-use super::shard::{Seen, ShardLease};
 use super::{lock, weakened, Cluster};
-use crate::epoch::EpochRecord;
-use crate::lease::acquire::{self, AcquireError, Holding};
-use crate::setup::SetUp;
-use crate::state::Owner;
+use crate::state::{Owner, OwnerRow};
 
 impl Cluster {
-    /// Extends the shard's forwarding window and its abort deadline after a gate
-    /// create sent at `sent`.
-    pub(super) fn extend(&self, g: &ShardLease, sent: Instant) {
-        g.window.extend(sent, self.ttl, self.margin);
-    }
-
     /// The shard's one abort deadline (SPEC §10.2): `gate_ttl` after its latest
-    /// gate create was sent. Every lease of the shard is held to it, however
-    /// the shard is left.
-    pub(super) fn abort_deadline(&self, g: &ShardLease) -> tokio::time::Instant {
-        g.window.abort_deadline()
+    /// renewal was sent, and never later than the anchor's. Every lease of the
+    /// shard is held to it, however the shard is left.
+    pub(super) fn abort_deadline(&self, g: &super::shard::ShardLease) -> Instant {
+        g.window
+            .abort_deadline()
+            .min(self.anchor.window.abort_deadline())
     }
 
-    pub(super) fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
-        move |r: &mut EpochRecord| {
-            r.advertise = Some(self.advertise.clone());
-            SetUp::Cluster {
-                shards: self.shards,
-            }
-            .stamp(r);
-            r.state = Some(self.state_id.clone());
-            self.key.seal(r);
-        }
+    /// When forwards on the shard stop: its own window, and the anchor's.
+    pub(super) fn forward_deadline(&self, g: &super::shard::ShardLease) -> Instant {
+        g.window
+            .forward_deadline()
+            .min(self.anchor.window.forward_deadline())
     }
 
-    /// Takes `shard` (or starts a new tenure on a gate epoch already held) in the
+    /// Whether forwards on the shard may start now.
+    pub(super) fn window_open(&self, g: &super::shard::ShardLease) -> bool {
+        g.window.is_open() && self.anchor.window.is_open()
+    }
+
+    /// Takes `shard` (or starts a new tenure on a row owned here) in the
     /// background.
-    pub(super) fn spawn_takeover(self: Arc<Self>, shard: u32, held: Option<(Holding, Instant)>) {
+    pub(super) fn spawn_takeover(self: Arc<Self>, shard: u32) {
         let g = &self.gates[shard as usize];
         if lock(&self.conflict).is_some() || g.busy.swap(true, Ordering::SeqCst) {
             return;
         }
         tokio::spawn(async move {
-            self.take_over(shard, held).await;
+            self.take_over(shard).await;
             self.gates[shard as usize]
                 .busy
                 .store(false, Ordering::SeqCst);
         });
     }
 
-    pub(super) async fn take_over(self: &Arc<Self>, shard: u32, held: Option<(Holding, Instant)>) {
+    pub(super) async fn take_over(self: &Arc<Self>, shard: u32) {
         let g = &self.gates[shard as usize];
         let previous = lock(&g.seen).clone();
-        let holding = match held {
-            Some((h, _)) => h,
-            None => {
-                let _op = g.op.lock().await;
-                let sent = Instant::now();
-                let decorate = self.decorate();
-                // Judged again as the create's read sees it, by this cluster's
-                // rule: a forged object's own word frees nothing early.
-                let free = |st: &acquire::LeaseStatus| {
-                    self.is_free(&self.verdict(shard, st.latest, st.record.as_ref()), st)
-                };
-                let rules = acquire::GateRules {
-                    free: &free,
-                    reclaim: None,
-                };
-                let taken = acquire::acquire_with(
-                    &self.epochs,
-                    &g.name,
-                    &self.id,
-                    self.ttl,
-                    self.grace,
-                    None,
-                    Some(&rules),
-                    &decorate,
-                )
-                .await;
-                match taken {
-                    Ok(h) => {
-                        self.extend(g, sent);
-                        self.saw_ours(g, &h);
-                        *lock(&g.holding) = Some(h.clone());
-                        h
-                    }
-                    Err(AcquireError::Held { .. } | AcquireError::NotHolder { .. }) => return,
-                    Err(e) => {
-                        tracing::warn!(shard, error = %e, "could not take a free shard");
-                        return;
-                    }
+        let generation = {
+            let _op = g.op.lock().await;
+            let from = lock(&g.seen).taken_from();
+            let sent = Instant::now();
+            self.db_calls.fetch_add(1, Ordering::Relaxed);
+            match self
+                .state
+                .take_shard(shard, from, &self.id, &self.advertise, self.ttl)
+                .await
+            {
+                Ok(Some(generation)) => {
+                    g.window
+                        .extend(self.window_from(sent), self.ttl, self.margin);
+                    *lock(&g.holding) = Some(generation);
+                    lock(&g.seen).row = Some(OwnerRow {
+                        shard,
+                        generation,
+                        owner: Some(self.id.clone()),
+                        advertise: Some(self.advertise.clone()),
+                        renewals: 0,
+                        expires_at: None,
+                    });
+                    generation
+                }
+                Ok(None) => return, // renewed or taken meanwhile
+                Err(e) => {
+                    // Outcome unknown: if it committed, the row names this
+                    // instance under a generation it does not hold; it is
+                    // taken (by anyone, this one included) once watched
+                    // unchanged for gate_ttl + grace.
+                    tracing::warn!(shard, error = %e, "could not take a free shard");
+                    return;
                 }
             }
         };
-        let owner = Owner {
-            shard,
-            generation: holding.epoch.get(),
-        };
-        if let Err(why) = self.check_anchor(shard, holding.epoch).await {
-            match why {
-                AnchorError::Conflict(c) => {
-                    self.set_conflict(Some(c));
-                }
-                AnchorError::NotAnchored => tracing::info!(
-                    shard,
-                    "shard 0's latest gate object is not this set-up's yet: handing the shard back until it is"
-                ),
-                AnchorError::Store(e) => {
-                    tracing::warn!(shard, error = %e, "could not check the prefix's set-up after taking a shard; handing it back")
-                }
-            }
-            self.hand_back(shard).await;
-            return;
-        }
-        if lock(&self.conflict).is_some() {
+        let owner = Owner { shard, generation };
+        if !self.anchor.window.is_open() || lock(&self.conflict).is_some() {
+            tracing::info!(
+                shard,
+                "the prefix's anchor is not known to be this set-up's: handing the shard back"
+            );
             self.hand_back(shard).await;
             return;
         }
@@ -138,8 +109,12 @@ impl Cluster {
         self.takeovers.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             shard,
-            gate_epoch = owner.generation,
-            previous = previous.holder.as_deref().unwrap_or("none"),
+            generation,
+            previous = previous
+                .row
+                .as_ref()
+                .and_then(|r| r.owner.as_deref())
+                .unwrap_or("none"),
             leases = g.leases.len(),
             "took over a shard"
         );
@@ -149,7 +124,11 @@ impl Cluster {
 
     /// SPEC §10.2 takeover: claim the shard's state, turn older generations'
     /// in-flight records in doubt, start its fences at max(stored, listed).
-    pub(super) async fn start_tenure(&self, g: &ShardLease, owner: Owner) -> Result<(), String> {
+    pub(super) async fn start_tenure(
+        &self,
+        g: &super::shard::ShardLease,
+        owner: Owner,
+    ) -> Result<(), String> {
         self.state
             .claim_shard(owner)
             .await
@@ -178,32 +157,30 @@ impl Cluster {
             if g.serving.load(Ordering::SeqCst) != generation {
                 return;
             }
-            let until = g.window.forward_until_ms();
-            let now = g.window.now_ms();
+            let until = self.forward_deadline(g);
+            let now = Instant::now();
             if now >= until && weakened::no_self_fence() {
                 return;
             }
             if now >= until {
                 tracing::warn!(
                     shard,
-                    gate_epoch = generation,
-                    "the shard's gate lease was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
+                    generation,
+                    anchor = self.anchor.window.is_open(),
+                    "the shard's ownership (or the prefix's anchor) was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
                 );
                 self.stop_serving(shard, self.abort_deadline(g), "self-fenced");
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(until - now)).await;
+            // Woken at least every look period: the anchor's window may
+            // have been cut short (closed) meanwhile.
+            tokio::time::sleep((until - now).min(self.look_every())).await;
         }
     }
 
     /// Stops serving `shard` now: no new admissions or forwards; its requests in
     /// flight may finish until `deadline`, then are aborted.
-    pub(super) fn stop_serving(
-        &self,
-        shard: u32,
-        deadline: tokio::time::Instant,
-        why: &'static str,
-    ) {
+    pub(super) fn stop_serving(&self, shard: u32, deadline: Instant, why: &'static str) {
         let g = &self.gates[shard as usize];
         let generation = g.serving.swap(0, Ordering::SeqCst);
         if generation == 0 {
@@ -223,9 +200,9 @@ impl Cluster {
     /// and returns the drains, each aborting what is in flight at its deadline.
     pub(super) fn stop_leases(
         &self,
-        g: &ShardLease,
+        g: &super::shard::ShardLease,
         owner: Owner,
-        deadline: impl Fn(Duration) -> tokio::time::Instant,
+        deadline: impl Fn(Duration) -> Instant,
     ) -> tokio::task::JoinSet<bool> {
         let mut stops = tokio::task::JoinSet::new();
         for (lease, drain) in &g.leases {
@@ -250,18 +227,18 @@ impl Cluster {
     }
 
     /// A graceful handover: no new requests, the in-flight ones finish (or are
-    /// aborted after their drain timeout), then a `release` gate object lets a
-    /// successor take the shard at once.
+    /// aborted after their drain timeout), then the row is released so that a
+    /// successor takes the shard at once.
     pub(super) async fn hand_over(&self, shard: u32) {
         let g = &self.gates[shard as usize];
         // A renewal may still move the shard's deadline while the drains run, but
-        // a store lost partway must not: what is in flight is aborted by the
-        // deadline of the latest create sent before the handover began at the
+        // a database lost partway must not: what is in flight is aborted by the
+        // deadline of the latest renewal sent before the handover began at the
         // latest, whatever the leases' own drain timeouts.
         let latest = self.abort_deadline(g);
         let generation = g.serving.swap(0, Ordering::SeqCst);
         let owner = Owner { shard, generation };
-        let now = tokio::time::Instant::now();
+        let now = Instant::now();
         self.stop_leases(g, owner, |drain| (now + drain).min(latest))
             .join_all()
             .await;
@@ -270,35 +247,26 @@ impl Cluster {
         }
     }
 
-    /// Writes the `release` gate object of a held shard; true if released.
+    /// Releases the row of a held shard; true if released.
     pub(super) async fn hand_back(&self, shard: u32) -> bool {
         let g = &self.gates[shard as usize];
         g.serving.store(0, Ordering::SeqCst);
         let _op = g.op.lock().await;
-        let Some(h) = lock(&g.holding).take() else {
+        let Some(generation) = lock(&g.holding).take() else {
             return false;
         };
         g.window.close();
-        *lock(&g.seen) = Seen {
-            epoch: h.epoch,
-            free: true,
-            verdict: Some(Verdict::Ours),
-            ..Seen::default()
-        };
-        let decorate = self.decorate();
-        match acquire::release_with(
-            &self.epochs,
-            &g.name,
-            &self.id,
-            h.epoch,
-            &h.token,
-            &decorate,
-        )
-        .await
-        {
-            Ok(e) => {
-                tracing::info!(shard, gate_epoch = %e, "released a shard");
-                true
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        match self.state.release_shard(&self.id, shard, generation).await {
+            Ok(released) => {
+                if let Some(row) = lock(&g.seen).row.as_mut() {
+                    if row.generation == generation {
+                        row.owner = None;
+                        row.advertise = None;
+                    }
+                }
+                tracing::info!(shard, generation, released, "released a shard");
+                released
             }
             Err(e) => {
                 tracing::warn!(shard, error = %e, "could not release a shard; a successor waits for its expiry");
@@ -308,11 +276,13 @@ impl Cluster {
     }
 
     /// Graceful stop (SIGTERM, after the in-flight requests finished or were
-    /// abandoned): every shard is handed over, and this instance leaves.
+    /// abandoned): every shard is handed over, and this instance leaves. The
+    /// anchor is not released: it is the set-up's, and the other members keep
+    /// renewing it.
     pub async fn leave(self: &Arc<Self>) {
         self.stopping.cancel();
         // A takeover under way finishes (or gives up) first: then nothing is
-        // taken behind our back. Bounded: a store call has its own timeout.
+        // taken behind our back. Bounded: a database call has its own timeout.
         for _ in 0..250 {
             if !self.gates.iter().any(|g| g.busy.load(Ordering::SeqCst)) {
                 break;
@@ -325,8 +295,6 @@ impl Cluster {
                 held.push(shard);
             }
         }
-        // Side by side: with the store slow or away each release waits out its
-        // own timeouts, and one after another they could outlast the stop.
         let mut releases = tokio::task::JoinSet::new();
         for shard in held {
             let me = self.clone();

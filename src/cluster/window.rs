@@ -68,6 +68,11 @@ impl Window {
         self.origin + Duration::from_millis(self.abort_at_ms())
     }
 
+    /// When forwards stop (the origin itself when closed).
+    pub(crate) fn forward_deadline(&self) -> Instant {
+        self.origin + Duration::from_millis(self.forward_until_ms())
+    }
+
     /// The tenure is over (released, or taken): no forward from now on.
     pub(crate) fn close(&self) {
         self.forward_until_ms.store(0, Ordering::SeqCst);

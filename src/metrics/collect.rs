@@ -246,9 +246,32 @@ fn cluster_metrics(
     emit(
         enc,
         "fencegate_cluster_gate_store_calls",
-        "Lease store calls made for gate leases (renewals, looks at other shards, takeovers, releases)",
+        "Lease store calls made for the cluster's coordination (the prefix's anchor gate lease; set-up checks), by operation",
         MetricType::Counter,
-        one(cl.gate_calls.load(Ordering::Relaxed)),
+        crate::cluster::GATE_CALL_OPS
+            .iter()
+            .zip(cl.gate_calls.iter())
+            .map(|(op, n)| {
+                (
+                    vec![("op", (*op).to_owned())],
+                    ConstCounter::new(n.load(Ordering::Relaxed)),
+                )
+            })
+            .collect(),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_db_calls",
+        "Database calls made for the cluster's coordination (shard rows read, renewed, taken, released; beats)",
+        MetricType::Counter,
+        one(cl.db_calls.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_anchor_creates",
+        "Epochs of the prefix's anchor gate lease this instance created",
+        MetricType::Counter,
+        one(cl.anchor_creates.load(Ordering::Relaxed)),
     )?;
     emit(
         enc,

@@ -26,6 +26,8 @@ pub mod timed;
 mod flusher;
 mod gather;
 mod pg_batch;
+mod pg_error;
+mod pg_record;
 mod witness;
 
 use async_trait::async_trait;
@@ -48,6 +50,28 @@ impl Owner {
         shard: 0,
         generation: 0,
     };
+}
+
+/// A shard's ownership row as the database holds it (SPEC §10.2): who owns the
+/// shard, under which generation, and how many renewals the tenure has had. A
+/// successor judges expiry by watching `(generation, renewals)` stay unchanged
+/// on its own monotonic clock, never by `expires_at` (the database's clock, for
+/// display only).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnerRow {
+    /// The shard.
+    pub shard: u32,
+    /// The tenure's generation: every state write of the shard carries it.
+    pub generation: u64,
+    /// The owning instance; `None` when released (free at once).
+    pub owner: Option<String>,
+    /// The owner's advertised proxy URL.
+    pub advertise: Option<String>,
+    /// Renewals of this tenure so far.
+    pub renewals: u64,
+    /// `now() + gate_ttl` at the latest renewal, on the database's clock (shown,
+    /// never judged on).
+    pub expires_at: Option<std::time::SystemTime>,
 }
 
 /// What is kept for one lease.
@@ -203,6 +227,10 @@ pub struct CommitStats {
     pub records: u64,
 }
 
+fn unshared() -> StateError {
+    StateError::Write("shard ownership needs a shared backend ([state] kind = \"postgres\")".into())
+}
+
 /// Marks and dedup records. See the module documentation for durability.
 #[async_trait]
 pub trait StateStore: Send + Sync + 'static {
@@ -285,6 +313,58 @@ pub trait StateStore: Send + Sync + 'static {
         _ttl: std::time::Duration,
     ) -> Result<Vec<String>, StateError> {
         Ok(vec![id.to_owned()])
+    }
+
+    /// SPEC §10.2 ownership: every shard's row ([`OwnerRow`]), in shard order.
+    /// Only a backend several instances share has them.
+    async fn owner_rows(&self) -> Result<Vec<OwnerRow>, StateError> {
+        Err(unshared())
+    }
+
+    /// Takes `shard` for `id`: a new generation (one above the row's), only if
+    /// the row is still exactly as seen — `seen` its `(generation, renewals)`,
+    /// `None` when it had no row. Returns the new generation, or `None` when
+    /// the row had changed (someone renewed or took it). Waits for every state
+    /// write of the older generation in progress (the owner row's lock), so
+    /// none commits after it.
+    async fn take_shard(
+        &self,
+        _shard: u32,
+        _seen: Option<(u64, u64)>,
+        _id: &str,
+        _advertise: &str,
+        _ttl: std::time::Duration,
+    ) -> Result<Option<u64>, StateError> {
+        Err(unshared())
+    }
+
+    /// Renews every `(shard, generation)` of `held` that `id` still owns, in one
+    /// statement; returns those renewed with their renewal count.
+    async fn renew_shards(
+        &self,
+        _id: &str,
+        _held: &[(u32, u64)],
+        _ttl: std::time::Duration,
+    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        Err(unshared())
+    }
+
+    /// Releases `shard` held by `id` under `generation` (a handover): a
+    /// successor may take it at once. Whether it was released.
+    async fn release_shard(
+        &self,
+        _id: &str,
+        _shard: u32,
+        _generation: u64,
+    ) -> Result<bool, StateError> {
+        Err(unshared())
+    }
+
+    /// Membership, advisory: counts a beat of `id` and returns every member's
+    /// beat count (liveness is judged by watching a count change on the
+    /// caller's monotonic clock, never by the database's clock).
+    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        Ok(vec![(id.to_owned(), 0)])
     }
 
     /// A graceful stop: `id` is no longer a member.

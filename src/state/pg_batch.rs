@@ -35,6 +35,7 @@ use deadpool_postgres::{Object, ObjectId, Pool};
 use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
+use super::pg_error::describe;
 use super::{Record, RecordKey};
 
 /// What the workers share with the backend.
@@ -202,15 +203,6 @@ const SETTLE_TRIES: usize = 600;
 /// A statement the database refused because of a conflict with another
 /// transaction (deadlock, serialization) is tried again at once, this often.
 const RETRIES: usize = 3;
-
-/// A database error in words: tokio-postgres displays a server's error as
-/// just "db error"; its message and SQLSTATE are what an operator needs.
-pub(super) fn describe(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{} ({})", db.message(), db.code().code()),
-        None => e.to_string(),
-    }
-}
 
 /// A failed statement: why, and whether to send it again at once.
 fn classify(e: &tokio_postgres::Error) -> (BatchError, bool) {
@@ -441,7 +433,7 @@ async fn claim_round(db: &Db, batch: Vec<ClaimItem>) {
             Claimed::Yes
         } else {
             Claimed::No {
-                existing: super::postgres::record_at(row, 3),
+                existing: super::pg_record::record_at(row, 3),
                 owner: row.get(2),
             }
         });

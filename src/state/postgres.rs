@@ -25,6 +25,8 @@
 //! blocked: a batch's claims are freed, its outcomes written again; a take-over
 //! of an existing record is marked `in_doubt`.
 
+mod ownership;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,17 +34,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::oneshot;
-use tokio_postgres::Row;
 
 use super::gather::Gather;
 use super::pg_batch::{self, BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem};
+use super::pg_record::{record_of, state_code, RECORD_COLUMNS};
 use super::schema::{self, epoch_from_sql, epoch_to_sql};
 use super::{
-    Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey,
-    RequestLine, Resolution, Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
+    Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey, Resolution,
+    Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
 };
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
@@ -91,68 +92,6 @@ fn owner_ok(shard: usize, generation: usize) -> String {
     OWNER_OK
         .replace("$SHARD", &format!("${shard}"))
         .replace("$GEN", &format!("${generation}"))
-}
-
-fn state_code(s: State) -> i16 {
-    match s {
-        State::InFlight => 0,
-        State::Done => 1,
-        State::InDoubt => 2,
-    }
-}
-
-fn state_of(code: i16) -> Option<State> {
-    match code {
-        0 => Some(State::InFlight),
-        1 => Some(State::Done),
-        2 => Some(State::InDoubt),
-        _ => None,
-    }
-}
-
-const RECORD_COLUMNS: &str =
-    "state, fingerprint, epoch, created_ms, updated_ms, status, header_names, header_values, body, method, path, headers";
-
-fn record_of(row: &Row) -> Option<Record> {
-    record_at(row, 0)
-}
-
-/// The record in [`RECORD_COLUMNS`] from column `at` on (`None` when its state
-/// is NULL: no record).
-pub(super) fn record_at(row: &Row, at: usize) -> Option<Record> {
-    let state = state_of(row.get::<_, Option<i16>>(at)?)?;
-    let fingerprint: Vec<u8> = row.get(at + 1);
-    let status: Option<i16> = row.get(at + 5);
-    let names: Option<Vec<String>> = row.get(at + 6);
-    let values: Option<Vec<Vec<u8>>> = row.get(at + 7);
-    let body: Option<Vec<u8>> = row.get(at + 8);
-    let method: Option<String> = row.get(at + 9);
-    let path: Option<String> = row.get(at + 10);
-    let packed: Option<Vec<u8>> = row.get(at + 11);
-    // Since schema 5 the headers are one column; older records keep two arrays.
-    let headers = match packed {
-        Some(raw) => super::codec::decode_headers(&raw)?,
-        None => names
-            .unwrap_or_default()
-            .into_iter()
-            .zip(values.unwrap_or_default())
-            .collect(),
-    };
-    Some(Record {
-        state,
-        fingerprint: fingerprint.try_into().ok()?,
-        epoch: Epoch::new(epoch_from_sql(row.get(at + 2))),
-        created_ms: u64::try_from(row.get::<_, i64>(at + 3)).ok()?,
-        updated_ms: u64::try_from(row.get::<_, i64>(at + 4)).ok()?,
-        response: status.map(|s| StoredResponse {
-            status: u16::try_from(s).unwrap_or(0),
-            headers,
-            body: body.map(Bytes::from),
-        }),
-        request: method
-            .zip(path)
-            .map(|(method, path)| RequestLine { method, path }),
-    })
 }
 
 /// The `method` and `path` columns (NULL for a record without them).
@@ -265,7 +204,7 @@ impl PostgresState {
         let sync: String = client
             .query_one("SHOW synchronous_commit", &[])
             .await
-            .map_err(|e| open(pg_batch::describe(&e)))?
+            .map_err(|e| open(super::pg_error::describe(&e)))?
             .get(0);
         if sync == "off" {
             return Err(open(
@@ -297,9 +236,9 @@ impl PostgresState {
                 self.pool.get().await.map_err(|e| {
                     StateError::Write(format!("{what}: no database connection: {e}"))
                 })?;
-            f(client)
-                .await
-                .map_err(|e| StateError::Write(format!("{what}: {}", pg_batch::describe(&e))))
+            f(client).await.map_err(|e| {
+                StateError::Write(format!("{what}: {}", super::pg_error::describe(&e)))
+            })
         };
         let res = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -326,7 +265,7 @@ impl PostgresState {
     }
 
     /// The claim number of a key held in flight, no longer held.
-    fn release(&self, key: &RecordKey) -> Option<i64> {
+    fn unhold(&self, key: &RecordKey) -> Option<i64> {
         self.held.lock().ok().and_then(|mut held| held.remove(key))
     }
 
@@ -678,7 +617,7 @@ impl StateStore for PostgresState {
             shard: shard(owner),
             generation: generation(owner),
             op,
-            claim: self.release(key),
+            claim: self.unhold(key),
             updated_ms: ms(updated),
             status: response
                 .as_ref()
@@ -937,6 +876,43 @@ impl StateStore for PostgresState {
             })
             .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    async fn owner_rows(&self) -> Result<Vec<super::OwnerRow>, StateError> {
+        self.rows_of_owners().await
+    }
+
+    async fn take_shard(
+        &self,
+        shard: u32,
+        seen: Option<(u64, u64)>,
+        id: &str,
+        advertise: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, StateError> {
+        self.take(shard, seen, id, advertise, ttl).await
+    }
+
+    async fn renew_shards(
+        &self,
+        id: &str,
+        held: &[(u32, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        self.renew(id, held, ttl).await
+    }
+
+    async fn release_shard(
+        &self,
+        id: &str,
+        shard: u32,
+        generation: u64,
+    ) -> Result<bool, StateError> {
+        self.release(id, shard, generation).await
+    }
+
+    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        self.count_beat(id).await
     }
 
     async fn leave(&self, id: &str) -> Result<(), StateError> {

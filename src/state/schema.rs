@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 5;
+pub const VERSION: i32 = 6;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -78,6 +78,21 @@ const MIGRATIONS: &[&str] = &[
     // `header_names`/`header_values` and are read as before. Adding nullable
     // columns rewrites nothing.
     "ALTER TABLE fencegate_dedup ADD COLUMN claim bigint, ADD COLUMN headers bytea;",
+    // 5 → 6: shard ownership in the database (SPEC §10.2, issue 28): the owner
+    // row names its instance, counts its renewals (a successor watches them on
+    // its own clock), and shows its expiry on the database's clock; the
+    // previous tenure's owner and last renewal are kept for inspection. A
+    // membership row counts its beats the same way.
+    "ALTER TABLE fencegate_owners
+        ADD COLUMN owner text,
+        ADD COLUMN advertise text,
+        ADD COLUMN renewals bigint NOT NULL DEFAULT 0,
+        ADD COLUMN expires_at timestamptz,
+        ADD COLUMN renewed_at timestamptz,
+        ADD COLUMN taken_at timestamptz,
+        ADD COLUMN previous_owner text,
+        ADD COLUMN previous_renewed_at timestamptz;
+    ALTER TABLE fencegate_members ADD COLUMN beats bigint NOT NULL DEFAULT 0;",
 ];
 
 /// Creates or migrates the schema; returns the version found before.
@@ -85,7 +100,7 @@ pub async fn migrate(client: &mut Client) -> Result<i32, StateError> {
     let err = |e: tokio_postgres::Error| {
         StateError::Write(format!(
             "schema migration: {}",
-            super::pg_batch::describe(&e)
+            super::pg_error::describe(&e)
         ))
     };
     let tx = client.transaction().await.map_err(err)?;

@@ -289,6 +289,43 @@ impl StateStore for Timed {
         self.timed(Op::Leave, self.inner.leave(id)).await
     }
 
+    async fn owner_rows(&self) -> Result<Vec<super::OwnerRow>, StateError> {
+        self.inner.owner_rows().await
+    }
+
+    async fn take_shard(
+        &self,
+        shard: u32,
+        seen: Option<(u64, u64)>,
+        id: &str,
+        advertise: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, StateError> {
+        self.inner.take_shard(shard, seen, id, advertise, ttl).await
+    }
+
+    async fn renew_shards(
+        &self,
+        id: &str,
+        held: &[(u32, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        self.inner.renew_shards(id, held, ttl).await
+    }
+
+    async fn release_shard(
+        &self,
+        id: &str,
+        shard: u32,
+        generation: u64,
+    ) -> Result<bool, StateError> {
+        self.inner.release_shard(id, shard, generation).await
+    }
+
+    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        self.inner.beat(id).await
+    }
+
     fn is_healthy(&self) -> bool {
         self.inner.is_healthy()
     }

@@ -1415,6 +1415,9 @@ async fn schema_1_records_survive_the_migration_to_2() {
          CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
+         ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
+           DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
+           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at; \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \
@@ -1487,6 +1490,10 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
         "DROP INDEX fencegate_dedup_done_by_done_time; \
          CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
+         ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
+           DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
+           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at; \
+         ALTER TABLE fencegate_members DROP COLUMN beats; \
          UPDATE fencegate_schema SET version = 3; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \

@@ -1,0 +1,190 @@
+//! Shard ownership rows (SPEC §10.2, issue 28): taking a shard, renewing every
+//! shard an instance owns in one statement, releasing one, reading them all,
+//! and membership beats. Each is one statement that commits on its own.
+//!
+//! Nothing here judges time on the database's clock: `expires_at` (`now()`) is
+//! written for people to read. A successor judges a tenure over when it has
+//! seen the row's `(generation, renewals)` unchanged for `gate_ttl + grace_ms`
+//! on its own monotonic clock, and takes it with an `UPDATE` conditioned on
+//! exactly that pair: a renewal that committed meanwhile, even one whose owner
+//! never learnt of it, makes the take match no row.
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use super::{PostgresState, StateError};
+use crate::state::OwnerRow;
+
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn uint(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl PostgresState {
+    pub(super) async fn rows_of_owners(&self) -> Result<Vec<OwnerRow>, StateError> {
+        let rows = self
+            .with("reading shard owners", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "SELECT shard, generation, owner, advertise, renewals, \
+                         (extract(epoch FROM expires_at) * 1000)::bigint \
+                         FROM fencegate_owners ORDER BY shard",
+                    )
+                    .await?;
+                c.query(&st, &[]).await
+            })
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let ms: Option<i64> = r.get(5);
+                OwnerRow {
+                    shard: u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
+                    generation: uint(r.get(1)),
+                    owner: r.get(2),
+                    advertise: r.get(3),
+                    renewals: uint(r.get(4)),
+                    expires_at: ms.map(|m| UNIX_EPOCH + Duration::from_millis(uint(m))),
+                }
+            })
+            .collect())
+    }
+
+    pub(super) async fn take(
+        &self,
+        shard: u32,
+        seen: Option<(u64, u64)>,
+        id: &str,
+        advertise: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, StateError> {
+        let sh = i32::try_from(shard).unwrap_or(i32::MAX);
+        let secs = ttl.as_secs_f64();
+        let row = self
+            .with("taking a shard", |c| async move {
+                match seen {
+                    None => {
+                        let st = c
+                            .prepare_cached(
+                                "INSERT INTO fencegate_owners AS o (shard, generation, owner, advertise, \
+                                 renewals, expires_at, renewed_at, taken_at) \
+                                 VALUES ($1, 1, $2, $3, 0, now() + make_interval(secs => $4), now(), now()) \
+                                 ON CONFLICT (shard) DO NOTHING RETURNING generation",
+                            )
+                            .await?;
+                        c.query_opt(&st, &[&sh, &id, &advertise, &secs]).await
+                    }
+                    Some((generation, renewals)) => {
+                        // The row lock taken here waits for every state write
+                        // share-locking it (`OWNER_OK`): none of the old
+                        // generation commits after this.
+                        let st = c
+                            .prepare_cached(
+                                "UPDATE fencegate_owners SET generation = generation + 1, \
+                                 owner = $2, advertise = $3, renewals = 0, \
+                                 expires_at = now() + make_interval(secs => $4), \
+                                 renewed_at = now(), taken_at = now(), \
+                                 previous_owner = owner, previous_renewed_at = renewed_at \
+                                 WHERE shard = $1 AND generation = $5 AND renewals = $6 \
+                                 RETURNING generation",
+                            )
+                            .await?;
+                        c.query_opt(
+                            &st,
+                            &[&sh, &id, &advertise, &secs, &int(generation), &int(renewals)],
+                        )
+                        .await
+                    }
+                }
+            })
+            .await?;
+        self.committed();
+        Ok(row.map(|r| uint(r.get(0))))
+    }
+
+    pub(super) async fn renew(
+        &self,
+        id: &str,
+        held: &[(u32, u64)],
+        ttl: Duration,
+    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        let shards: Vec<i32> = held
+            .iter()
+            .map(|(s, _)| i32::try_from(*s).unwrap_or(i32::MAX))
+            .collect();
+        let gens: Vec<i64> = held.iter().map(|(_, g)| int(*g)).collect();
+        let secs = ttl.as_secs_f64();
+        let rows = self
+            .with("renewing shards", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "UPDATE fencegate_owners o SET renewals = o.renewals + 1, \
+                         expires_at = now() + make_interval(secs => $4), renewed_at = now() \
+                         FROM unnest($2::integer[], $3::bigint[]) AS h(shard, generation) \
+                         WHERE o.shard = h.shard AND o.generation = h.generation AND o.owner = $1 \
+                         RETURNING o.shard, o.generation, o.renewals",
+                    )
+                    .await?;
+                c.query(&st, &[&id, &shards, &gens, &secs]).await
+            })
+            .await?;
+        self.committed();
+        Ok(rows
+            .iter()
+            .map(|r| {
+                (
+                    u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
+                    uint(r.get(1)),
+                    uint(r.get(2)),
+                )
+            })
+            .collect())
+    }
+
+    pub(super) async fn release(
+        &self,
+        id: &str,
+        shard: u32,
+        generation: u64,
+    ) -> Result<bool, StateError> {
+        let sh = i32::try_from(shard).unwrap_or(i32::MAX);
+        let n = self
+            .with("releasing a shard", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "UPDATE fencegate_owners SET owner = NULL, advertise = NULL, \
+                         expires_at = now() \
+                         WHERE shard = $1 AND generation = $2 AND owner = $3",
+                    )
+                    .await?;
+                c.execute(&st, &[&sh, &int(generation), &id]).await
+            })
+            .await?;
+        self.committed();
+        Ok(n == 1)
+    }
+
+    pub(super) async fn count_beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        let rows = self
+            .with("cluster heartbeat", |c| async move {
+                let st = c
+                    .prepare_cached(
+                        "INSERT INTO fencegate_members AS m (instance_id, seen_at, beats) \
+                         VALUES ($1, now(), 1) \
+                         ON CONFLICT (instance_id) DO UPDATE SET seen_at = now(), beats = m.beats + 1",
+                    )
+                    .await?;
+                c.execute(&st, &[&id]).await?;
+                let st = c
+                    .prepare_cached(
+                        "SELECT instance_id, beats FROM fencegate_members ORDER BY instance_id",
+                    )
+                    .await?;
+                c.query(&st, &[]).await
+            })
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), uint(r.get(1)))).collect())
+    }
+}

@@ -46,14 +46,14 @@ macro_rules! skip_without_postgres {
 /// fencegate on the `dir` lease store and PostgreSQL at `url`, with three routes
 /// to one recording origin: `pay` (dedup on content), and the fencing-only `feed`
 /// and `jobs` (`derive_key = "none"`), each on a lease of its own name.
-struct Rig {
+pub(crate) struct Rig {
     _leases: tempfile::TempDir,
-    epochs: Epochs,
-    origin: Origin,
-    fg: Fencegate,
+    pub(crate) epochs: Epochs,
+    pub(crate) origin: Origin,
+    pub(crate) fg: Fencegate,
 }
 
-async fn rig(url: &str, state_extra: &str) -> Rig {
+pub(crate) async fn rig(url: &str, state_extra: &str) -> Rig {
     let leases = tempfile::tempdir().unwrap();
     let origin = Origin::start().await;
     let fg = Fencegate::start(&format!(
@@ -73,7 +73,7 @@ async fn rig(url: &str, state_extra: &str) -> Rig {
 }
 
 impl Rig {
-    async fn hold(&self, lease: &str) -> Holding {
+    pub(crate) async fn hold(&self, lease: &str) -> Holding {
         acquire(&self.epochs, lease, "worker", Duration::from_secs(300)).await
     }
 
@@ -87,7 +87,7 @@ impl Rig {
     }
 
     /// Arrivals per dedup key.
-    fn arrivals_by_key(&self) -> HashMap<String, usize> {
+    pub(crate) fn arrivals_by_key(&self) -> HashMap<String, usize> {
         let mut m = HashMap::new();
         for a in self.origin.log() {
             if let Some(k) = a.header("idempotency-key") {
@@ -100,7 +100,7 @@ impl Rig {
 
 /// A request's answer, as a worker sees it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Answer {
+pub(crate) enum Answer {
     /// The upstream's answer, forwarded now.
     Forwarded(u16),
     /// A stored answer (`X-Fencegate-Replayed: true`).
@@ -111,7 +111,7 @@ enum Answer {
     Broken(String),
 }
 
-fn answer(r: Result<Reply, String>) -> Answer {
+pub(crate) fn answer(r: Result<Reply, String>) -> Answer {
     match r {
         Err(e) => Answer::Broken(e),
         Ok(r) => match r.error_code() {
@@ -133,7 +133,7 @@ fn answer(r: Result<Reply, String>) -> Answer {
     }
 }
 
-fn refused(code: &str) -> Answer {
+pub(crate) fn refused(code: &str) -> Answer {
     let status = match code {
         "store_unavailable" => 503,
         _ => 409,
@@ -141,7 +141,7 @@ fn refused(code: &str) -> Answer {
     Answer::Refused(status, code.to_owned())
 }
 
-async fn keyed_answer(fg: &Fencegate, h: &Holding, key: &str) -> Answer {
+pub(crate) async fn keyed_answer(fg: &Fencegate, h: &Holding, key: &str) -> Answer {
     answer(
         try_send(keyed(
             fg,
@@ -173,7 +173,7 @@ fn fencing_stream(
     })
 }
 
-fn tally<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeMap<String, usize> {
+pub(crate) fn tally<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for a in answers {
         let k = match a {
@@ -195,7 +195,7 @@ fn db_state(pg: &PgServer, db: &str, key: &str) -> String {
 }
 
 /// Polls `cond` (a blocking check, e.g. psql) every 10 ms for up to 20 s.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !tokio::task::block_in_place(&mut cond) {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");

@@ -233,7 +233,7 @@ pub struct StateConfig {
     pub pool_size: usize,
     /// Extra CA bundle (PEM) trusted for the database's TLS certificate.
     pub ca_file: Option<PathBuf>,
-    /// Bound on connecting and on every statement.
+    /// Bound on connecting (shared among the url's hosts) and on every statement.
     #[serde(alias = "timeout", deserialize_with = "duration::ms")]
     pub timeout_ms: u64,
 }

@@ -24,7 +24,9 @@
 //! deleted (by their claim numbers: none was forwarded, so the keys are free
 //! again rather than blocked), the outcomes written again (by claim number,
 //! over the record still in flight). A batch the database refused (an error it
-//! reported) changed nothing.
+//! reported), or that found no connection, changed nothing: its claims are
+//! free; its outcomes are written again all the same (a key would otherwise
+//! stay in flight until a restart).
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -647,9 +649,12 @@ pub(super) async fn outcomes(db: Db, batch: Vec<OutcomeItem>) {
                 }
                 again.push(o);
             }
-            if matches!(e, BatchError::Unknown(_)) {
-                write_again_in_background(db, again);
-            }
+            // Written again whatever the failure: an outcome matches only its
+            // own claim still in flight, so a second write changes nothing
+            // else — and a batch that never reached a database (no connection
+            // while a standby is being promoted) would otherwise leave its keys
+            // in flight, refused (409), until a restart.
+            write_again_in_background(db, again, &e);
         }
     }
 }
@@ -693,14 +698,21 @@ async fn outcome_round(db: &Db, batch: &[OutcomeItem]) -> Result<Vec<bool>, Batc
     Ok(matched)
 }
 
-/// Writes outcomes whose batch's fate was unknown again, until the database
-/// answers: each only over its own claim still in flight, so one that did
-/// land matches nothing the second time.
-fn write_again_in_background(db: Db, batch: Vec<OutcomeItem>) {
-    tracing::warn!(
-        outcomes = batch.len(),
-        "the outcome of a batch is unknown; writing it again in the background"
-    );
+/// Writes outcomes whose batch failed (its fate unknown, or refused) again,
+/// until the database answers: each only over its own claim still in flight,
+/// so one that did land matches nothing the second time.
+fn write_again_in_background(db: Db, batch: Vec<OutcomeItem>, why: &BatchError) {
+    match why {
+        BatchError::Unknown(_) => tracing::warn!(
+            outcomes = batch.len(),
+            "the outcome of a batch is unknown; writing it again in the background"
+        ),
+        BatchError::Refused(detail) => tracing::warn!(
+            outcomes = batch.len(),
+            detail = %detail,
+            "the outcomes of a batch were not written; writing them again in the background"
+        ),
+    }
     tokio::spawn(async move {
         for _ in 0..SETTLE_TRIES {
             tokio::time::sleep(SETTLE_EVERY).await;

@@ -141,7 +141,13 @@ impl PostgresState {
         let mut pg: tokio_postgres::Config = url
             .parse()
             .map_err(|e| open(format!("the connection string does not parse: {e}")))?;
-        pg.connect_timeout(cfg.timeout());
+        // Each host gets its share of the timeout: with several hosts (a
+        // primary and its standbys, `target_session_attrs=read-write`) a host
+        // that swallows connection attempts — a machine gone, not a process
+        // refusing — must not use up a request's whole `timeout_ms`, or the
+        // hosts after it (the promoted standby) are never tried.
+        let hosts = u32::try_from(pg.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+        pg.connect_timeout(cfg.timeout() / hosts);
         // Every statement fencegate sends is prepared once per connection and
         // fits one plan whatever its parameters; planning the batch statements
         // anew for each call (PostgreSQL's default for the first executions and

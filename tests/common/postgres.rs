@@ -9,6 +9,9 @@
 //! [`PgServer::kill9`] reach every process of the server (postmaster and
 //! backends), as a frozen or crashed machine would. The server dies with the test
 //! process (parent-death signal) and is killed when dropped.
+//!
+//! [`PgServer::standby`] makes a streaming standby of a server (`pg_basebackup`)
+//! and [`PgServer::promote`] turns it into a primary: a failover.
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -28,6 +31,8 @@ pub struct PgServer {
     pub port: u16,
     /// The unprivileged account the server runs as (`None`: this user).
     account: Option<(u32, u32)>,
+    /// More `-c name=value` settings (a standby's).
+    settings: Vec<String>,
 }
 
 /// The folder of PostgreSQL's server binaries, if installed.
@@ -138,9 +143,81 @@ impl PgServer {
             bin,
             port: free_port(),
             account,
+            settings: Vec::new(),
         };
         server.spawn();
         server
+    }
+
+    /// A hot standby of this server, named `name` (its `application_name`, the
+    /// one `synchronous_standby_names` lists): a base backup taken through a
+    /// replication slot of that name, then streaming from 127.0.0.1:`stream_from`
+    /// (this server's port, or a relay in front of it). It is a standby of this
+    /// server's WAL only; [`PgServer::promote`] ends that.
+    pub fn standby(&self, name: &str, stream_from: u16) -> PgServer {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if let Some((uid, gid)) = self.account {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown");
+        }
+        let data = dir.path().join("data");
+        let out = Self::command(&self.bin, "pg_basebackup", self.account)
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "fg"])
+            .arg("-D")
+            .arg(&data)
+            .args([
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--create-slot",
+                "--slot",
+                name,
+            ])
+            .output()
+            .expect("running pg_basebackup");
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Recovery as a standby until promoted (PostgreSQL deletes the file then).
+        let signal = data.join("standby.signal");
+        std::fs::write(&signal, "").expect("standby.signal");
+        if let Some((uid, gid)) = self.account {
+            std::os::unix::fs::chown(&signal, Some(uid), Some(gid)).expect("chown");
+        }
+        let server = PgServer {
+            child: Mutex::new(None),
+            dir,
+            bin: self.bin.clone(),
+            port: free_port(),
+            account: self.account,
+            settings: vec![
+                format!(
+                    "primary_conninfo=host=127.0.0.1 port={stream_from} user=fg application_name={name}"
+                ),
+                format!("primary_slot_name={name}"),
+                "hot_standby=on".into(),
+            ],
+        };
+        server.spawn();
+        server
+    }
+
+    /// Promotes a standby to a primary (`pg_ctl promote`), waiting until it
+    /// accepts writes.
+    pub fn promote(&self) {
+        let out = Self::command(&self.bin, "pg_ctl", self.account)
+            .args(["promote", "-w", "-t", "60", "-D"])
+            .arg(self.dir.path().join("data"))
+            .output()
+            .expect("running pg_ctl promote");
+        assert!(
+            out.status.success(),
+            "pg_ctl promote failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     fn command(bin: &Path, name: &str, account: Option<(u32, u32)>) -> Command {
@@ -167,6 +244,7 @@ impl PgServer {
                 "-c",
                 "fsync=on",
             ])
+            .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         // Dies with the thread that spawned it (see `shared`).

@@ -13,6 +13,7 @@ mod dedup;
 mod dir_store;
 mod disk;
 mod edges;
+mod failover;
 mod fencing;
 mod guard;
 mod lease_cli;

@@ -48,7 +48,7 @@ macro_rules! skip_without_postgres {
 /// and `jobs` (`derive_key = "none"`), each on a lease of its own name.
 pub(crate) struct Rig {
     _leases: tempfile::TempDir,
-    epochs: Epochs,
+    pub(crate) epochs: Epochs,
     pub(crate) origin: Origin,
     pub(crate) fg: Fencegate,
 }
@@ -87,7 +87,7 @@ impl Rig {
     }
 
     /// Arrivals per dedup key.
-    fn arrivals_by_key(&self) -> HashMap<String, usize> {
+    pub(crate) fn arrivals_by_key(&self) -> HashMap<String, usize> {
         let mut m = HashMap::new();
         for a in self.origin.log() {
             if let Some(k) = a.header("idempotency-key") {
@@ -173,7 +173,7 @@ fn fencing_stream(
     })
 }
 
-fn tally<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeMap<String, usize> {
+pub(crate) fn tally<'a>(answers: impl IntoIterator<Item = &'a Answer>) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for a in answers {
         let k = match a {

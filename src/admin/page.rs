@@ -34,7 +34,7 @@ pub struct LeaseRow {
     pub holder: Option<String>,
     /// On the store's clock.
     pub expires_at: Option<SystemTime>,
-    /// Requests admitted whose upstream response head has not arrived (SPEC §5).
+    /// Requests admitted whose exchange with the upstream is not over (SPEC §5).
     pub in_flight: usize,
     /// Dedup records in doubt for the lease's routes.
     pub in_doubt: usize,

@@ -31,7 +31,7 @@ use crate::headers::{
 use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
-use crate::streaming::{ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
+use crate::streaming::{Exchange, ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 
 /// How much of an unrecorded route's answer is sent whole when it has all
 /// arrived with its head (no streaming machinery for a small answer).
@@ -192,7 +192,7 @@ impl Proxy {
             Served::There { owner, url } => {
                 let body = match body {
                     Payload::Whole(b) => UpBody::from(b),
-                    Payload::Stream(b) => UpBody::Stream(Upload::new(b, route.max_body_bytes).0),
+                    Payload::Stream(b) => UpBody::stream(Upload::new(b, route.max_body_bytes).0),
                 };
                 let resp = self.relay(route, &owner, &url, parts, body, hop).await?;
                 return Ok((resp, "relayed"));
@@ -249,7 +249,7 @@ impl Proxy {
             Payload::Whole(b) => (UpBody::from(b), None),
             Payload::Stream(b) => {
                 let (u, state) = Upload::new(b, route.max_body_bytes);
-                (UpBody::Stream(u), Some(state))
+                (UpBody::stream(u), Some(state))
             }
         };
         let (result, sent) = self
@@ -294,9 +294,11 @@ impl Proxy {
 
     /// Forwards the admitted request under its pass and reads the answer: whole
     /// (a recorded route's up to `max_replay_bytes`; any other's as far as it has
-    /// already arrived), or the head with the rest to stream, the pass going with
-    /// it. Ends the pass (or leaves it lingering when the outcome is unknown) on a
-    /// failure and says whether anything may have been sent.
+    /// already arrived), or the head with the rest to stream. From the head on,
+    /// the request's [`Exchange`] holds the pass until the body has been sent and
+    /// the answer read to its last byte (SPEC §5). Ends the pass (or leaves it
+    /// lingering when the outcome is unknown) on a failure and says whether
+    /// anything may have been sent.
     async fn forward(
         &self,
         route: &Route,
@@ -341,6 +343,12 @@ impl Proxy {
         let upstream_uri = upstream_req.uri().clone();
         let stop = stop_on(&pass, &self.abandon);
         tokio::pin!(stop);
+        // SPEC §5: in flight until both ends of the exchange are over — the body
+        // sent whole and the answer read to its last byte. An upstream that answers
+        // an upload early must not see a newer epoch before the upload's last byte.
+        let exchange = Exchange::new();
+        let answer_end = exchange.end();
+        let upstream_req = upstream_req.map(|b| b.until_sent(exchange.end()));
         let result = match forward::send(&route.client, upstream_req, route.timeout, stop.as_mut())
             .await
         {
@@ -364,7 +372,11 @@ impl Proxy {
             .observe(upstream_elapsed.as_secs_f64());
         let e = match result {
             Ok((head, (body, true))) => {
-                drop(pass);
+                // The answer is whole; the body may still be on its way.
+                let rest_stop = stop_on(&pass, &self.abandon);
+                exchange.hold(pass);
+                drop(answer_end);
+                exchange.watch(rest_stop, head.conn);
                 let answer = Answer {
                     status: head.status,
                     headers: head.headers,
@@ -374,11 +386,13 @@ impl Proxy {
                 return (Ok(answer), Sent::Maybe);
             }
             Ok((head, (prefix, false))) => {
-                let rest_stop = Box::pin(stop_on(&pass, &self.abandon));
+                let rest_stop = stop_on(&pass, &self.abandon);
+                exchange.hold(pass);
+                exchange.watch(rest_stop, head.conn.clone());
                 let rest = Streamed::new(
                     prefix.clone(),
                     head.body,
-                    Some((pass, rest_stop)),
+                    Some(answer_end),
                     route.timeout,
                     head.conn,
                     Arc::from(route.name.as_str()),
@@ -393,6 +407,9 @@ impl Proxy {
             }
             Err(e) => e,
         };
+        // A failure: the connection was cut (or never carried anything), and the
+        // pass stays this function's to end or leave lingering.
+        drop(answer_end);
         let aborted = pass.is_aborted();
         let abandoned = self.abandon.is_cancelled();
         // A streamed request body that did not arrive whole: the upstream got an

@@ -545,6 +545,55 @@ impl RouteConfig {
     }
 }
 
+/// serde's "unknown field `x`, expected one of `a`, `b`" (or "unknown variant")
+/// with the closest expected name added: "… — did you mean `a`?".
+fn with_suggestion(message: &str) -> String {
+    let guess = (|| {
+        let rest = message
+            .strip_prefix("unknown field `")
+            .or_else(|| message.strip_prefix("unknown variant `"))?;
+        let (typed, expected) = rest.split_once('`')?;
+        let typed = typed.to_ascii_lowercase();
+        let best = expected
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(|name| (edit_distance(&typed, &name.to_ascii_lowercase()), name))
+            .min()?;
+        // Close enough to be a typo: a third of the name, at least two edits.
+        (best.0 <= (typed.chars().count() / 3).max(2)).then(|| best.1.to_owned())
+    })();
+    match guess {
+        Some(name) => {
+            let (head, tail) = message.split_once(", expected").unwrap_or((message, ""));
+            if tail.is_empty() {
+                format!("{head} — did you mean `{name}`?")
+            } else {
+                format!("{head} — did you mean `{name}`? (expected{tail})")
+            }
+        }
+        None => message.to_owned(),
+    }
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (row[j + 1] + 1)
+                .min(row[j] + 1)
+                .min(diag + usize::from(ca != *cb));
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -598,9 +647,10 @@ impl Config {
             let line = e
                 .span()
                 .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let message = with_suggestion(e.message().trim_end());
             match line {
-                Some(n) => format!("line {n}: {}", e.message().trim_end()),
-                None => e.message().trim_end().to_owned(),
+                Some(n) => format!("line {n}: {message}"),
+                None => message,
             }
         })
     }
@@ -1055,6 +1105,29 @@ lease = "billing"
         c.resolve_paths(Path::new("/etc/fencegate/fencegate.toml"));
         assert_eq!(c.server.data_dir, Path::new("/etc/fencegate/state"));
         assert_eq!(c.store.path, Path::new("/abs/leases"));
+    }
+
+    #[test]
+    fn a_typo_gets_a_did_you_mean() {
+        let e = Config::parse("[server]\nlisten = \"127.0.0.1:1\"\nlistne = 1\n").unwrap_err();
+        assert!(
+            e.starts_with(
+                "line 3: unknown field `listne` — did you mean `listen`? (expected one of"
+            ),
+            "{e}"
+        );
+        let e = Config::parse(&format!("{MIN}drain_timout_ms = 5\n")).unwrap_err();
+        assert!(e.contains("did you mean `drain_timeout_ms`?"), "{e}");
+        let e = Config::parse(&format!("[sever]\n{MIN}")).unwrap_err();
+        assert!(e.contains("did you mean `server`?"), "{e}");
+        let e = Config::parse(&format!("{MIN}derive_key = \"contnet\"\n")).unwrap_err();
+        assert!(e.contains("did you mean `content`?"), "{e}");
+        // Nothing close: no guess.
+        let e = Config::parse(&format!("{MIN}colour = 5\n")).unwrap_err();
+        assert!(
+            e.contains("unknown field `colour`") && !e.contains("did you mean"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -17,10 +17,10 @@ pub(crate) use routes::{Route, RouteTable};
 use crate::access::{self, Seen};
 use crate::admission::Claim;
 use crate::cluster::{peer as relay, Placement};
-use crate::config::DeriveKey;
+use crate::config::{DeriveKey, InDoubtPolicy};
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
-use crate::error::ProxyError;
+use crate::error::{Doubt, ProxyError};
 use crate::fence::{Fence, Fences};
 use crate::forward::{self, ClientHop, HttpsClient, UpstreamError};
 use crate::gate::Pass;
@@ -155,7 +155,10 @@ impl Proxy {
         }
         let epoch = single_header(&parts.headers, &LEASE_EPOCH_NAME)
             .map_err(|_| ProxyError::EpochMalformed("is repeated: send exactly one"))?
-            .ok_or(ProxyError::EpochMissing)?;
+            .ok_or_else(|| ProxyError::EpochMissing {
+                lease: route.lease.clone(),
+                token: route.require_token,
+            })?;
         let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed(
             "must be a plain decimal u64: digits only, no sign, no spaces",
         ))?;
@@ -330,7 +333,10 @@ impl Proxy {
             };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
-            return (Err(drain_aborted(route, &pass)), Sent::Nothing);
+            return (
+                Err(drain_aborted(route, &pass, Doubt::NotSent)),
+                Sent::Nothing,
+            );
         }
         if !self.mode.may_forward(fence.owner()) {
             // The gate lease (the instance guard, or the shard's in a cluster) could
@@ -415,7 +421,21 @@ impl Proxy {
         // A streamed request body that did not arrive whole: the upstream got an
         // incomplete request and cannot have acted on it.
         let upload_end = upload.map_or(UploadEnd::Complete, |u| u.get());
-        let aborted_err = aborted.then(|| drain_aborted(route, &pass));
+        let sent = match e {
+            UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
+            _ => Sent::Maybe,
+        };
+        // Where the key stands now (SPEC §6), for the worker's next step.
+        let doubt = match sent {
+            Sent::Nothing => Doubt::NotSent,
+            Sent::Maybe if recorded => Doubt::Key {
+                route: route.name.clone(),
+                key: key.as_str().to_owned(),
+                resend: route.in_doubt == InDoubtPolicy::Resend,
+            },
+            Sent::Maybe => Doubt::Unrecorded,
+        };
+        let aborted_err = aborted.then(|| drain_aborted(route, &pass, doubt.clone()));
         // In flight ends with the answer or a failure — except that a request
         // whose outcome is unknown may still be executing at the destination: it
         // keeps counting for a drain until the drain's timeout. Only a body known
@@ -439,10 +459,6 @@ impl Proxy {
             request_id = request_id.to_str().unwrap_or("-"),
             "upstream request failed"
         );
-        let sent = match e {
-            UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
-            _ => Sent::Maybe,
-        };
         let err = match (aborted_err, upload_end, e) {
             (Some(a), ..) => a,
             (None, UploadEnd::TooLarge, _) => ProxyError::BodyTooLarge {
@@ -451,11 +467,13 @@ impl Proxy {
             (None, UploadEnd::ClientFailed, e) => ProxyError::BodyUnreadable {
                 detail: e.to_string(),
             },
-            (None, ..) if abandoned => ProxyError::ShuttingDown,
+            (None, ..) if abandoned => ProxyError::ShuttingDown { doubt },
             (None, _, UpstreamError::Unreachable(d)) => {
                 ProxyError::UpstreamUnreachable { detail: d }
             }
-            (None, _, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+            (None, _, UpstreamError::Uncertain(d)) => {
+                ProxyError::UpstreamTimeout { detail: d, doubt }
+            }
         };
         (Err(err), sent)
     }
@@ -555,7 +573,10 @@ impl Proxy {
                 // owner while it had the relayed request at the destination).
                 relay::RelayFailed::Uncertain(detail) => {
                     tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer; it may have forwarded the request");
-                    ProxyError::UpstreamTimeout { detail }
+                    ProxyError::UpstreamTimeout {
+                        detail,
+                        doubt: Doubt::Relayed,
+                    }
                 }
             }
         })
@@ -660,11 +681,12 @@ enum Sent {
     Maybe,
 }
 
-fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
+fn drain_aborted(route: &Route, pass: &crate::gate::Pass, doubt: Doubt) -> ProxyError {
     ProxyError::DrainAborted {
         lease: route.lease.clone(),
         epoch: pass.epoch(),
         newer: pass.newer_epoch(),
+        doubt,
     }
 }
 

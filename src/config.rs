@@ -31,6 +31,12 @@ pub enum ConfigError {
         /// The parser's message, naming the key.
         message: String,
     },
+    /// No `--config` was given and none of the default places holds a file.
+    #[error("no config file: {tried}; pass --config PATH or set FENCEGATE_CONFIG")]
+    NotFound {
+        /// The places looked at, in order.
+        tried: String,
+    },
     /// The file parsed but failed [`Config::validate`].
     #[error("config {path}: {message}")]
     Invalid {
@@ -413,6 +419,26 @@ pub enum InDoubtPolicy {
     Resend,
 }
 
+impl DeriveKey {
+    /// The config's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeriveKey::Content => "content",
+            DeriveKey::None => "none",
+        }
+    }
+}
+
+impl InDoubtPolicy {
+    /// The config's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InDoubtPolicy::Reject => "reject",
+            InDoubtPolicy::Resend => "resend",
+        }
+    }
+}
+
 /// `[[route]]`: one path prefix mapped to an upstream and the lease that fences it
 /// (SPEC §3, §9).
 #[derive(Clone, Deserialize)]
@@ -542,6 +568,88 @@ impl RouteConfig {
             out.push((hn, hv));
         }
         Ok(out)
+    }
+}
+
+/// Where the config file was found (SPEC §8): the first of `--config`,
+/// `$FENCEGATE_CONFIG`, `./fencegate.toml`, `./config/fencegate.toml` and
+/// `/etc/fencegate/fencegate.toml` that is given or exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// The file, absolute (so are the paths resolved against it).
+    pub path: PathBuf,
+    /// How it was chosen, for the first log line: `--config`,
+    /// `$FENCEGATE_CONFIG` or `default`.
+    pub via: &'static str,
+}
+
+/// The environment variable naming the config file when `--config` is not given.
+pub const CONFIG_ENV: &str = "FENCEGATE_CONFIG";
+
+/// The default places, after `--config` and `$FENCEGATE_CONFIG`, in order.
+pub const DEFAULT_PLACES: [&str; 3] = [
+    "fencegate.toml",
+    "config/fencegate.toml",
+    "/etc/fencegate/fencegate.toml",
+];
+
+/// Finds the config file: `explicit` (`--config`) if given, else `env` (the
+/// value of `$FENCEGATE_CONFIG`, if set and not empty), else the first of
+/// [`DEFAULT_PLACES`] that `exists` (relative ones against the working
+/// directory). The file itself is not read: a given path that does not exist is
+/// reported when it is loaded.
+pub fn locate(
+    explicit: Option<PathBuf>,
+    env: Option<std::ffi::OsString>,
+    exists: impl Fn(&Path) -> bool,
+) -> Result<Located, ConfigError> {
+    let absolute = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+    if let Some(p) = explicit {
+        return Ok(Located {
+            path: absolute(p),
+            via: "--config",
+        });
+    }
+    if let Some(p) = env.filter(|v| !v.is_empty()) {
+        return Ok(Located {
+            path: absolute(PathBuf::from(p)),
+            via: "$FENCEGATE_CONFIG",
+        });
+    }
+    for place in DEFAULT_PLACES {
+        if exists(Path::new(place)) {
+            return Ok(Located {
+                path: absolute(PathBuf::from(place)),
+                via: "default",
+            });
+        }
+    }
+    Err(ConfigError::NotFound {
+        tried: format!(
+            "no --config, {CONFIG_ENV} unset, and none of {} exists",
+            DEFAULT_PLACES.join(", ")
+        ),
+    })
+}
+
+/// A path as the summary shows it: resolved the way the OS will (symlinks and
+/// `..` of its nearest existing ancestor), so an operator sees where it is.
+fn shown(p: &Path) -> String {
+    let mut rest = Vec::new();
+    let mut at = p;
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            let mut out = real;
+            out.extend(rest.iter().rev());
+            return out.display().to_string();
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return p.display().to_string(),
+        }
     }
 }
 
@@ -914,7 +1022,7 @@ impl Config {
             }
         );
         let _ = writeln!(out, "admin_listen  {}", self.server.admin_listen);
-        let _ = writeln!(out, "data_dir      {}", self.server.data_dir.display());
+        let _ = writeln!(out, "data_dir      {}", shown(&self.server.data_dir));
         let _ = writeln!(
             out,
             "admin_token   {}",
@@ -929,7 +1037,7 @@ impl Config {
                 let _ = writeln!(
                     out,
                     "store         dir at {} (prefix {:?})",
-                    s.path.display(),
+                    shown(&s.path),
                     s.prefix
                 );
             }
@@ -966,7 +1074,7 @@ impl Config {
                 self.state
                     .ca_file
                     .as_ref()
-                    .map_or(String::new(), |c| format!(", CA {}", c.display()))
+                    .map_or(String::new(), |c| format!(", CA {}", shown(c)))
             ),
         };
         match &self.cluster {
@@ -990,12 +1098,12 @@ impl Config {
             );
             let _ = writeln!(
                 out,
-                "  timeout {} ms, drain {} ms, token {}, derive_key {:?}, in_doubt {:?}, dedup_header {}",
+                "  timeout {} ms, drain {} ms, token {}, derive_key {}, in_doubt {}, dedup_header {}",
                 r.timeout_ms,
                 r.drain_timeout().as_millis(),
                 if r.require_token { "required" } else { "not required" },
-                r.derive_key,
-                r.in_doubt,
+                r.derive_key.as_str(),
+                r.in_doubt.as_str(),
                 r.dedup_header
             );
             if !r.upstream_headers.is_empty() {

@@ -10,6 +10,7 @@ mod support;
 mod campaign;
 mod cluster;
 mod dedup;
+mod defaults;
 mod dir_store;
 mod disk;
 mod edges;

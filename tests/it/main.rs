@@ -9,6 +9,7 @@ mod support;
 
 mod campaign;
 mod cluster;
+mod cluster_script;
 mod dedup;
 mod defaults;
 mod dir_store;

@@ -28,7 +28,9 @@ use crate::error::AdminError;
 use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
 use crate::state::{ListCursor, Listing, Record, RecordKey};
-use page::{Access, KeyRow, LeaseRow, PageView, ShardRow, StoreHealth};
+use page::{
+    Access, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, PageView, ShardRow, StoreHealth,
+};
 use session::Session;
 
 /// The admin API and operator page (SPEC §8): leases, in-doubt keys and their
@@ -39,6 +41,9 @@ pub struct Admin {
     /// Drawn at start-up: the page's sessions are this process's only.
     session_secret: String,
     store_timeout: Duration,
+    /// Every cluster member this instance has seen alive, and when it last did:
+    /// a member that stops (killed, or gone from the heartbeat) is shown gone.
+    members_seen: std::sync::Mutex<std::collections::BTreeMap<String, std::time::SystemTime>>,
 }
 
 /// The admin endpoints, for routing and for the index.
@@ -125,13 +130,17 @@ fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
 fn html(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut r = with_type(body, status, "text/html; charset=utf-8");
     let h = r.headers_mut();
-    // The page loads nothing from elsewhere and runs no script; it may not be framed.
-    h.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(
-            "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-        ),
-    );
+    // The page loads nothing from elsewhere and runs its one script only (by
+    // hash); it may not be framed.
+    static CSP: std::sync::OnceLock<HeaderValue> = std::sync::OnceLock::new();
+    let csp = CSP.get_or_init(|| {
+        HeaderValue::from_str(&format!(
+            "default-src 'none'; style-src 'unsafe-inline'; script-src {}; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+            page::script_hash()
+        ))
+        .unwrap_or_else(|_| HeaderValue::from_static("default-src 'none'"))
+    });
+    h.insert(header::CONTENT_SECURITY_POLICY, csp.clone());
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     // Not `no-referrer`: with it, browsers send `Origin: null` on the page's own
     // form posts, which the same-origin check must refuse.
@@ -204,6 +213,7 @@ impl Admin {
             metrics,
             session_secret: crate::lease::acquire::fresh_token(),
             store_timeout,
+            members_seen: std::sync::Mutex::default(),
         }
     }
 
@@ -688,6 +698,17 @@ impl Admin {
             _ => None,
         };
         let clock = self.shared.store.clock();
+        let shards = self.shard_map().await;
+        let detail = match form_field(q, "detail") {
+            Some(_) => Some(
+                self.key_detail(
+                    &form_field(q, "route").unwrap_or_default(),
+                    &form_field(q, "key").unwrap_or_default(),
+                )
+                .await,
+            ),
+            None => None,
+        };
         PageView {
             instance: match &self.shared.mode {
                 Mode::Single(g) => g.id().to_owned(),
@@ -705,7 +726,14 @@ impl Admin {
             leases,
             leases_total: fences.len(),
             leases_offset: offset,
-            shards: self.shard_map().await,
+            members: self.members(&shards, clock.local_now()),
+            relayed: self
+                .shared
+                .mode
+                .cluster()
+                .map(|c| c.peer_forwards.load(std::sync::atomic::Ordering::Relaxed)),
+            detail,
+            shards,
             keys,
             keys_total: total,
             keys_next,
@@ -737,11 +765,22 @@ impl Admin {
                         gate_epoch: (s.generation > 0).then_some(s.generation),
                         expires_at: s.expires_at,
                         serving: s.served_here,
+                        leases: s.leases,
                     })
                     .collect();
             }
         };
         let held = g.held().await;
+        let mut leases: Vec<String> = self
+            .shared
+            .live
+            .current()
+            .routes
+            .iter()
+            .map(|r| r.lease.as_str().to_owned())
+            .collect();
+        leases.sort();
+        leases.dedup();
         vec![ShardRow {
             shard: 0,
             shards: 1,
@@ -750,7 +789,96 @@ impl Admin {
             expires_at: held.map(|(_, t)| t),
             this_instance: true,
             serving: g.may_forward(),
+            leases,
         }]
+    }
+
+    /// The members: a single instance is its own; a cluster's are those alive
+    /// at the last heartbeat and every one seen alive before (gone now).
+    fn members(&self, shards: &[ShardRow], now: std::time::SystemTime) -> Vec<MemberRow> {
+        let owned = |id: &str| -> Vec<u32> {
+            shards
+                .iter()
+                .filter(|s| s.owner.as_deref() == Some(id))
+                .map(|s| s.shard)
+                .collect()
+        };
+        let c = match &self.shared.mode {
+            Mode::Single(g) => {
+                return vec![MemberRow {
+                    id: g.id().to_owned(),
+                    alive: true,
+                    last_seen: Some(now),
+                    this_instance: true,
+                    shards: owned(g.id()),
+                }]
+            }
+            Mode::Cluster(c) => c,
+        };
+        let alive: std::collections::BTreeSet<String> = c
+            .members()
+            .into_iter()
+            .chain(shards.iter().filter_map(|s| s.owner.clone()))
+            .chain(std::iter::once(c.id().to_owned()))
+            .collect();
+        let mut seen = self.members_seen.lock().unwrap_or_else(|p| p.into_inner());
+        for id in &alive {
+            seen.insert(id.clone(), now);
+        }
+        seen.iter()
+            .map(|(id, last)| MemberRow {
+                id: id.clone(),
+                alive: alive.contains(id),
+                last_seen: Some(*last),
+                this_instance: id == c.id(),
+                shards: owned(id),
+            })
+            .collect()
+    }
+
+    /// One key for the page's detail view.
+    async fn key_detail(&self, route: &str, key: &str) -> KeyDetail {
+        let record = async {
+            // The query is decoded already: the key is taken as it stands.
+            if !self.shared.has_route(route) {
+                return Err(AdminError::RouteNotFound(route.to_owned()));
+            }
+            let k = DedupKey::parse(key.as_bytes()).map_err(AdminError::DedupKeyMalformed)?;
+            let r = self
+                .shared
+                .dedup
+                .get(route, &k)
+                .await?
+                .ok_or(AdminError::RecordNotFound)?;
+            let lease = self
+                .shared
+                .live
+                .current()
+                .routes
+                .get(route)
+                .map(|r| r.lease.as_str().to_owned());
+            Ok::<_, AdminError>(KeyRecord {
+                state: r.state.as_str(),
+                lease,
+                epoch: r.epoch.get(),
+                created: ms_to_system(r.created_ms),
+                updated: ms_to_system(r.updated_ms),
+                method: r.request.as_ref().map(|q| q.method.clone()),
+                path: r.request.as_ref().map(|q| q.path.clone()),
+                status: r.response.as_ref().map(|s| s.status),
+                body_bytes: r
+                    .response
+                    .as_ref()
+                    .and_then(|s| s.body.as_ref().map(|b| b.len())),
+            })
+        }
+        .await
+        .map_err(|e| e.to_string());
+        KeyDetail {
+            route: route.to_owned(),
+            key: key.to_owned(),
+            record,
+        }
     }
 }
 

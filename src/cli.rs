@@ -10,8 +10,8 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
-use crate::clock::{rfc3339, SystemClock};
-use crate::config::{Config, LogFormat};
+use crate::clock::{rfc3339, Clock, SystemClock};
+use crate::config::{Config, ConfigError, Located, LogFormat};
 use crate::epoch::{Epoch, EpochObject, LeaseName};
 use crate::lease::acquire::{self, AcquireError};
 use crate::lease::probe::ProbeError;
@@ -33,8 +33,10 @@ enum Command {
     /// Run the proxy and admin listeners.
     Serve {
         /// The config file (TOML); relative paths in it are relative to the file.
-        #[arg(long, default_value = "config/fencegate.toml")]
-        config: PathBuf,
+        /// Default: $FENCEGATE_CONFIG, else the first of ./fencegate.toml,
+        /// ./config/fencegate.toml, /etc/fencegate/fencegate.toml that exists.
+        #[arg(long)]
+        config: Option<PathBuf>,
         /// Log format; overrides [server] log_format.
         #[arg(long, value_parser = ["human", "json"])]
         log_format: Option<String>,
@@ -46,9 +48,9 @@ enum Command {
     },
     /// Validate a config file and print what was understood.
     CheckConfig {
-        /// The config file (TOML) to check.
-        #[arg(long, default_value = "config/fencegate.toml")]
-        config: PathBuf,
+        /// The config file (TOML) to check (default: as for `serve`).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Take part in the lease protocol (SPEC §2) from a shell or CI job.
     Lease {
@@ -68,9 +70,10 @@ enum Command {
 
 #[derive(Args)]
 struct StoreArgs {
-    /// The config file whose [store] section names the lease store.
-    #[arg(long, default_value = "config/fencegate.toml")]
-    config: PathBuf,
+    /// The config file whose [store] section names the lease store (default: as
+    /// for `serve`).
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// The lease's name (the `lease` of the routes it protects).
     #[arg(long)]
     lease: String,
@@ -149,42 +152,56 @@ pub fn main() -> ExitCode {
         }
     };
     match cli.command {
-        Command::CheckConfig { config } => match Config::load(&config) {
-            Ok(cfg) => {
-                for w in cfg.warnings() {
-                    eprintln!("fencegate: warning: {w}");
+        Command::CheckConfig { config } => {
+            match locate_config(config).and_then(|at| Ok((Config::load(&at.path)?, at))) {
+                Ok((cfg, at)) => {
+                    for w in cfg.warnings() {
+                        eprintln!("fencegate: warning: {w}");
+                    }
+                    print!("{}", cfg.summary());
+                    println!("config {} ({}) is valid", at.path.display(), at.via);
+                    ExitCode::SUCCESS
                 }
-                print!("{}", cfg.summary());
-                println!("config {} is valid", config.display());
-                ExitCode::SUCCESS
+                Err(e) => {
+                    eprintln!("fencegate: {e}");
+                    ExitCode::from(EXIT_CONFIG)
+                }
             }
-            Err(e) => {
-                eprintln!("fencegate: {e}");
-                ExitCode::from(EXIT_CONFIG)
-            }
-        },
+        }
         Command::Serve {
             config,
             log_format,
             takeover_may_duplicate,
         } => {
-            let cfg = match Config::load(&config) {
-                Ok(c) => Config {
-                    takeover_may_duplicate,
-                    ..c
-                },
+            // Until the config is read, only --log-format says how to log: a file
+            // that does not load is reported in that format (stderr is one format).
+            let asked = match log_format.as_deref() {
+                Some("json") => Some(LogFormat::Json),
+                Some(_) => Some(LogFormat::Human),
+                None => None,
+            };
+            let loaded = locate_config(config).and_then(|at| Ok((Config::load(&at.path)?, at)));
+            let (cfg, at) = match loaded {
+                Ok((c, at)) => (
+                    Config {
+                        takeover_may_duplicate,
+                        ..c
+                    },
+                    at,
+                ),
                 Err(e) => {
-                    eprintln!("fencegate: {e}");
+                    fatal(asked.unwrap_or(LogFormat::Human), &e.to_string());
                     return ExitCode::from(EXIT_CONFIG);
                 }
             };
-            let format = match log_format.as_deref() {
-                Some("json") => LogFormat::Json,
-                Some(_) => LogFormat::Human,
-                None => cfg.server.log_format,
-            };
+            let format = asked.unwrap_or(cfg.server.log_format);
             let set_log = init_tracing_with(format, &server_filter(&cfg.server.log_level));
-            report(runtime().and_then(|rt| rt.block_on(serve(cfg, config, set_log))))
+            // The first log line: which file this process runs on.
+            tracing::info!(config = %at.path.display(), via = at.via, "config loaded");
+            report(
+                format,
+                runtime().and_then(|rt| rt.block_on(serve(cfg, at.path, set_log))),
+            )
         }
         Command::Lease { action } => {
             let _ = init_tracing(LogFormat::Human);
@@ -220,12 +237,39 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn report(r: anyhow::Result<()>) -> ExitCode {
+/// Finds the config file: `--config`, `$FENCEGATE_CONFIG`, then the default
+/// places (SPEC §8).
+fn locate_config(explicit: Option<PathBuf>) -> Result<Located, ConfigError> {
+    crate::config::locate(
+        explicit,
+        std::env::var_os(crate::config::CONFIG_ENV),
+        Path::exists,
+    )
+}
+
+/// Says why `serve` stops, once, on stderr in the log format: `fencegate: …`,
+/// or one JSON line shaped like the log's (stderr stays one format).
+fn fatal(format: LogFormat, message: &str) {
+    match format {
+        LogFormat::Human => eprintln!("fencegate: {message}"),
+        LogFormat::Json => eprintln!(
+            "{}",
+            json!({
+                "timestamp": rfc3339(SystemClock.now()),
+                "level": "ERROR",
+                "target": "fencegate",
+                "message": message,
+            })
+        ),
+    }
+}
+
+fn report(format: LogFormat, r: anyhow::Result<()>) -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Once, on one line (no ERROR log line repeating it).
-            eprintln!("fencegate: {}", one_line(&e));
+            fatal(format, &one_line(&e));
             // A state backend that cannot be opened as configured (a database
             // unreachable, a newer schema, synchronous_commit off) is the
             // operator's to fix, like a bad config file.
@@ -390,7 +434,7 @@ async fn shutdown_signal(
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        eprintln!("fencegate: second signal, exiting now");
+        tracing::warn!("second signal, exiting now");
         std::process::exit(130);
     });
 }
@@ -475,7 +519,8 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
         | LeaseCommand::Release { store, .. }
         | LeaseCommand::Show { store } => store,
     };
-    let cfg = load_store_config(&store_args.config)?;
+    let at = locate_config(store_args.config.clone()).map_err(|e| UsageError(e.to_string()))?;
+    let cfg = load_store_config(&at.path)?;
     let lease = LeaseName::parse(&store_args.lease).map_err(UsageError)?;
     let env = store_args.format == "env";
     let out = |v: serde_json::Value| print_result(&v, env);

@@ -31,6 +31,12 @@ pub enum ConfigError {
         /// The parser's message, naming the key.
         message: String,
     },
+    /// No `--config` was given and none of the default places holds a file.
+    #[error("no config file: {tried}; pass --config PATH or set FENCEGATE_CONFIG")]
+    NotFound {
+        /// The places looked at, in order.
+        tried: String,
+    },
     /// The file parsed but failed [`Config::validate`].
     #[error("config {path}: {message}")]
     Invalid {
@@ -413,6 +419,26 @@ pub enum InDoubtPolicy {
     Resend,
 }
 
+impl DeriveKey {
+    /// The config's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeriveKey::Content => "content",
+            DeriveKey::None => "none",
+        }
+    }
+}
+
+impl InDoubtPolicy {
+    /// The config's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InDoubtPolicy::Reject => "reject",
+            InDoubtPolicy::Resend => "resend",
+        }
+    }
+}
+
 /// `[[route]]`: one path prefix mapped to an upstream and the lease that fences it
 /// (SPEC §3, §9).
 #[derive(Clone, Deserialize)]
@@ -545,6 +571,137 @@ impl RouteConfig {
     }
 }
 
+/// Where the config file was found (SPEC §8): the first of `--config`,
+/// `$FENCEGATE_CONFIG`, `./fencegate.toml`, `./config/fencegate.toml` and
+/// `/etc/fencegate/fencegate.toml` that is given or exists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// The file, absolute (so are the paths resolved against it).
+    pub path: PathBuf,
+    /// How it was chosen, for the first log line: `--config`,
+    /// `$FENCEGATE_CONFIG` or `default`.
+    pub via: &'static str,
+}
+
+/// The environment variable naming the config file when `--config` is not given.
+pub const CONFIG_ENV: &str = "FENCEGATE_CONFIG";
+
+/// The default places, after `--config` and `$FENCEGATE_CONFIG`, in order.
+pub const DEFAULT_PLACES: [&str; 3] = [
+    "fencegate.toml",
+    "config/fencegate.toml",
+    "/etc/fencegate/fencegate.toml",
+];
+
+/// Finds the config file: `explicit` (`--config`) if given, else `env` (the
+/// value of `$FENCEGATE_CONFIG`, if set and not empty), else the first of
+/// [`DEFAULT_PLACES`] that `exists` (relative ones against the working
+/// directory). The file itself is not read: a given path that does not exist is
+/// reported when it is loaded.
+pub fn locate(
+    explicit: Option<PathBuf>,
+    env: Option<std::ffi::OsString>,
+    exists: impl Fn(&Path) -> bool,
+) -> Result<Located, ConfigError> {
+    let absolute = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+    if let Some(p) = explicit {
+        return Ok(Located {
+            path: absolute(p),
+            via: "--config",
+        });
+    }
+    if let Some(p) = env.filter(|v| !v.is_empty()) {
+        return Ok(Located {
+            path: absolute(PathBuf::from(p)),
+            via: "$FENCEGATE_CONFIG",
+        });
+    }
+    for place in DEFAULT_PLACES {
+        if exists(Path::new(place)) {
+            return Ok(Located {
+                path: absolute(PathBuf::from(place)),
+                via: "default",
+            });
+        }
+    }
+    Err(ConfigError::NotFound {
+        tried: format!(
+            "no --config, {CONFIG_ENV} unset, and none of {} exists",
+            DEFAULT_PLACES.join(", ")
+        ),
+    })
+}
+
+/// A path as the summary shows it: resolved the way the OS will (symlinks and
+/// `..` of its nearest existing ancestor), so an operator sees where it is.
+fn shown(p: &Path) -> String {
+    let mut rest = Vec::new();
+    let mut at = p;
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            let mut out = real;
+            out.extend(rest.iter().rev());
+            return out.display().to_string();
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return p.display().to_string(),
+        }
+    }
+}
+
+/// serde's "unknown field `x`, expected one of `a`, `b`" (or "unknown variant")
+/// with the closest expected name added: "… — did you mean `a`?".
+fn with_suggestion(message: &str) -> String {
+    let guess = (|| {
+        let rest = message
+            .strip_prefix("unknown field `")
+            .or_else(|| message.strip_prefix("unknown variant `"))?;
+        let (typed, expected) = rest.split_once('`')?;
+        let typed = typed.to_ascii_lowercase();
+        let best = expected
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(|name| (edit_distance(&typed, &name.to_ascii_lowercase()), name))
+            .min()?;
+        // Close enough to be a typo: a third of the name, at least two edits.
+        (best.0 <= (typed.chars().count() / 3).max(2)).then(|| best.1.to_owned())
+    })();
+    match guess {
+        Some(name) => {
+            let (head, tail) = message.split_once(", expected").unwrap_or((message, ""));
+            if tail.is_empty() {
+                format!("{head} — did you mean `{name}`?")
+            } else {
+                format!("{head} — did you mean `{name}`? (expected{tail})")
+            }
+        }
+        None => message.to_owned(),
+    }
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (row[j + 1] + 1)
+                .min(row[j] + 1)
+                .min(diag + usize::from(ca != *cb));
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -598,9 +755,10 @@ impl Config {
             let line = e
                 .span()
                 .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let message = with_suggestion(e.message().trim_end());
             match line {
-                Some(n) => format!("line {n}: {}", e.message().trim_end()),
-                None => e.message().trim_end().to_owned(),
+                Some(n) => format!("line {n}: {message}"),
+                None => message,
             }
         })
     }
@@ -864,7 +1022,7 @@ impl Config {
             }
         );
         let _ = writeln!(out, "admin_listen  {}", self.server.admin_listen);
-        let _ = writeln!(out, "data_dir      {}", self.server.data_dir.display());
+        let _ = writeln!(out, "data_dir      {}", shown(&self.server.data_dir));
         let _ = writeln!(
             out,
             "admin_token   {}",
@@ -879,7 +1037,7 @@ impl Config {
                 let _ = writeln!(
                     out,
                     "store         dir at {} (prefix {:?})",
-                    s.path.display(),
+                    shown(&s.path),
                     s.prefix
                 );
             }
@@ -916,7 +1074,7 @@ impl Config {
                 self.state
                     .ca_file
                     .as_ref()
-                    .map_or(String::new(), |c| format!(", CA {}", c.display()))
+                    .map_or(String::new(), |c| format!(", CA {}", shown(c)))
             ),
         };
         match &self.cluster {
@@ -940,12 +1098,12 @@ impl Config {
             );
             let _ = writeln!(
                 out,
-                "  timeout {} ms, drain {} ms, token {}, derive_key {:?}, in_doubt {:?}, dedup_header {}",
+                "  timeout {} ms, drain {} ms, token {}, derive_key {}, in_doubt {}, dedup_header {}",
                 r.timeout_ms,
                 r.drain_timeout().as_millis(),
                 if r.require_token { "required" } else { "not required" },
-                r.derive_key,
-                r.in_doubt,
+                r.derive_key.as_str(),
+                r.in_doubt.as_str(),
                 r.dedup_header
             );
             if !r.upstream_headers.is_empty() {
@@ -1055,6 +1213,29 @@ lease = "billing"
         c.resolve_paths(Path::new("/etc/fencegate/fencegate.toml"));
         assert_eq!(c.server.data_dir, Path::new("/etc/fencegate/state"));
         assert_eq!(c.store.path, Path::new("/abs/leases"));
+    }
+
+    #[test]
+    fn a_typo_gets_a_did_you_mean() {
+        let e = Config::parse("[server]\nlisten = \"127.0.0.1:1\"\nlistne = 1\n").unwrap_err();
+        assert!(
+            e.starts_with(
+                "line 3: unknown field `listne` — did you mean `listen`? (expected one of"
+            ),
+            "{e}"
+        );
+        let e = Config::parse(&format!("{MIN}drain_timout_ms = 5\n")).unwrap_err();
+        assert!(e.contains("did you mean `drain_timeout_ms`?"), "{e}");
+        let e = Config::parse(&format!("[sever]\n{MIN}")).unwrap_err();
+        assert!(e.contains("did you mean `server`?"), "{e}");
+        let e = Config::parse(&format!("{MIN}derive_key = \"contnet\"\n")).unwrap_err();
+        assert!(e.contains("did you mean `content`?"), "{e}");
+        // Nothing close: no guess.
+        let e = Config::parse(&format!("{MIN}colour = 5\n")).unwrap_err();
+        assert!(
+            e.contains("unknown field `colour`") && !e.contains("did you mean"),
+            "{e}"
+        );
     }
 
     #[test]

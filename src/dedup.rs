@@ -157,14 +157,22 @@ pub enum DedupError {
     /// 409 `dedup_in_doubt`: the route's policy is `reject`.
     #[error("the outcome of an earlier request with this idempotency key is unknown")]
     InDoubt {
+        /// The route (the key's scope, and where an operator resolves it).
+        route: String,
         /// The dedup key.
         key: String,
     },
     /// 422 `dedup_key_reused`: the key's record has a different fingerprint.
     #[error("this idempotency key was used for a different request")]
     KeyReused {
+        /// The route (the key's scope).
+        route: String,
         /// The dedup key.
         key: String,
+        /// What differs from the request that first used the key.
+        differs: Differs,
+        /// When the key may be used again.
+        frees: KeyFrees,
     },
     /// Delivered, but no response to replay: too large to store, or resolved as
     /// delivered by an operator (SPEC §6: never an empty 200).
@@ -178,6 +186,68 @@ pub enum DedupError {
     /// The state backend failed: the request is refused, not forwarded unrecorded.
     #[error(transparent)]
     State(#[from] StateError),
+}
+
+/// What differs between a request and the one that first used its key (SPEC §6:
+/// method, path?query and body make "the same request").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Differs {
+    /// The method; the first request's.
+    Method(String),
+    /// The path; the first request's (never its query: it may carry a credential).
+    Path(String),
+    /// Same method and path: the query or the body differs.
+    QueryOrBody,
+    /// A record written before fencegate kept the request line.
+    Unknown,
+}
+
+impl Differs {
+    /// Compares the first request's line (if kept) with this one's.
+    fn between(first: Option<&RequestLine>, this: Option<&RequestLine>) -> Differs {
+        match (first, this) {
+            (Some(f), Some(t)) if f.method != t.method => Differs::Method(f.method.clone()),
+            (Some(f), Some(t)) if f.path != t.path => Differs::Path(f.path.clone()),
+            (Some(_), Some(_)) => Differs::QueryOrBody,
+            _ => Differs::Unknown,
+        }
+    }
+}
+
+/// When a reused key may be used again (SPEC §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFrees {
+    /// Its `done` record expires then (ms since the Unix epoch).
+    At(u64),
+    /// The first request is still in flight: it ends `done` (then expires after
+    /// `[dedup] ttl`) or, when nothing was delivered, frees the key at once.
+    AfterFirstEnds,
+    /// In doubt: never by itself; an operator's resolution decides.
+    WhenResolved,
+}
+
+/// The admin API's path of one dedup record (SPEC §8), the key escaped as a
+/// path segment.
+pub fn record_path(route: &str, key: &str) -> String {
+    let mut out = format!("/v1/dedup/{}/", escape_segment(route));
+    out.push_str(&escape_segment(key));
+    out
+}
+
+/// Escapes everything but RFC 3986's unreserved characters (a key in a path, a
+/// cursor in a query).
+pub fn escape_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
+            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
+        }
+    }
+    out
 }
 
 /// Counters for metrics.
@@ -275,7 +345,20 @@ impl Dedup {
         };
         if rec.fingerprint != fp {
             self.counters.conflicts.fetch_add(1, Relaxed);
-            return Err(DedupError::KeyReused { key: k.key });
+            let frees = match rec.state {
+                State::Done => KeyFrees::At(
+                    rec.updated_ms
+                        .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)),
+                ),
+                State::InFlight => KeyFrees::AfterFirstEnds,
+                State::InDoubt => KeyFrees::WhenResolved,
+            };
+            return Err(DedupError::KeyReused {
+                route: k.route,
+                key: k.key,
+                differs: Differs::between(rec.request.as_ref(), fresh.request.as_ref()),
+                frees,
+            });
         }
         match rec.state {
             State::Done => match rec.response {
@@ -292,7 +375,10 @@ impl Dedup {
                 self.counters.conflicts.fetch_add(1, Relaxed);
                 Err(DedupError::InFlight { key: k.key })
             }
-            State::InDoubt => Err(DedupError::InDoubt { key: k.key }),
+            State::InDoubt => Err(DedupError::InDoubt {
+                route: k.route,
+                key: k.key,
+            }),
         }
     }
 

@@ -2,6 +2,8 @@
 //! code, JSON body (`{"error", "message", ...context}`) and `X-Fencegate-Error`.
 //!
 //! Modules return typed errors; this is the only code that knows their statuses.
+//! A worker's `message` says what happened and then what to do next
+//! ([`ProxyError::next_step`]); the access log keeps only what happened.
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
@@ -9,7 +11,7 @@ use http_body_util::Full;
 use serde_json::{json, Map, Value};
 
 use crate::admission::Refusal;
-use crate::dedup::DedupError;
+use crate::dedup::{record_path, DedupError, Differs, KeyFrees};
 use crate::epoch::{Epoch, LeaseName};
 use crate::fence::FenceError;
 use crate::state::{State, StateError};
@@ -21,8 +23,12 @@ pub(crate) const ERROR_HEADER: &str = "x-fencegate-error";
 pub(crate) enum ProxyError {
     #[error("no route matches this path")]
     RouteNotFound,
-    #[error("X-Lease-Epoch is required")]
-    EpochMissing,
+    #[error("X-Lease-Epoch is required: this route is fenced by lease {lease}")]
+    EpochMissing {
+        lease: LeaseName,
+        /// The route requires `X-Lease-Token` too.
+        token: bool,
+    },
     #[error("X-Lease-Epoch {0}")]
     EpochMalformed(&'static str),
     #[error("X-Lease-Token is repeated: send exactly one")]
@@ -47,10 +53,15 @@ pub(crate) enum ProxyError {
     StateUnavailable { detail: String },
     #[error("a request with this idempotency key is already in flight")]
     DedupInFlight { key: String },
-    #[error("the outcome of an earlier request with this idempotency key is unknown; an operator must resolve it")]
-    DedupInDoubt { key: String },
-    #[error("this idempotency key was used for a different request")]
-    DedupKeyReused { key: String },
+    #[error("the outcome of an earlier request with this idempotency key is unknown (the key is in doubt)")]
+    DedupInDoubt { route: String, key: String },
+    #[error("this idempotency key was used for a different request: {}", differs_text(.differs))]
+    DedupKeyReused {
+        route: String,
+        key: String,
+        differs: Differs,
+        frees: KeyFrees,
+    },
     #[error("a request with this idempotency key was delivered; its response was not stored (too large, or resolved as delivered by an operator)")]
     DedupDone { key: String, status: Option<u16> },
     #[error("protocol upgrades (WebSocket, h2c) are not proxied")]
@@ -58,19 +69,101 @@ pub(crate) enum ProxyError {
     #[error("the upstream could not be reached; nothing was sent")]
     UpstreamUnreachable { detail: String },
     #[error("the upstream did not answer in time or the connection failed after the request was sent; the outcome is unknown")]
-    UpstreamTimeout { detail: String },
+    UpstreamTimeout { detail: String, doubt: Doubt },
     #[error("aborted: epoch {newer} of lease {lease} was admitted and this older request did not finish within the drain timeout; the outcome is unknown")]
     DrainAborted {
         lease: LeaseName,
         epoch: Epoch,
         newer: Epoch,
+        doubt: Doubt,
     },
     #[error("fencegate shut down while this request was at the upstream; the outcome is unknown")]
-    ShuttingDown,
+    ShuttingDown { doubt: Doubt },
     #[error("lease {lease} is not served here right now; retry shortly")]
     ShardUnavailable { lease: LeaseName },
     #[error("X-Fencegate-Peer is only accepted from this cluster's instances, with the cluster's peer token")]
     PeerUnauthorized,
+}
+
+/// Where a request whose outcome is unknown leaves its dedup key (SPEC §6): what
+/// a 504's worker may do next.
+#[derive(Debug, Clone)]
+pub(crate) enum Doubt {
+    /// Nothing reached the upstream: the key, if any, is free again.
+    NotSent,
+    /// The key's record is `in_doubt` now.
+    Key {
+        route: String,
+        key: String,
+        /// The route's `in_doubt = "resend"`.
+        resend: bool,
+    },
+    /// The request kept no dedup record (no key, or `derive_key = "none"`).
+    Unrecorded,
+    /// Relayed to the shard's owner, which may have forwarded it.
+    Relayed,
+}
+
+impl Doubt {
+    fn next_step(&self) -> String {
+        match self {
+            Doubt::NotSent => {
+                "Nothing reached the upstream and the idempotency key, if any, is free: \
+                 sending it again (with a current epoch) is safe"
+                    .into()
+            }
+            Doubt::Key {
+                key, resend: true, ..
+            } => format!(
+                "Idempotency key {key} is now in doubt; this route resends such requests \
+                 (in_doubt = \"resend\"): a retry with the same key and request is forwarded \
+                 again, so the destination may get it twice"
+            ),
+            Doubt::Key { route, key, .. } => format!(
+                "Idempotency key {key} is now in doubt: a retry with it gets 409 \
+                 dedup_in_doubt, never a second delivery, until an operator has checked the \
+                 destination and resolved it on fencegate's admin listener ({}). {}",
+                resolve_hint(route, key),
+                RESOLVE_MEANS
+            ),
+            Doubt::Unrecorded => "Nothing was recorded for it (no idempotency key): check the \
+                 destination before sending it again"
+                .into(),
+            Doubt::Relayed => "The shard's owner may have forwarded it: a retry with the same \
+                 idempotency key tells where it stands (the stored answer, or 409 \
+                 dedup_in_doubt); without a key, check the destination first"
+                .into(),
+        }
+    }
+
+    fn context(&self, ctx: &mut Map<String, Value>) {
+        if let Doubt::Key { key, .. } = self {
+            ctx.insert("dedup_key".into(), json!(key));
+        }
+    }
+}
+
+/// What each resolution of an in-doubt key does.
+const RESOLVE_MEANS: &str = "\"delivered\" makes it done (a retry gets 409 dedup_done); \
+     \"not_delivered\" frees it for a retry";
+
+/// Where an operator resolves `key` of `route`: the admin API and the page.
+fn resolve_hint(route: &str, key: &str) -> String {
+    format!(
+        "POST {}/resolve with {{\"outcome\": \"delivered\"}} or \
+         {{\"outcome\": \"not_delivered\"}} and the admin token, or the operator's page: \
+         GET / in a browser, under \"In doubt\"",
+        record_path(route, key)
+    )
+}
+
+fn differs_text(d: &Differs) -> String {
+    match d {
+        Differs::Method(first) => format!("its method differs (the first request was {first})"),
+        Differs::Path(first) => format!("its path differs (the first request's was {first})"),
+        Differs::QueryOrBody => "same method and path, but the query or the body differs".into(),
+        Differs::Unknown => "its method, path, query or body differs".into(),
+    }
 }
 
 /// Why the admin API answered with an error (SPEC §8), mapped here like
@@ -179,8 +272,18 @@ impl From<DedupError> for ProxyError {
     fn from(e: DedupError) -> Self {
         match e {
             DedupError::InFlight { key } => ProxyError::DedupInFlight { key },
-            DedupError::InDoubt { key } => ProxyError::DedupInDoubt { key },
-            DedupError::KeyReused { key } => ProxyError::DedupKeyReused { key },
+            DedupError::InDoubt { route, key } => ProxyError::DedupInDoubt { route, key },
+            DedupError::KeyReused {
+                route,
+                key,
+                differs,
+                frees,
+            } => ProxyError::DedupKeyReused {
+                route,
+                key,
+                differs,
+                frees,
+            },
             DedupError::Done { key, status } => ProxyError::DedupDone { key, status },
             DedupError::State(e) => ProxyError::StateUnavailable {
                 detail: e.to_string(),
@@ -216,7 +319,7 @@ impl ProxyError {
         use ProxyError as E;
         match self {
             E::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
-            E::EpochMissing => (StatusCode::PRECONDITION_REQUIRED, "epoch_missing"),
+            E::EpochMissing { .. } => (StatusCode::PRECONDITION_REQUIRED, "epoch_missing"),
             E::EpochMalformed(_) => (StatusCode::BAD_REQUEST, "epoch_malformed"),
             E::TokenRepeated => (StatusCode::FORBIDDEN, "token_invalid"),
             E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
@@ -238,7 +341,7 @@ impl ProxyError {
             E::ShardUnavailable { .. } => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
             E::PeerUnauthorized => (StatusCode::FORBIDDEN, "peer_unauthorized"),
             // Sent, then abandoned: like a timeout, the outcome is unknown.
-            E::ShuttingDown => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
+            E::ShuttingDown { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DedupInFlight { .. } => (StatusCode::CONFLICT, "dedup_in_flight"),
             E::DedupInDoubt { .. } => (StatusCode::CONFLICT, "dedup_in_doubt"),
             E::DedupKeyReused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "dedup_key_reused"),
@@ -271,7 +374,9 @@ impl ProxyError {
             E::BodyTooLarge { limit } => {
                 ctx.insert("limit_bytes".into(), json!(limit));
             }
-            E::DedupInFlight { key } | E::DedupInDoubt { key } | E::DedupKeyReused { key } => {
+            E::DedupInFlight { key }
+            | E::DedupInDoubt { key, .. }
+            | E::DedupKeyReused { key, .. } => {
                 ctx.insert("dedup_key".into(), json!(key));
             }
             E::DedupDone { key, status } => {
@@ -279,30 +384,120 @@ impl ProxyError {
                 ctx.insert("upstream_status".into(), json!(status));
             }
             E::UpstreamUnreachable { detail }
-            | E::UpstreamTimeout { detail }
             | E::StateUnavailable { detail }
             | E::BodyUnreadable { detail } => {
                 ctx.insert("detail".into(), json!(detail));
+            }
+            E::UpstreamTimeout { detail, doubt } => {
+                ctx.insert("detail".into(), json!(detail));
+                doubt.context(ctx);
             }
             E::DrainAborted {
                 lease: l,
                 epoch,
                 newer,
+                doubt,
             } => {
                 lease(ctx, l);
                 ctx.insert("epoch".into(), json!(epoch.get()));
                 ctx.insert("latest_epoch".into(), json!(newer.get()));
+                doubt.context(ctx);
             }
-            E::ShardUnavailable { lease: l } => lease(ctx, l),
+            E::ShuttingDown { doubt } => doubt.context(ctx),
+            E::ShardUnavailable { lease: l } | E::EpochMissing { lease: l, .. } => lease(ctx, l),
             E::RouteNotFound
-            | E::EpochMissing
             | E::EpochMalformed(_)
             | E::TokenRepeated
             | E::DedupKeyMalformed(_)
             | E::BodyTimeout
             | E::UpgradeUnsupported
-            | E::PeerUnauthorized
-            | E::ShuttingDown => {}
+            | E::PeerUnauthorized => {}
+        }
+    }
+
+    /// What the worker (or its operator) does next, for the message: SPEC §7's
+    /// codes are stable, this text is for people. `None` where the message
+    /// already says it.
+    pub(crate) fn next_step(&self) -> Option<String> {
+        use ProxyError as E;
+        Some(match self {
+            E::RouteNotFound => "Send it under one of the path prefixes of fencegate's routes \
+                ([[route]] path_prefix in its config)"
+                .into(),
+            E::EpochMissing { lease, token } => format!(
+                "Acquire an epoch of lease {lease} (`fencegate lease acquire --lease {lease} \
+                 --holder ID`, or SPEC §2) and send its number as X-Lease-Epoch: N{}",
+                if *token {
+                    " with its token as X-Lease-Token: T"
+                } else {
+                    ""
+                }
+            ),
+            E::EpochMalformed(_) | E::TokenRepeated | E::DedupKeyMalformed(_) => return None,
+            E::BodyTooLarge { limit } => format!(
+                "Nothing was forwarded: send at most {limit} bytes (the route's max_body_bytes)"
+            ),
+            E::BodyUnreadable { .. } => {
+                "Nothing was forwarded: send the request again with its whole body".into()
+            }
+            E::BodyTimeout => "Nothing was forwarded: send the body within the route's \
+                timeout_ms"
+                .into(),
+            E::Refused(r) => refusal_next_step(r),
+            E::StoreUnavailable { .. } | E::StateUnavailable { .. } => {
+                "Nothing was forwarded: retry after Retry-After".into()
+            }
+            E::ShardUnavailable { .. } => "Nothing was forwarded: retry after Retry-After".into(),
+            E::PeerUnauthorized => "Workers send no X-Fencegate-Peer; a cluster member needs \
+                the cluster's [cluster] peer_token"
+                .into(),
+            E::DedupInFlight { .. } => "Wait for it to end, then retry with the same key: you \
+                get its stored answer, or 409 dedup_in_doubt if its outcome stays unknown"
+                .into(),
+            E::DedupInDoubt { route, key } => format!(
+                "It may have reached the destination: do not resend it under another key. An \
+                 operator checks the destination and resolves the key on fencegate's admin \
+                 listener ({}). {}",
+                resolve_hint(route, key),
+                RESOLVE_MEANS
+            ),
+            E::DedupKeyReused {
+                route, key, frees, ..
+            } => format!(
+                "Use a new key for a new request. This key {}",
+                match frees {
+                    KeyFrees::At(ms) => format!(
+                        "frees at {} ([dedup] ttl after the first request's outcome)",
+                        crate::clock::rfc3339(crate::dedup::ms_to_system(*ms))
+                    ),
+                    KeyFrees::AfterFirstEnds => "is still in flight: it frees at once if \
+                        nothing is delivered, else [dedup] ttl after its outcome"
+                        .into(),
+                    KeyFrees::WhenResolved => format!(
+                        "is in doubt and frees only when an operator resolves it as \
+                         not delivered ({})",
+                        resolve_hint(route, key)
+                    ),
+                }
+            ),
+            E::DedupDone { .. } => "The action happened: do not send it again under another \
+                key; the destination holds its result"
+                .into(),
+            E::UpgradeUnsupported => "Send a plain HTTP request".into(),
+            E::UpstreamUnreachable { .. } => Doubt::NotSent.next_step(),
+            E::UpstreamTimeout { doubt, .. } | E::ShuttingDown { doubt } => doubt.next_step(),
+            E::DrainAborted { doubt, .. } => format!(
+                "This worker's epoch is superseded: stop sending with it. {}",
+                doubt.next_step()
+            ),
+        })
+    }
+
+    /// The `message` of the JSON body: what happened, then what to do next.
+    fn message(&self) -> String {
+        match self.next_step() {
+            Some(next) => format!("{self}. {next}."),
+            None => self.to_string(),
         }
     }
 
@@ -311,7 +506,7 @@ impl ProxyError {
         let (status, code) = self.status_and_code();
         let mut ctx = Map::new();
         self.context(&mut ctx);
-        let mut resp = error_response(status, code, self.to_string(), ctx);
+        let mut resp = error_response(status, code, self.message(), ctx);
         if status == StatusCode::UNAUTHORIZED {
             // RFC 9110 §11.6.1: a 401 names how to authenticate.
             resp.headers_mut().insert(
@@ -320,6 +515,33 @@ impl ProxyError {
             );
         }
         resp
+    }
+}
+
+/// The next step after an admission refusal (SPEC §4).
+fn refusal_next_step(r: &Refusal) -> String {
+    match r {
+        Refusal::TokenMissing { .. } => "Send the token of the epoch you hold as X-Lease-Token \
+            (the token `fencegate lease acquire` printed)"
+            .into(),
+        Refusal::TokenInvalid { .. } => "Send the token issued with this epoch: one of another \
+            epoch or holder never matches"
+            .into(),
+        Refusal::EpochUnknown { lease, .. } => format!(
+            "Send the number of an epoch you acquired of lease {lease} (SPEC §2; latest_epoch \
+             is the newest fencegate knows)"
+        ),
+        Refusal::EpochInvalid { lease, .. } => {
+            format!("Acquire a new epoch of lease {lease} and send with that one")
+        }
+        Refusal::Stale { lease, .. } => format!(
+            "Another worker has taken lease {lease} over: stop, and send nothing more with \
+             this epoch; acquire a new one before working again"
+        ),
+        Refusal::Expired { lease, .. } => format!(
+            "Your tenure has ended: stop this work, and acquire lease {lease} again before new \
+             work (renew before expires_at next time)"
+        ),
     }
 }
 

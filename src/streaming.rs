@@ -2,6 +2,13 @@
 //! request body streamed to the upstream under the route's `max_body_bytes`, and an
 //! upstream response streamed to the worker while its lease's pass is held.
 //!
+//! The pass is held by the [`Exchange`] (SPEC §5): a request is in flight until
+//! both ends of its exchange are over — its body handed whole to the upstream
+//! connection *and* the answer read to its last byte — or the exchange was cut.
+//! An upstream may answer before it has read the whole request (an upload
+//! accepted at once): ending the pass with the answer would let a newer epoch
+//! through while the older request's body is still arriving at the destination.
+//!
 //! Backpressure is hyper's: a frame is read from one side only when the other
 //! side asks for the next one, so at most a frame or two per direction is in
 //! fencegate's memory whatever the body's size.
@@ -151,8 +158,71 @@ pub enum OrFull<S> {
 }
 
 /// A request body for the upstream: buffered (a recorded route needs it whole for
-/// its key and fingerprint) or streamed.
-pub type UpBody = OrFull<Upload>;
+/// its key and fingerprint) or streamed; for a fenced request, one end of its
+/// [`Exchange`], closed once the upstream connection has taken the body whole (its
+/// last frame polled) or has dropped it (sent, failed or cut).
+pub struct UpBody {
+    body: OrFull<Upload>,
+    end: Option<ExchangeEnd>,
+}
+
+impl UpBody {
+    /// A body streamed from the worker.
+    pub fn stream(up: Upload) -> UpBody {
+        UpBody {
+            body: OrFull::Stream(up),
+            end: None,
+        }
+    }
+
+    /// The same body, closing `end` once it has been sent (or dropped).
+    pub fn until_sent(mut self, end: ExchangeEnd) -> UpBody {
+        self.end = Some(end);
+        self
+    }
+
+    fn sent(&mut self) {
+        if let Some(mut e) = self.end.take() {
+            e.close();
+        }
+    }
+}
+
+impl From<Bytes> for UpBody {
+    fn from(b: Bytes) -> UpBody {
+        UpBody {
+            body: OrFull::from(b),
+            end: None,
+        }
+    }
+}
+
+impl Body for UpBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.sent(),
+            Poll::Ready(None | Some(Err(_))) => this.sent(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
 
 /// What fencegate answers a worker with: a body it holds whole (its own answers,
 /// replays, small responses) or one streamed from the upstream.
@@ -202,48 +272,142 @@ where
     }
 }
 
-/// An upstream response body on its way to the worker. It holds the request's
-/// pass until the body has ended (the drain orders whole exchanges), and ends
-/// early — cutting the upstream connection and truncating the worker's answer — on
-/// a drain abort, shutdown, or when the upstream sends nothing for `idle_limit`
-/// (the route's timeout, counted between frames: a long stream is not a slow one).
-///
-/// A drain abort must end the pass at once even when the worker has stopped
-/// reading (hyper then polls the body no more): a small task per streamed answer
-/// watches for it, cuts the upstream connection and drops the pass.
+/// A forwarded request's time in flight (SPEC §5): from the answer's head on, it
+/// holds the request's pass until both of its ends are closed — the request body sent ([`UpBody`]) and the
+/// answer read to its last byte ([`Streamed`], or at once for an answer read
+/// whole) — or until it is ended early: a failure, or a drain abort or shutdown
+/// seen by its [watcher](Exchange::watch), which cuts the upstream connection.
+pub struct Exchange(Arc<ExchangeState>);
+
+impl Default for Exchange {
+    fn default() -> Exchange {
+        Exchange::new()
+    }
+}
+
+struct ExchangeState {
+    pass: std::sync::Mutex<Option<Pass>>,
+    /// Ends still open (of two).
+    open: AtomicU8,
+    /// Why the watcher ended the exchange.
+    stopped: std::sync::OnceLock<&'static str>,
+    /// Cancelled when the pass has ended: the watcher's cue to go.
+    over: tokio_util::sync::CancellationToken,
+}
+
+impl ExchangeState {
+    fn end(&self) {
+        let pass = self.pass.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(pass);
+        self.over.cancel();
+    }
+}
+
+impl Exchange {
+    /// An exchange about to be sent: the forward holds the pass until the
+    /// answer's head, then hands it over ([`Exchange::watch`]).
+    pub fn new() -> Exchange {
+        Exchange(Arc::new(ExchangeState {
+            pass: std::sync::Mutex::new(None),
+            open: AtomicU8::new(2),
+            stopped: std::sync::OnceLock::new(),
+            over: tokio_util::sync::CancellationToken::new(),
+        }))
+    }
+
+    /// One of the two ends (taken twice: the request body's and the answer's).
+    pub fn end(&self) -> ExchangeEnd {
+        ExchangeEnd {
+            ex: self.0.clone(),
+            open: true,
+        }
+    }
+
+    /// Called with the answer's head, its end still open: the exchange holds
+    /// `pass` from now on until both ends are closed.
+    pub fn hold(&self, pass: Pass) {
+        *self.0.pass.lock().unwrap_or_else(|p| p.into_inner()) = Some(pass);
+    }
+
+    /// While the exchange lasts, a small task waits for `stop` (a drain abort,
+    /// shutdown): it then cuts the upstream connection and ends the pass at once,
+    /// even when nobody polls the bodies any more (a worker that stopped reading,
+    /// an upload stalled after its answer). Nothing is spawned for an exchange
+    /// already over (the usual whole answer to a body sent whole).
+    pub fn watch<F>(&self, stop: F, conn: CaptureConnection)
+    where
+        F: Future<Output = &'static str> + Send + 'static,
+    {
+        if self.0.over.is_cancelled() {
+            return;
+        }
+        let ex = self.0.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                why = stop => {
+                    let _ = ex.stopped.set(why);
+                    crate::cutoff::cut(&conn);
+                    ex.end();
+                }
+                _ = ex.over.cancelled() => {}
+            }
+        });
+    }
+}
+
+/// One end of an [`Exchange`]; closed by [`ExchangeEnd::close`] or when dropped.
+pub struct ExchangeEnd {
+    ex: Arc<ExchangeState>,
+    open: bool,
+}
+
+impl ExchangeEnd {
+    /// This end is over; the last one ends the pass.
+    pub fn close(&mut self) {
+        if std::mem::take(&mut self.open) && self.ex.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.ex.end();
+        }
+    }
+
+    /// The exchange ended early: cut off, the pass ended now.
+    fn end_all(&mut self) {
+        self.open = false;
+        self.ex.end();
+    }
+
+    /// Why the watcher stopped the exchange, if it did.
+    fn stopped(&self) -> Option<&'static str> {
+        self.ex.stopped.get().copied()
+    }
+}
+
+impl Drop for ExchangeEnd {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// An upstream response body on its way to the worker. It keeps the answer's end
+/// of the request's [`Exchange`] open until the body has ended (the drain orders
+/// whole exchanges), and ends early — cutting the upstream connection and
+/// truncating the worker's answer — on a drain abort, shutdown (the exchange's
+/// watcher), or when the upstream sends nothing for `idle_limit` (the route's
+/// timeout, counted between frames: a long stream is not a slow one).
 pub struct Streamed {
     /// Bytes already read from `body` (while deciding whether to buffer), sent first.
     prefix: Option<Bytes>,
     body: Incoming,
-    held: Arc<Held>,
+    /// The answer's end of the exchange (none for an answer relayed from a
+    /// cluster peer: the owner holds the pass).
+    end: Option<ExchangeEnd>,
+    /// The body has ended (or failed): nothing more to send.
+    finished: bool,
     idle: Pin<Box<tokio::time::Sleep>>,
     idle_limit: Duration,
     last_frame: Instant,
     conn: CaptureConnection,
     /// For the failure log line.
     route: Arc<str>,
-    /// Dropped with the body: ends the watcher.
-    _watch: tokio::sync::oneshot::Sender<()>,
-}
-
-/// What a streamed answer and its watcher share.
-struct Held {
-    pass: std::sync::Mutex<Option<Pass>>,
-    done: std::sync::atomic::AtomicBool,
-    /// Why the watcher ended the exchange.
-    stopped: std::sync::OnceLock<&'static str>,
-}
-
-impl Held {
-    fn end(&self) {
-        self.done.store(true, Ordering::SeqCst);
-        let pass = self.pass.lock().unwrap_or_else(|p| p.into_inner()).take();
-        drop(pass);
-    }
-
-    fn ended(&self) -> bool {
-        self.done.load(Ordering::SeqCst)
-    }
 }
 
 /// Why a streamed response ended before the upstream finished it.
@@ -261,46 +425,34 @@ pub enum StreamError {
 }
 
 impl Streamed {
-    /// `held`: the request's pass and what ends it early (none for an answer
+    /// `end`: the answer's end of the request's exchange (none for an answer
     /// relayed from a cluster peer: the owner holds the pass).
     pub fn new(
         prefix: Bytes,
         body: Incoming,
-        held: Option<(Pass, Stop)>,
+        end: Option<ExchangeEnd>,
         idle_limit: Duration,
         conn: CaptureConnection,
         route: Arc<str>,
     ) -> Streamed {
-        let (pass, stop) = held.unzip();
-        let held = Arc::new(Held {
-            pass: std::sync::Mutex::new(pass),
-            done: std::sync::atomic::AtomicBool::new(false),
-            stopped: std::sync::OnceLock::new(),
-        });
-        let (watch, done) = tokio::sync::oneshot::channel::<()>();
-        if let Some(stop) = stop {
-            let (h, c) = (held.clone(), conn.clone());
-            tokio::spawn(async move {
-                tokio::select! {
-                    why = stop => {
-                        let _ = h.stopped.set(why);
-                        crate::cutoff::cut(&c);
-                        h.end();
-                    }
-                    _ = done => {}
-                }
-            });
-        }
         Streamed {
             prefix: (!prefix.is_empty()).then_some(prefix),
             body,
-            held,
+            end,
+            finished: false,
             idle: Box::pin(tokio::time::sleep(idle_limit)),
             idle_limit,
             last_frame: Instant::now(),
             conn,
             route,
-            _watch: watch,
+        }
+    }
+
+    /// The answer is over.
+    fn close(&mut self) {
+        self.finished = true;
+        if let Some(e) = &mut self.end {
+            e.close();
         }
     }
 
@@ -308,7 +460,10 @@ impl Streamed {
     /// more byte), the pass ends, the worker's answer is truncated.
     fn fail(&mut self, e: StreamError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         crate::cutoff::cut(&self.conn);
-        self.held.end();
+        self.finished = true;
+        if let Some(end) = &mut self.end {
+            end.end_all();
+        }
         tracing::warn!(route = %self.route, error = %e, "streamed response ended early");
         Poll::Ready(Some(Err(Box::new(e))))
     }
@@ -338,25 +493,25 @@ impl Body for Streamed {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if let Some(why) = this.held.stopped.get() {
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        if let Some(why) = this.end.as_ref().and_then(ExchangeEnd::stopped) {
             return this.fail(StreamError::Stopped(why));
         }
         if let Some(p) = this.prefix.take() {
             return Poll::Ready(Some(Ok(Frame::data(p))));
         }
-        if this.held.ended() {
-            return Poll::Ready(None);
-        }
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 this.last_frame = Instant::now();
                 if this.body.is_end_stream() {
-                    this.held.end();
+                    this.close();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(None) => {
-                this.held.end();
+                this.close();
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => this.fail(StreamError::Upstream(e)),

@@ -45,17 +45,7 @@ pub(super) fn pairs(s: &str, plus_is_space: bool) -> Vec<(String, String)> {
 /// Escapes everything but RFC 3986's unreserved characters (for a key in a path
 /// or a cursor in a query).
 pub(super) fn encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
-        }
-    }
-    out
+    crate::dedup::escape_segment(s)
 }
 
 #[cfg(test)]

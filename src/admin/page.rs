@@ -1,7 +1,11 @@
 //! The operator's page (SPEC §8, issue 16): one server-rendered HTML page on the
-//! admin listener — leases and their marks, the store, the shard map, and the
-//! in-doubt keys with the two buttons that resolve them. No script, nothing
-//! fetched from elsewhere; it reloads itself with a meta refresh.
+//! admin listener — leases and their marks, the store, the members and the shard
+//! map (with each shard's leases), the in-doubt keys with the two buttons that
+//! resolve them (after a confirmation), and one key's detail view. Nothing is
+//! fetched from elsewhere; one small inline script ([`SCRIPT`], allowed by its
+//! hash alone) reloads the page every [`REFRESH_SECS`] unless the pointer is on
+//! it or a form is open, and asks before a resolve. Without script, a meta
+//! refresh reloads it.
 //!
 //! Rendering is a pure function of a [`PageView`], gathered by the admin API, so
 //! tests and benches build views directly. Every value from outside (lease and
@@ -18,6 +22,8 @@ use super::form;
 pub const LEASES_PER_PAGE: usize = 100;
 /// In-doubt keys shown per page.
 pub const KEYS_PER_PAGE: usize = 50;
+/// Leases named per shard in the shard map (the rest are counted).
+pub const SHARD_LEASES_SHOWN: usize = 20;
 /// Seconds between the page's reloads.
 pub const REFRESH_SECS: u32 = 10;
 
@@ -34,7 +40,7 @@ pub struct LeaseRow {
     pub holder: Option<String>,
     /// On the store's clock.
     pub expires_at: Option<SystemTime>,
-    /// Requests admitted whose upstream response head has not arrived (SPEC §5).
+    /// Requests admitted whose exchange with the upstream is not over (SPEC §5).
     pub in_flight: usize,
     /// Dedup records in doubt for the lease's routes.
     pub in_doubt: usize,
@@ -44,6 +50,21 @@ pub struct LeaseRow {
     pub drains_aborted: u64,
     /// The last store call's failure, if it failed.
     pub store_error: Option<String>,
+}
+
+/// One instance of the cluster (or the single instance), as this one knows it.
+#[derive(Debug, Clone)]
+pub struct MemberRow {
+    /// The instance id.
+    pub id: String,
+    /// Seen alive at the last heartbeat.
+    pub alive: bool,
+    /// When this instance last saw it alive (for a gone one).
+    pub last_seen: Option<SystemTime>,
+    /// Whether it is this instance.
+    pub this_instance: bool,
+    /// The shards whose gate lease it holds, as last seen.
+    pub shards: Vec<u32>,
 }
 
 /// One shard of the shard map. A single instance has one: shard 0 of 1, its
@@ -64,6 +85,42 @@ pub struct ShardRow {
     pub this_instance: bool,
     /// Whether this instance forwards the shard's requests now.
     pub serving: bool,
+    /// The leases hashed to the shard (of the configured routes).
+    pub leases: Vec<String>,
+}
+
+/// One dedup key in full: the detail view (`/?detail=1&route=R&key=K`).
+#[derive(Debug, Clone)]
+pub struct KeyDetail {
+    /// The route asked for.
+    pub route: String,
+    /// The key asked for.
+    pub key: String,
+    /// Its record, or why there is none to show.
+    pub record: Result<KeyRecord, String>,
+}
+
+/// A dedup record as the detail view shows it.
+#[derive(Debug, Clone)]
+pub struct KeyRecord {
+    /// `in_flight`, `done` or `in_doubt` (shown as "in flight", "done", "in doubt").
+    pub state: &'static str,
+    /// The route's lease.
+    pub lease: Option<String>,
+    /// The epoch the request was admitted at.
+    pub epoch: u64,
+    /// When the key was first claimed.
+    pub created: SystemTime,
+    /// When the record last changed.
+    pub updated: SystemTime,
+    /// The request's method and path, when kept.
+    pub method: Option<String>,
+    /// See `method`.
+    pub path: Option<String>,
+    /// The upstream's status, when it answered.
+    pub status: Option<u16>,
+    /// The stored body's size, when stored.
+    pub body_bytes: Option<usize>,
 }
 
 /// One in-doubt key.
@@ -131,6 +188,12 @@ pub struct PageView {
     pub leases_offset: usize,
     /// The shard map.
     pub shards: Vec<ShardRow>,
+    /// The instances: this one, and in a cluster every one seen since start-up.
+    pub members: Vec<MemberRow>,
+    /// In a cluster: requests this instance relayed to their shard's owner.
+    pub relayed: Option<u64>,
+    /// The key asked for in the detail view.
+    pub detail: Option<KeyDetail>,
     /// This page of the in-doubt keys, oldest first.
     pub keys: Vec<KeyRow>,
     /// How many in-doubt keys there are in all.
@@ -205,6 +268,21 @@ fn opt(s: &Option<String>) -> String {
     s.as_deref().map_or_else(|| "—".into(), esc)
 }
 
+/// Paths wrap only after a slash, never inside a segment.
+fn path(p: &str) -> String {
+    esc(p).replace('/', "/<wbr>")
+}
+
+/// A record's state as the page says it (the API's `in_doubt` is "in doubt").
+fn state_words(state: &str) -> &'static str {
+    match state {
+        "in_doubt" => "in doubt",
+        "in_flight" => "in flight",
+        "done" => "done",
+        _ => "unknown",
+    }
+}
+
 const STYLE: &str = r#"
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1c1e21;background:#f6f7f9}
 header{background:#1f2937;color:#fff;padding:.7rem 1rem;display:flex;flex-wrap:wrap;gap:.4rem 1.2rem;align-items:baseline}
@@ -217,13 +295,17 @@ th,td{text-align:left;padding:.35rem .5rem;border-bottom:1px solid #eceef1;verti
 th{font-size:.8rem;text-transform:uppercase;letter-spacing:.03em;color:#5b6370}
 td.n{font-variant-numeric:tabular-nums}
 code{font:13px ui-monospace,SFMono-Regular,Menlo,monospace;word-break:break-all}
+code.path{word-break:normal;overflow-wrap:normal}
 .ok{color:#137333}.bad{color:#b3261e;font-weight:600}.warn{color:#8a5300}
 .notice{background:#e8f0fe;border-color:#aac4f6}.note{color:#5b6370;font-size:.9rem}
 form.inline{display:inline}
+details.resolve summary{cursor:pointer;color:#1a56c4}
+details.resolve form{margin:.3rem 0}
 button{font:inherit;padding:.3rem .7rem;border-radius:6px;border:1px solid #8c96a3;background:#fff;cursor:pointer;margin:.1rem .2rem .1rem 0}
 button.del{border-color:#2e7d32;color:#1b5e20}button.nd{border-color:#b3261e;color:#b3261e}
 nav a{margin-right:1rem}
 input[type=password]{font:inherit;padding:.35rem;width:min(22rem,90%)}
+input[type=text]{font:inherit;padding:.25rem;width:min(14rem,40%)}
 @media (max-width:700px){
  table,thead,tbody,tr,th,td{display:block}
  thead{display:none}
@@ -233,21 +315,90 @@ input[type=password]{font:inherit;padding:.35rem;width:min(22rem,90%)}
 }
 "#;
 
-/// `refresh`: reload every [`REFRESH_SECS`], at `Some(url)` or in place.
+/// The page's one script: reloads every [`REFRESH_SECS`] — not while the pointer
+/// is on the page or a form is open or in use (the countdown starts again when
+/// they end) — and asks before a form with `data-confirm` is sent. Allowed by
+/// its hash ([`script_hash`]); nothing else may run.
+pub const SCRIPT: &str = r#"(function () {
+  var every = REFRESH, left = every, over = false;
+  var root = document.documentElement, shown = document.getElementById("refresh");
+  var target = root.getAttribute("data-reload") || location.href;
+  function why() {
+    if (document.querySelector("details[open]")) return "a form is open";
+    var a = document.activeElement;
+    if (a && a.form) return "a form is in use";
+    if (over) return "the pointer is on the page";
+    return "";
+  }
+  function tick(step) {
+    var w = why();
+    if (w) { left = every; shown.textContent = "reload paused: " + w; return; }
+    if (step) left -= 1;
+    if (left <= 0) { location.replace(target); return; }
+    shown.textContent = "reloads in " + left + " s";
+  }
+  root.addEventListener("mouseenter", function () { over = true; tick(false); });
+  root.addEventListener("mousemove", function () { if (!over) { over = true; tick(false); } });
+  root.addEventListener("mouseleave", function () { over = false; tick(false); });
+  document.addEventListener("toggle", function () { tick(false); }, true);
+  document.addEventListener("submit", function (e) {
+    var q = e.target.getAttribute("data-confirm"), b = e.submitter;
+    if (q && !window.confirm(q.replace("{}", b ? b.textContent : ""))) e.preventDefault();
+  });
+  setInterval(function () { tick(true); }, 1000);
+  tick(false);
+})();"#;
+
+/// [`SCRIPT`] as the page embeds it.
+fn script() -> String {
+    SCRIPT.replace("REFRESH", &REFRESH_SECS.to_string())
+}
+
+/// `'sha256-…'` of the embedded script, for the page's Content-Security-Policy.
+pub fn script_hash() -> String {
+    use sha2::{Digest, Sha256};
+    format!("'sha256-{}'", base64(&Sha256::digest(script().as_bytes())))
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ABC[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// `refresh`: reload every [`REFRESH_SECS`], at `Some(url)` or in place (by the
+/// script, or a meta refresh without script).
 fn head(out: &mut String, title: &str, refresh: Option<Option<&str>>) {
-    out.push_str("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">");
+    out.push_str("<!doctype html>\n<html lang=\"en\"");
+    if let Some(Some(url)) = refresh {
+        let _ = write!(out, " data-reload=\"{}\"", esc(url));
+    }
+    out.push_str("><head><meta charset=\"utf-8\">");
     out.push_str("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
     match refresh {
         Some(None) => {
             let _ = write!(
                 out,
-                "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\">"
+                "<noscript><meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\"></noscript>"
             );
         }
         Some(Some(url)) => {
             let _ = write!(
                 out,
-                "<meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}; url={}\">",
+                "<noscript><meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}; url={}\"></noscript>",
                 esc(url)
             );
         }
@@ -267,7 +418,7 @@ pub fn render(v: &PageView) -> String {
     head(&mut out, "fencegate", Some(v.notice.as_ref().map(|_| "/")));
     let _ = write!(
         out,
-        "<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span>reloads every {REFRESH_SECS} s</span>",
+        r#"<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span id="refresh" role="status">reloads every {REFRESH_SECS} s</span>"#,
         esc(&v.instance),
         esc(v.version)
     );
@@ -286,11 +437,15 @@ pub fn render(v: &PageView) -> String {
             esc(n)
         );
     }
+    if let Some(d) = &v.detail {
+        detail_section(&mut out, v, d);
+    }
     store_section(&mut out, v);
     keys_section(&mut out, v);
     leases_section(&mut out, v);
+    members_section(&mut out, v);
     shards_section(&mut out, v);
-    out.push_str("</main></body></html>\n");
+    let _ = writeln!(out, "</main><script>{}</script></body></html>", script());
     out
 }
 
@@ -298,8 +453,8 @@ fn store_section(out: &mut String, v: &PageView) {
     let h = &v.health;
     let _ = write!(
         out,
-        r#"<section id="store"><h2>Store</h2><table><tbody><tr><th>lease store</th><td><code>{}</code> {}</td></tr><tr><th>clock offset</th><td class="n" title="the store's clock minus this machine's (upper end of the estimate)">{:+} ms</td></tr><tr><th>state</th><td>{}</td></tr></tbody></table></section>"#,
-        esc(&h.store),
+        r#"<section id="store"><h2>Store</h2><table><tbody><tr><th>lease store</th><td><code class="path">{}</code> {}</td></tr><tr><th>clock offset</th><td class="n" title="the store's clock minus this machine's (upper end of the estimate)">{:+} ms</td></tr><tr><th>state</th><td>{}</td></tr></tbody></table></section>"#,
+        path(&h.store),
         if h.leases_failing == 0 {
             r#"<span class="ok">reachable</span>"#.to_owned()
         } else {
@@ -315,6 +470,83 @@ fn store_section(out: &mut String, v: &PageView) {
             r#"<span class="bad">the last write failed</span>"#
         },
     );
+}
+
+/// The link to a key's detail view.
+fn detail_href(route: &str, key: &str) -> String {
+    format!(
+        "/?detail=1&amp;route={}&amp;key={}#key",
+        esc(&form::encode(route)),
+        esc(&form::encode(key))
+    )
+}
+
+/// The two resolve buttons, behind a disclosure and a confirmation.
+fn resolve_form(out: &mut String, route: &str, key: &str, csrf: &str) {
+    let _ = write!(
+        out,
+        r#"<details class="resolve"><summary>resolve…</summary><form method="post" action="/v1/dedup/{}/{}/resolve" data-confirm="Resolve {} / {} as {{}}? Only if you have checked the destination."><input type="hidden" name="csrf" value="{}"><p class="note">Checked the destination? Resolve <code>{}</code> as:</p><button class="del" name="outcome" value="delivered">delivered</button><button class="nd" name="outcome" value="not_delivered">not delivered</button></form></details>"#,
+        esc(&form::encode(route)),
+        esc(&form::encode(key)),
+        esc(route),
+        esc(key),
+        esc(csrf),
+        esc(key)
+    );
+}
+
+/// What the destination answered, as the detail view says it.
+fn answered(r: &KeyRecord) -> String {
+    match (r.state, r.status, r.body_bytes) {
+        (_, Some(s), Some(n)) => {
+            format!("HTTP {s}, body stored ({n} bytes): a retry gets it replayed")
+        }
+        (_, Some(s), None) => {
+            format!("HTTP {s}, body not stored (too large): a retry gets 409 dedup_done")
+        }
+        ("done", None, _) => "not recorded: resolved as delivered by an operator".into(),
+        ("in_doubt", None, _) => "nothing fencegate saw: the request timed out, was aborted, \
+            or its connection failed after it was sent"
+            .into(),
+        _ => "nothing yet: the request is still at the destination".into(),
+    }
+}
+
+fn detail_section(out: &mut String, v: &PageView, d: &KeyDetail) {
+    let _ = write!(
+        out,
+        r#"<section id="key"><h2>Key <code>{}</code> of route <code>{}</code></h2>"#,
+        esc(&d.key),
+        esc(&d.route)
+    );
+    match &d.record {
+        Err(why) => {
+            let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(why));
+        }
+        Ok(r) => {
+            let _ = write!(
+                out,
+                r#"<table><tbody><tr><th>state</th><td class="state">{}</td></tr><tr><th>request</th><td><code class="path">{} {}</code></td></tr><tr><th>lease, epoch</th><td><code>{}</code>, epoch {}</td></tr><tr><th>first claimed</th><td>"#,
+                state_words(r.state),
+                opt(&r.method),
+                r.path.as_deref().map_or_else(|| "—".into(), path),
+                opt(&r.lease),
+                r.epoch
+            );
+            time(out, r.created, v.now);
+            out.push_str("</td></tr><tr><th>last change</th><td>");
+            time(out, r.updated, v.now);
+            let _ = write!(
+                out,
+                r#"</td></tr><tr><th>destination answered</th><td class="answer">{}</td></tr></tbody></table>"#,
+                esc(&answered(r))
+            );
+            if let (Access::Resolve { csrf }, "in_doubt") = (&v.access, r.state) {
+                resolve_form(out, &d.route, &d.key, csrf);
+            }
+        }
+    }
+    out.push_str(r#"<p><a href="/">Back to the page</a></p></section>"#);
 }
 
 fn keys_section(out: &mut String, v: &PageView) {
@@ -348,8 +580,9 @@ fn keys_section(out: &mut String, v: &PageView) {
         for k in &v.keys {
             let _ = write!(
                 out,
-                r#"<tr class="key"><td data-label="route">{}</td><td data-label="key"><code>{}</code></td><td data-label="epoch" class="n">{}</td><td data-label="when">"#,
+                r#"<tr class="key"><td data-label="route">{}</td><td data-label="key"><a href="{}" title="details"><code>{}</code></a></td><td data-label="epoch" class="n">{}</td><td data-label="when">"#,
                 esc(&k.route),
+                detail_href(&k.route, &k.key),
                 esc(&k.key),
                 k.epoch
             );
@@ -361,18 +594,14 @@ fn keys_section(out: &mut String, v: &PageView) {
             }
             let _ = write!(
                 out,
-                r#"</td><td data-label="request"><code>{} {}</code></td>"#,
+                r#"</td><td data-label="request"><code class="path">{} {}</code></td>"#,
                 opt(&k.method),
-                opt(&k.path)
+                k.path.as_deref().map_or_else(|| "—".into(), path)
             );
             if let Access::Resolve { csrf } = &v.access {
-                let _ = write!(
-                    out,
-                    r#"<td data-label="resolve"><form class="inline" method="post" action="/v1/dedup/{}/{}/resolve"><input type="hidden" name="csrf" value="{}"><button class="del" name="outcome" value="delivered">delivered</button><button class="nd" name="outcome" value="not_delivered">not delivered</button></form></td>"#,
-                    esc(&form::encode(&k.route)),
-                    esc(&form::encode(&k.key)),
-                    esc(csrf)
-                );
+                out.push_str(r#"<td data-label="resolve">"#);
+                resolve_form(out, &k.route, &k.key, csrf);
+                out.push_str("</td>");
             }
             out.push_str("</tr>");
         }
@@ -389,62 +618,39 @@ fn keys_section(out: &mut String, v: &PageView) {
             esc(&form::encode(next))
         );
     }
-    out.push_str("</nav></section>");
+    out.push_str(r#"</nav><form class="lookup" method="get" action="/"><input type="hidden" name="detail" value="1"><label>Look up a key: <input type="text" name="route" placeholder="route" required></label> <input type="text" name="key" placeholder="key" required aria-label="key"> <button>show</button></form></section>"#);
 }
 
 fn leases_section(out: &mut String, v: &PageView) {
-    let _ = write!(
-        out,
-        r#"<section id="leases"><h2>Leases <span class="note">({} in all)</span></h2>"#,
-        v.leases_total
-    );
+    match v.relayed {
+        None => {
+            let _ = write!(
+                out,
+                r#"<section id="leases"><h2>Leases <span class="note">({} in all)</span></h2>"#,
+                v.leases_total
+            );
+        }
+        Some(relayed) => {
+            let _ = write!(
+                out,
+                r#"<section id="leases"><h2>Leases served here <span class="note">({})</span></h2><p class="note relayed">{} This instance relayed {relayed} request(s) to their shard's owner since it started; the shard map names the instance that serves each lease.</p>"#,
+                v.leases_total,
+                if v.leases_total == 0 {
+                    "This instance owns no shard now: it serves no lease itself, and relays every request to the owner of the lease's shard."
+                } else {
+                    "The leases of the shards this instance owns; requests for the others are relayed to their owners."
+                }
+            );
+        }
+    }
     if v.leases.is_empty() {
-        out.push_str(r#"<p class="note">No leases on this page.</p>"#);
+        if v.relayed.is_none() {
+            out.push_str(r#"<p class="note">No leases on this page.</p>"#);
+        }
     } else {
         out.push_str("<table><thead><tr><th>lease</th><th>mark</th><th>latest epoch</th><th>holder</th><th>time left</th><th>in flight</th><th>drains</th></tr></thead><tbody>");
         for l in &v.leases {
-            let raised = if l.latest > l.mark {
-                r#" <span class="warn" title="a newer epoch exists than any request has carried">(newer known)</span>"#
-            } else {
-                ""
-            };
-            let _ = write!(
-                out,
-                r#"<tr class="lease"><td data-label="lease"><code>{}</code></td><td data-label="mark" class="n">{}</td><td data-label="latest epoch" class="n">{}{raised}</td><td data-label="holder">{}</td><td data-label="time left">"#,
-                esc(&l.lease),
-                l.mark,
-                l.latest,
-                opt(&l.holder)
-            );
-            match l.expires_at {
-                Some(t) => {
-                    let left = signed_ms(t, v.store_now);
-                    let class = if left <= 0 { "bad" } else { "ok" };
-                    let _ = write!(out, r#"<span class="{class}">"#);
-                    time(out, t, v.store_now);
-                    out.push_str("</span>");
-                }
-                None => out.push('—'),
-            }
-            if let Some(e) = &l.store_error {
-                let _ = write!(
-                    out,
-                    r#" <span class="bad" title="{}">store error</span>"#,
-                    esc(e)
-                );
-            }
-            let _ = write!(
-                out,
-                r#"</td><td data-label="in flight" class="n">{}{}</td><td data-label="drains" class="n">{} started, {} aborted</td></tr>"#,
-                l.in_flight,
-                if l.in_doubt > 0 {
-                    format!(r#" <span class="warn">({} lingering)</span>"#, l.in_doubt)
-                } else {
-                    String::new()
-                },
-                l.drains_started,
-                l.drains_aborted
-            );
+            lease_row(out, v, l);
         }
         out.push_str("</tbody></table>");
     }
@@ -469,23 +675,136 @@ fn leases_section(out: &mut String, v: &PageView) {
     out.push_str("</nav></section>");
 }
 
+/// An expiry on the store's clock: "in 12 s", or "expired 45 min ago" (never
+/// "time left: 45 min ago").
+fn expiry(out: &mut String, t: SystemTime, store_now: SystemTime) {
+    if signed_ms(t, store_now) <= 0 {
+        out.push_str(r#"<span class="bad">expired "#);
+    } else {
+        out.push_str(r#"<span class="ok">"#);
+    }
+    time(out, t, store_now);
+    out.push_str("</span>");
+}
+
+fn lease_row(out: &mut String, v: &PageView, l: &LeaseRow) {
+    let raised = if l.latest > l.mark {
+        r#" <span class="warn" title="a newer epoch exists than any request has carried">(newer known)</span>"#
+    } else {
+        ""
+    };
+    let _ = write!(
+        out,
+        r#"<tr class="lease"><td data-label="lease"><code>{}</code></td><td data-label="mark" class="n">{}</td><td data-label="latest epoch" class="n">{}{raised}</td><td data-label="holder">{}</td><td data-label="time left">"#,
+        esc(&l.lease),
+        l.mark,
+        l.latest,
+        opt(&l.holder)
+    );
+    match l.expires_at {
+        Some(t) => expiry(out, t, v.store_now),
+        None => out.push('—'),
+    }
+    if let Some(e) = &l.store_error {
+        let _ = write!(
+            out,
+            r#" <span class="bad" title="{}">store error</span>"#,
+            esc(e)
+        );
+    }
+    let _ = write!(
+        out,
+        r#"</td><td data-label="in flight" class="n">{}{}</td><td data-label="drains" class="n">{} started, {} aborted</td></tr>"#,
+        l.in_flight,
+        if l.in_doubt > 0 {
+            format!(
+                r#" <span class="warn" title="outcome unknown: still counted by a drain">({} in doubt)</span>"#,
+                l.in_doubt
+            )
+        } else {
+            String::new()
+        },
+        l.drains_started,
+        l.drains_aborted
+    );
+}
+
+fn members_section(out: &mut String, v: &PageView) {
+    let alive = v.members.iter().filter(|m| m.alive).count();
+    let _ = write!(
+        out,
+        r#"<section id="members"><h2>Members <span class="note">({alive} alive, {} gone)</span></h2><table><thead><tr><th>instance</th><th>state</th><th>shards</th></tr></thead><tbody>"#,
+        v.members.len() - alive
+    );
+    for m in &v.members {
+        let _ = write!(
+            out,
+            r#"<tr class="member"><td data-label="instance"><code>{}</code>{}</td><td data-label="state">"#,
+            esc(&m.id),
+            if m.this_instance {
+                " (this instance)"
+            } else {
+                ""
+            }
+        );
+        if m.alive {
+            out.push_str(r#"<span class="ok">alive</span>"#);
+        } else {
+            out.push_str(r#"<span class="bad">gone</span>"#);
+            if let Some(t) = m.last_seen {
+                out.push_str(r#" <span class="note">(last seen "#);
+                time(out, t, v.now);
+                out.push_str(")</span>");
+            }
+        }
+        let shards: Vec<String> = m.shards.iter().map(u32::to_string).collect();
+        let _ = write!(
+            out,
+            r#"</td><td data-label="shards" class="n">{}</td></tr>"#,
+            if shards.is_empty() {
+                "—".to_owned()
+            } else {
+                shards.join(", ")
+            }
+        );
+    }
+    out.push_str("</tbody></table></section>");
+}
+
 fn shards_section(out: &mut String, v: &PageView) {
     out.push_str(r#"<section id="shards"><h2>Shard map</h2>"#);
     for p in &v.fence_problems {
         let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(p));
     }
-    out.push_str(r#"<table><thead><tr><th>shard</th><th>owner</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
+    out.push_str(r#"<table><thead><tr><th>shard</th><th>owner</th><th>leases</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
     for s in &v.shards {
+        let mut leases: Vec<String> = s
+            .leases
+            .iter()
+            .take(SHARD_LEASES_SHOWN)
+            .map(|l| format!("<code>{}</code>", esc(l)))
+            .collect();
+        if s.leases.len() > SHARD_LEASES_SHOWN {
+            leases.push(format!(
+                r#"<span class="note">and {} more</span>"#,
+                s.leases.len() - SHARD_LEASES_SHOWN
+            ));
+        }
         let _ = write!(
             out,
-            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="gate epoch" class="n">{}</td><td data-label="gate expires">"#,
+            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="leases" class="leases">{}</td><td data-label="gate epoch" class="n">{}</td><td data-label="gate expires">"#,
             s.shard,
             s.shards,
             opt(&s.owner),
+            if leases.is_empty() {
+                "—".to_owned()
+            } else {
+                leases.join(" ")
+            },
             s.gate_epoch.map_or_else(|| "—".into(), |e| e.to_string())
         );
         match s.expires_at {
-            Some(t) => time(out, t, v.store_now),
+            Some(t) => expiry(out, t, v.store_now),
             None => out.push('—'),
         }
         let _ = write!(
@@ -560,6 +879,9 @@ mod tests {
             leases_total: 250,
             leases_offset: 100,
             shards: vec![],
+            members: vec![],
+            relayed: None,
+            detail: None,
             keys: vec![],
             keys_total: 0,
             keys_next: None,
@@ -580,7 +902,10 @@ mod tests {
             "newer epoch flagged"
         );
         assert!(html.contains("&lt;w&gt;") && !html.contains("<w>"));
-        assert!(html.contains(r#"<span class="bad"><time"#) && html.contains(">3 s ago</time>"));
+        // Expired: said so, never "time left: 3 s ago".
+        assert!(
+            html.contains(r#"<span class="bad">expired <time"#) && html.contains(">3 s ago</time>")
+        );
         assert!(
             html.contains(r#"title="store &quot;down&quot;">store error"#),
             "{html}"
@@ -617,6 +942,7 @@ mod tests {
             expires_at: owner.map(|_| in_8s),
             this_instance,
             serving,
+            leases: vec![format!("lease-{shard}")],
         };
         let html = render(&PageView {
             shards: vec![
@@ -631,6 +957,12 @@ mod tests {
         assert!(rows[0].contains(">0 of 3<") && rows[0].contains("<code>fg-1</code>"));
         assert!(rows[0].contains(">40<") && rows[0].contains(">in 8 s</time>"));
         assert!(rows[0].contains("this instance, serving"), "{}", rows[0]);
+        // Each shard names its leases.
+        assert!(
+            rows[1].contains(r#"class="leases"><code>lease-1</code>"#),
+            "{}",
+            rows[1]
+        );
         assert!(rows[1].contains("<code>fg-2</code>") && rows[1].contains("another instance"));
         assert!(
             rows[2].contains(">2 of 3<") && rows[2].contains(">—<"),
@@ -658,6 +990,142 @@ mod tests {
             html.contains(r#"<p class="bad" role="alert">forwarding stopped: a single instance &lt;x&gt; uses this prefix</p>"#),
             "{html}"
         );
+    }
+
+    /// Issue 32: an instance of a cluster that owns no shard says it relays (not
+    /// a bare "Leases (0 in all)"); a member that stopped is shown gone with
+    /// when it was last seen; a lease's in-doubt requests are "in doubt" (not
+    /// "lingering"); paths wrap at slashes only.
+    #[test]
+    fn a_cluster_member_that_relays_says_so_and_a_gone_member_stays_listed() {
+        let v = view();
+        let html = render(&PageView {
+            leases: vec![],
+            leases_total: 0,
+            leases_offset: 0,
+            relayed: Some(7),
+            members: vec![
+                MemberRow {
+                    id: "fg-a".into(),
+                    alive: true,
+                    last_seen: Some(v.now),
+                    this_instance: true,
+                    shards: vec![],
+                },
+                MemberRow {
+                    id: "fg-b".into(),
+                    alive: false,
+                    last_seen: Some(v.now - std::time::Duration::from_secs(90)),
+                    this_instance: false,
+                    shards: vec![0, 2],
+                },
+            ],
+            ..v.clone()
+        });
+        assert!(html.contains("Leases served here"), "{html}");
+        assert!(html.contains("owns no shard now") && html.contains("relayed 7 request(s)"));
+        assert!(!html.contains("No leases on this page."));
+        assert!(html.contains("(1 alive, 1 gone)"), "{html}");
+        let gone = html.split(r#"<tr class="member">"#).nth(2).unwrap();
+        assert!(
+            gone.contains("<code>fg-b</code>")
+                && gone.contains(r#"<span class="bad">gone</span>"#)
+                && gone.contains(">90 s ago</time>")
+                && gone.contains(">0, 2<"),
+            "{gone}"
+        );
+        let doubt = render(&PageView {
+            leases: vec![LeaseRow {
+                in_doubt: 2,
+                ..v.leases[0].clone()
+            }],
+            keys: vec![KeyRow {
+                route: "billing".into(),
+                key: "k/1".into(),
+                epoch: 3,
+                created: v.now,
+                updated: v.now,
+                method: Some("POST".into()),
+                path: Some("/billing/charges/settlements".into()),
+            }],
+            keys_total: 1,
+            access: Access::Resolve { csrf: "c".into() },
+            ..v
+        });
+        assert!(doubt.contains("(2 in doubt)") && !doubt.contains("lingering"));
+        assert!(
+            doubt.contains(
+                r#"<code class="path">POST /<wbr>billing/<wbr>charges/<wbr>settlements</code>"#
+            ),
+            "{doubt}"
+        );
+        // Resolving takes a disclosure and a confirmation; the key links to its view.
+        assert!(doubt.contains(r#"<details class="resolve"><summary>resolve…</summary>"#));
+        assert!(doubt.contains(r#"data-confirm="Resolve billing / k/1 as {}? Only if you have checked the destination.""#), "{doubt}");
+        assert!(doubt.contains(r#"href="/?detail=1&amp;route=billing&amp;key=k%2F1#key""#));
+    }
+
+    /// A key's detail view: the request, its lease and epoch, and what the
+    /// destination answered.
+    #[test]
+    fn a_key_detail_says_what_the_destination_answered() {
+        let v = view();
+        let record = |state, status, body_bytes| KeyRecord {
+            state,
+            lease: Some("billing".into()),
+            epoch: 9,
+            created: v.now,
+            updated: v.now,
+            method: Some("POST".into()),
+            path: Some("/billing/charges".into()),
+            status,
+            body_bytes,
+        };
+        let page = |r: Result<KeyRecord, String>| {
+            render(&PageView {
+                detail: Some(KeyDetail {
+                    route: "billing".into(),
+                    key: "order-9".into(),
+                    record: r,
+                }),
+                ..view()
+            })
+        };
+        let done = page(Ok(record("done", Some(201), Some(12))));
+        assert!(
+            done.contains(
+                r#"<section id="key"><h2>Key <code>order-9</code> of route <code>billing</code>"#
+            ),
+            "{done}"
+        );
+        assert!(done.contains(r#"<td class="state">done</td>"#));
+        assert!(done.contains("<code>billing</code>, epoch 9"));
+        assert!(done.contains("HTTP 201, body stored (12 bytes)"));
+        let doubt = page(Ok(record("in_doubt", None, None)));
+        assert!(doubt.contains(r#"<td class="state">in doubt</td>"#));
+        assert!(doubt.contains("timed out, was aborted"));
+        assert!(page(Err("no record for that key".into()))
+            .contains(r#"role="alert">no record for that key"#));
+    }
+
+    /// The script that runs is the one the Content-Security-Policy allows.
+    #[test]
+    fn the_page_script_is_the_one_its_hash_allows() {
+        let html = render(&view());
+        let start = html.find("<script>").unwrap() + "<script>".len();
+        let end = html.find("</script>").unwrap();
+        use sha2::{Digest, Sha256};
+        assert_eq!(
+            script_hash(),
+            format!(
+                "'sha256-{}'",
+                base64(&Sha256::digest(&html.as_bytes()[start..end]))
+            )
+        );
+        assert!(!html[start..end].contains("REFRESH"));
+        assert_eq!(base64(b"ab"), "YWI=");
+        assert_eq!(base64(b"abc"), "YWJj");
+        assert_eq!(base64(b"a"), "YQ==");
     }
 
     #[test]

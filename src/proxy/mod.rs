@@ -17,10 +17,10 @@ pub(crate) use routes::{Route, RouteTable};
 use crate::access::{self, Seen};
 use crate::admission::Claim;
 use crate::cluster::{peer as relay, Placement};
-use crate::config::DeriveKey;
+use crate::config::{DeriveKey, InDoubtPolicy};
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
 use crate::epoch::Epoch;
-use crate::error::ProxyError;
+use crate::error::{Doubt, ProxyError};
 use crate::fence::{Fence, Fences};
 use crate::forward::{self, ClientHop, HttpsClient, UpstreamError};
 use crate::gate::Pass;
@@ -31,7 +31,7 @@ use crate::headers::{
 use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
-use crate::streaming::{ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
+use crate::streaming::{Exchange, ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 
 /// How much of an unrecorded route's answer is sent whole when it has all
 /// arrived with its head (no streaming machinery for a small answer).
@@ -155,7 +155,10 @@ impl Proxy {
         }
         let epoch = single_header(&parts.headers, &LEASE_EPOCH_NAME)
             .map_err(|_| ProxyError::EpochMalformed("is repeated: send exactly one"))?
-            .ok_or(ProxyError::EpochMissing)?;
+            .ok_or_else(|| ProxyError::EpochMissing {
+                lease: route.lease.clone(),
+                token: route.require_token,
+            })?;
         let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed(
             "must be a plain decimal u64: digits only, no sign, no spaces",
         ))?;
@@ -192,7 +195,7 @@ impl Proxy {
             Served::There { owner, url } => {
                 let body = match body {
                     Payload::Whole(b) => UpBody::from(b),
-                    Payload::Stream(b) => UpBody::Stream(Upload::new(b, route.max_body_bytes).0),
+                    Payload::Stream(b) => UpBody::stream(Upload::new(b, route.max_body_bytes).0),
                 };
                 let resp = self.relay(route, &owner, &url, parts, body, hop).await?;
                 return Ok((resp, "relayed"));
@@ -249,7 +252,7 @@ impl Proxy {
             Payload::Whole(b) => (UpBody::from(b), None),
             Payload::Stream(b) => {
                 let (u, state) = Upload::new(b, route.max_body_bytes);
-                (UpBody::Stream(u), Some(state))
+                (UpBody::stream(u), Some(state))
             }
         };
         let (result, sent) = self
@@ -294,9 +297,11 @@ impl Proxy {
 
     /// Forwards the admitted request under its pass and reads the answer: whole
     /// (a recorded route's up to `max_replay_bytes`; any other's as far as it has
-    /// already arrived), or the head with the rest to stream, the pass going with
-    /// it. Ends the pass (or leaves it lingering when the outcome is unknown) on a
-    /// failure and says whether anything may have been sent.
+    /// already arrived), or the head with the rest to stream. From the head on,
+    /// the request's [`Exchange`] holds the pass until the body has been sent and
+    /// the answer read to its last byte (SPEC §5). Ends the pass (or leaves it
+    /// lingering when the outcome is unknown) on a failure and says whether
+    /// anything may have been sent.
     async fn forward(
         &self,
         route: &Route,
@@ -328,7 +333,10 @@ impl Proxy {
             };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
-            return (Err(drain_aborted(route, &pass)), Sent::Nothing);
+            return (
+                Err(drain_aborted(route, &pass, Doubt::NotSent)),
+                Sent::Nothing,
+            );
         }
         if !self.mode.may_forward(fence.owner()) {
             // The gate lease (the instance guard, or the shard's in a cluster) could
@@ -341,6 +349,12 @@ impl Proxy {
         let upstream_uri = upstream_req.uri().clone();
         let stop = stop_on(&pass, &self.abandon);
         tokio::pin!(stop);
+        // SPEC §5: in flight until both ends of the exchange are over — the body
+        // sent whole and the answer read to its last byte. An upstream that answers
+        // an upload early must not see a newer epoch before the upload's last byte.
+        let exchange = Exchange::new();
+        let answer_end = exchange.end();
+        let upstream_req = upstream_req.map(|b| b.until_sent(exchange.end()));
         let result = match forward::send(&route.client, upstream_req, route.timeout, stop.as_mut())
             .await
         {
@@ -364,7 +378,11 @@ impl Proxy {
             .observe(upstream_elapsed.as_secs_f64());
         let e = match result {
             Ok((head, (body, true))) => {
-                drop(pass);
+                // The answer is whole; the body may still be on its way.
+                let rest_stop = stop_on(&pass, &self.abandon);
+                exchange.hold(pass);
+                drop(answer_end);
+                exchange.watch(rest_stop, head.conn);
                 let answer = Answer {
                     status: head.status,
                     headers: head.headers,
@@ -374,11 +392,13 @@ impl Proxy {
                 return (Ok(answer), Sent::Maybe);
             }
             Ok((head, (prefix, false))) => {
-                let rest_stop = Box::pin(stop_on(&pass, &self.abandon));
+                let rest_stop = stop_on(&pass, &self.abandon);
+                exchange.hold(pass);
+                exchange.watch(rest_stop, head.conn.clone());
                 let rest = Streamed::new(
                     prefix.clone(),
                     head.body,
-                    Some((pass, rest_stop)),
+                    Some(answer_end),
                     route.timeout,
                     head.conn,
                     Arc::from(route.name.as_str()),
@@ -393,12 +413,29 @@ impl Proxy {
             }
             Err(e) => e,
         };
+        // A failure: the connection was cut (or never carried anything), and the
+        // pass stays this function's to end or leave lingering.
+        drop(answer_end);
         let aborted = pass.is_aborted();
         let abandoned = self.abandon.is_cancelled();
         // A streamed request body that did not arrive whole: the upstream got an
         // incomplete request and cannot have acted on it.
         let upload_end = upload.map_or(UploadEnd::Complete, |u| u.get());
-        let aborted_err = aborted.then(|| drain_aborted(route, &pass));
+        let sent = match e {
+            UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
+            _ => Sent::Maybe,
+        };
+        // Where the key stands now (SPEC §6), for the worker's next step.
+        let doubt = match sent {
+            Sent::Nothing => Doubt::NotSent,
+            Sent::Maybe if recorded => Doubt::Key {
+                route: route.name.clone(),
+                key: key.as_str().to_owned(),
+                resend: route.in_doubt == InDoubtPolicy::Resend,
+            },
+            Sent::Maybe => Doubt::Unrecorded,
+        };
+        let aborted_err = aborted.then(|| drain_aborted(route, &pass, doubt.clone()));
         // In flight ends with the answer or a failure — except that a request
         // whose outcome is unknown may still be executing at the destination: it
         // keeps counting for a drain until the drain's timeout. Only a body known
@@ -422,10 +459,6 @@ impl Proxy {
             request_id = request_id.to_str().unwrap_or("-"),
             "upstream request failed"
         );
-        let sent = match e {
-            UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
-            _ => Sent::Maybe,
-        };
         let err = match (aborted_err, upload_end, e) {
             (Some(a), ..) => a,
             (None, UploadEnd::TooLarge, _) => ProxyError::BodyTooLarge {
@@ -434,11 +467,13 @@ impl Proxy {
             (None, UploadEnd::ClientFailed, e) => ProxyError::BodyUnreadable {
                 detail: e.to_string(),
             },
-            (None, ..) if abandoned => ProxyError::ShuttingDown,
+            (None, ..) if abandoned => ProxyError::ShuttingDown { doubt },
             (None, _, UpstreamError::Unreachable(d)) => {
                 ProxyError::UpstreamUnreachable { detail: d }
             }
-            (None, _, UpstreamError::Uncertain(d)) => ProxyError::UpstreamTimeout { detail: d },
+            (None, _, UpstreamError::Uncertain(d)) => {
+                ProxyError::UpstreamTimeout { detail: d, doubt }
+            }
         };
         (Err(err), sent)
     }
@@ -538,7 +573,10 @@ impl Proxy {
                 // owner while it had the relayed request at the destination).
                 relay::RelayFailed::Uncertain(detail) => {
                     tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer; it may have forwarded the request");
-                    ProxyError::UpstreamTimeout { detail }
+                    ProxyError::UpstreamTimeout {
+                        detail,
+                        doubt: Doubt::Relayed,
+                    }
                 }
             }
         })
@@ -643,11 +681,12 @@ enum Sent {
     Maybe,
 }
 
-fn drain_aborted(route: &Route, pass: &crate::gate::Pass) -> ProxyError {
+fn drain_aborted(route: &Route, pass: &crate::gate::Pass, doubt: Doubt) -> ProxyError {
     ProxyError::DrainAborted {
         lease: route.lease.clone(),
         epoch: pass.epoch(),
         newer: pass.newer_epoch(),
+        doubt,
     }
 }
 

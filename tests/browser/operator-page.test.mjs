@@ -1,6 +1,9 @@
-// The operator page in a real browser (issue 16): a real fencegate process with
-// in-doubt keys, headless Chromium driven by Playwright. Log in, click "not
-// delivered", see the key gone and the worker's retry forwarded at the origin.
+// The operator page in a real browser (issues 16 and 32): a real fencegate
+// process with in-doubt keys, headless Chromium driven by Playwright. Log in,
+// read the shard map's leases, the members, an expired lease and a key's detail
+// view; see the reload pause while the pointer is on the page or a form is open;
+// open "resolve…", refuse the confirmation, then confirm "not delivered", see the
+// key gone and the worker's retry forwarded at the origin.
 //
 // Run by scripts/browser-test.sh, which installs Chromium and this folder's npm
 // packages and builds fencegate. Environment:
@@ -151,6 +154,10 @@ ${route("reports")}`,
   assert.equal((await send("/billing/refunds", b, "refund-77", true)).status, 504);
   const p = lease("acquire", "--lease", "payouts", "--holder", "payout-runner", "--ttl-ms", "20000");
   assert.equal((await send("/payouts/batch", p, "payout-2026-12-01", true)).status, 504);
+  // reports: a tenure of 1 s, used once, then over.
+  const r = lease("acquire", "--lease", "reports", "--holder", "report-runner", "--ttl-ms", "1000");
+  assert.equal((await send("/reports/daily", r, "report-1")).status, 200);
+  await new Promise((res) => setTimeout(res, 2500));
   assert.equal(origin.arrivals.filter((x) => x.key === "order-1042").length, 1);
 
   browser = await chromium.launch({
@@ -195,6 +202,21 @@ ${route("reports")}`,
   await assert.doesNotReject(order.getByText("POST /billing/charges").waitFor());
   const billing = page.locator("tr.lease", { hasText: "billing" });
   assert.match(await billing.innerText(), /worker-b/);
+  // One name for one thing: "in doubt", as in the API; never "lingering".
+  assert.equal(await page.getByText("lingering").count(), 0);
+  // An expired tenure says so (not "time left: 2 s ago").
+  const reports = page.locator("tr.lease", { hasText: "reports" });
+  assert.match(await reports.locator('td[data-label="time left"]').innerText(), /^expired \d+ s ago$/);
+  // The shard map names each shard's leases; the members list this instance.
+  const shard = page.locator("tr.shard");
+  assert.equal(await shard.locator("td.leases").innerText(), "billing payouts reports");
+  const member = page.locator("tr.member");
+  assert.equal(await member.count(), 1);
+  assert.match(await member.innerText(), /\(this instance\)\s+alive\s+0/);
+  // Paths wrap at their slashes only.
+  const path = order.locator("code.path");
+  assert.equal(await path.evaluate((e) => getComputedStyle(e).wordBreak), "normal");
+  assert.equal(await path.locator("wbr").count(), 2);
   await page.screenshot({ path: join(ARTIFACTS, "operator-page.png"), fullPage: true });
   if (process.env.SCREENSHOT) copyFileSync(join(ARTIFACTS, "operator-page.png"), process.env.SCREENSHOT);
   // A narrow screen: the tables become cards.
@@ -202,8 +224,49 @@ ${route("reports")}`,
   await page.screenshot({ path: join(ARTIFACTS, "operator-page-narrow.png"), fullPage: true });
   await page.setViewportSize({ width: 1180, height: 900 });
 
-  // The operator checked the destination: not delivered.
-  await order.getByRole("button", { name: "not delivered" }).click();
+  // The reload waits while the pointer is on the page, or a form is open.
+  const status = page.locator("#refresh");
+  await page.mouse.move(400, 300);
+  await status.getByText("reload paused: the pointer is on the page").waitFor();
+  await page.dispatchEvent("html", "mouseleave");
+  await status.getByText(/^reloads in \d+ s$/).waitFor();
+  await order.locator("summary", { hasText: "resolve…" }).click();
+  await status.getByText("reload paused: a form is open").waitFor();
+  await page.evaluate(() => (window.stillHere = true));
+  await page.dispatchEvent("html", "mouseleave");
+  await new Promise((res) => setTimeout(res, 11500));
+  assert.equal(await page.evaluate(() => window.stillHere), true, "no reload while a form is open");
+  await order.locator("summary", { hasText: "resolve…" }).click();
+  await page.dispatchEvent("html", "mouseleave");
+  await page.waitForEvent("load", { timeout: 15000 });
+  assert.equal(await page.evaluate(() => window.stillHere), undefined, "reloaded once nothing held it");
+
+  // A key's detail view: the request, its lease and epoch, what the destination answered.
+  await page.locator("tr.key", { hasText: "refund-77" }).getByRole("link").click();
+  const detail = page.locator("section#key");
+  await detail.waitFor();
+  const detailText = await detail.innerText();
+  assert.match(detailText, /STATE\s+in doubt/i);
+  assert.match(detailText, /POST \/billing\/refunds/);
+  assert.match(detailText, new RegExp(`billing, epoch ${b.epoch}`));
+  assert.match(detailText, /timed out/);
+  await page.screenshot({ path: join(ARTIFACTS, "key-detail.png"), fullPage: true });
+  await page.goto(`${admin}/`);
+
+  // The operator checked the destination: not delivered — after a confirmation.
+  const row = page.locator("tr.key", { hasText: "order-1042" });
+  await row.locator("summary", { hasText: "resolve…" }).click();
+  const asked = [];
+  page.once("dialog", (d) => {
+    asked.push(d.message());
+    d.dismiss();
+  });
+  await row.getByRole("button", { name: "not delivered" }).click();
+  await waitFor("the confirmation", () => asked.length === 1);
+  assert.match(asked[0], /^Resolve billing \/ order-1042 as not delivered\?/);
+  assert.equal(await page.locator("tr.key").count(), 3, "refused: nothing resolved");
+  page.once("dialog", (d) => d.accept());
+  await row.getByRole("button", { name: "not delivered" }).click();
   await page.getByText("Resolved billing / order-1042 as not delivered.").waitFor();
   assert.equal(await page.locator("tr.key", { hasText: "order-1042" }).count(), 0);
   assert.equal(await page.locator("tr.key").count(), 2);

@@ -9,6 +9,9 @@
 //!   many bytes) choose the answer. `x-test-stream-bytes: N` streams N bytes in
 //!   1 MiB chunks (made as they are sent); `x-test-events: NAME` answers one
 //!   server-sent event at once and a second only after [`Origin::release`] of NAME.
+//!   `x-test-answer-early: 1` answers at once, before reading the request body,
+//!   and reads the body afterwards (a destination that answers an upload early);
+//!   the arrival's `completed` is when that body had been read to its end.
 //! - [`postgres::PgServer`]: a real PostgreSQL on a free loopback port.
 //! - [`Gateway`]: what a running fencegate is to a test, whichever harness runs it
 //!   (its URLs, the admin API, metrics).
@@ -285,6 +288,9 @@ async fn origin_handle(
             .await
             .map(OriginBody::Full);
     }
+    if parts.headers.contains_key("x-test-answer-early") {
+        return origin_answer_early(parts, body, st, arrived);
+    }
     let body = body
         .collect()
         .await
@@ -374,6 +380,59 @@ async fn origin_handle(
         .header("x-origin-seq", idx.to_string())
         .header("content-type", "text/plain")
         .body(OriginBody::Full(Full::new(body)))
+        .unwrap()
+}
+
+/// Logs the request's head, answers at once, and reads its body in the
+/// background: `completed` is set when the body has been read to its end.
+fn origin_answer_early(
+    parts: http::request::Parts,
+    mut body: Incoming,
+    st: Arc<Mutex<OriginState>>,
+    arrived: Arc<Notify>,
+) -> Response<OriginBody> {
+    let idx = {
+        let mut s = st.lock().unwrap();
+        s.log.push(Arrival {
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_owned(),
+            headers: parts.headers.clone(),
+            body: Bytes::new(),
+            body_read: 0,
+            body_whole: false,
+            arrived: Instant::now(),
+            completed: None,
+        });
+        s.log.len() - 1
+    };
+    arrived.notify_waiters();
+    tokio::spawn(async move {
+        let mut whole = true;
+        let mut got = Vec::new();
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => {
+                    if let Some(d) = f.data_ref() {
+                        got.extend_from_slice(d);
+                        st.lock().unwrap().log[idx].body_read += d.len();
+                    }
+                }
+                Err(_) => {
+                    whole = false;
+                    break;
+                }
+            }
+        }
+        let mut s = st.lock().unwrap();
+        s.log[idx].body = Bytes::from(got);
+        s.log[idx].body_whole = whole;
+        s.log[idx].completed = Some(Instant::now());
+        drop(s);
+        arrived.notify_waiters();
+    });
+    Response::builder()
+        .header("x-origin-seq", idx.to_string())
+        .body(OriginBody::Full(Full::new(Bytes::from_static(b"accepted"))))
         .unwrap()
 }
 

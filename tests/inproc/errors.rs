@@ -183,3 +183,139 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
     // The process is still serving.
     assert_eq!(post(&fg, "/billing/x", &a, "fine").await.status, 200);
 }
+
+/// The message of a refusal.
+fn message(r: &Reply) -> String {
+    r.json()["message"].as_str().unwrap_or_default().to_owned()
+}
+
+fn assert_says(r: &Reply, needles: &[&str]) {
+    let m = message(r);
+    for n in needles {
+        assert!(m.contains(n), "{:?} lacks {n:?}: {m}", r.error_code());
+    }
+}
+
+/// Issue 32: each SPEC §7 message says what to do next. `epoch_missing` names the
+/// lease and what to send; `dedup_key_reused` what differed and when the key
+/// frees; `upstream_timeout` that the key is now in doubt and where an operator
+/// resolves it; `dedup_in_doubt` the admin API's path and the page. Codes and
+/// statuses are those of SPEC §7. Fails on the old messages ("X-Lease-Epoch is
+/// required", "this idempotency key was used for a different request", …).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_error_message_says_the_next_step() {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(
+        200,
+        &route_toml("billing", "billing", &origin, "timeout_ms = 300"),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(30)).await;
+    let (e, tok) = (a.epoch.get(), a.token.as_str());
+    let url = fg.url("/billing/charges");
+
+    let r = send(Request::post(&url).body(body("x")).unwrap()).await;
+    r.assert_error(428, "epoch_missing");
+    assert_eq!(r.json()["lease"], "billing");
+    assert_says(
+        &r,
+        &[
+            "lease billing",
+            "fencegate lease acquire --lease billing",
+            "X-Lease-Epoch: N",
+            "X-Lease-Token: T",
+        ],
+    );
+
+    // A key used again for another request: what differed, and when it frees.
+    assert_eq!(
+        send(keyed(&fg, "/billing/charges", &a, "k-1", "a"))
+            .await
+            .status,
+        200
+    );
+    let r = send(keyed(&fg, "/billing/charges", &a, "k-1", "b")).await;
+    r.assert_error(422, "dedup_key_reused");
+    assert_says(
+        &r,
+        &[
+            "the query or the body differs",
+            "Use a new key",
+            "frees at 20",
+            "[dedup] ttl",
+        ],
+    );
+    let r = send(keyed(&fg, "/billing/refunds", &a, "k-1", "a")).await;
+    r.assert_error(422, "dedup_key_reused");
+    assert_says(
+        &r,
+        &["its path differs (the first request's was /billing/charges)"],
+    );
+    let r = send(
+        worker_req(&url, e, tok)
+            .method("PUT")
+            .header("idempotency-key", "k-1")
+            .body(body("a"))
+            .unwrap(),
+    )
+    .await;
+    r.assert_error(422, "dedup_key_reused");
+    assert_says(&r, &["its method differs (the first request was POST)"]);
+
+    // A timeout leaves the key in doubt: the worker is told, and where it is resolved.
+    let held = || {
+        worker_req(&url, e, tok)
+            .header("x-test-hold", "forever")
+            .header("idempotency-key", "k/2")
+            .body(body("x"))
+            .unwrap()
+    };
+    let r = send(held()).await;
+    r.assert_error(504, "upstream_timeout");
+    assert_eq!(r.json()["dedup_key"], "k/2");
+    assert_says(
+        &r,
+        &[
+            "k/2 is now in doubt",
+            "409 dedup_in_doubt",
+            "POST /v1/dedup/billing/k%2F2/resolve",
+            "operator's page",
+        ],
+    );
+    let r = send(held()).await;
+    r.assert_error(409, "dedup_in_doubt");
+    assert_says(
+        &r,
+        &[
+            "POST /v1/dedup/billing/k%2F2/resolve",
+            "GET / in a browser",
+            "\"not_delivered\" frees it",
+        ],
+    );
+    let r = send(keyed(&fg, "/billing/charges", &a, "k/2", "other")).await;
+    r.assert_error(422, "dedup_key_reused");
+    assert_says(
+        &r,
+        &[
+            "is in doubt and frees only when an operator resolves it",
+            "/v1/dedup/billing/k%2F2/resolve",
+        ],
+    );
+    // The admin API answers at the path the message names.
+    let record = fg.admin_json("/v1/dedup/billing/k%2F2").await;
+    assert_eq!(record["state"], "in_doubt", "{record}");
+
+    // A timed-out poll kept no record: the worker checks the destination itself.
+    let r = send(
+        Request::get(&url)
+            .header("x-lease-epoch", e.to_string())
+            .header("x-lease-token", tok)
+            .header("x-test-hold", "forever")
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    r.assert_error(504, "upstream_timeout");
+    assert_says(&r, &["Nothing was recorded", "check the destination"]);
+    origin.release("forever");
+}

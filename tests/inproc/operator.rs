@@ -181,7 +181,12 @@ fn urlencode(s: &str) -> String {
 
 /// GET / as a browser, with `cookie` if given.
 async fn page(fg: &Fencegate, cookie: Option<&str>) -> Reply {
-    let mut b = admin(fg, "GET", "/").header("accept", "text/html,application/xhtml+xml");
+    page_at(fg, "/", cookie).await
+}
+
+/// The page at `path` (`/` with a query).
+async fn page_at(fg: &Fencegate, path: &str, cookie: Option<&str>) -> Reply {
+    let mut b = admin(fg, "GET", path).header("accept", "text/html,application/xhtml+xml");
     if let Some(c) = cookie {
         b = b.header("cookie", c);
     }
@@ -258,12 +263,16 @@ async fn the_page_shows_a_held_lease_a_raised_mark_and_the_in_doubt_keys() {
     assert_eq!(r.headers["content-type"], "text/html; charset=utf-8");
     let csp = r.headers["content-security-policy"].to_str().unwrap();
     assert!(csp.contains("default-src 'none'"), "{csp}");
+    // One inline script, allowed by its hash and nothing else.
+    let script_src = csp.split(';').map(str::trim).find(|d| d.starts_with("script-src")).unwrap();
+    assert!(script_src.contains("'sha256-") && !script_src.contains("unsafe"), "{csp}");
     // `no-referrer` would make browsers send `Origin: null` on the page's own
     // forms (seen in Chromium), which the same-origin check refuses.
     assert_eq!(r.headers["referrer-policy"], "same-origin");
     let html = text(&r);
-    assert!(html.contains(r#"<meta http-equiv="refresh""#));
-    assert!(!html.contains("<script"), "no script");
+    assert!(html.contains(r#"<noscript><meta http-equiv="refresh""#));
+    assert_eq!(html.matches("<script").count(), 1, "one script");
+    assert!(!html.contains("<script src"), "nothing loaded");
     assert!(!html.contains("http://") && !html.contains("https://"), "nothing from elsewhere");
 
     // The lease row: raised mark, latest epoch, holder, time left (store clock).
@@ -281,19 +290,36 @@ async fn the_page_shows_a_held_lease_a_raised_mark_and_the_in_doubt_keys() {
     assert_eq!(keys.len(), 2, "{html}");
     let first = &keys[0][..keys[0].find("</tr>").unwrap()];
     assert!(first.contains("<code>&lt;i&gt;k&lt;/i&gt;&amp;&quot;&#39;</code>"), "{first}");
-    assert!(first.contains("POST /pay/tom&amp;jerry&#39;s</code>"), "{first}");
+    assert!(first.contains("POST /<wbr>pay/<wbr>tom&amp;jerry&#39;s</code>"), "{first}");
     assert!(first.contains(&format!(r#"data-label="epoch" class="n">{}<"#, b.epoch.get())), "{first}");
     assert!(first.contains(">5 s ago</time>"), "{first}");
     assert!(first.contains(r#"action="/v1/dedup/pay/%3Ci%3Ek%3C%2Fi%3E%26%22%27/resolve""#), "{first}");
     assert!(first.contains(r#"value="not_delivered">not delivered</button>"#), "{first}");
     assert!(!html.contains("<i>k</i>") && !html.contains("jerry's"));
-    assert!(keys[1].contains("k-later") && keys[1].contains("POST /pay/refund"));
+    assert!(keys[1].contains("k-later") && keys[1].contains("POST /<wbr>pay/<wbr>refund"));
     assert!(html.contains("(2 in all, oldest first)"));
 
     // The shard map: this instance's guard, shard 0 of 1.
     let shard = row_of(&html, r#"<tr class="shard">"#);
     assert!(shard.contains("0 of 1") && shard.contains("this instance, serving"), "{shard}");
     assert!(shard.contains("fg-"), "{shard}");
+    // … naming its leases; the members: this instance, alive, on shard 0.
+    assert!(shard.contains(r#"class="leases"><code>other</code> <code>pay</code>"#), "{shard}");
+    let member = row_of(&html, r#"<tr class="member">"#);
+    assert!(member.contains("(this instance)") && member.contains("alive") && member.contains(">0<"), "{member}");
+
+    // A key's detail view: its request, lease and epoch, and what the
+    // destination answered (nothing: it is in doubt).
+    let detail = text(&page_at(&fg, "/?detail=1&route=pay&key=k-later", Some(&cookie)).await);
+    let section = &detail[detail.find(r#"<section id="key">"#).unwrap()..];
+    let section = &section[..section.find("</section>").unwrap()];
+    assert!(section.contains(r#"<td class="state">in doubt</td>"#), "{section}");
+    assert!(section.contains("POST /<wbr>pay/<wbr>refund"), "{section}");
+    assert!(section.contains(&format!("<code>pay</code>, epoch {}", b.epoch.get())), "{section}");
+    assert!(section.contains("timed out"), "{section}");
+    assert!(section.contains(r#"<details class="resolve">"#), "resolvable from there: {section}");
+    let done = text(&page_at(&fg, "/?detail=1&route=pay&key=nope", Some(&cookie)).await);
+    assert!(done.contains("no record for that key"), "{done}");
     origin.release("stuck");
 }
 }
@@ -448,7 +474,7 @@ async fn without_an_admin_token_the_page_is_read_only_and_says_how_to_enable() {
         html.contains("Read-only") && html.contains("admin_token"),
         "{html}"
     );
-    assert!(!html.contains("<form"), "no buttons, no login");
+    assert!(!html.contains(r#"method="post""#), "no buttons, no login");
     let r = send(resolve_form(
         &fg,
         "k-ro",

@@ -188,6 +188,86 @@ async fn server_sent_events_reach_the_worker_event_by_event() {
     assert_eq!(next_data(&mut body).await, None);
 }
 
+/// SPEC §5 at the destination, for an upload the destination answers before it
+/// has read it: A (the older epoch) is in flight until its exchange is over at both
+/// ends — its answer read to the last byte *and* its request body sent whole — so
+/// B (the newer epoch) reaches the origin only after the last of A's body has been
+/// sent to it. Fails when the pass ends with the answer: the origin then gets B
+/// while the worker has not even sent the rest of A's body, which arrives after B
+/// (the late bytes of an old epoch after the new one).
+async fn an_older_upload_ends_at_the_destination_before_a_newer_epoch_arrives() {
+    let (origin, fg) = billing_route(60_000, "derive_key = \"none\"").await;
+    let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
+    let mut conn = connect(&fg).await;
+    let (feed, rx) = mpsc::channel(1);
+    let req = request("/billing/upload", &a)
+        .header("x-test-answer-early", "1")
+        .body(Fed(rx))
+        .unwrap();
+    let answer = tokio::spawn(async move { (conn.send_request(req).await, conn) });
+    feed.send(Bytes::from_static(b"first ")).await.unwrap();
+    // A's answer is complete while the worker is still sending A's body.
+    let (resp, _conn) = answer.await.unwrap();
+    let resp = resp.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "accepted");
+    origin.wait_until("A's first bytes", |log| log[0].body_read == 6).await;
+    let b = force_next_epoch(&fg.epochs, LEASE, "worker-b", Duration::from_secs(30)).await;
+    let newer = spawn_post(&fg, &b, &[], b"B".to_vec());
+    eventually("B is forwarded, or waits for A", || async {
+        origin.count() >= 2 || drains_started(&fg).await
+    })
+    .await;
+    let rest_sent = std::time::Instant::now();
+    feed.send(Bytes::from_static(b"second")).await.unwrap();
+    drop(feed);
+    assert_eq!(newer.await.unwrap().unwrap().status, 200);
+    origin
+        .wait_until("A's body read to its end", |log| log[0].completed.is_some())
+        .await;
+    let log = origin.log();
+    assert_eq!((&log[0].body[..], log[0].body_whole), (&b"first second"[..], true));
+    assert_eq!(log[1].epoch(), Some(b.epoch.get()));
+    assert!(
+        log[1].arrived > rest_sent,
+        "epoch {} reached the origin before the rest of epoch {}'s body was sent",
+        b.epoch,
+        a.epoch,
+    );
+}
+
+/// The same upload, stalled after its early answer: the newer epoch waits for it
+/// only up to the drain timeout, then the old exchange is cut (the origin never
+/// gets the rest of A's body, nor any byte of it after B) and B goes through.
+/// Fails when nothing watches an exchange whose answer is already complete.
+async fn a_drain_abort_cuts_an_upload_stalled_after_its_answer() {
+    let (origin, fg) = billing_route(60_000, "derive_key = \"none\"\ndrain_timeout_ms = 300").await;
+    let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(30)).await;
+    let mut conn = connect(&fg).await;
+    let (feed, rx) = mpsc::channel(1);
+    let req = request("/billing/upload", &a)
+        .header("x-test-answer-early", "1")
+        .body(Fed(rx))
+        .unwrap();
+    // The worker keeps its connection and reads its answer: it is still sending.
+    let answer = tokio::spawn(async move { (conn.send_request(req).await, conn) });
+    feed.send(Bytes::from_static(b"first ")).await.unwrap();
+    let (resp, _conn) = answer.await.unwrap();
+    let resp = resp.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "accepted");
+    let b = force_next_epoch(&fg.epochs, LEASE, "worker-b", Duration::from_secs(30)).await;
+    let newer = spawn_post(&fg, &b, &[], b"B".to_vec());
+    assert_eq!(newer.await.unwrap().unwrap().status, 200);
+    assert_eq!(fg.metric_sum("fencegate_drains_aborted_total").await, 1.0);
+    origin
+        .wait_until("A's body ended", |log| log[0].completed.is_some())
+        .await;
+    let log = origin.log();
+    assert_eq!((log[0].body_read, log[0].body_whole), (6, false), "A's exchange was cut");
+    drop(feed);
+}
+
 /// SPEC §5 with a streamed answer: the pass is held while the answer streams, so
 /// a newer epoch waits for it; after the drain timeout the stream is aborted (the
 /// worker's answer ends with an error) and the newer epoch goes through. Fails

@@ -9,7 +9,9 @@ mod support;
 
 mod campaign;
 mod cluster;
+mod cluster_script;
 mod dedup;
+mod defaults;
 mod dir_store;
 mod disk;
 mod edges;

@@ -28,8 +28,14 @@ fn run_with_env(args: &[&str], cwd: &Path, env: &[(&str, &str)]) -> Output {
         .expect("running fencegate")
 }
 
+/// What `serve` said on stderr, without its first log line (`config loaded`,
+/// naming the file it runs on): the lines a failed start adds to it.
 fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .filter(|l| !l.contains("config loaded"))
+        .map(|l| format!("{l}\n"))
+        .collect()
 }
 
 const ROUTE: &str = "[[route]]\nname = \"billing\"\npath_prefix = \"/billing/\"\nupstream = \"http://127.0.0.1:9/\"\nlease = \"billing\"\n";

@@ -223,11 +223,16 @@ pub(crate) async fn serves(fg: &Fencegate, shard: u32) -> bool {
 pub(crate) async fn next_renewal(gates: &Epochs, shard: u32) -> u64 {
     let name = LeaseName::parse(&format!("{shard:04}")).unwrap();
     let now = gates.latest_after(&name, Epoch::NONE).await.unwrap();
+    let since = Instant::now();
     loop {
         let l = gates.latest_after(&name, Epoch::NONE).await.unwrap();
         if l > now {
             return l.get();
         }
+        assert!(
+            since.elapsed() < Duration::from_secs(90),
+            "no new gate object on shard {shard} after {now:?} in 90 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

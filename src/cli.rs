@@ -285,7 +285,10 @@ fn report(format: LogFormat, r: anyhow::Result<()>) -> ExitCode {
                                 | GuardError::OtherState { .. }
                                 | GuardError::SharedId { .. },
                         )
-                        | StartError::Cluster(crate::cluster::ClusterError::OtherSetUp { .. })
+                        | StartError::Cluster(
+                            crate::cluster::ClusterError::OtherSetUp { .. }
+                                | crate::cluster::ClusterError::OlderBuild { .. }
+                        )
                 )
             );
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })

@@ -80,6 +80,15 @@ pub enum ClusterError {
     /// store and prefix.
     #[error("{0}")]
     OtherSetUp(Conflict),
+    /// A member of an older build (one gate lease per shard in the store, before
+    /// ownership rows) still holds a shard: the two would own it at once.
+    #[error("instance {holder:?} holds gate lease {shard:04} under this prefix: it runs a fencegate older than this one, which kept a gate lease per shard in the lease store instead of rows in the database. Both would own the shard at once: stop every instance of the older version, then start this one (a cluster is upgraded across this change by stopping it, not one instance at a time)")]
+    OlderBuild {
+        /// The shard whose live gate object was read.
+        shard: u32,
+        /// The instance named by that object.
+        holder: String,
+    },
     /// The lease store failed.
     #[error("cluster start-up: {0}")]
     Store(#[from] StoreError),
@@ -328,6 +337,7 @@ impl Cluster {
                     advertise: None,
                     renewals: 0,
                     expires_at: None,
+                    ttl: None,
                 });
                 ShardLeaseView {
                     shard,
@@ -424,6 +434,15 @@ impl LeaseStore for Counted {
     async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
         self.calls[0].fetch_add(1, Ordering::Relaxed);
         self.inner.list_folders(prefix).await
+    }
+    async fn list_first(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        self.calls[0].fetch_add(1, Ordering::Relaxed);
+        self.inner.list_first(prefix, start_after, max).await
     }
     async fn get(&self, key: &str) -> Result<Option<crate::lease::StoredObject>, StoreError> {
         self.calls[1].fetch_add(1, Ordering::Relaxed);

@@ -69,6 +69,16 @@ impl Cluster {
             if let Some(c) = self.live_conflict(shard, read.as_ref()) {
                 return Err(ClusterError::OtherSetUp(c));
             }
+            // This build writes gate objects on shard 0 only (the anchor):
+            // a live one of this set-up elsewhere is an older build's member.
+            if let Some((epoch, Some(rec), false)) = &read {
+                if shard != 0 && self.verdict(shard, *epoch, Some(rec)) == Verdict::Ours {
+                    return Err(ClusterError::OlderBuild {
+                        shard,
+                        holder: rec.holder.clone(),
+                    });
+                }
+            }
         }
         Ok(())
     }

@@ -29,13 +29,15 @@ impl Seen {
     }
 
     /// When a contender may take the shard: at once for no row or a released
-    /// one; otherwise `ttl + grace` after the row was first seen as it is.
+    /// one; otherwise `ttl + grace` after the row was first seen as it is —
+    /// the owner's `ttl` when it is longer than the contender's.
     pub(super) fn free_at(&self, ttl: Duration, grace: Duration) -> Option<Instant> {
+        let wait = |r: &OwnerRow| r.ttl.map_or(ttl, |t| t.max(ttl)) + grace;
         match (&self.row, self.since) {
             (None, _) => None,
             (Some(r), _) if r.owner.is_none() => None,
-            (Some(_), Some(since)) => Some(since + ttl + grace),
-            (Some(_), None) => Some(Instant::now() + ttl + grace),
+            (Some(r), Some(since)) => Some(since + wait(r)),
+            (Some(r), None) => Some(Instant::now() + wait(r)),
         }
     }
 

@@ -74,6 +74,7 @@ impl Cluster {
                         advertise: Some(self.advertise.clone()),
                         renewals: 0,
                         expires_at: None,
+                        ttl: Some(self.ttl),
                     });
                     generation
                 }

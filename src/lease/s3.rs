@@ -305,6 +305,32 @@ impl LeaseStore for S3Store {
         Ok(keys)
     }
 
+    async fn list_first(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        let mut req = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(prefix)
+            .max_keys(i32::try_from(max.clamp(1, 1000)).unwrap_or(1000));
+        if let Some(s) = start_after {
+            req = req.start_after(s);
+        }
+        let out = req.send().await.map_err(classify)?;
+        let mut keys: Vec<String> = out
+            .contents()
+            .iter()
+            .filter_map(|o| o.key().map(str::to_owned))
+            .collect();
+        keys.sort();
+        keys.truncate(max);
+        Ok(keys)
+    }
+
     async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
         match self
             .client

@@ -72,6 +72,11 @@ pub struct OwnerRow {
     /// `now() + gate_ttl` at the latest renewal, on the database's clock (shown,
     /// never judged on).
     pub expires_at: Option<std::time::SystemTime>,
+    /// The owner's own `gate_ttl`, as it wrote it with its take and renewals:
+    /// it aborts what it has in flight that long after a renewal's send, so a
+    /// contender configured with a shorter one waits this long (members with
+    /// different `gate_ttl`, as during a rolling config change).
+    pub ttl: Option<std::time::Duration>,
 }
 
 /// What is kept for one lease.

@@ -81,7 +81,8 @@ const MIGRATIONS: &[&str] = &[
     // 5 → 6: shard ownership in the database (SPEC §10.2, issue 28): the owner
     // row names its instance, counts its renewals (a successor watches them on
     // its own clock), and shows its expiry on the database's clock; the
-    // previous tenure's owner and last renewal are kept for inspection. A
+    // previous tenure's owner and last renewal are kept for inspection; the
+    // owner's own gate_ttl (`ttl_ms`) is what a contender waits. A
     // membership row counts its beats the same way.
     "ALTER TABLE fencegate_owners
         ADD COLUMN owner text,
@@ -91,7 +92,8 @@ const MIGRATIONS: &[&str] = &[
         ADD COLUMN renewed_at timestamptz,
         ADD COLUMN taken_at timestamptz,
         ADD COLUMN previous_owner text,
-        ADD COLUMN previous_renewed_at timestamptz;
+        ADD COLUMN previous_renewed_at timestamptz,
+        ADD COLUMN ttl_ms bigint;
     ALTER TABLE fencegate_members ADD COLUMN beats bigint NOT NULL DEFAULT 0;",
 ];
 

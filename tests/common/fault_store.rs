@@ -206,6 +206,18 @@ impl LeaseStore for FaultStore {
         .await
     }
 
+    async fn list_first(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        around(self.fault_for(Op::List, prefix), || {
+            self.inner.list_first(prefix, start_after, max)
+        })
+        .await
+    }
+
     async fn get(&self, key: &str) -> Result<Option<StoredObject>, StoreError> {
         around(self.fault_for(Op::Get, key), || self.inner.get(key)).await
     }

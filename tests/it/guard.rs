@@ -30,7 +30,10 @@ async fn a_second_instance_on_the_same_store_exits_2_naming_the_holder() {
     .unwrap();
     let (code, stderr) = serve_expecting_exit(&config(&s3, &origin));
     assert_eq!(code, Some(2), "{stderr}");
-    let first_line = stderr.lines().next().unwrap_or_default();
+    let first_line = stderr
+        .lines()
+        .find(|l| !l.contains("config loaded"))
+        .unwrap_or_default();
     assert!(
         first_line.contains(id.trim()) && first_line.contains("until"),
         "names the holder and when its lease ends: {first_line}"
@@ -108,7 +111,10 @@ async fn a_copied_instance_id_exits_2_while_its_original_lives() {
         copy_id(state, &id);
     });
     assert_eq!(code, Some(2), "{stderr}");
-    let line = stderr.lines().next().unwrap_or_default();
+    let line = stderr
+        .lines()
+        .find(|l| !l.contains("config loaded"))
+        .unwrap_or_default();
     let pid = format!("pid {} ", first.pid());
     assert!(
         line.contains(&id) && line.contains(&pid) && line.contains("until"),
@@ -307,7 +313,10 @@ async fn an_instance_with_other_state_takes_over_only_when_told_duplicates_may_f
         }
         assert!(stopped.elapsed() < Duration::from_secs(15), "{stderr}");
     };
-    let line = stderr.lines().next().unwrap_or_default();
+    let line = stderr
+        .lines()
+        .find(|l| !l.contains("config loaded"))
+        .unwrap_or_default();
     assert!(
         line.contains("--takeover-may-duplicate") && line.contains("sled:"),
         "names where each keeps its deliveries and the flag: {line}"

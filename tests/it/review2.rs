@@ -178,7 +178,9 @@ async fn f1_attackers_own_acquire_and_its_proven_release_free_a_live_members_sha
 /// renewal. Members with different gate_ttl (nothing in the config or the
 /// SPEC forbids it; a rolling config change makes it routine): garbage over
 /// fg-a's (60 s) epoch lets fg-b (3 s) in after ~4.5 s, while fg-a keeps
-/// forwarding until ~20 s.
+/// forwarding until ~20 s. With ownership rows (issue 28) the same mistake
+/// let fg-b take fg-a's row after its own 3 s + grace; the owner now writes
+/// its `gate_ttl` in the row and a contender waits the longer of the two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f2_garbage_frees_after_the_readers_shorter_gate_ttl_while_the_holder_still_forwards() {
     skip_without_python!();
@@ -554,4 +556,80 @@ async fn h2_proven_release_then_a_cluster_and_a_single_start_at_once() {
         served.iter().filter(|(_, ok)| *ok).count() <= 1,
         "SPEC §10: both set-ups forwarded: {served:?}"
     );
+}
+
+/// An upgrade across issue 28 done one instance at a time: a member of the
+/// older build still holds shard 1 through a gate lease of its own in the
+/// store (this build keeps none but the anchor, and would own the shard's row
+/// at the same time). The newer member refuses to start (exit 2) and says to
+/// stop the older instances first; once the older gate lease has ended, it
+/// starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_builds_live_shard_gate_lease_refuses_start_up() {
+    skip_without_python!();
+    if !crate::support::postgres::available_or_skip() {
+        return;
+    }
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let (_db_name, db) = crate::support::postgres::PgServer::shared().new_database();
+    // What an older member wrote when it took shard 1 of 2: a sealed acquire.
+    let g = gates(&s3).await;
+    let shard1 = LeaseName::parse("0001").unwrap();
+    let mut rec = EpochRecord::acquire(
+        &shard1,
+        Epoch::new(1),
+        "fg-old",
+        b"old token",
+        Duration::from_secs(6),
+    );
+    rec.advertise = Some("http://127.0.0.1:9".into());
+    rec.mode = Some("cluster".into());
+    rec.shards = Some(2);
+    fencegate::setup::GateKey::from_peer_token(PEER_TOKEN, g.prefix()).seal(&mut rec);
+    let created = g
+        .store()
+        .create_if_absent(
+            &object_key(g.prefix(), &shard1, Epoch::new(1)),
+            serde_json::to_vec(&rec).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(created, fencegate::lease::CreateOutcome::Created);
+    let port = crate::review::free_port();
+    let cfg = member_config(
+        &s3,
+        &db,
+        &origin,
+        "fg-new",
+        port,
+        2,
+        ("6s", "1s"),
+        PEER_TOKEN,
+    );
+    let mut m = Fencegate::unstarted(&format!("127.0.0.1:{port}"), "", &cfg, &[]);
+    let err = m
+        .spawn(None)
+        .expect_err("started beside an older build's live gate lease");
+    assert_eq!(m.last_exit.and_then(|s| s.code()), Some(2), "{err}");
+    assert!(
+        err.contains("\"fg-old\"") && err.contains("older") && err.contains("stop every instance"),
+        "{err}"
+    );
+    // The older instance is gone: its lease ends (6 s + grace after its create).
+    let mut started = false;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(30) {
+        let mut m = Fencegate::unstarted(&format!("127.0.0.1:{port}"), "", &cfg, &[]);
+        if m.spawn(None).is_ok() {
+            eventually("fg-new serves both shards", || async {
+                serves(&m, 0).await && serves(&m, 1).await
+            })
+            .await;
+            started = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(started, "did not start once the older gate lease ended");
 }

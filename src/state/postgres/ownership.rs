@@ -29,7 +29,7 @@ impl PostgresState {
                 let st = c
                     .prepare_cached(
                         "SELECT shard, generation, owner, advertise, renewals, \
-                         (extract(epoch FROM expires_at) * 1000)::bigint \
+                         (extract(epoch FROM expires_at) * 1000)::bigint, ttl_ms \
                          FROM fencegate_owners ORDER BY shard",
                     )
                     .await?;
@@ -47,6 +47,9 @@ impl PostgresState {
                     advertise: r.get(3),
                     renewals: uint(r.get(4)),
                     expires_at: ms.map(|m| UNIX_EPOCH + Duration::from_millis(uint(m))),
+                    ttl: r
+                        .get::<_, Option<i64>>(6)
+                        .map(|t| Duration::from_millis(uint(t))),
                 }
             })
             .collect())
@@ -62,6 +65,7 @@ impl PostgresState {
     ) -> Result<Option<u64>, StateError> {
         let sh = i32::try_from(shard).unwrap_or(i32::MAX);
         let secs = ttl.as_secs_f64();
+        let ttl_ms = int(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         let row = self
             .with("taking a shard", |c| async move {
                 match seen {
@@ -69,12 +73,12 @@ impl PostgresState {
                         let st = c
                             .prepare_cached(
                                 "INSERT INTO fencegate_owners AS o (shard, generation, owner, advertise, \
-                                 renewals, expires_at, renewed_at, taken_at) \
-                                 VALUES ($1, 1, $2, $3, 0, now() + make_interval(secs => $4), now(), now()) \
+                                 renewals, expires_at, renewed_at, taken_at, ttl_ms) \
+                                 VALUES ($1, 1, $2, $3, 0, now() + make_interval(secs => $4), now(), now(), $5) \
                                  ON CONFLICT (shard) DO NOTHING RETURNING generation",
                             )
                             .await?;
-                        c.query_opt(&st, &[&sh, &id, &advertise, &secs]).await
+                        c.query_opt(&st, &[&sh, &id, &advertise, &secs, &ttl_ms]).await
                     }
                     Some((generation, renewals)) => {
                         // The row lock taken here waits for every state write
@@ -86,14 +90,22 @@ impl PostgresState {
                                  owner = $2, advertise = $3, renewals = 0, \
                                  expires_at = now() + make_interval(secs => $4), \
                                  renewed_at = now(), taken_at = now(), \
-                                 previous_owner = owner, previous_renewed_at = renewed_at \
+                                 previous_owner = owner, previous_renewed_at = renewed_at, ttl_ms = $7 \
                                  WHERE shard = $1 AND generation = $5 AND renewals = $6 \
                                  RETURNING generation",
                             )
                             .await?;
                         c.query_opt(
                             &st,
-                            &[&sh, &id, &advertise, &secs, &int(generation), &int(renewals)],
+                            &[
+                                &sh,
+                                &id,
+                                &advertise,
+                                &secs,
+                                &int(generation),
+                                &int(renewals),
+                                &ttl_ms,
+                            ],
                         )
                         .await
                     }
@@ -116,18 +128,19 @@ impl PostgresState {
             .collect();
         let gens: Vec<i64> = held.iter().map(|(_, g)| int(*g)).collect();
         let secs = ttl.as_secs_f64();
+        let ttl_ms = int(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         let rows = self
             .with("renewing shards", |c| async move {
                 let st = c
                     .prepare_cached(
                         "UPDATE fencegate_owners o SET renewals = o.renewals + 1, \
-                         expires_at = now() + make_interval(secs => $4), renewed_at = now() \
+                         expires_at = now() + make_interval(secs => $4), renewed_at = now(), ttl_ms = $5 \
                          FROM unnest($2::integer[], $3::bigint[]) AS h(shard, generation) \
                          WHERE o.shard = h.shard AND o.generation = h.generation AND o.owner = $1 \
                          RETURNING o.shard, o.generation, o.renewals",
                     )
                     .await?;
-                c.query(&st, &[&id, &shards, &gens, &secs]).await
+                c.query(&st, &[&id, &shards, &gens, &secs, &ttl_ms]).await
             })
             .await?;
         self.committed();

@@ -1417,7 +1417,8 @@ async fn schema_1_records_survive_the_migration_to_2() {
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
          ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
            DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
-           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at; \
+           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at, \
+           DROP COLUMN ttl_ms; \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \
@@ -1492,7 +1493,8 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
          ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
            DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
-           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at; \
+           DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at, \
+           DROP COLUMN ttl_ms; \
          ALTER TABLE fencegate_members DROP COLUMN beats; \
          UPDATE fencegate_schema SET version = 3; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \

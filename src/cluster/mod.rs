@@ -194,6 +194,7 @@ impl Cluster {
                 holding: Mutex::new(None),
                 op: tokio::sync::Mutex::new(()),
                 busy: AtomicBool::new(false),
+                stopping: Arc::new(tokio::sync::watch::Sender::new(0)),
                 seen: Mutex::new(Seen::default()),
             })
             .collect();

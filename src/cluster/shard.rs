@@ -71,6 +71,10 @@ pub(super) struct ShardLease {
     pub(super) op: tokio::sync::Mutex<()>,
     /// A takeover or a handover task is running.
     pub(super) busy: AtomicBool,
+    /// Tenures of this shard stopped here whose requests may still be in
+    /// flight (until their abort deadline): a new tenure here starts after
+    /// them, as a successor elsewhere would (review of issue 28, F3).
+    pub(super) stopping: std::sync::Arc<tokio::sync::watch::Sender<usize>>,
     pub(super) seen: Mutex<Seen>,
 }
 

@@ -98,6 +98,17 @@ impl Cluster {
             self.hand_back(shard).await;
             return;
         }
+        // A tenure of this shard stopped here (self-fenced, then renewed in
+        // time) may still have requests in flight until its abort deadline,
+        // which can come after the new tenure's settle: they end first.
+        let mut stopped = g.stopping.subscribe();
+        if *stopped.borrow() > 0 {
+            tracing::info!(
+                shard,
+                "waiting for the requests of this shard's previous tenure here to end"
+            );
+            let _ = stopped.wait_for(|n| *n == 0).await;
+        }
         if let Err(e) = self.start_tenure(g, owner).await {
             tracing::warn!(shard, error = %e, "could not start serving a shard; handing it back");
             self.hand_back(shard).await;
@@ -189,8 +200,11 @@ impl Cluster {
         }
         let owner = Owner { shard, generation };
         let stops = self.stop_leases(g, owner, |_| deadline);
+        let stopping = g.stopping.clone();
+        stopping.send_modify(|n| *n += 1);
         tokio::spawn(async move {
             stops.join_all().await;
+            stopping.send_modify(|n| *n = n.saturating_sub(1));
             tracing::info!(shard, why, "stopped serving a shard");
         });
     }

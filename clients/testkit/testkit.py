@@ -65,6 +65,7 @@ ROUTES = {
     "late": {},
     "replay": {},
     "renew": {},
+    "tenure": {},
     "codes": {},
     "inflight": {},
     "expiry": {},
@@ -258,6 +259,14 @@ class Relay:
 # --------------------------------------------------------------------------- origin
 
 
+class Quiet(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):  # a peer that went away: not news
+        pass
+
+
+
 class Origin:
     def __init__(self) -> None:
         self.lock = threading.Condition()
@@ -316,6 +325,8 @@ class Origin:
                     self.end_headers()
                     self.wfile.write(out)
                     self.wfile.flush()
+                except OSError:
+                    self.close_connection = True  # fencegate gave up on it (a timeout, a drain)
                 finally:
                     with origin.lock:
                         rec["completed"] = True
@@ -332,8 +343,7 @@ class Origin:
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = Quiet(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="origin").start()
 

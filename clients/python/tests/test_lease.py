@@ -49,7 +49,9 @@ class Leases(unittest.TestCase):
             self.assertGreater(tenure.lease.epoch, first.epoch)
             out = gate.call(tenure, "POST", "/tenure/after-renewals", json={})
             self.assertIsInstance(out, Delivered)
-            self.assertEqual(k.origin_requests("/tenure/after-renewals")[0]["epoch"], str(tenure.lease.epoch))
+            assert out.epoch is not None
+            self.assertGreater(out.epoch, first.epoch, "sent with the renewed epoch")
+            self.assertEqual(k.origin_requests("/tenure/after-renewals")[0]["epoch"], str(out.epoch))
             last = tenure.lease
         self.assertEqual(tenure.stop_reason, "closed")
         obj = leases.read("tenure", last.epoch + 1)

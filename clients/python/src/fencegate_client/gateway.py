@@ -34,6 +34,8 @@ class Outcome:
     body: bytes
     code: Optional[str]
     attempts: int
+    #: The epoch the (last) request carried; None when nothing was sent.
+    epoch: Optional[int] = None
 
     kind: ClassVar[str] = "outcome"
     #: The worker must stop this work (its epoch is over, or its request can never pass).
@@ -257,14 +259,15 @@ def parse_retry_after(value: Optional[str]) -> Optional[float]:
     return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
-def parse_outcome(status: int, headers: Mapping[str, str], body: bytes, attempts: int = 1) -> Outcome:
+def parse_outcome(status: int, headers: Mapping[str, str], body: bytes, attempts: int = 1,
+                  epoch: Optional[int] = None) -> Outcome:
     """The outcome of one HTTP answer from fencegate: fencegate's own (by its
     `X-Fencegate-Error` header) or the destination's."""
     h = {k.lower(): v for k, v in headers.items()}
     code = h.get("x-fencegate-error")
     if code is None:
-        return Delivered(status, h, body, None, attempts)
-    return ERROR_CODES.get(code, UnknownError)(status, h, body, code, attempts)
+        return Delivered(status, h, body, None, attempts, epoch)
+    return ERROR_CODES.get(code, UnknownError)(status, h, body, code, attempts, epoch)
 
 
 # --------------------------------------------------------------------------- the client
@@ -351,7 +354,7 @@ class GatewayClient:
             h["X-Lease-Token"] = lease.token
             if key is not None:
                 h["Idempotency-Key"] = key
-            outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt)
+            outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch)
             if attempt == attempts or not self._retry(outcome, key is not None):
                 return outcome
             delay = self._delay(outcome, attempt)
@@ -402,7 +405,7 @@ class GatewayClient:
         return backoff
 
     def _send_once(self, method: str, path: str, data: Optional[bytes], headers: Dict[str, str],
-                   timeout: float, attempt: int) -> Outcome:
+                   timeout: float, attempt: int, epoch: int) -> Outcome:
         if self._https:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
                 self._host, self._port, timeout=timeout, context=self._ssl)
@@ -412,17 +415,17 @@ class GatewayClient:
             try:
                 conn.connect()
             except OSError as e:
-                return NoResponse(0, {}, b"", None, attempt, error=f"connect: {e}", sent=False)
+                return NoResponse(0, {}, b"", None, attempt, None, error=f"connect: {e}", sent=False)
             try:
                 conn.request(method, self._base_path + path, body=data, headers=headers)
                 resp = conn.getresponse()
                 payload = resp.read()
             except (OSError, http.client.HTTPException) as e:
-                return NoResponse(0, {}, b"", None, attempt, error=f"{type(e).__name__}: {e}", sent=True)
+                return NoResponse(0, {}, b"", None, attempt, epoch, error=f"{type(e).__name__}: {e}", sent=True)
             hdrs: Dict[str, str] = {}
             for k, v in resp.getheaders():
                 k = k.lower()
                 hdrs[k] = f"{hdrs[k]}, {v}" if k in hdrs else v
-            return parse_outcome(resp.status, hdrs, payload, attempt)
+            return parse_outcome(resp.status, hdrs, payload, attempt, epoch)
         finally:
             conn.close()

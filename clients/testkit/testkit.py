@@ -91,7 +91,8 @@ def free_port() -> int:
 
 
 class Relay:
-    """A TCP relay with faults, one request per connection inspected."""
+    """A TCP relay with faults. Each connection carries one request (the relay
+    adds `Connection: close` to it), whose request line is inspected."""
 
     def __init__(self, name: str, upstream: tuple[str, int]):
         self.name = name
@@ -179,7 +180,12 @@ class Relay:
             buf += chunk
             if len(buf) > 1 << 20:
                 break
-        head = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+        raw_head, rest = buf.split(b"\r\n\r\n", 1)
+        head = raw_head.decode("latin-1")
+        # One request per connection, so that each one is inspected: the upstream
+        # is asked to close after its answer (clients keep connections alive).
+        lines = [h for h in head.split("\r\n") if not h.lower().startswith("connection:")]
+        buf = ("\r\n".join(lines + ["Connection: close"]) + "\r\n\r\n").encode("latin-1") + rest
         request_line = head.split("\r\n", 1)[0]
         conditional = any(h.lower().startswith("if-none-match:") for h in head.split("\r\n")[1:])
         hold = drop = False

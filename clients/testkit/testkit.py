@@ -502,7 +502,8 @@ def main() -> None:
     p.add_argument("--s3-python", default=os.environ.get("FENCEGATE_TEST_PYTHON", sys.executable),
                    help="a python with moto (scripts/setup-s3server.sh prints it)")
     p.add_argument("--fencegate", default=os.environ.get(
-        "FENCEGATE_BIN", os.path.join(REPO, "target", "debug", "fencegate")))
+        "FENCEGATE_BIN", os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target"),
+                                      "debug", "fencegate")))
     args = p.parse_args()
     if not os.access(args.fencegate, os.X_OK):
         sys.exit(f"testkit: no fencegate binary at {args.fencegate} (set FENCEGATE_BIN)")

@@ -42,6 +42,8 @@ class Kit:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        if self.proc.stdout:
+            self.proc.stdout.close()
 
     # ---- the control API
 

@@ -108,10 +108,17 @@ class Scenarios(unittest.TestCase):
         self.assertIsInstance(again, Delivered)
         self.assertTrue(again.replayed)
         self.assertEqual(again.body, out.body)
+        # And after a renewal: "the same request" is method, path and body, not the epoch.
+        renewed = k.leases().renew(lease)
+        again = k.gateway().call(renewed, "POST", "/replay/charges", json={"amount": 42},
+                                 idempotency_key="charge-42")
+        self.assertIsInstance(again, Delivered)
+        self.assertTrue(again.replayed)
+        self.assertEqual((again.body, again.epoch), (out.body, renewed.epoch))
         got = k.origin_requests("/replay/")
         self.assertEqual(len(got), 1, "the origin received it once")
         self.assertEqual(got[0]["idempotency_key"], "charge-42")
-        k.leases().release(lease)
+        k.leases().release(renewed)
 
     def test_4_renewal_missing_deadline_stops_work(self) -> None:
         k = kit()

@@ -95,10 +95,15 @@ describe("scenarios", () => {
     const again = await k.gateway().call(lease, "POST", "/replay/charges", { json: { amount: 42 }, idempotencyKey: "charge-42" });
     assert.equal(again.kind === "delivered" && again.replayed, true);
     assert.deepEqual(again.body, out.body);
+    // And after a renewal: "the same request" is method, path and body, not the epoch.
+    const renewed = await k.leases().renew(lease);
+    const third = await k.gateway().call(renewed, "POST", "/replay/charges", { json: { amount: 42 }, idempotencyKey: "charge-42" });
+    assert.equal(third.kind === "delivered" && third.replayed, true);
+    assert.deepEqual([third.body, third.epoch], [out.body, renewed.epoch]);
     const after = await k.originRequests("/replay/");
     assert.equal(after.length, 1, "the origin received it once");
     assert.equal(after[0].idempotency_key, "charge-42");
-    await k.leases().release(lease);
+    await k.leases().release(renewed);
   });
 
   test("4 renewal missing deadline stops work", async () => {

@@ -398,7 +398,7 @@ class GatewayClient:
         return outcome.retried
 
     def _delay(self, outcome: Outcome, attempt: int) -> float:
-        backoff = min(self.backoff * 2 ** (attempt - 1), 5.0)
+        backoff: float = min(self.backoff * float(2 ** (attempt - 1)), 5.0)
         if isinstance(outcome, Unavailable):
             ra = outcome.retry_after
             return ra if ra is not None else max(1.0, backoff)

@@ -90,7 +90,7 @@ def parse_epoch_object(lease: str, epoch: int, raw: bytes, last_modified: dateti
     digest, ttl = o.get("token_sha256"), o.get("ttl_ms")
     if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
         return invalid
-    if not (_is_int(ttl) and ttl > 0):
+    if not (isinstance(ttl, int) and not isinstance(ttl, bool) and ttl > 0):
         return invalid
     return EpochObject(epoch, "acquire", holder, digest, ttl, last_modified, raw)
 

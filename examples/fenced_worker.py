@@ -16,7 +16,8 @@ someone else (without --wait) or was lost, 4 fencegate refused the call (its
 error code is in the output), 1 any other error.
 
 Requires boto3 >= 1.35. Credentials come from the usual AWS chain. Run from a
-checkout without installing the package, it uses clients/python/src.
+checkout, it uses the package's source there (clients/python/src); elsewhere,
+`pip install` the package.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-try:
-    import fencegate_client  # noqa: F401
-except ImportError:  # a checkout: use the package's source next door
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients", "python", "src"))
+# In a checkout, the package's source next door comes first (an installed copy may be older).
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients", "python", "src")
+if os.path.isdir(os.path.join(_SRC, "fencegate_client")):
+    sys.path.insert(0, _SRC)
 
 import boto3
 from botocore.config import Config

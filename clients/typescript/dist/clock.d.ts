@@ -12,9 +12,12 @@ import type { S3Client } from "@aws-sdk/client-s3";
  */
 export declare class StoreClock {
     private offsetMs;
+    private readonly listeners;
     get known(): boolean;
     /** Feeds one response's `Date` header, received at `receivedMs` (default: now). */
     observe(dateHeader: string | undefined | null, receivedMs?: number): void;
+    /** Calls `fn` whenever the estimate changes; returns the unsubscribe function. */
+    subscribe(fn: () => void): () => void;
     /** The earliest the store's clock may read now (ms since the epoch). */
     earliest(): number;
     /** The latest the store's clock may read now (Date + 1 s resolution). */

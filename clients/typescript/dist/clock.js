@@ -14,6 +14,7 @@ exports.StoreClock = void 0;
  */
 class StoreClock {
     offsetMs = null;
+    listeners = new Set();
     get known() {
         return this.offsetMs !== null;
     }
@@ -24,7 +25,17 @@ class StoreClock {
         const date = Date.parse(dateHeader);
         if (Number.isNaN(date))
             return;
-        this.offsetMs = date - receivedMs;
+        const offset = date - receivedMs;
+        if (offset === this.offsetMs)
+            return;
+        this.offsetMs = offset;
+        for (const fn of [...this.listeners])
+            fn();
+    }
+    /** Calls `fn` whenever the estimate changes; returns the unsubscribe function. */
+    subscribe(fn) {
+        this.listeners.add(fn);
+        return () => this.listeners.delete(fn);
     }
     /** The earliest the store's clock may read now (ms since the epoch). */
     earliest() {

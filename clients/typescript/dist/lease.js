@@ -208,6 +208,9 @@ class LeaseClient {
      * background and signals stop `marginMs` before the lease could end.
      */
     async hold(lease, opts) {
+        const marginMs = opts.marginMs ?? 2000;
+        if (marginMs < 0 || marginMs >= (opts.ttlMs ?? 30000))
+            throw new Error("marginMs must be in [0, ttlMs)");
         const held = await this.acquire(lease, opts);
         return new tenure_1.Tenure(this, held, { marginMs: opts.marginMs, onStop: opts.onStop });
     }

@@ -10,8 +10,9 @@ export interface TenureOptions {
  * Holds a lease: renews it in the background and signals stop BEFORE it ends.
  *
  * The stop deadline is `expiresAt - marginMs`, with `expiresAt` judged on the
- * latest estimate of the store's clock (so up to ~1 s earlier still); each
- * successful renewal moves it. A renewal is attempted when half of the time to
+ * latest estimate of the store's clock (so up to ~1 s earlier still): it runs on
+ * the monotonic clock, comes earlier when a newer estimate says so, and moves
+ * later only with a successful renewal. A renewal is attempted when half of the time to
  * the deadline is left, and retried (every ≤ 1 s) until the deadline. The signal
  * does not depend on the renewal returning: a timer fires it at the deadline
  * even while a renewal hangs on an unreachable store.
@@ -42,6 +43,7 @@ export declare class Tenure {
     private renewing;
     private readonly controller;
     private readonly onStop;
+    private readonly unsubscribe;
     constructor(client: LeaseClient, lease: Lease, opts?: TenureOptions);
     /** The current epoch (it changes at each renewal: use it for every request). */
     get lease(): Lease;
@@ -68,5 +70,6 @@ export declare class Tenure {
     private armWatchdog;
     private scheduleRenewal;
     private renewOnce;
+    private clockMoved;
     private stop;
 }

@@ -8,8 +8,9 @@ const lease_1 = require("./lease");
  * Holds a lease: renews it in the background and signals stop BEFORE it ends.
  *
  * The stop deadline is `expiresAt - marginMs`, with `expiresAt` judged on the
- * latest estimate of the store's clock (so up to ~1 s earlier still); each
- * successful renewal moves it. A renewal is attempted when half of the time to
+ * latest estimate of the store's clock (so up to ~1 s earlier still): it runs on
+ * the monotonic clock, comes earlier when a newer estimate says so, and moves
+ * later only with a successful renewal. A renewal is attempted when half of the time to
  * the deadline is left, and retried (every ≤ 1 s) until the deadline. The signal
  * does not depend on the renewal returning: a timer fires it at the deadline
  * even while a renewal hangs on an unreachable store.
@@ -40,6 +41,7 @@ class Tenure {
     renewing;
     controller = new AbortController();
     onStop;
+    unsubscribe;
     constructor(client, lease, opts = {}) {
         this.client = client;
         this.marginMs = opts.marginMs ?? 2000;
@@ -49,6 +51,8 @@ class Tenure {
         this.signal = this.controller.signal;
         this.current = lease;
         this.stopAt = this.deadline(lease);
+        // A newer estimate of the store's clock may bring the deadline forward.
+        this.unsubscribe = lease.clock.subscribe(() => this.clockMoved());
         this.armWatchdog();
         this.scheduleRenewal(this.halfway());
     }
@@ -180,10 +184,20 @@ class Tenure {
         this.armWatchdog();
         this.scheduleRenewal(this.halfway());
     }
+    clockMoved() {
+        if (this.reason !== null)
+            return;
+        const fresh = this.deadline(this.current);
+        if (fresh < this.stopAt) {
+            this.stopAt = fresh;
+            this.armWatchdog();
+        }
+    }
     stop(reason) {
         if (this.reason !== null)
             return;
         this.reason = reason;
+        this.unsubscribe();
         this.stoppedAt = new Date(this.current.clock.latest());
         if (this.watchdog)
             clearTimeout(this.watchdog);

@@ -14,6 +14,7 @@ import type { S3Client } from "@aws-sdk/client-s3";
  */
 export class StoreClock {
   private offsetMs: number | null = null;
+  private readonly listeners = new Set<() => void>();
 
   get known(): boolean {
     return this.offsetMs !== null;
@@ -24,7 +25,16 @@ export class StoreClock {
     if (!dateHeader) return;
     const date = Date.parse(dateHeader);
     if (Number.isNaN(date)) return;
-    this.offsetMs = date - receivedMs;
+    const offset = date - receivedMs;
+    if (offset === this.offsetMs) return;
+    this.offsetMs = offset;
+    for (const fn of [...this.listeners]) fn();
+  }
+
+  /** Calls `fn` whenever the estimate changes; returns the unsubscribe function. */
+  subscribe(fn: () => void): () => void {
+    this.listeners.add(fn);
+    return () => this.listeners.delete(fn);
   }
 
   /** The earliest the store's clock may read now (ms since the epoch). */

@@ -281,6 +281,8 @@ export class LeaseClient {
    * background and signals stop `marginMs` before the lease could end.
    */
   async hold(lease: string, opts: HoldOptions): Promise<Tenure> {
+    const marginMs = opts.marginMs ?? 2000;
+    if (marginMs < 0 || marginMs >= (opts.ttlMs ?? 30000)) throw new Error("marginMs must be in [0, ttlMs)");
     const held = await this.acquire(lease, opts);
     return new Tenure(this, held, { marginMs: opts.marginMs, onStop: opts.onStop });
   }

@@ -13,8 +13,9 @@ export interface TenureOptions {
  * Holds a lease: renews it in the background and signals stop BEFORE it ends.
  *
  * The stop deadline is `expiresAt - marginMs`, with `expiresAt` judged on the
- * latest estimate of the store's clock (so up to ~1 s earlier still); each
- * successful renewal moves it. A renewal is attempted when half of the time to
+ * latest estimate of the store's clock (so up to ~1 s earlier still): it runs on
+ * the monotonic clock, comes earlier when a newer estimate says so, and moves
+ * later only with a successful renewal. A renewal is attempted when half of the time to
  * the deadline is left, and retried (every ≤ 1 s) until the deadline. The signal
  * does not depend on the renewal returning: a timer fires it at the deadline
  * even while a renewal hangs on an unreachable store.
@@ -45,6 +46,7 @@ export class Tenure {
   private renewing: Promise<void> | undefined;
   private readonly controller = new AbortController();
   private readonly onStop: ((reason: StopReason) => void) | undefined;
+  private readonly unsubscribe: () => void;
 
   constructor(
     private readonly client: LeaseClient,
@@ -57,6 +59,8 @@ export class Tenure {
     this.signal = this.controller.signal;
     this.current = lease;
     this.stopAt = this.deadline(lease);
+    // A newer estimate of the store's clock may bring the deadline forward.
+    this.unsubscribe = lease.clock.subscribe(() => this.clockMoved());
     this.armWatchdog();
     this.scheduleRenewal(this.halfway());
   }
@@ -192,9 +196,19 @@ export class Tenure {
     this.scheduleRenewal(this.halfway());
   }
 
+  private clockMoved(): void {
+    if (this.reason !== null) return;
+    const fresh = this.deadline(this.current);
+    if (fresh < this.stopAt) {
+      this.stopAt = fresh;
+      this.armWatchdog();
+    }
+  }
+
   private stop(reason: StopReason): void {
     if (this.reason !== null) return;
     this.reason = reason;
+    this.unsubscribe();
     this.stoppedAt = new Date(this.current.clock.latest());
     if (this.watchdog) clearTimeout(this.watchdog);
     if (this.renewTimer) clearTimeout(this.renewTimer);

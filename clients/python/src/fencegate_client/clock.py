@@ -6,7 +6,7 @@ import email.utils
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional
 
 ONE_SECOND = timedelta(seconds=1)
 
@@ -31,6 +31,7 @@ class StoreClock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._offset: Optional[timedelta] = None  # Date - local arrival time
+        self._listeners: List[Callable[[], None]] = []
 
     @property
     def known(self) -> bool:
@@ -50,7 +51,23 @@ class StoreClock:
         if date.tzinfo is None:
             date = date.replace(tzinfo=timezone.utc)
         with self._lock:
-            self._offset = date - (received or utcnow())
+            offset = date - (received or utcnow())
+            changed, self._offset = offset != self._offset, offset
+            listeners = list(self._listeners) if changed else []
+        for fn in listeners:
+            fn()
+
+    def subscribe(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Calls `fn` whenever the estimate changes; returns the unsubscribe function."""
+        with self._lock:
+            self._listeners.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._listeners:
+                    self._listeners.remove(fn)
+
+        return unsubscribe
 
     def earliest(self) -> datetime:
         """The earliest the store's clock may read now."""

@@ -314,6 +314,8 @@ class LeaseClient:
         background and signals stop `margin_ms` before the lease could end."""
         from .tenure import Tenure
 
+        if margin_ms < 0 or margin_ms >= ttl_ms:
+            raise ValueError("margin_ms must be in [0, ttl_ms)")
         return Tenure(self, self.acquire(lease, holder, ttl_ms, wait, wait_timeout), margin_ms, on_stop)
 
     @staticmethod

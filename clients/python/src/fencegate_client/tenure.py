@@ -29,8 +29,9 @@ class Tenure:
     """Holds a lease: renews it in the background and signals stop BEFORE it ends.
 
     The stop deadline is `expires_at - margin`, with `expires_at` judged on the
-    latest estimate of the store's clock (so up to ~1 s earlier still); each
-    successful renewal moves it. A renewal is attempted when half of the time to
+    latest estimate of the store's clock (so up to ~1 s earlier still): it runs on
+    the monotonic clock, comes earlier when a newer estimate says so, and moves
+    later only with a successful renewal. A renewal is attempted when half of the time to
     the deadline is left, and retried (every ≤ 1 s) until the deadline. The
     signal does not depend on the renewal returning: a watchdog fires it at the
     deadline even while a renewal hangs on an unreachable store.
@@ -62,6 +63,8 @@ class Tenure:
         self.stopped_at: Optional[datetime] = None  # latest store-clock estimate at the signal
         self.renewals = 0
         self.last_error: Optional[BaseException] = None
+        # A newer estimate of the store's clock may bring the deadline forward.
+        self._unsubscribe = lease.clock.subscribe(self._clock_moved)
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name=f"tenure-{lease.name}-watchdog")
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True, name=f"tenure-{lease.name}-renew")
         self._watchdog.start()
@@ -147,6 +150,14 @@ class Tenure:
         with self._cond:
             return self._stop_at
 
+    def _clock_moved(self) -> None:
+        with self._cond:
+            if self._reason is None:
+                fresh = self._deadline(self._lease)
+                if fresh < self._stop_at:
+                    self._stop_at = fresh
+                    self._cond.notify_all()
+
     def _stop(self, reason: str) -> None:
         with self._cond:
             if self._reason is not None:
@@ -155,6 +166,7 @@ class Tenure:
             self.stopped_at = self._lease.clock.latest()
             self.stopped.set()
             self._cond.notify_all()
+        self._unsubscribe()
         log.info("tenure of lease %s: stop (%s)", self._lease.name, reason)
         if self._on_stop is not None:
             try:

@@ -225,6 +225,9 @@ class Outcomes(unittest.TestCase):
         aborted = first.result()
         self.assertEqual((type(aborted), aborted.status, aborted.code, aborted.attempts),
                          (InDoubt, 504, "drain_aborted", 1))
+        # Its key is now in doubt: the same request again is not forwarded.
+        out = gate.call(new, "POST", "/drain/a", json={}, idempotency_key="drain-a")
+        self.assertEqual((type(out), out.status, out.code), (InDoubt, 409, "dedup_in_doubt"))
         k.origin_release("drain-a")
         self.assertEqual([r["path"] for r in k.origin_requests("/drain/")], ["/drain/a", "/drain/b"])
         k.leases().release(new)

@@ -207,6 +207,9 @@ describe("outcomes", () => {
     const aborted = await first;
     assert.ok(!(aborted instanceof Error));
     assert.deepEqual([...brief(aborted), aborted.attempts], ["in_doubt", 504, "drain_aborted", 1]);
+    // Its key is now in doubt: the same request again is not forwarded.
+    out = await gate.call(renewed, "POST", "/drain/a", { json: {}, idempotencyKey: "drain-a" });
+    assert.deepEqual(brief(out), ["in_doubt", 409, "dedup_in_doubt"]);
     await k.originRelease("drain-a");
     assert.deepEqual((await k.originRequests("/drain/")).map((r) => r.path), ["/drain/a", "/drain/b"]);
     await k.leases().release(renewed);

@@ -31,3 +31,6 @@ cargo test --locked --lib --bins --tests -- --skip campaign::fault_campaign --sk
 cargo test --locked --benches
 cargo test --locked --test it campaign::fault_campaign -- --exact
 cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact
+# The worker client packages (clients/python, clients/typescript) against the
+# binary just built: the S3 test server, fencegate and a recording origin.
+bash scripts/clients-test.sh

@@ -1,0 +1,365 @@
+/** Calls through fencegate (SPEC §3) with typed outcomes (SPEC §7) and safe retries. */
+
+import { randomUUID } from "node:crypto";
+
+import { isExpired, msLeft, type Lease } from "./lease";
+import { Tenure } from "./tenure";
+
+// --------------------------------------------------------------------------- outcomes
+
+interface OutcomeBase {
+  /** 0 when there was no HTTP answer. */
+  readonly status: number;
+  /** Lowercase names. */
+  readonly headers: Readonly<Record<string, string>>;
+  readonly body: Uint8Array;
+  /** fencegate's error code (`X-Fencegate-Error`, SPEC §7); null when the destination answered. */
+  readonly code: string | null;
+  /** Requests sent for this call (retries included). */
+  readonly attempts: number;
+  /** The epoch the (last) request carried; null when nothing was sent. */
+  readonly epoch: number | null;
+  /** The worker must stop this work (its epoch is over, or its request can never pass). */
+  readonly mustStop: boolean;
+  /** `call` retries it itself (with the same key), up to `maxAttempts`. */
+  readonly retried: boolean;
+  /** fencegate's JSON error body (`error`, `message`, context); {} otherwise. */
+  readonly details: Readonly<Record<string, unknown>>;
+  readonly message: string | undefined;
+  text(): string;
+  json(): unknown;
+}
+
+/**
+ * The destination's own answer (any status: the destination's 4xx/5xx too).
+ * `replayed`: the stored answer of an earlier identical request with the same
+ * key (`X-Fencegate-Replayed: true`): the action happened once, earlier.
+ */
+export interface Delivered extends OutcomeBase { readonly kind: "delivered"; readonly replayed: boolean }
+/** 409 epoch_stale: a newer epoch exists; you are no longer the leader. Stop. */
+export interface Stale extends OutcomeBase { readonly kind: "stale" }
+/** 409 lease_expired: the epoch expired on the store's clock. Stop; acquire again for new work. */
+export interface Expired extends OutcomeBase { readonly kind: "expired" }
+/** 401 token_missing, 403 token_invalid / epoch_unknown / epoch_invalid / peer_unauthorized: a bug. Stop. */
+export interface Refused extends OutcomeBase { readonly kind: "refused" }
+/**
+ * The request itself is wrong: 428 epoch_missing, 400 epoch_malformed /
+ * dedup_key_malformed / body_malformed, 408 body_timeout, 413 body_too_large,
+ * 404 route_not_found, 501 upgrade_unsupported. Nothing was forwarded; fix it.
+ */
+export interface Invalid extends OutcomeBase { readonly kind: "invalid" }
+/** 409 dedup_in_flight: the same key is being forwarded now. Retried by `call`; returned when attempts ran out. */
+export interface InFlight extends OutcomeBase { readonly kind: "in_flight" }
+/**
+ * May or may not have reached the destination: 504 upstream_timeout or
+ * drain_aborted (this call), or 409 dedup_in_doubt (an earlier one with this
+ * key). Never retried: an operator resolves the key (admin API, SPEC §8).
+ */
+export interface InDoubt extends OutcomeBase { readonly kind: "in_doubt" }
+/** 409 dedup_done: delivered, but the response was not stored. `upstreamStatus` when known. */
+export interface AlreadyDone extends OutcomeBase { readonly kind: "already_done"; readonly upstreamStatus: number | undefined }
+/** 422 dedup_key_reused: the key was used for a different request. A bug. */
+export interface KeyReused extends OutcomeBase { readonly kind: "key_reused" }
+/** 503 store_unavailable / shard_unavailable: nothing forwarded. Retried after Retry-After by `call`. */
+export interface Unavailable extends OutcomeBase { readonly kind: "unavailable"; readonly retryAfterMs: number | undefined }
+/** 502 upstream_unreachable: nothing was sent to the destination. Retried by `call`. */
+export interface Unreachable extends OutcomeBase { readonly kind: "unreachable" }
+/** An X-Fencegate-Error code this client does not know (not in SPEC §7). */
+export interface UnknownError extends OutcomeBase { readonly kind: "unknown_error" }
+/**
+ * The client did not send: the tenure must stop, or the lease has expired (on
+ * the latest estimate of the store's clock). `previous`: the last answer before
+ * a retry was given up for this reason.
+ */
+export interface NotSent extends OutcomeBase { readonly kind: "not_sent"; readonly reason: string; readonly previous: Outcome | undefined }
+/**
+ * No HTTP answer from fencegate (refused, reset, timed out). `sent` is false
+ * only when the connection was never made. Retried by `call` when nothing was
+ * sent, or when the request carried an Idempotency-Key (a retry is then
+ * answered from fencegate's record).
+ */
+export interface NoResponse extends OutcomeBase { readonly kind: "no_response"; readonly error: string; readonly sent: boolean }
+
+export type Outcome =
+  | Delivered | Stale | Expired | Refused | Invalid | InFlight | InDoubt | AlreadyDone | KeyReused
+  | Unavailable | Unreachable | UnknownError | NotSent | NoResponse;
+
+export type OutcomeKind = Outcome["kind"];
+
+/** Every code of SPEC §7 and the kind of outcome it becomes. */
+export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze({
+  epoch_malformed: "invalid",
+  dedup_key_malformed: "invalid",
+  body_malformed: "invalid",
+  token_missing: "refused",
+  token_invalid: "refused",
+  epoch_unknown: "refused",
+  epoch_invalid: "refused",
+  peer_unauthorized: "refused",
+  route_not_found: "invalid",
+  body_timeout: "invalid",
+  epoch_stale: "stale",
+  lease_expired: "expired",
+  dedup_in_flight: "in_flight",
+  dedup_in_doubt: "in_doubt",
+  dedup_done: "already_done",
+  body_too_large: "invalid",
+  dedup_key_reused: "key_reused",
+  epoch_missing: "invalid",
+  upgrade_unsupported: "invalid",
+  upstream_unreachable: "unreachable",
+  store_unavailable: "unavailable",
+  shard_unavailable: "unavailable",
+  upstream_timeout: "in_doubt",
+  drain_aborted: "in_doubt",
+});
+
+const MUST_STOP: ReadonlySet<OutcomeKind> = new Set<OutcomeKind>(["stale", "expired", "refused", "not_sent"]);
+const RETRIED: ReadonlySet<OutcomeKind> = new Set<OutcomeKind>(["in_flight", "unavailable", "unreachable"]);
+
+/** Retry-After in milliseconds: delta-seconds or an HTTP date (RFC 9110 §10.2.3). */
+export function parseRetryAfter(value: string | undefined | null): number | undefined {
+  if (value == null) return undefined;
+  const v = value.trim();
+  if (/^\d+$/.test(v)) return Number(v) * 1000;
+  const when = Date.parse(v);
+  return Number.isNaN(when) ? undefined : Math.max(0, when - Date.now());
+}
+
+interface Parts {
+  status: number;
+  headers: Record<string, string>;
+  body: Uint8Array;
+  code: string | null;
+  attempts: number;
+  epoch: number | null;
+}
+
+function build(kind: OutcomeKind, p: Parts, extra: Record<string, unknown> = {}): Outcome {
+  let details: Record<string, unknown> = {};
+  if (p.code !== null) {
+    try {
+      const d: unknown = JSON.parse(new TextDecoder().decode(p.body));
+      if (typeof d === "object" && d !== null && !Array.isArray(d)) details = d as Record<string, unknown>;
+    } catch {
+      // not JSON: no details
+    }
+  }
+  const base = {
+    kind, ...p, details,
+    message: typeof details.message === "string" ? details.message : undefined,
+    mustStop: MUST_STOP.has(kind),
+    retried: RETRIED.has(kind),
+    text(): string {
+      return new TextDecoder().decode(p.body);
+    },
+    json(): unknown {
+      return JSON.parse(new TextDecoder().decode(p.body));
+    },
+  };
+  if (kind === "delivered") Object.assign(base, { replayed: p.headers["x-fencegate-replayed"] === "true" });
+  if (kind === "already_done") {
+    const s = details.upstream_status;
+    Object.assign(base, { upstreamStatus: typeof s === "number" ? s : undefined });
+  }
+  if (kind === "unavailable") Object.assign(base, { retryAfterMs: parseRetryAfter(p.headers["retry-after"]) });
+  return Object.assign(base, extra) as unknown as Outcome;
+}
+
+/**
+ * The outcome of one HTTP answer from fencegate: fencegate's own (by its
+ * `X-Fencegate-Error` header) or the destination's.
+ */
+export function parseOutcome(
+  status: number, headers: Record<string, string> | Headers, body: Uint8Array, attempts = 1, epoch: number | null = null,
+): Outcome {
+  const h: Record<string, string> = {};
+  if (typeof (headers as Headers).get === "function") {
+    (headers as Headers).forEach((v, k) => { h[k.toLowerCase()] = v; });
+  } else {
+    for (const [k, v] of Object.entries(headers as Record<string, string>)) h[k.toLowerCase()] = v;
+  }
+  const code = h["x-fencegate-error"] ?? null;
+  const kind: OutcomeKind = code === null ? "delivered" : (ERROR_CODES[code] ?? "unknown_error");
+  return build(kind, { status, headers: h, body, code, attempts, epoch });
+}
+
+// --------------------------------------------------------------------------- the client
+
+/** Pass as `idempotencyKey` to send no Idempotency-Key (fencegate derives one per its route's `derive_key`). */
+export const NO_KEY: unique symbol = Symbol("NO_KEY");
+
+export interface GatewayOptions {
+  /** Per request. Default 30000. */
+  timeoutMs?: number;
+  /** Requests per call, retries included. Default 5. */
+  maxAttempts?: number;
+  /** First backoff between retries (doubling, at most 5 s). Default 200. */
+  backoffMs?: number;
+  /** A retry that would have to wait longer than this is not made. Default 30000. */
+  maxRetryWaitMs?: number;
+  /** Default: the global fetch. */
+  fetch?: typeof fetch;
+}
+
+export interface CallOptions {
+  body?: string | Uint8Array;
+  /** Sent as JSON (with Content-Type: application/json unless `headers` sets one). */
+  json?: unknown;
+  /**
+   * One key per *action*; pass the same key to retry the same action later
+   * (another process, after a crash). Default: a fresh key for this call, kept by
+   * its own retries. NO_KEY: none sent.
+   */
+  idempotencyKey?: string | typeof NO_KEY;
+  headers?: Record<string, string>;
+  timeoutMs?: number;
+  maxAttempts?: number;
+  /** Called before each retry. */
+  onRetry?: (outcome: Outcome, delayMs: number) => void;
+}
+
+const RESERVED = new Set(["x-lease-epoch", "x-lease-token", "idempotency-key"]);
+// Connection failures: nothing was sent.
+const NOT_SENT_CODES = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN", "EHOSTUNREACH", "ENETUNREACH", "UND_ERR_CONNECT_TIMEOUT"]);
+
+function checkKey(key: string): void {
+  if (key.length < 1 || key.length > 255 || !/^[\x21-\x7e]+$/.test(key)) {
+    throw new Error("Idempotency-Key must be 1-255 visible ASCII characters (SPEC §3)");
+  }
+}
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
+/**
+ * Sends requests through fencegate with the epoch and token of a Lease or a
+ * Tenure (SPEC §3) and returns typed outcomes (SPEC §7).
+ *
+ * Retries — always with the same Idempotency-Key, at most `maxAttempts`
+ * requests per call, never past the tenure's stop — only what SPEC says is
+ * safe: 503 store_unavailable / shard_unavailable (after Retry-After), 502
+ * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
+ * was sent, or when the request carried a key). Everything else is returned.
+ */
+export class GatewayClient {
+  private readonly base: string;
+  private readonly timeoutMs: number;
+  private readonly maxAttempts: number;
+  private readonly backoffMs: number;
+  private readonly maxRetryWaitMs: number;
+  private readonly fetch: typeof fetch;
+
+  constructor(baseUrl: string, opts: GatewayOptions = {}) {
+    const u = new URL(baseUrl);
+    if (u.protocol !== "http:" && u.protocol !== "https:") throw new Error(`baseUrl ${baseUrl}: want http(s)://host[:port][/path]`);
+    this.base = baseUrl.replace(/\/+$/, "");
+    this.timeoutMs = opts.timeoutMs ?? 30000;
+    this.maxAttempts = opts.maxAttempts ?? 5;
+    this.backoffMs = opts.backoffMs ?? 200;
+    this.maxRetryWaitMs = opts.maxRetryWaitMs ?? 30000;
+    this.fetch = opts.fetch ?? fetch;
+  }
+
+  /**
+   * Sends `method path` (a path under one of fencegate's routes, with its query)
+   * carrying the holder's current epoch and token.
+   */
+  async call(holder: Tenure | Lease, method: string, path: string, opts: CallOptions = {}): Promise<Outcome> {
+    let key: string | null;
+    if (opts.idempotencyKey === undefined) key = `fgc-${randomUUID().replace(/-/g, "")}`;
+    else if (opts.idempotencyKey === NO_KEY) key = null;
+    else {
+      key = opts.idempotencyKey;
+      checkKey(key);
+    }
+    if (opts.json !== undefined && opts.body !== undefined) throw new Error("pass body or json, not both");
+    const body = opts.json !== undefined ? JSON.stringify(opts.json) : opts.body;
+    const baseHeaders: Record<string, string> = {};
+    for (const [k, v] of Object.entries(opts.headers ?? {})) if (!RESERVED.has(k.toLowerCase())) baseHeaders[k] = v;
+    if (opts.json !== undefined && !Object.keys(baseHeaders).some((k) => k.toLowerCase() === "content-type")) {
+      baseHeaders["Content-Type"] = "application/json";
+    }
+    const attempts = opts.maxAttempts ?? this.maxAttempts;
+    let previous: Outcome | undefined;
+    for (let attempt = 1; ; attempt++) {
+      const [lease, why] = current(holder);
+      if (lease === null) return notSent(attempt - 1, why, previous);
+      const h: Record<string, string> = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
+      if (key !== null) h["Idempotency-Key"] = key;
+      const outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+      if (attempt >= attempts || !shouldRetry(outcome, key !== null)) return outcome;
+      const delay = this.delay(outcome, attempt);
+      if (delay > this.maxRetryWaitMs) return outcome;
+      const left = holder instanceof Tenure ? holder.msLeft() : msLeft(holder);
+      if (left <= delay) return outcome; // the work must stop before the retry could be sent
+      opts.onRetry?.(outcome, delay);
+      if (holder instanceof Tenure) {
+        if (await holder.wait(delay)) return notSent(attempt, `tenure ended (${holder.stopReason})`, outcome);
+      } else {
+        await sleep(delay);
+      }
+      previous = outcome;
+    }
+  }
+
+  private delay(outcome: Outcome, attempt: number): number {
+    const backoff = Math.min(this.backoffMs * 2 ** (attempt - 1), 5000);
+    if (outcome.kind === "unavailable") return outcome.retryAfterMs ?? Math.max(1000, backoff);
+    return backoff;
+  }
+
+  private async sendOnce(
+    method: string, path: string, body: string | Uint8Array | undefined, headers: Record<string, string>,
+    timeoutMs: number, attempt: number, epoch: number,
+  ): Promise<Outcome> {
+    let res: Response;
+    try {
+      res = await this.fetch(this.base + path, {
+        method, headers, body, redirect: "manual", signal: AbortSignal.timeout(timeoutMs),
+      });
+    } catch (e) {
+      const cause = (e as { cause?: { code?: string } }).cause;
+      const sent = !(cause?.code !== undefined && NOT_SENT_CODES.has(cause.code));
+      return noResponse(attempt, sent ? epoch : null, describe(e), sent);
+    }
+    let payload: Uint8Array;
+    try {
+      payload = new Uint8Array(await res.arrayBuffer());
+    } catch (e) {
+      return noResponse(attempt, epoch, describe(e), true);
+    }
+    return parseOutcome(res.status, res.headers, payload, attempt, epoch);
+  }
+}
+
+function current(holder: Tenure | Lease): [Lease | null, string] {
+  if (holder instanceof Tenure) {
+    if (holder.mustStop) return [null, `tenure ended (${holder.stopReason ?? "deadline"})`];
+    return [holder.lease, ""];
+  }
+  if (isExpired(holder)) return [null, `epoch ${holder.epoch} of lease ${holder.name} has expired on the store's clock`];
+  return [holder, ""];
+}
+
+function shouldRetry(outcome: Outcome, keyed: boolean): boolean {
+  if (outcome.kind === "no_response") return !outcome.sent || keyed;
+  // dedup_in_flight: a key (ours, or one derived from this same request) is
+  // being forwarded; the same request again is answered from its record.
+  return outcome.retried;
+}
+
+function describe(e: unknown): string {
+  const err = e as { name?: string; message?: string; cause?: { code?: string; message?: string } };
+  const cause = err.cause ? ` (${err.cause.code ?? ""} ${err.cause.message ?? ""})`.replace("( ", "(") : "";
+  return `${err.name ?? "Error"}: ${err.message ?? String(e)}${cause}`;
+}
+
+const EMPTY = { status: 0, headers: {}, body: new Uint8Array(), code: null };
+
+function notSent(attempts: number, reason: string, previous: Outcome | undefined): NotSent {
+  return build("not_sent", { ...EMPTY, attempts, epoch: null }, { reason, previous }) as NotSent;
+}
+
+function noResponse(attempts: number, epoch: number | null, error: string, sent: boolean): NoResponse {
+  return build("no_response", { ...EMPTY, attempts, epoch }, { error, sent }) as NoResponse;
+}

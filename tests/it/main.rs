@@ -27,4 +27,5 @@ mod reload;
 mod review;
 mod review2;
 mod review_batch;
+mod review_own;
 mod startup;

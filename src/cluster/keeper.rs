@@ -221,11 +221,7 @@ impl Cluster {
         // A released row (a member left or is balancing): membership now, so
         // that the shard is taken without waiting for the next beat.
         let released = self.gates.iter().any(|g| {
-            lock(&g.holding).is_none()
-                && lock(&g.seen)
-                    .row
-                    .as_ref()
-                    .is_some_and(|r| r.owner.is_none())
+            lock(&g.holding).is_none() && lock(&g.seen).row.as_ref().is_some_and(|r| r.released)
         });
         if released {
             self.db_calls.fetch_add(1, Ordering::Relaxed);

@@ -339,6 +339,7 @@ impl Cluster {
                     renewals: 0,
                     expires_at: None,
                     ttl: None,
+                    released: false,
                 });
                 ShardLeaseView {
                     shard,

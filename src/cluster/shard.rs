@@ -35,7 +35,7 @@ impl Seen {
         let wait = |r: &OwnerRow| r.ttl.map_or(ttl, |t| t.max(ttl)) + grace;
         match (&self.row, self.since) {
             (None, _) => None,
-            (Some(r), _) if r.owner.is_none() => None,
+            (Some(r), _) if r.released => None,
             (Some(r), Some(since)) => Some(since + wait(r)),
             (Some(r), None) => Some(Instant::now() + wait(r)),
         }

@@ -75,6 +75,7 @@ impl Cluster {
                         renewals: 0,
                         expires_at: None,
                         ttl: Some(self.ttl),
+                        released: false,
                     });
                     generation
                 }

@@ -77,6 +77,10 @@ pub struct OwnerRow {
     /// contender configured with a shorter one waits this long (members with
     /// different `gate_ttl`, as during a rolling config change).
     pub ttl: Option<std::time::Duration>,
+    /// Released by its owner (a handover): free at once. An owner set to NULL
+    /// any other way (by hand) is not a release: the row is watched like a
+    /// live one.
+    pub released: bool,
 }
 
 /// What is kept for one lease.

@@ -82,7 +82,10 @@ const MIGRATIONS: &[&str] = &[
     // row names its instance, counts its renewals (a successor watches them on
     // its own clock), and shows its expiry on the database's clock; the
     // previous tenure's owner and last renewal are kept for inspection; the
-    // owner's own gate_ttl (`ttl_ms`) is what a contender waits. A
+    // owner's own gate_ttl (`ttl_ms`) is what a contender waits; a release
+    // names the generation it released (`released_generation`: an owner set
+    // to NULL by hand is not a release), and rows are never deleted (a
+    // trigger refuses it: a deleted row would be free at once). A
     // membership row counts its beats the same way.
     "ALTER TABLE fencegate_owners
         ADD COLUMN owner text,
@@ -93,7 +96,19 @@ const MIGRATIONS: &[&str] = &[
         ADD COLUMN taken_at timestamptz,
         ADD COLUMN previous_owner text,
         ADD COLUMN previous_renewed_at timestamptz,
-        ADD COLUMN ttl_ms bigint;
+        ADD COLUMN ttl_ms bigint,
+        ADD COLUMN released_generation bigint;
+    CREATE OR REPLACE FUNCTION fencegate_owners_kept() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'fencegate_owners rows are never deleted: a deleted row would let another instance take the shard at once, beside its live owner. To move a shard, stop its owner (SIGTERM hands it over) or let its row go unrenewed (kill the owner: it is taken after gate_ttl + grace_ms)'
+            USING ERRCODE = 'restrict_violation';
+    END $$;
+    DROP TRIGGER IF EXISTS fencegate_owners_kept ON fencegate_owners;
+    CREATE TRIGGER fencegate_owners_kept BEFORE DELETE ON fencegate_owners
+        FOR EACH ROW EXECUTE FUNCTION fencegate_owners_kept();
+    DROP TRIGGER IF EXISTS fencegate_owners_not_truncated ON fencegate_owners;
+    CREATE TRIGGER fencegate_owners_not_truncated BEFORE TRUNCATE ON fencegate_owners
+        FOR EACH STATEMENT EXECUTE FUNCTION fencegate_owners_kept();
     ALTER TABLE fencegate_members ADD COLUMN beats bigint NOT NULL DEFAULT 0;",
 ];
 

@@ -376,6 +376,12 @@ impl PgServer {
 
     /// Runs one SQL command with psql; panics on failure.
     pub fn psql(&self, dbname: &str, sql: &str) -> String {
+        self.try_psql(dbname, sql)
+            .unwrap_or_else(|e| panic!("psql {sql:?}: {e}"))
+    }
+
+    /// [`PgServer::psql`], with the error (psql's stderr) returned.
+    pub fn try_psql(&self, dbname: &str, sql: &str) -> Result<String, String> {
         let out = Command::new(self.bin.join("psql"))
             .args([
                 "-X",
@@ -397,12 +403,11 @@ impl PgServer {
             ])
             .output()
             .expect("running psql");
-        assert!(
-            out.status.success(),
-            "psql {sql:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
     }
 }
 

@@ -1418,7 +1418,10 @@ async fn schema_1_records_survive_the_migration_to_2() {
          ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
            DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
            DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at, \
-           DROP COLUMN ttl_ms; \
+           DROP COLUMN ttl_ms, DROP COLUMN released_generation; \
+         DROP TRIGGER fencegate_owners_kept ON fencegate_owners; \
+         DROP TRIGGER fencegate_owners_not_truncated ON fencegate_owners; \
+         DROP FUNCTION fencegate_owners_kept(); \
          UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \
@@ -1494,7 +1497,10 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
          ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \
            DROP COLUMN renewals, DROP COLUMN expires_at, DROP COLUMN renewed_at, \
            DROP COLUMN taken_at, DROP COLUMN previous_owner, DROP COLUMN previous_renewed_at, \
-           DROP COLUMN ttl_ms; \
+           DROP COLUMN ttl_ms, DROP COLUMN released_generation; \
+         DROP TRIGGER fencegate_owners_kept ON fencegate_owners; \
+         DROP TRIGGER fencegate_owners_not_truncated ON fencegate_owners; \
+         DROP FUNCTION fencegate_owners_kept(); \
          ALTER TABLE fencegate_members DROP COLUMN beats; \
          UPDATE fencegate_schema SET version = 3; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \

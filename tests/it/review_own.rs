@@ -135,7 +135,10 @@ async fn check_upload_after(
         upload.body_whole,
         next.map(|n| n.arrived.saturating_duration_since(t0))
     );
-    assert!(next.is_some(), "the e+1 request never arrived: nothing shown");
+    assert!(
+        next.is_some(),
+        "the e+1 request never arrived: nothing shown"
+    );
     assert!(
         !upload.body_whole,
         "SPEC §5 broken at the destination: the epoch-e upload reached it whole ({} bytes) after an epoch e+1 request had arrived",
@@ -189,9 +192,7 @@ async fn f1_a_member_with_a_shorter_gate_ttl_takes_a_live_owners_row() {
     let b = member(&s3, &db, &origin, "fg-b", ("3s", "1s"));
     let took = wait_serves(&b, 0, Duration::from_secs(25)).await;
     let both = serves(&a, 0).await && serves(&b, 0).await;
-    eprintln!(
-        "fg-b serves shard 0 {took:?} after it started; fg-a and fg-b both serve it: {both}"
-    );
+    eprintln!("fg-b serves shard 0 {took:?} after it started; fg-a and fg-b both serve it: {both}");
     if took.is_none() {
         origin.release("up");
         return; // held: fg-b never took the live row
@@ -226,9 +227,16 @@ async fn a_row_edited_by_hand(edit: &str) {
     let pg = PgServer::shared();
     eprintln!(
         "before: {}",
-        pg.psql(&db_name, "SELECT shard, generation, owner, renewals FROM fencegate_owners")
+        pg.psql(
+            &db_name,
+            "SELECT shard, generation, owner, renewals FROM fencegate_owners"
+        )
     );
-    pg.psql(&db_name, edit);
+    if let Err(e) = pg.try_psql(&db_name, edit) {
+        // Refused by the database (rows are never deleted): nothing moves.
+        eprintln!("{edit:?} refused: {e}");
+        assert!(e.contains("never deleted"), "{e}");
+    }
     let t0 = Instant::now();
     let took = wait_serves(&b, 0, Duration::from_secs(25)).await;
     let both = serves(&a, 0).await && serves(&b, 0).await;
@@ -264,6 +272,10 @@ async fn f2a_an_owner_nulled_by_hand_is_taken_at_once_beside_the_live_owner() {
 /// (`Seen::free_at` of no row), and the take INSERTs generation 1 again —
 /// the generation the first owner also had, so `OWNER_OK` (stored ≤ mine)
 /// passes for BOTH owners' state writes: the generation fence is gone too.
+/// Fixed: a trigger refuses to delete (or truncate) ownership rows, saying why
+/// and what to do instead; F2a: a release names its generation
+/// (`released_generation`), and an owner set to NULL any other way is watched
+/// like a live row (the owner's renewal then fails and it stops at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn f2b_a_row_deleted_by_hand_is_taken_at_once_under_a_reused_generation() {
     skip_without_python!();

@@ -29,7 +29,8 @@ impl PostgresState {
                 let st = c
                     .prepare_cached(
                         "SELECT shard, generation, owner, advertise, renewals, \
-                         (extract(epoch FROM expires_at) * 1000)::bigint, ttl_ms \
+                         (extract(epoch FROM expires_at) * 1000)::bigint, ttl_ms, \
+                         released_generation IS NOT DISTINCT FROM generation AND owner IS NULL \
                          FROM fencegate_owners ORDER BY shard",
                     )
                     .await?;
@@ -50,6 +51,7 @@ impl PostgresState {
                     ttl: r
                         .get::<_, Option<i64>>(6)
                         .map(|t| Duration::from_millis(uint(t))),
+                    released: r.get(7),
                 }
             })
             .collect())
@@ -168,7 +170,7 @@ impl PostgresState {
                 let st = c
                     .prepare_cached(
                         "UPDATE fencegate_owners SET owner = NULL, advertise = NULL, \
-                         expires_at = now() \
+                         expires_at = now(), released_generation = generation \
                          WHERE shard = $1 AND generation = $2 AND owner = $3",
                     )
                     .await?;

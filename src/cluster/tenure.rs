@@ -52,6 +52,13 @@ impl Cluster {
 
     pub(super) async fn take_over(self: &Arc<Self>, shard: u32) {
         let g = &self.gates[shard as usize];
+        // A tenure of this shard stopped here (self-fenced, then renewed in
+        // time) may still have requests in flight until its abort deadline,
+        // which can come after a new tenure's settle; and their outcomes are
+        // written under its generation, which a new take would make stale
+        // (review of issue 28, F3/F4). They end first; meanwhile the row stays
+        // this instance's, renewed.
+        self.previous_tenure_ended(g).await;
         let previous = lock(&g.seen).clone();
         let generation = {
             let _op = g.op.lock().await;
@@ -98,17 +105,6 @@ impl Cluster {
             );
             self.hand_back(shard).await;
             return;
-        }
-        // A tenure of this shard stopped here (self-fenced, then renewed in
-        // time) may still have requests in flight until its abort deadline,
-        // which can come after the new tenure's settle: they end first.
-        let mut stopped = g.stopping.subscribe();
-        if *stopped.borrow() > 0 {
-            tracing::info!(
-                shard,
-                "waiting for the requests of this shard's previous tenure here to end"
-            );
-            let _ = stopped.wait_for(|n| *n == 0).await;
         }
         if let Err(e) = self.start_tenure(g, owner).await {
             tracing::warn!(shard, error = %e, "could not start serving a shard; handing it back");
@@ -263,10 +259,23 @@ impl Cluster {
         }
     }
 
-    /// Releases the row of a held shard; true if released.
+    /// Until no stopped tenure of the shard here has requests in flight.
+    async fn previous_tenure_ended(&self, g: &super::shard::ShardLease) {
+        let mut stopped = g.stopping.subscribe();
+        if *stopped.borrow() > 0 {
+            tracing::info!("waiting for the requests of a stopped tenure of the shard to end");
+            let _ = stopped.wait_for(|n| *n == 0).await;
+        }
+    }
+
+    /// Releases the row of a held shard, once no tenure of it here has
+    /// requests in flight (a successor settles only a drain timeout, and a
+    /// self-fenced tenure's requests run until its abort deadline); true if
+    /// released.
     pub(super) async fn hand_back(&self, shard: u32) -> bool {
         let g = &self.gates[shard as usize];
         g.serving.store(0, Ordering::SeqCst);
+        self.previous_tenure_ended(g).await;
         let _op = g.op.lock().await;
         let Some(generation) = lock(&g.holding).take() else {
             return false;
@@ -279,6 +288,7 @@ impl Cluster {
                     if row.generation == generation {
                         row.owner = None;
                         row.advertise = None;
+                        row.released = released;
                     }
                 }
                 tracing::info!(shard, generation, released, "released a shard");

@@ -1420,9 +1420,36 @@ async fn figures() {
         ("round-robin over 3", urls(&all)),
         ("through a non-owner", urls(&[others[0].as_str()])),
     ];
-    for (what, targets) in runs {
-        throughput(&w, what, targets).await;
+    for (what, targets) in &runs {
+        throughput(&w, what, targets.clone()).await;
     }
+    // Issue 27: 64 workers with dedup records in PostgreSQL, round-robin over
+    // the three vs. only through the owner, interleaved, paired by round.
+    let mut ratios = Vec::new();
+    for round in 0..3 {
+        let owner_rps = throughput_at(
+            &w,
+            &format!("round {round}: owner only, c=64"),
+            runs[0].1.clone(),
+            64,
+            6000,
+        )
+        .await;
+        let rr_rps = throughput_at(
+            &w,
+            &format!("round {round}: round-robin over 3, c=64"),
+            runs[1].1.clone(),
+            64,
+            6000,
+        )
+        .await;
+        ratios.push(rr_rps / owner_rps);
+    }
+    ratios.sort_by(f64::total_cmp);
+    eprintln!(
+        "round-robin ÷ owner only at c=64, median of 3 paired rounds: {:.2} ({ratios:.2?})",
+        ratios[1]
+    );
 }
 
 /// Issue 28's figures (not a check; run by hand, debug build):
@@ -1595,15 +1622,19 @@ async fn takeover_figures() {
 
 /// 2,000 requests of lease `w` 16 at a time, spread over `targets` in turn;
 /// prints what was served, req/s and latency.
-async fn throughput(w: &Holding, what: &str, targets: Vec<String>) {
-    let n = 2000usize;
+async fn throughput(w: &Holding, what: &str, targets: Vec<String>) -> f64 {
+    throughput_at(w, what, targets, 16, 2000).await
+}
+
+/// [`throughput`] with `c` workers sending `n` requests in all; req/s.
+async fn throughput_at(w: &Holding, what: &str, targets: Vec<String>, c: usize, n: usize) -> f64 {
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for t in 0..16usize {
+    for t in 0..c {
         let (targets, w, what) = (targets.clone(), w.clone(), what.to_owned());
         tasks.spawn(async move {
             let mut lat = Vec::new();
-            for i in (t..n).step_by(16) {
+            for i in (t..n).step_by(c) {
                 let url = &targets[i % targets.len()];
                 let req = worker_req(url, w.epoch.get(), &w.token)
                     .body(body(&format!("{what} {i} {t}")))
@@ -1623,13 +1654,14 @@ async fn throughput(w: &Holding, what: &str, targets: Vec<String>) {
         lat.extend(l.unwrap());
     }
     lat.sort();
+    let rps = lat.len() as f64 / started.elapsed().as_secs_f64();
     eprintln!(
-        "{what}: {} of {n} served, {:.0} req/s, p50 {:?}, p99 {:?}",
+        "{what}: {} of {n} served, {rps:.0} req/s, p50 {:?}, p99 {:?}",
         lat.len(),
-        lat.len() as f64 / started.elapsed().as_secs_f64(),
         lat[lat.len() / 2],
         lat[lat.len() * 99 / 100]
     );
+    rps
 }
 
 /// Partitions through a TCP relay (SPEC §10.2): the owner cut off from

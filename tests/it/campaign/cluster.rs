@@ -43,9 +43,9 @@
 //! scripts/campaign/origin.py): shard 5 then has up to six busy leases (`l1`,
 //! `l4` and these four), four of them with a long request in flight. Once their
 //! heads are at the origin, the nemesis waits for O's next renewal of shard 5's
-//! gate lease (a new `gate_epoch` in its `/v1/cluster`, at most 2.5 s) and cuts
-//! O from the store right after it: O's
-//! shard deadline is then `gate_ttl` (6 s) after that create. The worker renews
+//! ownership row (its `renewals` in `/v1/cluster`, at most 2.5 s) and cuts O
+//! from the store and the database right after it: O's
+//! shard deadline is then `gate_ttl` (6 s) after that renewal. The worker renews
 //! the upload leases at once (O cannot see it). Once another instance P says in
 //! `/v1/cluster` that it serves the shard (7–8.5 s after the cut), the worker
 //! polls P with the four newer upload epochs at once until the origin answers
@@ -207,8 +207,9 @@ enum Directed {
         since: Instant,
     },
     /// The uploads are in flight at `owner`: waiting for its next renewal of the
-    /// shard's gate lease (a new gate epoch in its `/v1/cluster`), to cut it from
-    /// the store right after: its shard's deadline is then as late as it gets.
+    /// shard's row (its `renewals` in `/v1/cluster`), to cut it from the store
+    /// and the database right after: its shard's deadline is then as late as
+    /// it gets.
     Arming {
         n: u32,
         owner: usize,
@@ -402,10 +403,13 @@ impl ClusterNemesis<'_> {
     }
 
     /// `shard`'s gate epoch as instance `i` last saw it (`/v1/cluster`).
-    fn gate_epoch(&self, i: usize, shard: u32) -> Option<u64> {
+    /// The renewals of `shard`'s ownership row as instance `i` last read it
+    /// (with the generation, so that a new tenure reads as a change).
+    fn renewals(&self, i: usize, shard: u32) -> Option<u64> {
         let text = admin_get(self.instances[i].fg.admin, "/v1/cluster")?;
         let v: serde_json::Value = serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()?;
-        v["shard_map"][shard as usize]["gate_epoch"].as_u64()
+        let s = &v["shard_map"][shard as usize];
+        Some((s["generation"].as_u64()? << 32) + s["renewals"].as_u64()?)
     }
 
     /// The instance that says it serves `shard`, if one does.
@@ -562,6 +566,8 @@ impl ClusterNemesis<'_> {
         if let Some(o) = owner {
             self.instances[o].cut_until = None;
             self.instances[o].store.refuse(false);
+            self.instances[o].db_cut_until = None;
+            self.instances[o].db.refuse(false);
             self.quiet();
         }
         self.note(kind, detail);
@@ -632,7 +638,7 @@ impl ClusterNemesis<'_> {
             Directed::Uploading { n, owner, since } => {
                 let answer = self.answer(n).unwrap_or_default();
                 let arm = |me: &mut Self| {
-                    let gate = me.gate_epoch(owner, DIRECTED_SHARD);
+                    let gate = me.renewals(owner, DIRECTED_SHARD);
                     me.directed = Directed::Arming {
                         n,
                         owner,
@@ -684,7 +690,7 @@ impl ClusterNemesis<'_> {
                 // Look often: the cut should follow the renewal closely.
                 self.directed_look = now + Duration::from_millis(50);
                 let renewed = self
-                    .gate_epoch(owner, DIRECTED_SHARD)
+                    .renewals(owner, DIRECTED_SHARD)
                     .is_some_and(|g| gate.is_some_and(|before| g > before));
                 if !renewed && now < since + Duration::from_millis(2500) {
                     return;
@@ -694,10 +700,17 @@ impl ClusterNemesis<'_> {
                     let detail = format!("{n}: {id} no longer serves the shard");
                     return self.end_directed(n, None, "directed step given up", detail);
                 }
+                // Cut from the store and from the database: it can renew
+                // neither the anchor nor its rows (a build that does not
+                // fence itself keeps renewing its rows while it has the
+                // database, and nobody would take the shard).
                 self.instances[owner].store.refuse(true);
                 self.instances[owner].store.cut();
-                // A bound only: the step restores the store itself, sooner.
+                self.instances[owner].db.refuse(true);
+                self.instances[owner].db.cut();
+                // A bound only: the step restores both itself, sooner.
                 self.instances[owner].cut_until = Some(now + Duration::from_secs(60));
+                self.instances[owner].db_cut_until = Some(now + Duration::from_secs(60));
                 if !self.uploads.is_empty() {
                     // The upload leases' next epochs, ready before a successor
                     // serves (the cut-off owner cannot see them).
@@ -705,12 +718,12 @@ impl ClusterNemesis<'_> {
                 }
                 let epoch = self.directed_epoch.clone();
                 self.note(
-                    "directed: cut the owner from the store",
+                    "directed: cut the owner from the store and the database",
                     format!(
                         "{n}: {id}, which forwarded epoch {epoch} of {DIRECTED_LEASE}, {} ms after {}",
                         (now - since).as_millis(),
                         if renewed {
-                            "it renewed the shard's gate lease"
+                            "it renewed the shard's row"
                         } else {
                             "the uploads were in flight (no renewal seen)"
                         }

@@ -10,7 +10,7 @@
 # cluster-weak fails every run with an `[R1 epoch order]` violation on lease l4:
 # the campaign's directed step sends a late worker's poll to an owner cut off from
 # the store after its successor forwarded a newer epoch, and the weakened owner
-# forwards it (tests/it/campaign/cluster.rs, module doc); it also reports
+# forwards it (cut from the store and the database; tests/it/campaign/cluster.rs, module doc); it also reports
 # `[R2 drain]` on the busy shard's upload leases (never aborted). CI runs
 # `cluster-weak 15 7` and requires the R1 violation (.ci/run).
 #

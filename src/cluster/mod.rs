@@ -33,6 +33,8 @@
 mod anchor;
 pub mod guard;
 mod keeper;
+#[cfg(test)]
+mod keeper_tests;
 pub mod peer;
 mod set_up;
 mod shard;

@@ -49,11 +49,11 @@ mod held {
 
 #[cfg(not(all(debug_assertions, not(fencegate_loom))))]
 mod held {
-    pub struct Held;
+    pub(super) struct Held;
 
     impl Held {
         #[inline(always)]
-        pub fn take(_name: &'static str) -> Held {
+        pub(super) fn take(_name: &'static str) -> Held {
             Held
         }
     }

@@ -140,12 +140,22 @@ impl Cluster {
                 Some(&(_, _, renewals)) => {
                     g.window
                         .extend(self.window_from(sent), self.ttl, self.margin);
-                    if let Some(row) = lock(&g.seen).row.as_mut() {
-                        if row.generation == generation {
-                            row.renewals = renewals;
+                    {
+                        // The row as this renewal left it, seen now: this
+                        // instance's own view names it the owner.
+                        let mut seen = lock(&g.seen);
+                        let now = Instant::now();
+                        if let Some(row) = seen.row.as_mut() {
+                            if row.generation == generation {
+                                row.renewals = renewals;
+                                seen.since = Some(now);
+                            }
                         }
                     }
-                    if g.serving.load(Ordering::SeqCst) == 0 && !g.busy.load(Ordering::SeqCst) {
+                    if g.serving.load(Ordering::SeqCst) == 0
+                        && !g.busy.load(Ordering::SeqCst)
+                        && !self.stopping.is_cancelled()
+                    {
                         // Self-fenced while renewals failed; owned again: a new
                         // tenure, under a new generation.
                         drop(_op);

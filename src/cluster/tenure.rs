@@ -39,7 +39,12 @@ impl Cluster {
     /// background.
     pub(super) fn spawn_takeover(self: Arc<Self>, shard: u32) {
         let g = &self.gates[shard as usize];
-        if lock(&self.conflict).is_some() || g.busy.swap(true, Ordering::SeqCst) {
+        // Not while leaving: a graceful stop's handover may still be draining
+        // the shard (a renewal answered then must not take it again).
+        if self.stopping.is_cancelled()
+            || lock(&self.conflict).is_some()
+            || g.busy.swap(true, Ordering::SeqCst)
+        {
             return;
         }
         tokio::spawn(async move {
@@ -74,7 +79,9 @@ impl Cluster {
                     g.window
                         .extend(self.window_from(sent), self.ttl, self.margin);
                     *lock(&g.holding) = Some(generation);
-                    lock(&g.seen).row = Some(OwnerRow {
+                    let mut seen = lock(&g.seen);
+                    seen.since = Some(Instant::now());
+                    seen.row = Some(OwnerRow {
                         shard,
                         generation,
                         owner: Some(self.id.clone()),

@@ -1,11 +1,13 @@
 //! The checks of the protocol model (`scripts/model.sh`): each an exhaustive
 //! breadth-first search of its bounds, printing its state count and time.
 //!
-//! Units are ticks (see `Cfg::cluster`): gate_ttl 6, self_fence_margin 2,
-//! grace 2, drain_timeout 2, route timeout 1, `LastModified` resolution 2; the
-//! two-lease check (issue 25.1) takes self_fence_margin 3, grace 1,
-//! drain_timeout 1, route timeout 8 and writes that last.
-//! `FENCEGATE_MODEL_LONG=1` adds a third instance, longer horizons and crashes.
+//! Units are ticks of 500 ms (see `Cfg::cluster`): gate_ttl 6 (renewals every
+//! 2), self_fence_margin 2, grace 2, drain_timeout 2, route timeout 1; the
+//! checks with a long upload (issue 25.1, and a stopped owner's next tenure)
+//! take self_fence_margin 3, grace 1, drain_timeout 1, route timeout 8 and
+//! writes that last. Each hole check holds with the protocol's design and
+//! fails with one `Holes` switch on. `FENCEGATE_MODEL_LONG=1` adds a third
+//! instance, longer horizons, crashes and a handover.
 
 use std::time::Instant;
 

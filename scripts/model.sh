@@ -4,11 +4,13 @@
 # untouched. Every check is an exhaustive breadth-first search of its bounds
 # (tests/model/tests/checks.rs prints states and seconds per check).
 #
-#   bash scripts/model.sh     # the CI bounds: ~1 min of search after a ~1 min build
+#   bash scripts/model.sh     # the CI bounds: 26 M states, ~1–1.5 min of search
+#                             # on 2 cores after a ~1 min build
 #   FENCEGATE_MODEL_LONG=1 bash scripts/model.sh
 #       # longer: three instances, a store cut and 18 ticks for the crash check
-#       # (40 M states, ~3.5 min); a crash added to the stall checks and to the
-#       # two-lease check (19 M states, ~1 min) (~9 min in all)
+#       # (47 M states, ~5 min); a crash added to the stall checks (17 M and
+#       # 13 M) and to the two-lease check (7 M); a handover added to the
+#       # late-or-lost row writes check (10 M) (~10 min in all)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../tests/model"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/../../target/model}

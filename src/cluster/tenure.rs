@@ -67,7 +67,22 @@ impl Cluster {
         let previous = lock(&g.seen).clone();
         let generation = {
             let _op = g.op.lock().await;
-            let from = lock(&g.seen).taken_from();
+            // The take is conditioned on the pair judged free, as it is
+            // now: a look since the judgement may have shown a new tenure
+            // (another instance's take), which was never watched (the
+            // protocol model's `take_from_latest_read`). A row of this
+            // instance's own (a new tenure after a self-fence) needs no wait.
+            let holding = *lock(&g.holding);
+            let from = {
+                let seen = lock(&g.seen);
+                let own = seen.row.as_ref().is_some_and(|r| {
+                    r.owner.as_deref() == Some(self.id.as_str()) && holding == Some(r.generation)
+                });
+                if !own && !seen.is_free(self.ttl, self.grace) {
+                    return;
+                }
+                seen.taken_from()
+            };
             let sent = Instant::now();
             self.db_calls.fetch_add(1, Ordering::Relaxed);
             match self

@@ -2018,9 +2018,12 @@ async fn an_owner_losing_the_database(fault: &str) {
         first_new.saturating_duration_since(last_old)
     );
     if fault == "unknown" {
-        // The renewals sent while replies were held did commit: fg-b saw the
-        // row change and waited gate_ttl + grace from then, not from the fault.
-        assert!(took >= Duration::from_millis(6500), "{took:?}");
+        // fg-b waits gate_ttl + grace (6.5 s) from the last renewal it saw
+        // commit: one sent while replies were held commits too, but only if
+        // it got a connection (the pool's may all be waiting on held
+        // replies), so that renewal is at most a renew period (2 s) before
+        // the fault, never later than the last one that committed.
+        assert!(took >= Duration::from_millis(4500), "{took:?}");
     }
     pg.hold_replies(false);
     pg.refuse(false);

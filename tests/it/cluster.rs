@@ -1425,12 +1425,22 @@ async fn figures() {
     }
     // Issue 27: 64 workers with dedup records in PostgreSQL, round-robin over
     // the three vs. only through the owner, interleaved, paired by round.
+    // Each round on a lease of its own (a worker's lease outlives one round).
     let mut ratios = Vec::new();
     for round in 0..3 {
+        let shard = round + 1;
+        let lease_r = rig.leases[shard].clone();
+        let owner_r = Rig::shard_map(rig.member(&owner).fg()).await[shard]
+            .clone()
+            .expect("owned");
+        let w = rig.worker(&lease_r, "load").await;
+        let url = |id: &str| rig.member(id).fg().url(&format!("/{lease_r}/x"));
+        let only: Vec<String> = vec![url(&owner_r)];
+        let rr: Vec<String> = all.iter().map(|id| url(id)).collect();
         let owner_rps = throughput_at(
             &w,
             &format!("round {round}: owner only, c=64"),
-            runs[0].1.clone(),
+            only,
             64,
             6000,
         )
@@ -1438,7 +1448,7 @@ async fn figures() {
         let rr_rps = throughput_at(
             &w,
             &format!("round {round}: round-robin over 3, c=64"),
-            runs[1].1.clone(),
+            rr,
             64,
             6000,
         )
@@ -1655,6 +1665,10 @@ async fn throughput_at(w: &Holding, what: &str, targets: Vec<String>, c: usize, 
     }
     lat.sort();
     let rps = lat.len() as f64 / started.elapsed().as_secs_f64();
+    if lat.is_empty() {
+        eprintln!("{what}: none of {n} served");
+        return rps;
+    }
     eprintln!(
         "{what}: {} of {n} served, {rps:.0} req/s, p50 {:?}, p99 {:?}",
         lat.len(),

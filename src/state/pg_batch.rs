@@ -147,8 +147,17 @@ const CLAIM_BATCH: &str = "/* fencegate: claims */ WITH owners AS MATERIALIZED (
        d.header_names, d.header_values, d.body, d.method, d.path, d.headers \
      FROM allowed a \
      LEFT JOIN ins ON ins.route = a.route AND ins.key = a.key \
-     LEFT JOIN fencegate_dedup d ON ins.key IS NULL AND d.route = a.route AND d.key = a.key";
+     LEFT JOIN LATERAL (SELECT * FROM fencegate_dedup d \
+       WHERE ins.key IS NULL AND d.route = a.route AND d.key = a.key LIMIT 1) d ON true";
 
+/// Every lookup of a key is a `LATERAL` subquery with `LIMIT 1` (the key is
+/// the primary key): it cannot be flattened into a join, so it is always one
+/// index lookup per row. As a plain join, the generic plan (built once per
+/// connection, `plan_cache_mode = force_generic_plan`) was chosen while the
+/// table was empty — a hash join over a sequential scan — and kept as the
+/// table grew: each batch read the whole table (the load bench's PostgreSQL
+/// CPU per request grew round after round).
+///
 /// Outcomes: the rows written come back by index. Each row's record is found
 /// by its primary key alone and then written by `ctid` with the conditions
 /// checked on the row itself: with `state = 0` in the lookup the planner
@@ -163,8 +172,9 @@ const OUTCOME_BATCH: &str = "/* fencegate: outcomes */ WITH owners AS MATERIALIZ
          $7::int2[], $8::int8[], $9::int8[], $10::int2[], $11::bytea[], $12::bytea[]) \
          AS t(i, route, key, shard, gen, op, claim, updated, status, headers, body)), \
      target AS MATERIALIZED ( \
-       SELECT input.*, d.ctid AS tid FROM input \
-       JOIN fencegate_dedup d ON d.route = input.route AND d.key = input.key \
+       SELECT input.*, d.tid FROM input \
+       CROSS JOIN LATERAL (SELECT d.ctid AS tid FROM fencegate_dedup d \
+         WHERE d.route = input.route AND d.key = input.key LIMIT 1) d \
        WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = input.shard), 0) \
          <= input.gen), \
      del AS ( \

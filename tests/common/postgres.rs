@@ -245,6 +245,14 @@ impl PgServer {
                 "fsync=on",
             ])
             .args(self.settings.iter().flat_map(|s| ["-c", s.as_str()]))
+            // Extra settings for an experiment (e.g. `autovacuum=off` under the
+            // load bench), space-separated `name=value`.
+            .args(
+                std::env::var("FENCEGATE_TEST_PG_SETTINGS")
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .flat_map(|s| ["-c".to_owned(), s.to_owned()]),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         // Dies with the thread that spawned it (see `shared`).

@@ -125,7 +125,7 @@ class Scenarios(unittest.TestCase):
         leases = k.leases(via_relay=True)
         gate = k.gateway()
         margin_ms = 1000
-        tenure = leases.hold("renew", "worker", ttl_ms=4000, margin_ms=margin_ms)
+        tenure = leases.hold("renew", "worker", ttl_ms=8000, margin_ms=margin_ms)
         try:
             outcomes = []
 
@@ -137,7 +137,8 @@ class Scenarios(unittest.TestCase):
                     tenure.wait(0.05)  # the work's own pace; returns at once on stop
 
             worker = Background(work)
-            wait_for(lambda: tenure.renewals >= 1, "a first renewal", timeout=10)
+            wait_for(lambda: tenure.renewals >= 1 or tenure.must_stop, "a first renewal", timeout=15)
+            self.assertEqual(tenure.renewals, 1, f"no renewal; stopped: {tenure.stop_reason}, last error: {tenure.last_error!r}")
             renewed = tenure.lease
             # The store becomes unreachable: renewals hang and fail.
             k.relay_mode("s3", "blackhole")

@@ -111,7 +111,7 @@ describe("scenarios", () => {
     const leases = k.leases(true);
     const gate = k.gateway();
     const marginMs = 1000;
-    const tenure = await leases.hold("renew", { holder: "worker", ttlMs: 4000, marginMs });
+    const tenure = await leases.hold("renew", { holder: "worker", ttlMs: 8000, marginMs });
     try {
       const outcomes: Outcome[] = [];
       const work = (async () => {
@@ -120,7 +120,8 @@ describe("scenarios", () => {
           await tenure.wait(50); // the work's own pace; returns at once on stop
         }
       })();
-      await waitFor(() => tenure.renewals >= 1, "a first renewal");
+      await waitFor(() => tenure.renewals >= 1 || tenure.mustStop, "a first renewal", 15000);
+      assert.equal(tenure.renewals, 1, `no renewal; stopped: ${tenure.stopReason}, last error: ${String(tenure.lastError)}`);
       const renewed = tenure.lease;
       // The store becomes unreachable: renewals hang and fail.
       await k.relayMode("s3", "blackhole");

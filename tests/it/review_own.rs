@@ -357,22 +357,7 @@ async fn f3_a_retaken_tenure_forwards_above_the_self_fenced_ones_live_request() 
     let g0 = generation(&a, 0).await;
     // Watch the tenure: a self-fence (served_here false) and the next
     // generation.
-    let mut fenced_at = None;
-    let deadline = Instant::now() + Duration::from_secs(40);
-    let retaken = loop {
-        let v = a.admin_json("/v1/cluster").await;
-        let s = &v["shard_map"][0];
-        if s["served_here"] != true && fenced_at.is_none() {
-            fenced_at = Some(t0.elapsed());
-        }
-        if s["served_here"] == true && s["generation"].as_u64().unwrap_or(0) > g0 {
-            break Some(t0.elapsed());
-        }
-        if Instant::now() > deadline {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (fenced_at, retaken) = watch_tenure(&a, g0, t0, Duration::from_secs(40)).await;
     eprintln!(
         "generation {g0}: self-fenced at {fenced_at:?}, retaken (generation {}) at {retaken:?}; row {}",
         generation(&a, 0).await,
@@ -458,6 +443,33 @@ async fn blip_until_retake(
     (renewed, retaken)
 }
 
+/// Watches shard 0 at `a` for up to `limit`: when it stopped serving it (a
+/// self-fence) and when it served it again under a generation above `g0`,
+/// each counted from `from`.
+async fn watch_tenure(
+    a: &Fencegate,
+    g0: u64,
+    from: Instant,
+    limit: Duration,
+) -> (Option<Duration>, Option<Duration>) {
+    let mut fenced_at = None;
+    let deadline = Instant::now() + limit;
+    loop {
+        let v = a.admin_json("/v1/cluster").await;
+        let s = &v["shard_map"][0];
+        if s["served_here"] != true && fenced_at.is_none() {
+            fenced_at = Some(from.elapsed());
+        }
+        if s["served_here"] == true && s["generation"].as_u64().unwrap_or(0) > g0 {
+            return (fenced_at, Some(from.elapsed()));
+        }
+        if Instant::now() > deadline {
+            return (fenced_at, None);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// [`blip_until_retake`], also returning when fg-a self-fenced.
 async fn blip(
     relay: &crate::support::relay::Relay,
@@ -479,22 +491,7 @@ async fn blip(
     let held = relay.held_requests();
     relay.cut();
     eprintln!("{held} bytes of statements held, then cut");
-    let mut fenced_at = None;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let retaken = loop {
-        let v = a.admin_json("/v1/cluster").await;
-        let s = &v["shard_map"][0];
-        if s["served_here"] != true && fenced_at.is_none() {
-            fenced_at = Some(renewed.elapsed());
-        }
-        if s["served_here"] == true && s["generation"].as_u64().unwrap_or(0) > g0 {
-            break Some(renewed.elapsed());
-        }
-        if Instant::now() > deadline {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (fenced_at, retaken) = watch_tenure(a, g0, renewed, Duration::from_secs(10)).await;
     eprintln!(
         "after the last renewal: self-fenced at {fenced_at:?}, retaken at {retaken:?} (generation {g0} -> {})",
         generation(a, 0).await

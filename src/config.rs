@@ -495,6 +495,46 @@ pub struct RouteConfig {
     pub upstream_headers: BTreeMap<String, String>,
     /// PEM bundle of extra CA certificates trusted for this route's https upstream.
     pub ca_file: Option<PathBuf>,
+    /// Protecting the destination (SPEC §9, `crate::protect`): requests at the
+    /// upstream at once; beyond it a request is refused (503 `upstream_held`).
+    pub max_in_flight: Option<usize>,
+    /// Hold the route while a 429/503's `Retry-After` runs.
+    #[serde(default = "d_true")]
+    pub honor_retry_after: bool,
+    /// The longest hold a `Retry-After` sets (the worker still gets it as sent).
+    #[serde(default = "d_max_retry_after", deserialize_with = "duration::human")]
+    pub max_retry_after: Duration,
+    /// The route's circuit breaker; absent: none.
+    pub breaker: Option<BreakerConfig>,
+}
+
+/// `[[route]] breaker`: `failures` consecutive upstream failures within `window`
+/// open it for `cool_down`; then one probe request decides (SPEC §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive failures that open it.
+    #[serde(default = "d_breaker_failures")]
+    pub failures: u32,
+    /// They must fall within this long of each other.
+    #[serde(default = "d_breaker_window", deserialize_with = "duration::human")]
+    pub window: Duration,
+    /// How long it stays open before a probe.
+    #[serde(default = "d_breaker_cool_down", deserialize_with = "duration::human")]
+    pub cool_down: Duration,
+}
+
+fn d_max_retry_after() -> Duration {
+    Duration::from_secs(300)
+}
+fn d_breaker_failures() -> u32 {
+    5
+}
+fn d_breaker_window() -> Duration {
+    Duration::from_secs(10)
+}
+fn d_breaker_cool_down() -> Duration {
+    Duration::from_secs(5)
 }
 
 impl std::fmt::Debug for RouteConfig {
@@ -537,6 +577,34 @@ impl RouteConfig {
     /// How long a drain waits (SPEC §5): `drain_timeout_ms`, else `timeout_ms`.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms.unwrap_or(self.timeout_ms))
+    }
+
+    /// The keys that protect the destination (SPEC §9), each error naming its key.
+    fn validate_protection(&self) -> Result<(), String> {
+        let name = &self.name;
+        if self.max_in_flight == Some(0) {
+            return Err(format!(
+                "route {name:?}: max_in_flight must be at least 1 (leave it out for no limit)"
+            ));
+        }
+        if self.max_retry_after.is_zero() {
+            return Err(format!(
+                "route {name:?}: max_retry_after must be positive (honor_retry_after = false turns holding off)"
+            ));
+        }
+        if let Some(b) = &self.breaker {
+            if b.failures == 0 {
+                return Err(format!(
+                    "route {name:?}: breaker.failures must be at least 1 (leave breaker out for none)"
+                ));
+            }
+            if b.window.is_zero() || b.cool_down.is_zero() {
+                return Err(format!(
+                    "route {name:?}: breaker.window and breaker.cool_down must be positive"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Resolves `upstream_headers`, reading `${NAME}` values from the environment.
@@ -973,6 +1041,7 @@ impl Config {
                 }
             }
             r.resolve_upstream_headers()?;
+            r.validate_protection()?;
             if let Some(ca) = &r.ca_file {
                 if !ca.exists() {
                     return Err(format!(

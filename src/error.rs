@@ -14,6 +14,7 @@ use crate::admission::Refusal;
 use crate::dedup::{record_path, DedupError, Differs, KeyFrees};
 use crate::epoch::{Epoch, LeaseName};
 use crate::fence::FenceError;
+use crate::protect::{Reason as HeldReason, Refused};
 use crate::state::{State, StateError};
 
 pub(crate) const ERROR_HEADER: &str = "x-fencegate-error";
@@ -83,6 +84,23 @@ pub(crate) enum ProxyError {
     ShardUnavailable { lease: LeaseName },
     #[error("X-Fencegate-Peer is only accepted from this cluster's instances, with the cluster's peer token")]
     PeerUnauthorized,
+    #[error("{}", held_text(.route, .refused.reason))]
+    UpstreamHeld { route: String, refused: Refused },
+}
+
+/// Why route `route` forwards nothing now (SPEC §9, protecting the destination).
+fn held_text(route: &str, reason: HeldReason) -> String {
+    match reason {
+        HeldReason::InFlightLimit { limit } => format!(
+            "route {route} has {limit} requests at its upstream already (its max_in_flight)"
+        ),
+        HeldReason::RetryAfter => format!(
+            "route {route} is held: its upstream answered 429 or 503 with a Retry-After that has not passed"
+        ),
+        HeldReason::BreakerOpen => format!(
+            "route {route}'s circuit breaker is open: its upstream failed repeatedly and is let rest"
+        ),
+    }
 }
 
 /// Where a request whose outcome is unknown leaves its dedup key (SPEC §6): what
@@ -350,6 +368,7 @@ impl ProxyError {
             E::UpstreamUnreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
             E::UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DrainAborted { .. } => (StatusCode::GATEWAY_TIMEOUT, "drain_aborted"),
+            E::UpstreamHeld { .. } => (StatusCode::SERVICE_UNAVAILABLE, "upstream_held"),
         }
     }
 
@@ -404,6 +423,9 @@ impl ProxyError {
                 doubt.context(ctx);
             }
             E::ShuttingDown { doubt } => doubt.context(ctx),
+            E::UpstreamHeld { refused, .. } => {
+                ctx.insert("detail".into(), json!(refused.reason.as_str()));
+            }
             E::ShardUnavailable { lease: l } | E::EpochMissing { lease: l, .. } => lease(ctx, l),
             E::RouteNotFound
             | E::EpochMalformed(_)
@@ -490,6 +512,11 @@ impl ProxyError {
                 "This worker's epoch is superseded: stop sending with it. {}",
                 doubt.next_step()
             ),
+            E::UpstreamHeld { refused, .. } => format!(
+                "Nothing was forwarded and the idempotency key, if any, is free: send it again \
+                 after Retry-After ({} s)",
+                refused.retry_after_secs
+            ),
         })
     }
 
@@ -507,6 +534,13 @@ impl ProxyError {
         let mut ctx = Map::new();
         self.context(&mut ctx);
         let mut resp = error_response(status, code, self.message(), ctx);
+        if let ProxyError::UpstreamHeld { refused, .. } = self {
+            // Counting down to the end of a hold or a cool-down (SPEC §7).
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                HeaderValue::from(refused.retry_after_secs),
+            );
+        }
         if status == StatusCode::UNAUTHORIZED {
             // RFC 9110 §11.6.1: a 401 names how to authenticate.
             resp.headers_mut().insert(

@@ -15,6 +15,8 @@
 //!   the pooled client over rustls is `forward/client.rs`.
 //! - [`headers`] — the header names fencegate reads and adds (SPEC §3, §10.2).
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
+//! - [`protect`] — protecting the destination: a route's in-flight limit, its
+//!   hold on a `Retry-After`, its circuit breaker (refusals before forwarding).
 //! - [`proxy`] — the request path tying the above together; [`access`] — its
 //!   access log line and request id.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
@@ -66,6 +68,7 @@ pub(crate) mod live;
 pub(crate) mod lock_order;
 pub mod metrics;
 pub mod process;
+pub mod protect;
 pub(crate) mod proxy;
 pub mod server;
 pub mod setup;

@@ -287,6 +287,9 @@ impl Default for Exchange {
 
 struct ExchangeState {
     pass: std::sync::Mutex<Option<Pass>>,
+    /// The request's place under the route's `max_in_flight` (SPEC §9), ended
+    /// with the pass.
+    slot: std::sync::Mutex<Option<crate::protect::Slot>>,
     /// Ends still open (of two).
     open: AtomicU8,
     /// Why the watcher ended the exchange.
@@ -299,6 +302,8 @@ impl ExchangeState {
     fn end(&self) {
         let pass = self.pass.lock().unwrap_or_else(|p| p.into_inner()).take();
         drop(pass);
+        let slot = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(slot);
         self.over.cancel();
     }
 }
@@ -309,6 +314,7 @@ impl Exchange {
     pub fn new() -> Exchange {
         Exchange(Arc::new(ExchangeState {
             pass: std::sync::Mutex::new(None),
+            slot: std::sync::Mutex::new(None),
             open: AtomicU8::new(2),
             stopped: std::sync::OnceLock::new(),
             over: tokio_util::sync::CancellationToken::new(),
@@ -327,6 +333,12 @@ impl Exchange {
     /// `pass` from now on until both ends are closed.
     pub fn hold(&self, pass: Pass) {
         *self.0.pass.lock().unwrap_or_else(|p| p.into_inner()) = Some(pass);
+    }
+
+    /// Like [`Exchange::hold`], for the request's in-flight slot (SPEC §9
+    /// `max_in_flight`): counted until the exchange is over at both ends.
+    pub fn keep(&self, slot: crate::protect::Slot) {
+        *self.0.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(slot);
     }
 
     /// While the exchange lasts, a small task waits for `stop` (a drain abort,

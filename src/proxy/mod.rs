@@ -30,6 +30,7 @@ use crate::headers::{
 };
 use crate::live::LiveConfig;
 use crate::metrics::Metrics;
+use crate::protect;
 use crate::shared::{Mode, Shared};
 use crate::streaming::{Exchange, ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 
@@ -46,6 +47,8 @@ pub(crate) struct Proxy {
     /// Pooled connections to cluster peers (SPEC §10.2).
     peers: Option<HttpsClient>,
     metrics: Arc<Metrics>,
+    /// Only for its local wall clock: a `Retry-After` date without a `Date`.
+    wall: Arc<dyn crate::lease::LeaseStore>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
 }
@@ -59,6 +62,7 @@ impl Proxy {
             mode: shared.mode.clone(),
             peers,
             metrics,
+            wall: shared.store.clone(),
             abandon: tokio_util::sync::CancellationToken::new(),
         }
     }
@@ -212,6 +216,18 @@ impl Proxy {
             .metrics
             .admission
             .observe(admit_started.elapsed().as_secs_f64());
+        // Protecting the destination (SPEC §9): refused here, after admission (a
+        // stale worker learns it is stale) and before the dedup claim, so that a
+        // refusal records nothing and the worker's key stays free (§6 unchanged).
+        // A replay is refused too while the route is held: it is served on the
+        // retry.
+        let ticket = route
+            .protect
+            .enter(&route.protect_cfg, tokio::time::Instant::now())
+            .map_err(|refused| ProxyError::UpstreamHeld {
+                route: route.name.clone(),
+                refused,
+            })?;
 
         let path_query = parts
             .uri
@@ -224,6 +240,7 @@ impl Proxy {
             (None, Payload::Stream(_)) => DedupKey::fresh(),
         };
         let key: &'s DedupKey = seen.key.insert(key);
+        let protect_ticket = ticket;
         let ticket = match &body {
             Payload::Whole(b) => {
                 // Not raced against a drain abort: a record must never be left
@@ -264,6 +281,7 @@ impl Proxy {
                     body,
                     upload,
                     recorded: ticket.is_some(),
+                    protect: protect_ticket,
                 },
                 hop,
                 pass,
@@ -311,6 +329,7 @@ impl Proxy {
             body,
             upload,
             recorded,
+            protect,
         }: Outgoing,
         hop: &ClientHop,
         pass: Pass,
@@ -376,9 +395,14 @@ impl Proxy {
             .metrics
             .upstream
             .observe(upstream_elapsed.as_secs_f64());
+        let answered = |head: &forward::UpstreamHead, protect: protect::Ticket| {
+            let slot = protect.answered(head.status, &head.headers, self.wall.clock().local_now());
+            exchange.keep(slot);
+        };
         let e = match result {
             Ok((head, (body, true))) => {
                 // The answer is whole; the body may still be on its way.
+                answered(&head, protect);
                 let rest_stop = stop_on(&pass, &self.abandon);
                 exchange.hold(pass);
                 drop(answer_end);
@@ -392,6 +416,7 @@ impl Proxy {
                 return (Ok(answer), Sent::Maybe);
             }
             Ok((head, (prefix, false))) => {
+                answered(&head, protect);
                 let rest_stop = stop_on(&pass, &self.abandon);
                 exchange.hold(pass);
                 exchange.watch(rest_stop, head.conn.clone());
@@ -443,6 +468,9 @@ impl Proxy {
         // so its upload still says `Sending` (found by the cluster fault campaign:
         // a timed-out poll ended a drain while the destination still executed it).
         let incomplete = matches!(upload_end, UploadEnd::TooLarge | UploadEnd::ClientFailed);
+        // The breaker counts what the upstream is to blame for: no connection, no
+        // answer in time, a reset — not a drain abort, shutdown or the worker's body.
+        protect.failed(!aborted && !abandoned && !incomplete);
         if matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete {
             pass.linger();
         } else {
@@ -639,6 +667,8 @@ struct Outgoing {
     /// The route records this request's outcome: read its answer up to
     /// `max_replay_bytes` before anything is sent on.
     recorded: bool,
+    /// Its place under the route's protection (SPEC §9), reported back.
+    protect: protect::Ticket,
 }
 
 /// An upstream's answer: whole in `body`, or `body` is what was read before

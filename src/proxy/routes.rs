@@ -13,6 +13,7 @@ use crate::epoch::LeaseName;
 use crate::fence::Fence;
 use crate::forward::{self, HttpsClient, Target};
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::protect;
 
 /// One configured route, ready to serve.
 pub struct Route {
@@ -34,6 +35,10 @@ pub struct Route {
     pub retryable: Vec<u16>,
     pub max_body_bytes: usize,
     pub max_replay_bytes: usize,
+    /// Protecting the destination: this snapshot's keys, and the state a reload
+    /// keeps ([`RouteTable::carry_over`]).
+    pub protect_cfg: protect::Settings,
+    pub protect: Arc<protect::Guard>,
     /// This route's counter and histograms.
     pub(super) metrics: RouteMetrics,
 }
@@ -62,6 +67,8 @@ impl Route {
             retryable: cfg.retryable_statuses.clone(),
             max_body_bytes: cfg.max_body_bytes,
             max_replay_bytes: cfg.max_replay_bytes,
+            protect_cfg: protect::Settings::of(cfg),
+            protect: Arc::default(),
             metrics: metrics.for_route(&cfg.name),
         })
     }
@@ -108,6 +115,22 @@ impl RouteTable {
 
     pub fn iter(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter()
+    }
+
+    /// After a reload: each route whose name and upstream are unchanged keeps
+    /// `old`'s protection state (its requests in flight, a hold, its breaker),
+    /// adjusted to its new keys; a new route or a new upstream starts afresh.
+    pub fn carry_over(&mut self, old: &RouteTable) {
+        for r in &mut self.routes {
+            if let Some(o) = old.get(&r.name).filter(|o| {
+                o.target.scheme == r.target.scheme
+                    && o.target.authority == r.target.authority
+                    && o.target.base_path == r.target.base_path
+            }) {
+                o.protect.reconfigured(&o.protect_cfg, &r.protect_cfg);
+                r.protect = o.protect.clone();
+            }
+        }
     }
 }
 

@@ -156,7 +156,7 @@ impl Reloader {
             .iter()
             .map(|f| f.lease().clone())
             .collect();
-        let new =
+        let mut new =
             match super::build_live(&cfg, &self.shared.fences, &self.shared.mode, &self.metrics)
                 .await
             {
@@ -180,6 +180,7 @@ impl Reloader {
         };
         let leases: HashSet<LeaseName> = new.routes.iter().map(|r| r.lease.clone()).collect();
         let new_names = names(&new);
+        new.routes.carry_over(&self.shared.live.current().routes);
         let old = self.shared.live.replace(new);
         if let Some(set) = &self.set_log {
             match log_override() {

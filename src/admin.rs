@@ -54,6 +54,7 @@ enum Endpoint<'a> {
     Readyz,
     Metrics,
     Leases,
+    Routes,
     Cluster,
     DedupList,
     DedupGet(&'a str, &'a str),
@@ -69,6 +70,7 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/readyz", "the lease store and the state backend answer"),
     ("GET", "/metrics", "Prometheus text"),
     ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
+    ("GET", "/v1/routes", "per route: upstream, requests in flight and max_in_flight, a Retry-After hold, the circuit breaker, refusals"),
     ("GET", "/v1/cluster", "this instance's id and, per shard, owner, gate epoch, expiry and leases"),
     ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
     ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
@@ -88,6 +90,7 @@ impl<'a> Endpoint<'a> {
             ["login"] => Endpoint::Login,
             ["logout"] => Endpoint::Logout,
             ["v1", "leases"] => Endpoint::Leases,
+            ["v1", "routes"] => Endpoint::Routes,
             ["v1", "cluster"] => Endpoint::Cluster,
             ["v1", "dedup"] => Endpoint::DedupList,
             ["v1", "dedup", route, key] => Endpoint::DedupGet(route, key),
@@ -192,6 +195,16 @@ fn form_field(pairs: &[(String, String)], name: &str) -> Option<String> {
         .map(|(_, v)| v.clone())
 }
 
+/// A route's upstream for the admin API and the page: host and port only (an
+/// authority's userinfo would be a credential).
+fn upstream_shown(t: &crate::forward::Target) -> String {
+    let port = t
+        .authority
+        .port()
+        .map_or(String::new(), |p| format!(":{p}"));
+    format!("{}://{}{port}{}", t.scheme, t.authority.host(), t.base_path)
+}
+
 fn key_json(k: &RecordKey, r: &Record) -> Value {
     json!({
         "route": k.route,
@@ -271,6 +284,7 @@ impl Admin {
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             ),
             Endpoint::Leases => self.leases(),
+            Endpoint::Routes => self.routes(),
             Endpoint::Cluster => self.cluster(),
             Endpoint::DedupList => self.dedup_list(&req).await?,
             Endpoint::DedupGet(route, key) => self.dedup_get(route, key).await?,
@@ -397,6 +411,80 @@ impl Admin {
             })
             .collect();
         json_response(StatusCode::OK, json!({"leases": leases}))
+    }
+
+    /// The page's routes table: at most [`page::ROUTES_SHOWN`], held, open or
+    /// full ones first.
+    fn route_rows(&self) -> Vec<page::RouteRow> {
+        let live = self.shared.live.current();
+        let now = tokio::time::Instant::now();
+        let mut rows: Vec<page::RouteRow> = live
+            .routes
+            .iter()
+            .map(|r| {
+                let v = r.protect.view(&r.protect_cfg, now);
+                let t = &r.target;
+                page::RouteRow {
+                    route: r.name.clone(),
+                    upstream: upstream_shown(t),
+                    in_flight: v.in_flight,
+                    max_in_flight: r.protect_cfg.max_in_flight,
+                    held_for: v.held_for,
+                    breaker: v.breaker.map(|b| (b.state.as_str(), b.open_for)),
+                    refused: v.refused.iter().sum(),
+                }
+            })
+            .collect();
+        rows.sort_by_key(|r| (!r.notable(), r.route.clone()));
+        rows.truncate(page::ROUTES_SHOWN);
+        rows
+    }
+
+    /// `GET /v1/routes`: each route's protection of its destination (SPEC §9).
+    fn routes(&self) -> Response<Full<Bytes>> {
+        let live = self.shared.live.current();
+        let now = tokio::time::Instant::now();
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let routes: Vec<Value> = live
+            .routes
+            .iter()
+            .map(|r| {
+                let (s, v) = (&r.protect_cfg, r.protect.view(&r.protect_cfg, now));
+                let t = &r.target;
+                let breaker = s.breaker.zip(v.breaker.as_ref()).map(|(c, b)| {
+                    json!({
+                        "state": b.state.as_str(),
+                        "failures": b.failures,
+                        "open_for_ms": b.open_for.map(ms),
+                        "opened": b.opened,
+                        "config": {
+                            "failures": c.failures,
+                            "window_ms": ms(c.window),
+                            "cool_down_ms": ms(c.cool_down),
+                        },
+                    })
+                });
+                let refused: serde_json::Map<String, Value> = crate::protect::Reason::ALL
+                    .iter()
+                    .zip(v.refused)
+                    .map(|(k, n)| ((*k).to_owned(), json!(n)))
+                    .collect();
+                json!({
+                    "route": r.name,
+                    "path_prefix": t.prefix,
+                    "upstream": upstream_shown(t),
+                    "lease": r.lease.as_str(),
+                    "max_in_flight": s.max_in_flight,
+                    "in_flight": v.in_flight,
+                    "honor_retry_after": s.honor_retry_after,
+                    "max_retry_after_ms": ms(s.max_retry_after),
+                    "held_for_ms": v.held_for.map(ms),
+                    "breaker": breaker,
+                    "refused": refused,
+                })
+            })
+            .collect();
+        json_response(StatusCode::OK, json!({"routes": routes}))
     }
 
     /// `GET /v1/dedup?state=S[&route=R][&limit=N][&after=NEXT]` (SPEC §8).
@@ -726,6 +814,8 @@ impl Admin {
             leases,
             leases_total: fences.len(),
             leases_offset: offset,
+            routes_total: self.shared.live.current().routes.iter().count(),
+            routes: self.route_rows(),
             members: self.members(&shards, clock.local_now()),
             relayed: self
                 .shared

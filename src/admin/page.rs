@@ -24,6 +24,8 @@ pub const LEASES_PER_PAGE: usize = 100;
 pub const KEYS_PER_PAGE: usize = 50;
 /// Leases named per shard in the shard map (the rest are counted).
 pub const SHARD_LEASES_SHOWN: usize = 20;
+/// Routes shown in the routes table (those with something to say first).
+pub const ROUTES_SHOWN: usize = 100;
 /// Seconds between the page's reloads.
 pub const REFRESH_SECS: u32 = 10;
 
@@ -50,6 +52,35 @@ pub struct LeaseRow {
     pub drains_aborted: u64,
     /// The last store call's failure, if it failed.
     pub store_error: Option<String>,
+}
+
+/// One route's protection of its destination (SPEC §9), as the page shows it.
+#[derive(Debug, Clone)]
+pub struct RouteRow {
+    /// The route's name.
+    pub route: String,
+    /// Its upstream, without credentials.
+    pub upstream: String,
+    /// Requests at the upstream now.
+    pub in_flight: usize,
+    /// `max_in_flight`, if set.
+    pub max_in_flight: Option<usize>,
+    /// How long a `Retry-After` still holds it.
+    pub held_for: Option<std::time::Duration>,
+    /// The breaker's state (`closed`, `open`, `half_open`) and how long it stays
+    /// open, if the route has one.
+    pub breaker: Option<(&'static str, Option<std::time::Duration>)>,
+    /// Requests refused `upstream_held` since start-up.
+    pub refused: u64,
+}
+
+impl RouteRow {
+    /// Whether the row says something an operator should see first.
+    pub fn notable(&self) -> bool {
+        self.held_for.is_some()
+            || self.breaker.is_some_and(|(s, _)| s != "closed")
+            || self.max_in_flight.is_some_and(|m| self.in_flight >= m)
+    }
 }
 
 /// One instance of the cluster (or the single instance), as this one knows it.
@@ -186,6 +217,11 @@ pub struct PageView {
     pub leases_total: usize,
     /// Index of the first row in `leases`.
     pub leases_offset: usize,
+    /// Routes and how they protect their destinations (at most
+    /// [`ROUTES_SHOWN`], notable ones first), and how many there are.
+    pub routes: Vec<RouteRow>,
+    /// See `routes`.
+    pub routes_total: usize,
     /// The shard map.
     pub shards: Vec<ShardRow>,
     /// The instances: this one, and in a cluster every one seen since start-up.
@@ -443,6 +479,7 @@ pub fn render(v: &PageView) -> String {
     store_section(&mut out, v);
     keys_section(&mut out, v);
     leases_section(&mut out, v);
+    routes_section(&mut out, v);
     members_section(&mut out, v);
     shards_section(&mut out, v);
     let _ = writeln!(out, "</main><script>{}</script></body></html>", script());
@@ -729,6 +766,68 @@ fn lease_row(out: &mut String, v: &PageView, l: &LeaseRow) {
     );
 }
 
+/// Whole seconds, rounded up: how long a hold or a cool-down still runs.
+fn secs(d: std::time::Duration) -> u128 {
+    d.as_millis().div_ceil(1000)
+}
+
+/// Each route's protection of its destination (SPEC §9): requests in flight
+/// against `max_in_flight`, a `Retry-After` hold, the circuit breaker.
+fn routes_section(out: &mut String, v: &PageView) {
+    let _ = write!(
+        out,
+        r#"<section id="routes"><h2>Routes <span class="note">({} in all; protecting the destination)</span></h2>"#,
+        v.routes_total
+    );
+    out.push_str("<table><thead><tr><th>route</th><th>upstream</th><th>in flight</th><th>held</th><th>breaker</th><th>refused</th></tr></thead><tbody>");
+    for r in &v.routes {
+        let limit = r
+            .max_in_flight
+            .map_or(String::new(), |m| format!(" of {m}"));
+        let full = if r.max_in_flight.is_some_and(|m| r.in_flight >= m) {
+            r#" <span class="warn">(full)</span>"#
+        } else {
+            ""
+        };
+        let held = match r.held_for {
+            Some(d) => format!(
+                r#"<span class="bad">for {} s</span> <span class="note">(upstream's Retry-After)</span>"#,
+                secs(d)
+            ),
+            None => "—".into(),
+        };
+        let breaker = match r.breaker {
+            None => "—".into(),
+            Some(("closed", _)) => r#"<span class="ok">closed</span>"#.into(),
+            Some(("open", Some(d))) => {
+                format!(r#"<span class="bad">open</span> (probes in {} s)"#, secs(d))
+            }
+            Some((state, _)) => format!(
+                r#"<span class="warn">{}</span> (one probe at a time)"#,
+                state.replace('_', "-")
+            ),
+        };
+        let _ = write!(
+            out,
+            r#"<tr class="route"><td data-label="route"><code>{}</code></td><td data-label="upstream"><code class="path">{}</code></td><td data-label="in flight" class="n">{}{limit}{full}</td><td data-label="held">{held}</td><td data-label="breaker">{breaker}</td><td data-label="refused" class="n">{}</td></tr>"#,
+            esc(&r.route),
+            path(&r.upstream),
+            r.in_flight,
+            r.refused
+        );
+    }
+    out.push_str("</tbody></table>");
+    if v.routes.len() < v.routes_total {
+        let _ = write!(
+            out,
+            r#"<p class="note">{} of {} routes shown, the held and open ones first; <code>GET /v1/routes</code> lists them all.</p>"#,
+            v.routes.len(),
+            v.routes_total
+        );
+    }
+    out.push_str("</section>");
+}
+
 fn members_section(out: &mut String, v: &PageView) {
     let alive = v.members.iter().filter(|m| m.alive).count();
     let _ = write!(
@@ -878,6 +977,16 @@ mod tests {
             }],
             leases_total: 250,
             leases_offset: 100,
+            routes: vec![RouteRow {
+                route: "billing".into(),
+                upstream: "http://up:8/v1/".into(),
+                in_flight: 3,
+                max_in_flight: Some(3),
+                held_for: Some(Duration::from_millis(4200)),
+                breaker: Some(("open", Some(Duration::from_millis(1500)))),
+                refused: 7,
+            }],
+            routes_total: 1,
             shards: vec![],
             members: vec![],
             relayed: None,

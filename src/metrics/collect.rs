@@ -198,8 +198,85 @@ impl Collector for StateCollector {
         if let Some(cl) = shared.mode.cluster() {
             cluster_metrics(&mut enc, cl)?;
         }
-        Ok(())
+        route_protection(&mut enc, shared)
     }
+}
+
+/// SPEC §9, protecting the destination: per route, requests at the upstream,
+/// a `Retry-After` hold, the breaker's state, and the refusals by reason.
+fn route_protection(enc: &mut DescriptorEncoder, shared: &Shared) -> Result<(), std::fmt::Error> {
+    let live = shared.live.current();
+    let now = tokio::time::Instant::now();
+    let views: Vec<_> = live
+        .routes
+        .iter()
+        .map(|r| (r.name.clone(), r.protect.view(&r.protect_cfg, now)))
+        .collect();
+    let route = |n: &String| vec![("route", n.clone())];
+    emit(
+        enc,
+        "fencegate_route_in_flight",
+        "Requests at the route's upstream now (what max_in_flight limits)",
+        MetricType::Gauge,
+        views
+            .iter()
+            .map(|(n, v)| (route(n), ConstGauge::new(v.in_flight as i64)))
+            .collect(),
+    )?;
+    emit(
+        enc,
+        "fencegate_route_held_seconds",
+        "Seconds the route still holds forwards for its upstream's Retry-After (0: not held)",
+        MetricType::Gauge,
+        views
+            .iter()
+            .map(|(n, v)| {
+                let s = v.held_for.map_or(0.0, |d| d.as_secs_f64());
+                (route(n), ConstGauge::new(s))
+            })
+            .collect(),
+    )?;
+    let mut states = Vec::new();
+    let mut opened = Vec::new();
+    for (n, v) in &views {
+        if let Some(b) = &v.breaker {
+            for s in ["closed", "open", "half_open"] {
+                let mut labels = route(n);
+                labels.push(("state", s.to_owned()));
+                states.push((labels, ConstGauge::new(i64::from(b.state.as_str() == s))));
+            }
+            opened.push((route(n), ConstCounter::new(b.opened)));
+        }
+    }
+    emit(
+        enc,
+        "fencegate_route_breaker_state",
+        "1 for the state the route's circuit breaker is in (closed, open, half_open); routes with a breaker only",
+        MetricType::Gauge,
+        states,
+    )?;
+    emit(
+        enc,
+        "fencegate_route_breaker_opened",
+        "Times the route's circuit breaker opened",
+        MetricType::Counter,
+        opened,
+    )?;
+    let mut refused = Vec::new();
+    for (n, v) in &views {
+        for (reason, count) in crate::protect::Reason::ALL.iter().zip(v.refused) {
+            let mut labels = route(n);
+            labels.push(("reason", (*reason).to_owned()));
+            refused.push((labels, ConstCounter::new(count)));
+        }
+    }
+    emit(
+        enc,
+        "fencegate_upstream_held",
+        "Requests refused 503 upstream_held, by route and reason (in_flight_limit, retry_after, breaker_open)",
+        MetricType::Counter,
+        refused,
+    )
 }
 
 /// SPEC §10.2's metrics: shards owned, takeovers, requests relayed to peers.

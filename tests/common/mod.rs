@@ -12,6 +12,10 @@
 //!   `x-test-answer-early: 1` answers at once, before reading the request body,
 //!   and reads the body afterwards (a destination that answers an upload early);
 //!   the arrival's `completed` is when that body had been read to its end.
+//!   `x-test-retry-after: V` answers with `Retry-After: V`; `x-test-delay-ms: N`
+//!   answers N ms later (a destination that takes its time, so that concurrent
+//!   requests overlap). [`Origin::max_concurrent`] is the most requests it was
+//!   handling at once.
 //! - [`postgres::PgServer`]: a real PostgreSQL on a free loopback port.
 //! - [`Gateway`]: what a running fencegate is to a test, whichever harness runs it
 //!   (its URLs, the admin API, metrics).
@@ -131,6 +135,27 @@ impl Arrival {
 struct OriginState {
     log: Vec<Arrival>,
     holds: HashMap<String, Arc<Notify>>,
+    /// Requests being handled now, and the most there were at once.
+    active: usize,
+    max_active: usize,
+}
+
+/// Counts a request as being handled by the origin while it lives.
+struct Active(Arc<Mutex<OriginState>>);
+
+impl Active {
+    fn new(st: &Arc<Mutex<OriginState>>) -> Active {
+        let mut s = st.lock().unwrap();
+        s.active += 1;
+        s.max_active = s.max_active.max(s.active);
+        Active(st.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.lock().unwrap().active -= 1;
+    }
 }
 
 /// A recording origin on a free loopback port.
@@ -186,6 +211,12 @@ impl Origin {
 
     pub fn count(&self) -> usize {
         self.state.lock().unwrap().log.len()
+    }
+
+    /// The most requests the origin was handling at once, counted from a
+    /// request's arrival until its handler answered.
+    pub fn max_concurrent(&self) -> usize {
+        self.state.lock().unwrap().max_active
     }
 
     fn hold(&self, name: &str) -> Arc<Notify> {
@@ -276,6 +307,7 @@ async fn origin_handle(
     st: Arc<Mutex<OriginState>>,
     arrived: Arc<Notify>,
 ) -> Response<OriginBody> {
+    let _active = Active::new(&st);
     let (parts, body) = req.into_parts();
     // `x-test-hold-body: NAME`: the request is logged when its head arrives, and its
     // body is read only once NAME is released (a destination that reads slowly).
@@ -364,6 +396,9 @@ async fn origin_handle(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
+    if let Some(ms) = header("x-test-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let size: Option<usize> = parts
         .headers
         .get("x-test-size")
@@ -375,12 +410,14 @@ async fn origin_handle(
         (None, None) => Bytes::from(format!("origin saw request #{idx}")),
     };
     st.lock().unwrap().log[idx].completed = Some(Instant::now());
-    Response::builder()
+    let mut answer = Response::builder()
         .status(status)
         .header("x-origin-seq", idx.to_string())
-        .header("content-type", "text/plain")
-        .body(OriginBody::Full(Full::new(body)))
-        .unwrap()
+        .header("content-type", "text/plain");
+    if let Some(v) = header("x-test-retry-after") {
+        answer = answer.header("retry-after", v);
+    }
+    answer.body(OriginBody::Full(Full::new(body))).unwrap()
 }
 
 /// Logs the request's head, answers at once, and reads its body in the

@@ -319,3 +319,51 @@ async fn each_error_message_says_the_next_step() {
     assert_says(&r, &["Nothing was recorded", "check the destination"]);
     origin.release("forever");
 }
+
+/// Issue 29 §3: 503 `upstream_held` (here: the route's `max_in_flight = 1` is
+/// taken by a request held at the origin) says which protection refused it
+/// (`detail`), when to retry (`Retry-After`, and in the message), and that the
+/// key is free — and it is: nothing reached the origin, nothing was recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_held_says_when_to_retry_and_records_nothing() {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(
+        200,
+        &route_toml("billing", "billing", &origin, "max_in_flight = 1"),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(30)).await;
+    let url = fg.url("/billing/x");
+    let held = tokio::spawn(try_send(
+        worker_req(&url, a.epoch.get(), &a.token)
+            .header("x-test-hold", "full")
+            .body(body("first"))
+            .unwrap(),
+    ));
+    origin.wait_for(1).await;
+    let r = send(keyed(&fg, "/billing/x", &a, "k-held", "second")).await;
+    r.assert_error(503, "upstream_held");
+    assert_eq!(r.json()["detail"], "in_flight_limit");
+    assert_eq!(r.headers["retry-after"], "1");
+    assert_says(
+        &r,
+        &[
+            "route billing has 1 requests at its upstream already (its max_in_flight)",
+            "Nothing was forwarded",
+            "idempotency key, if any, is free",
+            "after Retry-After (1 s)",
+        ],
+    );
+    assert_eq!(origin.count(), 1);
+    let record = fg.admin_json("/v1/dedup/billing/k-held").await;
+    assert_eq!(record["error"], "dedup_record_not_found", "{record}");
+    origin.release("full");
+    assert_eq!(held.await.unwrap().unwrap().status, 200);
+    eventually("the slot freed", || async {
+        fg.admin_json("/v1/routes").await["routes"][0]["in_flight"] == 0
+    })
+    .await;
+    let retry = send(keyed(&fg, "/billing/x", &a, "k-held", "second")).await;
+    assert_eq!(retry.status, 200);
+    assert_eq!(origin.count(), 2);
+}

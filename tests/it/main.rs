@@ -22,6 +22,7 @@ mod lease_cli;
 mod logs;
 mod ops;
 mod postgres;
+mod protect;
 mod quickstart;
 mod reload;
 mod review;

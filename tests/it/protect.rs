@@ -460,16 +460,6 @@ async fn a_reload_keeps_the_state_of_an_unchanged_route() {
     assert_eq!(r.status, 502);
     assert_held(&send(req(&s, "/billing/x", "n", &[])).await, "breaker_open");
 
-    let reloaded = |s: &Setup, n: f64| {
-        let before = n;
-        async move {
-            s.fg.hup();
-            eventually("the reload applied", || async {
-                series(&s.fg, "fencegate_config_reloads_total{result=\"applied\"}").await > before
-            })
-            .await;
-        }
-    };
     // Unchanged except another key of the route: still open.
     s.fg.edit_config(|t| t.replace("timeout_ms = 3000", "timeout_ms = 4000"));
     reloaded(&s, 0.0).await;
@@ -479,4 +469,13 @@ async fn a_reload_keeps_the_state_of_an_unchanged_route() {
     reloaded(&s, 1.0).await;
     assert!(route_view(&s.fg, "billing").await["breaker"].is_null());
     assert_eq!(send(req(&s, "/billing/x", "n", &[])).await.status, 200);
+}
+
+/// Sends SIGHUP and waits until it is counted as applied (`before`: the count so far).
+async fn reloaded(s: &Setup, before: f64) {
+    s.fg.hup();
+    eventually("the reload applied", || async {
+        series(&s.fg, "fencegate_config_reloads_total{result=\"applied\"}").await > before
+    })
+    .await;
 }

@@ -73,7 +73,7 @@ export interface AlreadyDone extends OutcomeBase {
 export interface KeyReused extends OutcomeBase {
     readonly kind: "key_reused";
 }
-/** 503 store_unavailable / shard_unavailable: nothing forwarded. Retried after Retry-After by `call`. */
+/** 503 store_unavailable / shard_unavailable / upstream_held: nothing forwarded. Retried after Retry-After by `call`. */
 export interface Unavailable extends OutcomeBase {
     readonly kind: "unavailable";
     readonly retryAfterMs: number | undefined;
@@ -154,7 +154,7 @@ export interface CallOptions {
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

@@ -31,6 +31,7 @@ exports.ERROR_CODES = Object.freeze({
     upstream_unreachable: "unreachable",
     store_unavailable: "unavailable",
     shard_unavailable: "unavailable",
+    upstream_held: "unavailable",
     upstream_timeout: "in_doubt",
     drain_aborted: "in_doubt",
 });
@@ -115,7 +116,7 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

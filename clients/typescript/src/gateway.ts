@@ -60,7 +60,7 @@ export interface InDoubt extends OutcomeBase { readonly kind: "in_doubt" }
 export interface AlreadyDone extends OutcomeBase { readonly kind: "already_done"; readonly upstreamStatus: number | undefined }
 /** 422 dedup_key_reused: the key was used for a different request. A bug. */
 export interface KeyReused extends OutcomeBase { readonly kind: "key_reused" }
-/** 503 store_unavailable / shard_unavailable: nothing forwarded. Retried after Retry-After by `call`. */
+/** 503 store_unavailable / shard_unavailable / upstream_held: nothing forwarded. Retried after Retry-After by `call`. */
 export interface Unavailable extends OutcomeBase { readonly kind: "unavailable"; readonly retryAfterMs: number | undefined }
 /** 502 upstream_unreachable: nothing was sent to the destination. Retried by `call`. */
 export interface Unreachable extends OutcomeBase { readonly kind: "unreachable" }
@@ -110,6 +110,7 @@ export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze(
   upstream_unreachable: "unreachable",
   store_unavailable: "unavailable",
   shard_unavailable: "unavailable",
+  upstream_held: "unavailable",
   upstream_timeout: "in_doubt",
   drain_aborted: "in_doubt",
 });
@@ -237,7 +238,7 @@ const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve,
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

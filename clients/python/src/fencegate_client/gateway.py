@@ -159,7 +159,8 @@ class KeyReused(Outcome):
 
 @dataclass(frozen=True)
 class Unavailable(Outcome):
-    """503 store_unavailable / shard_unavailable: nothing was forwarded. Retried by
+    """503 store_unavailable / shard_unavailable / upstream_held: nothing was
+    forwarded (nor recorded). Retried by
     `call` after Retry-After (same key); returned when the attempts ran out."""
 
     kind: ClassVar[str] = "unavailable"
@@ -236,6 +237,7 @@ ERROR_CODES: Dict[str, Type[Outcome]] = {
     "upstream_unreachable": Unreachable,
     "store_unavailable": Unavailable,
     "shard_unavailable": Unavailable,
+    "upstream_held": Unavailable,
     "upstream_timeout": InDoubt,
     "drain_aborted": InDoubt,
 }
@@ -296,7 +298,8 @@ class GatewayClient:
 
     Retries — always with the same Idempotency-Key, at most `max_attempts`
     requests per call, never past the tenure's stop — only what SPEC says is
-    safe: 503 store_unavailable / shard_unavailable (after Retry-After), 502
+    safe: 503 store_unavailable / shard_unavailable / upstream_held (after
+    Retry-After), 502
     upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
     was sent, or when the request carried a key). Everything else is returned.
     """

@@ -1175,6 +1175,25 @@ impl Config {
                 r.in_doubt.as_str(),
                 r.dedup_header
             );
+            let _ = writeln!(
+                out,
+                "  protects its upstream: max_in_flight {}, Retry-After {}, breaker {}",
+                r.max_in_flight.map_or("none".into(), |n| n.to_string()),
+                if r.honor_retry_after {
+                    format!(
+                        "honoured up to {}",
+                        humantime::format_duration(r.max_retry_after)
+                    )
+                } else {
+                    "not honoured".into()
+                },
+                r.breaker.map_or("none".into(), |b| format!(
+                    "{} failures within {}, cool-down {}",
+                    b.failures,
+                    humantime::format_duration(b.window),
+                    humantime::format_duration(b.cool_down)
+                ))
+            );
             if !r.upstream_headers.is_empty() {
                 let names: Vec<_> = r.upstream_headers.keys().map(String::as_str).collect();
                 let _ = writeln!(out, "  sets headers {} (values hidden)", names.join(", "));
@@ -1186,6 +1205,57 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn protection_keys_parse_and_bad_values_are_named() {
+        let base = "[[route]]\nname = \"r\"\npath_prefix = \"/r/\"\nupstream = \"http://u/\"\nlease = \"l\"\n";
+        let c = Config::parse(&format!(
+            "{base}max_in_flight = 4\nhonor_retry_after = false\nmax_retry_after = \"30s\"\n[route.breaker]\nfailures = 2\ncool_down = \"1s\"\n"
+        ))
+        .unwrap();
+        c.validate().unwrap();
+        let r = &c.routes[0];
+        assert_eq!(r.max_in_flight, Some(4));
+        assert!(!r.honor_retry_after);
+        assert_eq!(r.max_retry_after, Duration::from_secs(30));
+        assert_eq!(
+            r.breaker,
+            Some(BreakerConfig {
+                failures: 2,
+                window: Duration::from_secs(10),
+                cool_down: Duration::from_secs(1),
+            })
+        );
+        let d = Config::parse(base).unwrap();
+        let r = &d.routes[0];
+        assert_eq!(
+            (r.max_in_flight, r.honor_retry_after, r.breaker),
+            (None, true, None)
+        );
+        assert_eq!(r.max_retry_after, Duration::from_secs(300));
+        for (extra, says) in [
+            ("max_in_flight = 0", "max_in_flight must be at least 1"),
+            ("max_retry_after = 0", "max_retry_after must be positive"),
+            (
+                "breaker = { failures = 0 }",
+                "breaker.failures must be at least 1",
+            ),
+            (
+                "breaker = { cool_down = 0 }",
+                "breaker.window and breaker.cool_down",
+            ),
+        ] {
+            let e = Config::parse(&format!("{base}{extra}\n"))
+                .and_then(|c| c.validate())
+                .unwrap_err();
+            assert!(
+                e.contains(says) && e.contains("route \"r\""),
+                "{extra}: {e}"
+            );
+        }
+        let e = Config::parse(&format!("{base}breaker = {{ failurez = 2 }}\n")).unwrap_err();
+        assert!(e.contains("failurez"), "{e}");
+    }
     use super::*;
 
     const MIN: &str = r#"

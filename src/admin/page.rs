@@ -1003,6 +1003,24 @@ mod tests {
     }
 
     #[test]
+    fn a_route_row_says_it_is_full_held_and_open() {
+        let html = render(&view());
+        let row = &html[html.find(r#"<tr class="route">"#).unwrap()..];
+        let row = &row[..row.find("</tr>").unwrap()];
+        for want in [
+            "<code>billing</code>",
+            "3 of 3",
+            "(full)",
+            "for 5 s",
+            "Retry-After",
+            "open</span> (probes in 2 s)",
+            ">7<",
+        ] {
+            assert!(row.contains(want), "{want}: {row}");
+        }
+    }
+
+    #[test]
     fn a_lease_row_says_what_is_wrong_and_pages_link_both_ways() {
         let html = render(&view());
         assert!(html.contains("-1200 ms"), "{html}");

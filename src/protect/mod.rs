@@ -360,7 +360,7 @@ mod tests {
         assert_eq!(r.reason, Reason::InFlightLimit { limit: 2 });
         assert_eq!(r.retry_after_secs, 1);
         // An answered request stays in flight until its slot drops.
-        let slot = a.answered(StatusCode::OK, &HeaderMap::new(), SystemTime::now());
+        let slot = a.answered(StatusCode::OK, &HeaderMap::new(), SystemTime::UNIX_EPOCH);
         assert!(g.enter(&settings(), now).is_err());
         drop(slot);
         drop(b);
@@ -376,7 +376,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(http::header::RETRY_AFTER, "3600".parse().unwrap());
         let t = g.enter(&s, Instant::now()).unwrap();
-        drop(t.answered(StatusCode::TOO_MANY_REQUESTS, &h, SystemTime::now()));
+        drop(t.answered(StatusCode::TOO_MANY_REQUESTS, &h, SystemTime::UNIX_EPOCH));
         let r = g.enter(&s, Instant::now()).unwrap_err();
         assert_eq!(r.reason, Reason::RetryAfter);
         assert!((9..=10).contains(&r.retry_after_secs), "{r:?}");

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use http::header::RETRY_AFTER;
 use http::{HeaderMap, StatusCode};
 use tokio::time::Instant;
 
@@ -131,15 +132,21 @@ impl Default for Guard {
 
 impl Guard {
     /// Lets a request through, or says why not. A request let through counts in
-    /// flight until its [`Slot`] drops.
-    pub fn enter(self: &Arc<Self>, s: &Settings, now: Instant) -> Result<Ticket, Refused> {
-        self.try_enter(s, now).inspect_err(|r| {
+    /// flight until its [`Slot`] drops. A route neither held nor with a breaker
+    /// pays two atomic operations and no clock read.
+    pub fn enter(self: &Arc<Self>, s: &Settings) -> Result<Ticket, Refused> {
+        self.try_enter(s).inspect_err(|r| {
             self.refused[r.reason.index()].fetch_add(1, Ordering::Relaxed);
         })
     }
 
-    fn try_enter(self: &Arc<Self>, s: &Settings, now: Instant) -> Result<Ticket, Refused> {
-        if let Some(until) = self.held_until(now).filter(|_| s.honor_retry_after) {
+    fn try_enter(self: &Arc<Self>, s: &Settings) -> Result<Ticket, Refused> {
+        // One read of the hold: a route not held and without a breaker reads no clock.
+        let held_ms = self.held_until_ms.load(Ordering::Acquire);
+        let timed = s.breaker.is_some() || held_ms != 0;
+        let now = if timed { Instant::now() } else { self.base };
+        let until = self.base + Duration::from_millis(held_ms);
+        if held_ms != 0 && now < until && s.honor_retry_after {
             return Err(Refused {
                 reason: Reason::RetryAfter,
                 retry_after_secs: secs_until(until, now),
@@ -270,18 +277,26 @@ pub struct Ticket {
 
 impl Ticket {
     /// The upstream answered `status`: a 5xx is a failure for the breaker, a
-    /// 429 or 503 with `Retry-After` holds the route (when honoured). The slot
-    /// is returned: in flight until the exchange is over.
-    pub fn answered(mut self, status: StatusCode, headers: &HeaderMap, wall: SystemTime) -> Slot {
-        let now = Instant::now();
-        self.report(!status.is_server_error(), now);
+    /// 429 or 503 with `Retry-After` holds the route (when honoured; `wall` is
+    /// read only for a date). The slot is returned: in flight until the
+    /// exchange is over.
+    pub fn answered(
+        mut self,
+        status: StatusCode,
+        headers: &HeaderMap,
+        wall: impl FnOnce() -> SystemTime,
+    ) -> Slot {
+        if self.entry.is_some() {
+            self.report(!status.is_server_error(), Instant::now());
+        }
         let asks = matches!(
             status,
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
         );
-        if asks && self.settings.honor_retry_after {
-            if let Some(d) = retry_after::delay(headers, wall) {
-                self.guard.hold(now, d.min(self.settings.max_retry_after));
+        if asks && self.settings.honor_retry_after && headers.contains_key(RETRY_AFTER) {
+            if let Some(d) = retry_after::delay(headers, wall()) {
+                let cap = self.settings.max_retry_after;
+                self.guard.hold(Instant::now(), d.min(cap));
             }
         }
         self.slot.take().unwrap_or_else(|| self.guard.counted())
@@ -354,14 +369,14 @@ mod tests {
     fn the_limit_counts_slots_until_they_drop() {
         let g = Arc::new(Guard::default());
         let now = Instant::now();
-        let a = g.enter(&settings(), now).unwrap();
-        let b = g.enter(&settings(), now).unwrap();
-        let r = g.enter(&settings(), now).unwrap_err();
+        let a = g.enter(&settings()).unwrap();
+        let b = g.enter(&settings()).unwrap();
+        let r = g.enter(&settings()).unwrap_err();
         assert_eq!(r.reason, Reason::InFlightLimit { limit: 2 });
         assert_eq!(r.retry_after_secs, 1);
         // An answered request stays in flight until its slot drops.
-        let slot = a.answered(StatusCode::OK, &HeaderMap::new(), SystemTime::UNIX_EPOCH);
-        assert!(g.enter(&settings(), now).is_err());
+        let slot = a.answered(StatusCode::OK, &HeaderMap::new(), || SystemTime::UNIX_EPOCH);
+        assert!(g.enter(&settings()).is_err());
         drop(slot);
         drop(b);
         assert_eq!(g.view(&settings(), now).in_flight, 0);
@@ -375,9 +390,9 @@ mod tests {
         s.max_retry_after = Duration::from_secs(10);
         let mut h = HeaderMap::new();
         h.insert(http::header::RETRY_AFTER, "3600".parse().unwrap());
-        let t = g.enter(&s, Instant::now()).unwrap();
-        drop(t.answered(StatusCode::TOO_MANY_REQUESTS, &h, SystemTime::UNIX_EPOCH));
-        let r = g.enter(&s, Instant::now()).unwrap_err();
+        let t = g.enter(&s).unwrap();
+        drop(t.answered(StatusCode::TOO_MANY_REQUESTS, &h, || SystemTime::UNIX_EPOCH));
+        let r = g.enter(&s).unwrap_err();
         assert_eq!(r.reason, Reason::RetryAfter);
         assert!((9..=10).contains(&r.retry_after_secs), "{r:?}");
         // A 200 with Retry-After holds nothing; turning honouring off lifts it.
@@ -385,8 +400,8 @@ mod tests {
             honor_retry_after: false,
             ..s
         };
-        assert!(g.enter(&off, Instant::now()).is_ok());
+        assert!(g.enter(&off).is_ok());
         g.reconfigured(&s, &off);
-        assert!(g.enter(&s, Instant::now()).is_ok());
+        assert!(g.enter(&s).is_ok());
     }
 }

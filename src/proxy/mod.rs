@@ -221,13 +221,12 @@ impl Proxy {
         // refusal records nothing and the worker's key stays free (§6 unchanged).
         // A replay is refused too while the route is held: it is served on the
         // retry.
-        let ticket = route
-            .protect
-            .enter(&route.protect_cfg, tokio::time::Instant::now())
-            .map_err(|refused| ProxyError::UpstreamHeld {
+        let ticket = route.protect.enter(&route.protect_cfg).map_err(|refused| {
+            ProxyError::UpstreamHeld {
                 route: route.name.clone(),
                 refused,
-            })?;
+            }
+        })?;
 
         let path_query = parts
             .uri
@@ -396,7 +395,8 @@ impl Proxy {
             .upstream
             .observe(upstream_elapsed.as_secs_f64());
         let answered = |head: &forward::UpstreamHead, protect: protect::Ticket| {
-            let slot = protect.answered(head.status, &head.headers, self.wall.clock().local_now());
+            let slot =
+                protect.answered(head.status, &head.headers, || self.wall.clock().local_now());
             exchange.keep(slot);
         };
         let e = match result {

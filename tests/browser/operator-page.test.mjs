@@ -1,4 +1,4 @@
-// The operator page in a real browser (issues 16 and 32): a real fencegate
+// The operator page in a real browser (issues 16, 29 and 32): a real fencegate
 // process with in-doubt keys, headless Chromium driven by Playwright. Log in,
 // read the shard map's leases, the members, an expired lease and a key's detail
 // view; see the reload pause while the pointer is on the page or a form is open;
@@ -213,6 +213,12 @@ ${route("reports")}`,
   const member = page.locator("tr.member");
   assert.equal(await member.count(), 1);
   assert.match(await member.innerText(), /\(this instance\)\s+alive\s+0/);
+  // Each route's protection of its destination (issue 29): nothing held here.
+  const routes = page.locator("tr.route");
+  assert.equal(await routes.count(), 3);
+  const billingRoute = routes.filter({ hasText: "billing" });
+  assert.equal(await billingRoute.locator('td[data-label="held"]').innerText(), "—");
+  assert.equal(await billingRoute.locator('td[data-label="in flight"]').innerText(), "0");
   // Paths wrap at their slashes only.
   const path = order.locator("code.path");
   assert.equal(await path.evaluate((e) => getComputedStyle(e).wordBreak), "normal");

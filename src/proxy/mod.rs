@@ -581,8 +581,14 @@ impl Proxy {
         )
         .await
         .inspect(|resp| {
-            // The owner is handing the shard over (or lost it): look again now.
-            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE {
+            // The owner is handing the shard over (or lost it): look again now —
+            // not when it refused to protect the destination (SPEC §9), which
+            // says nothing of the shard and may go on for a while.
+            let held = resp
+                .headers()
+                .get(crate::error::ERROR_HEADER)
+                .is_some_and(|c| c == "upstream_held");
+            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && !held {
                 cluster.nudge();
             }
         })

@@ -22,4 +22,5 @@ mod harness;
 mod hygiene;
 mod operator;
 mod parking;
+mod protect;
 mod streaming;

@@ -221,7 +221,7 @@ impl Proxy {
         // refusal records nothing and the worker's key stays free (§6 unchanged).
         // A replay is refused too while the route is held: it is served on the
         // retry.
-        let ticket = route.protect.enter(&route.protect_cfg).map_err(|refused| {
+        let protect_ticket = route.protect.enter(&route.protect_cfg).map_err(|refused| {
             ProxyError::UpstreamHeld {
                 route: route.name.clone(),
                 refused,
@@ -239,7 +239,6 @@ impl Proxy {
             (None, Payload::Stream(_)) => DedupKey::fresh(),
         };
         let key: &'s DedupKey = seen.key.insert(key);
-        let protect_ticket = ticket;
         let ticket = match &body {
             Payload::Whole(b) => {
                 // Not raced against a drain abort: a record must never be left

@@ -495,6 +495,16 @@ pub struct RouteConfig {
     pub upstream_headers: BTreeMap<String, String>,
     /// PEM bundle of extra CA certificates trusted for this route's https upstream.
     pub ca_file: Option<PathBuf>,
+    /// PEM certificate chain shown to an https upstream that asks for one
+    /// (mutual TLS); needs `client_key`. Re-read on reload.
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key of `client_cert`. Never logged or printed.
+    pub client_key: Option<PathBuf>,
+    /// Standard Webhooks secrets (`whsec_…`, `${NAME}` reads the environment):
+    /// when set, every forwarded request is signed with each, and its body is
+    /// read whole first (up to `max_body_bytes`). Never logged or printed.
+    #[serde(default)]
+    pub signing_secrets: Vec<String>,
 }
 
 impl std::fmt::Debug for RouteConfig {
@@ -508,6 +518,8 @@ impl std::fmt::Debug for RouteConfig {
                 "upstream_headers",
                 &self.upstream_headers.keys().collect::<Vec<_>>(),
             )
+            .field("client_cert", &self.client_cert)
+            .field("signing_secrets", &self.signing_secrets.len())
             .finish_non_exhaustive()
     }
 }
@@ -537,6 +549,42 @@ impl RouteConfig {
     /// How long a drain waits (SPEC §5): `drain_timeout_ms`, else `timeout_ms`.
     pub fn drain_timeout(&self) -> Duration {
         Duration::from_millis(self.drain_timeout_ms.unwrap_or(self.timeout_ms))
+    }
+
+    /// `signing_secrets` with `${NAME}` read from the environment (none: the
+    /// route does not sign).
+    pub fn resolve_signing_secrets(&self) -> Result<Vec<String>, String> {
+        self.signing_secrets
+            .iter()
+            .enumerate()
+            .map(|(i, raw)| from_env(&format!("route {:?}: signing_secrets[{i}]", self.name), raw))
+            .collect()
+    }
+
+    /// The route's Standard Webhooks signer, if it signs: secrets resolved and
+    /// decoded (an error names the secret by position, never by value).
+    pub fn signer(&self) -> Result<Option<crate::forward::sign::Signer>, String> {
+        if self.signing_secrets.is_empty() {
+            return Ok(None);
+        }
+        crate::forward::sign::Signer::new(&self.resolve_signing_secrets()?)
+            .map(Some)
+            .map_err(|e| format!("route {:?}: {e}", self.name))
+    }
+
+    /// The route's TLS client certificate and key, read and checked to match
+    /// (none: no client certificate).
+    pub fn client_identity(&self) -> Result<Option<crate::forward::client_auth::Identity>, String> {
+        match (&self.client_cert, &self.client_key) {
+            (None, None) => Ok(None),
+            (Some(c), Some(k)) => crate::forward::client_auth::Identity::load(c, k)
+                .map(Some)
+                .map_err(|e| format!("route {:?}: {e}", self.name)),
+            _ => Err(format!(
+                "route {:?}: client_cert and client_key go together: set both or neither",
+                self.name
+            )),
+        }
     }
 
     /// Resolves `upstream_headers`, reading `${NAME}` values from the environment.
@@ -741,8 +789,11 @@ impl Config {
             fix(ca);
         }
         for r in &mut self.routes {
-            if let Some(ca) = &mut r.ca_file {
-                fix(ca);
+            for p in [&mut r.ca_file, &mut r.client_cert, &mut r.client_key]
+                .into_iter()
+                .flatten()
+            {
+                fix(p);
             }
         }
     }
@@ -982,6 +1033,25 @@ impl Config {
                     ));
                 }
             }
+            if r.client_identity()?.is_some() && uri.scheme_str() != Some("https") {
+                return Err(format!(
+                    "route {:?}: client_cert needs an https:// upstream (it is shown in the TLS handshake)",
+                    r.name
+                ));
+            }
+            if r.signer()?.is_some() {
+                let signed = crate::forward::sign::SIGNED_HEADERS;
+                if let Some(h) = r
+                    .upstream_headers
+                    .keys()
+                    .find(|h| signed.iter().any(|s| s.as_str().eq_ignore_ascii_case(h)))
+                {
+                    return Err(format!(
+                        "route {:?}: upstream_headers sets {h}, which signing_secrets sets on every request",
+                        r.name
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1109,6 +1179,25 @@ impl Config {
             if !r.upstream_headers.is_empty() {
                 let names: Vec<_> = r.upstream_headers.keys().map(String::as_str).collect();
                 let _ = writeln!(out, "  sets headers {} (values hidden)", names.join(", "));
+            }
+            if let Some(ca) = &r.ca_file {
+                let _ = writeln!(out, "  trusts CA {}", shown(ca));
+            }
+            if let (Some(c), Some(k)) = (&r.client_cert, &r.client_key) {
+                let _ = writeln!(
+                    out,
+                    "  client certificate {} (key {}, matches)",
+                    shown(c),
+                    shown(k)
+                );
+            }
+            if !r.signing_secrets.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  signs Standard Webhooks with {} secret(s) (values hidden); body read whole up to {} bytes",
+                    r.signing_secrets.len(),
+                    r.max_body_bytes
+                );
             }
         }
         out

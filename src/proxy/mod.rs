@@ -16,6 +16,7 @@ pub(crate) use routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::admission::Claim;
+use crate::clock::Clock;
 use crate::cluster::{peer as relay, Placement};
 use crate::config::{DeriveKey, InDoubtPolicy};
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
@@ -46,12 +47,19 @@ pub(crate) struct Proxy {
     /// Pooled connections to cluster peers (SPEC §10.2).
     peers: Option<HttpsClient>,
     metrics: Arc<Metrics>,
+    /// Wall-clock time for `webhook-timestamp`.
+    clock: Arc<dyn Clock>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
 }
 
 impl Proxy {
-    pub(crate) fn new(shared: &Shared, metrics: Arc<Metrics>, peers: Option<HttpsClient>) -> Proxy {
+    pub(crate) fn new(
+        shared: &Shared,
+        metrics: Arc<Metrics>,
+        peers: Option<HttpsClient>,
+        clock: Arc<dyn Clock>,
+    ) -> Proxy {
         Proxy {
             live: shared.live.clone(),
             dedup: shared.dedup.clone(),
@@ -59,6 +67,7 @@ impl Proxy {
             mode: shared.mode.clone(),
             peers,
             metrics,
+            clock,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
     }
@@ -183,9 +192,10 @@ impl Proxy {
         );
         let record = worker_key.is_some() || (!safe && route.derive_key == DeriveKey::Content);
         refuse_declared_length(&parts, route.max_body_bytes)?;
-        // A recorded request is read whole (its key and fingerprint need it); any
-        // other is streamed to the upstream once admitted.
-        let body = if record {
+        // A recorded request is read whole (its key and fingerprint need it), and
+        // so is a signed one (its signature covers the body); any other is
+        // streamed to the upstream once admitted.
+        let body = if record || route.signer.is_some() {
             Payload::Whole(read_body(body, route.max_body_bytes, route.timeout).await?)
         } else {
             Payload::Stream(body)
@@ -220,12 +230,14 @@ impl Proxy {
         let method = parts.method.as_str();
         let key = match (worker_key, &body) {
             (Some(k), _) => k,
-            (None, Payload::Whole(b)) => DedupKey::derive(&route.name, method, path_query, b),
-            (None, Payload::Stream(_)) => DedupKey::fresh(),
+            (None, Payload::Whole(b)) if record => {
+                DedupKey::derive(&route.name, method, path_query, b)
+            }
+            (None, _) => DedupKey::fresh(),
         };
         let key: &'s DedupKey = seen.key.insert(key);
         let ticket = match &body {
-            Payload::Whole(b) => {
+            Payload::Whole(b) if record => {
                 // Not raced against a drain abort: a record must never be left
                 // `in_flight` by a request that stopped halfway through writing it.
                 match self
@@ -246,7 +258,12 @@ impl Proxy {
                     Begin::Forward(t) => Some(t),
                 }
             }
-            Payload::Stream(_) => None,
+            Payload::Whole(_) | Payload::Stream(_) => None,
+        };
+        // What a signature covers: the body as it will be sent.
+        let signed = match &body {
+            Payload::Whole(b) if route.signer.is_some() => Some(b.clone()),
+            _ => None,
         };
         let (body, upload) = match body {
             Payload::Whole(b) => (UpBody::from(b), None),
@@ -264,6 +281,7 @@ impl Proxy {
                     body,
                     upload,
                     recorded: ticket.is_some(),
+                    signed,
                 },
                 hop,
                 pass,
@@ -311,6 +329,7 @@ impl Proxy {
             body,
             upload,
             recorded,
+            signed,
         }: Outgoing,
         hop: &ClientHop,
         pass: Pass,
@@ -320,17 +339,26 @@ impl Proxy {
             upstream_time,
         }: Trace<'_>,
     ) -> (Result<Answer, ProxyError>, Sent) {
-        // Built only once the request will really be forwarded (not for a replay).
-        let upstream_req =
-            match forward::build_request(&route.target, parts, body, hop, key.as_str()) {
-                Ok(r) => r,
-                Err(detail) => {
-                    return (
-                        Err(ProxyError::UpstreamUnreachable { detail }),
-                        Sent::Nothing,
-                    )
+        // Built only once the request will really be forwarded (not for a replay);
+        // signed last, so that nothing the worker or `upstream_headers` set
+        // replaces the signature (SPEC §3).
+        let built = forward::build_request(&route.target, parts, body, hop, key.as_str()).and_then(
+            |mut r| {
+                if let (Some(signer), Some(b)) = (&route.signer, &signed) {
+                    signer.sign(r.headers_mut(), key.as_str(), self.clock.now(), b)?;
                 }
-            };
+                Ok(r)
+            },
+        );
+        let upstream_req = match built {
+            Ok(r) => r,
+            Err(detail) => {
+                return (
+                    Err(ProxyError::UpstreamUnreachable { detail }),
+                    Sent::Nothing,
+                )
+            }
+        };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
             return (
@@ -639,6 +667,8 @@ struct Outgoing {
     /// The route records this request's outcome: read its answer up to
     /// `max_replay_bytes` before anything is sent on.
     recorded: bool,
+    /// The whole body, when the route signs what it forwards.
+    signed: Option<Bytes>,
 }
 
 /// An upstream's answer: whole in `body`, or `body` is what was read before

@@ -11,6 +11,7 @@ use http::Method;
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::epoch::LeaseName;
 use crate::fence::Fence;
+use crate::forward::sign::Signer;
 use crate::forward::{self, HttpsClient, Target};
 use crate::metrics::{Metrics, RouteMetrics};
 
@@ -34,6 +35,9 @@ pub struct Route {
     pub retryable: Vec<u16>,
     pub max_body_bytes: usize,
     pub max_replay_bytes: usize,
+    /// Signs each forwarded request the Standard Webhooks way (its body is read
+    /// whole first).
+    pub signer: Option<Signer>,
     /// This route's counter and histograms.
     pub(super) metrics: RouteMetrics,
 }
@@ -62,6 +66,7 @@ impl Route {
             retryable: cfg.retryable_statuses.clone(),
             max_body_bytes: cfg.max_body_bytes,
             max_replay_bytes: cfg.max_replay_bytes,
+            signer: cfg.signer()?,
             metrics: metrics.for_route(&cfg.name),
         })
     }

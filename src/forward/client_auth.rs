@@ -71,6 +71,48 @@ impl Identity {
     }
 }
 
+/// Whether an upstream exchange failed because the upstream refused the TLS
+/// handshake over the client certificate — and if so, why, in words. With TLS
+/// 1.3 the client's side of the handshake is over before the server has checked
+/// its certificate, so the refusal (a fatal alert) arrives only once the request
+/// has been written, and the client reports it as a failed exchange, not a
+/// failed connection. The server never accepted the connection, so nothing of
+/// the request can have been acted upon: SPEC §6's "no byte sent" (502, the key
+/// freed), not an unknown outcome. Only alerts a server sends while it judges a
+/// client's certificate count.
+pub fn handshake_refused(e: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    use rustls::AlertDescription as A;
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(rustls::Error::AlertReceived(alert)) = tls {
+            return match alert {
+                A::CertificateRequired => Some(
+                    "the upstream requires a TLS client certificate and none was shown (set the route's client_cert and client_key)",
+                ),
+                A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::AccessDenied
+                | A::DecryptError
+                | A::HandshakeFailure => Some(
+                    "the upstream refused the TLS handshake: it did not accept the client certificate shown (client_cert), or the handshake",
+                ),
+                _ => None,
+            };
+        }
+        cur = err.source();
+    }
+    None
+}
+
 /// A PEM reading error in words: never the file's bytes.
 fn pem_error(e: &rustls_pki_types::pem::Error) -> String {
     use rustls_pki_types::pem::Error;
@@ -99,6 +141,29 @@ mod tests {
         let key_pem = ck.signing_key.serialize_pem();
         std::fs::write(&k, &key_pem).unwrap();
         (c, k, key_pem)
+    }
+
+    #[test]
+    fn a_refused_client_certificate_is_told_from_other_failures() {
+        let wrapped = |alert| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                rustls::Error::AlertReceived(alert),
+            )
+        };
+        let e = wrapped(rustls::AlertDescription::CertificateRequired);
+        assert!(
+            handshake_refused(&e).is_some_and(|w| w.contains("requires a TLS client certificate"))
+        );
+        let e = wrapped(rustls::AlertDescription::UnknownCA);
+        assert!(handshake_refused(&e).is_some_and(|w| w.contains("client certificate")));
+        for other in [
+            wrapped(rustls::AlertDescription::CloseNotify),
+            wrapped(rustls::AlertDescription::InternalError),
+            std::io::Error::from(std::io::ErrorKind::ConnectionReset),
+        ] {
+            assert_eq!(handshake_refused(&other), None, "{other}");
+        }
     }
 
     #[test]

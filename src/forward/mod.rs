@@ -388,6 +388,8 @@ pub async fn send(
             let detail = error_chain(&e);
             if e.is_connect() {
                 UpstreamError::Unreachable(detail)
+            } else if let Some(why) = client_auth::handshake_refused(&e) {
+                UpstreamError::Unreachable(format!("{why}: {detail}"))
             } else {
                 UpstreamError::Uncertain(detail)
             }

@@ -8,6 +8,7 @@
 mod support;
 
 mod campaign;
+mod client_cert;
 mod cluster;
 mod cluster_script;
 mod dedup;

@@ -13,7 +13,7 @@ use fencegate::lease::acquire::Holding;
 use http::Request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::egress::{verify_with_npm, PyServer};
+use crate::support::egress::{reload_with, verify_with_npm, PyServer};
 use crate::support::*;
 
 fn secret(byte: u8) -> String {
@@ -21,33 +21,6 @@ fn secret(byte: u8) -> String {
         "whsec_{}",
         base64::engine::general_purpose::STANDARD.encode([byte; 32])
     )
-}
-
-/// The value of one exact series (`name{labels}`) on `/metrics`, 0 if absent.
-async fn series(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
-/// Rewrites the config through `edit`, sends SIGHUP and waits for the reload to
-/// be counted as applied.
-async fn reload_with(fg: &Fencegate, edit: impl FnOnce(String) -> String) {
-    let metric = "fencegate_config_reloads_total{result=\"applied\"}";
-    let before = series(fg, metric).await;
-    fg.edit_config(edit);
-    fg.hup();
-    eventually("the reload to be applied", || async {
-        series(fg, metric).await > before
-    })
-    .await;
 }
 
 /// Sends a chunked POST (no Content-Length: the size is known only by reading)

@@ -1351,6 +1351,53 @@ lease = "billing"
         }
     }
 
+    /// Issue 29: `signing_secrets` and `client_cert`/`client_key` — paths follow
+    /// the config file, and the cross-key rules are named.
+    #[test]
+    fn signing_and_client_certificate_keys_are_checked() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let mut c = Config::parse(&format!(
+            "{MIN}client_cert = \"certs/c.pem\"\nclient_key = \"/abs/c.key\"\n"
+        ))
+        .unwrap();
+        c.resolve_paths(Path::new("/etc/fencegate/fencegate.toml"));
+        assert_eq!(
+            c.routes[0].client_cert.as_deref(),
+            Some(Path::new("/etc/fencegate/certs/c.pem"))
+        );
+        assert_eq!(
+            c.routes[0].client_key.as_deref(),
+            Some(Path::new("/abs/c.key"))
+        );
+        let c = Config::parse(&format!("{MIN}signing_secrets = [\"{secret}\"]\n")).unwrap();
+        c.validate().unwrap();
+        assert!(c.routes[0].signer().unwrap().is_some());
+        assert!(!format!("{:?}", c.routes[0]).contains(&secret[6..]));
+        let bad = [
+            (
+                format!("{MIN}signing_secrets = [\"{secret}\"]\nupstream_headers = {{ Webhook-Signature = \"x\" }}\n"),
+                "upstream_headers sets Webhook-Signature",
+            ),
+            (format!("{MIN}client_key = \"k.pem\"\n"), "set both or neither"),
+        ];
+        for (text, needle) in bad {
+            let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        // A client certificate on a plain-http upstream is refused (files valid).
+        let dir = tempfile::tempdir().unwrap();
+        let ck = rcgen::generate_simple_self_signed(vec!["c.test".into()]).unwrap();
+        std::fs::write(dir.path().join("c.pem"), ck.cert.pem()).unwrap();
+        std::fs::write(dir.path().join("c.key"), ck.signing_key.serialize_pem()).unwrap();
+        let mut c = Config::parse(&format!(
+            "{MIN}client_cert = \"c.pem\"\nclient_key = \"c.key\"\n"
+        ))
+        .unwrap();
+        c.resolve_paths(&dir.path().join("fencegate.toml"));
+        let err = c.validate().unwrap_err();
+        assert!(err.contains("needs an https:// upstream"), "{err}");
+    }
+
     /// `[cluster]` (SPEC §10.2): its rules, each named in the error.
     #[test]
     fn cluster_keys_are_checked() {

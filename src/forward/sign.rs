@@ -170,7 +170,7 @@ mod tests {
         let s = Signer::new(&["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"]).unwrap();
         let mut h = HeaderMap::new();
         h.insert(WEBHOOK_SIGNATURE, HeaderValue::from_static("v1,forged"));
-        let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1614265330_999);
+        let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1_614_265_330_999);
         s.sign(
             &mut h,
             "msg_p5jXN8AQM9LWM0D4loKWxJek",

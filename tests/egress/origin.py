@@ -10,8 +10,10 @@ verify it, and whether the library rejects the same delivery with its body
 changed by one byte, and ten minutes late (its clock moved; tolerance is five
 minutes). Answers 200 when some secret verifies it, else 401; a request with
 `x-test-fail-first: STATUS` gets STATUS the first time its webhook-id arrives
-(a destination that fails once: the worker retries). GET /_log answers the
-arrivals as JSON.
+(a destination that fails once: the worker retries); with
+`x-test-delay-first: MS` the first arrival of an id is answered only after MS
+milliseconds (one that outlasts fencegate's timeout: the outcome in doubt).
+GET /_log answers the arrivals as JSON.
 """
 import base64
 import datetime as real_datetime
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import standardwebhooks.webhooks as swh
@@ -105,6 +108,13 @@ class Handler(BaseHTTPRequestHandler):
         fail = self.headers.get("x-test-fail-first")
         if fail and first:
             return self.answer(int(fail), {"failed_once": wid})
+        delay = self.headers.get("x-test-delay-first")
+        if delay and first:
+            time.sleep(int(delay) / 1000)
+            try:
+                return self.answer(200, {"late": wid})
+            except OSError:
+                return  # fencegate gave up on it and closed the connection
         self.answer(200 if good is not None else 401, {"verified": verified})
 
 

@@ -10,7 +10,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use http::Request;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 
 use crate::support::egress::{reload_with, PyServer};

@@ -275,3 +275,54 @@ async fn signed_deliveries_verify_with_the_receivers_libraries_through_a_retry_a
         assert!(!log.contains(&raw(s)), "a secret in the log");
     }
 }
+
+/// A delivery whose outcome is unknown (the destination answers after the
+/// route's timeout: 504, the key in doubt) and that the route's `in_doubt =
+/// "resend"` forwards again when the worker retries: both arrivals carry the
+/// same `webhook-id` — the worker's key — with their own timestamps and
+/// signatures, and the Python library accepts both; a receiver deduplicating on
+/// the id sees one event. Fails if the resend is signed under another id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_in_doubt_delivery_keeps_its_webhook_id() {
+    skip_without_python!();
+    let a = secret(0x33);
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n[[route]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\n\
+             upstream = \"http://127.0.0.1:{}/in/\"\nlease = \"hooks\"\ntimeout_ms = 300\n\
+             in_doubt = \"resend\"\nsigning_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n",
+            dir_store_toml(store.path()),
+            origin.port
+        ),
+        &[("FG_TEST_WHSEC_A", &a)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let delivery = || {
+        worker_req(&fg.url("/hooks/invoices"), h.epoch.get(), &h.token)
+            .header("idempotency-key", "evt_in_doubt")
+            .header("x-test-delay-first", "1500")
+            .body(body(r#"{"invoice":7}"#))
+            .unwrap()
+    };
+    send(delivery()).await.assert_error(504, "upstream_timeout");
+    let resent = send(delivery()).await;
+    assert_eq!(resent.status, 200, "{:?}", resent.body);
+    let got = arrivals(&origin).await;
+    assert_eq!(got.len(), 2, "{got:#?}");
+    for g in &got {
+        assert_eq!(g["headers"]["webhook-id"], "evt_in_doubt");
+        assert_eq!(g["verified"]["A"], true, "{g}");
+    }
+}

@@ -74,7 +74,7 @@ fn origin_events(log: &Path) -> Vec<serde_json::Value> {
 /// `client-two` and SIGHUP makes the next request show it. No key appears in
 /// the log.
 ///
-/// Fails if the certificate is not presented (403-less 502 on `mtls`), if a
+/// Fails if the certificate is not presented (502 on `mtls`), if a
 /// refused handshake is reported as an unknown outcome (504, in doubt), if the
 /// cause is not logged, or if a reload keeps the old certificate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,9 +204,10 @@ fn check_config(dir: &Path, route_extra: &str, env: &[(&str, &str)]) -> (Option<
 }
 
 /// `check-config` exits 2 naming a missing key file, a key that is not the
-/// certificate's, a certificate without its key, and a client certificate on a
-/// plain-http upstream; a good pair is summarized with its paths and no key, and
-/// signing secrets are counted, never shown.
+/// certificate's, a certificate without its key, and a key file given as the
+/// certificate (the http-upstream rule is a unit test in src/config.rs); a good
+/// pair is summarized with its paths and no key; signing secrets are counted,
+/// never shown, and a bad or unset one is named by position or variable.
 #[test]
 fn check_config_names_bad_client_certificate_files_and_hides_signing_secrets() {
     let dir = tempfile::tempdir().unwrap();

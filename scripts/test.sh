@@ -15,6 +15,8 @@ export FENCEGATE_TEST_PYTHON
 if [ "$(bash scripts/setup-postgres.sh)" = yes ]; then
     export FENCEGATE_TEST_REQUIRE_POSTGRES=1
 fi
+# The receivers' verifiers (npm) for the signed-delivery tests.
+bash scripts/setup-egress-tests.sh
 # Same as `-- --test-threads 4`, but leaves "$@" free to carry its own `--`.
 export RUST_TEST_THREADS=${RUST_TEST_THREADS:-4}
 

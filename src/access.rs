@@ -89,6 +89,7 @@ impl Line<'_> {
             outcome = self.outcome,
             code = self.refusal.map(ProxyError::code),
             reason = self.refusal.map(tracing::field::display),
+            detail = self.refusal.and_then(ProxyError::detail),
             lease = self.lease,
             epoch = self.seen.epoch,
             key = self.seen.key.as_ref().map(DedupKey::as_str),

@@ -506,6 +506,16 @@ pub struct RouteConfig {
     pub max_retry_after: Duration,
     /// The route's circuit breaker; absent: none.
     pub breaker: Option<BreakerConfig>,
+    /// PEM certificate chain shown to an https upstream that asks for one
+    /// (mutual TLS); needs `client_key`. Re-read on reload.
+    pub client_cert: Option<PathBuf>,
+    /// PEM private key of `client_cert`. Never logged or printed.
+    pub client_key: Option<PathBuf>,
+    /// Standard Webhooks secrets (`whsec_…`, `${NAME}` reads the environment):
+    /// when set, every forwarded request is signed with each, and its body is
+    /// read whole first (up to `max_body_bytes`). Never logged or printed.
+    #[serde(default)]
+    pub signing_secrets: Vec<String>,
 }
 
 /// `[[route]] breaker`: `failures` consecutive upstream failures within `window`
@@ -548,6 +558,8 @@ impl std::fmt::Debug for RouteConfig {
                 "upstream_headers",
                 &self.upstream_headers.keys().collect::<Vec<_>>(),
             )
+            .field("client_cert", &self.client_cert)
+            .field("signing_secrets", &self.signing_secrets.len())
             .finish_non_exhaustive()
     }
 }
@@ -605,6 +617,42 @@ impl RouteConfig {
             }
         }
         Ok(())
+    }
+
+    /// `signing_secrets` with `${NAME}` read from the environment (none: the
+    /// route does not sign).
+    pub fn resolve_signing_secrets(&self) -> Result<Vec<String>, String> {
+        self.signing_secrets
+            .iter()
+            .enumerate()
+            .map(|(i, raw)| from_env(&format!("route {:?}: signing_secrets[{i}]", self.name), raw))
+            .collect()
+    }
+
+    /// The route's Standard Webhooks signer, if it signs: secrets resolved and
+    /// decoded (an error names the secret by position, never by value).
+    pub fn signer(&self) -> Result<Option<crate::forward::sign::Signer>, String> {
+        if self.signing_secrets.is_empty() {
+            return Ok(None);
+        }
+        crate::forward::sign::Signer::new(&self.resolve_signing_secrets()?)
+            .map(Some)
+            .map_err(|e| format!("route {:?}: {e}", self.name))
+    }
+
+    /// The route's TLS client certificate and key, read and checked to match
+    /// (none: no client certificate).
+    pub fn client_identity(&self) -> Result<Option<crate::forward::client_auth::Identity>, String> {
+        match (&self.client_cert, &self.client_key) {
+            (None, None) => Ok(None),
+            (Some(c), Some(k)) => crate::forward::client_auth::Identity::load(c, k)
+                .map(Some)
+                .map_err(|e| format!("route {:?}: {e}", self.name)),
+            _ => Err(format!(
+                "route {:?}: client_cert and client_key go together: set both or neither",
+                self.name
+            )),
+        }
     }
 
     /// Resolves `upstream_headers`, reading `${NAME}` values from the environment.
@@ -809,8 +857,11 @@ impl Config {
             fix(ca);
         }
         for r in &mut self.routes {
-            if let Some(ca) = &mut r.ca_file {
-                fix(ca);
+            for p in [&mut r.ca_file, &mut r.client_cert, &mut r.client_key]
+                .into_iter()
+                .flatten()
+            {
+                fix(p);
             }
         }
     }
@@ -1051,6 +1102,25 @@ impl Config {
                     ));
                 }
             }
+            if r.client_identity()?.is_some() && uri.scheme_str() != Some("https") {
+                return Err(format!(
+                    "route {:?}: client_cert needs an https:// upstream (it is shown in the TLS handshake)",
+                    r.name
+                ));
+            }
+            if r.signer()?.is_some() {
+                let signed = crate::forward::sign::SIGNED_HEADERS;
+                if let Some(h) = r
+                    .upstream_headers
+                    .keys()
+                    .find(|h| signed.iter().any(|s| s.as_str().eq_ignore_ascii_case(h)))
+                {
+                    return Err(format!(
+                        "route {:?}: upstream_headers sets {h}, which signing_secrets sets on every request",
+                        r.name
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -1197,6 +1267,25 @@ impl Config {
             if !r.upstream_headers.is_empty() {
                 let names: Vec<_> = r.upstream_headers.keys().map(String::as_str).collect();
                 let _ = writeln!(out, "  sets headers {} (values hidden)", names.join(", "));
+            }
+            if let Some(ca) = &r.ca_file {
+                let _ = writeln!(out, "  trusts CA {}", shown(ca));
+            }
+            if let (Some(c), Some(k)) = (&r.client_cert, &r.client_key) {
+                let _ = writeln!(
+                    out,
+                    "  client certificate {} (key {}, matches)",
+                    shown(c),
+                    shown(k)
+                );
+            }
+            if !r.signing_secrets.is_empty() {
+                let _ = writeln!(
+                    out,
+                    "  signs Standard Webhooks with {} secret(s) (values hidden); body read whole up to {} bytes",
+                    r.signing_secrets.len(),
+                    r.max_body_bytes
+                );
             }
         }
         out
@@ -1399,6 +1488,53 @@ lease = "billing"
             let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
             assert!(err.contains(needle), "{needle}: {err}");
         }
+    }
+
+    /// Issue 29: `signing_secrets` and `client_cert`/`client_key` — paths follow
+    /// the config file, and the cross-key rules are named.
+    #[test]
+    fn signing_and_client_certificate_keys_are_checked() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let mut c = Config::parse(&format!(
+            "{MIN}client_cert = \"certs/c.pem\"\nclient_key = \"/abs/c.key\"\n"
+        ))
+        .unwrap();
+        c.resolve_paths(Path::new("/etc/fencegate/fencegate.toml"));
+        assert_eq!(
+            c.routes[0].client_cert.as_deref(),
+            Some(Path::new("/etc/fencegate/certs/c.pem"))
+        );
+        assert_eq!(
+            c.routes[0].client_key.as_deref(),
+            Some(Path::new("/abs/c.key"))
+        );
+        let c = Config::parse(&format!("{MIN}signing_secrets = [\"{secret}\"]\n")).unwrap();
+        c.validate().unwrap();
+        assert!(c.routes[0].signer().unwrap().is_some());
+        assert!(!format!("{:?}", c.routes[0]).contains(&secret[6..]));
+        let bad = [
+            (
+                format!("{MIN}signing_secrets = [\"{secret}\"]\nupstream_headers = {{ Webhook-Signature = \"x\" }}\n"),
+                "upstream_headers sets Webhook-Signature",
+            ),
+            (format!("{MIN}client_key = \"k.pem\"\n"), "set both or neither"),
+        ];
+        for (text, needle) in bad {
+            let err = Config::parse(&text).and_then(|c| c.validate()).unwrap_err();
+            assert!(err.contains(needle), "{needle}: {err}");
+        }
+        // A client certificate on a plain-http upstream is refused (files valid).
+        let dir = tempfile::tempdir().unwrap();
+        let ck = rcgen::generate_simple_self_signed(vec!["c.test".into()]).unwrap();
+        std::fs::write(dir.path().join("c.pem"), ck.cert.pem()).unwrap();
+        std::fs::write(dir.path().join("c.key"), ck.signing_key.serialize_pem()).unwrap();
+        let mut c = Config::parse(&format!(
+            "{MIN}client_cert = \"c.pem\"\nclient_key = \"c.key\"\n"
+        ))
+        .unwrap();
+        c.resolve_paths(&dir.path().join("fencegate.toml"));
+        let err = c.validate().unwrap_err();
+        assert!(err.contains("needs an https:// upstream"), "{err}");
     }
 
     /// `[cluster]` (SPEC §10.2): its rules, each named in the error.

@@ -372,6 +372,19 @@ impl ProxyError {
         }
     }
 
+    /// The cause behind an upstream or body failure (the JSON body's `detail`),
+    /// for the access line: what an operator needs to tell one 502 from another.
+    pub(crate) fn detail(&self) -> Option<&str> {
+        use ProxyError as E;
+        match self {
+            E::UpstreamUnreachable { detail }
+            | E::UpstreamTimeout { detail, .. }
+            | E::StateUnavailable { detail }
+            | E::BodyUnreadable { detail } => Some(detail),
+            _ => None,
+        }
+    }
+
     pub(crate) fn code(&self) -> &'static str {
         self.status_and_code().1
     }

@@ -12,7 +12,9 @@
 //!   witness) is the embedded backend.
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
 //! - [`forward`] — the request mapped to the upstream and header hygiene (SPEC §3);
-//!   the pooled client over rustls is `forward/client.rs`.
+//!   the pooled client over rustls is `forward/client.rs`, a route's TLS client
+//!   certificate `forward/client_auth.rs`, Standard Webhooks signing
+//!   `forward/sign.rs`.
 //! - [`headers`] — the header names fencegate reads and adds (SPEC §3, §10.2).
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
 //! - [`protect`] — protecting the destination: a route's in-flight limit, its

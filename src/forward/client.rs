@@ -10,6 +10,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::CertificateDer;
 
+use super::client_auth::Identity;
 use crate::cutoff::CuttableConnector;
 use crate::streaming::UpBody;
 
@@ -17,8 +18,12 @@ use crate::streaming::UpBody;
 pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
 
 /// Builds the TLS client config: system roots when present, else webpki roots,
-/// plus an optional per-route CA bundle.
-pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientConfig, String> {
+/// plus an optional per-route CA bundle; with a route's client certificate
+/// when it has one.
+pub fn tls_config(
+    extra_ca: Option<&std::path::Path>,
+    identity: Option<&Identity>,
+) -> Result<rustls::ClientConfig, String> {
     let mut roots = rustls::RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();
     let (added, _) = roots.add_parsable_certificates(native.certs);
@@ -39,10 +44,16 @@ pub fn tls_config(extra_ca: Option<&std::path::Path>) -> Result<rustls::ClientCo
                 .map_err(|e| format!("CA bundle {}: {e}", path.display()))?;
         }
     }
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())
-        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(roots);
+    match identity {
+        Some(id) => id.apply(builder),
+        None => Ok(builder.with_no_client_auth()),
+    }
 }
 
 /// A pooled client for one upstream (or a set of upstreams sharing TLS roots).

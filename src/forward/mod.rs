@@ -1,10 +1,13 @@
 //! Forwarding to the upstream (SPEC §3): the path-prefix mapping ([`Target`]),
 //! header hygiene, the client's hop appended ([`ClientHop`]), and the exchange —
 //! upstream failures classified by what the worker may conclude (nothing sent
-//! vs. outcome unknown). The pooled client over rustls is `client.rs`; the header
-//! names are `crate::headers`.
+//! vs. outcome unknown). The pooled client over rustls is `client.rs`, a route's
+//! TLS client certificate `client_auth.rs`, Standard Webhooks signing `sign.rs`;
+//! the header names are `crate::headers`.
 
 mod client;
+pub mod client_auth;
+pub mod sign;
 
 pub use client::{client, tls_config, HttpsClient};
 // Transitional (issue 26): `cluster/peer.rs`, restructured next, still imports
@@ -385,6 +388,8 @@ pub async fn send(
             let detail = error_chain(&e);
             if e.is_connect() {
                 UpstreamError::Unreachable(detail)
+            } else if let Some(why) = client_auth::handshake_refused(&e) {
+                UpstreamError::Unreachable(format!("{why}: {detail}"))
             } else {
                 UpstreamError::Uncertain(detail)
             }

@@ -16,6 +16,7 @@ pub(crate) use routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::admission::Claim;
+use crate::clock::Clock;
 use crate::cluster::{peer as relay, Placement};
 use crate::config::{DeriveKey, InDoubtPolicy};
 use crate::dedup::{self, Action, Begin, Dedup, DedupKey, Outcome};
@@ -49,12 +50,19 @@ pub(crate) struct Proxy {
     metrics: Arc<Metrics>,
     /// Only for its local wall clock: a `Retry-After` date without a `Date`.
     wall: Arc<dyn crate::lease::LeaseStore>,
+    /// Wall-clock time for `webhook-timestamp`.
+    clock: Arc<dyn Clock>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
 }
 
 impl Proxy {
-    pub(crate) fn new(shared: &Shared, metrics: Arc<Metrics>, peers: Option<HttpsClient>) -> Proxy {
+    pub(crate) fn new(
+        shared: &Shared,
+        metrics: Arc<Metrics>,
+        peers: Option<HttpsClient>,
+        clock: Arc<dyn Clock>,
+    ) -> Proxy {
         Proxy {
             live: shared.live.clone(),
             dedup: shared.dedup.clone(),
@@ -63,6 +71,7 @@ impl Proxy {
             peers,
             metrics,
             wall: shared.store.clone(),
+            clock,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
     }
@@ -187,9 +196,10 @@ impl Proxy {
         );
         let record = worker_key.is_some() || (!safe && route.derive_key == DeriveKey::Content);
         refuse_declared_length(&parts, route.max_body_bytes)?;
-        // A recorded request is read whole (its key and fingerprint need it); any
-        // other is streamed to the upstream once admitted.
-        let body = if record {
+        // A recorded request is read whole (its key and fingerprint need it), and
+        // so is a signed one (its signature covers the body); any other is
+        // streamed to the upstream once admitted.
+        let body = if record || route.signer.is_some() {
             Payload::Whole(read_body(body, route.max_body_bytes, route.timeout).await?)
         } else {
             Payload::Stream(body)
@@ -235,12 +245,14 @@ impl Proxy {
         let method = parts.method.as_str();
         let key = match (worker_key, &body) {
             (Some(k), _) => k,
-            (None, Payload::Whole(b)) => DedupKey::derive(&route.name, method, path_query, b),
-            (None, Payload::Stream(_)) => DedupKey::fresh(),
+            (None, Payload::Whole(b)) if record => {
+                DedupKey::derive(&route.name, method, path_query, b)
+            }
+            (None, _) => DedupKey::fresh(),
         };
         let key: &'s DedupKey = seen.key.insert(key);
         let ticket = match &body {
-            Payload::Whole(b) => {
+            Payload::Whole(b) if record => {
                 // Not raced against a drain abort: a record must never be left
                 // `in_flight` by a request that stopped halfway through writing it.
                 match self
@@ -261,7 +273,12 @@ impl Proxy {
                     Begin::Forward(t) => Some(t),
                 }
             }
-            Payload::Stream(_) => None,
+            Payload::Whole(_) | Payload::Stream(_) => None,
+        };
+        // What a signature covers: the body as it will be sent.
+        let signed = match &body {
+            Payload::Whole(b) if route.signer.is_some() => Some(b.clone()),
+            _ => None,
         };
         let (body, upload) = match body {
             Payload::Whole(b) => (UpBody::from(b), None),
@@ -280,6 +297,7 @@ impl Proxy {
                     upload,
                     recorded: ticket.is_some(),
                     protect: protect_ticket,
+                    signed,
                 },
                 hop,
                 pass,
@@ -328,6 +346,7 @@ impl Proxy {
             upload,
             recorded,
             protect,
+            signed,
         }: Outgoing,
         hop: &ClientHop,
         pass: Pass,
@@ -337,17 +356,26 @@ impl Proxy {
             upstream_time,
         }: Trace<'_>,
     ) -> (Result<Answer, ProxyError>, Sent) {
-        // Built only once the request will really be forwarded (not for a replay).
-        let upstream_req =
-            match forward::build_request(&route.target, parts, body, hop, key.as_str()) {
-                Ok(r) => r,
-                Err(detail) => {
-                    return (
-                        Err(ProxyError::UpstreamUnreachable { detail }),
-                        Sent::Nothing,
-                    )
+        // Built only once the request will really be forwarded (not for a replay);
+        // signed last, so that nothing the worker or `upstream_headers` set
+        // replaces the signature (SPEC §3).
+        let built = forward::build_request(&route.target, parts, body, hop, key.as_str()).and_then(
+            |mut r| {
+                if let (Some(signer), Some(b)) = (&route.signer, &signed) {
+                    signer.sign(r.headers_mut(), key.as_str(), self.clock.now(), b)?;
                 }
-            };
+                Ok(r)
+            },
+        );
+        let upstream_req = match built {
+            Ok(r) => r,
+            Err(detail) => {
+                return (
+                    Err(ProxyError::UpstreamUnreachable { detail }),
+                    Sent::Nothing,
+                )
+            }
+        };
         if pass.is_aborted() {
             // Aborted before anything was sent: the key is free again.
             return (
@@ -674,6 +702,8 @@ struct Outgoing {
     recorded: bool,
     /// Its place under the route's protection (SPEC §9), reported back.
     protect: protect::Ticket,
+    /// The whole body, when the route signs what it forwards.
+    signed: Option<Bytes>,
 }
 
 /// An upstream's answer: whole in `body`, or `body` is what was read before

@@ -11,6 +11,7 @@ use http::Method;
 use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::epoch::LeaseName;
 use crate::fence::Fence;
+use crate::forward::sign::Signer;
 use crate::forward::{self, HttpsClient, Target};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::protect;
@@ -39,6 +40,9 @@ pub struct Route {
     /// keeps ([`RouteTable::carry_over`]).
     pub protect_cfg: protect::Settings,
     pub protect: Arc<protect::Guard>,
+    /// Signs each forwarded request the Standard Webhooks way (its body is read
+    /// whole first).
+    pub signer: Option<Signer>,
     /// This route's counter and histograms.
     pub(super) metrics: RouteMetrics,
 }
@@ -69,6 +73,7 @@ impl Route {
             max_replay_bytes: cfg.max_replay_bytes,
             protect_cfg: protect::Settings::of(cfg),
             protect: Arc::default(),
+            signer: cfg.signer()?,
             metrics: metrics.for_route(&cfg.name),
         })
     }

@@ -203,11 +203,11 @@ async fn build_on(
     let peers = match &mode {
         Mode::Single(_) => None,
         Mode::Cluster(_) => {
-            let tls = crate::forward::tls_config(None).map_err(StartError::Tls)?;
+            let tls = crate::forward::tls_config(None, None).map_err(StartError::Tls)?;
             Some(crate::forward::client(tls, Duration::from_secs(1)))
         }
     };
-    let proxy = Arc::new(Proxy::new(&shared, metrics.clone(), peers));
+    let proxy = Arc::new(Proxy::new(&shared, metrics.clone(), peers, clock.clone()));
     let stop = CancellationToken::new();
     let keeper = match &mode {
         Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),
@@ -262,7 +262,7 @@ fn drain_timeouts(cfg: &Config) -> HashMap<LeaseName, Duration> {
 
 /// What a reload may change, built from `cfg`: each route with its lease's fence
 /// (a single instance's, started or the running one; a cluster's fences follow
-/// its shards), an upstream client per CA bundle, the admin token
+/// its shards), an upstream client per CA bundle and client certificate, the admin token
 /// (`FENCEGATE_ADMIN_TOKEN` wins over the file), the listener's TLS.
 async fn build_live(
     cfg: &Config,
@@ -271,8 +271,12 @@ async fn build_live(
     metrics: &Metrics,
 ) -> Result<Live, StartError> {
     let settle = drain_timeouts(cfg);
-    let mut clients: HashMap<Option<std::path::PathBuf>, crate::forward::HttpsClient> =
-        HashMap::new();
+    type TlsFiles = (
+        Option<std::path::PathBuf>,
+        Option<std::path::PathBuf>,
+        Option<std::path::PathBuf>,
+    );
+    let mut clients: HashMap<TlsFiles, crate::forward::HttpsClient> = HashMap::new();
     let mut routes = Vec::new();
     let shards = mode.cluster().map_or(1, |c| c.shards());
     for rc in &cfg.routes {
@@ -291,12 +295,21 @@ async fn build_live(
             route: rc.name.clone(),
             message,
         };
-        let client = match clients.get(&rc.ca_file) {
+        // The files are read again on every build: a reload picks up a renewed
+        // CA bundle or client certificate.
+        let tls_files = (
+            rc.ca_file.clone(),
+            rc.client_cert.clone(),
+            rc.client_key.clone(),
+        );
+        let client = match clients.get(&tls_files) {
             Some(c) => c.clone(),
             None => {
-                let tls = crate::forward::tls_config(rc.ca_file.as_deref()).map_err(route_err)?;
+                let identity = rc.client_identity().map_err(route_err)?;
+                let tls = crate::forward::tls_config(rc.ca_file.as_deref(), identity.as_ref())
+                    .map_err(route_err)?;
                 let c = crate::forward::client(tls, (rc.timeout() / 2).min(Duration::from_secs(5)));
-                clients.insert(rc.ca_file.clone(), c.clone());
+                clients.insert(tls_files, c.clone());
                 c
             }
         };

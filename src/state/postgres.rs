@@ -161,7 +161,7 @@ impl PostgresState {
         if pg.get_application_name().is_none() {
             pg.application_name("fencegate");
         }
-        let tls = crate::forward::tls_config(cfg.ca_file.as_deref()).map_err(open)?;
+        let tls = crate::forward::tls_config(cfg.ca_file.as_deref(), None).map_err(open)?;
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls);
         let manager = Manager::from_config(
             pg,

@@ -8,6 +8,7 @@
 mod support;
 
 mod campaign;
+mod client_cert;
 mod cluster;
 mod cluster_script;
 mod dedup;
@@ -30,3 +31,4 @@ mod review2;
 mod review_batch;
 mod review_own;
 mod startup;
+mod webhooks;

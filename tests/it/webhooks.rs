@@ -1,0 +1,328 @@
+//! Issue 29 §1, SPEC §3 and §9 `signing_secrets`: a route signs what it forwards
+//! the Standard Webhooks way, and the receivers' own libraries — the
+//! `standardwebhooks` packages from PyPI (in the recording origin, on every
+//! arrival) and from npm (over what the origin recorded) — accept it, through
+//! a retried delivery (same `webhook-id`) and a key rotation done by reload, and
+//! reject the same deliveries tampered with or received late. A signing route
+//! reads the body whole: over `max_body_bytes` it is 413 and nothing is sent.
+
+use std::time::Duration;
+
+use base64::Engine;
+use fencegate::lease::acquire::Holding;
+use http::Request;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::egress::{reload_with, verify_with_npm, PyServer};
+use crate::support::*;
+
+fn secret(byte: u8) -> String {
+    format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode([byte; 32])
+    )
+}
+
+/// Sends a chunked POST (no Content-Length: the size is known only by reading)
+/// of `size` bytes on a raw connection; the whole answer, as text.
+async fn chunked_post(fg: &Fencegate, path: &str, h: &Holding, size: usize) -> String {
+    let mut s = tokio::net::TcpStream::connect(fg.proxy).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: fencegate\r\nX-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\n\
+         Content-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        h.epoch.get(),
+        h.token
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let chunk = vec![b'x'; 512];
+    let mut sent = 0;
+    while sent < size {
+        let n = chunk.len().min(size - sent);
+        // fencegate may answer 413 and close before the last chunk: stop then.
+        let framed = [format!("{n:x}\r\n").as_bytes(), &chunk[..n], b"\r\n"].concat();
+        if s.write_all(&framed).await.is_err() {
+            break;
+        }
+        sent += n;
+    }
+    let _ = s.write_all(b"0\r\n\r\n").await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn arrivals(origin: &PyServer) -> Vec<serde_json::Value> {
+    let r = send(
+        Request::get(format!("http://127.0.0.1:{}/_log", origin.port))
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+fn verified(a: &serde_json::Value) -> (bool, bool) {
+    (
+        a["verified"]["A"].as_bool().unwrap(),
+        a["verified"]["B"].as_bool().unwrap(),
+    )
+}
+
+/// One route signs with secret A (dedup by content), another (`derive_key =
+/// "none"`, a 1 KiB limit) too. Deliveries: one the destination fails with 503
+/// and the worker retries (two arrivals, one `webhook-id`: the derived key);
+/// one with the worker's key and forged `webhook-*` headers (replaced), then
+/// its replay (not a delivery); one on the unrecorded route (a fresh `fg-` id);
+/// then a rotation by reload — signing with B and A (receivers holding either
+/// accept), then B alone (A's holders reject). Every arrival is checked by both
+/// libraries against both secrets, and each rejects every delivery with its
+/// body changed by one byte or received ten minutes late. A chunked body over
+/// the unrecorded route's limit is refused 413 with nothing forwarded. The
+/// secrets appear nowhere in fencegate's log.
+///
+/// Fails if the signature covers anything but `{id}.{timestamp}.{body}`, if
+/// `webhook-id` is not the dedup key, if a worker's headers survive signing, if
+/// two secrets do not give two signatures, if a reload does not change them,
+/// or if a signing route streams a body (it could not sign it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signed_deliveries_verify_with_the_receivers_libraries_through_a_retry_and_a_rotation() {
+    skip_without_python!();
+    let (a, b) = (secret(0x11), secret(0x22));
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a} B={b}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let upstream = format!("http://127.0.0.1:{}/in/", origin.port);
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n[[route]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\nupstream = \"{upstream}\"\n\
+             lease = \"hooks\"\nsigning_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n\n\
+             [[route]]\nname = \"fresh\"\npath_prefix = \"/fresh/\"\nupstream = \"{upstream}\"\n\
+             lease = \"hooks\"\nderive_key = \"none\"\nmax_body_bytes = 1024\n\
+             signing_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n",
+            dir_store_toml(store.path())
+        ),
+        &[("FG_TEST_WHSEC_A", &a), ("FG_TEST_WHSEC_B", &b)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let order = |payload: &str| {
+        worker_req(&fg.url("/hooks/orders"), h.epoch.get(), &h.token)
+            .header("content-type", "application/json")
+            .body(body(payload))
+            .unwrap()
+    };
+
+    // A delivery the destination fails once (503 is retryable: the record is
+    // deleted), retried by the worker: the same derived key both times.
+    let first = send(
+        worker_req(&fg.url("/hooks/orders"), h.epoch.get(), &h.token)
+            .header("x-test-fail-first", "503")
+            .body(body(r#"{"order":1}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(first.status, 503, "{:?}", first.body);
+    let retry = send(
+        worker_req(&fg.url("/hooks/orders"), h.epoch.get(), &h.token)
+            .header("x-test-fail-first", "503")
+            .body(body(r#"{"order":1}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(retry.status, 200, "{:?}", retry.body);
+
+    // The worker's key, and forged headers that signing replaces; then a replay.
+    let keyed_req = || {
+        worker_req(&fg.url("/hooks/orders"), h.epoch.get(), &h.token)
+            .header("idempotency-key", "evt_42")
+            .header("webhook-id", "forged")
+            .header("webhook-signature", "v1,Zm9yZ2Vk")
+            .body(body(r#"{"order":42}"#))
+            .unwrap()
+    };
+    assert_eq!(send(keyed_req()).await.status, 200);
+    let replay = send(keyed_req()).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+
+    // The unrecorded route: a fresh id; over its limit, refused whole.
+    let fresh = send(
+        worker_req(&fg.url("/fresh/ping"), h.epoch.get(), &h.token)
+            .body(body(r#"{"ping":true}"#))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(fresh.status, 200);
+    let before_big = arrivals(&origin).await.len();
+    let big = chunked_post(&fg, "/fresh/big", &h, 4096).await;
+    assert!(
+        big.starts_with("HTTP/1.1 413") && big.contains("body_too_large"),
+        "{big}"
+    );
+    assert_eq!(
+        arrivals(&origin).await.len(),
+        before_big,
+        "nothing forwarded"
+    );
+
+    // Rotation: B added first, then A retired.
+    reload_with(&fg, |t| {
+        t.replace(
+            "signing_secrets = [\"${FG_TEST_WHSEC_A}\"]",
+            "signing_secrets = [\"${FG_TEST_WHSEC_B}\", \"${FG_TEST_WHSEC_A}\"]",
+        )
+    })
+    .await;
+    assert_eq!(send(order(r#"{"order":2}"#)).await.status, 200);
+    reload_with(&fg, |t| {
+        t.replace(
+            "signing_secrets = [\"${FG_TEST_WHSEC_B}\", \"${FG_TEST_WHSEC_A}\"]",
+            "signing_secrets = [\"${FG_TEST_WHSEC_B}\"]",
+        )
+    })
+    .await;
+    assert_eq!(send(order(r#"{"order":3}"#)).await.status, 200);
+
+    let got = arrivals(&origin).await;
+    assert_eq!(got.len(), 6, "{got:#?}");
+    let id = |i: usize| got[i]["headers"]["webhook-id"].as_str().unwrap().to_owned();
+    // The retry carries the same id: the derived dedup key, also in Idempotency-Key.
+    assert_eq!(id(0), id(1));
+    assert_eq!(id(0).len(), 64, "sha256 hex: {}", id(0));
+    assert_eq!(got[0]["headers"]["idempotency-key"], id(0).as_str());
+    assert_ne!(
+        got[0]["headers"]["webhook-timestamp"].as_str(),
+        None,
+        "timestamped"
+    );
+    assert_eq!(id(2), "evt_42", "the worker's key, not its forged id");
+    assert!(!got[2]["headers"]["webhook-signature"]
+        .as_str()
+        .unwrap()
+        .contains("Zm9yZ2Vk"));
+    assert!(id(3).starts_with("fg-"), "{}", id(3));
+    let sigs = |i: usize| {
+        got[i]["headers"]["webhook-signature"]
+            .as_str()
+            .unwrap()
+            .split(' ')
+            .count()
+    };
+    assert_eq!((sigs(0), sigs(4), sigs(5)), (1, 2, 1));
+
+    // The Python library, on arrival.
+    let expect = [
+        (true, false),
+        (true, false),
+        (true, false),
+        (true, false),
+        (true, true),
+        (false, true),
+    ];
+    for (i, (a_ok, b_ok)) in expect.iter().enumerate() {
+        assert_eq!(
+            verified(&got[i]),
+            (*a_ok, *b_ok),
+            "python, arrival {i}: {}",
+            got[i]
+        );
+        assert_eq!(got[i]["tampered_rejected"], true, "python, arrival {i}");
+        assert_eq!(got[i]["stale_rejected"], true, "python, arrival {i}");
+        assert!(
+            got[i]["stale_error"].as_str().unwrap().contains("too old"),
+            "{}",
+            got[i]
+        );
+    }
+    assert!(
+        got[5]["errors"]["A"]
+            .as_str()
+            .unwrap()
+            .contains("No matching signature"),
+        "{}",
+        got[5]
+    );
+
+    // The npm library, over the same deliveries.
+    let npm = verify_with_npm(&[("A", &a), ("B", &b)], &got);
+    assert_eq!(npm.len(), 6);
+    for (i, (a_ok, b_ok)) in expect.iter().enumerate() {
+        assert_eq!(
+            verified(&npm[i]),
+            (*a_ok, *b_ok),
+            "npm, arrival {i}: {}",
+            npm[i]
+        );
+        assert_eq!(npm[i]["tampered_rejected"], true, "npm, arrival {i}");
+        assert_eq!(
+            npm[i]["stale_rejected"], true,
+            "npm, arrival {i}: {}",
+            npm[i]
+        );
+    }
+
+    let log = fg.stderr();
+    let raw = |s: &str| s.trim_start_matches("whsec_").to_owned();
+    for s in [&a, &b] {
+        assert!(!log.contains(&raw(s)), "a secret in the log");
+    }
+}
+
+/// A delivery whose outcome is unknown (the destination answers after the
+/// route's timeout: 504, the key in doubt) and that the route's `in_doubt =
+/// "resend"` forwards again when the worker retries: both arrivals carry the
+/// same `webhook-id` — the worker's key — with their own timestamps and
+/// signatures, and the Python library accepts both; a receiver deduplicating on
+/// the id sees one event. Fails if the resend is signed under another id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_in_doubt_delivery_keeps_its_webhook_id() {
+    skip_without_python!();
+    let a = secret(0x33);
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n[[route]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\n\
+             upstream = \"http://127.0.0.1:{}/in/\"\nlease = \"hooks\"\ntimeout_ms = 300\n\
+             in_doubt = \"resend\"\nsigning_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n",
+            dir_store_toml(store.path()),
+            origin.port
+        ),
+        &[("FG_TEST_WHSEC_A", &a)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let delivery = || {
+        worker_req(&fg.url("/hooks/invoices"), h.epoch.get(), &h.token)
+            .header("idempotency-key", "evt_in_doubt")
+            .header("x-test-delay-first", "1500")
+            .body(body(r#"{"invoice":7}"#))
+            .unwrap()
+    };
+    send(delivery()).await.assert_error(504, "upstream_timeout");
+    let resent = send(delivery()).await;
+    assert_eq!(resent.status, 200, "{:?}", resent.body);
+    let got = arrivals(&origin).await;
+    assert_eq!(got.len(), 2, "{got:#?}");
+    for g in &got {
+        assert_eq!(g["headers"]["webhook-id"], "evt_in_doubt");
+        assert_eq!(g["verified"]["A"], true, "{g}");
+    }
+}

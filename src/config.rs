@@ -93,6 +93,11 @@ pub struct ServerConfig {
     /// How long SIGTERM waits for in-flight requests.
     #[serde(alias = "shutdown_timeout", deserialize_with = "duration::ms")]
     pub shutdown_timeout_ms: u64,
+    /// How long fencegate keeps serving after SIGTERM, with `/readyz` already
+    /// failing, before it stops accepting: load balancers and Kubernetes
+    /// endpoints take a while to stop sending (SPEC §8).
+    #[serde(alias = "shutdown_delay", deserialize_with = "duration::ms")]
+    pub shutdown_delay_ms: u64,
     /// Open connections beyond this are closed at accept.
     pub max_connections: usize,
     /// Time allowed to receive a request head (slowloris).
@@ -127,6 +132,7 @@ impl Default for ServerConfig {
             data_dir: PathBuf::from("data"),
             admin_token: None,
             shutdown_timeout_ms: 10_000,
+            shutdown_delay_ms: 0,
             max_connections: 20_000,
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
@@ -1025,6 +1031,11 @@ impl Config {
         let _ = writeln!(out, "data_dir      {}", shown(&self.server.data_dir));
         let _ = writeln!(
             out,
+            "shutdown      serve {} ms not ready, then drain up to {} ms",
+            self.server.shutdown_delay_ms, self.server.shutdown_timeout_ms
+        );
+        let _ = writeln!(
+            out,
             "admin_token   {}",
             if self.server.admin_token.is_some() {
                 "set (mutating admin calls enabled)"
@@ -1158,13 +1169,15 @@ lease = "billing"
     #[test]
     fn durations_take_either_form_under_either_name() {
         let c = Config::parse(&format!(
-            "[server]\nshutdown_timeout = \"3s\"\nheader_read_timeout_ms = 1500\n\
+            "[server]\nshutdown_timeout = \"3s\"\nheader_read_timeout_ms = 1500\nshutdown_delay = \"5s\"\n\
              [store]\ngrace_ms = \"2500ms\"\nrefresh_interval = 250\ngate_ttl = 12000\n\
              [dedup]\nttl = \"1h\"\n{MIN}timeout = \"4s\"\ndrain_timeout = \"1s\"\n"
         ))
         .unwrap();
         assert_eq!(c.server.shutdown_timeout_ms, 3000);
         assert_eq!(c.server.header_read_timeout_ms, 1500);
+        assert_eq!(c.server.shutdown_delay_ms, 5000);
+        assert_eq!(Config::parse(MIN).unwrap().server.shutdown_delay_ms, 0);
         assert_eq!(c.store.grace_ms, 2500);
         assert_eq!(c.store.refresh_interval_ms, 250);
         assert_eq!(c.store.gate_ttl, Duration::from_secs(12));

@@ -282,9 +282,12 @@ impl StateConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
-    /// Unique among the instances, stable across restarts: the holder of its gate leases.
+    /// Unique among the instances, stable across restarts: the holder of its gate
+    /// leases. `${NAME}` is read from the environment at load (one file for every
+    /// member, e.g. a Kubernetes pod's name).
     pub instance_id: String,
-    /// URL of this instance's proxy listener, as peers reach it.
+    /// URL of this instance's proxy listener, as peers reach it; `${NAME}` is read
+    /// from the environment at load (e.g. built from a pod's IP).
     pub advertise: String,
     /// The same on every instance; changing it needs every instance stopped.
     #[serde(default = "default_shards")]
@@ -720,6 +723,10 @@ impl Config {
             message,
         })?;
         cfg.resolve_paths(path);
+        cfg.resolve_env().map_err(|message| ConfigError::Invalid {
+            path: path.to_owned(),
+            message,
+        })?;
         cfg.validate().map_err(|message| ConfigError::Invalid {
             path: path.to_owned(),
             message,
@@ -751,6 +758,18 @@ impl Config {
                 fix(ca);
             }
         }
+    }
+
+    /// Reads the `${NAME}` values that are not secrets from the environment, once:
+    /// a cluster member's `instance_id` and `advertise`, so that every member of a
+    /// Kubernetes Deployment can share one file. (Secrets stay unresolved in the
+    /// config and are read where used, so no summary can show them.)
+    pub fn resolve_env(&mut self) -> Result<(), String> {
+        if let Some(c) = &mut self.cluster {
+            c.instance_id = from_env("[cluster] instance_id", &c.instance_id)?;
+            c.advertise = from_env("[cluster] advertise", &c.advertise)?;
+        }
+        Ok(())
     }
 
     /// Parses TOML. A parse error names the line and what is wrong but never
@@ -1307,5 +1326,34 @@ lease = "billing"
         }
         let e = Config::parse(&cluster(&format!("{good}\nshard = 4"))).unwrap_err();
         assert!(e.contains("shard"), "{e}");
+    }
+
+    /// One file for every member of a Kubernetes Deployment: `instance_id` and
+    /// `advertise` may name environment variables (the pod's name, its IP).
+    #[test]
+    fn cluster_id_and_advertise_may_come_from_the_environment() {
+        std::env::set_var("FENCEGATE_CONFIG_TEST_POD", "fencegate-7d9f-x2x");
+        std::env::set_var("FENCEGATE_CONFIG_TEST_ADV", "http://10.1.2.3:8080");
+        let text = "[state]\nkind = \"postgres\"\nurl = \"postgres://fg@127.0.0.1/fg\"\n\
+                    [cluster]\ninstance_id = \"${FENCEGATE_CONFIG_TEST_POD}\"\n\
+                    advertise = \"${FENCEGATE_CONFIG_TEST_ADV}\"\npeer_token = \"0123456789abcdef\"\n";
+        let mut c = Config::parse(&format!("{text}{MIN}")).unwrap();
+        c.resolve_env().unwrap();
+        c.validate().unwrap();
+        let k = c.cluster.unwrap();
+        assert_eq!(
+            (k.instance_id.as_str(), k.advertise.as_str()),
+            ("fencegate-7d9f-x2x", "http://10.1.2.3:8080")
+        );
+        let mut c = Config::parse(&format!(
+            "{}{MIN}",
+            text.replace("FENCEGATE_CONFIG_TEST_ADV", "FENCEGATE_SURELY_UNSET_VAR")
+        ))
+        .unwrap();
+        let e = c.resolve_env().unwrap_err();
+        assert!(
+            e.contains("[cluster] advertise reads ${FENCEGATE_SURELY_UNSET_VAR}"),
+            "{e}"
+        );
     }
 }

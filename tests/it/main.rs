@@ -18,6 +18,7 @@ mod edges;
 mod failover;
 mod fencing;
 mod guard;
+mod kubernetes;
 mod lease_cli;
 mod logs;
 mod ops;

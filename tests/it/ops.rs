@@ -725,6 +725,44 @@ fn dockerfile_runtime_stage_matches_the_binary() {
     assert!(runtime.contains("VOLUME [\"/var/lib/fencegate\"]"));
 }
 
+/// The binary reaches the runtime stage from the stage `BINARY` names: `build`
+/// (compiled in a Rust image, the default) or `prebuilt` (built on the host;
+/// scripts/image.sh, where no Rust image can be pulled). Both leave the binary and
+/// the config at the paths the runtime stage copies from; the base is the
+/// `BASE_IMAGE` argument (Debian bookworm, as the Rust image's glibc needs).
+#[test]
+fn dockerfile_takes_the_binary_and_the_base_from_build_arguments() {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap();
+    assert!(text.contains("\nARG BASE_IMAGE=debian:bookworm-slim\n"));
+    assert!(text.contains("\nARG BINARY=build\n"));
+    let stages: Vec<&str> = text.split("\nFROM ").skip(1).collect();
+    let stage = |name: &str| {
+        *stages
+            .iter()
+            .find(|s| s.lines().next().unwrap().ends_with(&format!(" AS {name}")))
+            .unwrap_or_else(|| panic!("no stage {name}"))
+    };
+    let build = stage("build");
+    assert!(build.contains("WORKDIR /src\n"));
+    assert!(build.contains("cargo build --release --locked --bin fencegate"));
+    assert!(build.contains("COPY config ./config"));
+    let prebuilt = stage("prebuilt");
+    assert!(prebuilt.starts_with("scratch AS prebuilt"));
+    assert!(prebuilt.contains("COPY fencegate /src/target/release/fencegate\n"));
+    assert!(prebuilt.contains("COPY container.toml /src/config/container.toml\n"));
+    assert!(stage("binary").starts_with("${BINARY} AS binary"));
+    let runtime = stages.last().unwrap();
+    assert!(runtime.starts_with("${BASE_IMAGE}\n"));
+    assert!(runtime
+        .contains("COPY --from=binary /src/target/release/fencegate /usr/local/bin/fencegate\n"));
+    // scripts/image.sh builds the `prebuilt` way, from a context holding
+    // exactly what that stage copies.
+    let script = std::fs::read_to_string(repo_root().join("scripts/image.sh")).unwrap();
+    assert!(script.contains("--build-arg BINARY=prebuilt"));
+    assert!(script.contains("cp \"$BIN\" \"$ctx/fencegate\""));
+    assert!(script.contains("cp config/container.toml \"$ctx/container.toml\""));
+}
+
 /// The image's build stage copies every path the manifest names (the benches
 /// Cargo.toml declares, build.rs, the lockfile, src, config): without them
 /// `cargo build` fails before compiling anything (a newcomer's first build did).

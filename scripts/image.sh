@@ -118,9 +118,21 @@ cp config/container.toml "$ctx/container.toml"
 isolation=()
 [ "$RUNS" = yes ] || isolation=(--isolation chroot)
 t0=$SECONDS
-podman build "${isolation[@]}" --layers=false --pull=never \
+old_id=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
+dangling_before=$(podman images -q --no-trunc --filter dangling=true | sort)
+# Docker's format keeps the HEALTHCHECK (OCI's has none). (--layers=false would
+# leave no intermediate images, but buildah 1.28 then fails after tagging on
+# the `FROM ${BINARY} AS binary` stage: "identifier is not an image".)
+podman build "${isolation[@]}" --format docker --pull=never \
     --build-arg BASE_IMAGE="$BASE" --build-arg BINARY=prebuilt \
     -t "$IMAGE" "$ctx"
+# Remove what this build left behind: the image it replaced, its stages' images.
+new_id=$(podman image inspect --format '{{.Id}}' "$IMAGE")
+if [ -n "$old_id" ] && [ "$old_id" != "$new_id" ]; then
+    podman rmi "$old_id" >/dev/null 2>&1 || true
+fi
+comm -13 <(echo "$dangling_before") <(podman images -q --no-trunc --filter dangling=true | sort) |
+    xargs -r podman rmi >/dev/null 2>&1 || true
 echo "image build: $((SECONDS - t0)) s; $(podman image inspect --format '{{.Size}}' "$IMAGE") bytes"
 
 step "the image's user, entrypoint, command and files"

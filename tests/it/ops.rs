@@ -759,7 +759,7 @@ fn dockerfile_takes_the_binary_and_the_base_from_build_arguments() {
     // exactly what that stage copies.
     let script = std::fs::read_to_string(repo_root().join("scripts/image.sh")).unwrap();
     assert!(script.contains("--build-arg BINARY=prebuilt"));
-    assert!(script.contains("cp \"$BIN\" \"$ctx/fencegate\""));
+    assert!(script.contains("objcopy --strip-debug \"$BIN\" \"$ctx/fencegate\""));
     assert!(script.contains("cp config/container.toml \"$ctx/container.toml\""));
 }
 

@@ -349,9 +349,9 @@ impl App {
 
     /// Serves on the given listeners until `shutdown` resolves; then fails
     /// `/readyz` and goes on serving for the shutdown delay, stops accepting
-    /// proxy connections, lets in-flight requests finish up to the deadline, and
-    /// flushes. The admin listener answers until the drain is over, so liveness
-    /// never fails during it.
+    /// proxy connections, lets in-flight requests finish up to the deadline,
+    /// hands shards over (a cluster) or releases the guard, and flushes. The
+    /// admin listener answers until then, so liveness never fails during it.
     pub async fn run(
         self,
         proxy_l: TcpListener,
@@ -411,7 +411,7 @@ impl App {
             )
         };
         // The listeners run beside the shutdown sequence: the admin listener
-        // answers (`/livez` 200, `/readyz` 503) until the drain is over.
+        // answers (`/livez` 200, `/readyz` 503) until the state is closed.
         let stopping = async {
             shutdown.await;
             self.shared.begin_stopping();
@@ -443,31 +443,34 @@ impl App {
                 self.proxy.abandon_all();
                 let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
             }
+            self.stop.cancel();
+            if let Mode::Cluster(c) = &self.shared.mode {
+                // Nothing is in flight: each shard is released, successors start at once.
+                c.leave().await;
+            }
+            // Nothing is in flight any more: each fence stops at once.
+            for f in self.shared.fences.all() {
+                let timeout = self.drain_timeouts.get(f.lease()).copied();
+                self.shared
+                    .fences
+                    .stop(f.lease(), timeout.unwrap_or_default())
+                    .await;
+            }
+            for t in &self.tasks {
+                t.abort();
+            }
+            // Nothing is in flight: a successor may start at once.
+            if let Mode::Single(guard) = &self.shared.mode {
+                guard.release().await;
+            }
+            let closed = self.shared.state.close().await;
+            // Only now: liveness holds until the process is about to exit.
             admin_stop.cancel();
+            closed
         };
-        tokio::join!(serve, stopping);
+        let (_, closed) = tokio::join!(serve, stopping);
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
-        self.stop.cancel();
-        if let Mode::Cluster(c) = &self.shared.mode {
-            // Nothing is in flight: each shard is released, successors start at once.
-            c.leave().await;
-        }
-        // Nothing is in flight any more: each fence stops at once.
-        for f in self.shared.fences.all() {
-            let timeout = self.drain_timeouts.get(f.lease()).copied();
-            self.shared
-                .fences
-                .stop(f.lease(), timeout.unwrap_or_default())
-                .await;
-        }
-        for t in self.tasks {
-            t.abort();
-        }
-        // Nothing is in flight: a successor may start at once.
-        if let Mode::Single(guard) = &self.shared.mode {
-            guard.release().await;
-        }
-        self.shared.state.close().await?;
+        closed?;
         tracing::info!("stopped; durable state flushed");
         Ok(())
     }

@@ -361,6 +361,39 @@ async fn sigterm_fails_readiness_first_and_serves_through_the_shutdown_delay() {
     assert_eq!(origin.count(), 1);
 }
 
+/// SPEC §8: a second signal exits at once, also during the shutdown delay (an
+/// operator's Ctrl-C twice, or a supervisor's second TERM, is not held up by it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_during_the_shutdown_delay_exits_at_once() {
+    let origin = Origin::start().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::start_with_server(
+        // Far longer than wait_exit's 20 s: only the second signal can end it.
+        "shutdown_delay = \"10m\"",
+        &format!(
+            "{}{}",
+            dir_store_toml(store.path()),
+            route_toml("billing", "billing", &origin, "")
+        ),
+        &[],
+    );
+    let term = || {
+        std::process::Command::new("kill")
+            .args(["-TERM", &fg.pid().to_string()])
+            .status()
+            .unwrap()
+    };
+    term();
+    eventually("the delay has begun", || async {
+        send(get(fg.admin_url("/readyz"))).await.status == 503
+    })
+    .await;
+    term();
+    let status = fg.wait_exit();
+    assert_eq!(status.code(), Some(130), "{}", fg.stderr());
+    assert!(fg.stderr().contains("second signal, exiting now"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
     skip_without_python!();

@@ -217,7 +217,8 @@ EOF
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 pport=$(free_port)
 aport=$(free_port)
-# No timer for the image's HEALTHCHECK (podman's needs systemd): it is run once below.
+# No timer for the image's HEALTHCHECK (podman's needs systemd): it is run once
+# below. (podman 4.3 still logs that it cannot reach systemd for it: harmless.)
 podman run -d --name "$RUN_ID-serve" --read-only --health-interval disable \
     -p "127.0.0.1:$pport:8080" -p "127.0.0.1:$aport:9090" \
     -v "$run/fencegate.toml:/etc/fencegate/fencegate.toml:ro" \

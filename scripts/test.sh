@@ -36,3 +36,6 @@ cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exa
 # The worker client packages (clients/python, clients/typescript) against the
 # binary just built: the S3 test server, fencegate and a recording origin.
 bash scripts/clients-test.sh
+# The Kubernetes manifests against Kubernetes' schemas, offline (their agreement
+# with the binary is tests/it/kubernetes.rs, above).
+bash scripts/k8s-validate.sh

@@ -51,6 +51,7 @@ pub struct Admin {
 enum Endpoint<'a> {
     Index,
     Healthz,
+    Livez,
     Readyz,
     Metrics,
     Leases,
@@ -67,7 +68,8 @@ enum Endpoint<'a> {
 const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/", "this index; a browser (Accept: text/html) gets the operator's page"),
     ("GET", "/healthz", "the process is up"),
-    ("GET", "/readyz", "the lease store and the state backend answer"),
+    ("GET", "/livez", "liveness: the process answers; never checks the store or the database, never fails during a shutdown"),
+    ("GET", "/readyz", "the lease store and the state backend answer; 503 from the shutdown signal on"),
     ("GET", "/metrics", "Prometheus text"),
     ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
     ("GET", "/v1/routes", "per route: upstream, requests in flight and max_in_flight, a Retry-After hold, the circuit breaker, refusals"),
@@ -85,6 +87,7 @@ impl<'a> Endpoint<'a> {
         Some(match segs.as_slice() {
             [""] => Endpoint::Index,
             ["healthz"] => Endpoint::Healthz,
+            ["livez"] => Endpoint::Livez,
             ["readyz"] => Endpoint::Readyz,
             ["metrics"] => Endpoint::Metrics,
             ["login"] => Endpoint::Login,
@@ -277,6 +280,9 @@ impl Admin {
             Endpoint::Index if wants_html(req.headers()) => self.page(&req).await?,
             Endpoint::Index => self.index(),
             Endpoint::Healthz => json_response(StatusCode::OK, json!({"status": "ok"})),
+            // Only "this process answers": a liveness probe that followed the
+            // store, the database or a drain would restart healthy instances.
+            Endpoint::Livez => json_response(StatusCode::OK, json!({"status": "alive"})),
             Endpoint::Readyz => self.readyz().await,
             Endpoint::Metrics => with_type(
                 self.metrics.render(),
@@ -333,6 +339,14 @@ impl Admin {
     }
 
     async fn readyz(&self) -> Response<Full<Bytes>> {
+        if self.shared.is_stopping() {
+            // Checked first and alone: load balancers must stop sending now,
+            // whatever the store says.
+            return json_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({"status": "not_ready", "problems": ["shutting down"]}),
+            );
+        }
         let mut problems = Vec::new();
         if let Err(e) = self.shared.state.check().await {
             problems.push(format!("state: {e}"));

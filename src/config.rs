@@ -93,6 +93,11 @@ pub struct ServerConfig {
     /// How long SIGTERM waits for in-flight requests.
     #[serde(alias = "shutdown_timeout", deserialize_with = "duration::ms")]
     pub shutdown_timeout_ms: u64,
+    /// How long fencegate keeps serving after SIGTERM, with `/readyz` already
+    /// failing, before it stops accepting: load balancers and Kubernetes
+    /// endpoints take a while to stop sending (SPEC §8).
+    #[serde(alias = "shutdown_delay", deserialize_with = "duration::ms")]
+    pub shutdown_delay_ms: u64,
     /// Open connections beyond this are closed at accept.
     pub max_connections: usize,
     /// Time allowed to receive a request head (slowloris).
@@ -127,6 +132,7 @@ impl Default for ServerConfig {
             data_dir: PathBuf::from("data"),
             admin_token: None,
             shutdown_timeout_ms: 10_000,
+            shutdown_delay_ms: 0,
             max_connections: 20_000,
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
@@ -276,9 +282,12 @@ impl StateConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterConfig {
-    /// Unique among the instances, stable across restarts: the holder of its gate leases.
+    /// Unique among the instances, stable across restarts: the holder of its gate
+    /// leases. `${NAME}` is read from the environment at load (one file for every
+    /// member, e.g. a Kubernetes pod's name).
     pub instance_id: String,
-    /// URL of this instance's proxy listener, as peers reach it.
+    /// URL of this instance's proxy listener, as peers reach it; `${NAME}` is read
+    /// from the environment at load (e.g. built from a pod's IP).
     pub advertise: String,
     /// The same on every instance; changing it needs every instance stopped.
     #[serde(default = "default_shards")]
@@ -830,6 +839,10 @@ impl Config {
             message,
         })?;
         cfg.resolve_paths(path);
+        cfg.resolve_env().map_err(|message| ConfigError::Invalid {
+            path: path.to_owned(),
+            message,
+        })?;
         cfg.validate().map_err(|message| ConfigError::Invalid {
             path: path.to_owned(),
             message,
@@ -864,6 +877,18 @@ impl Config {
                 fix(p);
             }
         }
+    }
+
+    /// Reads the `${NAME}` values that are not secrets from the environment, once:
+    /// a cluster member's `instance_id` and `advertise`, so that every member of a
+    /// Kubernetes Deployment can share one file. (Secrets stay unresolved in the
+    /// config and are read where used, so no summary can show them.)
+    pub fn resolve_env(&mut self) -> Result<(), String> {
+        if let Some(c) = &mut self.cluster {
+            c.instance_id = from_env("[cluster] instance_id", &c.instance_id)?;
+            c.advertise = from_env("[cluster] advertise", &c.advertise)?;
+        }
+        Ok(())
     }
 
     /// Parses TOML. A parse error names the line and what is wrong but never
@@ -1164,6 +1189,11 @@ impl Config {
         let _ = writeln!(out, "data_dir      {}", shown(&self.server.data_dir));
         let _ = writeln!(
             out,
+            "shutdown      serve {} ms not ready, then drain up to {} ms",
+            self.server.shutdown_delay_ms, self.server.shutdown_timeout_ms
+        );
+        let _ = writeln!(
+            out,
             "admin_token   {}",
             if self.server.admin_token.is_some() {
                 "set (mutating admin calls enabled)"
@@ -1386,13 +1416,15 @@ lease = "billing"
     #[test]
     fn durations_take_either_form_under_either_name() {
         let c = Config::parse(&format!(
-            "[server]\nshutdown_timeout = \"3s\"\nheader_read_timeout_ms = 1500\n\
+            "[server]\nshutdown_timeout = \"3s\"\nheader_read_timeout_ms = 1500\nshutdown_delay = \"5s\"\n\
              [store]\ngrace_ms = \"2500ms\"\nrefresh_interval = 250\ngate_ttl = 12000\n\
              [dedup]\nttl = \"1h\"\n{MIN}timeout = \"4s\"\ndrain_timeout = \"1s\"\n"
         ))
         .unwrap();
         assert_eq!(c.server.shutdown_timeout_ms, 3000);
         assert_eq!(c.server.header_read_timeout_ms, 1500);
+        assert_eq!(c.server.shutdown_delay_ms, 5000);
+        assert_eq!(Config::parse(MIN).unwrap().server.shutdown_delay_ms, 0);
         assert_eq!(c.store.grace_ms, 2500);
         assert_eq!(c.store.refresh_interval_ms, 250);
         assert_eq!(c.store.gate_ttl, Duration::from_secs(12));
@@ -1569,5 +1601,34 @@ lease = "billing"
         }
         let e = Config::parse(&cluster(&format!("{good}\nshard = 4"))).unwrap_err();
         assert!(e.contains("shard"), "{e}");
+    }
+
+    /// One file for every member of a Kubernetes Deployment: `instance_id` and
+    /// `advertise` may name environment variables (the pod's name, its IP).
+    #[test]
+    fn cluster_id_and_advertise_may_come_from_the_environment() {
+        std::env::set_var("FENCEGATE_CONFIG_TEST_POD", "fencegate-7d9f-x2x");
+        std::env::set_var("FENCEGATE_CONFIG_TEST_ADV", "http://10.1.2.3:8080");
+        let text = "[state]\nkind = \"postgres\"\nurl = \"postgres://fg@127.0.0.1/fg\"\n\
+                    [cluster]\ninstance_id = \"${FENCEGATE_CONFIG_TEST_POD}\"\n\
+                    advertise = \"${FENCEGATE_CONFIG_TEST_ADV}\"\npeer_token = \"0123456789abcdef\"\n";
+        let mut c = Config::parse(&format!("{text}{MIN}")).unwrap();
+        c.resolve_env().unwrap();
+        c.validate().unwrap();
+        let k = c.cluster.unwrap();
+        assert_eq!(
+            (k.instance_id.as_str(), k.advertise.as_str()),
+            ("fencegate-7d9f-x2x", "http://10.1.2.3:8080")
+        );
+        let mut c = Config::parse(&format!(
+            "{}{MIN}",
+            text.replace("FENCEGATE_CONFIG_TEST_ADV", "FENCEGATE_SURELY_UNSET_VAR")
+        ))
+        .unwrap();
+        let e = c.resolve_env().unwrap_err();
+        assert!(
+            e.contains("[cluster] advertise reads ${FENCEGATE_SURELY_UNSET_VAR}"),
+            "{e}"
+        );
     }
 }

@@ -3,6 +3,7 @@
 //! lease store, the running fences and the dedup records. Each of them is given
 //! this; none reaches through another to get at these.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::cluster::guard::InstanceGuard;
@@ -29,6 +30,9 @@ pub struct Shared {
     /// What a reload may change: the routes (dedup records are scoped by route),
     /// the admin token, TLS, the access-log switch.
     pub live: Arc<LiveConfig>,
+    /// Set by the first SIGTERM: `/readyz` fails from then on, while the
+    /// listeners still serve for `shutdown_delay_ms` (SPEC §8).
+    pub stopping: AtomicBool,
 }
 
 /// SPEC §10: a single instance behind its instance guard, or one of a cluster.
@@ -75,6 +79,16 @@ impl Mode {
 }
 
 impl Shared {
+    /// Shutdown has begun: readiness fails from now on.
+    pub fn begin_stopping(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether shutdown has begun (`/readyz` answers 503).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
     pub fn has_route(&self, name: &str) -> bool {
         self.live.current().routes.get(name).is_some()
     }

@@ -81,7 +81,7 @@ impl Shutdown {
     }
 
     /// Signals every connection, then waits until each has ended.
-    pub(super) async fn shutdown(self) {
+    pub(super) async fn shutdown(&self) {
         let _ = self.tx.send(());
         self.tx.closed().await;
     }

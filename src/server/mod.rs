@@ -95,6 +95,8 @@ pub struct App {
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     shutdown_timeout: Duration,
+    /// How long to go on serving, not ready, after the shutdown signal.
+    shutdown_delay: Duration,
     max_connections: usize,
     header_read_timeout: Duration,
 }
@@ -197,6 +199,7 @@ async fn build_on(
         dedup: dedup.clone(),
         mode: mode.clone(),
         live: live.clone(),
+        stopping: Default::default(),
     });
     crate::metrics::collect::register(&metrics, shared.clone());
     // Peers are reached over plain HTTP or TLS with the system's roots.
@@ -244,6 +247,7 @@ async fn build_on(
         stop,
         tasks,
         shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
+        shutdown_delay: Duration::from_millis(cfg.server.shutdown_delay_ms),
         max_connections: cfg.server.max_connections,
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
     })
@@ -356,8 +360,11 @@ impl App {
         self.proxy.abandon_token()
     }
 
-    /// Serves on the given listeners until `shutdown` resolves, then stops
-    /// accepting, lets in-flight requests finish up to the deadline, and flushes.
+    /// Serves on the given listeners until `shutdown` resolves; then fails
+    /// `/readyz` and goes on serving for the shutdown delay, stops accepting
+    /// proxy connections, lets in-flight requests finish up to the deadline,
+    /// hands shards over (a cluster) or releases the guard, and flushes. The
+    /// admin listener answers until then, so liveness never fails during it.
     pub async fn run(
         self,
         proxy_l: TcpListener,
@@ -368,6 +375,7 @@ impl App {
         let graceful = Shutdown::new();
         let admin_graceful = Shutdown::new();
         let accept_stop = CancellationToken::new();
+        let admin_stop = CancellationToken::new();
         let limit = Arc::new(Semaphore::new(self.max_connections));
         let proxy = self.proxy.clone();
         let proxy_handler = move |req: Request<Incoming>, hop: Arc<ClientHop>| {
@@ -380,10 +388,10 @@ impl App {
             let a = admin.clone();
             Box::pin(async move { a.handle(req).await })
         };
-        let listener = |listener, limit, tls, gauges| Listener {
+        let listener = |listener, limit, tls, gauges, stop: &CancellationToken| Listener {
             listener,
             builders: builders.clone(),
-            stop: accept_stop.clone(),
+            stop: stop.clone(),
             limit,
             tls,
             idle_limit: self.header_read_timeout,
@@ -397,6 +405,7 @@ impl App {
                         limit.clone(),
                         Some(self.shared.live.clone()),
                         self.metrics.connections.clone(),
+                        &accept_stop,
                     ),
                     proxy_handler,
                     &graceful,
@@ -407,57 +416,74 @@ impl App {
                         Arc::new(Semaphore::new(256)),
                         None,
                         Default::default(),
+                        &admin_stop,
                     ),
                     admin_handler,
                     &admin_graceful,
                 ),
             )
         };
-        tokio::select! {
-            _ = serve => {}
-            _ = shutdown => {}
-        }
-        accept_stop.cancel();
-        tracing::info!(
-            timeout_ms = self.shutdown_timeout.as_millis() as u64,
-            "shutting down: finishing in-flight requests"
-        );
-        let finishing = graceful.shutdown();
-        tokio::pin!(finishing);
-        if tokio::time::timeout(self.shutdown_timeout, &mut finishing)
-            .await
-            .is_err()
-        {
-            // Abandon what is left: each such request's dedup record becomes in
-            // doubt and its worker is told the outcome is unknown.
-            tracing::warn!(
-                "in-flight requests did not finish before the shutdown deadline; abandoning them"
+        // The listeners run beside the shutdown sequence: the admin listener
+        // answers (`/livez` 200, `/readyz` 503) until the state is closed.
+        let stopping = async {
+            shutdown.await;
+            self.shared.begin_stopping();
+            if !self.shutdown_delay.is_zero() {
+                // Endpoint removal reaches load balancers late: keep serving
+                // (not ready) until it has.
+                tracing::info!(
+                    delay_ms = self.shutdown_delay.as_millis() as u64,
+                    "shutting down: not ready, still serving for the shutdown delay"
+                );
+                tokio::time::sleep(self.shutdown_delay).await;
+            }
+            accept_stop.cancel();
+            tracing::info!(
+                timeout_ms = self.shutdown_timeout.as_millis() as u64,
+                "shutting down: finishing in-flight requests"
             );
-            self.proxy.abandon_all();
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
-        }
+            let finishing = graceful.shutdown();
+            tokio::pin!(finishing);
+            if tokio::time::timeout(self.shutdown_timeout, &mut finishing)
+                .await
+                .is_err()
+            {
+                // Abandon what is left: each such request's dedup record becomes in
+                // doubt and its worker is told the outcome is unknown.
+                tracing::warn!(
+                    "in-flight requests did not finish before the shutdown deadline; abandoning them"
+                );
+                self.proxy.abandon_all();
+                let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
+            }
+            self.stop.cancel();
+            if let Mode::Cluster(c) = &self.shared.mode {
+                // Nothing is in flight: each shard is released, successors start at once.
+                c.leave().await;
+            }
+            // Nothing is in flight any more: each fence stops at once.
+            for f in self.shared.fences.all() {
+                let timeout = self.drain_timeouts.get(f.lease()).copied();
+                self.shared
+                    .fences
+                    .stop(f.lease(), timeout.unwrap_or_default())
+                    .await;
+            }
+            for t in &self.tasks {
+                t.abort();
+            }
+            // Nothing is in flight: a successor may start at once.
+            if let Mode::Single(guard) = &self.shared.mode {
+                guard.release().await;
+            }
+            let closed = self.shared.state.close().await;
+            // Only now: liveness holds until the process is about to exit.
+            admin_stop.cancel();
+            closed
+        };
+        let (_, closed) = tokio::join!(serve, stopping);
         let _ = tokio::time::timeout(Duration::from_secs(1), admin_graceful.shutdown()).await;
-        self.stop.cancel();
-        if let Mode::Cluster(c) = &self.shared.mode {
-            // Nothing is in flight: each shard is released, successors start at once.
-            c.leave().await;
-        }
-        // Nothing is in flight any more: each fence stops at once.
-        for f in self.shared.fences.all() {
-            let timeout = self.drain_timeouts.get(f.lease()).copied();
-            self.shared
-                .fences
-                .stop(f.lease(), timeout.unwrap_or_default())
-                .await;
-        }
-        for t in self.tasks {
-            t.abort();
-        }
-        // Nothing is in flight: a successor may start at once.
-        if let Mode::Single(guard) = &self.shared.mode {
-            guard.release().await;
-        }
-        self.shared.state.close().await?;
+        closed?;
         tracing::info!("stopped; durable state flushed");
         Ok(())
     }

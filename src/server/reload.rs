@@ -305,6 +305,11 @@ mod tests {
             Some("[server] listen")
         );
         assert_eq!(
+            same(&base.replace("admin_token = \"a\"", "shutdown_delay = \"5s\"")).as_deref(),
+            Some("[server] shutdown_delay"),
+            "the shutdown delay is read once, at start"
+        );
+        assert_eq!(
             same(&base.replace("kind = \"dir\"", "kind = \"s3\"")).as_deref(),
             Some("[store]")
         );

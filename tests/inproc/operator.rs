@@ -59,7 +59,7 @@ fn empty() -> Full<Bytes> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_endpoints_answer_head_405_and_an_index() {
     let (_origin, fg, _a) = setup("").await;
-    for path in ["/healthz", "/readyz", "/metrics", "/v1/leases"] {
+    for path in ["/healthz", "/livez", "/readyz", "/metrics", "/v1/leases"] {
         let get = send(admin(&fg, "GET", path).body(empty()).unwrap()).await;
         let head = send(admin(&fg, "HEAD", path).body(empty()).unwrap()).await;
         assert_eq!(
@@ -95,7 +95,7 @@ async fn admin_endpoints_answer_head_405_and_an_index() {
         .iter()
         .map(|e| e["path"].as_str().unwrap())
         .collect();
-    for p in ["/healthz", "/readyz", "/metrics", "/v1/leases"] {
+    for p in ["/healthz", "/livez", "/readyz", "/metrics", "/v1/leases"] {
         assert!(paths.contains(&p), "{paths:?}");
     }
     assert!(paths

@@ -269,6 +269,131 @@ async fn sigterm_lets_the_in_flight_request_finish_and_flushes() {
     assert_eq!(rec["state"], "done", "{rec}");
 }
 
+/// SPEC §8 `shutdown_delay_ms` (Kubernetes endpoints and load balancers stop
+/// sending late): the first SIGTERM turns `/readyz` to 503 at once while `/livez`
+/// stays 200, and the proxy goes on serving for the delay — a request sent then
+/// reaches the origin. Only after the delay does the proxy listener close and the
+/// drain run, `/livez` still 200 throughout; then the usual exit 0 with the state
+/// flushed. Breaks if readiness stays 200 during the delay, if the delay stops
+/// accepting early, or if the admin listener closes with the proxy's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_fails_readiness_first_and_serves_through_the_shutdown_delay() {
+    let origin = Origin::start().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::start_with_server(
+        "shutdown_delay_ms = \"8s\"",
+        &format!(
+            "{}{}",
+            dir_store_toml(store.path()),
+            route_toml("billing", "billing", &origin, "timeout_ms = 30000")
+        ),
+        &[],
+    );
+    let a = acquire(
+        &dir_epochs(store.path()),
+        "billing",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let admin = fg.admin;
+    let status = move |path: &'static str| async move {
+        send(get(format!("http://{admin}{path}")))
+            .await
+            .status
+            .as_u16()
+    };
+    assert_eq!(
+        (status("/readyz").await, status("/livez").await),
+        (200, 200)
+    );
+
+    std::process::Command::new("kill")
+        .args(["-TERM", &fg.pid().to_string()])
+        .status()
+        .unwrap();
+    eventually("/readyz answers 503 after SIGTERM", || async {
+        status("/readyz").await == 503
+    })
+    .await;
+    let r = send(get(fg.admin_url("/readyz"))).await;
+    assert_eq!(r.json()["problems"][0], "shutting down", "{}", r.json());
+    assert_eq!(status("/livez").await, 200, "alive while not ready");
+    // Still serving during the delay: this request is forwarded (the origin
+    // holds it, so the drain after the delay has something to wait for).
+    let held = spawn_post(
+        &fg,
+        &a,
+        &[("idempotency-key", "during-delay"), ("x-test-hold", "slow")],
+        b"sent after SIGTERM".to_vec(),
+    );
+    origin.wait_for(1).await;
+    assert_eq!(
+        origin.log()[0].header("idempotency-key").as_deref(),
+        Some("during-delay")
+    );
+    assert!(
+        !fg.stderr().contains("finishing in-flight requests"),
+        "the drain began before the request was forwarded"
+    );
+    // After the delay: the proxy listener closes and the drain waits for the
+    // held request, while the admin listener still answers.
+    eventually("the proxy stopped accepting after the delay", || {
+        let addr = fg.proxy;
+        async move { tokio::net::TcpStream::connect(addr).await.is_err() }
+    })
+    .await;
+    assert_eq!(status("/livez").await, 200, "alive during the drain");
+    assert_eq!(status("/readyz").await, 503);
+    origin.release("slow");
+    assert_eq!(held.await.unwrap().unwrap().status, 200);
+    assert!(fg.wait_exit().success(), "exit 0 after SIGTERM");
+    let log = fg.stderr();
+    let at = |what: &str| {
+        log.find(what)
+            .unwrap_or_else(|| panic!("no {what:?} in the log:\n{log}"))
+    };
+    assert!(
+        at("still serving for the shutdown delay") < at("finishing in-flight requests")
+            && at("finishing in-flight requests") < at("durable state flushed"),
+        "{log}"
+    );
+    assert_eq!(origin.count(), 1);
+}
+
+/// SPEC §8: a second signal exits at once, also during the shutdown delay (an
+/// operator's Ctrl-C twice, or a supervisor's second TERM, is not held up by it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_during_the_shutdown_delay_exits_at_once() {
+    let origin = Origin::start().await;
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::start_with_server(
+        // Far longer than wait_exit's 20 s: only the second signal can end it.
+        "shutdown_delay = \"10m\"",
+        &format!(
+            "{}{}",
+            dir_store_toml(store.path()),
+            route_toml("billing", "billing", &origin, "")
+        ),
+        &[],
+    );
+    let term = || {
+        std::process::Command::new("kill")
+            .args(["-TERM", &fg.pid().to_string()])
+            .status()
+            .unwrap()
+    };
+    term();
+    eventually("the delay has begun", || async {
+        send(get(fg.admin_url("/readyz"))).await.status == 503
+    })
+    .await;
+    term();
+    let status = fg.wait_exit();
+    assert_eq!(status.code(), Some(130), "{}", fg.stderr());
+    assert!(fg.stderr().contains("second signal, exiting now"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_deadline_abandons_the_rest_as_in_doubt() {
     skip_without_python!();
@@ -631,6 +756,44 @@ fn dockerfile_runtime_stage_matches_the_binary() {
     // Every path the image uses for state is under the declared volume.
     assert!(cfg.server.data_dir.starts_with("/var/lib/fencegate"));
     assert!(runtime.contains("VOLUME [\"/var/lib/fencegate\"]"));
+}
+
+/// The binary reaches the runtime stage from the stage `BINARY` names: `build`
+/// (compiled in a Rust image, the default) or `prebuilt` (built on the host;
+/// scripts/image.sh, where no Rust image can be pulled). Both leave the binary and
+/// the config at the paths the runtime stage copies from; the base is the
+/// `BASE_IMAGE` argument (Debian bookworm, as the Rust image's glibc needs).
+#[test]
+fn dockerfile_takes_the_binary_and_the_base_from_build_arguments() {
+    let text = std::fs::read_to_string(repo_root().join("Dockerfile")).unwrap();
+    assert!(text.contains("\nARG BASE_IMAGE=debian:bookworm-slim\n"));
+    assert!(text.contains("\nARG BINARY=build\n"));
+    let stages: Vec<&str> = text.split("\nFROM ").skip(1).collect();
+    let stage = |name: &str| {
+        *stages
+            .iter()
+            .find(|s| s.lines().next().unwrap().ends_with(&format!(" AS {name}")))
+            .unwrap_or_else(|| panic!("no stage {name}"))
+    };
+    let build = stage("build");
+    assert!(build.contains("WORKDIR /src\n"));
+    assert!(build.contains("cargo build --release --locked --bin fencegate"));
+    assert!(build.contains("COPY config ./config"));
+    let prebuilt = stage("prebuilt");
+    assert!(prebuilt.starts_with("scratch AS prebuilt"));
+    assert!(prebuilt.contains("COPY fencegate /src/target/release/fencegate\n"));
+    assert!(prebuilt.contains("COPY container.toml /src/config/container.toml\n"));
+    assert!(stage("binary").starts_with("${BINARY} AS binary"));
+    let runtime = stages.last().unwrap();
+    assert!(runtime.starts_with("${BASE_IMAGE}\n"));
+    assert!(runtime
+        .contains("COPY --from=binary /src/target/release/fencegate /usr/local/bin/fencegate\n"));
+    // scripts/image.sh builds the `prebuilt` way, from a context holding
+    // exactly what that stage copies.
+    let script = std::fs::read_to_string(repo_root().join("scripts/image.sh")).unwrap();
+    assert!(script.contains("--build-arg BINARY=prebuilt"));
+    assert!(script.contains("objcopy --strip-debug \"$BIN\" \"$ctx/fencegate\""));
+    assert!(script.contains("cp config/container.toml \"$ctx/container.toml\""));
 }
 
 /// The image's build stage copies every path the manifest names (the benches

@@ -71,16 +71,40 @@ impl Identity {
     }
 }
 
-/// Whether an upstream exchange failed because the upstream refused the TLS
-/// handshake over the client certificate — and if so, why, in words. With TLS
-/// 1.3 the client's side of the handshake is over before the server has checked
-/// its certificate, so the refusal (a fatal alert) arrives only once the request
-/// has been written, and the client reports it as a failed exchange, not a
-/// failed connection. The server never accepted the connection, so nothing of
-/// the request can have been acted upon: SPEC §6's "no byte sent" (502, the key
-/// freed), not an unknown outcome. Only alerts a server sends while it judges a
-/// client's certificate count.
-pub fn handshake_refused(e: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+/// How an upstream exchange that ended in a TLS alert about the client
+/// certificate is read (SPEC §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertRefusal {
+    /// `certificate_required`: the server wanted a certificate and the client
+    /// showed none. RFC 8446 §4.4.2.4 has a server send it only while it judges
+    /// the handshake, so the server never accepted the connection and nothing of
+    /// the request was acted upon: SPEC §6's "no byte sent" (502, the key freed).
+    NoneShown,
+    /// Any other alert about a certificate or the handshake. With TLS 1.3 the
+    /// client's side of the handshake is over, and the request written, before
+    /// the server has checked the certificate; but a server may send these alerts
+    /// later too (after reading the request, even after answering it), so the
+    /// outcome is unknown: in doubt (504), its cause named.
+    Refused,
+}
+
+impl CertRefusal {
+    /// The cause in words, for the detail, the warn line and the access line.
+    pub fn why(self) -> &'static str {
+        match self {
+            CertRefusal::NoneShown => {
+                "the upstream requires a TLS client certificate and none was shown (set the route's client_cert and client_key)"
+            }
+            CertRefusal::Refused => {
+                "the upstream sent a TLS alert refusing the client certificate (client_cert) or the handshake; it may have read the request first"
+            }
+        }
+    }
+}
+
+/// Whether an upstream exchange failed on a TLS alert about the client
+/// certificate, and which ([`CertRefusal`]).
+pub fn handshake_refused(e: &(dyn std::error::Error + 'static)) -> Option<CertRefusal> {
     use rustls::AlertDescription as A;
     let mut cur = Some(e);
     while let Some(err) = cur {
@@ -91,9 +115,7 @@ pub fn handshake_refused(e: &(dyn std::error::Error + 'static)) -> Option<&'stat
         });
         if let Some(rustls::Error::AlertReceived(alert)) = tls {
             return match alert {
-                A::CertificateRequired => Some(
-                    "the upstream requires a TLS client certificate and none was shown (set the route's client_cert and client_key)",
-                ),
+                A::CertificateRequired => Some(CertRefusal::NoneShown),
                 A::BadCertificate
                 | A::UnsupportedCertificate
                 | A::CertificateRevoked
@@ -102,9 +124,7 @@ pub fn handshake_refused(e: &(dyn std::error::Error + 'static)) -> Option<&'stat
                 | A::UnknownCA
                 | A::AccessDenied
                 | A::DecryptError
-                | A::HandshakeFailure => Some(
-                    "the upstream refused the TLS handshake: it did not accept the client certificate shown (client_cert), or the handshake",
-                ),
+                | A::HandshakeFailure => Some(CertRefusal::Refused),
                 _ => None,
             };
         }
@@ -152,11 +172,9 @@ mod tests {
             )
         };
         let e = wrapped(rustls::AlertDescription::CertificateRequired);
-        assert!(
-            handshake_refused(&e).is_some_and(|w| w.contains("requires a TLS client certificate"))
-        );
+        assert_eq!(handshake_refused(&e), Some(CertRefusal::NoneShown));
         let e = wrapped(rustls::AlertDescription::UnknownCA);
-        assert!(handshake_refused(&e).is_some_and(|w| w.contains("client certificate")));
+        assert_eq!(handshake_refused(&e), Some(CertRefusal::Refused));
         for other in [
             wrapped(rustls::AlertDescription::CloseNotify),
             wrapped(rustls::AlertDescription::InternalError),

@@ -388,8 +388,12 @@ pub async fn send(
             let detail = error_chain(&e);
             if e.is_connect() {
                 UpstreamError::Unreachable(detail)
-            } else if let Some(why) = client_auth::handshake_refused(&e) {
-                UpstreamError::Unreachable(format!("{why}: {detail}"))
+            } else if let Some(refusal) = client_auth::handshake_refused(&e) {
+                let detail = format!("{}: {detail}", refusal.why());
+                match refusal {
+                    client_auth::CertRefusal::NoneShown => UpstreamError::Unreachable(detail),
+                    client_auth::CertRefusal::Refused => UpstreamError::Uncertain(detail),
+                }
             } else {
                 UpstreamError::Uncertain(detail)
             }

@@ -400,6 +400,9 @@ pub struct Pass {
     gate: Arc<Gate>,
     entry: Entry,
     lingers: bool,
+    /// When this request's admission waited for older requests to drain: the
+    /// wait's start and end (its trace span). Measured, never decided on.
+    drained: Option<(std::time::Instant, std::time::Instant)>,
 }
 
 impl Pass {
@@ -411,6 +414,11 @@ impl Pass {
     /// Resolves when a newer epoch's drain timed out and aborted this request.
     pub async fn aborted(&self) {
         self.entry.abort.wait().await
+    }
+
+    /// The drain this request's admission waited for, if it waited: start and end.
+    pub fn drain_waited(&self) -> Option<(std::time::Instant, std::time::Instant)> {
+        self.drained
     }
 
     /// Whether the request was aborted by a newer epoch's drain.
@@ -500,6 +508,7 @@ impl Gate {
             gate: self.clone(),
             entry,
             lingers: false,
+            drained: None,
         }
     }
 
@@ -596,13 +605,15 @@ impl Gate {
         self.settle().await;
         let deadline = tokio::time::Instant::now() + drain_timeout;
         let mut aborted = false;
+        let mut drain_started = None;
         loop {
             let notified = self.drained.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             match self.core.try_finish_raise(epoch, &decide) {
                 FinishRaise::Entered(e) => {
-                    let pass = self.pass(e);
+                    let mut pass = self.pass(e);
+                    pass.drained = drain_started.map(|s| (s, crate::clock::stopwatch()));
                     drained(epoch).await;
                     return Ok(pass);
                 }
@@ -611,7 +622,9 @@ impl Gate {
                     return Err(RaiseError::Denied(Denied::Refused(r)));
                 }
                 FinishRaise::Closed => return Err(RaiseError::Denied(Denied::Closed)),
-                FinishRaise::Draining => {}
+                FinishRaise::Draining => {
+                    drain_started.get_or_insert_with(crate::clock::stopwatch);
+                }
             }
             if aborted {
                 notified.await;

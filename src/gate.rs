@@ -155,8 +155,12 @@ pub enum RaiseStart {
     Entered(Entry),
     /// At the mark, but the gate is settling after a restart: wait, then retry.
     Settling,
-    /// The barrier is now at the epoch; persist, then drain.
-    Raising,
+    /// The barrier is now at the epoch; persist, then drain (`draining`: older
+    /// requests are in flight, a drain started).
+    Raising {
+        /// Whether older requests were in flight.
+        draining: bool,
+    },
 }
 
 /// What a look at a raise's drain found.
@@ -261,10 +265,11 @@ impl Core {
             Admit::Raise => {
                 st.barrier = epoch;
                 st.raises += 1;
-                if st.inflight.range(..epoch).next().is_some() {
+                let draining = st.inflight.range(..epoch).next().is_some();
+                if draining {
                     st.drains_started += 1;
                 }
-                Ok(RaiseStart::Raising)
+                Ok(RaiseStart::Raising { draining })
             }
         }
     }
@@ -587,7 +592,9 @@ impl Gate {
         D: Future<Output = ()>,
     {
         let _one_at_a_time = self.raising.lock().await;
-        loop {
+        // When a drain started (older requests in flight at the barrier): its
+        // trace span runs from here to the entry.
+        let drain_started = loop {
             match self
                 .core
                 .begin_raise(epoch, &decide)
@@ -595,9 +602,11 @@ impl Gate {
             {
                 RaiseStart::Entered(e) => return Ok(self.pass(e)),
                 RaiseStart::Settling => self.settle().await,
-                RaiseStart::Raising => break,
+                RaiseStart::Raising { draining } => {
+                    break draining.then(crate::clock::stopwatch);
+                }
             }
-        }
+        };
         if let Err(e) = persist().await {
             self.core.cancel_raise();
             return Err(RaiseError::State(e));
@@ -605,7 +614,6 @@ impl Gate {
         self.settle().await;
         let deadline = tokio::time::Instant::now() + drain_timeout;
         let mut aborted = false;
-        let mut drain_started = None;
         loop {
             let notified = self.drained.notified();
             tokio::pin!(notified);
@@ -622,9 +630,7 @@ impl Gate {
                     return Err(RaiseError::Denied(Denied::Refused(r)));
                 }
                 FinishRaise::Closed => return Err(RaiseError::Denied(Denied::Closed)),
-                FinishRaise::Draining => {
-                    drain_started.get_or_insert_with(crate::clock::stopwatch);
-                }
+                FinishRaise::Draining => {}
             }
             if aborted {
                 notified.await;
@@ -976,7 +982,7 @@ mod loom_tests {
                         RaiseStart::Entered(_) | RaiseStart::Settling => {
                             unreachable!("nobody else raises; nothing to settle")
                         }
-                        RaiseStart::Raising => {}
+                        RaiseStart::Raising { .. } => {}
                     }
                     let mut tries = 0;
                     let entry = loop {
@@ -1056,7 +1062,7 @@ mod loom_tests {
                     let e2 = Epoch::new(2);
                     assert!(matches!(
                         core.begin_raise(e2, decide_for(e2)),
-                        Ok(RaiseStart::Raising)
+                        Ok(RaiseStart::Raising { .. })
                     ));
                     let mut tries = 0;
                     loop {
@@ -1136,7 +1142,7 @@ mod loom_tests {
                     let e4 = Epoch::new(4);
                     assert!(matches!(
                         core.begin_raise(e4, decide_for(e4)),
-                        Ok(RaiseStart::Raising)
+                        Ok(RaiseStart::Raising { .. })
                     ));
                     core.cancel_raise();
                 })

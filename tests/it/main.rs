@@ -29,3 +29,4 @@ mod review2;
 mod review_batch;
 mod review_own;
 mod startup;
+mod traces;

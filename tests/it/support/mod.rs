@@ -16,6 +16,7 @@
 
 #[path = "../../common/mod.rs"]
 mod common;
+pub mod otlp;
 pub mod relay;
 
 pub use common::*;

@@ -811,11 +811,11 @@ impl Config {
                 .parse()
                 .map_err(|_| format!("[telemetry] otlp_endpoint {e:?} is not a URL"))?;
             if !matches!(uri.scheme_str(), Some("http" | "https"))
-                || uri.authority().is_none()
+                || uri.authority().is_none_or(|a| a.as_str().contains('@'))
                 || uri.query().is_some()
             {
                 return Err(format!(
-                    "[telemetry] otlp_endpoint {e:?} must be an http:// or https:// URL without a query (spans go to its /v1/traces)"
+                    "[telemetry] otlp_endpoint {e:?} must be an http:// or https:// URL without credentials or a query (spans go to its /v1/traces)"
                 ));
             }
         }
@@ -1124,6 +1124,17 @@ impl Config {
             "dedup ttl     {}",
             humantime::format_duration(self.dedup.ttl)
         );
+        let _ = match &self.telemetry.otlp_endpoint {
+            None => writeln!(out, "traces        off"),
+            Some(e) => writeln!(
+                out,
+                "traces        OTLP/HTTP to {}/v1/traces as {:?}, sample_ratio {}, queue {} spans",
+                e.trim_end_matches('/'),
+                self.telemetry.service_name,
+                self.telemetry.sample_ratio,
+                self.telemetry.max_queue_spans
+            ),
+        };
         let _ = match self.state.kind {
             StateKind::Sled => writeln!(out, "state         sled in data_dir"),
             // The connection string may hold a password: never shown.
@@ -1201,6 +1212,46 @@ lease = "billing"
         assert_eq!(c.store.refresh_interval_ms, 1000);
         assert_eq!(c.store.grace_ms, 2000);
         assert_eq!(c.dedup.ttl, Duration::from_secs(86400));
+    }
+
+    #[test]
+    fn telemetry_is_off_unless_an_endpoint_is_set() {
+        let c = Config::parse(MIN).unwrap();
+        assert_eq!(c.telemetry.otlp_endpoint, None);
+        assert!(c.summary().contains("traces        off"));
+        let on = |extra: &str| {
+            Config::parse(&format!(
+                "[telemetry]\notlp_endpoint = \"http://collector:4318/\"\n{extra}\n{MIN}"
+            ))
+            .unwrap()
+        };
+        let c = on("");
+        c.validate().unwrap();
+        assert_eq!(c.telemetry.service_name, "fencegate");
+        assert_eq!(c.telemetry.sample_ratio, 1.0);
+        assert!(c
+            .summary()
+            .contains("OTLP/HTTP to http://collector:4318/v1/traces"));
+        for (extra, says) in [
+            ("sample_ratio = 1.5", "sample_ratio"),
+            ("max_queue_spans = 0", "max_queue_spans"),
+            ("service_name = \"\"", "service_name"),
+        ] {
+            let e = on(extra).validate().unwrap_err();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        for bad in [
+            "collector:4318",
+            "ftp://collector",
+            "http://user:pass@collector:4318",
+            "http://collector:4318/?k=v",
+        ] {
+            let c =
+                Config::parse(&format!("[telemetry]\notlp_endpoint = \"{bad}\"\n{MIN}")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("otlp_endpoint"), "{bad}: {e}");
+        }
+        assert!(Config::parse(&format!("[telemetry]\nendpoint = \"x\"\n{MIN}")).is_err());
     }
 
     #[test]

@@ -104,7 +104,7 @@ impl Queue {
         }
     }
 
-    fn take(&self, max: usize) -> Vec<SpanData> {
+    pub(super) fn take(&self, max: usize) -> Vec<SpanData> {
         let mut q = crate::lock_order::lock("trace queue", &self.spans);
         let n = q.len().min(max);
         q.drain(..n).collect()

@@ -336,3 +336,78 @@ impl Recording {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn telemetry(ratio: f64, queue: usize) -> (Arc<Telemetry>, Arc<Metrics>) {
+        let metrics = Metrics::new();
+        let cfg = TelemetryConfig {
+            // Nobody listens there; the exporter is stopped at once anyway.
+            otlp_endpoint: Some("http://127.0.0.1:9".into()),
+            sample_ratio: ratio,
+            max_queue_spans: queue,
+            ..TelemetryConfig::default()
+        };
+        let tls = crate::forward::tls_config(None).unwrap();
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let (t, _task) = Telemetry::start(
+            &cfg,
+            None,
+            &metrics,
+            crate::forward::client(tls, std::time::Duration::from_secs(1)),
+            stop,
+        )
+        .unwrap()
+        .unwrap();
+        (t, metrics)
+    }
+
+    fn with_traceparent(v: &'static str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(TRACEPARENT, HeaderValue::from_static(v));
+        h
+    }
+
+    #[tokio::test]
+    async fn sampling_follows_the_parent_else_the_ratio() {
+        let (never, _) = telemetry(0.0, 10);
+        assert!(!never.request(&HeaderMap::new()).is_on());
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(never.request(&with_traceparent(sampled)).is_on());
+        let (always, _) = telemetry(1.0, 10);
+        assert!(always.request(&HeaderMap::new()).is_on());
+        let unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
+        assert!(!always.request(&with_traceparent(unsampled)).is_on());
+        // Off: nothing begun, headers untouched.
+        let off = Spans::off();
+        assert!(off.begin().is_none());
+        let mut h = with_traceparent(unsampled);
+        off.propagate(off.begin(), &mut h);
+        assert_eq!(h[TRACEPARENT], unsampled);
+    }
+
+    #[tokio::test]
+    async fn a_request_that_does_not_fit_the_queue_is_dropped_whole() {
+        let (t, metrics) = telemetry(1.0, 5);
+        let request = |children: usize| {
+            let mut s = t.request(&HeaderMap::new());
+            for _ in 0..children {
+                let b = s.begin();
+                s.end(b, "step", Kind::Internal, |_| {}, None);
+            }
+            s.finish(|| "GET".into(), |_| {}, None);
+        };
+        request(2); // 3 spans: queued
+        request(2); // 3 more: 6 > 5, all dropped
+        request(1); // 2: fits
+        assert_eq!(t.queue.take(100).len(), 5);
+        let text = metrics.render();
+        assert!(
+            text.contains("fencegate_trace_spans_dropped_total{reason=\"queue_full\"} 3"),
+            "{text}"
+        );
+    }
+}

@@ -476,7 +476,7 @@ impl Proxy {
         spans.propagate(calling, upstream_req.headers_mut());
         // Kept for the failure log: the request itself is consumed by the send.
         let upstream_uri = upstream_req.uri().clone();
-        let upstream_method = upstream_req.method().clone();
+        let upstream_method = spans.is_on().then(|| upstream_req.method().clone());
         let stop = stop_on(&pass, &self.abandon);
         tokio::pin!(stop);
         // SPEC §5: in flight until both ends of the exchange are over — the body
@@ -507,11 +507,11 @@ impl Proxy {
             "upstream",
             Kind::Client,
             |a| {
-                a.str("http.request.method", upstream_method.to_string())
-                    .str(
-                        "server.address",
-                        upstream_uri.host().unwrap_or("").to_owned(),
-                    );
+                let method = upstream_method.as_ref().map_or("", Method::as_str);
+                a.str("http.request.method", method.to_owned()).str(
+                    "server.address",
+                    upstream_uri.host().unwrap_or("").to_owned(),
+                );
                 if let Some(p) = upstream_uri.port_u16() {
                     a.int("server.port", i64::from(p));
                 }

@@ -228,7 +228,7 @@ async fn build_on(
             .map_err(StartError::Telemetry)?
         }
     };
-    let (telemetry, exporter) = telemetry.unzip();
+    let (telemetry, exporter) = telemetry.map(|s| (s.telemetry, s.exporter)).unzip();
     let proxy = Arc::new(Proxy::new(&shared, metrics.clone(), peers, telemetry));
     let keeper = match &mode {
         Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),

@@ -54,7 +54,7 @@ impl Telemetry {
         metrics: &Metrics,
         client: crate::forward::HttpsClient,
         stop: CancellationToken,
-    ) -> Result<Option<(Arc<Telemetry>, tokio::task::JoinHandle<()>)>, String> {
+    ) -> Result<Option<Started>, String> {
         let Some(endpoint) = &cfg.otlp_endpoint else {
             return Ok(None);
         };
@@ -91,7 +91,10 @@ impl Telemetry {
             anchor_unix_nanos: u64::try_from(since_epoch.as_nanos()).unwrap_or(u64::MAX),
             anchor,
         };
-        Ok(Some((Arc::new(telemetry), task)))
+        Ok(Some(Started {
+            telemetry: Arc::new(telemetry),
+            exporter: task,
+        }))
     }
 
     /// The spans of a request arriving with `headers`: a child of its
@@ -128,6 +131,13 @@ impl Telemetry {
         self.anchor_unix_nanos
             .saturating_add(u64::try_from(since.as_nanos()).unwrap_or(u64::MAX))
     }
+}
+
+/// Trace export, started ([`Telemetry::start`]).
+pub(crate) struct Started {
+    pub telemetry: Arc<Telemetry>,
+    /// Ends after the stop token, having sent what was queued.
+    pub exporter: tokio::task::JoinHandle<()>,
 }
 
 /// A random, non-zero span id.
@@ -353,7 +363,7 @@ mod tests {
         let tls = crate::forward::tls_config(None).unwrap();
         let stop = CancellationToken::new();
         stop.cancel();
-        let (t, _task) = Telemetry::start(
+        let started = Telemetry::start(
             &cfg,
             None,
             &metrics,
@@ -362,7 +372,7 @@ mod tests {
         )
         .unwrap()
         .unwrap();
-        (t, metrics)
+        (started.telemetry, metrics)
     }
 
     fn with_traceparent(v: &'static str) -> HeaderMap {

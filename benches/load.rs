@@ -13,6 +13,11 @@
 //! guard). All processes are pinned to one CPU (NOTES, "Measuring here"); CPU per
 //! request is read from /proc/PID/stat.
 //!
+//! `fencing-traced`: the fencing-only route with `[telemetry] otlp_endpoint` at
+//! the origin (which answers the exports 200), every request recorded (3 spans)
+//! and exported; its A/B row is traced ÷ untraced within this build, and the
+//! run prints how many spans were exported and dropped.
+//!
 //! `dedup-pg` ("fencegate, durable dedup, PostgreSQL"): the same binary and route
 //! as `dedup` with `[state] kind = "postgres"` (default pool size), on a private
 //! PostgreSQL the bench starts with the tests' harness (`tests/common/postgres.rs`:
@@ -448,6 +453,11 @@ async fn main_run(args: &Args) -> Result<(), String> {
     for (suffix, exe) in &builds {
         for (kind, label, derive_key) in [
             ("fencing", "fencegate, fencing only", "none"),
+            (
+                "fencing-traced",
+                "fencegate, fencing only, traced (OTLP to the origin)",
+                "none",
+            ),
             ("dedup", "fencegate, durable dedup", "content"),
             (
                 "dedup-pg",
@@ -460,14 +470,24 @@ async fn main_run(args: &Args) -> Result<(), String> {
             let db = match (kind, suffix.is_empty(), &postgres) {
                 ("dedup-pg", true, Some((_, url, db))) => Some((url, db)),
                 ("dedup-pg", _, _) => continue,
+                // This build only (build B may not know `[telemetry]`).
+                ("fencing-traced", false, _) => continue,
                 _ => None,
             };
             if !args.wants(kind) && !args.wants(&key) {
                 continue;
             }
-            let extra = db.map_or(String::new(), |(url, _)| {
+            let mut extra = db.map_or(String::new(), |(url, _)| {
                 format!("[state]\nkind = \"postgres\"\nurl = {url:?}\n")
             });
+            if kind == "fencing-traced" {
+                // The origin answers any POST 200: a sink for the spans, whose
+                // CPU is the origin's, not fencegate's.
+                extra.push_str(&format!(
+                    "[telemetry]\notlp_endpoint = \"http://{}\"\n",
+                    origin.addr
+                ));
+            }
             // One lease store per fencegate: a single instance holds its store's
             // instance guard (SPEC §10.1), so two never share one. `fencing` has the
             // first store (the epoch-change measurement renews its lease there).
@@ -638,6 +658,22 @@ async fn main_run(args: &Args) -> Result<(), String> {
         None => None,
     };
 
+    // The traced target's spans: exported, not dropped (else its CPU is the
+    // dropping path's).
+    if let Some(t) = targets.iter().find(|t| t.key == "fencing-traced") {
+        if let Some(admin) = t.proc_.admin {
+            let text = loadgen::get_text(admin, "/metrics")
+                .await
+                .unwrap_or_default();
+            let m = |name: &str| loadgen::metric(&text, name).unwrap_or(f64::NAN);
+            println!(
+                "fencing-traced: spans exported {}, dropped: queue_full {}, export_failed {}",
+                m("fencegate_trace_spans_exported_total"),
+                m("fencegate_trace_spans_dropped_total{reason=\"queue_full\"}"),
+                m("fencegate_trace_spans_dropped_total{reason=\"export_failed\"}"),
+            );
+        }
+    }
     // Every proxy must still be alive.
     for t in &mut targets {
         if !t.proc_.is_running() {
@@ -1136,8 +1172,16 @@ fn report(
     // paired round by round.
     let mut ab_json = Vec::new();
     let mut ab_md = String::new();
-    for (kind, what) in [("fencing", "fencing only"), ("dedup", "durable dedup")] {
-        let (Some(a), Some(b)) = (idx(kind), idx(&format!("{kind}-b"))) else {
+    for (kind, twin, what) in [
+        ("fencing", "fencing-b", "fencing only"),
+        ("dedup", "dedup-b", "durable dedup"),
+        (
+            "fencing-traced",
+            "fencing",
+            "fencing only: traced (A) ÷ untraced (B), both this build",
+        ),
+    ] {
+        let (Some(a), Some(b)) = (idx(kind), idx(twin)) else {
             continue;
         };
         for &c in &args.conc {

@@ -66,6 +66,10 @@ pub struct Config {
     pub state: StateConfig,
     /// `[cluster]` (SPEC §10.2); absent: a single instance (§10.1).
     pub cluster: Option<ClusterConfig>,
+    /// `[telemetry]`: where traces are exported (README "Traces"); absent or
+    /// without `otlp_endpoint`: none are.
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     /// `[[route]]`: path prefix → upstream, each protected by one lease (SPEC §3).
     #[serde(rename = "route", default)]
     pub routes: Vec<RouteConfig>,
@@ -317,6 +321,33 @@ impl ClusterConfig {
     /// The peer token with `${NAME}` read from the environment.
     pub fn resolved_peer_token(&self) -> Result<String, String> {
         from_env("[cluster] peer_token", &self.peer_token)
+    }
+}
+
+/// `[telemetry]`: OTLP/HTTP trace export (SPEC §9, README "Traces").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// The collector's base URL (`http://collector:4318`): spans are POSTed to
+    /// `{otlp_endpoint}/v1/traces`. None: no span is made or exported.
+    pub otlp_endpoint: Option<String>,
+    /// The `service.name` resource attribute.
+    pub service_name: String,
+    /// Of the requests that come without a sampled parent, the share traced
+    /// (0.0–1.0); a worker's `traceparent` decides for its own requests.
+    pub sample_ratio: f64,
+    /// Spans waiting for export beyond this are dropped (and counted), never waited for.
+    pub max_queue_spans: usize,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            otlp_endpoint: None,
+            service_name: "fencegate".into(),
+            sample_ratio: 1.0,
+            max_queue_spans: 4096,
+        }
     }
 }
 
@@ -913,7 +944,37 @@ impl Config {
         self.validate_store()?;
         self.validate_state()?;
         self.validate_cluster()?;
+        self.validate_telemetry()?;
         self.validate_routes()
+    }
+
+    fn validate_telemetry(&self) -> Result<(), String> {
+        let t = &self.telemetry;
+        if let Some(e) = &t.otlp_endpoint {
+            let uri: Uri = e
+                .parse()
+                .map_err(|_| format!("[telemetry] otlp_endpoint {e:?} is not a URL"))?;
+            if !matches!(uri.scheme_str(), Some("http" | "https"))
+                || uri.authority().is_none_or(|a| a.as_str().contains('@'))
+                || uri.query().is_some()
+            {
+                return Err(format!(
+                    "[telemetry] otlp_endpoint {e:?} must be an http:// or https:// URL without credentials or a query (spans go to its /v1/traces)"
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&t.sample_ratio) {
+            return Err(format!(
+                "[telemetry] sample_ratio ({}) must be between 0.0 and 1.0",
+                t.sample_ratio
+            ));
+        }
+        if t.max_queue_spans == 0 || t.service_name.is_empty() {
+            return Err(
+                "[telemetry] max_queue_spans must be positive and service_name not empty".into(),
+            );
+        }
+        Ok(())
     }
 
     fn validate_cluster(&self) -> Result<(), String> {
@@ -1232,6 +1293,17 @@ impl Config {
             "dedup ttl     {}",
             humantime::format_duration(self.dedup.ttl)
         );
+        let _ = match &self.telemetry.otlp_endpoint {
+            None => writeln!(out, "traces        off"),
+            Some(e) => writeln!(
+                out,
+                "traces        OTLP/HTTP to {}/v1/traces as {:?}, sample_ratio {}, queue {} spans",
+                e.trim_end_matches('/'),
+                self.telemetry.service_name,
+                self.telemetry.sample_ratio,
+                self.telemetry.max_queue_spans
+            ),
+        };
         let _ = match self.state.kind {
             StateKind::Sled => writeln!(out, "state         sled in data_dir"),
             // The connection string may hold a password: never shown.
@@ -1398,6 +1470,46 @@ lease = "billing"
         assert_eq!(c.store.refresh_interval_ms, 1000);
         assert_eq!(c.store.grace_ms, 2000);
         assert_eq!(c.dedup.ttl, Duration::from_secs(86400));
+    }
+
+    #[test]
+    fn telemetry_is_off_unless_an_endpoint_is_set() {
+        let c = Config::parse(MIN).unwrap();
+        assert_eq!(c.telemetry.otlp_endpoint, None);
+        assert!(c.summary().contains("traces        off"));
+        let on = |extra: &str| {
+            Config::parse(&format!(
+                "[telemetry]\notlp_endpoint = \"http://collector:4318/\"\n{extra}\n{MIN}"
+            ))
+            .unwrap()
+        };
+        let c = on("");
+        c.validate().unwrap();
+        assert_eq!(c.telemetry.service_name, "fencegate");
+        assert_eq!(c.telemetry.sample_ratio, 1.0);
+        assert!(c
+            .summary()
+            .contains("OTLP/HTTP to http://collector:4318/v1/traces"));
+        for (extra, says) in [
+            ("sample_ratio = 1.5", "sample_ratio"),
+            ("max_queue_spans = 0", "max_queue_spans"),
+            ("service_name = \"\"", "service_name"),
+        ] {
+            let e = on(extra).validate().unwrap_err();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        for bad in [
+            "collector:4318",
+            "ftp://collector",
+            "http://user:pass@collector:4318",
+            "http://collector:4318/?k=v",
+        ] {
+            let c =
+                Config::parse(&format!("[telemetry]\notlp_endpoint = \"{bad}\"\n{MIN}")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains("otlp_endpoint"), "{bad}: {e}");
+        }
+        assert!(Config::parse(&format!("[telemetry]\nendpoint = \"x\"\n{MIN}")).is_err());
     }
 
     #[test]

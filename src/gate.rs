@@ -155,8 +155,12 @@ pub enum RaiseStart {
     Entered(Entry),
     /// At the mark, but the gate is settling after a restart: wait, then retry.
     Settling,
-    /// The barrier is now at the epoch; persist, then drain.
-    Raising,
+    /// The barrier is now at the epoch; persist, then drain (`draining`: older
+    /// requests are in flight, a drain started).
+    Raising {
+        /// Whether older requests were in flight.
+        draining: bool,
+    },
 }
 
 /// What a look at a raise's drain found.
@@ -261,10 +265,11 @@ impl Core {
             Admit::Raise => {
                 st.barrier = epoch;
                 st.raises += 1;
-                if st.inflight.range(..epoch).next().is_some() {
+                let draining = st.inflight.range(..epoch).next().is_some();
+                if draining {
                     st.drains_started += 1;
                 }
-                Ok(RaiseStart::Raising)
+                Ok(RaiseStart::Raising { draining })
             }
         }
     }
@@ -400,6 +405,9 @@ pub struct Pass {
     gate: Arc<Gate>,
     entry: Entry,
     lingers: bool,
+    /// When this request's admission waited for older requests to drain: the
+    /// wait's start and end (its trace span). Measured, never decided on.
+    drained: Option<(std::time::Instant, std::time::Instant)>,
 }
 
 impl Pass {
@@ -411,6 +419,11 @@ impl Pass {
     /// Resolves when a newer epoch's drain timed out and aborted this request.
     pub async fn aborted(&self) {
         self.entry.abort.wait().await
+    }
+
+    /// The drain this request's admission waited for, if it waited: start and end.
+    pub fn drain_waited(&self) -> Option<(std::time::Instant, std::time::Instant)> {
+        self.drained
     }
 
     /// Whether the request was aborted by a newer epoch's drain.
@@ -500,6 +513,7 @@ impl Gate {
             gate: self.clone(),
             entry,
             lingers: false,
+            drained: None,
         }
     }
 
@@ -578,7 +592,9 @@ impl Gate {
         D: Future<Output = ()>,
     {
         let _one_at_a_time = self.raising.lock().await;
-        loop {
+        // When a drain started (older requests in flight at the barrier): its
+        // trace span runs from here to the entry.
+        let drain_started = loop {
             match self
                 .core
                 .begin_raise(epoch, &decide)
@@ -586,9 +602,11 @@ impl Gate {
             {
                 RaiseStart::Entered(e) => return Ok(self.pass(e)),
                 RaiseStart::Settling => self.settle().await,
-                RaiseStart::Raising => break,
+                RaiseStart::Raising { draining } => {
+                    break draining.then(crate::clock::stopwatch);
+                }
             }
-        }
+        };
         if let Err(e) = persist().await {
             self.core.cancel_raise();
             return Err(RaiseError::State(e));
@@ -602,7 +620,8 @@ impl Gate {
             notified.as_mut().enable();
             match self.core.try_finish_raise(epoch, &decide) {
                 FinishRaise::Entered(e) => {
-                    let pass = self.pass(e);
+                    let mut pass = self.pass(e);
+                    pass.drained = drain_started.map(|s| (s, crate::clock::stopwatch()));
                     drained(epoch).await;
                     return Ok(pass);
                 }
@@ -963,7 +982,7 @@ mod loom_tests {
                         RaiseStart::Entered(_) | RaiseStart::Settling => {
                             unreachable!("nobody else raises; nothing to settle")
                         }
-                        RaiseStart::Raising => {}
+                        RaiseStart::Raising { .. } => {}
                     }
                     let mut tries = 0;
                     let entry = loop {
@@ -1043,7 +1062,7 @@ mod loom_tests {
                     let e2 = Epoch::new(2);
                     assert!(matches!(
                         core.begin_raise(e2, decide_for(e2)),
-                        Ok(RaiseStart::Raising)
+                        Ok(RaiseStart::Raising { .. })
                     ));
                     let mut tries = 0;
                     loop {
@@ -1123,7 +1142,7 @@ mod loom_tests {
                     let e4 = Epoch::new(4);
                     assert!(matches!(
                         core.begin_raise(e4, decide_for(e4)),
-                        Ok(RaiseStart::Raising)
+                        Ok(RaiseStart::Raising { .. })
                     ));
                     core.cancel_raise();
                 })

@@ -27,6 +27,8 @@
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
 //!   parked: `server/park.rs`), the admin API, Prometheus.
+//! - [`telemetry`] — traces: W3C trace context in and on, a span per request
+//!   and its steps, OTLP/HTTP export through a bounded queue (`[telemetry]`).
 //! - [`setup`] — what a gate object says of the set-up that wrote it, its seal,
 //!   and when a contender may believe it (§10).
 //! - [`cluster`] — several instances: a shard's lease (`shard`), exclusion
@@ -77,3 +79,4 @@ pub mod setup;
 pub(crate) mod shared;
 pub mod state;
 pub mod streaming;
+pub(crate) mod telemetry;

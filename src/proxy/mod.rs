@@ -34,6 +34,7 @@ use crate::metrics::Metrics;
 use crate::protect;
 use crate::shared::{Mode, Shared};
 use crate::streaming::{Exchange, ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
+use crate::telemetry::{Kind, Spans, Telemetry};
 
 /// How much of an unrecorded route's answer is sent whole when it has all
 /// arrived with its head (no streaming machinery for a small answer).
@@ -54,6 +55,8 @@ pub(crate) struct Proxy {
     clock: Arc<dyn Clock>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
+    /// Trace export (`[telemetry]`); `None`: no request is traced.
+    telemetry: Option<Arc<Telemetry>>,
 }
 
 impl Proxy {
@@ -62,8 +65,10 @@ impl Proxy {
         metrics: Arc<Metrics>,
         peers: Option<HttpsClient>,
         clock: Arc<dyn Clock>,
+        telemetry: Option<Arc<Telemetry>>,
     ) -> Proxy {
         Proxy {
+            telemetry,
             live: shared.live.clone(),
             dedup: shared.dedup.clone(),
             fences: shared.fences.clone(),
@@ -90,14 +95,20 @@ impl Proxy {
     /// (the server finishes it in the background): dedup records and the gate must
     /// never be left half-done.
     ///
-    /// No tracing span per request: creating and recording one cost ~5% of a
-    /// forwarded request's CPU. The access line carries the request's fields.
+    /// No `tracing` span per request: creating and recording one cost ~5% of a
+    /// forwarded request's CPU. The access line carries the request's fields;
+    /// trace spans ([`crate::telemetry`]) exist only when export is configured.
     pub(crate) async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         hop: Arc<ClientHop>,
     ) -> Response<ProxyBody> {
         let started = crate::clock::stopwatch();
+        let mut spans = match &self.telemetry {
+            Some(t) => t.request(req.headers()),
+            None => Spans::off(),
+        };
+        let keyed = spans.is_on() && req.headers().contains_key(IDEMPOTENCY_KEY_NAME);
         let request_id = access::request_id(req.headers_mut());
         let method = req.method().clone();
         let uri = req.uri().clone();
@@ -115,7 +126,10 @@ impl Proxy {
                     "refused",
                 )
             }
-            Some(route) => match self.serve(route, req, &hop, &mut seen, &request_id).await {
+            Some(route) => match self
+                .serve(route, req, &hop, &mut seen, &request_id, &mut spans)
+                .await
+            {
                 Ok((resp, outcome)) => {
                     if outcome == "forwarded" {
                         route.metrics.forwarded.inc();
@@ -148,6 +162,38 @@ impl Proxy {
             }
             .emit();
         }
+        let status = resp.status();
+        spans.finish(
+            || match route {
+                Some(r) => format!("{method} {}", r.target.prefix),
+                None => method.to_string(),
+            },
+            |a| {
+                a.str("http.request.method", method.to_string())
+                    .int("http.response.status_code", i64::from(status.as_u16()))
+                    .str("fencegate.outcome", outcome)
+                    .bool("fencegate.dedup_key.present", keyed);
+                if let Ok(id) = request_id.to_str() {
+                    a.str("fencegate.request_id", id.to_owned());
+                }
+                if let Some(r) = route {
+                    a.str("http.route", r.target.prefix.clone())
+                        .str("fencegate.route", r.name.clone())
+                        .str("fencegate.lease", r.lease.to_string());
+                }
+                if let Some(e) = seen.epoch {
+                    a.int("fencegate.epoch", e as i64);
+                }
+                if let Some(e) = &refusal {
+                    a.str("fencegate.error_code", e.code());
+                }
+            },
+            status.is_server_error().then(|| {
+                refusal
+                    .as_ref()
+                    .map_or("upstream answered a server error", ProxyError::code)
+            }),
+        );
         resp.headers_mut().insert(REQUEST_ID, request_id);
         resp
     }
@@ -159,6 +205,7 @@ impl Proxy {
         hop: &ClientHop,
         seen: &'s mut Seen,
         request_id: &HeaderValue,
+        spans: &mut Spans,
     ) -> Result<(Response<ProxyBody>, &'static str), ProxyError> {
         let (parts, body) = req.into_parts();
         // SPEC §7: a protocol switch (WebSocket, h2c) is refused, never silently
@@ -211,17 +258,57 @@ impl Proxy {
                     Payload::Whole(b) => UpBody::from(b),
                     Payload::Stream(b) => UpBody::stream(Upload::new(b, route.max_body_bytes).0),
                 };
-                let resp = self.relay(route, &owner, &url, parts, body, hop).await?;
-                return Ok((resp, "relayed"));
+                // The owner's spans are children of this one.
+                let relaying = spans.begin();
+                let mut parts = parts;
+                spans.propagate(relaying, &mut parts.headers);
+                let relayed = self.relay(route, &owner, &url, parts, body, hop).await;
+                spans.end(
+                    relaying,
+                    "peer.relay",
+                    Kind::Client,
+                    |a| {
+                        a.str("fencegate.peer", owner);
+                        if let Ok(r) = &relayed {
+                            a.int("http.response.status_code", i64::from(r.status().as_u16()));
+                        }
+                    },
+                    relayed.as_ref().err().map(ProxyError::code),
+                );
+                return Ok((relayed?, "relayed"));
             }
         };
         let hop = &if relayed { hop.relayed() } else { hop.clone() };
 
         let admit_started = crate::clock::stopwatch();
         let claim = Claim { epoch, token };
-        let pass = fence
+        let admitting = spans.begin();
+        let admitted = fence
             .admit(claim, route.require_token, route.drain_timeout)
-            .await?;
+            .await
+            .map_err(ProxyError::from);
+        spans.end(
+            admitting,
+            "admission",
+            Kind::Internal,
+            |a| {
+                a.str("fencegate.lease", route.lease.to_string())
+                    .int("fencegate.epoch", epoch.get() as i64)
+                    .bool("fencegate.relayed", relayed)
+                    .str(
+                        "fencegate.admission",
+                        admitted.as_ref().map_or_else(|e| e.code(), |_| "admitted"),
+                    );
+            },
+            server_error(&admitted),
+        );
+        let pass = admitted?;
+        if let Some(waited) = pass.drain_waited() {
+            spans.add("drain", waited, |a| {
+                a.str("fencegate.lease", route.lease.to_string())
+                    .int("fencegate.epoch", epoch.get() as i64);
+            });
+        }
         route
             .metrics
             .admission
@@ -255,7 +342,8 @@ impl Proxy {
             Payload::Whole(b) if record => {
                 // Not raced against a drain abort: a record must never be left
                 // `in_flight` by a request that stopped halfway through writing it.
-                match self
+                let claiming = spans.begin();
+                let begun = self
                     .dedup
                     .begin(
                         fence.owner(),
@@ -265,8 +353,25 @@ impl Proxy {
                         epoch,
                         route.in_doubt,
                     )
-                    .await?
-                {
+                    .await
+                    .map_err(ProxyError::from);
+                spans.end(
+                    claiming,
+                    "dedup.claim",
+                    Kind::Internal,
+                    |a| {
+                        a.str(
+                            "fencegate.dedup",
+                            match &begun {
+                                Ok(Begin::Forward(_)) => "claimed",
+                                Ok(Begin::Replay(_)) => "replay",
+                                Err(e) => e.code(),
+                            },
+                        );
+                    },
+                    server_error(&begun),
+                );
+                match begun? {
                     Begin::Replay(stored) => {
                         return Ok((stored.to_response().map(ProxyBody::from), "replayed"))
                     }
@@ -305,6 +410,7 @@ impl Proxy {
                     key,
                     request_id,
                     upstream_time: &mut seen.upstream,
+                    spans,
                 },
             )
             .await;
@@ -324,7 +430,22 @@ impl Proxy {
                 (Err(_), Sent::Nothing) => Outcome::NotSent,
                 (Err(_), Sent::Maybe) => Outcome::Unknown,
             };
-            self.finish_quietly(t, outcome).await;
+            let recorded = match outcome {
+                Outcome::Response { .. } => "response",
+                Outcome::NotSent => "not_sent",
+                Outcome::Unknown => "unknown",
+            };
+            let writing = spans.begin();
+            let written = self.finish_quietly(t, outcome).await;
+            spans.end(
+                writing,
+                "dedup.outcome",
+                Kind::Internal,
+                |a| {
+                    a.str("fencegate.dedup.outcome", recorded);
+                },
+                (!written).then_some("not recorded"),
+            );
         }
         result.map(|a| (a.into_response(), "forwarded"))
     }
@@ -354,6 +475,7 @@ impl Proxy {
             key,
             request_id,
             upstream_time,
+            spans,
         }: Trace<'_>,
     ) -> (Result<Answer, ProxyError>, Sent) {
         // Built only once the request will really be forwarded (not for a replay);
@@ -367,7 +489,7 @@ impl Proxy {
                 Ok(r)
             },
         );
-        let upstream_req = match built {
+        let mut upstream_req = match built {
             Ok(r) => r,
             Err(detail) => {
                 return (
@@ -390,8 +512,12 @@ impl Proxy {
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
         let upstream_started = crate::clock::stopwatch();
+        // The upstream's spans are children of this one.
+        let calling = spans.begin();
+        spans.propagate(calling, upstream_req.headers_mut());
         // Kept for the failure log: the request itself is consumed by the send.
         let upstream_uri = upstream_req.uri().clone();
+        let upstream_method = spans.is_on().then(|| upstream_req.method().clone());
         let stop = stop_on(&pass, &self.abandon);
         tokio::pin!(stop);
         // SPEC §5: in flight until both ends of the exchange are over — the body
@@ -417,6 +543,35 @@ impl Proxy {
         };
         let upstream_elapsed = upstream_started.elapsed();
         *upstream_time = Some(upstream_elapsed);
+        spans.end(
+            calling,
+            "upstream",
+            Kind::Client,
+            |a| {
+                let method = upstream_method.as_ref().map_or("", Method::as_str);
+                a.str("http.request.method", method.to_owned()).str(
+                    "server.address",
+                    upstream_uri.host().unwrap_or("").to_owned(),
+                );
+                if let Some(p) = upstream_uri.port_u16() {
+                    a.int("server.port", i64::from(p));
+                }
+                match &result {
+                    Ok((head, _)) => {
+                        a.int("http.response.status_code", i64::from(head.status.as_u16()));
+                    }
+                    Err(UpstreamError::Unreachable(_)) => {
+                        a.str("error.type", "unreachable");
+                    }
+                    Err(UpstreamError::Uncertain(_)) => {
+                        a.str("error.type", "outcome_unknown");
+                    }
+                }
+            },
+            result.as_ref().err().map(|e| match e {
+                UpstreamError::Unreachable(d) | UpstreamError::Uncertain(d) => d.as_str(),
+            }),
+        );
         route
             .metrics
             .upstream
@@ -648,10 +803,12 @@ impl Proxy {
     /// about the action. The `in_flight` record was durable before forwarding, so
     /// a retry is refused (`dedup_in_flight`, or `dedup_in_doubt` after a restart),
     /// never repeated.
-    async fn finish_quietly(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) {
-        if let Err(e) = self.dedup.finish(ticket, outcome).await {
+    async fn finish_quietly(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) -> bool {
+        let written = self.dedup.finish(ticket, outcome).await;
+        if let Err(e) = &written {
             tracing::error!(error = %e, "could not record the outcome of a forwarded request; a retry of its key is refused until the outcome is settled (PostgreSQL: written again in the background) or a restart makes it in doubt");
         }
+        written.is_ok()
     }
 }
 
@@ -671,12 +828,22 @@ impl std::fmt::Display for UriNoQuery<'_> {
     }
 }
 
-/// How a forwarded request is known (its dedup key and request id), and where
-/// the forward notes its upstream time for the access line.
+/// How a forwarded request is known (its dedup key and request id), where
+/// the forward notes its upstream time for the access line, and its spans.
 struct Trace<'a> {
     key: &'a DedupKey,
     request_id: &'a HeaderValue,
     upstream_time: &'a mut Option<Duration>,
+    spans: &'a mut Spans,
+}
+
+/// A span's error status for a step that failed with a 5xx refusal (a 4xx one
+/// is the request's fault, not the step's: its code is an attribute).
+fn server_error<T>(r: &Result<T, ProxyError>) -> Option<&'static str> {
+    match r {
+        Err(e) if e.status_and_code().0.is_server_error() => Some(e.code()),
+        _ => None,
+    }
 }
 
 /// Who serves a request ([`Proxy::place`]).

@@ -72,6 +72,9 @@ pub enum StartError {
     /// The TLS certificate or key could not be loaded.
     #[error("TLS: {0}")]
     Tls(String),
+    /// Trace export could not be set up (`[telemetry]`).
+    #[error("telemetry: {0}")]
+    Telemetry(String),
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -94,6 +97,8 @@ pub struct App {
     drain_timeouts: HashMap<LeaseName, Duration>,
     stop: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The trace exporter: sends what is queued once `stop` is cancelled.
+    exporter: Option<tokio::task::JoinHandle<()>>,
     shutdown_timeout: Duration,
     /// How long to go on serving, not ready, after the shutdown signal.
     shutdown_delay: Duration,
@@ -210,8 +215,30 @@ async fn build_on(
             Some(crate::forward::client(tls, Duration::from_secs(1)))
         }
     };
-    let proxy = Arc::new(Proxy::new(&shared, metrics.clone(), peers, clock.clone()));
     let stop = CancellationToken::new();
+    // Trace export: its own pooled client (system roots), its own task.
+    let telemetry = match &cfg.telemetry.otlp_endpoint {
+        None => None,
+        Some(_) => {
+            let tls = crate::forward::tls_config(None, None).map_err(StartError::Tls)?;
+            crate::telemetry::Telemetry::start(
+                &cfg.telemetry,
+                cfg.cluster.as_ref().map(|c| c.instance_id.as_str()),
+                &metrics,
+                crate::forward::client(tls, Duration::from_secs(1)),
+                stop.clone(),
+            )
+            .map_err(StartError::Telemetry)?
+        }
+    };
+    let (telemetry, exporter) = telemetry.map(|s| (s.telemetry, s.exporter)).unzip();
+    let proxy = Arc::new(Proxy::new(
+        &shared,
+        metrics.clone(),
+        peers,
+        clock.clone(),
+        telemetry,
+    ));
     let keeper = match &mode {
         Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),
         Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
@@ -246,6 +273,7 @@ async fn build_on(
         drain_timeouts: settle,
         stop,
         tasks,
+        exporter,
         shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
         shutdown_delay: Duration::from_millis(cfg.server.shutdown_delay_ms),
         max_connections: cfg.server.max_connections,
@@ -366,11 +394,12 @@ impl App {
     /// hands shards over (a cluster) or releases the guard, and flushes. The
     /// admin listener answers until then, so liveness never fails during it.
     pub async fn run(
-        self,
+        mut self,
         proxy_l: TcpListener,
         admin_l: TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), StartError> {
+        let exporter = self.exporter.take();
         let builders = Arc::new(http_builder(self.header_read_timeout));
         let graceful = Shutdown::new();
         let admin_graceful = Shutdown::new();
@@ -471,6 +500,16 @@ impl App {
             }
             for t in &self.tasks {
                 t.abort();
+            }
+            if let Some(t) = exporter {
+                // The last spans, one try: a collector that does not answer delays
+                // the exit by at most this.
+                if tokio::time::timeout(Duration::from_secs(2), t)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!("the last trace export did not finish; its spans are lost");
+                }
             }
             // Nothing is in flight: a successor may start at once.
             if let Mode::Single(guard) = &self.shared.mode {

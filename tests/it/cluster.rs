@@ -2190,3 +2190,101 @@ async fn the_anchor_outlives_the_member_that_renewed_it() {
         200
     );
 }
+
+/// Traces across the peer hop (README "Traces"): a request sent to the
+/// instance that does not own its shard is one trace — the relaying instance's
+/// request span (the worker's span its parent) and its `peer.relay` span, then
+/// the owner's request span with `peer.relay` as its parent, its steps, and the
+/// destination's `traceparent` naming the owner's upstream span. Each
+/// instance's spans name it (`service.instance.id`); neither the lease token
+/// nor the peer token is exported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_request_is_one_trace_across_the_peer_hop() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let receiver = crate::support::otlp::Receiver::start(false);
+    let mut rig = Rig::start(0, 2).await;
+    for id in ["fg-a", "fg-b"] {
+        rig.add_with(id, |c| c + &receiver.toml(""));
+    }
+    let map = rig.settled("two members", balanced(2, 2)).await;
+    let lease = rig.leases[0].clone();
+    let owner = map[0].clone();
+    let relayer = rig.running().find(|m| m.id != owner).unwrap();
+    let w = rig.worker(&lease, "w").await;
+    let (trace, worker_span) = ("5bf92f3577b34da6a3ce929d0e0e4736", "10f067aa0ba902b7");
+    let req = worker_req(
+        &relayer.fg().url(&format!("/{lease}/x")),
+        w.epoch.get(),
+        &w.token,
+    )
+    .header("traceparent", format!("00-{trace}-{worker_span}-01"))
+    .header("idempotency-key", "hop-key")
+    .body(body("over the hop"))
+    .unwrap();
+    let r = send(req).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let spans = receiver.trace(trace, 2);
+    let of = |id: &str| -> Vec<&crate::support::otlp::Span> {
+        spans
+            .iter()
+            .filter(|s| s.resource("service.instance.id") == id)
+            .collect()
+    };
+    let (here, there) = (of(&relayer.id), of(&owner));
+    let request_here = here
+        .iter()
+        .find(|s| s.kind() == "SPAN_KIND_SERVER")
+        .expect("the relaying instance's request span");
+    assert_eq!(request_here.parent(), worker_span);
+    assert_eq!(request_here.attr("fencegate.outcome"), "relayed");
+    let relay = here
+        .iter()
+        .find(|s| s.name() == "peer.relay")
+        .expect("the relay span");
+    assert_eq!(relay.parent(), request_here.span_id());
+    assert_eq!(relay.kind(), "SPAN_KIND_CLIENT");
+    assert_eq!(relay.attr("fencegate.peer"), owner.as_str());
+    assert_eq!(relay.attr("http.response.status_code"), 200);
+    assert_eq!(
+        here.len(),
+        2,
+        "the relaying instance admits nothing: {here:?}"
+    );
+    let request_there = there
+        .iter()
+        .find(|s| s.kind() == "SPAN_KIND_SERVER")
+        .expect("the owner's request span");
+    assert_eq!(request_there.parent(), relay.span_id());
+    assert_eq!(request_there.attr("fencegate.outcome"), "forwarded");
+    let mut names: Vec<&str> = there.iter().map(|s| s.name()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            format!("POST /{lease}/").as_str(),
+            "admission",
+            "dedup.claim",
+            "dedup.outcome",
+            "upstream"
+        ]
+    );
+    for s in there.iter().filter(|s| s.kind() != "SPAN_KIND_SERVER") {
+        assert_eq!(s.parent(), request_there.span_id(), "{s:?}");
+    }
+    let admission = there.iter().find(|s| s.name() == "admission").unwrap();
+    assert_eq!(admission.attr("fencegate.relayed"), true);
+    let upstream = there.iter().find(|s| s.name() == "upstream").unwrap();
+    let arrived = &payloads_at(&rig.origin, "over the hop")[0];
+    assert_eq!(
+        arrived.header("traceparent"),
+        Some(format!("00-{trace}-{}-01", upstream.span_id()))
+    );
+    let raw = receiver.raw();
+    for secret in [w.token.as_str(), PEER_TOKEN, "hop-key"] {
+        assert!(
+            !raw.windows(secret.len()).any(|x| x == secret.as_bytes()),
+            "{secret:?} was exported"
+        );
+    }
+}

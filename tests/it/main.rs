@@ -32,4 +32,5 @@ mod review2;
 mod review_batch;
 mod review_own;
 mod startup;
+mod traces;
 mod webhooks;

@@ -17,6 +17,7 @@
 #[path = "../../common/mod.rs"]
 mod common;
 pub mod egress;
+pub mod otlp;
 pub mod relay;
 
 pub use common::*;

@@ -256,3 +256,119 @@ async fn holds_a_probe_that_is_a_replay_does_not_wedge_half_open() {
         "closed"
     );
 }
+
+/// A request body the test feeds chunk by chunk; it ends when the sender drops.
+struct Fed(tokio::sync::mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for Fed {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|c| c.map(|b| Ok(hyper::body::Frame::data(b))))
+    }
+}
+
+/// Starts a streamed (unrecorded) POST whose body the worker feeds; sends
+/// `first` and returns the feed (kept open: the worker stalls) and the answer.
+async fn stalled_upload(
+    fg: &Fencegate,
+    h: &fencegate::lease::acquire::Holding,
+    extra: &[(&str, &str)],
+) -> (
+    tokio::sync::mpsc::Sender<Bytes>,
+    tokio::task::JoinHandle<hyper::Result<hyper::Response<hyper::body::Incoming>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let s = tokio::net::TcpStream::connect(fg.proxy_addr())
+        .await
+        .unwrap();
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let (feed, rx) = tokio::sync::mpsc::channel(1);
+    let mut req = Request::post("/billing/upload")
+        .header("host", "fencegate.test")
+        .header("x-lease-epoch", h.epoch.get().to_string())
+        .header("x-lease-token", &h.token);
+    for (n, v) in extra {
+        req = req.header(*n, *v);
+    }
+    let req = req.body(Fed(rx)).unwrap();
+    let answer = tokio::spawn(async move { tx.send_request(req).await });
+    feed.send(Bytes::from_static(b"first ")).await.unwrap();
+    (feed, answer, conn)
+}
+
+/// FINDING 3 (priority 2/3, the breaker blames the upstream for the worker). A
+/// worker streams an upload and stalls midway (its connection open, no error).
+/// The origin, still waiting for the body, does not answer; the route's timeout
+/// ends the exchange as `upstream_timeout` and the breaker counts it as the
+/// *upstream's* failure (`incomplete` only covers TooLarge/ClientFailed, not an
+/// upload still `Sending`). With `failures = 1` one slow worker opens the breaker
+/// and every other worker on the route is refused `breaker_open` for the
+/// cool-down. SPEC §7: "the worker's own body failing is not" a failure.
+/// Expected: the next request is forwarded (breaker closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_worker_stalling_its_upload_opens_the_breaker() {
+    let (origin, fg) = billing_route(
+        60_000,
+        "derive_key = \"none\"\ntimeout_ms = 300\nbreaker = { failures = 1, cool_down = \"10m\" }",
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (feed, answer, _conn) = stalled_upload(&fg, &a, &[]).await;
+    let resp = answer.await.unwrap().unwrap();
+    let code = resp
+        .headers()
+        .get("x-fencegate-error")
+        .map(|v| v.to_str().unwrap().to_owned());
+    eprintln!("the stalled upload got {} {code:?}", resp.status());
+    drop(feed);
+    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    let next = post(&fg, "/billing/x", &a, "another worker's request").await;
+    assert_eq!(
+        (next.status.as_u16(), view["breaker"]["state"].as_str()),
+        (200, Some("closed")),
+        "one worker's stalled upload opened the route's breaker: {view} {:?}",
+        next.error_code()
+    );
+    assert_eq!(origin.count(), 2);
+}
+
+/// HOLDS (liveness): the origin answers an upload early; the worker reads the
+/// whole answer and then stalls its upload with the connection open. The route
+/// (`max_in_flight = 1`) is full meanwhile, but the slot comes back on its own
+/// (observed ~10 s here, from fencegate's worker-connection idle handling).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_stalled_upload_after_an_early_answer_frees_the_route_eventually() {
+    let (origin, fg) = billing_route(
+        60_000,
+        "derive_key = \"none\"\ntimeout_ms = 300\nmax_in_flight = 1",
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (feed, answer, _conn) = stalled_upload(&fg, &a, &[("x-test-answer-early", "1")]).await;
+    let resp = answer.await.unwrap().unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.into_body().collect().await.unwrap().to_bytes(),
+        "accepted"
+    );
+    let refused = post(&fg, "/billing/x", &a, "B").await;
+    refused.assert_error(503, "upstream_held");
+    eventually("the stalled exchange to give its slot back", || async {
+        held_route_view(&fg.admin_json("/v1/routes").await)["in_flight"] == 0
+    })
+    .await;
+    drop(feed);
+    assert_eq!(origin.count(), 1);
+}

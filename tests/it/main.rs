@@ -29,4 +29,5 @@ mod review;
 mod review2;
 mod review_batch;
 mod review_own;
+mod review_protect;
 mod startup;

@@ -372,3 +372,54 @@ async fn holds_a_stalled_upload_after_an_early_answer_frees_the_route_eventually
     drop(feed);
     assert_eq!(origin.count(), 1);
 }
+
+/// FINDING 6 (priority 3, breaker decided by a stale result). breaker.rs says
+/// "results of requests let through while closed that end after the breaker
+/// opened are ignored: only the probe decides" — but only while it is open or
+/// half-open. A slow request S let through while closed, failing *after* a probe
+/// has closed the breaker again, is counted against the new closed run
+/// (`(Entry::Normal, Inner::Closed)`; no generation check): with `failures = 1`
+/// it reopens the breaker at once, although the probe just succeeded.
+/// Expected: S's late 500 is ignored; the breaker stays closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_result_from_before_the_breaker_opened_reopens_it_after_the_probe_closed_it() {
+    let (origin, fg) = billing_route(
+        60_000,
+        "timeout_ms = 60000\nbreaker = { failures = 1, cool_down = \"1s\" }",
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let url = fg.url("/billing/x");
+    let slow = tokio::spawn(try_send(
+        worker_req(&url, a.epoch.get(), &a.token)
+            .header("x-test-hold", "slow")
+            .header("x-test-status", "500")
+            .body(body("S"))
+            .unwrap(),
+    ));
+    origin.wait_for(1).await;
+    let r = send(
+        worker_req(&url, a.epoch.get(), &a.token)
+            .header("x-test-status", "500")
+            .body(body("F"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    eventually("half-open", || async {
+        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"] == "half_open"
+    })
+    .await;
+    assert_eq!(post(&fg, "/billing/x", &a, "probe").await.status, 200);
+    assert_eq!(
+        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"],
+        "closed"
+    );
+    origin.release("slow");
+    assert_eq!(slow.await.unwrap().unwrap().status, 500);
+    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    assert_eq!(
+        view["breaker"]["state"], "closed",
+        "S, let through before the breaker opened, reopened it: {view}"
+    );
+}

@@ -423,3 +423,40 @@ async fn finding_a_result_from_before_the_breaker_opened_reopens_it_after_the_pr
         "S, let through before the breaker opened, reopened it: {view}"
     );
 }
+
+/// FINDING 7 (priority 3, a panic on the request path from a config check-config
+/// accepts). `breaker.cool_down = "300000000000y"` passes validation (only zero
+/// is refused), and the first upstream failure panics in `Breaker::open`
+/// (`now + cool_down` overflows `Instant`): the worker gets no answer at all
+/// (the destination's 500 is lost), the request's dedup record is left
+/// `in_flight` (priority 1: the key blocked until a restart makes it in doubt),
+/// and the breaker mutex is poisoned. SPEC: bad input never crashes fencegate. Expected: the key refused at validation (or
+/// saturated), the 500 passed back and the breaker open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_huge_cool_down_panics_on_the_first_failure() {
+    let (_origin, fg) = billing_route(
+        60_000,
+        "breaker = { failures = 1, cool_down = \"300000000000y\" }",
+    )
+    .await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let r = try_send(
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
+            .header("idempotency-key", "k")
+            .header("x-test-status", "500")
+            .body(body("F"))
+            .unwrap(),
+    )
+    .await;
+    let record = fg.admin_json("/v1/dedup/billing/k").await;
+    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    assert_eq!(
+        (
+            r.as_ref().map(|r| r.status.as_u16()).ok(),
+            record["state"].as_str(),
+            view["breaker"]["state"].as_str()
+        ),
+        (Some(500), Some("done"), Some("open")),
+        "{r:?} {record} {view}"
+    );
+}

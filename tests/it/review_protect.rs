@@ -154,3 +154,40 @@ async fn holds_a_reload_lowering_max_in_flight_under_load() {
     assert_eq!(s.origin.count(), 3);
     assert!(s.origin.max_concurrent() <= 2);
 }
+
+async fn metric(fg: &Fencegate, exact: &str) -> f64 {
+    let r = send(
+        Request::get(fg.admin_url("/metrics"))
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    String::from_utf8_lossy(&r.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// FINDING 8 (priority 3, metrics). `fencegate_route_breaker_opened_total` is a
+/// Prometheus counter ("times it opened"), but a reload that changes any breaker
+/// key replaces the `Breaker` (`opened` back to 0), so the counter goes down
+/// without a restart (the same for `fencegate_upstream_held_total` and
+/// `/v1/routes` `refused`, documented "since start-up", when a reload changes
+/// the route's upstream: a fresh `Guard`). Expected: the count survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_reload_of_the_breaker_resets_a_counter() {
+    let s = setup("breaker = { failures = 1, cool_down = \"1s\" }").await;
+    let r = send(req(&s, "f", &[("x-test-status", "500")])).await;
+    assert_eq!(r.status, 500);
+    let name = "fencegate_route_breaker_opened_total{route=\"billing\"}";
+    assert_eq!(metric(&s.fg, name).await, 1.0);
+    reload(&s, |t| {
+        t.replace("cool_down = \"1s\"", "cool_down = \"2s\"")
+    })
+    .await;
+    assert_eq!(
+        metric(&s.fg, name).await,
+        1.0,
+        "a counter went down on a reload"
+    );
+}

@@ -444,7 +444,9 @@ impl Proxy {
         let abandoned = self.abandon.is_cancelled();
         // A streamed request body that did not arrive whole: the upstream got an
         // incomplete request and cannot have acted on it.
-        let upload_end = upload.map_or(UploadEnd::Complete, |u| u.get());
+        let upload_end = upload.as_ref().map_or(UploadEnd::Complete, |u| u.get());
+        // A streamed body the upstream was waiting for: the worker stalled it.
+        let stalled = upload.is_some_and(|u| u.stalled_by_worker());
         let sent = match e {
             UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
             _ => Sent::Maybe,
@@ -468,9 +470,16 @@ impl Proxy {
         // a timed-out poll ended a drain while the destination still executed it).
         let incomplete = matches!(upload_end, UploadEnd::TooLarge | UploadEnd::ClientFailed);
         // The breaker counts what the upstream is to blame for: no connection, no
-        // answer in time, a reset — not a drain abort, shutdown or the worker's body.
-        protect.failed(!aborted && !abandoned && !incomplete);
-        if matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete {
+        // answer in time, a reset — not a drain abort, shutdown or the worker's body
+        // (cut off, or stalled while the upstream waited for it).
+        // A request that lingers keeps its `max_in_flight` slot too (SPEC §7 "as
+        // in §5"): for the drain timeout, as a drain counts it.
+        let lingers = matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete;
+        protect.failed(
+            !aborted && !abandoned && !incomplete && !stalled,
+            lingers.then_some(route.drain_timeout),
+        );
+        if lingers {
             pass.linger();
         } else {
             drop(pass);

@@ -1,7 +1,7 @@
 //! REVIEW (branch `review-protect`): adversarial tests of route protection
-//! (issue 29 §3, SPEC §7 `upstream_held`). Tests named `finding_*` expose a bug
-//! and FAIL on the code they were written against; `holds_*` are attacks that
-//! the code withstood.
+//! (issue 29 §3, SPEC §7 `upstream_held`). The findings' tests (once
+//! `finding_*`) are named after the rule that now holds; `holds_*` are attacks
+//! that the code withstood.
 
 use std::time::Duration;
 
@@ -16,7 +16,8 @@ fn held_route_view(v: &serde_json::Value) -> serde_json::Value {
     v["routes"][0].clone()
 }
 
-/// FINDING 1 (priority 1, over the limit at the destination). SPEC §7 says a
+/// FINDING 1, fixed (priority 1, over the limit at the destination): a request
+/// whose outcome is unknown keeps its slot for the drain timeout. SPEC §7 says a
 /// request counts toward `max_in_flight` "as in §5", and §5 says a request whose
 /// outcome is unknown (timed out) *keeps counting*: the destination may still be
 /// executing it. But `Ticket` drops its slot on the failure path at once, while
@@ -25,7 +26,7 @@ fn held_route_view(v: &serde_json::Value) -> serde_json::Value {
 /// at once. Expected: B refused 503 `upstream_held` (`in_flight_limit`) until A's
 /// exchange is over or its drain timeout passed; nothing of B at the origin.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_timed_out_request_gives_back_its_slot_while_the_origin_still_runs_it() {
+async fn a_timed_out_request_keeps_its_slot_while_the_origin_may_still_run_it() {
     let (origin, fg) = billing_route(
         60_000,
         "timeout_ms = 300\ndrain_timeout_ms = 60000\nmax_in_flight = 1",
@@ -60,7 +61,8 @@ fn keyed_hold(
         .unwrap()
 }
 
-/// FINDING 2 (priority 3, wrong answer). A's key `k` is `in_flight` (A holds the
+/// FINDING 2, fixed (priority 3, wrong answer): the message says only that
+/// nothing of this request was forwarded or recorded. A's key `k` is `in_flight` (A holds the
 /// route's only slot at the origin). Its concurrent retry with the same key is
 /// refused `upstream_held`, whose message tells the worker "the idempotency key,
 /// if any, is free" — it is not: it is in flight (SPEC §6 would answer 409
@@ -68,7 +70,7 @@ fn keyed_hold(
 /// reuses the key acts on a falsehood. Expected: no claim that the key is free
 /// (or the §6 answer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_upstream_held_tells_a_retry_its_in_flight_key_is_free() {
+async fn upstream_held_never_calls_an_in_flight_key_free() {
     let (origin, fg) = billing_route(60_000, "max_in_flight = 1").await;
     let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
     let first = tokio::spawn(try_send(keyed_hold(&fg, &a, "k", "h")));
@@ -308,7 +310,9 @@ async fn stalled_upload(
     (feed, answer, conn)
 }
 
-/// FINDING 3 (priority 2/3, the breaker blames the upstream for the worker). A
+/// FINDING 3, fixed (priority 2/3, the breaker blamed the upstream for the
+/// worker): an upload waiting on the worker's bytes when the exchange fails is
+/// not the upstream's failure. A
 /// worker streams an upload and stalls midway (its connection open, no error).
 /// The origin, still waiting for the body, does not answer; the route's timeout
 /// ends the exchange as `upstream_timeout` and the breaker counts it as the
@@ -318,7 +322,7 @@ async fn stalled_upload(
 /// cool-down. SPEC §7: "the worker's own body failing is not" a failure.
 /// Expected: the next request is forwarded (breaker closed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_worker_stalling_its_upload_opens_the_breaker() {
+async fn a_worker_stalling_its_upload_does_not_open_the_breaker() {
     let (origin, fg) = billing_route(
         60_000,
         "derive_key = \"none\"\ntimeout_ms = 300\nbreaker = { failures = 1, cool_down = \"10m\" }",
@@ -373,7 +377,8 @@ async fn holds_a_stalled_upload_after_an_early_answer_frees_the_route_eventually
     assert_eq!(origin.count(), 1);
 }
 
-/// FINDING 6 (priority 3, breaker decided by a stale result). breaker.rs says
+/// FINDING 6, fixed (priority 3, breaker decided by a stale result): each
+/// closed run is numbered and counts only requests it let through. breaker.rs says
 /// "results of requests let through while closed that end after the breaker
 /// opened are ignored: only the probe decides" — but only while it is open or
 /// half-open. A slow request S let through while closed, failing *after* a probe
@@ -382,7 +387,7 @@ async fn holds_a_stalled_upload_after_an_early_answer_frees_the_route_eventually
 /// it reopens the breaker at once, although the probe just succeeded.
 /// Expected: S's late 500 is ignored; the breaker stays closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_result_from_before_the_breaker_opened_reopens_it_after_the_probe_closed_it() {
+async fn a_result_from_before_the_breaker_opened_is_ignored_after_the_probe_closed_it() {
     let (origin, fg) = billing_route(
         60_000,
         "timeout_ms = 60000\nbreaker = { failures = 1, cool_down = \"1s\" }",
@@ -424,21 +429,29 @@ async fn finding_a_result_from_before_the_breaker_opened_reopens_it_after_the_pr
     );
 }
 
-/// FINDING 7 (priority 3, a panic on the request path from a config check-config
-/// accepts). `breaker.cool_down = "300000000000y"` passes validation (only zero
-/// is refused), and the first upstream failure panics in `Breaker::open`
-/// (`now + cool_down` overflows `Instant`): the worker gets no answer at all
-/// (the destination's 500 is lost), the request's dedup record is left
-/// `in_flight` (priority 1: the key blocked until a restart makes it in doubt),
-/// and the breaker mutex is poisoned. SPEC: bad input never crashes fencegate. Expected: the key refused at validation (or
-/// saturated), the 500 passed back and the breaker open.
+/// FINDING 7, fixed (priority 3, a panic on the request path from a config
+/// check-config accepted). `breaker.cool_down = "300000000000y"` passed
+/// validation, and the first upstream failure panicked in `Breaker::open`
+/// (`now + cool_down` overflowed `Instant`): no answer, the key left
+/// `in_flight`, the breaker mutex poisoned. Now the protection durations are
+/// bounded at validation (at most "1d"; `Breaker::open` and a hold saturate as
+/// well, unit-tested in `src/protect`), and at the bound the 500 is passed back,
+/// the key is `done` and the breaker open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_huge_cool_down_panics_on_the_first_failure() {
-    let (_origin, fg) = billing_route(
-        60_000,
+async fn a_huge_cool_down_is_refused_and_the_largest_allowed_opens_the_breaker() {
+    let base =
+        "[[route]]\nname = \"r\"\npath_prefix = \"/r/\"\nupstream = \"http://u/\"\nlease = \"l\"\n";
+    for extra in [
         "breaker = { failures = 1, cool_down = \"300000000000y\" }",
-    )
-    .await;
+        "max_retry_after = \"300000000000y\"",
+    ] {
+        let e = fencegate::config::Config::parse(&format!("{base}{extra}\n"))
+            .and_then(|c| c.validate())
+            .unwrap_err();
+        assert!(e.contains("at most \"1d\""), "{extra}: {e}");
+    }
+    let (_origin, fg) =
+        billing_route(60_000, "breaker = { failures = 1, cool_down = \"1d\" }").await;
     let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
     let r = try_send(
         worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)

@@ -1,6 +1,7 @@
 //! REVIEW (branch `review-protect`): adversarial tests of route protection
 //! against a real fencegate process (issue 29 §3, SPEC §7 `upstream_held`).
-//! `finding_*` FAIL on the code they were written against; `holds_*` pass.
+//! The findings' tests (once `finding_*`) are named after the rule that now
+//! holds; `holds_*` are attacks the code withstood.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,7 +79,8 @@ async fn reload(s: &Setup, edit: impl FnOnce(String) -> String) {
     .await;
 }
 
-/// FINDING 5 (priority 2, a hold longer than configured). A `Ticket` keeps the
+/// FINDING 5, fixed (priority 2, a hold longer than configured): a request
+/// reports under the route's current keys. A `Ticket` keeps the
 /// settings of its admission: a request in flight across a reload that lowers
 /// `max_retry_after` to 2 s still sets a hold capped by the *old* 5 min when its
 /// 503 `Retry-After: 300` comes back. The route then refuses for ~300 s while
@@ -87,7 +89,7 @@ async fn reload(s: &Setup, edit: impl FnOnce(String) -> String) {
 /// `honor_retry_after = false` (not enforced, but shown as `held_for_ms`, and
 /// enforced again if honouring is turned back on). Expected: Retry-After ≤ 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_request_in_flight_across_a_reload_holds_past_the_new_max_retry_after() {
+async fn a_request_in_flight_across_a_reload_holds_no_longer_than_the_new_max_retry_after() {
     let s = Arc::new(setup("").await);
     let asked = tokio::spawn(try_send(req(
         &s,
@@ -168,21 +170,27 @@ async fn metric(fg: &Fencegate, exact: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// FINDING 8 (priority 3, metrics). `fencegate_route_breaker_opened_total` is a
+/// FINDING 8, fixed (priority 3, metrics): the counters are shared by a
+/// route's successive guards. `fencegate_route_breaker_opened_total` is a
 /// Prometheus counter ("times it opened"), but a reload that changes any breaker
 /// key replaces the `Breaker` (`opened` back to 0), so the counter goes down
 /// without a restart (the same for `fencegate_upstream_held_total` and
 /// `/v1/routes` `refused`, documented "since start-up", when a reload changes
 /// the route's upstream: a fresh `Guard`). Expected: the count survives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_reload_of_the_breaker_resets_a_counter() {
-    let s = setup("breaker = { failures = 1, cool_down = \"1s\" }").await;
+async fn a_reload_of_the_breaker_or_upstream_keeps_the_counters() {
+    let s = setup("breaker = { failures = 1, cool_down = \"1m\" }").await;
     let r = send(req(&s, "f", &[("x-test-status", "500")])).await;
     assert_eq!(r.status, 500);
+    send(req(&s, "g", &[]))
+        .await
+        .assert_error(503, "upstream_held");
     let name = "fencegate_route_breaker_opened_total{route=\"billing\"}";
+    let held = "fencegate_upstream_held_total{route=\"billing\",reason=\"breaker_open\"}";
     assert_eq!(metric(&s.fg, name).await, 1.0);
+    assert_eq!(metric(&s.fg, held).await, 1.0);
     reload(&s, |t| {
-        t.replace("cool_down = \"1s\"", "cool_down = \"2s\"")
+        t.replace("cool_down = \"1m\"", "cool_down = \"2m\"")
     })
     .await;
     assert_eq!(
@@ -190,4 +198,12 @@ async fn finding_a_reload_of_the_breaker_resets_a_counter() {
         1.0,
         "a counter went down on a reload"
     );
+    // A new upstream (another base path): a fresh state, the same counters.
+    reload(&s, |t| t.replace("/v1/", "/v2/")).await;
+    assert_eq!(
+        (metric(&s.fg, name).await, metric(&s.fg, held).await),
+        (1.0, 1.0),
+        "a counter went down on a reload changing the upstream"
+    );
+    assert_eq!(s.origin.count(), 1);
 }

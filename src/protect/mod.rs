@@ -496,4 +496,91 @@ mod tests {
         g.reconfigured(&s, &off);
         assert!(g.enter(&s).is_ok());
     }
+
+    #[test]
+    fn a_ticket_reports_under_the_keys_of_a_reload_since_its_admission() {
+        let s = settings();
+        let g = Arc::new(Guard::new(&s));
+        let mut h = HeaderMap::new();
+        h.insert(http::header::RETRY_AFTER, "300".parse().unwrap());
+        let t = g.enter(&s).unwrap();
+        let short = Settings {
+            max_retry_after: Duration::from_secs(2),
+            ..s
+        };
+        g.reconfigured(&s, &short);
+        drop(t.answered(StatusCode::SERVICE_UNAVAILABLE, &h, || {
+            SystemTime::UNIX_EPOCH
+        }));
+        let r = g.enter(&short).unwrap_err();
+        assert!(r.retry_after_secs <= 2, "{r:?}");
+        // Not honoured any more: an answer in flight across the reload holds nothing.
+        let off = Settings {
+            honor_retry_after: false,
+            ..short
+        };
+        g.reconfigured(&short, &off);
+        let t = g.enter(&off).unwrap();
+        drop(t.answered(StatusCode::SERVICE_UNAVAILABLE, &h, || {
+            SystemTime::UNIX_EPOCH
+        }));
+        assert_eq!(g.view(&off, Instant::now()).held_for, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unknown_outcome_keeps_its_slot_for_the_drain_timeout() {
+        let mut s = settings();
+        s.max_in_flight = Some(1);
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s)
+            .unwrap()
+            .failed(true, Some(Duration::from_secs(5)));
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::InFlightLimit { limit: 1 });
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        // A failure known to have left nothing running gives its slot back at once.
+        g.enter(&s).unwrap().failed(true, None);
+        assert!(g.enter(&s).is_ok());
+    }
+
+    #[test]
+    fn counters_go_on_across_a_fresh_guard_and_a_breaker_reset() {
+        let cfg = BreakerConfig {
+            failures: 1,
+            window: Duration::from_secs(10),
+            cool_down: Duration::from_secs(60),
+        };
+        let s = Settings {
+            breaker: Some(cfg),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s).unwrap().failed(true, None);
+        assert_eq!(g.enter(&s).unwrap_err().reason, Reason::BreakerOpen);
+        let longer = Settings {
+            breaker: Some(BreakerConfig {
+                cool_down: Duration::from_secs(120),
+                ..cfg
+            }),
+            ..s
+        };
+        g.reconfigured(&s, &longer);
+        let v = g.view(&longer, Instant::now());
+        let b = v.breaker.unwrap();
+        assert_eq!(
+            (b.state, b.opened, v.refused),
+            (BreakerState::Closed, 1, [0, 0, 1])
+        );
+        let fresh = Guard::continuing(&g, &longer);
+        let v = fresh.view(&longer, Instant::now());
+        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1]));
+    }
+
+    #[test]
+    fn a_huge_hold_saturates() {
+        let g = Arc::new(Guard::new(&settings()));
+        g.hold(Instant::now(), Duration::MAX);
+        let r = g.enter(&settings()).unwrap_err();
+        assert_eq!(r.reason, Reason::RetryAfter);
+    }
 }

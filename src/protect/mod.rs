@@ -408,6 +408,25 @@ impl Ticket {
             slot.linger(d);
         }
     }
+
+    /// Stopped by fencegate (a drain abort) after it may have been sent: not a
+    /// result, but a probe may still be running at the destination, so it stays
+    /// out for `d` (the drain timeout) before the next request may probe. Outside
+    /// a runtime it goes back at once.
+    pub fn cut_off(mut self, d: Duration) {
+        let Some(entry @ Entry::Probe(_)) = self.entry else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        self.entry = None;
+        let guard = self.guard.clone();
+        rt.spawn(async move {
+            tokio::time::sleep(d).await;
+            guard.lock_breaker().breaker.probe_unused(entry);
+        });
+    }
 }
 
 impl Drop for Ticket {
@@ -582,5 +601,28 @@ mod tests {
         g.hold(Instant::now(), Duration::MAX);
         let r = g.enter(&settings()).unwrap_err();
         assert_eq!(r.reason, Reason::RetryAfter);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_cut_off_by_a_drain_abort_stays_out_for_the_drain_timeout() {
+        let s = Settings {
+            breaker: Some(BreakerConfig {
+                failures: 1,
+                window: Duration::from_secs(10),
+                cool_down: Duration::from_secs(1),
+            }),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s).unwrap().failed(true, None);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        g.enter(&s).unwrap().cut_off(Duration::from_secs(5));
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!((r.reason, r.retry_after_secs), (Reason::BreakerOpen, 1));
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let probe = g.enter(&s).unwrap();
+        drop(probe.answered(StatusCode::OK, &HeaderMap::new(), || SystemTime::UNIX_EPOCH));
+        let b = g.view(&s, Instant::now()).breaker.unwrap();
+        assert_eq!(b.state, BreakerState::Closed);
     }
 }

@@ -475,10 +475,16 @@ impl Proxy {
         // A request that lingers keeps its `max_in_flight` slot too (SPEC §7 "as
         // in §5"): for the drain timeout, as a drain counts it.
         let lingers = matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete;
-        protect.failed(
-            !aborted && !abandoned && !incomplete && !stalled,
-            lingers.then_some(route.drain_timeout),
-        );
+        if aborted && !incomplete && matches!(sent, Sent::Maybe) {
+            // Cut off by a drain abort, perhaps still running at the destination:
+            // a probe stays out for a drain timeout (no second probe beside it).
+            protect.cut_off(route.drain_timeout);
+        } else {
+            protect.failed(
+                !aborted && !abandoned && !incomplete && !stalled,
+                lingers.then_some(route.drain_timeout),
+            );
+        }
         if lingers {
             pass.linger();
         } else {
@@ -590,13 +596,14 @@ impl Proxy {
         .await
         .inspect(|resp| {
             // The owner is handing the shard over (or lost it): look again now —
-            // not when it refused to protect the destination (SPEC §9), which
-            // says nothing of the shard and may go on for a while.
-            let held = resp
+            // only on its own 503 (with an error code), and not when it refused
+            // to protect the destination (SPEC §9) or passed on the
+            // destination's 503: neither says anything of the shard.
+            let owners = resp
                 .headers()
                 .get(crate::error::ERROR_HEADER)
-                .is_some_and(|c| c == "upstream_held");
-            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && !held {
+                .is_some_and(|c| c != "upstream_held");
+            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && owners {
                 cluster.nudge();
             }
         })

@@ -5,15 +5,19 @@
 //!
 //! Each is a refusal *before* forwarding, decided after admission and before the
 //! dedup claim (`proxy`): a refused request forwards nothing and records nothing,
-//! so a worker's key stays free and no rule of SPEC §4–§6 changes. A request let
-//! through holds a [`Ticket`]; its answer (or failure) is reported back, and its
-//! [`Slot`] counts it in flight until its exchange with the upstream is over at
-//! both ends (the same span a drain waits for, SPEC §5).
+//! so a worker's key stays as it was and no rule of SPEC §4–§6 changes. A request
+//! let through holds a [`Ticket`]; its answer (or failure) is reported back under
+//! the route's keys at that time, and its [`Slot`] counts it in flight until its
+//! exchange with the upstream is over at both ends (the same span a drain waits
+//! for, SPEC §5; an unknown outcome lingers for the drain timeout).
 //!
 //! The state ([`Guard`]) is per route and kept across a reload while the route's
 //! name and upstream stay the same (`RouteTable::carry_over`): a reload does not
 //! forget a destination that asked for quiet, nor release requests it has. It is
 //! this instance's: in a cluster each shard's owner keeps its own.
+//!
+//! Durations are bounded by config validation and every instant computed here
+//! saturates: no key makes the request path panic.
 
 pub mod breaker;
 pub mod retry_after;

@@ -513,8 +513,8 @@ impl ProxyError {
                 doubt.next_step()
             ),
             E::UpstreamHeld { refused, .. } => format!(
-                "This request was neither forwarded nor recorded (its idempotency key's \
-                 record, if any, is as it was before it): send it again after Retry-After ({} s)",
+                "Nothing was forwarded and nothing recorded for this request (its idempotency \
+                 key, if any, is as it was before it): send it again after Retry-After ({} s)",
                 refused.retry_after_secs
             ),
         })

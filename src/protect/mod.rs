@@ -629,4 +629,25 @@ mod tests {
         let b = g.view(&s, Instant::now()).breaker.unwrap();
         assert_eq!(b.state, BreakerState::Closed);
     }
+
+    #[test]
+    fn a_full_route_with_an_open_breaker_says_breaker_open_with_the_cool_down() {
+        let s = Settings {
+            breaker: Some(BreakerConfig {
+                failures: 1,
+                window: Duration::from_secs(10),
+                cool_down: Duration::from_secs(60),
+            }),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        let _a = g.enter(&s).unwrap();
+        let b = g.enter(&s).unwrap();
+        let _b = b.answered(StatusCode::INTERNAL_SERVER_ERROR, &HeaderMap::new(), || {
+            SystemTime::UNIX_EPOCH
+        });
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::BreakerOpen);
+        assert!((59..=60).contains(&r.retry_after_secs), "{r:?}");
+    }
 }

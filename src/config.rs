@@ -11,6 +11,10 @@ use serde::Deserialize;
 
 use crate::epoch::LeaseName;
 
+/// The longest `max_retry_after`, `breaker.window` and `breaker.cool_down`
+/// (SPEC §9): one day.
+pub const MAX_PROTECT_DURATION: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// Why a configuration could not be loaded; reported before any port is bound.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -632,6 +636,8 @@ impl RouteConfig {
     }
 
     /// The keys that protect the destination (SPEC §9), each error naming its key.
+    /// Durations are bounded ([`MAX_PROTECT_DURATION`]): an instant that far
+    /// ahead must stay representable (a huge `cool_down` once panicked).
     fn validate_protection(&self) -> Result<(), String> {
         let name = &self.name;
         if self.max_in_flight == Some(0) {
@@ -644,6 +650,11 @@ impl RouteConfig {
                 "route {name:?}: max_retry_after must be positive (honor_retry_after = false turns holding off)"
             ));
         }
+        if self.max_retry_after > MAX_PROTECT_DURATION {
+            return Err(format!(
+                "route {name:?}: max_retry_after must be at most \"1d\""
+            ));
+        }
         if let Some(b) = &self.breaker {
             if b.failures == 0 {
                 return Err(format!(
@@ -653,6 +664,11 @@ impl RouteConfig {
             if b.window.is_zero() || b.cool_down.is_zero() {
                 return Err(format!(
                     "route {name:?}: breaker.window and breaker.cool_down must be positive"
+                ));
+            }
+            if b.window > MAX_PROTECT_DURATION || b.cool_down > MAX_PROTECT_DURATION {
+                return Err(format!(
+                    "route {name:?}: breaker.window and breaker.cool_down must be at most \"1d\""
                 ));
             }
         }
@@ -1434,6 +1450,18 @@ mod tests {
             (
                 "breaker = { cool_down = 0 }",
                 "breaker.window and breaker.cool_down",
+            ),
+            (
+                "max_retry_after = \"25h\"",
+                "max_retry_after must be at most",
+            ),
+            (
+                "breaker = { cool_down = \"300000000000y\" }",
+                "breaker.window and breaker.cool_down must be at most",
+            ),
+            (
+                "breaker = { window = \"2d\" }",
+                "breaker.window and breaker.cool_down must be at most",
             ),
         ] {
             let e = Config::parse(&format!("{base}{extra}\n"))

@@ -526,8 +526,8 @@ impl ProxyError {
                 doubt.next_step()
             ),
             E::UpstreamHeld { refused, .. } => format!(
-                "Nothing was forwarded and the idempotency key, if any, is free: send it again \
-                 after Retry-After ({} s)",
+                "Nothing was forwarded and nothing recorded for this request (its idempotency \
+                 key, if any, is as it was before it): send it again after Retry-After ({} s)",
                 refused.retry_after_secs
             ),
         })

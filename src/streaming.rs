@@ -52,13 +52,17 @@ pub enum UploadEnd {
 /// Shared between an [`Upload`] (owned by the upstream connection) and the
 /// request that sent it.
 #[derive(Debug, Default)]
-pub struct UploadState(AtomicU8);
+pub struct UploadState {
+    end: AtomicU8,
+    /// The upstream connection last asked for more and the worker had none yet.
+    awaiting_worker: std::sync::atomic::AtomicBool,
+}
 
 impl UploadState {
     /// How the upload ended, read after the exchange to tell the worker's fault from
     /// the upstream's.
     pub fn get(&self) -> UploadEnd {
-        match self.0.load(Ordering::SeqCst) {
+        match self.end.load(Ordering::SeqCst) {
             1 => UploadEnd::Complete,
             2 => UploadEnd::TooLarge,
             3 => UploadEnd::ClientFailed,
@@ -73,7 +77,14 @@ impl UploadState {
             UploadEnd::TooLarge => 2,
             UploadEnd::ClientFailed => 3,
         };
-        self.0.store(v, Ordering::SeqCst);
+        self.end.store(v, Ordering::SeqCst);
+    }
+
+    /// Still being sent, and waiting for the worker's next bytes (not for the
+    /// upstream to read them): an exchange that fails so was stalled by the
+    /// worker, which the breaker does not count against the upstream (SPEC §7).
+    pub fn stalled_by_worker(&self) -> bool {
+        self.get() == UploadEnd::Sending && self.awaiting_worker.load(Ordering::SeqCst)
     }
 }
 
@@ -114,7 +125,11 @@ impl Body for Upload {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        match Pin::new(&mut this.body).poll_frame(cx) {
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        this.state
+            .awaiting_worker
+            .store(polled.is_pending(), Ordering::SeqCst);
+        match polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(d) = frame.data_ref() {
                     this.seen += d.len() as u64;

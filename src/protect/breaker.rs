@@ -3,7 +3,8 @@
 //! failures within `window` → open for `cool_down` → half-open, where exactly one
 //! request (the probe) is let through → closed on its success, open again on its
 //! failure. Results of requests let through while closed that end after the
-//! breaker opened are ignored: only the probe decides.
+//! breaker opened (or was reset by a reload) are ignored, even once it has closed
+//! again: only the probe decides, and a closed run counts only its own requests.
 
 use std::collections::VecDeque;
 
@@ -36,8 +37,9 @@ impl BreakerState {
 /// What a request may do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Entry {
-    /// Forward it; its result counts while the breaker is closed.
-    Normal,
+    /// Forward it; its result counts while the breaker is still in the closed
+    /// run (numbered so) that let it through.
+    Normal(u64),
     /// Forward it as the probe numbered so (its result closes or reopens).
     Probe(u64),
     /// Refuse it; the breaker is open until then (`None`: a probe is out).
@@ -50,8 +52,9 @@ pub struct Breaker {
     state: Inner,
     /// Probes handed out so far: a result from an older one is ignored.
     probes: u64,
-    /// Times it opened since start-up (or since it was configured).
-    pub opened: u64,
+    /// Closed runs so far (each open or reset ends one): a result of a request
+    /// let through by an earlier run is ignored.
+    run: u64,
 }
 
 #[derive(Debug)]
@@ -71,7 +74,7 @@ impl Default for Breaker {
         Breaker {
             state: Inner::Closed(VecDeque::new()),
             probes: 0,
-            opened: 0,
+            run: 0,
         }
     }
 }
@@ -105,7 +108,7 @@ impl Breaker {
     /// Whether a request may go now; a half-open breaker hands out one probe.
     pub fn enter(&mut self, now: Instant) -> Entry {
         match &mut self.state {
-            Inner::Closed(_) => Entry::Normal,
+            Inner::Closed(_) => Entry::Normal(self.run),
             Inner::Open { until } if now < *until => Entry::Refused(Some(*until)),
             Inner::HalfOpen { probe_out: true } => Entry::Refused(None),
             Inner::Open { .. } | Inner::HalfOpen { probe_out: false } => {
@@ -116,13 +119,15 @@ impl Breaker {
         }
     }
 
-    /// A request's result: `ok` is false for an upstream failure.
-    pub fn record(&mut self, entry: Entry, ok: bool, now: Instant, cfg: &BreakerConfig) {
+    /// A request's result: `ok` is false for an upstream failure. Says whether
+    /// it opened the breaker (for the `opened` counter, kept by the caller).
+    #[must_use]
+    pub fn record(&mut self, entry: Entry, ok: bool, now: Instant, cfg: &BreakerConfig) -> bool {
         match (entry, &mut self.state) {
-            (Entry::Normal, Inner::Closed(run)) => {
+            (Entry::Normal(r), Inner::Closed(run)) if r == self.run => {
                 if ok {
                     run.clear();
-                    return;
+                    return false;
                 }
                 run.push_back(now);
                 while run.len() > cfg.failures as usize {
@@ -137,17 +142,28 @@ impl Breaker {
                 }
                 if run.len() >= cfg.failures as usize {
                     self.open(now, cfg);
+                    return true;
                 }
+                false
             }
             (Entry::Probe(n), Inner::HalfOpen { .. }) if n == self.probes => {
                 if ok {
                     self.state = Inner::Closed(VecDeque::new());
+                    false
                 } else {
                     self.open(now, cfg);
+                    true
                 }
             }
-            _ => {}
+            _ => false,
         }
+    }
+
+    /// Its settings changed (a reload): closed, as new, but results of requests
+    /// let through before are ignored and probe numbers go on.
+    pub fn reset(&mut self) {
+        self.state = Inner::Closed(VecDeque::new());
+        self.run += 1;
     }
 
     /// A probe that ended without a result (not forwarded after all, or stopped
@@ -160,13 +176,20 @@ impl Breaker {
         }
     }
 
+    /// Opens it for `cool_down`: a cool-down past what an `Instant` can hold
+    /// (config validation bounds it; this never panics) is open "for ever".
     fn open(&mut self, now: Instant, cfg: &BreakerConfig) {
-        self.state = Inner::Open {
-            until: now + cfg.cool_down,
-        };
-        self.opened += 1;
+        let until = now
+            .checked_add(cfg.cool_down)
+            .or_else(|| now.checked_add(FAR))
+            .unwrap_or(now);
+        self.state = Inner::Open { until };
+        self.run += 1;
     }
 }
+
+/// "For ever" for an instant: a century.
+const FAR: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
 
 #[cfg(test)]
 mod tests {
@@ -183,8 +206,8 @@ mod tests {
 
     fn fail(b: &mut Breaker, now: Instant) {
         let e = b.enter(now);
-        assert_eq!(e, Entry::Normal);
-        b.record(e, false, now, &cfg());
+        assert!(matches!(e, Entry::Normal(_)));
+        let _ = b.record(e, false, now, &cfg());
     }
 
     #[test]
@@ -195,7 +218,7 @@ mod tests {
         fail(&mut b, t0);
         fail(&mut b, t0 + s);
         // A success ends the run.
-        b.record(Entry::Normal, true, t0 + 2 * s, &cfg());
+        let _ = b.record(Entry::Normal(0), true, t0 + 2 * s, &cfg());
         fail(&mut b, t0 + 3 * s);
         fail(&mut b, t0 + 4 * s);
         // Too far apart: the first falls out of the window.
@@ -205,7 +228,6 @@ mod tests {
         fail(&mut b, t0 + 16 * s);
         fail(&mut b, t0 + 17 * s);
         assert_eq!(b.state(t0 + 17 * s), BreakerState::Open);
-        assert_eq!(b.opened, 1);
         assert_eq!(b.enter(t0 + 18 * s), Entry::Refused(Some(t0 + 22 * s)));
     }
 
@@ -223,12 +245,11 @@ mod tests {
         assert!(matches!(probe, Entry::Probe(_)));
         assert_eq!(b.enter(after), Entry::Refused(None), "one probe at a time");
         // A late result of a request let through before it opened: ignored.
-        b.record(Entry::Normal, true, after, &cfg());
+        assert!(!b.record(Entry::Normal(0), true, after, &cfg()));
         assert_eq!(b.state(after), BreakerState::HalfOpen);
         // The probe fails: open again for a cool-down.
-        b.record(probe, false, after, &cfg());
+        assert!(b.record(probe, false, after, &cfg()));
         assert_eq!(b.state(after), BreakerState::Open);
-        assert_eq!(b.opened, 2);
         let later = after + 5 * s;
         let probe = b.enter(later);
         // Not forwarded after all: the next request probes.
@@ -236,10 +257,35 @@ mod tests {
         let probe2 = b.enter(later);
         assert!(matches!(probe2, Entry::Probe(_)) && probe2 != probe);
         // The stale probe's result is ignored; the live one closes it.
-        b.record(probe, false, later, &cfg());
+        assert!(!b.record(probe, false, later, &cfg()));
         assert_eq!(b.state(later), BreakerState::HalfOpen);
-        b.record(probe2, true, later, &cfg());
+        assert!(!b.record(probe2, true, later, &cfg()));
         assert_eq!(b.state(later), BreakerState::Closed);
-        assert_eq!(b.enter(later), Entry::Normal);
+        let normal = b.enter(later);
+        assert!(matches!(normal, Entry::Normal(_)));
+        // A failure of a request let through before the breaker opened, ending
+        // after the probe closed it: not counted against the new run.
+        let mut one = cfg();
+        one.failures = 1;
+        assert!(!b.record(Entry::Normal(0), false, later, &one));
+        assert_eq!(b.state(later), BreakerState::Closed);
+        // A reset (a reload) ignores earlier requests too; probe numbers go on.
+        b.reset();
+        assert!(!b.record(normal, false, later, &one));
+        assert_eq!(b.state(later), BreakerState::Closed);
+    }
+
+    #[test]
+    fn a_cool_down_past_what_an_instant_holds_opens_without_panicking() {
+        let now = Instant::now();
+        let huge = BreakerConfig {
+            failures: 1,
+            window: Duration::from_secs(10),
+            cool_down: Duration::MAX,
+        };
+        let mut b = Breaker::default();
+        let e = b.enter(now);
+        assert!(b.record(e, false, now, &huge));
+        assert_eq!(b.state(now), BreakerState::Open);
     }
 }

@@ -5,15 +5,19 @@
 //!
 //! Each is a refusal *before* forwarding, decided after admission and before the
 //! dedup claim (`proxy`): a refused request forwards nothing and records nothing,
-//! so a worker's key stays free and no rule of SPEC §4–§6 changes. A request let
-//! through holds a [`Ticket`]; its answer (or failure) is reported back, and its
-//! [`Slot`] counts it in flight until its exchange with the upstream is over at
-//! both ends (the same span a drain waits for, SPEC §5).
+//! so a worker's key stays as it was and no rule of SPEC §4–§6 changes. A request
+//! let through holds a [`Ticket`]; its answer (or failure) is reported back under
+//! the route's keys at that time, and its [`Slot`] counts it in flight until its
+//! exchange with the upstream is over at both ends (the same span a drain waits
+//! for, SPEC §5; an unknown outcome lingers for the drain timeout).
 //!
 //! The state ([`Guard`]) is per route and kept across a reload while the route's
 //! name and upstream stay the same (`RouteTable::carry_over`): a reload does not
 //! forget a destination that asked for quiet, nor release requests it has. It is
 //! this instance's: in a cluster each shard's owner keeps its own.
+//!
+//! Durations are bounded by config validation and every instant computed here
+//! saturates: no key makes the request path panic.
 
 pub mod breaker;
 pub mod retry_after;
@@ -113,30 +117,74 @@ pub struct Guard {
     /// Held until `base` plus this many ms (0: not held). An atomic: a route
     /// without a breaker takes no lock per request.
     held_until_ms: AtomicU64,
+    /// The longest hold an answer sets now, in ms (0: `honor_retry_after` is
+    /// off). The route's current keys, not its requests' admission-time ones:
+    /// a request in flight across a reload holds no longer than the new keys say.
+    hold_cap_ms: AtomicU64,
     base: Instant,
-    breaker: Mutex<Breaker>,
-    refused: [AtomicU64; 3],
+    breaker: Mutex<BreakerCell>,
+    counts: Arc<Counts>,
 }
 
-impl Default for Guard {
-    fn default() -> Guard {
-        Guard {
-            in_flight: AtomicUsize::new(0),
-            held_until_ms: AtomicU64::new(0),
-            base: Instant::now(),
-            breaker: Mutex::new(Breaker::default()),
-            refused: Default::default(),
-        }
+/// The breaker and the settings it runs with now (a reload changes them).
+#[derive(Debug, Default)]
+struct BreakerCell {
+    breaker: Breaker,
+    cfg: Option<BreakerConfig>,
+}
+
+/// Counters since start-up: shared by the route's successive guards, so that a
+/// reload (even one changing the upstream) never makes one go down.
+#[derive(Debug, Default)]
+struct Counts {
+    refused: [AtomicU64; 3],
+    opened: AtomicU64,
+}
+
+/// "For ever" for a hold: a century (a longer one cannot be an `Instant`).
+const FAR: Duration = Duration::from_secs(100 * 365 * 86_400);
+
+fn cap_ms(s: &Settings) -> u64 {
+    if s.honor_retry_after {
+        u64::try_from(s.max_retry_after.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    } else {
+        0
     }
 }
 
 impl Guard {
+    /// A fresh state for a route with keys `s`.
+    pub fn new(s: &Settings) -> Guard {
+        Guard {
+            in_flight: AtomicUsize::new(0),
+            held_until_ms: AtomicU64::new(0),
+            hold_cap_ms: AtomicU64::new(cap_ms(s)),
+            base: Instant::now(),
+            breaker: Mutex::new(BreakerCell {
+                breaker: Breaker::default(),
+                cfg: s.breaker,
+            }),
+            counts: Arc::default(),
+        }
+    }
+
+    /// A fresh state (a route whose upstream changed) that goes on counting
+    /// where `old` is.
+    pub fn continuing(old: &Guard, s: &Settings) -> Guard {
+        Guard {
+            counts: old.counts.clone(),
+            ..Guard::new(s)
+        }
+    }
+
     /// Lets a request through, or says why not. A request let through counts in
     /// flight until its [`Slot`] drops. A route neither held nor with a breaker
     /// pays two atomic operations and no clock read.
     pub fn enter(self: &Arc<Self>, s: &Settings) -> Result<Ticket, Refused> {
         self.try_enter(s).inspect_err(|r| {
-            self.refused[r.reason.index()].fetch_add(1, Ordering::Relaxed);
+            self.counts.refused[r.reason.index()].fetch_add(1, Ordering::Relaxed);
         })
     }
 
@@ -145,36 +193,42 @@ impl Guard {
         let held_ms = self.held_until_ms.load(Ordering::Acquire);
         let timed = s.breaker.is_some() || held_ms != 0;
         let now = if timed { Instant::now() } else { self.base };
-        let until = self.base + Duration::from_millis(held_ms);
+        let until = self.at(held_ms);
         if held_ms != 0 && now < until && s.honor_retry_after {
             return Err(Refused {
                 reason: Reason::RetryAfter,
                 retry_after_secs: secs_until(until, now),
             });
         }
-        let slot = self.take_slot(s.max_in_flight).ok_or(Refused {
+        let full = || Refused {
             reason: Reason::InFlightLimit {
                 limit: s.max_in_flight.unwrap_or_default(),
             },
             retry_after_secs: 1,
-        })?;
-        let entry = match s.breaker {
-            None => None,
-            Some(_) => match self.lock_breaker().enter(now) {
-                Entry::Refused(until) => {
-                    return Err(Refused {
-                        reason: Reason::BreakerOpen,
-                        retry_after_secs: until.map_or(1, |u| secs_until(u, now)),
-                    })
+        };
+        let open = |until: Option<Instant>| Refused {
+            reason: Reason::BreakerOpen,
+            retry_after_secs: until.map_or(1, |u| secs_until(u, now)),
+        };
+        let (slot, entry) = match s.breaker {
+            None => (self.take_slot(s.max_in_flight).ok_or_else(full)?, None),
+            Some(_) => {
+                let mut cell = self.lock_breaker();
+                // An open breaker says so (with its cool-down) even on a full route.
+                if let Some(until) = cell.breaker.open_until(now) {
+                    return Err(open(Some(until)));
                 }
-                e => Some(e),
-            },
+                let slot = self.take_slot(s.max_in_flight).ok_or_else(full)?;
+                match cell.breaker.enter(now) {
+                    Entry::Refused(until) => return Err(open(until)),
+                    e => (slot, Some(e)),
+                }
+            }
         };
         Ok(Ticket {
             guard: self.clone(),
             slot: Some(slot),
             entry,
-            settings: *s,
         })
     }
 
@@ -196,28 +250,50 @@ impl Guard {
         Slot(self.clone())
     }
 
-    fn lock_breaker(&self) -> crate::lock_order::Ordered<'_, Breaker> {
+    fn lock_breaker(&self) -> crate::lock_order::Ordered<'_, BreakerCell> {
         crate::lock_order::lock("route breaker", &self.breaker)
+    }
+
+    /// `base` plus `ms` (never past what an `Instant` holds).
+    fn at(&self, ms: u64) -> Instant {
+        let d = Duration::from_millis(ms);
+        self.base
+            .checked_add(d)
+            .or_else(|| self.base.checked_add(FAR))
+            .unwrap_or(self.base)
     }
 
     fn held_until(&self, now: Instant) -> Option<Instant> {
         let ms = self.held_until_ms.load(Ordering::Acquire);
-        let until = self.base + Duration::from_millis(ms);
+        let until = self.at(ms);
         (ms != 0 && now < until).then_some(until)
     }
 
-    /// Holds the route for `d` from `now`, unless it is held longer already.
+    /// Holds the route for `d` from `now` (at most [`FAR`]), unless it is held
+    /// longer already.
     fn hold(&self, now: Instant, d: Duration) {
-        let until = now.saturating_duration_since(self.base) + d;
+        let until = now.saturating_duration_since(self.base) + d.min(FAR);
         let ms = u64::try_from(until.as_millis()).unwrap_or(u64::MAX).max(1);
         self.held_until_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    /// A result for the breaker, under the settings it runs with now.
+    fn record(&self, entry: Entry, ok: bool, now: Instant) {
+        let mut cell = self.lock_breaker();
+        if let Some(cfg) = cell.cfg {
+            if cell.breaker.record(entry, ok, now, &cfg) {
+                self.counts.opened.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// A reload changed the route's keys (same name, same upstream): the state
     /// stays, except what a key turned off — no hold without
     /// `honor_retry_after`, a hold no longer than the new `max_retry_after`, a
-    /// fresh breaker when its settings changed.
+    /// breaker closed afresh when its settings changed (its counters go on). A
+    /// request in flight reports under the new keys.
     pub fn reconfigured(&self, old: &Settings, new: &Settings) {
+        self.hold_cap_ms.store(cap_ms(new), Ordering::Release);
         if !new.honor_retry_after {
             self.held_until_ms.store(0, Ordering::Release);
         } else if new.max_retry_after < old.max_retry_after {
@@ -229,27 +305,30 @@ impl Guard {
                 }
             }
         }
+        let mut cell = self.lock_breaker();
         if new.breaker != old.breaker {
-            *self.lock_breaker() = Breaker::default();
+            cell.breaker.reset();
         }
+        cell.cfg = new.breaker;
     }
 
     /// What the admin API, the page and the metrics show.
     pub fn view(&self, s: &Settings, now: Instant) -> View {
         let b = s.breaker.map(|_| {
-            let b = self.lock_breaker();
+            let cell = self.lock_breaker();
+            let b = &cell.breaker;
             BreakerView {
                 state: b.state(now),
                 failures: b.failures(),
                 open_for: b.open_until(now).map(|u| u.duration_since(now)),
-                opened: b.opened,
+                opened: self.counts.opened.load(Ordering::Relaxed),
             }
         });
         View {
             in_flight: self.in_flight.load(Ordering::Acquire),
             held_for: self.held_until(now).map(|u| u.duration_since(now)),
             breaker: b,
-            refused: std::array::from_fn(|i| self.refused[i].load(Ordering::Relaxed)),
+            refused: std::array::from_fn(|i| self.counts.refused[i].load(Ordering::Relaxed)),
         }
     }
 }
@@ -258,6 +337,20 @@ impl Guard {
 #[derive(Debug)]
 pub struct Slot(Arc<Guard>);
 
+impl Slot {
+    /// Keeps counting for `d` (the route's drain timeout), then is released: a
+    /// request whose outcome is unknown may still be running at the destination
+    /// (SPEC §5). Released at once outside a runtime.
+    fn linger(self, d: Duration) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                tokio::time::sleep(d).await;
+                drop(self);
+            });
+        }
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -265,14 +358,14 @@ impl Drop for Slot {
 }
 
 /// A request let through: report how it ended ([`Ticket::answered`],
-/// [`Ticket::failed`]). Dropped without a report (a replay, a drain abort before
-/// sending), it counts for nothing and a probe goes back.
+/// [`Ticket::failed`]) — under the route's keys at that time, not at its
+/// admission. Dropped without a report (a replay, a drain abort before sending),
+/// it counts for nothing and a probe goes back.
 #[derive(Debug)]
 pub struct Ticket {
     guard: Arc<Guard>,
     slot: Option<Slot>,
     entry: Option<Entry>,
-    settings: Settings,
 }
 
 impl Ticket {
@@ -286,17 +379,19 @@ impl Ticket {
         headers: &HeaderMap,
         wall: impl FnOnce() -> SystemTime,
     ) -> Slot {
-        if self.entry.is_some() {
-            self.report(!status.is_server_error(), Instant::now());
+        if let Some(entry) = self.entry.take() {
+            self.guard
+                .record(entry, !status.is_server_error(), Instant::now());
         }
         let asks = matches!(
             status,
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
         );
-        if asks && self.settings.honor_retry_after && headers.contains_key(RETRY_AFTER) {
+        let cap = self.guard.hold_cap_ms.load(Ordering::Acquire);
+        if asks && cap != 0 && headers.contains_key(RETRY_AFTER) {
             if let Some(d) = retry_after::delay(headers, wall()) {
-                let cap = self.settings.max_retry_after;
-                self.guard.hold(Instant::now(), d.min(cap));
+                self.guard
+                    .hold(Instant::now(), d.min(Duration::from_millis(cap)));
             }
         }
         self.slot.take().unwrap_or_else(|| self.guard.counted())
@@ -304,24 +399,44 @@ impl Ticket {
 
     /// The exchange failed. `upstream` is whether the upstream is to blame (no
     /// connection, a timeout, a reset): a failure for the breaker. A drain abort,
-    /// shutdown or the worker's own body failing is not.
-    pub fn failed(mut self, upstream: bool) {
+    /// shutdown or the worker's own body failing or stalling is not. `linger`:
+    /// the outcome is unknown, so the request keeps its slot that long (the
+    /// drain timeout, as its pass keeps counting for a drain, SPEC §5).
+    pub fn failed(mut self, upstream: bool, linger: Option<Duration>) {
         if upstream {
-            self.report(false, Instant::now());
+            if let Some(entry) = self.entry.take() {
+                self.guard.record(entry, false, Instant::now());
+            }
+        }
+        if let (Some(d), Some(slot)) = (linger, self.slot.take()) {
+            slot.linger(d);
         }
     }
 
-    fn report(&mut self, ok: bool, now: Instant) {
-        if let (Some(entry), Some(cfg)) = (self.entry.take(), &self.settings.breaker) {
-            self.guard.lock_breaker().record(entry, ok, now, cfg);
-        }
+    /// Stopped by fencegate (a drain abort) after it may have been sent: not a
+    /// result, but a probe may still be running at the destination, so it stays
+    /// out for `d` (the drain timeout) before the next request may probe. Outside
+    /// a runtime it goes back at once.
+    pub fn cut_off(mut self, d: Duration) {
+        let Some(entry @ Entry::Probe(_)) = self.entry else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        self.entry = None;
+        let guard = self.guard.clone();
+        rt.spawn(async move {
+            tokio::time::sleep(d).await;
+            guard.lock_breaker().breaker.probe_unused(entry);
+        });
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(entry) = self.entry.take() {
-            self.guard.lock_breaker().probe_unused(entry);
+            self.guard.lock_breaker().breaker.probe_unused(entry);
         }
     }
 }
@@ -367,7 +482,7 @@ mod tests {
 
     #[test]
     fn the_limit_counts_slots_until_they_drop() {
-        let g = Arc::new(Guard::default());
+        let g = Arc::new(Guard::new(&settings()));
         let now = Instant::now();
         let a = g.enter(&settings()).unwrap();
         let b = g.enter(&settings()).unwrap();
@@ -385,9 +500,9 @@ mod tests {
 
     #[test]
     fn a_retry_after_holds_up_to_the_cap_and_only_when_honoured() {
-        let g = Arc::new(Guard::default());
         let mut s = settings();
         s.max_retry_after = Duration::from_secs(10);
+        let g = Arc::new(Guard::new(&s));
         let mut h = HeaderMap::new();
         h.insert(http::header::RETRY_AFTER, "3600".parse().unwrap());
         let t = g.enter(&s).unwrap();
@@ -403,5 +518,136 @@ mod tests {
         assert!(g.enter(&off).is_ok());
         g.reconfigured(&s, &off);
         assert!(g.enter(&s).is_ok());
+    }
+
+    #[test]
+    fn a_ticket_reports_under_the_keys_of_a_reload_since_its_admission() {
+        let s = settings();
+        let g = Arc::new(Guard::new(&s));
+        let mut h = HeaderMap::new();
+        h.insert(http::header::RETRY_AFTER, "300".parse().unwrap());
+        let t = g.enter(&s).unwrap();
+        let short = Settings {
+            max_retry_after: Duration::from_secs(2),
+            ..s
+        };
+        g.reconfigured(&s, &short);
+        drop(t.answered(StatusCode::SERVICE_UNAVAILABLE, &h, || {
+            SystemTime::UNIX_EPOCH
+        }));
+        let r = g.enter(&short).unwrap_err();
+        assert!(r.retry_after_secs <= 2, "{r:?}");
+        // Not honoured any more: an answer in flight across the reload holds nothing.
+        let off = Settings {
+            honor_retry_after: false,
+            ..short
+        };
+        g.reconfigured(&short, &off);
+        let t = g.enter(&off).unwrap();
+        drop(t.answered(StatusCode::SERVICE_UNAVAILABLE, &h, || {
+            SystemTime::UNIX_EPOCH
+        }));
+        assert_eq!(g.view(&off, Instant::now()).held_for, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unknown_outcome_keeps_its_slot_for_the_drain_timeout() {
+        let mut s = settings();
+        s.max_in_flight = Some(1);
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s)
+            .unwrap()
+            .failed(true, Some(Duration::from_secs(5)));
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::InFlightLimit { limit: 1 });
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        // A failure known to have left nothing running gives its slot back at once.
+        g.enter(&s).unwrap().failed(true, None);
+        assert!(g.enter(&s).is_ok());
+    }
+
+    #[test]
+    fn counters_go_on_across_a_fresh_guard_and_a_breaker_reset() {
+        let cfg = BreakerConfig {
+            failures: 1,
+            window: Duration::from_secs(10),
+            cool_down: Duration::from_secs(60),
+        };
+        let s = Settings {
+            breaker: Some(cfg),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s).unwrap().failed(true, None);
+        assert_eq!(g.enter(&s).unwrap_err().reason, Reason::BreakerOpen);
+        let longer = Settings {
+            breaker: Some(BreakerConfig {
+                cool_down: Duration::from_secs(120),
+                ..cfg
+            }),
+            ..s
+        };
+        g.reconfigured(&s, &longer);
+        let v = g.view(&longer, Instant::now());
+        let b = v.breaker.unwrap();
+        assert_eq!(
+            (b.state, b.opened, v.refused),
+            (BreakerState::Closed, 1, [0, 0, 1])
+        );
+        let fresh = Guard::continuing(&g, &longer);
+        let v = fresh.view(&longer, Instant::now());
+        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1]));
+    }
+
+    #[test]
+    fn a_huge_hold_saturates() {
+        let g = Arc::new(Guard::new(&settings()));
+        g.hold(Instant::now(), Duration::MAX);
+        let r = g.enter(&settings()).unwrap_err();
+        assert_eq!(r.reason, Reason::RetryAfter);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_cut_off_by_a_drain_abort_stays_out_for_the_drain_timeout() {
+        let s = Settings {
+            breaker: Some(BreakerConfig {
+                failures: 1,
+                window: Duration::from_secs(10),
+                cool_down: Duration::from_secs(1),
+            }),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        g.enter(&s).unwrap().failed(true, None);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        g.enter(&s).unwrap().cut_off(Duration::from_secs(5));
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!((r.reason, r.retry_after_secs), (Reason::BreakerOpen, 1));
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let probe = g.enter(&s).unwrap();
+        drop(probe.answered(StatusCode::OK, &HeaderMap::new(), || SystemTime::UNIX_EPOCH));
+        let b = g.view(&s, Instant::now()).breaker.unwrap();
+        assert_eq!(b.state, BreakerState::Closed);
+    }
+
+    #[test]
+    fn a_full_route_with_an_open_breaker_says_breaker_open_with_the_cool_down() {
+        let s = Settings {
+            breaker: Some(BreakerConfig {
+                failures: 1,
+                window: Duration::from_secs(10),
+                cool_down: Duration::from_secs(60),
+            }),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        let _a = g.enter(&s).unwrap();
+        let b = g.enter(&s).unwrap();
+        let _b = b.answered(StatusCode::INTERNAL_SERVER_ERROR, &HeaderMap::new(), || {
+            SystemTime::UNIX_EPOCH
+        });
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::BreakerOpen);
+        assert!((59..=60).contains(&r.retry_after_secs), "{r:?}");
     }
 }

@@ -627,7 +627,9 @@ impl Proxy {
         let abandoned = self.abandon.is_cancelled();
         // A streamed request body that did not arrive whole: the upstream got an
         // incomplete request and cannot have acted on it.
-        let upload_end = upload.map_or(UploadEnd::Complete, |u| u.get());
+        let upload_end = upload.as_ref().map_or(UploadEnd::Complete, |u| u.get());
+        // A streamed body the upstream was waiting for: the worker stalled it.
+        let stalled = upload.is_some_and(|u| u.stalled_by_worker());
         let sent = match e {
             UpstreamError::Unreachable(_) if !aborted => Sent::Nothing,
             _ => Sent::Maybe,
@@ -651,9 +653,22 @@ impl Proxy {
         // a timed-out poll ended a drain while the destination still executed it).
         let incomplete = matches!(upload_end, UploadEnd::TooLarge | UploadEnd::ClientFailed);
         // The breaker counts what the upstream is to blame for: no connection, no
-        // answer in time, a reset — not a drain abort, shutdown or the worker's body.
-        protect.failed(!aborted && !abandoned && !incomplete);
-        if matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete {
+        // answer in time, a reset — not a drain abort, shutdown or the worker's body
+        // (cut off, or stalled while the upstream waited for it).
+        // A request that lingers keeps its `max_in_flight` slot too (SPEC §7 "as
+        // in §5"): for the drain timeout, as a drain counts it.
+        let lingers = matches!(e, UpstreamError::Uncertain(_)) && !aborted && !incomplete;
+        if aborted && !incomplete && matches!(sent, Sent::Maybe) {
+            // Cut off by a drain abort, perhaps still running at the destination:
+            // a probe stays out for a drain timeout (no second probe beside it).
+            protect.cut_off(route.drain_timeout);
+        } else {
+            protect.failed(
+                !aborted && !abandoned && !incomplete && !stalled,
+                lingers.then_some(route.drain_timeout),
+            );
+        }
+        if lingers {
             pass.linger();
         } else {
             drop(pass);
@@ -764,13 +779,14 @@ impl Proxy {
         .await
         .inspect(|resp| {
             // The owner is handing the shard over (or lost it): look again now —
-            // not when it refused to protect the destination (SPEC §9), which
-            // says nothing of the shard and may go on for a while.
-            let held = resp
+            // only on its own 503 (with an error code), and not when it refused
+            // to protect the destination (SPEC §9) or passed on the
+            // destination's 503: neither says anything of the shard.
+            let owners = resp
                 .headers()
                 .get(crate::error::ERROR_HEADER)
-                .is_some_and(|c| c == "upstream_held");
-            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && !held {
+                .is_some_and(|c| c != "upstream_held");
+            if resp.status() == http::StatusCode::SERVICE_UNAVAILABLE && owners {
                 cluster.nudge();
             }
         })

@@ -72,7 +72,7 @@ impl Route {
             max_body_bytes: cfg.max_body_bytes,
             max_replay_bytes: cfg.max_replay_bytes,
             protect_cfg: protect::Settings::of(cfg),
-            protect: Arc::default(),
+            protect: Arc::new(protect::Guard::new(&protect::Settings::of(cfg))),
             signer: cfg.signer()?,
             metrics: metrics.for_route(&cfg.name),
         })
@@ -124,16 +124,19 @@ impl RouteTable {
 
     /// After a reload: each route whose name and upstream are unchanged keeps
     /// `old`'s protection state (its requests in flight, a hold, its breaker),
-    /// adjusted to its new keys; a new route or a new upstream starts afresh.
+    /// adjusted to its new keys; a new route or a new upstream starts afresh
+    /// (a new upstream's counters go on from the old one's: they never go down).
     pub fn carry_over(&mut self, old: &RouteTable) {
         for r in &mut self.routes {
-            if let Some(o) = old.get(&r.name).filter(|o| {
-                o.target.scheme == r.target.scheme
-                    && o.target.authority == r.target.authority
-                    && o.target.base_path == r.target.base_path
-            }) {
+            let Some(o) = old.get(&r.name) else { continue };
+            if o.target.scheme == r.target.scheme
+                && o.target.authority == r.target.authority
+                && o.target.base_path == r.target.base_path
+            {
                 o.protect.reconfigured(&o.protect_cfg, &r.protect_cfg);
                 r.protect = o.protect.clone();
+            } else {
+                r.protect = Arc::new(protect::Guard::continuing(&o.protect, &r.protect_cfg));
             }
         }
     }

@@ -322,8 +322,9 @@ async fn each_error_message_says_the_next_step() {
 
 /// Issue 29 §3: 503 `upstream_held` (here: the route's `max_in_flight = 1` is
 /// taken by a request held at the origin) says which protection refused it
-/// (`detail`), when to retry (`Retry-After`, and in the message), and that the
-/// key is free — and it is: nothing reached the origin, nothing was recorded.
+/// (`detail`), when to retry (`Retry-After`, and in the message), and that
+/// nothing was recorded for it (not that its key is free: another request may
+/// hold it, review finding F2) — and so: nothing reached the origin, no record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_held_says_when_to_retry_and_records_nothing() {
     let origin = Origin::start().await;
@@ -350,7 +351,7 @@ async fn upstream_held_says_when_to_retry_and_records_nothing() {
         &[
             "route billing has 1 requests at its upstream already (its max_in_flight)",
             "Nothing was forwarded",
-            "idempotency key, if any, is free",
+            "nothing recorded for this request",
             "after Retry-After (1 s)",
         ],
     );

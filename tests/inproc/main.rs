@@ -23,4 +23,5 @@ mod hygiene;
 mod operator;
 mod parking;
 mod protect;
+mod review_protect;
 mod streaming;

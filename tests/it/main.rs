@@ -31,6 +31,7 @@ mod review;
 mod review2;
 mod review_batch;
 mod review_own;
+mod review_protect;
 mod startup;
 mod traces;
 mod webhooks;

@@ -30,5 +30,6 @@ mod review;
 mod review2;
 mod review_batch;
 mod review_own;
+mod review_sign;
 mod startup;
 mod webhooks;

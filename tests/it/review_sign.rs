@@ -108,3 +108,103 @@ async fn an_access_denied_alert_after_a_200_answer_is_not_nothing_sent() {
 async fn a_bad_certificate_alert_after_the_request_was_read_is_not_nothing_sent() {
     an_alert_after_the_request_arrived_keeps_the_key("alert", "bad_certificate").await;
 }
+
+fn whsec(byte: u8) -> String {
+    use base64::Engine;
+    format!(
+        "whsec_{}",
+        base64::engine::general_purpose::STANDARD.encode([byte; 32])
+    )
+}
+
+async fn metric(fg: &Fencegate, exact: &str) -> f64 {
+    let r = send(
+        http::Request::get(fg.admin_url("/metrics"))
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    String::from_utf8_lossy(&r.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// An operator writes one secret as a string, not a list (`signing_secrets =
+/// "whsec_…"` — the issue speaks of "the route's secret"). The reload is refused
+/// whole and deliveries go on signed with the old secret (that held) — but the
+/// refusal quotes the secret: TOML's type error prints the value, so it lands in
+/// fencegate's log at every SIGHUP and in `check-config`'s output. Fails today
+/// on the log and on check-config (SPEC: secrets are never logged or shown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_written_as_a_string_is_refused_without_being_printed() {
+    skip_without_python!();
+    let (a, b) = (whsec(0x11), whsec(0x22));
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a} B={b}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n[[route]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\n\
+             upstream = \"http://127.0.0.1:{}/in/\"\nlease = \"hooks\"\n\
+             signing_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n",
+            dir_store_toml(store.path()),
+            origin.port
+        ),
+        &[("FG_TEST_WHSEC_A", &a)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        post(&fg, "/hooks/orders", &h, r#"{"n":1}"#).await.status,
+        200
+    );
+
+    fg.edit_config(|t| {
+        t.replace(
+            "signing_secrets = [\"${FG_TEST_WHSEC_A}\"]",
+            &format!("signing_secrets = \"{b}\""),
+        )
+    });
+    let rejected = "fencegate_config_reloads_total{result=\"refused\"}";
+    let before = metric(&fg, rejected).await;
+    fg.hup();
+    eventually("the reload to be refused", || async {
+        metric(&fg, rejected).await > before
+    })
+    .await;
+    // Held: the old signer is kept.
+    let after = post(&fg, "/hooks/orders", &h, r#"{"n":2}"#).await;
+    assert_eq!(after.status, 200, "{:?}", after.body);
+
+    let out = std::process::Command::new(bin())
+        .args(["check-config", "--config"])
+        .arg(&fg.config)
+        .output()
+        .unwrap();
+    let printed = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.status.code(), Some(2), "{printed}");
+    let secret_b64 = b.strip_prefix("whsec_").unwrap();
+    let log = fg.stderr();
+    assert!(
+        !log.contains(secret_b64),
+        "the secret in fencegate's log: {}",
+        log.lines().find(|l| l.contains(secret_b64)).unwrap()
+    );
+    assert!(
+        !printed.contains(secret_b64),
+        "the secret in check-config: {printed}"
+    );
+}

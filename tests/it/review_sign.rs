@@ -208,3 +208,137 @@ async fn a_secret_written_as_a_string_is_refused_without_being_printed() {
         "the secret in check-config: {printed}"
     );
 }
+
+/// A raw POST to fencegate: `head_extra` headers, then `body`, then the write
+/// side shut (so a short body ends); the whole answer as text.
+async fn raw_post(
+    fg: &Fencegate,
+    h: &fencegate::lease::acquire::Holding,
+    head_extra: &str,
+    body: &[u8],
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(fg.proxy).await.unwrap();
+    let head = format!(
+        "POST /hooks/orders HTTP/1.1\r\nHost: fencegate\r\nX-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\n\
+         {head_extra}Connection: close\r\n\r\n",
+        h.epoch.get(),
+        h.token
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let _ = s.write_all(body).await;
+    if head_extra.contains("Content-Length: 100\r\n") {
+        // A body shorter than declared: it ends only when the connection does.
+        let _ = s.shutdown().await;
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn chunked(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in body.chunks(300) {
+        out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        out.extend_from_slice(c);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+/// Held under attack (passes today): on a signing route (limit 1024) a chunked
+/// body of exactly 1024 bytes and an empty body arrive signed over exactly the
+/// bytes received (the `standardwebhooks` PyPI library in the origin verifies);
+/// a chunked 1025-byte body under key `big-1` is 413 and neither forwarded nor
+/// recorded (the key's next send is delivered, id `big-1`); a body shorter than
+/// its Content-Length forwards nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
+    skip_without_python!();
+    let a = whsec(0x33);
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n[[route]]\nname = \"hooks\"\npath_prefix = \"/hooks/\"\n\
+             upstream = \"http://127.0.0.1:{}/in/\"\nlease = \"hooks\"\nmax_body_bytes = 1024\n\
+             signing_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n",
+            dir_store_toml(store.path()),
+            origin.port
+        ),
+        &[("FG_TEST_WHSEC_A", &a)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let log = || async {
+        let r = send(
+            http::Request::get(format!("http://127.0.0.1:{}/_log", origin.port))
+                .body(body(""))
+                .unwrap(),
+        )
+        .await;
+        serde_json::from_slice::<Vec<serde_json::Value>>(&r.body).unwrap()
+    };
+    let exact: Vec<u8> = (0..1024u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let r = raw_post(&fg, &h, "Transfer-Encoding: chunked\r\n", &chunked(&exact)).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let r = raw_post(
+        &fg,
+        &h,
+        "Idempotency-Key: empty-1\r\nContent-Length: 0\r\n",
+        b"",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let r = raw_post(
+        &fg,
+        &h,
+        "Idempotency-Key: big-1\r\nTransfer-Encoding: chunked\r\n",
+        &chunked(&[b'z'; 1025]),
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 413"), "{r}");
+    let r = raw_post(
+        &fg,
+        &h,
+        "Idempotency-Key: short-1\r\nContent-Length: 100\r\n",
+        b"0123456789",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 4"), "{r}");
+    let got = log().await;
+    assert_eq!(got.len(), 2, "{got:?}");
+    let r = raw_post(
+        &fg,
+        &h,
+        "Idempotency-Key: big-1\r\nContent-Length: 2\r\n",
+        b"{}",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let got = log().await;
+    assert_eq!(got.len(), 3, "{got:?}");
+    use base64::Engine;
+    let b64 = |v: &serde_json::Value| {
+        base64::engine::general_purpose::STANDARD
+            .decode(v["body_b64"].as_str().unwrap())
+            .unwrap()
+    };
+    assert_eq!(b64(&got[0]), exact);
+    assert_eq!(b64(&got[1]), b"");
+    assert_eq!(got[1]["headers"]["webhook-id"], "empty-1");
+    assert_eq!(got[2]["headers"]["webhook-id"], "big-1");
+    for g in &got {
+        assert_eq!(g["verified"]["A"], true, "{g}");
+    }
+}

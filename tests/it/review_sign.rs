@@ -342,3 +342,61 @@ async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
         assert_eq!(g["verified"]["A"], true, "{g}");
     }
 }
+
+/// SPEC §6 scopes keys by route, but §3 sends the worker's key as `webhook-id`
+/// unscoped, and a receiver deduplicates on `webhook-id` alone (Standard
+/// Webhooks: "unique across all messages"). Two signing routes to one receiver
+/// (`orders`, `refunds`), a worker using its row id `42` as the key on each:
+/// fencegate forwards both (different routes, different records), and they
+/// arrive under one `webhook-id` — the receiver drops the refund as a duplicate
+/// of the order. Fails today: the two distinct deliveries share an id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_on_two_routes_is_two_webhook_ids() {
+    skip_without_python!();
+    let a = whsec(0x44);
+    let origin = PyServer::start(
+        "origin.py",
+        &[],
+        &[("FG_ORIGIN_SECRETS", &format!("A={a}"))],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let route = |name: &str| {
+        format!(
+            "[[route]]\nname = \"{name}\"\npath_prefix = \"/{name}/\"\n\
+             upstream = \"http://127.0.0.1:{}/in/\"\nlease = \"hooks\"\n\
+             signing_secrets = [\"${{FG_TEST_WHSEC_A}}\"]\n\n",
+            origin.port
+        )
+    };
+    let fg = Fencegate::start_with_env(
+        &format!(
+            "{}\n{}{}",
+            dir_store_toml(store.path()),
+            route("orders"),
+            route("refunds")
+        ),
+        &[("FG_TEST_WHSEC_A", &a)],
+    );
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "hooks",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let order = send(keyed(&fg, "/orders/42", &h, "42", r#"{"order":42}"#)).await;
+    let refund = send(keyed(&fg, "/refunds/42", &h, "42", r#"{"refund":42}"#)).await;
+    assert_eq!((order.status.as_u16(), refund.status.as_u16()), (200, 200));
+    let r = send(
+        http::Request::get(format!("http://127.0.0.1:{}/_log", origin.port))
+            .body(body(""))
+            .unwrap(),
+    )
+    .await;
+    let got: Vec<serde_json::Value> = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(got.len(), 2, "both delivered: {got:?}");
+    assert_ne!(
+        got[0]["headers"]["webhook-id"], got[1]["headers"]["webhook-id"],
+        "two messages, one webhook-id: a receiver drops one"
+    );
+}

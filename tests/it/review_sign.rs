@@ -400,3 +400,105 @@ async fn the_same_key_on_two_routes_is_two_webhook_ids() {
         "two messages, one webhook-id: a receiver drops one"
     );
 }
+
+/// Held under attack (passes today): a request in flight on an mTLS route (the
+/// destination holds its answer) while the client certificate files are
+/// swapped and SIGHUP applied completes 200 on its connection, shown as
+/// `client-one`; the next request shows `client-two`. Then a reload whose key
+/// file is gone, together with a new route, is refused whole: the new route is
+/// not served and the old certificate is still shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cert_swap_keeps_in_flight_requests_and_a_broken_one_is_refused_whole() {
+    use crate::client_cert::{origin_events, write, Ca};
+    use crate::support::egress::reload_with;
+    skip_without_python!();
+    let ca = Ca::new();
+    let sdir = tempfile::tempdir().unwrap();
+    let (srv_cert, srv_key) = ca.issue("localhost", &["localhost", "127.0.0.1"]);
+    write(sdir.path(), "server.pem", &srv_cert);
+    write(sdir.path(), "server.key", &srv_key);
+    write(sdir.path(), "ca.pem", &ca.pem);
+    let log = sdir.path().join("events.jsonl");
+    let p = |n: &str| sdir.path().join(n).display().to_string();
+    let server = PyServer::start(
+        "mtls_origin.py",
+        &[
+            &p("server.pem"),
+            &p("server.key"),
+            &p("ca.pem"),
+            &log.display().to_string(),
+        ],
+        &[],
+    );
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::unstarted(
+        "127.0.0.1:0",
+        "",
+        &format!(
+            "{}\n[[route]]\nname = \"mtls\"\npath_prefix = \"/mtls/\"\n\
+             upstream = \"https://127.0.0.1:{}/api/\"\nlease = \"partner\"\nca_file = \"ca.pem\"\n\
+             client_cert = \"client.pem\"\nclient_key = \"client.key\"\n",
+            dir_store_toml(store.path()),
+            server.port
+        ),
+        &[],
+    );
+    let (one_cert, one_key) = ca.issue("client-one", &["client-one.test"]);
+    let (two_cert, two_key) = ca.issue("client-two", &["client-two.test"]);
+    write(fg.dir.path(), "ca.pem", &ca.pem);
+    write(fg.dir.path(), "client.pem", &one_cert);
+    write(fg.dir.path(), "client.key", &one_key);
+    fg.spawn(None).expect("fencegate did not start");
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "partner",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+
+    let release = sdir.path().join("release");
+    let held = tokio::spawn(send(
+        worker_req(&fg.url("/mtls/held"), h.epoch.get(), &h.token)
+            .header("x-test-hold-until", release.display().to_string())
+            .body(body("{}"))
+            .unwrap(),
+    ));
+    eventually("the held request to arrive", || async {
+        origin_events(&log).iter().any(|e| e["path"] == "/api/held")
+    })
+    .await;
+    write(fg.dir.path(), "client.pem", &two_cert);
+    write(fg.dir.path(), "client.key", &two_key);
+    reload_with(&fg, |t| t).await;
+    std::fs::write(&release, "").unwrap();
+    let held = held.await.unwrap();
+    assert_eq!(held.status, 200, "{:?}", held.body);
+    assert_eq!(held.json()["client_cn"], "client-one");
+    let next = post(&fg, "/mtls/next", &h, "{}").await;
+    assert_eq!(next.json()["client_cn"], "client-two", "{:?}", next.body);
+
+    std::fs::remove_file(fg.dir.path().join("client.key")).unwrap();
+    let refused = "fencegate_config_reloads_total{result=\"refused\"}";
+    let before = metric(&fg, refused).await;
+    fg.edit_config(|t| {
+        format!("{t}\n[[route]]\nname = \"added\"\npath_prefix = \"/added/\"\nupstream = \"http://127.0.0.1:9/\"\nlease = \"partner\"\n")
+    });
+    fg.hup();
+    eventually("the reload to be refused", || async {
+        metric(&fg, refused).await > before
+    })
+    .await;
+    let still = post(&fg, "/mtls/after", &h, "{}").await;
+    assert_eq!(still.json()["client_cn"], "client-two", "{:?}", still.body);
+    post(&fg, "/added/x", &h, "{}")
+        .await
+        .assert_error(404, "route_not_found");
+    let log = fg.stderr();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("reload refused") && l.contains("client.key")),
+        "refused for the key file: {log}"
+    );
+    assert!(!log.contains(two_key.lines().nth(1).unwrap()));
+}

@@ -271,7 +271,7 @@ async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
             dir_store_toml(store.path()),
             origin.port
         ),
-        &[("FG_TEST_WHSEC_A", &a)],
+        &[("FG_TEST_WHSEC_A", &a), ("FENCEGATE_LOG", "trace")],
     );
     let h = acquire(
         &dir_epochs(store.path()),
@@ -341,6 +341,11 @@ async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
     for g in &got {
         assert_eq!(g["verified"]["A"], true, "{g}");
     }
+    // Logged at trace level: the secret is in no line.
+    let secret = a.strip_prefix("whsec_").unwrap();
+    let log = fg.stderr();
+    assert!(!log.contains(secret), "the secret in the log");
+    assert!(log.contains("TRACE"), "logged at trace level");
 }
 
 /// SPEC §6 scopes keys by route, but §3 sends the worker's key as `webhook-id`

@@ -507,3 +507,82 @@ async fn a_cert_swap_keeps_in_flight_requests_and_a_broken_one_is_refused_whole(
     );
     assert!(!log.contains(two_key.lines().nth(1).unwrap()));
 }
+
+/// The same rule against a stock server: OpenSSL's `s_server`, TLS 1.2, reads
+/// the request whole and then asks for renegotiation — what Apache's per-location
+/// `SSLVerifyClient require` and IIS's "negotiate client certificate" do after
+/// reading a request. rustls declines (a `no_renegotiation` warning), OpenSSL
+/// answers a fatal `handshake_failure`, and fencegate calls it "nothing was
+/// sent" (502, key freed) — on a route without any client certificate — though
+/// the destination holds the whole request. Fails today (needs `openssl`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renegotiation_refused_after_the_request_is_not_nothing_sent() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    if Command::new("openssl").arg("version").output().is_err() {
+        eprintln!("skipped: no openssl command");
+        return;
+    }
+    let (ca, cert, key) = server_pki();
+    let sdir = tempfile::tempdir().unwrap();
+    for (n, t) in [("server.pem", &cert), ("server.key", &key)] {
+        std::fs::write(sdir.path().join(n), t).unwrap();
+    }
+    let port = crate::cluster::free_port();
+    let out = sdir.path().join("s_server.out");
+    let mut srv = Command::new("openssl")
+        .args(["s_server", "-tls1_2", "-accept", &port.to_string()])
+        .args(["-cert", "server.pem", "-key", "server.key"])
+        .current_dir(sdir.path())
+        .stdin(Stdio::piped())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let printed = || std::fs::read_to_string(&out).unwrap_or_default();
+    eventually("s_server to listen", || async {
+        printed().contains("ACCEPT")
+    })
+    .await;
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::unstarted(
+        "127.0.0.1:0",
+        "",
+        &format!(
+            "{}\n[[route]]\nname = \"partner\"\npath_prefix = \"/partner/\"\n\
+             upstream = \"https://127.0.0.1:{port}/api/\"\nlease = \"partner\"\nca_file = \"ca.pem\"\n",
+            dir_store_toml(store.path()),
+        ),
+        &[],
+    );
+    std::fs::write(fg.dir.path().join("ca.pem"), &ca).unwrap();
+    fg.spawn(None).expect("fencegate did not start");
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "partner",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let reply = tokio::spawn(send(keyed(
+        &fg,
+        "/partner/charge",
+        &h,
+        "charge-r",
+        r#"{"charge":1}"#,
+    )));
+    eventually("s_server to read the request", || async {
+        printed().contains(r#"{"charge":1}"#)
+    })
+    .await;
+    srv.stdin.as_mut().unwrap().write_all(b"R\n").unwrap();
+    let reply = reply.await.unwrap();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    assert_ne!(
+        reply.error_code().as_deref(),
+        Some("upstream_unreachable"),
+        "the destination read the request, yet: {}",
+        String::from_utf8_lossy(&reply.body)
+    );
+}

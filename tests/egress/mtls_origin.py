@@ -10,9 +10,11 @@ answers (200, the client certificate's common name in the JSON body), and
 it refused (no certificate, or one its CA did not issue).
 """
 import json
+import os
 import ssl
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 CERT, KEY, CA, LOG = sys.argv[1:5]
@@ -35,6 +37,11 @@ class Handler(BaseHTTPRequestHandler):
         subject = dict(x[0] for x in self.connection.getpeercert()["subject"])
         cn = subject.get("commonName")
         record(event="request", client_cn=cn, path=self.path)
+        # x-test-hold-until: PATH — answered only once PATH exists (a request
+        # kept in flight while the test reloads fencegate).
+        hold = self.headers.get("x-test-hold-until")
+        while hold and not os.path.exists(hold):
+            time.sleep(0.02)
         data = json.dumps({"client_cn": cn}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")

@@ -16,13 +16,13 @@ use crate::support::egress::{reload_with, PyServer};
 use crate::support::*;
 
 /// A test CA that issues certificates.
-struct Ca {
-    pem: String,
+pub(crate) struct Ca {
+    pub(crate) pem: String,
     issuer: Issuer<'static, KeyPair>,
 }
 
 impl Ca {
-    fn new() -> Ca {
+    pub(crate) fn new() -> Ca {
         let key = KeyPair::generate().unwrap();
         let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -37,7 +37,7 @@ impl Ca {
     }
 
     /// A certificate named `cn` (and `sans`) and its key, both PEM.
-    fn issue(&self, cn: &str, sans: &[&str]) -> (String, String) {
+    pub(crate) fn issue(&self, cn: &str, sans: &[&str]) -> (String, String) {
         let key = KeyPair::generate().unwrap();
         let mut params =
             CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
@@ -47,7 +47,7 @@ impl Ca {
     }
 }
 
-fn write(dir: &Path, name: &str, text: &str) {
+pub(crate) fn write(dir: &Path, name: &str, text: &str) {
     std::fs::write(dir.join(name), text).unwrap();
 }
 
@@ -57,7 +57,7 @@ fn key_body(pem: &str) -> &str {
     &line[..line.len().min(40)]
 }
 
-fn origin_events(log: &Path) -> Vec<serde_json::Value> {
+pub(crate) fn origin_events(log: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()

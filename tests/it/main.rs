@@ -32,6 +32,7 @@ mod review2;
 mod review_batch;
 mod review_own;
 mod review_protect;
+mod review_sign;
 mod startup;
 mod traces;
 mod webhooks;

@@ -379,6 +379,83 @@ impl Default for DedupConfig {
 /// Every duration takes either form: an integer number of milliseconds, or a
 /// human-readable string ("1500ms", "2s", "24h"). The `*_ms` keys also answer to
 /// their name without `_ms` (`timeout = "10s"`); the old names keep working.
+/// Secrets read from the file without ever quoting them in an error: serde's
+/// type errors name the value they got ("invalid type: string \"whsec_…\""),
+/// and load errors are logged and printed by `check-config`.
+mod secrets {
+    use serde::de::{self, Deserializer, SeqAccess, Visitor};
+    use std::fmt;
+
+    struct List;
+
+    const EXPECTED: &str = "a list of secrets, e.g. [\"${WEBHOOK_SECRET}\"]";
+
+    impl<'de> Visitor<'de> for List {
+        type Value = Vec<String>;
+
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(EXPECTED)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<String>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = seq.next_element::<Secret>()? {
+                out.push(v.0);
+            }
+            Ok(out)
+        }
+
+        // Any other type: an error that says what was expected, not what came.
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Vec<String>, E> {
+            Err(E::custom(format!(
+                "a string where {EXPECTED} goes (its value not shown)"
+            )))
+        }
+
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Vec<String>, E> {
+            Err(E::custom(format!("expected {EXPECTED}")))
+        }
+
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Vec<String>, E> {
+            Err(E::custom(format!("expected {EXPECTED}")))
+        }
+
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Vec<String>, E> {
+            Err(E::custom(format!("expected {EXPECTED}")))
+        }
+
+        fn visit_map<A: de::MapAccess<'de>>(self, _: A) -> Result<Vec<String>, A::Error> {
+            Err(de::Error::custom(format!("expected {EXPECTED}")))
+        }
+    }
+
+    /// One list item: a string, else an error without the value.
+    struct Secret(String);
+
+    impl<'de> de::Deserialize<'de> for Secret {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+            struct One;
+            impl<'de> Visitor<'de> for One {
+                type Value = Secret;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a secret (a string)")
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Secret, E> {
+                    Ok(Secret(v.to_owned()))
+                }
+                fn visit_string<E: de::Error>(self, v: String) -> Result<Secret, E> {
+                    Ok(Secret(v))
+                }
+            }
+            d.deserialize_str(One)
+        }
+    }
+
+    pub(super) fn list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        d.deserialize_any(List)
+    }
+}
+
 mod duration {
     use serde::de::{Deserializer, Error, Visitor};
     use std::time::Duration;
@@ -558,7 +635,7 @@ pub struct RouteConfig {
     /// Standard Webhooks secrets (`whsec_…`, `${NAME}` reads the environment):
     /// when set, every forwarded request is signed with each, and its body is
     /// read whole first (up to `max_body_bytes`). Never logged or printed.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "secrets::list")]
     pub signing_secrets: Vec<String>,
 }
 

@@ -484,7 +484,11 @@ impl Proxy {
         let built = forward::build_request(&route.target, parts, body, hop, key.as_str()).and_then(
             |mut r| {
                 if let (Some(signer), Some(b)) = (&route.signer, &signed) {
-                    signer.sign(r.headers_mut(), key.as_str(), self.clock.now(), b)?;
+                    // Scoped like the dedup record (SPEC §6: per route): two
+                    // routes' deliveries with one key are two messages to a
+                    // receiver that deduplicates on `webhook-id`.
+                    let id = format!("{}:{}", route.name, key.as_str());
+                    signer.sign(r.headers_mut(), &id, self.clock.now(), b)?;
                 }
                 Ok(r)
             },

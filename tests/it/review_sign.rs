@@ -37,10 +37,10 @@ fn arrivals(log: &Path, key: &str) -> usize {
 /// a fatal `alert` — after a 200 answer in the same write (`answer_then_alert`)
 /// or instead of one (`alert`). The request reached the destination, so the
 /// outcome is unknown to fencegate at best: SPEC §6 says 504 in doubt and the key
-/// stays taken. Fails today: `client_auth::handshake_refused` treats any of its
+/// stays taken. Fixed (was: `client_auth::handshake_refused` treats any of its
 /// listed alerts as "the server never accepted the connection", whenever it comes
 /// — 502 `upstream_unreachable`, the key freed, and the worker's retry delivers
-/// the request a second time (two arrivals of one key at the destination).
+/// the request a second time (two arrivals of one key at the destination)); now only `certificate_required` is "nothing sent".
 async fn an_alert_after_the_request_arrived_keeps_the_key(mode: &str, alert: &str) {
     skip_without_python!();
     let (ca, cert, key) = server_pki();
@@ -134,7 +134,7 @@ async fn metric(fg: &Fencegate, exact: &str) -> f64 {
 /// "whsec_…"` — the issue speaks of "the route's secret"). The reload is refused
 /// whole and deliveries go on signed with the old secret (that held) — but the
 /// refusal quotes the secret: TOML's type error prints the value, so it lands in
-/// fencegate's log at every SIGHUP and in `check-config`'s output. Fails today
+/// fencegate's log at every SIGHUP and in `check-config`'s output. Fixed; it failed
 /// on the log and on check-config (SPEC: secrets are never logged or shown).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secret_written_as_a_string_is_refused_without_being_printed() {
@@ -336,8 +336,8 @@ async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
     };
     assert_eq!(b64(&got[0]), exact);
     assert_eq!(b64(&got[1]), b"");
-    assert_eq!(got[1]["headers"]["webhook-id"], "empty-1");
-    assert_eq!(got[2]["headers"]["webhook-id"], "big-1");
+    assert_eq!(got[1]["headers"]["webhook-id"], "hooks:empty-1");
+    assert_eq!(got[2]["headers"]["webhook-id"], "hooks:big-1");
     for g in &got {
         assert_eq!(g["verified"]["A"], true, "{g}");
     }
@@ -354,7 +354,7 @@ async fn signing_covers_exactly_the_bytes_sent_at_the_edges() {
 /// (`orders`, `refunds`), a worker using its row id `42` as the key on each:
 /// fencegate forwards both (different routes, different records), and they
 /// arrive under one `webhook-id` — the receiver drops the refund as a duplicate
-/// of the order. Fails today: the two distinct deliveries share an id.
+/// of the order. Fixed (`webhook-id` is `{route}:{key}`); it failed when the two deliveries shared an id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_on_two_routes_is_two_webhook_ids() {
     skip_without_python!();
@@ -514,7 +514,7 @@ async fn a_cert_swap_keeps_in_flight_requests_and_a_broken_one_is_refused_whole(
 /// reading a request. rustls declines (a `no_renegotiation` warning), OpenSSL
 /// answers a fatal `handshake_failure`, and fencegate calls it "nothing was
 /// sent" (502, key freed) — on a route without any client certificate — though
-/// the destination holds the whole request. Fails today (needs `openssl`).
+/// the destination holds the whole request. Fixed (needs `openssl`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renegotiation_refused_after_the_request_is_not_nothing_sent() {
     use std::io::Write;

@@ -196,19 +196,21 @@ async fn signed_deliveries_verify_with_the_receivers_libraries_through_a_retry_a
     let id = |i: usize| got[i]["headers"]["webhook-id"].as_str().unwrap().to_owned();
     // The retry carries the same id: the derived dedup key, also in Idempotency-Key.
     assert_eq!(id(0), id(1));
-    assert_eq!(id(0).len(), 64, "sha256 hex: {}", id(0));
-    assert_eq!(got[0]["headers"]["idempotency-key"], id(0).as_str());
+    // `route:key` (the dedup record's scope, SPEC §3).
+    let derived = id(0).strip_prefix("hooks:").unwrap().to_owned();
+    assert_eq!(derived.len(), 64, "sha256 hex: {}", id(0));
+    assert_eq!(got[0]["headers"]["idempotency-key"], derived.as_str());
     assert_ne!(
         got[0]["headers"]["webhook-timestamp"].as_str(),
         None,
         "timestamped"
     );
-    assert_eq!(id(2), "evt_42", "the worker's key, not its forged id");
+    assert_eq!(id(2), "hooks:evt_42", "the worker's key, not its forged id");
     assert!(!got[2]["headers"]["webhook-signature"]
         .as_str()
         .unwrap()
         .contains("Zm9yZ2Vk"));
-    assert!(id(3).starts_with("fg-"), "{}", id(3));
+    assert!(id(3).starts_with("fresh:fg-"), "{}", id(3));
     let sigs = |i: usize| {
         got[i]["headers"]["webhook-signature"]
             .as_str()
@@ -322,7 +324,7 @@ async fn a_resent_in_doubt_delivery_keeps_its_webhook_id() {
     let got = arrivals(&origin).await;
     assert_eq!(got.len(), 2, "{got:#?}");
     for g in &got {
-        assert_eq!(g["headers"]["webhook-id"], "evt_in_doubt");
+        assert_eq!(g["headers"]["webhook-id"], "hooks:evt_in_doubt");
         assert_eq!(g["verified"]["A"], true, "{g}");
     }
 }

@@ -399,6 +399,9 @@ async fn serve(
     // is a graceful shutdown, not the default kill (and a SIGHUP never kills).
     let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    // Watched from now on, start-up included: a second signal while starting
+    // exits at once too, and a first one is kept for when serving begins.
+    let stop_requested = watch_signals(term, int);
     let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let app = crate::server::build(&cfg, Arc::new(SystemClock)).await?;
     let reloader = app.reloader(path, set_log);
@@ -417,22 +420,25 @@ async fn serve(
         "{}",
         json!({"event": "listening", "proxy": p.to_string(), "admin": a.to_string()})
     );
-    app.run(proxy_l, admin_l, shutdown_signal(term, int))
-        .await?;
+    app.run(proxy_l, admin_l, stop_requested).await?;
     Ok(())
 }
 
-/// Resolves on the first SIGTERM or SIGINT; a second one exits at once.
-async fn shutdown_signal(
+/// Watches SIGTERM and SIGINT from the moment it is called: the returned future
+/// resolves once the first has come (even if it came during start-up); a second
+/// one exits at once, whenever it comes.
+fn watch_signals(
     mut term: tokio::signal::unix::Signal,
     mut int: tokio::signal::unix::Signal,
-) {
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    tracing::info!("signal received; a second signal exits immediately");
+) -> impl std::future::Future<Output = ()> {
+    let (first, mut seen) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!("signal received; a second signal exits immediately");
+        let _ = first.send(true);
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
@@ -440,6 +446,10 @@ async fn shutdown_signal(
         tracing::warn!("second signal, exiting now");
         std::process::exit(130);
     });
+    async move {
+        // An error means the watcher is gone: it never returns but by exiting.
+        let _ = seen.wait_for(|came| *came).await;
+    }
 }
 
 /// A bad config file or argument for a lease command (exit code 2).

@@ -501,8 +501,13 @@ impl App {
             for t in &self.tasks {
                 t.abort();
             }
+            // Nothing is in flight: a successor may start at once.
+            if let Mode::Single(guard) = &self.shared.mode {
+                guard.release().await;
+            }
             if let Some(t) = exporter {
-                // The last spans, one try: a collector that does not answer delays
+                // The last spans, one try (after the guard is released: a successor
+                // never waits for a collector): a collector that does not answer delays
                 // the exit by at most this.
                 if tokio::time::timeout(Duration::from_secs(2), t)
                     .await
@@ -510,10 +515,6 @@ impl App {
                 {
                     tracing::warn!("the last trace export did not finish; its spans are lost");
                 }
-            }
-            // Nothing is in flight: a successor may start at once.
-            if let Mode::Single(guard) = &self.shared.mode {
-                guard.release().await;
             }
             let closed = self.shared.state.close().await;
             // Only now: liveness holds until the process is about to exit.

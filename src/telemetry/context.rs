@@ -102,8 +102,28 @@ pub(crate) fn tracestate(headers: &HeaderMap) -> Option<HeaderValue> {
     if joined.is_empty() || joined.len() > MAX_TRACESTATE {
         return None;
     }
+    // W3C trace context: printable ASCII (and OWS tabs), at most 32 `key=value`
+    // members. Anything else is dropped, not passed on: it would reach the
+    // upstream unchecked and, exported as a protobuf string, make a collector
+    // refuse the whole batch (every other request's spans with it).
+    let printable = joined
+        .iter()
+        .all(|&b| b == b'\t' || (0x20..0x7f).contains(&b));
+    let members: Vec<&[u8]> = joined
+        .split(|&b| b == b',')
+        .filter(|m| m.iter().any(|&b| b != b' ' && b != b'\t'))
+        .collect();
+    if !printable
+        || members.len() > MAX_TRACESTATE_MEMBERS
+        || members.iter().any(|m| !m.contains(&b'='))
+    {
+        return None;
+    }
     HeaderValue::from_bytes(&joined).ok()
 }
+
+/// W3C trace context's bound on `tracestate` list members.
+const MAX_TRACESTATE_MEMBERS: usize = 32;
 
 #[cfg(test)]
 mod tests {
@@ -158,5 +178,18 @@ mod tests {
         assert_eq!(tracestate(&h).unwrap(), "a=1,b=2");
         h.insert(TRACESTATE, HeaderValue::from_str(&"x".repeat(513)).unwrap());
         assert_eq!(tracestate(&h), None);
+        // Not ASCII, too many members, a member without `=`: dropped.
+        h.insert(TRACESTATE, HeaderValue::from_bytes(b"v=caf\xe9").unwrap());
+        assert_eq!(tracestate(&h), None);
+        let many = (0..33)
+            .map(|i| format!("k{i}=v"))
+            .collect::<Vec<_>>()
+            .join(",");
+        h.insert(TRACESTATE, HeaderValue::from_str(&many).unwrap());
+        assert_eq!(tracestate(&h), None);
+        h.insert(TRACESTATE, HeaderValue::from_static("a=1,bogus"));
+        assert_eq!(tracestate(&h), None);
+        h.insert(TRACESTATE, HeaderValue::from_static("a=1, b=2 ,"));
+        assert_eq!(tracestate(&h).unwrap(), "a=1, b=2 ,");
     }
 }

@@ -1003,7 +1003,10 @@ async fn a_live_gate_object_of_another_set_up_stops_the_cluster_until_it_ends() 
         next,
         "fg-single",
         b"token",
-        Duration::from_secs(5),
+        // Long enough for the checks made while it lives (/readyz, the
+        // metric, nothing delivered) on a loaded machine: with 5 s it expired
+        // before /readyz was read in two runs under the full suite.
+        Duration::from_secs(15),
     );
     fencegate::setup::SetUp::Single.stamp(&mut rec);
     gates

@@ -61,27 +61,7 @@ async fn an_alert_after_the_request_arrived_keeps_the_key(mode: &str, alert: &st
         ],
         &[],
     );
-    let store = tempfile::tempdir().unwrap();
-    let mut fg = Fencegate::unstarted(
-        "127.0.0.1:0",
-        "",
-        &format!(
-            "{}\n[[route]]\nname = \"partner\"\npath_prefix = \"/partner/\"\n\
-             upstream = \"https://127.0.0.1:{}/api/\"\nlease = \"partner\"\nca_file = \"ca.pem\"\n",
-            dir_store_toml(store.path()),
-            server.port
-        ),
-        &[],
-    );
-    std::fs::write(fg.dir.path().join("ca.pem"), &ca).unwrap();
-    fg.spawn(None).expect("fencegate did not start");
-    let h = acquire(
-        &dir_epochs(store.path()),
-        "partner",
-        "worker",
-        Duration::from_secs(120),
-    )
-    .await;
+    let (_store, fg, h) = partner_gate(server.port, &ca).await;
 
     let first = send(keyed(&fg, "/partner/charge", &h, "charge-1", r#"{"n":1}"#)).await;
     assert_eq!(arrivals(&log, "charge-1"), 1, "the destination read it");
@@ -544,26 +524,7 @@ async fn a_renegotiation_refused_after_the_request_is_not_nothing_sent() {
         printed().contains("ACCEPT")
     })
     .await;
-    let store = tempfile::tempdir().unwrap();
-    let mut fg = Fencegate::unstarted(
-        "127.0.0.1:0",
-        "",
-        &format!(
-            "{}\n[[route]]\nname = \"partner\"\npath_prefix = \"/partner/\"\n\
-             upstream = \"https://127.0.0.1:{port}/api/\"\nlease = \"partner\"\nca_file = \"ca.pem\"\n",
-            dir_store_toml(store.path()),
-        ),
-        &[],
-    );
-    std::fs::write(fg.dir.path().join("ca.pem"), &ca).unwrap();
-    fg.spawn(None).expect("fencegate did not start");
-    let h = acquire(
-        &dir_epochs(store.path()),
-        "partner",
-        "worker",
-        Duration::from_secs(120),
-    )
-    .await;
+    let (_store, fg, h) = partner_gate(port, &ca).await;
     let reply = tokio::spawn(send(keyed(
         &fg,
         "/partner/charge",
@@ -585,4 +546,37 @@ async fn a_renegotiation_refused_after_the_request_is_not_nothing_sent() {
         "the destination read the request, yet: {}",
         String::from_utf8_lossy(&reply.body)
     );
+}
+
+/// fencegate with one route, `partner`, to the https origin on `port` (trusted
+/// through `ca`, PEM), on a `dir` store, and a worker holding lease `partner`.
+async fn partner_gate(
+    port: u16,
+    ca: &str,
+) -> (
+    tempfile::TempDir,
+    Fencegate,
+    fencegate::lease::acquire::Holding,
+) {
+    let store = tempfile::tempdir().unwrap();
+    let mut fg = Fencegate::unstarted(
+        "127.0.0.1:0",
+        "",
+        &format!(
+            "{}\n[[route]]\nname = \"partner\"\npath_prefix = \"/partner/\"\n\
+             upstream = \"https://127.0.0.1:{port}/api/\"\nlease = \"partner\"\nca_file = \"ca.pem\"\n",
+            dir_store_toml(store.path()),
+        ),
+        &[],
+    );
+    std::fs::write(fg.dir.path().join("ca.pem"), ca).unwrap();
+    fg.spawn(None).expect("fencegate did not start");
+    let h = acquire(
+        &dir_epochs(store.path()),
+        "partner",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    (store, fg, h)
 }

@@ -49,9 +49,8 @@ pub(crate) struct Proxy {
     /// Pooled connections to cluster peers (SPEC §10.2).
     peers: Option<HttpsClient>,
     metrics: Arc<Metrics>,
-    /// Only for its local wall clock: a `Retry-After` date without a `Date`.
-    wall: Arc<dyn crate::lease::LeaseStore>,
-    /// Wall-clock time for `webhook-timestamp`.
+    /// Wall-clock time: `webhook-timestamp`, and a `Retry-After` date that
+    /// comes without a `Date`.
     clock: Arc<dyn Clock>,
     /// Cancelled when shutdown gives up on in-flight requests.
     abandon: tokio_util::sync::CancellationToken,
@@ -75,7 +74,6 @@ impl Proxy {
             mode: shared.mode.clone(),
             peers,
             metrics,
-            wall: shared.store.clone(),
             clock,
             abandon: tokio_util::sync::CancellationToken::new(),
         }
@@ -581,8 +579,7 @@ impl Proxy {
             .upstream
             .observe(upstream_elapsed.as_secs_f64());
         let answered = |head: &forward::UpstreamHead, protect: protect::Ticket| {
-            let slot =
-                protect.answered(head.status, &head.headers, || self.wall.clock().local_now());
+            let slot = protect.answered(head.status, &head.headers, || self.clock.now());
             exchange.keep(slot);
         };
         let e = match result {

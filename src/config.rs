@@ -1786,6 +1786,24 @@ lease = "billing"
         assert!(err.contains("needs an https:// upstream"), "{err}");
     }
 
+    /// `signing_secrets` of any other type than a list of strings is refused
+    /// without its value in the error (the error is logged and printed).
+    #[test]
+    fn signing_secrets_of_the_wrong_type_are_refused_unquoted() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        for value in [
+            format!("\"{secret}\""),
+            "4242424242".to_owned(),
+            "true".to_owned(),
+            format!("{{ s = \"{secret}\" }}"),
+            format!("[\"{secret}\", 4242424242]"),
+        ] {
+            let err = Config::parse(&format!("{MIN}signing_secrets = {value}\n")).unwrap_err();
+            assert!(err.contains("secret"), "{value}: {err}");
+            assert!(!err.contains(&secret[6..]), "{value}: {err}");
+        }
+    }
+
     /// `[cluster]` (SPEC §10.2): its rules, each named in the error.
     #[test]
     fn cluster_keys_are_checked() {

@@ -84,6 +84,9 @@ mod scaling;
 #[allow(dead_code)]
 #[path = "../tests/common/postgres.rs"]
 mod pg;
+// The ports the harness starts PostgreSQL on (`super::ports` from `pg`).
+#[path = "../tests/common/ports.rs"]
+mod ports;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -23,9 +23,12 @@
 #![allow(dead_code)]
 
 mod fault_store;
+pub mod ports;
 pub mod postgres;
 
 pub use fault_store::{Fault, FaultStore, Op, Rule};
+#[allow(unused_imports)]
+pub use ports::free_port;
 #[allow(unused_imports)]
 pub use postgres::freeze::freeze;
 

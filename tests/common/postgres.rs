@@ -13,6 +13,7 @@
 //! [`PgServer::standby`] makes a streaming standby of a server (`pg_basebackup`)
 //! and [`PgServer::promote`] turns it into a primary: a failover.
 
+use super::ports::free_port;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -77,13 +78,6 @@ pub fn available_or_skip() -> bool {
     }
     eprintln!("SKIPPED (PostgreSQL): {why}");
     false
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 fn postgres_account() -> Option<(u32, u32)> {

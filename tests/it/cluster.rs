@@ -44,13 +44,7 @@ fn leases_per_shard(shards: u32) -> Vec<String> {
 }
 
 /// A free loopback port for a member's proxy listener (its `advertise`).
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub(crate) use crate::support::free_port;
 
 /// A cluster on one store and database, with one route per lease (`/l0/` → lease
 /// `l0`, and so on) to one recording origin.

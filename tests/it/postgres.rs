@@ -1705,12 +1705,8 @@ async fn serve_refuses_what_it_cannot_trust_with_exit_2() {
     assert_eq!(status.code(), Some(2), "{stderr}");
     assert!(why.contains("synchronous_commit"), "{why}");
 
-    // Nothing listens on the port of a socket just closed.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A port nothing listens on.
+    let port = crate::support::free_port();
     let url = format!("postgres://fg:hunter2-secret@127.0.0.1:{port}/nowhere?sslmode=disable");
     let (status, stderr, took) = serve_refused(&state_toml(&url, "timeout_ms = 500"), &[]);
     let why = reason(&stderr);

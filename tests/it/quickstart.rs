@@ -12,14 +12,6 @@ use std::time::{Duration, Instant};
 
 use crate::support::*;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// The `sh` block after the `<!-- quickstart` marker.
 fn quickstart_block(readme: &str) -> String {
     let after = &readme[readme.find("<!-- quickstart").expect("quickstart marker")..];

@@ -160,13 +160,7 @@ async fn r1_garbage_gate_object_lets_a_second_single_instance_serve_beside_a_liv
 pub(crate) const PEER_TOKEN: &str = "test-peer-token-0123456789";
 
 /// A free loopback port (a member's `advertise`).
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub(crate) use crate::support::free_port;
 
 /// A cluster member's config: one route `/billing/` (fencing only, drain
 /// timeout 1 s) on lease `billing`, `shards` shards.

@@ -119,10 +119,7 @@ impl Nemesis<'_> {
 
     fn start_clone(&mut self, original: Original) {
         let n = self.clones_done + 1;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port();
+        let port = crate::support::free_port();
         let addr = format!("127.0.0.1:{port}");
         let mut copy = Fencegate::unstarted_with_args(&addr, "", &self.base_config, &[], &[]);
         let pid = self.fg.pid().to_string();

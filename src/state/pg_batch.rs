@@ -1,8 +1,8 @@
 //! The PostgreSQL backend's batched claims and outcomes (group commit, issue
-//! 27): the claims of concurrent requests go to the database as one
-//! `INSERT … SELECT … FROM unnest(…)` and their outcomes as one
-//! `UPDATE`/`DELETE … FROM unnest(…)`, each a single statement, so one
-//! transaction and one commit for the batch.
+//! 27): the claims and outcomes of concurrent requests go to the database
+//! together as one statement — an `INSERT … SELECT … FROM unnest(…)` for the
+//! claims and an `UPDATE`/`DELETE … FROM unnest(…)` for the outcomes — so one
+//! round trip, one transaction and one commit for the batch.
 //!
 //! Every rule of the one-row statements holds per row:
 //! - the owner generation: the batch share-locks the owner rows of its shards
@@ -124,32 +124,23 @@ pub(super) struct OutcomeItem {
     pub reply: Option<oneshot::Sender<Result<bool, BatchError>>>,
 }
 
-/// The columns a claim batch reads back of a conflicting key's record, in
-/// [`super::postgres`]'s `RECORD_COLUMNS` order, from result column 3.
-const CLAIM_BATCH: &str = "/* fencegate: claims */ WITH owners AS MATERIALIZED ( \
-       SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
-       ORDER BY shard FOR SHARE), \
-     input AS ( \
-       SELECT * FROM unnest($2::int4[], $3::text[], $4::text[], $5::int4[], $6::bytea[], \
-         $7::int8[], $8::int8[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
-         AS t(i, route, key, shard, fp, epoch, gen, created, method, path, claim)), \
-     allowed AS MATERIALIZED ( \
-       SELECT input.*, (SELECT o.generation FROM owners o WHERE o.shard = input.shard) AS owner \
-       FROM input), \
-     ins AS ( \
-       INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
-         owner_generation, created_ms, updated_ms, method, path, claim) \
-       SELECT route, key, shard, 0, fp, epoch, gen, created, created, method, path, claim \
-       FROM allowed WHERE COALESCE(owner, 0) <= gen ORDER BY route, key \
-       ON CONFLICT (route, key) DO NOTHING RETURNING route, key) \
-     SELECT a.i, ins.key IS NOT NULL, a.owner, \
-       d.state, d.fingerprint, d.epoch, d.created_ms, d.updated_ms, d.status, \
-       d.header_names, d.header_values, d.body, d.method, d.path, d.headers \
-     FROM allowed a \
-     LEFT JOIN ins ON ins.route = a.route AND ins.key = a.key \
-     LEFT JOIN LATERAL (SELECT * FROM fencegate_dedup d \
-       WHERE ins.key IS NULL AND d.route = a.route AND d.key = a.key LIMIT 1) d ON true";
-
+/// One statement for a batch of claims and outcomes together: one round trip,
+/// one transaction, one commit for both (issue 27: as two statements, the
+/// commits per request at 64 workers were twice what one can be).
+///
+/// Claims: each inserts its key only where no record is (`ON CONFLICT DO
+/// NOTHING`) and no newer generation holds its shard; the record of a key that
+/// conflicts comes back (from result column 4, in [`super::postgres`]'s
+/// `RECORD_COLUMNS` order).
+///
+/// Outcomes: each is written over its record only while it is still this
+/// claim's in-flight record under this generation; the rows written come back
+/// by index. Each row's record is found by its primary key alone and then
+/// written by `ctid` with the conditions checked on the row itself: with
+/// `state = 0` in the lookup the planner prefers scanning the partial in-flight
+/// index (every in-flight record of the shard, and the dead entries of every
+/// outcome since the last vacuum) to one key lookup per row.
+///
 /// Every lookup of a key is a `LATERAL` subquery with `LIMIT 1` (the key is
 /// the primary key): it cannot be flattened into a join, so it is always one
 /// index lookup per row. As a plain join, the generic plan (built once per
@@ -158,25 +149,44 @@ const CLAIM_BATCH: &str = "/* fencegate: claims */ WITH owners AS MATERIALIZED (
 /// table grew: each batch read the whole table (the load bench's PostgreSQL
 /// CPU per request grew round after round).
 ///
-/// Outcomes: the rows written come back by index. Each row's record is found
-/// by its primary key alone and then written by `ctid` with the conditions
-/// checked on the row itself: with `state = 0` in the lookup the planner
-/// prefers scanning the partial in-flight index (every in-flight record of the
-/// shard, and the dead entries of every outcome since the last vacuum) to one
-/// key lookup per row.
-const OUTCOME_BATCH: &str = "/* fencegate: outcomes */ WITH owners AS MATERIALIZED ( \
+/// A claim and an outcome of one key in one batch (a worker's retry of a key
+/// still in flight) see the statement's one snapshot: the claim conflicts with
+/// the record in flight and answers from it, as if it had come just before the
+/// outcome.
+///
+/// The comment names what the batch carries (`claims` when it has any), so
+/// that an operator — and a test — can tell a claim waiting on a lock.
+macro_rules! write_batch {
+    ($what:literal) => {
+        concat!(
+            "/* fencegate: ",
+            $what,
+            " */ WITH owners AS MATERIALIZED ( \
        SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
        ORDER BY shard FOR SHARE), \
-     input AS ( \
-       SELECT * FROM unnest($2::int4[], $3::text[], $4::text[], $5::int4[], $6::int8[], \
-         $7::int2[], $8::int8[], $9::int8[], $10::int2[], $11::bytea[], $12::bytea[]) \
+     claim_input AS ( \
+       SELECT * FROM unnest($2::int4[], $3::text[], $4::text[], $5::int4[], $6::bytea[], \
+         $7::int8[], $8::int8[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
+         AS t(i, route, key, shard, fp, epoch, gen, created, method, path, claim)), \
+     allowed AS MATERIALIZED ( \
+       SELECT c.*, (SELECT o.generation FROM owners o WHERE o.shard = c.shard) AS owner \
+       FROM claim_input c), \
+     ins AS ( \
+       INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+         owner_generation, created_ms, updated_ms, method, path, claim) \
+       SELECT route, key, shard, 0, fp, epoch, gen, created, created, method, path, claim \
+       FROM allowed WHERE COALESCE(owner, 0) <= gen ORDER BY route, key \
+       ON CONFLICT (route, key) DO NOTHING RETURNING route, key), \
+     outcome_input AS ( \
+       SELECT * FROM unnest($13::int4[], $14::text[], $15::text[], $16::int4[], $17::int8[], \
+         $18::int2[], $19::int8[], $20::int8[], $21::int2[], $22::bytea[], $23::bytea[]) \
          AS t(i, route, key, shard, gen, op, claim, updated, status, headers, body)), \
      target AS MATERIALIZED ( \
-       SELECT input.*, d.tid FROM input \
+       SELECT u.*, d.tid FROM outcome_input u \
        CROSS JOIN LATERAL (SELECT d.ctid AS tid FROM fencegate_dedup d \
-         WHERE d.route = input.route AND d.key = input.key LIMIT 1) d \
-       WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = input.shard), 0) \
-         <= input.gen), \
+         WHERE d.route = u.route AND d.key = u.key LIMIT 1) d \
+       WHERE COALESCE((SELECT o.generation FROM owners o WHERE o.shard = u.shard), 0) \
+         <= u.gen), \
      del AS ( \
        DELETE FROM fencegate_dedup d USING target t \
        WHERE t.op = 3 AND d.ctid = t.tid AND d.state = 0 AND d.owner_generation = t.gen \
@@ -189,7 +199,24 @@ const OUTCOME_BATCH: &str = "/* fencegate: outcomes */ WITH owners AS MATERIALIZ
        WHERE t.op IN (1, 2) AND d.ctid = t.tid AND d.state = 0 AND d.owner_generation = t.gen \
          AND (t.claim IS NULL OR d.claim = t.claim) \
        RETURNING t.i) \
-     SELECT i FROM del UNION ALL SELECT i FROM upd";
+     SELECT 0::int2, a.i, ins.key IS NOT NULL, a.owner, \
+       d.state, d.fingerprint, d.epoch, d.created_ms, d.updated_ms, d.status, \
+       d.header_names, d.header_values, d.body, d.method, d.path, d.headers \
+     FROM allowed a \
+     LEFT JOIN ins ON ins.route = a.route AND ins.key = a.key \
+     LEFT JOIN LATERAL (SELECT * FROM fencegate_dedup d \
+       WHERE ins.key IS NULL AND d.route = a.route AND d.key = a.key LIMIT 1) d ON true \
+     UNION ALL SELECT 1::int2, m.i, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, \
+       NULL, NULL, NULL, NULL, NULL \
+     FROM (SELECT i FROM del UNION ALL SELECT i FROM upd) m"
+        )
+    };
+}
+
+/// A batch with claims (and perhaps outcomes).
+const CLAIMS_BATCH: &str = write_batch!("claims");
+/// A batch of outcomes alone.
+const OUTCOMES_BATCH: &str = write_batch!("outcomes");
 
 /// Frees claims that were never forwarded (their batch's outcome was unknown,
 /// or their request was gone when the answer came): by claim number, so only
@@ -378,86 +405,173 @@ fn shards_of<'a>(shards: impl Iterator<Item = &'a i32>) -> Vec<i32> {
     v
 }
 
-/// Runs a batch of claims (keys unique within it: a key's second claim waits
-/// for the next batch) and answers each.
-pub(super) async fn claims(db: Db, mut batch: Vec<ClaimItem>) {
-    while !batch.is_empty() {
-        let mut seen = HashSet::with_capacity(batch.len());
+/// A write a request hands to the batch writer.
+pub(super) enum Write {
+    Claim(ClaimItem),
+    Outcome(OutcomeItem),
+}
+
+/// Runs a batch of writes, its claims and outcomes in one statement, and
+/// answers each. Keys are unique among a statement's claims: a key's second
+/// claim goes in a round of its own after the first.
+pub(super) async fn writes(db: Db, batch: Vec<Write>) {
+    let mut claims = Vec::new();
+    let mut outcomes = Vec::new();
+    for w in batch {
+        match w {
+            Write::Claim(c) => claims.push(c),
+            Write::Outcome(o) => outcomes.push(o),
+        }
+    }
+    loop {
+        let mut seen = HashSet::with_capacity(claims.len());
         let (now, later): (Vec<_>, Vec<_>) =
-            batch.into_iter().partition(|c| seen.insert(c.key.clone()));
-        claim_round(&db, now).await;
-        batch = later;
+            claims.into_iter().partition(|c| seen.insert(c.key.clone()));
+        round(&db, now, std::mem::take(&mut outcomes)).await;
+        if later.is_empty() {
+            break;
+        }
+        claims = later;
     }
 }
 
-async fn claim_round(db: &Db, batch: Vec<ClaimItem>) {
-    let n = batch.len();
-    let idx: Vec<i32> = (0..n)
+/// A statement's answer: how each claim came out, whether each outcome was
+/// written, and how many claims inserted a record.
+struct Answer {
+    claims: Vec<Option<Claimed>>,
+    matched: Vec<bool>,
+    inserted: usize,
+}
+
+fn indexes(n: usize) -> Vec<i32> {
+    (0..n)
         .map(|i| i32::try_from(i).unwrap_or(i32::MAX))
-        .collect();
-    let routes: Vec<&str> = batch.iter().map(|c| c.key.route.as_str()).collect();
-    let keys: Vec<&str> = batch.iter().map(|c| c.key.key.as_str()).collect();
-    let shard: Vec<i32> = batch.iter().map(|c| c.shard).collect();
-    let fps: Vec<&[u8]> = batch.iter().map(|c| c.fingerprint.as_slice()).collect();
-    let epochs: Vec<i64> = batch.iter().map(|c| c.epoch).collect();
-    let gens: Vec<i64> = batch.iter().map(|c| c.generation).collect();
-    let created: Vec<i64> = batch.iter().map(|c| c.created_ms).collect();
-    let methods: Vec<Option<&str>> = batch.iter().map(|c| c.method.as_deref()).collect();
-    let paths: Vec<Option<&str>> = batch.iter().map(|c| c.path.as_deref()).collect();
-    let claims: Vec<i64> = batch.iter().map(|c| c.claim).collect();
-    let locked = shards_of(shard.iter());
-    let res = run(
+        .collect()
+}
+
+/// Sends one batch statement and reads its answer.
+async fn send(db: &Db, claims: &[ClaimItem], outcomes: &[OutcomeItem]) -> Result<Answer, Failed> {
+    let c_idx = indexes(claims.len());
+    let c_routes: Vec<&str> = claims.iter().map(|c| c.key.route.as_str()).collect();
+    let c_keys: Vec<&str> = claims.iter().map(|c| c.key.key.as_str()).collect();
+    let c_shards: Vec<i32> = claims.iter().map(|c| c.shard).collect();
+    let fps: Vec<&[u8]> = claims.iter().map(|c| c.fingerprint.as_slice()).collect();
+    let epochs: Vec<i64> = claims.iter().map(|c| c.epoch).collect();
+    let c_gens: Vec<i64> = claims.iter().map(|c| c.generation).collect();
+    let created: Vec<i64> = claims.iter().map(|c| c.created_ms).collect();
+    let methods: Vec<Option<&str>> = claims.iter().map(|c| c.method.as_deref()).collect();
+    let paths: Vec<Option<&str>> = claims.iter().map(|c| c.path.as_deref()).collect();
+    let c_ids: Vec<i64> = claims.iter().map(|c| c.claim).collect();
+    let o_idx = indexes(outcomes.len());
+    let o_routes: Vec<&str> = outcomes.iter().map(|o| o.key.route.as_str()).collect();
+    let o_keys: Vec<&str> = outcomes.iter().map(|o| o.key.key.as_str()).collect();
+    let o_shards: Vec<i32> = outcomes.iter().map(|o| o.shard).collect();
+    let o_gens: Vec<i64> = outcomes.iter().map(|o| o.generation).collect();
+    let ops: Vec<i16> = outcomes.iter().map(|o| o.op as i16).collect();
+    let o_ids: Vec<Option<i64>> = outcomes.iter().map(|o| o.claim).collect();
+    let updated: Vec<i64> = outcomes.iter().map(|o| o.updated_ms).collect();
+    let status: Vec<Option<i16>> = outcomes.iter().map(|o| o.status).collect();
+    let headers: Vec<Option<&[u8]>> = outcomes.iter().map(|o| o.headers.as_deref()).collect();
+    let bodies: Vec<Option<&[u8]>> = outcomes.iter().map(|o| o.body.as_deref()).collect();
+    let locked = shards_of(c_shards.iter().chain(o_shards.iter()));
+    let sql = if claims.is_empty() {
+        OUTCOMES_BATCH
+    } else {
+        CLAIMS_BATCH
+    };
+    let rows = run(
         db,
-        CLAIM_BATCH,
+        sql,
         &[
-            &locked, &idx, &routes, &keys, &shard, &fps, &epochs, &gens, &created, &methods,
-            &paths, &claims,
+            &locked, &c_idx, &c_routes, &c_keys, &c_shards, &fps, &epochs, &c_gens, &created,
+            &methods, &paths, &c_ids, &o_idx, &o_routes, &o_keys, &o_shards, &o_gens, &ops, &o_ids,
+            &updated, &status, &headers, &bodies,
         ],
     )
-    .await;
-    crate::failpoint::hit("pg_claim_batch_answered");
-    let rows = match res {
-        Ok(rows) => rows,
-        Err(Failed { error, sent, .. }) => {
-            if matches!(error, BatchError::Unknown(_)) {
-                release_in_background(db.clone(), releases(&batch), sent);
-            }
-            for c in batch {
-                let _ = c.reply.send(Err(error.clone()));
-            }
-            return;
-        }
+    .await?;
+    let mut answer = Answer {
+        claims: (0..claims.len()).map(|_| None).collect(),
+        matched: vec![false; outcomes.len()],
+        inserted: 0,
     };
-    let mut answers: Vec<Option<Claimed>> = (0..n).map(|_| None).collect();
-    let mut inserted = 0;
     for row in &rows {
         let Some(i) = row
-            .get::<_, Option<i32>>(0)
+            .get::<_, Option<i32>>(1)
             .and_then(|i| usize::try_from(i).ok())
         else {
             continue;
         };
-        let Some(slot) = answers.get_mut(i) else {
+        if row.get::<_, i16>(0) == 1 {
+            if let Some(m) = answer.matched.get_mut(i) {
+                *m = true;
+            }
+            continue;
+        }
+        let Some(slot) = answer.claims.get_mut(i) else {
             continue;
         };
-        *slot = Some(if row.get::<_, bool>(1) {
-            inserted += 1;
+        *slot = Some(if row.get::<_, Option<bool>>(2) == Some(true) {
+            answer.inserted += 1;
             Claimed::Yes
         } else {
             Claimed::No {
-                existing: super::pg_record::record_at(row, 3),
-                owner: row.get(2),
+                existing: super::pg_record::record_at(row, 4),
+                owner: row.get(3),
             }
         });
     }
-    if inserted > 0 {
-        db.committed(inserted);
+    Ok(answer)
+}
+
+/// Runs one statement of claims and outcomes and answers each request.
+async fn round(db: &Db, claims: Vec<ClaimItem>, outcomes: Vec<OutcomeItem>) {
+    let res = send(db, &claims, &outcomes).await;
+    if !claims.is_empty() {
+        crate::failpoint::hit("pg_claim_batch_answered");
+    }
+    if !outcomes.is_empty() {
+        crate::failpoint::hit("pg_outcome_batch_answered");
+    }
+    let answer = match res {
+        Ok(answer) => answer,
+        Err(failed) => {
+            let error = failed.error.clone();
+            if !claims.is_empty() && matches!(error, BatchError::Unknown(_)) {
+                release_in_background(db.clone(), releases(&claims), failed.sent);
+            } else {
+                failed.into_error();
+            }
+            for c in claims {
+                let _ = c.reply.send(Err(error.clone()));
+            }
+            failed_outcomes(db, outcomes, &error);
+            return;
+        }
+    };
+    let written = answer.inserted + answer.matched.iter().filter(|m| **m).count();
+    if written > 0 {
+        db.committed(written);
+    }
+    if answer.inserted > 0 {
         crate::failpoint::hit("dedup_in_flight_flushed");
     }
+    if written > answer.inserted && outcomes.iter().any(|o| o.op == Op::Done) {
+        crate::failpoint::hit("dedup_done_flushed");
+    }
+    answer_claims(db, claims, answer.claims);
+    for (o, m) in outcomes.into_iter().zip(answer.matched) {
+        if let Some(reply) = o.reply {
+            let _ = reply.send(Ok(m));
+        }
+    }
+}
+
+/// Answers each claim of a statement that committed.
+fn answer_claims(db: &Db, claims: Vec<ClaimItem>, answers: Vec<Option<Claimed>>) {
     // A request that is gone (its worker hung up) did not forward: its claim
     // is freed rather than left in flight until a restart.
     let mut orphans = Vec::new();
-    for (c, answer) in batch.into_iter().zip(answers) {
+    for (c, answer) in claims.into_iter().zip(answers) {
         let answer = answer.unwrap_or(Claimed::No {
             existing: None,
             owner: None,
@@ -632,80 +746,32 @@ fn release_in_background(db: Db, claims: Vec<Release>, sent: Option<Sent>) {
     });
 }
 
-/// Runs a batch of outcomes (one per claimed key) and answers each.
-pub(super) async fn outcomes(db: Db, batch: Vec<OutcomeItem>) {
-    let res = outcome_round(&db, &batch).await;
-    crate::failpoint::hit("pg_outcome_batch_answered");
-    match res {
-        Ok(matched) => {
-            let n = matched.iter().filter(|m| **m).count();
-            if n > 0 {
-                db.committed(n);
-                if batch.iter().any(|o| o.op == Op::Done) {
-                    crate::failpoint::hit("dedup_done_flushed");
-                }
-            }
-            for (o, m) in batch.into_iter().zip(matched) {
-                if let Some(reply) = o.reply {
-                    let _ = reply.send(Ok(m));
-                }
-            }
-        }
-        Err(e) => {
-            let mut again = Vec::with_capacity(batch.len());
-            for mut o in batch {
-                if let Some(reply) = o.reply.take() {
-                    let _ = reply.send(Err(e.clone()));
-                }
-                again.push(o);
-            }
-            // Written again whatever the failure: an outcome matches only its
-            // own claim still in flight, so a second write changes nothing
-            // else — and a batch that never reached a database (no connection
-            // while a standby is being promoted) would otherwise leave its keys
-            // in flight, refused (409), until a restart.
-            write_again_in_background(db, again, &e);
-        }
+/// Answers the outcomes of a failed statement with its error and writes them
+/// again in the background, whatever the failure: an outcome matches only its
+/// own claim still in flight, so a second write changes nothing else — and a
+/// batch that never reached a database (no connection while a standby is being
+/// promoted) would otherwise leave its keys in flight, refused (409), until a
+/// restart.
+fn failed_outcomes(db: &Db, outcomes: Vec<OutcomeItem>, error: &BatchError) {
+    if outcomes.is_empty() {
+        return;
     }
+    let mut again = Vec::with_capacity(outcomes.len());
+    for mut o in outcomes {
+        if let Some(reply) = o.reply.take() {
+            let _ = reply.send(Err(error.clone()));
+        }
+        again.push(o);
+    }
+    write_again_in_background(db.clone(), again, error);
 }
 
+/// Writes outcomes alone (a statement without claims).
 async fn outcome_round(db: &Db, batch: &[OutcomeItem]) -> Result<Vec<bool>, BatchError> {
-    let n = batch.len();
-    let idx: Vec<i32> = (0..n)
-        .map(|i| i32::try_from(i).unwrap_or(i32::MAX))
-        .collect();
-    let routes: Vec<&str> = batch.iter().map(|o| o.key.route.as_str()).collect();
-    let keys: Vec<&str> = batch.iter().map(|o| o.key.key.as_str()).collect();
-    let shard: Vec<i32> = batch.iter().map(|o| o.shard).collect();
-    let gens: Vec<i64> = batch.iter().map(|o| o.generation).collect();
-    let ops: Vec<i16> = batch.iter().map(|o| o.op as i16).collect();
-    let claims: Vec<Option<i64>> = batch.iter().map(|o| o.claim).collect();
-    let updated: Vec<i64> = batch.iter().map(|o| o.updated_ms).collect();
-    let status: Vec<Option<i16>> = batch.iter().map(|o| o.status).collect();
-    let headers: Vec<Option<&[u8]>> = batch.iter().map(|o| o.headers.as_deref()).collect();
-    let bodies: Vec<Option<&[u8]>> = batch.iter().map(|o| o.body.as_deref()).collect();
-    let locked = shards_of(shard.iter());
-    let rows = run(
-        db,
-        OUTCOME_BATCH,
-        &[
-            &locked, &idx, &routes, &keys, &shard, &gens, &ops, &claims, &updated, &status,
-            &headers, &bodies,
-        ],
-    )
-    .await
-    .map_err(Failed::into_error)?;
-    let mut matched = vec![false; n];
-    for row in &rows {
-        if let Some(m) = row
-            .get::<_, Option<i32>>(0)
-            .and_then(|i| usize::try_from(i).ok())
-            .and_then(|i| matched.get_mut(i))
-        {
-            *m = true;
-        }
-    }
-    Ok(matched)
+    send(db, &[], batch)
+        .await
+        .map(|a| a.matched)
+        .map_err(Failed::into_error)
 }
 
 /// Writes outcomes whose batch failed (its fate unknown, or refused) again,

@@ -38,7 +38,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::oneshot;
 
 use super::gather::Gather;
-use super::pg_batch::{self, BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem};
+use super::pg_batch::{self, BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem, Write};
 use super::pg_record::{record_of, state_code, RECORD_COLUMNS};
 use super::schema::{self, epoch_from_sql, epoch_to_sql};
 use super::{
@@ -56,16 +56,16 @@ pub struct PostgresState {
     healthy: Arc<AtomicBool>,
     commits: Arc<AtomicU64>,
     records: Arc<AtomicU64>,
-    claims: Gather<ClaimItem>,
-    outcomes: Gather<OutcomeItem>,
+    /// Claims and outcomes, sent together: one statement, one commit.
+    writes: Gather<Write>,
     /// The claim number of each key this process holds in flight (claimed,
     /// outcome not yet written): an outcome is written only over that claim.
     /// A leaf lock, held for an insert or a remove.
     held: Mutex<HashMap<RecordKey, i64>>,
 }
 
-/// Batches in flight at once, per kind (claims, outcomes): one forming while
-/// one is sent, as the sled flusher does.
+/// Batches in flight at once: one forming while one is sent, as the sled
+/// flusher does.
 const BATCH_WORKERS: usize = 1;
 /// The most rows in one batch statement.
 const BATCH_MAX: usize = 256;
@@ -192,13 +192,9 @@ impl PostgresState {
             healthy: Arc::clone(&db.healthy),
             commits: Arc::clone(&db.commits),
             records: Arc::clone(&db.records),
-            claims: Gather::start(BATCH_WORKERS, BATCH_MAX, {
+            writes: Gather::start(BATCH_WORKERS, BATCH_MAX, {
                 let db = db.clone();
-                move |batch| pg_batch::claims(db.clone(), batch)
-            }),
-            outcomes: Gather::start(BATCH_WORKERS, BATCH_MAX, {
-                let db = db.clone();
-                move |batch| pg_batch::outcomes(db.clone(), batch)
+                move |batch| pg_batch::writes(db.clone(), batch)
             }),
             held: Mutex::new(HashMap::new()),
         };
@@ -325,7 +321,7 @@ impl PostgresState {
             claim,
             reply,
         };
-        if self.claims.submit(item).is_err() {
+        if self.writes.submit(Write::Claim(item)).is_err() {
             return Err(StateError::Write(
                 "claiming a key: the database writer has stopped".into(),
             ));
@@ -634,7 +630,7 @@ impl StateStore for PostgresState {
             body: response.and_then(|r| r.body).map(|b| b.to_vec()),
             reply: Some(reply),
         };
-        if self.outcomes.submit(item).is_err() {
+        if self.writes.submit(Write::Outcome(item)).is_err() {
             return Err(StateError::Write(
                 "recording an outcome: the database writer has stopped".into(),
             ));

@@ -1007,19 +1007,16 @@ async fn a_live_gate_object_of_another_set_up_stops_the_cluster_until_it_ends() 
         .create(&shard1, next, rec.to_json().into())
         .await
         .unwrap();
-    eventually("fg-a reads the other set-up's object", || async {
-        fg.admin_json("/v1/cluster").await["shard_map"][0]["gate_epoch"] == next.get()
+    // The anchor's round (every gate_ttl / 4) names the conflict; the keeper's
+    // own round may see shard 0's new object first, and refuse that shard
+    // alone, before it: waiting for the object in the shard map and reading
+    // /readyz at once failed that way under a loaded suite.
+    eventually("fg-a names the other set-up", || async {
+        !fg.admin_json("/v1/cluster").await["conflict"].is_null()
     })
     .await;
-    // Within the round that read it (the cluster kept forwarding beside the
+    // From then on nothing is forwarded (the cluster kept forwarding beside the
     // other set-up when running instances never looked at a gate object's mode).
-    eventually("fg-a stops forwarding", || async {
-        post(fg, &format!("/{lease}-ff/x"), &w, "probe")
-            .await
-            .status
-            == 503
-    })
-    .await;
     let r = post(fg, &format!("/{lease}-ff/x"), &w, "during").await;
     r.assert_error(503, "shard_unavailable");
     let ready = fg.admin_json("/readyz").await;

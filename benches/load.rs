@@ -32,7 +32,7 @@
 //! `pg_stat_database`, read over one extra connection at the window's edges:
 //! commits per WAL fsync (PostgreSQL's group commit), WAL bytes per request, and
 //! fencegate's write statements per request (its `fencegate_flush_batches_total`:
-//! on PostgreSQL every statement is its own commit, and a batch of claims or of
+//! on PostgreSQL every statement is its own commit, and a batch of claims and
 //! outcomes is one statement), and the database's commits per request.
 //! PostgreSQL publishes a backend's statistics at most once a second, so the WAL
 //! figures lag by up to a second at each edge; under steady load both edges lag
@@ -1159,7 +1159,7 @@ fn report(
         md.push_str(&by_process);
         md.push_str(
             "\nPostgreSQL CPU: the postmaster and every process whose parent it is, utime+stime+cutime+cstime ÷ answered requests. \
-             statements/req: fencegate's write statements (fencegate_flush_batches_total: a batch of claims or outcomes is one statement, one commit) over the run (warm-up included) ÷ the run's answers; \
+             statements/req: fencegate's write statements (fencegate_flush_batches_total: a batch of claims and outcomes is one statement, one commit) over the run (warm-up included) ÷ the run's answers; \
              records/statement: its flush_records ÷ flush_batches. \
              commits/req, commits per WAL fsync and WAL bytes: pg_stat_database.xact_commit (every transaction, reads included), pg_stat_wal.wal_sync and the WAL insert position over the window \
              (PostgreSQL publishes a backend's counters at most once a second). Ratios to sled dedup: median over rounds within one round.\n",

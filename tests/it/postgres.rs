@@ -1146,11 +1146,13 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
     assert!(wrong.is_empty(), "not OwnerLost: {wrong:?}");
 }
 
-/// One claim batch (issue 27) in which one key has a `done` record, one is in a
-/// shard a newer owner took, and the rest are new: each row gets its own
-/// answer — the record, `OwnerLost`, claimed — and the batch is one statement.
-/// A claim the test's own transaction holds at the database keeps the first
-/// batch in flight, so that the mix queues and goes as the next one.
+/// One batch (issue 27) in which one key has a `done` record, one is in a
+/// shard a newer owner took, and the rest are new — and with them two
+/// outcomes, one of a key still this owner's and one of a key in the shard it
+/// lost: each row gets its own answer — the record, `OwnerLost`, claimed,
+/// written, refused — and the batch is one statement, one commit. A claim the
+/// test's own transaction holds at the database keeps the first batch in
+/// flight, so that the mix queues and goes as the next one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
     skip_without_postgres!();
@@ -1182,6 +1184,13 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
     st.finish(six(1), &done, End::Done(ended(1, now, State::Done)))
         .await
         .unwrap();
+    let (finishing, stale) = (rkey("finishing"), rkey("stale"));
+    for (owner, key) in [(six(1), &finishing), (five(1), &stale)] {
+        assert!(matches!(
+            st.begin(owner, key, &claim(4, now), STRICT).await,
+            Ok(Begun::Claimed)
+        ));
+    }
     other.claim_shard(five(2)).await.unwrap();
 
     let holder = KeyHold::start(&url, "pay", 6, "plug").await;
@@ -1210,12 +1219,32 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
     for k in ["new-1", "new-2", "new-3", "new-4"] {
         add(k, six(1), 3);
     }
-    // One poll each: every claim is queued behind the batch in flight.
+    type Finish = Pin<Box<dyn Future<Output = Result<(), StateError>> + Send>>;
+    let mut ends: Vec<(&str, Finish)> = Vec::new();
+    for (name, owner, key) in [
+        ("finishing", six(1), &finishing),
+        ("stale", five(1), &stale),
+    ] {
+        let (st, key) = (st.clone(), key.clone());
+        let end = End::Done(ended(4, now + 1, State::Done));
+        ends.push((
+            name,
+            Box::pin(async move { st.finish(owner, &key, end).await }),
+        ));
+    }
+    // One poll each: every claim and outcome is queued behind the batch in
+    // flight.
     std::future::poll_fn(|cx| {
         for (k, f) in &mut mix {
             assert!(
                 f.as_mut().poll(cx).is_pending(),
                 "{k} answered before its batch ran"
+            );
+        }
+        for (k, f) in &mut ends {
+            assert!(
+                f.as_mut().poll(cx).is_pending(),
+                "{k}'s outcome answered before its batch ran"
             );
         }
         Poll::Ready(())
@@ -1227,7 +1256,27 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
     for (k, f) in mix {
         got.insert(k, f.await);
     }
+    let mut finished = BTreeMap::new();
+    for (k, f) in ends {
+        finished.insert(k, f.await);
+    }
     let after = st.stats();
+    assert!(finished["finishing"].is_ok(), "{:?}", finished["finishing"]);
+    assert_eq!(
+        db_state(pg, &db, "finishing"),
+        "1",
+        "the outcome is written"
+    );
+    assert!(
+        matches!(finished["stale"], Err(StateError::OwnerLost { .. })),
+        "{:?}",
+        finished["stale"]
+    );
+    assert_ne!(
+        db_state(pg, &db, "stale"),
+        "1",
+        "nothing written in a lost shard"
+    );
     assert!(
         matches!(&got["answered"], Ok(Begun::Exists(r)) if r.state == State::Done),
         "{:?}",
@@ -1253,8 +1302,8 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
             after.batches - before.batches,
             after.records - before.records
         ),
-        (2, 5),
-        "the plug's batch, then the mix as one statement writing four claims"
+        (2, 6),
+        "the plug's batch, then the mix as one statement writing four claims and an outcome"
     );
 }
 

@@ -24,13 +24,22 @@ class Scenarios(unittest.TestCase):
     def test_1_late_worker_refused_at_destination(self) -> None:
         k = kit()
         leases = k.leases()
-        a = leases.acquire("late", "worker-a", ttl_ms=2000)
+        # 5 s, not 2: the store's clock has whole seconds, so a 2 s epoch could
+        # end ~1 s after it was won, and on a loaded machine the client then
+        # refused to send A's request at all (NotSent) before the relay saw it.
+        a = leases.acquire("late", "worker-a", ttl_ms=5000)
         # Worker A's request leaves while its epoch is valid, then stalls on the way
         # (the relay holds it) past A's lease.
         k.relay_arm("gw", "/late/", hold=True)
         late = Background(lambda: k.gateway(via_relay=True).call(
             a, "POST", "/late/charges", json={"worker": "a"}, idempotency_key="late-a"))
-        wait_for(lambda: k.relay("gw")["held"] == 1, "A's request held on the way")
+
+        def held() -> bool:
+            if not late.is_alive():
+                self.fail(f"A's request ended before it was held: {late.result()!r}")
+            return bool(k.relay("gw")["held"] == 1)
+
+        wait_for(held, "A's request held on the way")
         # Worker B waits for A's expiry + grace, wins the next epoch, gets through.
         b = leases.acquire("late", "worker-b", ttl_ms=10000, wait=True, wait_timeout=20)
         self.assertEqual(b.epoch, a.epoch + 1)

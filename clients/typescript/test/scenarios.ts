@@ -14,7 +14,10 @@ describe("scenarios", () => {
   test("1 late worker refused at destination", async () => {
     const k = await kit();
     const leases = k.leases();
-    const a = await leases.acquire("late", { holder: "worker-a", ttlMs: 2000 });
+    // 5 s, not 2: the store's clock has whole seconds, so a 2 s epoch could end
+    // ~1 s after it was won, and on a loaded machine the client refused to send
+    // A's request at all before the relay saw it (the Python twin failed so).
+    const a = await leases.acquire("late", { holder: "worker-a", ttlMs: 5000 });
     // Worker A's request leaves while its epoch is valid, then stalls on the way
     // (the relay holds it) past A's lease.
     await k.relayArm("gw", "/late/", { hold: true });

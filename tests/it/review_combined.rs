@@ -1,0 +1,341 @@
+//! Review of issue 27's combined statement (claims and outcomes of concurrent
+//! requests in ONE PostgreSQL statement, one commit) and of schema 7.
+//!
+//! Each test forces a chosen mix into one statement: a claim of a key the
+//! test's own transaction holds uncommitted (`KeyHold`) keeps the single batch
+//! worker waiting at the database; whatever is submitted meanwhile (each
+//! future polled once, which queues its write) goes out together as the next
+//! statement once the hold is rolled back. `CommitStats` shows it was one
+//! commit.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fencegate::config::StateConfig;
+use fencegate::state::postgres::PostgresState;
+use fencegate::state::{Begun, End, Owner, State, StateError, StateStore};
+
+use crate::postgres::{
+    claim, db_state, ended, keyed_answer, pg_config, rig, rkey, until, Answer, STRICT,
+};
+use crate::support::postgres::{KeyHold, PgServer};
+use crate::support::relay::Relay;
+
+macro_rules! skip_without_postgres {
+    () => {
+        if !$crate::support::postgres::available_or_skip() {
+            return;
+        }
+    };
+}
+
+type Queued<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Polls `f` once (its write is queued at the gatherer) and hands it back.
+async fn queue<'a, T>(f: impl Future<Output = T> + Send + 'a) -> Queued<'a, T> {
+    let mut f: Queued<'a, T> = Box::pin(f);
+    tokio::select! {
+        biased;
+        _ = &mut f => panic!("a queued write finished before its batch ran"),
+        () = std::future::ready(()) => {}
+    }
+    f
+}
+
+/// The batch worker busy: a claim of `key` waits at the database on the
+/// test's own uncommitted record of it until the hold is released.
+struct Blocked {
+    hold: KeyHold,
+    claim: tokio::task::JoinHandle<Result<Begun, StateError>>,
+}
+
+async fn block_worker(
+    pg: &PgServer,
+    db: &str,
+    url: &str,
+    s: &Arc<PostgresState>,
+    owner: Owner,
+    key: &str,
+) -> Blocked {
+    let hold = KeyHold::start(url, "pay", owner.shard, key).await;
+    let claim = {
+        let (s, k) = (s.clone(), rkey(key));
+        tokio::spawn(async move { s.begin(owner, &k, &claim(9, 100), STRICT).await })
+    };
+    until("the blocking claim waits at the database", || {
+        pg.waits_on_a_lock(db, "/* fencegate: claims */")
+    })
+    .await;
+    Blocked { hold, claim }
+}
+
+impl Blocked {
+    async fn release(self) {
+        self.hold.release().await;
+        assert!(matches!(self.claim.await.unwrap(), Ok(Begun::Claimed)));
+    }
+}
+
+fn body_of(pg: &PgServer, db: &str, key: &str) -> String {
+    pg.psql(
+        db,
+        &format!(
+            "SELECT coalesce(status::text, '-') || ' ' || coalesce(encode(body, 'escape'), '-') \
+             FROM fencegate_dedup WHERE route = 'pay' AND key = '{key}'"
+        ),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// A1. A claim and the outcome of the SAME key in one statement (a retry of a
+// key still in flight arrives as its request ends).
+
+/// done + the key's retry in one statement: the retry must not be claimed
+/// (the key was forwarded), and the done must be written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a1_retry_and_done_of_one_key_in_one_statement() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let owner = Owner::SINGLE;
+    for round in 0..5 {
+        let k = format!("a1-{round}");
+        let key = rkey(&k);
+        assert!(matches!(
+            s.begin(owner, &key, &claim(1, 1_000), STRICT).await,
+            Ok(Begun::Claimed)
+        ));
+        let blocked = block_worker(pg, &db, &url, &s, owner, &format!("a1-block-{round}")).await;
+        let before = s.stats();
+        let retry_claim = claim(1, 1_500);
+        // The retry's claim first or the outcome first: both orders.
+        let (done, retry) = if round % 2 == 0 {
+            let d = queue(s.finish(owner, &key, End::Done(ended(1, 1_000, State::Done)))).await;
+            let r = queue(s.begin(owner, &key, &retry_claim, STRICT)).await;
+            (d, r)
+        } else {
+            let r = queue(s.begin(owner, &key, &retry_claim, STRICT)).await;
+            let d = queue(s.finish(owner, &key, End::Done(ended(1, 1_000, State::Done)))).await;
+            (d, r)
+        };
+        blocked.release().await;
+        let (done, retry) = tokio::join!(done, retry);
+        let after = s.stats();
+        eprintln!(
+            "round {round}: done {done:?}; retry {:?}; commits +{} records +{}",
+            retry.as_ref().map(|b| match b {
+                Begun::Claimed => "CLAIMED".to_owned(),
+                Begun::Exists(r) => format!("exists {:?}", r.state),
+            }),
+            after.batches - before.batches,
+            after.records - before.records
+        );
+        done.unwrap();
+        match retry.unwrap() {
+            Begun::Claimed => panic!("round {round}: the retry of a forwarded key was claimed"),
+            Begun::Exists(r) => assert!(matches!(r.state, State::InFlight | State::Done)),
+        }
+        assert_eq!(db_state(pg, &db, &k), "1");
+        assert_eq!(body_of(pg, &db, &k), "201 made");
+        // One commit for the blocker, one for the combined statement.
+        assert_eq!(after.batches - before.batches, 2, "not one statement");
+        // A later retry replays.
+        match s.begin(owner, &key, &claim(1, 2_000), STRICT).await.unwrap() {
+            Begun::Exists(r) => assert_eq!(r.state, State::Done),
+            Begun::Claimed => panic!("claimed after done"),
+        }
+    }
+}
+
+/// A delete (nothing sent) + two retries of the key in the same gathered
+/// batch: the second retry goes in a round of its own. At most one claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a2_delete_and_two_retries_of_one_key_in_one_batch() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let owner = Owner::SINGLE;
+    for round in 0..4 {
+        let k = format!("a2-{round}");
+        let key = rkey(&k);
+        assert!(matches!(
+            s.begin(owner, &key, &claim(1, 1_000), STRICT).await,
+            Ok(Begun::Claimed)
+        ));
+        let blocked = block_worker(pg, &db, &url, &s, owner, &format!("a2-block-{round}")).await;
+        let (c2, c3) = (claim(1, 1_500), claim(1, 1_600));
+        let del = queue(s.finish(owner, &key, End::Delete)).await;
+        let r2 = queue(s.begin(owner, &key, &c2, STRICT)).await;
+        let r3 = queue(s.begin(owner, &key, &c3, STRICT)).await;
+        blocked.release().await;
+        let (del, r2, r3) = tokio::join!(del, r2, r3);
+        del.unwrap();
+        let claimed = [r2.unwrap(), r3.unwrap()]
+            .iter()
+            .filter(|b| matches!(b, Begun::Claimed))
+            .count();
+        eprintln!("round {round}: claims won {claimed}; state {}", db_state(pg, &db, &k));
+        assert!(claimed <= 1, "two claims of one key");
+        assert_eq!(claimed, 1, "a freed key was never claimed by its retries");
+        assert_eq!(db_state(pg, &db, &k), "0");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A3. A combined statement cut (TCP relay) while it waits at the database,
+// with a claim and a done in it.
+
+/// The statement's outcome is unknown: the claim must end free (released after
+/// the statement ends), the done must end written — whether the statement
+/// commits before or after the background rewrite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let s = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let owner = Owner::SINGLE;
+    for (round, rewrite_first) in [(0, false), (1, true)] {
+        let (kd, kn) = (format!("a3-done-{round}"), format!("a3-new-{round}"));
+        let (done_key, new_key) = (rkey(&kd), rkey(&kn));
+        assert!(matches!(
+            s.begin(owner, &done_key, &claim(1, 1_000), STRICT).await,
+            Ok(Begun::Claimed)
+        ));
+        let blocked = block_worker(pg, &db, &url, &s, owner, &format!("a3-block-{round}")).await;
+        let hold_new = KeyHold::start(&url, "pay", 0, &kn).await;
+        let done = queue(s.finish(owner, &done_key, End::Done(ended(1, 1_000, State::Done)))).await;
+        let fresh_claim = claim(2, 1_000);
+        let fresh = queue(s.begin(owner, &new_key, &fresh_claim, STRICT)).await;
+        blocked.release().await;
+        // The combined statement (its comment says claims) waits on the hold.
+        until("the combined statement waits at the database", || {
+            pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+        })
+        .await;
+        relay.cut();
+        let (done, fresh) = tokio::join!(done, fresh);
+        eprintln!("round {round}: done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
+        assert!(done.is_err() && fresh.is_err());
+        if rewrite_first {
+            until("the background rewrite wrote the done", || {
+                db_state(pg, &db, &kd) == "1"
+            })
+            .await;
+        }
+        hold_new.release().await;
+        until("the claim of the cut statement is freed", || {
+            db_state(pg, &db, &kn).is_empty()
+        })
+        .await;
+        until("the done is written", || db_state(pg, &db, &kd) == "1").await;
+        assert_eq!(body_of(pg, &db, &kd), "201 made");
+        match s.begin(owner, &done_key, &claim(1, 3_000), STRICT).await.unwrap() {
+            Begun::Exists(r) => assert_eq!(r.state, State::Done),
+            Begun::Claimed => panic!("a done key claimed again"),
+        }
+        assert!(matches!(
+            s.begin(owner, &new_key, &claim(2, 3_000), STRICT).await,
+            Ok(Begun::Claimed)
+        ));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A4. The owner-row share lock spans both kinds' shards: an outcome of a lost
+// shard beside a claim on a shard still held, in one statement.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a4_lost_shards_outcome_beside_a_held_shards_claim() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let a = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let on = |shard, generation| Owner { shard, generation };
+    a.claim_shard(on(1, 1)).await.unwrap();
+    a.claim_shard(on(2, 1)).await.unwrap();
+    let lost = rkey("a4-lost");
+    assert!(matches!(
+        a.begin(on(2, 1), &lost, &claim(1, 1_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    // B takes shard 2: A's record becomes B's in-doubt record.
+    b.claim_shard(on(2, 2)).await.unwrap();
+    assert_eq!(b.recover(on(2, 2), 2_000).await.unwrap(), 1);
+    let before = pg.psql(&db, "SELECT * FROM fencegate_dedup WHERE key = 'a4-lost'");
+    let blocked = block_worker(pg, &db, &url, &a, on(1, 1), "a4-block").await;
+    let done = queue(a.finish(on(2, 1), &lost, End::Done(ended(1, 1_000, State::Done)))).await;
+    let fresh_key = rkey("a4-fresh");
+    let fresh_claim = claim(2, 1_000);
+    let fresh = queue(a.begin(on(1, 1), &fresh_key, &fresh_claim, STRICT)).await;
+    blocked.release().await;
+    let (done, fresh) = tokio::join!(done, fresh);
+    eprintln!("deposed done: {done:?}; claim on the held shard: {:?}", fresh.as_ref().map(|_| ()));
+    assert!(matches!(done, Err(StateError::OwnerLost { .. })), "{done:?}");
+    assert!(matches!(fresh, Ok(Begun::Claimed)));
+    assert_eq!(
+        pg.psql(&db, "SELECT * FROM fencegate_dedup WHERE key = 'a4-lost'"),
+        before,
+        "a deposed generation's outcome changed the successor's record"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// A5. Destination level: many retries of each key racing its own outcome
+// (claims and outcomes of one key co-batched at random) through fencegate on
+// PostgreSQL. Every key reaches the origin exactly once and ends replayable.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let r = Arc::new(rig(&url, "").await);
+    let pay = Arc::new(r.hold("pay").await);
+    let keys: Vec<String> = (0..24).map(|i| format!("a5-{i}")).collect();
+    let mut tasks = Vec::new();
+    for k in &keys {
+        for _ in 0..4 {
+            let (r, pay, k) = (r.clone(), pay.clone(), k.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut seen = Vec::new();
+                for _ in 0..200 {
+                    let a = keyed_answer(&r.fg, &pay, &k).await;
+                    let end = matches!(a, Answer::Forwarded(200) | Answer::Replayed(200));
+                    seen.push(a);
+                    if end {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                seen
+            }));
+        }
+    }
+    let mut unfinished = 0;
+    for t in tasks {
+        let seen = t.await.unwrap();
+        if !matches!(seen.last(), Some(Answer::Forwarded(200) | Answer::Replayed(200))) {
+            unfinished += 1;
+            eprintln!("unfinished: {:?}", seen.last());
+        }
+    }
+    let arrivals = r.arrivals_by_key();
+    for k in &keys {
+        assert_eq!(arrivals.get(k).copied().unwrap_or(0), 1, "{k}: arrivals");
+        assert_eq!(db_state(pg, &db, k), "1");
+    }
+    assert_eq!(unfinished, 0);
+    let _ = Duration::ZERO;
+}

@@ -339,3 +339,132 @@ async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
     assert_eq!(unfinished, 0);
     let _ = Duration::ZERO;
 }
+
+// ---------------------------------------------------------------------------
+// A6. A combined statement chosen as a deadlock victim (class 40) is sent
+// again: the second try must write exactly what one would.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a6_combined_statement_retried_after_a_deadlock() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let a = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let on = |shard, generation| Owner { shard, generation };
+    a.claim_shard(on(1, 1)).await.unwrap();
+    a.claim_shard(on(2, 1)).await.unwrap();
+    let k2 = rkey("a6-done");
+    assert!(matches!(
+        a.begin(on(2, 1), &k2, &claim(1, 1_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    // The test's transaction holds owner row 2.
+    let (t, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    t.batch_execute("BEGIN; SELECT 1 FROM fencegate_owners WHERE shard = 2 FOR UPDATE")
+        .await
+        .unwrap();
+    let blocked = block_worker(pg, &db, &url, &a, on(1, 1), "a6-block").await;
+    let done = queue(a.finish(on(2, 1), &k2, End::Done(ended(1, 1_000, State::Done)))).await;
+    let n = rkey("a6-new");
+    let n_claim = claim(2, 1_000);
+    let fresh = queue(a.begin(on(1, 1), &n, &n_claim, STRICT)).await;
+    blocked.release().await;
+    // The combined statement share-locks row 1, waits for row 2.
+    until("the combined statement waits for owner row 2", || {
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    // The test's transaction now wants row 1: a deadlock.
+    let t = Arc::new(t);
+    let second = {
+        let t = t.clone();
+        tokio::spawn(async move {
+            t.batch_execute("SELECT 1 FROM fencegate_owners WHERE shard = 1 FOR UPDATE")
+                .await
+        })
+    };
+    let victim_was_test = second.await.unwrap().is_err();
+    eprintln!("deadlock victim: {}", if victim_was_test { "the test's transaction" } else { "the combined statement (retried)" });
+    if !victim_was_test {
+        // Its retry waits behind the test's transaction, which now holds both.
+        until("the retried statement waits", || {
+            pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+        })
+        .await;
+    }
+    t.batch_execute("ROLLBACK").await.unwrap();
+    let (done, fresh) = tokio::join!(done, fresh);
+    eprintln!("done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
+    done.unwrap();
+    assert!(matches!(fresh, Ok(Begun::Claimed)));
+    assert_eq!(db_state(pg, &db, "a6-done"), "1");
+    assert_eq!(body_of(pg, &db, "a6-done"), "201 made");
+    assert_eq!(db_state(pg, &db, "a6-new"), "0");
+    assert_eq!(
+        pg.psql(&db, "SELECT count(*) FROM fencegate_dedup"),
+        "3",
+        "blocker, done, new"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// A7. Schema 6 → 7 with live records of every state: listings, counts,
+// recovery and claims after the index is gone.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a7_schema_6_with_live_records_migrates_to_7() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    drop(PostgresState::connect(&pg_config(&url)).await.unwrap());
+    // Back to what a version-6 database is, with records of each state.
+    pg.psql(
+        &db,
+        "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
+         UPDATE fencegate_schema SET version = 6; \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms, status, headers, body, claim) \
+         SELECT 'pay', 'v6-' || s || '-' || i, 0, s, decode(repeat('01', 32), 'hex'), \
+           -9223372036854775807, 0, 1000 + i, 1000 + i, \
+           CASE WHEN s = 1 THEN 200 END, NULL, CASE WHEN s = 1 THEN 'ok'::bytea END, \
+           CASE WHEN s = 0 THEN i END \
+         FROM generate_series(0, 2) s, generate_series(1, 5) i",
+    );
+    let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(pg.psql(&db, "SELECT version FROM fencegate_schema"), "7");
+    assert_eq!(
+        pg.psql(
+            &db,
+            "SELECT count(*) FROM pg_indexes WHERE indexname = 'fencegate_dedup_by_state'"
+        ),
+        "0"
+    );
+    let total = |st| {
+        let s = s.clone();
+        async move { s.list(st, Some("pay"), None, 100).await.unwrap().total }
+    };
+    assert_eq!(total(State::InFlight).await, 5);
+    assert_eq!(total(State::Done).await, 5);
+    assert_eq!(total(State::InDoubt).await, 5);
+    assert_eq!(s.recover(Owner::SINGLE, 5_000).await.unwrap(), 5);
+    assert_eq!(total(State::InDoubt).await, 10);
+    assert_eq!(total(State::InFlight).await, 0);
+    let page = s.list(State::InDoubt, None, None, 3).await.unwrap();
+    assert_eq!(page.records.len(), 3);
+    match s.begin(Owner::SINGLE, &rkey("v6-1-3"), &claim(1, 9_000), STRICT).await {
+        Ok(Begun::Exists(r)) => assert_eq!(r.state, State::Done),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.begin(Owner::SINGLE, &rkey("v7-new"), &claim(1, 9_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+}

@@ -468,3 +468,69 @@ async fn held_a7_schema_6_with_live_records_migrates_to_7() {
         Ok(Begun::Claimed)
     ));
 }
+
+// ---------------------------------------------------------------------------
+// A8. Rolling upgrade: a fencegate of schema 6 (the build before c8a767b) runs
+// beside the migration to 7, with a request in flight across it.
+//
+// Run alone, with the older build as the binary under test:
+//   FENCEGATE_TEST_BIN=/path/to/fencegate-v6 cargo test --test it -- \
+//     review_combined::held_a8 --include-ignored
+// (built from this tree with src/state/schema.rs of 2651ba4).
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs FENCEGATE_TEST_BIN naming a schema-6 build"]
+async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
+    skip_without_postgres!();
+    if std::env::var("FENCEGATE_TEST_BIN").is_err() {
+        eprintln!("skipped: FENCEGATE_TEST_BIN (a schema-6 build) is not set");
+        return;
+    }
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let mut r = rig(&url, "").await;
+    assert_eq!(
+        pg.psql(&db, "SELECT version FROM fencegate_schema"),
+        "6",
+        "FENCEGATE_TEST_BIN is not a schema-6 build"
+    );
+    let pay = r.hold("pay").await;
+    assert_eq!(keyed_answer(&r.fg, &pay, "a8-warm").await, Answer::Forwarded(200));
+    // A request in flight (held at the origin) across the migration.
+    let mut req = crate::support::keyed(&r.fg, "/pay/a8-held", &pay, "a8-held", "pay a8-held");
+    req.headers_mut()
+        .insert("x-test-hold", "a8-held".parse().unwrap());
+    let before = r.origin.count();
+    let pending = tokio::spawn(crate::support::try_send(req));
+    r.origin.wait_for(before + 1).await;
+    // A schema-7 instance starts beside it: the migration drops the index.
+    let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(pg.psql(&db, "SELECT version FROM fencegate_schema"), "7");
+    r.origin.release("a8-held");
+    assert_eq!(
+        crate::postgres::answer(pending.await.unwrap()),
+        Answer::Forwarded(200)
+    );
+    // The old instance goes on: new keys, retries replayed.
+    assert_eq!(keyed_answer(&r.fg, &pay, "a8-after").await, Answer::Forwarded(200));
+    for k in ["a8-held", "a8-after", "a8-warm"] {
+        assert_eq!(keyed_answer(&r.fg, &pay, k).await, Answer::Replayed(200), "{k}");
+        assert_eq!(r.arrivals_of(k), 1, "{k}");
+    }
+    match new.begin(Owner::SINGLE, &rkey("a8-held"), &claim(1, 1), STRICT).await {
+        Ok(Begun::Exists(rec)) => assert_eq!(rec.state, State::Done),
+        other => panic!("{other:?}"),
+    }
+    // The old instance restarts (a crash, a node drain, a rollback of the
+    // rollout): it refuses the database.
+    r.fg.kill9();
+    let again = r.fg.spawn(None);
+    eprintln!(
+        "the schema-6 build restarted beside schema 7: {}",
+        match &again {
+            Ok(()) => "started".to_owned(),
+            Err(e) => e.lines().last().unwrap_or_default().to_owned(),
+        }
+    );
+    assert!(again.is_err());
+}

@@ -534,3 +534,56 @@ async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
     );
     assert!(again.is_err());
 }
+
+/// A3 with the cut after the combined statement committed (its reply held in
+/// the relay): the claim is released (never forwarded), the done stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a3b_combined_statement_committed_then_cut() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let s = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let owner = Owner::SINGLE;
+    let (kd, kn) = ("a3b-done", "a3b-new");
+    let (done_key, new_key) = (rkey(kd), rkey(kn));
+    assert!(matches!(
+        s.begin(owner, &done_key, &claim(1, 1_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    let blocked = block_worker(pg, &db, &url, &s, owner, "a3b-block").await;
+    let hold_new = KeyHold::start(&url, "pay", 0, kn).await;
+    let done = queue(s.finish(owner, &done_key, End::Done(ended(1, 1_000, State::Done)))).await;
+    let fresh_claim = claim(2, 1_000);
+    let fresh = queue(s.begin(owner, &new_key, &fresh_claim, STRICT)).await;
+    blocked.release().await;
+    until("the combined statement waits at the database", || {
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    relay.hold_replies(true);
+    hold_new.release().await;
+    until("the combined statement committed", || {
+        db_state(pg, &db, kn) == "0" && db_state(pg, &db, kd) == "1"
+    })
+    .await;
+    relay.cut();
+    let (done, fresh) = tokio::join!(done, fresh);
+    eprintln!("done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
+    assert!(fresh.is_err(), "the claim's answer was lost");
+    until("the never-forwarded claim is freed", || {
+        db_state(pg, &db, kn).is_empty()
+    })
+    .await;
+    assert_eq!(db_state(pg, &db, kd), "1");
+    assert_eq!(body_of(pg, &db, kd), "201 made");
+    assert!(matches!(
+        s.begin(owner, &new_key, &claim(2, 3_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+}

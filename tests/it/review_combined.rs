@@ -587,3 +587,59 @@ async fn held_a3b_combined_statement_committed_then_cut() {
         Ok(Begun::Claimed)
     ));
 }
+
+// ---------------------------------------------------------------------------
+// A9. The share lock spans both kinds' shards: a combined statement whose
+// claim (shard 1) waits on a lock holds shard 2's owner row (its outcome's)
+// meanwhile. The rules hold — the done of generation 1 commits before the
+// takeover of shard 2 — but the takeover of shard 2 waits on a key of shard 1.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a9_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let a = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let on = |shard, generation| Owner { shard, generation };
+    a.claim_shard(on(1, 1)).await.unwrap();
+    a.claim_shard(on(2, 1)).await.unwrap();
+    let k = rkey("a9-done");
+    assert!(matches!(
+        a.begin(on(2, 1), &k, &claim(1, 1_000), STRICT).await,
+        Ok(Begun::Claimed)
+    ));
+    let blocked = block_worker(pg, &db, &url, &a, on(1, 1), "a9-block").await;
+    let hold_n = KeyHold::start(&url, "pay", 1, "a9-new").await;
+    let done = queue(a.finish(on(2, 1), &k, End::Done(ended(1, 1_000, State::Done)))).await;
+    let n = rkey("a9-new");
+    let n_claim = claim(2, 1_000);
+    let fresh = queue(a.begin(on(1, 1), &n, &n_claim, STRICT)).await;
+    blocked.release().await;
+    until("the combined statement waits on shard 1's key", || {
+        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
+    })
+    .await;
+    let takeover = {
+        let b = b.clone();
+        tokio::spawn(async move { b.claim_shard(on(2, 2)).await })
+    };
+    until("the takeover of shard 2 waits", || {
+        pg.waits_on_a_lock(&db, "INSERT INTO fencegate_owners")
+    })
+    .await;
+    eprintln!("the takeover of shard 2 waits on a claim of shard 1 blocked on a key lock");
+    hold_n.release().await;
+    takeover.await.unwrap().unwrap();
+    let (done, fresh) = tokio::join!(done, fresh);
+    eprintln!("done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
+    done.unwrap();
+    assert!(matches!(fresh, Ok(Begun::Claimed)));
+    assert_eq!(db_state(pg, &db, "a9-done"), "1");
+    assert_eq!(b.recover(on(2, 2), 5_000).await.unwrap(), 0);
+}

@@ -1,17 +1,23 @@
 //! Review of issue 27's combined statement (claims and outcomes of concurrent
-//! requests in ONE PostgreSQL statement, one commit) and of schema 7.
+//! requests in ONE PostgreSQL statement, one commit; 2651ba4) and of schema 7
+//! (c8a767b).
 //!
-//! Each test forces a chosen mix into one statement: a claim of a key the
-//! test's own transaction holds uncommitted (`KeyHold`) keeps the single batch
-//! worker waiting at the database; whatever is submitted meanwhile (each
-//! future polled once, which queues its write) goes out together as the next
-//! statement once the hold is rolled back. `CommitStats` shows it was one
-//! commit.
+//! Each library-level test forces a chosen mix into one statement: a claim of
+//! a key the test's own transaction holds uncommitted (`KeyHold`) keeps the
+//! single batch worker waiting at the database; whatever is submitted
+//! meanwhile (each future polled once, which queues its write) goes out
+//! together as the next statement once the hold is rolled back (`CommitStats`
+//! shows one commit for it).
+//!
+//! Result on c8a767b: every test here PASSES (`held_*`): no destination-level
+//! rule broke. `held_a8` needs a schema-6 build (see its comment) and is
+//! ignored otherwise. `held_a3*` and `held_a9` also show the liveness coupling
+//! the combination brings (an outcome failing, or a takeover waiting, because
+//! of an unrelated claim's lock wait).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use fencegate::config::StateConfig;
 use fencegate::state::postgres::PostgresState;
@@ -22,6 +28,7 @@ use crate::postgres::{
 };
 use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
+use crate::support::Gateway;
 
 macro_rules! skip_without_postgres {
     () => {
@@ -143,7 +150,11 @@ async fn held_a1_retry_and_done_of_one_key_in_one_statement() {
         // One commit for the blocker, one for the combined statement.
         assert_eq!(after.batches - before.batches, 2, "not one statement");
         // A later retry replays.
-        match s.begin(owner, &key, &claim(1, 2_000), STRICT).await.unwrap() {
+        match s
+            .begin(owner, &key, &claim(1, 2_000), STRICT)
+            .await
+            .unwrap()
+        {
             Begun::Exists(r) => assert_eq!(r.state, State::Done),
             Begun::Claimed => panic!("claimed after done"),
         }
@@ -178,7 +189,10 @@ async fn held_a2_delete_and_two_retries_of_one_key_in_one_batch() {
             .iter()
             .filter(|b| matches!(b, Begun::Claimed))
             .count();
-        eprintln!("round {round}: claims won {claimed}; state {}", db_state(pg, &db, &k));
+        eprintln!(
+            "round {round}: claims won {claimed}; state {}",
+            db_state(pg, &db, &k)
+        );
         assert!(claimed <= 1, "two claims of one key");
         assert_eq!(claimed, 1, "a freed key was never claimed by its retries");
         assert_eq!(db_state(pg, &db, &k), "0");
@@ -225,7 +239,10 @@ async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
         .await;
         relay.cut();
         let (done, fresh) = tokio::join!(done, fresh);
-        eprintln!("round {round}: done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
+        eprintln!(
+            "round {round}: done {done:?}; claim {:?}",
+            fresh.as_ref().map(|_| ())
+        );
         assert!(done.is_err() && fresh.is_err());
         if rewrite_first {
             until("the background rewrite wrote the done", || {
@@ -240,7 +257,11 @@ async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
         .await;
         until("the done is written", || db_state(pg, &db, &kd) == "1").await;
         assert_eq!(body_of(pg, &db, &kd), "201 made");
-        match s.begin(owner, &done_key, &claim(1, 3_000), STRICT).await.unwrap() {
+        match s
+            .begin(owner, &done_key, &claim(1, 3_000), STRICT)
+            .await
+            .unwrap()
+        {
             Begun::Exists(r) => assert_eq!(r.state, State::Done),
             Begun::Claimed => panic!("a done key claimed again"),
         }
@@ -281,8 +302,14 @@ async fn held_a4_lost_shards_outcome_beside_a_held_shards_claim() {
     let fresh = queue(a.begin(on(1, 1), &fresh_key, &fresh_claim, STRICT)).await;
     blocked.release().await;
     let (done, fresh) = tokio::join!(done, fresh);
-    eprintln!("deposed done: {done:?}; claim on the held shard: {:?}", fresh.as_ref().map(|_| ()));
-    assert!(matches!(done, Err(StateError::OwnerLost { .. })), "{done:?}");
+    eprintln!(
+        "deposed done: {done:?}; claim on the held shard: {:?}",
+        fresh.as_ref().map(|_| ())
+    );
+    assert!(
+        matches!(done, Err(StateError::OwnerLost { .. })),
+        "{done:?}"
+    );
     assert!(matches!(fresh, Ok(Begun::Claimed)));
     assert_eq!(
         pg.psql(&db, "SELECT * FROM fencegate_dedup WHERE key = 'a4-lost'"),
@@ -304,6 +331,10 @@ async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
     let r = Arc::new(rig(&url, "").await);
     let pay = Arc::new(r.hold("pay").await);
     let keys: Vec<String> = (0..24).map(|i| format!("a5-{i}")).collect();
+    let (b0, r0) = (
+        r.fg.metric_sum("fencegate_flush_batches_total").await,
+        r.fg.metric_sum("fencegate_flush_records_total").await,
+    );
     let mut tasks = Vec::new();
     for k in &keys {
         for _ in 0..4 {
@@ -324,20 +355,30 @@ async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
         }
     }
     let mut unfinished = 0;
+    let mut all = Vec::new();
     for t in tasks {
         let seen = t.await.unwrap();
-        if !matches!(seen.last(), Some(Answer::Forwarded(200) | Answer::Replayed(200))) {
+        all.extend(seen.iter().cloned());
+        if !matches!(
+            seen.last(),
+            Some(Answer::Forwarded(200) | Answer::Replayed(200))
+        ) {
             unfinished += 1;
             eprintln!("unfinished: {:?}", seen.last());
         }
     }
+    eprintln!(
+        "answers {:?}; commits {} for {} records",
+        crate::postgres::tally(&all),
+        r.fg.metric_sum("fencegate_flush_batches_total").await - b0,
+        r.fg.metric_sum("fencegate_flush_records_total").await - r0
+    );
     let arrivals = r.arrivals_by_key();
     for k in &keys {
         assert_eq!(arrivals.get(k).copied().unwrap_or(0), 1, "{k}: arrivals");
         assert_eq!(db_state(pg, &db, k), "1");
     }
     assert_eq!(unfinished, 0);
-    let _ = Duration::ZERO;
 }
 
 // ---------------------------------------------------------------------------
@@ -392,7 +433,14 @@ async fn held_a6_combined_statement_retried_after_a_deadlock() {
         })
     };
     let victim_was_test = second.await.unwrap().is_err();
-    eprintln!("deadlock victim: {}", if victim_was_test { "the test's transaction" } else { "the combined statement (retried)" });
+    eprintln!(
+        "deadlock victim: {}",
+        if victim_was_test {
+            "the test's transaction"
+        } else {
+            "the combined statement (retried)"
+        }
+    );
     if !victim_was_test {
         // Its retry waits behind the test's transaction, which now holds both.
         until("the retried statement waits", || {
@@ -459,12 +507,16 @@ async fn held_a7_schema_6_with_live_records_migrates_to_7() {
     assert_eq!(total(State::InFlight).await, 0);
     let page = s.list(State::InDoubt, None, None, 3).await.unwrap();
     assert_eq!(page.records.len(), 3);
-    match s.begin(Owner::SINGLE, &rkey("v6-1-3"), &claim(1, 9_000), STRICT).await {
+    match s
+        .begin(Owner::SINGLE, &rkey("v6-1-3"), &claim(1, 9_000), STRICT)
+        .await
+    {
         Ok(Begun::Exists(r)) => assert_eq!(r.state, State::Done),
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        s.begin(Owner::SINGLE, &rkey("v7-new"), &claim(1, 9_000), STRICT).await,
+        s.begin(Owner::SINGLE, &rkey("v7-new"), &claim(1, 9_000), STRICT)
+            .await,
         Ok(Begun::Claimed)
     ));
 }
@@ -495,7 +547,10 @@ async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
         "FENCEGATE_TEST_BIN is not a schema-6 build"
     );
     let pay = r.hold("pay").await;
-    assert_eq!(keyed_answer(&r.fg, &pay, "a8-warm").await, Answer::Forwarded(200));
+    assert_eq!(
+        keyed_answer(&r.fg, &pay, "a8-warm").await,
+        Answer::Forwarded(200)
+    );
     // A request in flight (held at the origin) across the migration.
     let mut req = crate::support::keyed(&r.fg, "/pay/a8-held", &pay, "a8-held", "pay a8-held");
     req.headers_mut()
@@ -512,12 +567,22 @@ async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
         Answer::Forwarded(200)
     );
     // The old instance goes on: new keys, retries replayed.
-    assert_eq!(keyed_answer(&r.fg, &pay, "a8-after").await, Answer::Forwarded(200));
+    assert_eq!(
+        keyed_answer(&r.fg, &pay, "a8-after").await,
+        Answer::Forwarded(200)
+    );
     for k in ["a8-held", "a8-after", "a8-warm"] {
-        assert_eq!(keyed_answer(&r.fg, &pay, k).await, Answer::Replayed(200), "{k}");
+        assert_eq!(
+            keyed_answer(&r.fg, &pay, k).await,
+            Answer::Replayed(200),
+            "{k}"
+        );
         assert_eq!(r.arrivals_of(k), 1, "{k}");
     }
-    match new.begin(Owner::SINGLE, &rkey("a8-held"), &claim(1, 1), STRICT).await {
+    match new
+        .begin(Owner::SINGLE, &rkey("a8-held"), &claim(1, 1), STRICT)
+        .await
+    {
         Ok(Begun::Exists(rec)) => assert_eq!(rec.state, State::Done),
         other => panic!("{other:?}"),
     }

@@ -708,3 +708,80 @@ async fn held_a9_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
     assert_eq!(db_state(pg, &db, "a9-done"), "1");
     assert_eq!(b.recover(on(2, 2), 5_000).await.unwrap(), 0);
 }
+
+// ---------------------------------------------------------------------------
+// A10. Two instances' combined statements over the same keys and shards (each
+// key claimed on both, its winner's done racing the losers' retries): one
+// claim per key, every done written, and no deadlock at the database
+// (`pg_stat_database.deadlocks`: a retried statement would hide one).
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a10_two_instances_combined_statements_never_deadlock() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let a = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let on = |shard| Owner {
+        shard,
+        generation: 1,
+    };
+    for shard in 1..=4 {
+        a.claim_shard(on(shard)).await.unwrap();
+    }
+    let deadlocks = || {
+        pg.psql(
+            &db,
+            &format!("SELECT deadlocks FROM pg_stat_database WHERE datname = '{db}'"),
+        )
+        .parse::<u64>()
+        .unwrap()
+    };
+    let before = deadlocks();
+    let keys: Vec<(String, u32)> = (0..60)
+        .map(|i| (format!("a10-{i}"), 1 + (i * 7 % 4) as u32))
+        .collect();
+    let mut tasks = Vec::new();
+    for round in 0..3 {
+        for (i, (k, shard)) in keys.iter().enumerate() {
+            // Keys in a different order per instance and round.
+            let s = if (i + round) % 2 == 0 {
+                a.clone()
+            } else {
+                b.clone()
+            };
+            let (k, owner) = (rkey(k), on(*shard));
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    match s.begin(owner, &k, &claim(1, 1_000), STRICT).await {
+                        Ok(Begun::Claimed) => {
+                            s.finish(owner, &k, End::Done(ended(1, 1_000, State::Done)))
+                                .await
+                                .unwrap();
+                            return 1;
+                        }
+                        Ok(Begun::Exists(r)) if r.state == State::Done => return 0,
+                        Ok(Begun::Exists(_)) => tokio::task::yield_now().await,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }));
+        }
+    }
+    let mut claimed = 0;
+    for t in tasks {
+        claimed += t.await.unwrap();
+    }
+    let after = deadlocks();
+    eprintln!(
+        "claims won {claimed} of {} keys; deadlocks {}",
+        keys.len(),
+        after - before
+    );
+    assert_eq!(claimed, keys.len());
+    assert_eq!(
+        pg.psql(&db, "SELECT count(*) FROM fencegate_dedup WHERE state = 1"),
+        keys.len().to_string()
+    );
+    assert_eq!(after, before, "deadlocks at the database");
+}

@@ -30,6 +30,7 @@ mod reload;
 mod review;
 mod review2;
 mod review_batch;
+mod review_combined;
 mod review_ops;
 mod review_own;
 mod review_protect;

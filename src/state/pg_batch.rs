@@ -246,6 +246,9 @@ const RETRIES: usize = 3;
 /// A failed statement: why, and whether to send it again at once.
 fn classify(e: &tokio_postgres::Error) -> (BatchError, bool) {
     match e.code().map(|c| c.code()) {
+        // 40003 (statement completion unknown) says what it says: a pooler
+        // in between may send it about a statement that committed.
+        Some("40003") => (BatchError::Unknown(describe(e)), false),
         // Data, integrity, syntax or access, transaction state, rollback: the
         // server refused the statement, and autocommit rolled it back. A
         // conflict with another transaction (deadlock, serialization: class
@@ -555,7 +558,11 @@ async fn round(db: &Db, claims: Vec<ClaimItem>, outcomes: Vec<OutcomeItem>) {
     if answer.inserted > 0 {
         crate::failpoint::hit("dedup_in_flight_flushed");
     }
-    if written > answer.inserted && outcomes.iter().any(|o| o.op == Op::Done) {
+    if outcomes
+        .iter()
+        .zip(&answer.matched)
+        .any(|(o, m)| *m && o.op == Op::Done)
+    {
         crate::failpoint::hit("dedup_done_flushed");
     }
     answer_claims(db, claims, answer.claims);

@@ -135,10 +135,17 @@ impl PostgresState {
             .with("renewing shards", |c| async move {
                 let st = c
                     .prepare_cached(
-                        "UPDATE fencegate_owners o SET renewals = o.renewals + 1, \
+                        // The rows are locked in shard order first, as every
+                        // batch write share-locks them: in plan order, a renewal
+                        // and a batch of this instance could deadlock (one of
+                        // them refused, sent again or renewed late).
+                        "WITH locked AS MATERIALIZED (SELECT shard FROM fencegate_owners \
+                           WHERE shard = ANY($2::integer[]) ORDER BY shard FOR NO KEY UPDATE) \
+                         UPDATE fencegate_owners o SET renewals = o.renewals + 1, \
                          expires_at = now() + make_interval(secs => $4), renewed_at = now(), ttl_ms = $5 \
                          FROM unnest($2::integer[], $3::bigint[]) AS h(shard, generation) \
                          WHERE o.shard = h.shard AND o.generation = h.generation AND o.owner = $1 \
+                           AND o.shard IN (SELECT shard FROM locked) \
                          RETURNING o.shard, o.generation, o.renewals",
                     )
                     .await?;

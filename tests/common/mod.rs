@@ -75,6 +75,20 @@ pub trait Gateway {
         }
     }
 
+    /// The value of one exact series (`name{labels}`, labels as fencegate
+    /// writes them), 0 if absent.
+    fn series(&self, exact: &str) -> impl Future<Output = f64> + Send {
+        let url = self.admin_url("/metrics");
+        let exact = exact.to_owned();
+        async move {
+            let r = send(Request::get(url).body(Full::default()).unwrap()).await;
+            String::from_utf8_lossy(&r.body)
+                .lines()
+                .find_map(|l| l.strip_prefix(&exact)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or(0.0)
+        }
+    }
+
     /// The value of an unlabelled metric, or the sum of a labelled one.
     fn metric_sum(&self, name: &str) -> impl Future<Output = f64> + Send {
         let url = self.admin_url("/metrics");

@@ -61,20 +61,6 @@ async fn route_view(fg: &Fencegate, route: &str) -> Value {
         .unwrap_or_else(|| panic!("no route {route} in {all}"))
 }
 
-/// The value of one exact series on `/metrics`, 0 if absent.
-async fn series(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// A 503 `upstream_held` for `detail`, its `Retry-After` in whole seconds.
 fn assert_held(r: &Reply, detail: &str) -> u64 {
     r.assert_error(503, "upstream_held");
@@ -126,15 +112,13 @@ async fn beyond_max_in_flight_is_refused_and_the_key_stays_free() {
         1
     );
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_upstream_held_total{route=\"billing\",reason=\"in_flight_limit\"}"
-        )
-        .await,
+        s.fg.series("fencegate_upstream_held_total{route=\"billing\",reason=\"in_flight_limit\"}")
+            .await,
         1.0
     );
     assert_eq!(
-        series(&s.fg, "fencegate_route_in_flight{route=\"billing\"}").await,
+        s.fg.series("fencegate_route_in_flight{route=\"billing\"}")
+            .await,
         2.0
     );
 
@@ -254,7 +238,11 @@ async fn a_retry_after_holds_the_route_until_it_passes() {
             view["held_for_ms"].as_u64().is_some_and(|ms| ms <= 5000),
             "{view}"
         );
-        assert!(series(&s.fg, "fencegate_route_held_seconds{route=\"billing\"}").await > 0.0);
+        assert!(
+            s.fg.series("fencegate_route_held_seconds{route=\"billing\"}")
+                .await
+                > 0.0
+        );
 
         eventually("the hold to pass", || async {
             route_view(&s.fg, "billing").await["held_for_ms"].is_null()
@@ -274,11 +262,8 @@ async fn a_retry_after_holds_the_route_until_it_passes() {
         );
     }
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_upstream_held_total{route=\"billing\",reason=\"retry_after\"}"
-        )
-        .await,
+        s.fg.series("fencegate_upstream_held_total{route=\"billing\",reason=\"retry_after\"}")
+            .await,
         2.0
     );
 }
@@ -344,11 +329,8 @@ async fn the_breaker_opens_probes_once_reopens_and_closes() {
     // Still open or already half-open, never closed.
     assert_ne!(state(s.clone()).await, "closed");
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_route_breaker_opened_total{route=\"billing\"}"
-        )
-        .await,
+        s.fg.series("fencegate_route_breaker_opened_total{route=\"billing\"}")
+            .await,
         1.0
     );
 
@@ -358,11 +340,8 @@ async fn the_breaker_opens_probes_once_reopens_and_closes() {
     })
     .await;
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_route_breaker_state{route=\"billing\",state=\"half_open\"}"
-        )
-        .await,
+        s.fg.series("fencegate_route_breaker_state{route=\"billing\",state=\"half_open\"}")
+            .await,
         1.0
     );
     // One probe at a time: it is held at the origin while another is refused.
@@ -399,11 +378,8 @@ async fn the_breaker_opens_probes_once_reopens_and_closes() {
     assert_eq!(probe.status, 200);
     assert_eq!(state(s.clone()).await, "closed");
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_route_breaker_state{route=\"billing\",state=\"closed\"}"
-        )
-        .await,
+        s.fg.series("fencegate_route_breaker_state{route=\"billing\",state=\"closed\"}")
+            .await,
         1.0
     );
     let later = send(req(&s, "/billing/x", "later", &[])).await;
@@ -416,11 +392,8 @@ async fn the_breaker_opens_probes_once_reopens_and_closes() {
     assert_eq!(log.len(), 6);
     assert_eq!(log[5].header("idempotency-key").as_deref(), Some("later"));
     assert_eq!(
-        series(
-            &s.fg,
-            "fencegate_upstream_held_total{route=\"billing\",reason=\"breaker_open\"}"
-        )
-        .await,
+        s.fg.series("fencegate_upstream_held_total{route=\"billing\",reason=\"breaker_open\"}")
+            .await,
         3.0
     );
 }
@@ -475,7 +448,9 @@ async fn a_reload_keeps_the_state_of_an_unchanged_route() {
 async fn reloaded(s: &Setup, before: f64) {
     s.fg.hup();
     eventually("the reload applied", || async {
-        series(&s.fg, "fencegate_config_reloads_total{result=\"applied\"}").await > before
+        s.fg.series("fencegate_config_reloads_total{result=\"applied\"}")
+            .await
+            > before
     })
     .await;
 }

@@ -13,27 +13,13 @@ use http::Request;
 
 use crate::support::*;
 
-/// The value of one exact series (`name{labels}`) on `/metrics`, 0 if absent.
-async fn series(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Sends SIGHUP and waits until the reload it caused is counted as `result`.
 async fn reload(fg: &Fencegate, result: &str) {
     let metric = format!("fencegate_config_reloads_total{{result=\"{result}\"}}");
-    let before = series(fg, &metric).await;
+    let before = fg.series(&metric).await;
     fg.hup();
     eventually(&format!("a reload counted as {result}"), || async {
-        series(fg, &metric).await > before
+        fg.series(&metric).await > before
     })
     .await;
 }
@@ -141,7 +127,7 @@ async fn sighup_swaps_routes_under_load_and_a_removed_lease_drains_first() {
     });
     reload(&fg, "applied").await;
     assert_eq!(
-        series(&fg, "fencegate_config_last_reload_successful").await,
+        fg.series("fencegate_config_last_reload_successful").await,
         1.0
     );
 
@@ -206,7 +192,7 @@ async fn a_bad_reload_keeps_the_running_config_and_says_why() {
     });
     reload(fg, "refused").await;
     assert_eq!(
-        series(fg, "fencegate_config_last_reload_successful").await,
+        fg.series("fencegate_config_last_reload_successful").await,
         0.0
     );
     assert_eq!(post(fg, "/billing/x", &s.billing, "a").await.status, 200);
@@ -263,7 +249,7 @@ async fn a_bad_reload_keeps_the_running_config_and_says_why() {
     fg.edit_config(|_| good.clone());
     reload(fg, "applied").await;
     assert_eq!(
-        series(fg, "fencegate_config_last_reload_successful").await,
+        fg.series("fencegate_config_last_reload_successful").await,
         1.0
     );
     assert_eq!(s.origin.count(), 2);

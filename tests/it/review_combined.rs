@@ -200,12 +200,22 @@ async fn held_a2_delete_and_two_retries_of_one_key_in_one_batch() {
 }
 
 // ---------------------------------------------------------------------------
-// A3. A combined statement cut (TCP relay) while it waits at the database,
-// with a claim and a done in it.
+// A3. A combined statement cut (TCP relay) with a claim and a done in it:
+// while it waits at the database, or after it committed.
 
-/// The statement's outcome is unknown: the claim must end free (released after
-/// the statement ends), the done must end written — whether the statement
-/// commits before or after the background rewrite.
+/// Where the relay cuts the combined statement.
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// While it waits at the database: its outcome is unknown. The test's
+    /// hold ends before the background rewrite of the done, or after it.
+    Waiting { rewrite_first: bool },
+    /// After it committed, its reply held in the relay.
+    Committed,
+}
+
+/// The claim must end free (released after the statement ends: it was never
+/// forwarded), the done must end written — whether the statement commits
+/// before or after the background rewrite, or committed before the cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
     skip_without_postgres!();
@@ -219,7 +229,17 @@ async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
     .await
     .unwrap();
     let owner = Owner::SINGLE;
-    for (round, rewrite_first) in [(0, false), (1, true)] {
+    // `Committed` last: it leaves the relay holding replies.
+    let cuts = [
+        Cut::Waiting {
+            rewrite_first: false,
+        },
+        Cut::Waiting {
+            rewrite_first: true,
+        },
+        Cut::Committed,
+    ];
+    for (round, cut) in cuts.into_iter().enumerate() {
         let (kd, kn) = (format!("a3-done-{round}"), format!("a3-new-{round}"));
         let (done_key, new_key) = (rkey(&kd), rkey(&kn));
         assert!(matches!(
@@ -237,21 +257,40 @@ async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
             pg.waits_on_a_lock(&db, "/* fencegate: claims */")
         })
         .await;
-        relay.cut();
-        let (done, fresh) = tokio::join!(done, fresh);
-        eprintln!(
-            "round {round}: done {done:?}; claim {:?}",
-            fresh.as_ref().map(|_| ())
-        );
-        assert!(done.is_err() && fresh.is_err());
-        if rewrite_first {
-            until("the background rewrite wrote the done", || {
-                db_state(pg, &db, &kd) == "1"
-            })
-            .await;
+        match cut {
+            Cut::Waiting { rewrite_first } => {
+                relay.cut();
+                let (done, fresh) = tokio::join!(done, fresh);
+                eprintln!(
+                    "{cut:?}: done {done:?}; claim {:?}",
+                    fresh.as_ref().map(|_| ())
+                );
+                assert!(done.is_err() && fresh.is_err());
+                if rewrite_first {
+                    until("the background rewrite wrote the done", || {
+                        db_state(pg, &db, &kd) == "1"
+                    })
+                    .await;
+                }
+                hold_new.release().await;
+            }
+            Cut::Committed => {
+                relay.hold_replies(true);
+                hold_new.release().await;
+                until("the combined statement committed", || {
+                    db_state(pg, &db, &kn) == "0" && db_state(pg, &db, &kd) == "1"
+                })
+                .await;
+                relay.cut();
+                let (done, fresh) = tokio::join!(done, fresh);
+                eprintln!(
+                    "{cut:?}: done {done:?}; claim {:?}",
+                    fresh.as_ref().map(|_| ())
+                );
+                assert!(fresh.is_err(), "the claim's answer was lost");
+            }
         }
-        hold_new.release().await;
-        until("the claim of the cut statement is freed", || {
+        until("the never-forwarded claim is freed", || {
             db_state(pg, &db, &kn).is_empty()
         })
         .await;
@@ -598,59 +637,6 @@ async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
         }
     );
     assert!(again.is_err());
-}
-
-/// A3 with the cut after the combined statement committed (its reply held in
-/// the relay): the claim is released (never forwarded), the done stays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a3b_combined_statement_committed_then_cut() {
-    skip_without_postgres!();
-    let pg = PgServer::shared();
-    let (db, url) = pg.new_database();
-    let relay = Relay::start(pg.port).await;
-    let s = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&relay.url(&db))
-    })
-    .await
-    .unwrap();
-    let owner = Owner::SINGLE;
-    let (kd, kn) = ("a3b-done", "a3b-new");
-    let (done_key, new_key) = (rkey(kd), rkey(kn));
-    assert!(matches!(
-        s.begin(owner, &done_key, &claim(1, 1_000), STRICT).await,
-        Ok(Begun::Claimed)
-    ));
-    let blocked = block_worker(pg, &db, &url, &s, owner, "a3b-block").await;
-    let hold_new = KeyHold::start(&url, "pay", 0, kn).await;
-    let done = queue(s.finish(owner, &done_key, End::Done(ended(1, 1_000, State::Done)))).await;
-    let fresh_claim = claim(2, 1_000);
-    let fresh = queue(s.begin(owner, &new_key, &fresh_claim, STRICT)).await;
-    blocked.release().await;
-    until("the combined statement waits at the database", || {
-        pg.waits_on_a_lock(&db, "/* fencegate: claims */")
-    })
-    .await;
-    relay.hold_replies(true);
-    hold_new.release().await;
-    until("the combined statement committed", || {
-        db_state(pg, &db, kn) == "0" && db_state(pg, &db, kd) == "1"
-    })
-    .await;
-    relay.cut();
-    let (done, fresh) = tokio::join!(done, fresh);
-    eprintln!("done {done:?}; claim {:?}", fresh.as_ref().map(|_| ()));
-    assert!(fresh.is_err(), "the claim's answer was lost");
-    until("the never-forwarded claim is freed", || {
-        db_state(pg, &db, kn).is_empty()
-    })
-    .await;
-    assert_eq!(db_state(pg, &db, kd), "1");
-    assert_eq!(body_of(pg, &db, kd), "201 made");
-    assert!(matches!(
-        s.begin(owner, &new_key, &claim(2, 3_000), STRICT).await,
-        Ok(Begun::Claimed)
-    ));
 }
 
 // ---------------------------------------------------------------------------

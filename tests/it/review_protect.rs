@@ -157,19 +157,6 @@ async fn holds_a_reload_lowering_max_in_flight_under_load() {
     assert!(s.origin.max_concurrent() <= 2);
 }
 
-async fn metric(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// FINDING 8, fixed (priority 3, metrics): the counters are shared by a
 /// route's successive guards. `fencegate_route_breaker_opened_total` is a
 /// Prometheus counter ("times it opened"), but a reload that changes any breaker
@@ -187,21 +174,21 @@ async fn a_reload_of_the_breaker_or_upstream_keeps_the_counters() {
         .assert_error(503, "upstream_held");
     let name = "fencegate_route_breaker_opened_total{route=\"billing\"}";
     let held = "fencegate_upstream_held_total{route=\"billing\",reason=\"breaker_open\"}";
-    assert_eq!(metric(&s.fg, name).await, 1.0);
-    assert_eq!(metric(&s.fg, held).await, 1.0);
+    assert_eq!(s.fg.series(name).await, 1.0);
+    assert_eq!(s.fg.series(held).await, 1.0);
     reload(&s, |t| {
         t.replace("cool_down = \"1m\"", "cool_down = \"2m\"")
     })
     .await;
     assert_eq!(
-        metric(&s.fg, name).await,
+        s.fg.series(name).await,
         1.0,
         "a counter went down on a reload"
     );
     // A new upstream (another base path): a fresh state, the same counters.
     reload(&s, |t| t.replace("/v1/", "/v2/")).await;
     assert_eq!(
-        (metric(&s.fg, name).await, metric(&s.fg, held).await),
+        (s.fg.series(name).await, s.fg.series(held).await),
         (1.0, 1.0),
         "a counter went down on a reload changing the upstream"
     );

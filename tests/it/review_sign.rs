@@ -97,19 +97,6 @@ fn whsec(byte: u8) -> String {
     )
 }
 
-async fn metric(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        http::Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// An operator writes one secret as a string, not a list (`signing_secrets =
 /// "whsec_…"` — the issue speaks of "the route's secret"). The reload is refused
 /// whole and deliveries go on signed with the old secret (that held) — but the
@@ -155,10 +142,10 @@ async fn a_secret_written_as_a_string_is_refused_without_being_printed() {
         )
     });
     let rejected = "fencegate_config_reloads_total{result=\"refused\"}";
-    let before = metric(&fg, rejected).await;
+    let before = fg.series(rejected).await;
     fg.hup();
     eventually("the reload to be refused", || async {
-        metric(&fg, rejected).await > before
+        fg.series(rejected).await > before
     })
     .await;
     // Held: the old signer is kept.
@@ -465,13 +452,13 @@ async fn a_cert_swap_keeps_in_flight_requests_and_a_broken_one_is_refused_whole(
 
     std::fs::remove_file(fg.dir.path().join("client.key")).unwrap();
     let refused = "fencegate_config_reloads_total{result=\"refused\"}";
-    let before = metric(&fg, refused).await;
+    let before = fg.series(refused).await;
     fg.edit_config(|t| {
         format!("{t}\n[[route]]\nname = \"added\"\npath_prefix = \"/added/\"\nupstream = \"http://127.0.0.1:9/\"\nlease = \"partner\"\n")
     });
     fg.hup();
     eventually("the reload to be refused", || async {
-        metric(&fg, refused).await > before
+        fg.series(refused).await > before
     })
     .await;
     let still = post(&fg, "/mtls/after", &h, "{}").await;

@@ -8,9 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use http::Request;
-
-use super::{body, eventually, repo_root, send, test_python, Fencegate, Gateway};
+use super::{eventually, repo_root, test_python, Fencegate, Gateway};
 
 pub fn egress_dir() -> PathBuf {
     repo_root().join("tests/egress")
@@ -90,29 +88,15 @@ pub fn verify_with_npm(
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// The value of one exact series (`name{labels}`) on `/metrics`, 0 if absent.
-async fn series(fg: &Fencegate, exact: &str) -> f64 {
-    let r = send(
-        Request::get(fg.admin_url("/metrics"))
-            .body(body(""))
-            .unwrap(),
-    )
-    .await;
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(exact)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Rewrites the config through `edit`, sends SIGHUP and waits for the reload to
 /// be counted as applied.
 pub async fn reload_with(fg: &Fencegate, edit: impl FnOnce(String) -> String) {
     let metric = "fencegate_config_reloads_total{result=\"applied\"}";
-    let before = series(fg, metric).await;
+    let before = fg.series(metric).await;
     fg.edit_config(edit);
     fg.hup();
     eventually("the reload to be applied", || async {
-        series(fg, metric).await > before
+        fg.series(metric).await > before
     })
     .await;
 }

@@ -438,12 +438,23 @@ pub(super) async fn writes(db: Db, batch: Vec<Write>) {
     }
 }
 
-/// A statement's answer: how each claim came out, whether each outcome was
-/// written, and how many claims inserted a record.
+/// A statement's answer: how each claim came out, and whether each outcome
+/// was written.
 struct Answer {
     claims: Vec<Option<Claimed>>,
     matched: Vec<bool>,
-    inserted: usize,
+}
+
+impl Answer {
+    /// Records the statement wrote: claims inserted, and outcomes written.
+    fn written(&self) -> (usize, usize) {
+        let inserted = self
+            .claims
+            .iter()
+            .filter(|c| matches!(c, Some(Claimed::Yes)))
+            .count();
+        (inserted, self.matched.iter().filter(|m| **m).count())
+    }
 }
 
 fn indexes(n: usize) -> Vec<i32> {
@@ -495,7 +506,6 @@ async fn send(db: &Db, claims: &[ClaimItem], outcomes: &[OutcomeItem]) -> Result
     let mut answer = Answer {
         claims: (0..claims.len()).map(|_| None).collect(),
         matched: vec![false; outcomes.len()],
-        inserted: 0,
     };
     for row in &rows {
         let Some(i) = row
@@ -514,7 +524,6 @@ async fn send(db: &Db, claims: &[ClaimItem], outcomes: &[OutcomeItem]) -> Result
             continue;
         };
         *slot = Some(if row.get::<_, Option<bool>>(2) == Some(true) {
-            answer.inserted += 1;
             Claimed::Yes
         } else {
             Claimed::No {
@@ -551,11 +560,12 @@ async fn round(db: &Db, claims: Vec<ClaimItem>, outcomes: Vec<OutcomeItem>) {
             return;
         }
     };
-    let written = answer.inserted + answer.matched.iter().filter(|m| **m).count();
+    let (inserted, outcomes_written) = answer.written();
+    let written = inserted + outcomes_written;
     if written > 0 {
         db.committed(written);
     }
-    if answer.inserted > 0 {
+    if inserted > 0 {
         crate::failpoint::hit("dedup_in_flight_flushed");
     }
     if outcomes

@@ -11,7 +11,7 @@
 //!
 //! Result on c8a767b: every test here PASSES (`held_*`): no destination-level
 //! rule broke. `held_a8` needs a schema-6 build (see its comment) and is
-//! ignored otherwise. `held_a3*` and `held_a9` also show the liveness coupling
+//! ignored otherwise. `held_a3` and `held_a9` also show the liveness coupling
 //! the combination brings (an outcome failing, or a takeover waiting, because
 //! of an unrelated claim's lock wait).
 

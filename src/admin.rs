@@ -364,7 +364,7 @@ impl Admin {
                 self.store_timeout.as_millis()
             )),
         }
-        problems.extend(self.shared.mode.fence_problems());
+        problems.extend(self.shared.fence_problems());
         if let Some(c) = self.shared.mode.cluster() {
             // "I can serve or route": every shard has an owner this instance knows.
             if !c.is_ready() {
@@ -843,7 +843,7 @@ impl Admin {
             keys_next,
             keys_paged: after.is_some(),
             keys_error,
-            fence_problems: self.shared.mode.fence_problems(),
+            fence_problems: self.shared.fence_problems(),
             access,
             notice,
         }

@@ -278,17 +278,18 @@ fn report(format: LogFormat, r: anyhow::Result<()>) -> ExitCode {
             let config_like = matches!(
                 e.downcast_ref::<StartError>(),
                 Some(
-                    StartError::State(crate::state::StateError::Open { .. })
-                        | StartError::Guard(
-                            GuardError::Held { .. }
-                                | GuardError::OtherMode { .. }
-                                | GuardError::OtherState { .. }
-                                | GuardError::SharedId { .. },
-                        )
-                        | StartError::Cluster(
-                            crate::cluster::ClusterError::OtherSetUp { .. }
-                                | crate::cluster::ClusterError::OlderBuild { .. }
-                        )
+                    StartError::State(
+                        crate::state::StateError::Open { .. }
+                            | crate::state::StateError::OtherSetUp(_)
+                    ) | StartError::Guard(
+                        GuardError::Held { .. }
+                            | GuardError::OtherMode { .. }
+                            | GuardError::OtherState { .. }
+                            | GuardError::SharedId { .. },
+                    ) | StartError::Cluster(
+                        crate::cluster::ClusterError::OtherSetUp { .. }
+                            | crate::cluster::ClusterError::OlderBuild { .. }
+                    )
                 )
             );
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })

@@ -256,6 +256,12 @@ pub struct StateConfig {
     /// Bound on connecting (shared among the url's hosts) and on every statement.
     #[serde(alias = "timeout", deserialize_with = "duration::ms")]
     pub timeout_ms: u64,
+    /// The PostgreSQL schema holding fencegate's tables (SPEC §9): one per
+    /// set-up sharing a database. Unset: the connection's own `search_path`
+    /// (normally `public`), as before the key existed — setting `public`
+    /// explicitly could move an existing set-up off tables its role's
+    /// `search_path` found elsewhere.
+    pub schema: Option<String>,
 }
 
 impl Default for StateConfig {
@@ -266,6 +272,7 @@ impl Default for StateConfig {
             pool_size: 16,
             ca_file: None,
             timeout_ms: 2000,
+            schema: None,
         }
     }
 }
@@ -1129,9 +1136,17 @@ impl Config {
                     ));
                 }
             }
+            if let Some(schema) = &s.schema {
+                check_schema_name(schema)?;
+            }
         } else if s.url.is_some() {
             return Err(
                 "[state] url is set but kind is \"sled\": set kind = \"postgres\" or remove url"
+                    .into(),
+            );
+        } else if s.schema.is_some() {
+            return Err(
+                "[state] schema is set but kind is \"sled\": a schema names where fencegate's tables live in PostgreSQL"
                     .into(),
             );
         }
@@ -1402,7 +1417,11 @@ impl Config {
             // The connection string may hold a password: never shown.
             StateKind::Postgres => writeln!(
                 out,
-                "state         postgres (url hidden), pool {}, timeout {} ms{}",
+                "state         postgres (url hidden), schema {}, pool {}, timeout {} ms{}",
+                self.state
+                    .schema
+                    .as_deref()
+                    .unwrap_or("the connection's search_path"),
                 self.state.pool_size,
                 self.state.timeout_ms,
                 self.state
@@ -1485,6 +1504,30 @@ impl Config {
         }
         out
     }
+}
+
+/// `[state] schema`: an unquoted PostgreSQL identifier (lowercase letters,
+/// digits, `_`; at most 63 bytes; not `pg_…`, which PostgreSQL reserves), so
+/// that it goes into `search_path` and `CREATE SCHEMA` without quoting.
+fn check_schema_name(name: &str) -> Result<(), String> {
+    let first_ok = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = name
+        .chars()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !first_ok || !rest_ok || name.len() > 63 {
+        return Err(format!(
+            "[state] schema {name:?} must be 1 to 63 lowercase letters, digits or '_', not starting with a digit"
+        ));
+    }
+    if name.starts_with("pg_") {
+        return Err(format!(
+            "[state] schema {name:?}: names starting with pg_ are reserved by PostgreSQL"
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1802,6 +1845,39 @@ lease = "billing"
             assert!(err.contains("secret"), "{value}: {err}");
             assert!(!err.contains(&secret[6..]), "{value}: {err}");
         }
+    }
+
+    /// `[state] schema` (SPEC §9): an unquoted identifier, PostgreSQL only;
+    /// each wrong value refused with the rule it breaks.
+    #[test]
+    fn the_state_schema_is_an_identifier_of_postgres() {
+        let pg = |schema: &str| {
+            format!("[state]\nkind = \"postgres\"\nurl = \"postgres://fg@127.0.0.1/fg\"\nschema = \"{schema}\"\n{MIN}")
+        };
+        for good in ["fg_staging", "_x", "prod2", &"a".repeat(63)] {
+            let c = Config::parse(&pg(good)).unwrap();
+            c.validate().unwrap();
+            assert_eq!(c.state.schema.as_deref(), Some(good));
+        }
+        let long = "a".repeat(64);
+        for (bad, needle) in [
+            ("", "lowercase letters"),
+            ("Staging", "lowercase letters"),
+            ("2fg", "not starting with a digit"),
+            ("fg-staging", "lowercase letters"),
+            ("fg staging", "lowercase letters"),
+            ("fg\\\"; DROP", "lowercase letters"),
+            (long.as_str(), "63"),
+            ("pg_fg", "reserved"),
+        ] {
+            let err = Config::parse(&pg(bad))
+                .and_then(|c| c.validate())
+                .unwrap_err();
+            assert!(err.contains(needle), "{bad:?}: {err}");
+        }
+        let sled = format!("[state]\nschema = \"fg\"\n{MIN}");
+        let err = Config::parse(&sled).and_then(|c| c.validate()).unwrap_err();
+        assert!(err.contains("kind is \"sled\""), "{err}");
     }
 
     /// `[cluster]` (SPEC §10.2): its rules, each named in the error.

@@ -248,10 +248,31 @@ impl GateKey {
         )
     }
 
+    /// The key of the record that says which set-up a database belongs to
+    /// (SPEC §10): a cluster's peer token under a label of its own.
+    pub(crate) fn for_set_up_record(token: &str) -> GateKey {
+        GateKey::derive(b"fencegate set-up record v1", token.as_bytes(), "")
+    }
+
     fn tag(&self, rec: &EpochRecord) -> Vec<u8> {
+        self.tag_of(&canonical(rec))
+    }
+
+    /// The MAC of `message` under this key.
+    pub(crate) fn tag_of(&self, message: &[u8]) -> Vec<u8> {
         let mut mac = self.0.clone();
-        mac.update(&canonical(rec));
+        mac.update(message);
         mac.finalize().into_bytes().to_vec()
+    }
+
+    /// Whether `given` (hex) is the MAC of `message` (constant-time compare).
+    pub(crate) fn verifies_message(&self, message: &[u8], given: &str) -> bool {
+        let Ok(given) = hex::decode(given) else {
+            return false;
+        };
+        let mut mac = self.0.clone();
+        mac.update(message);
+        mac.verify_slice(&given).is_ok()
     }
 
     /// Sets `rec.mac` over every other field of the object.
@@ -261,26 +282,30 @@ impl GateKey {
 
     /// Whether `rec` was sealed with this key (constant-time compare).
     pub fn verifies(&self, rec: &EpochRecord) -> bool {
-        let Some(given) = rec.mac.as_deref().and_then(|m| hex::decode(m).ok()) else {
-            return false;
-        };
-        let mut mac = self.0.clone();
-        mac.update(&canonical(rec));
-        mac.verify_slice(&given).is_ok()
+        rec.mac
+            .as_deref()
+            .is_some_and(|m| self.verifies_message(&canonical(rec), m))
     }
 }
 
-/// The fields a MAC covers, each length-prefixed (no field can run into the next).
-fn canonical(rec: &EpochRecord) -> Vec<u8> {
-    let mut out = Vec::with_capacity(256);
-    let mut field = |v: Option<&str>| match v {
+/// Appends one field of a sealed message: a byte 1, its length (u64,
+/// big-endian) and its bytes, or a byte 0 when absent — no field can run into
+/// the next.
+pub(crate) fn push_field(out: &mut Vec<u8>, v: Option<&str>) {
+    match v {
         Some(s) => {
             out.push(1);
             out.extend_from_slice(&(s.len() as u64).to_be_bytes());
             out.extend_from_slice(s.as_bytes());
         }
         None => out.push(0),
-    };
+    }
+}
+
+/// The fields a MAC covers, each length-prefixed ([`push_field`]).
+fn canonical(rec: &EpochRecord) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
+    let mut field = |v: Option<&str>| push_field(&mut out, v);
     let kind = match rec.kind {
         EpochKind::Acquire => "acquire",
         EpochKind::Release => "release",

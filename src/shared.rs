@@ -79,6 +79,19 @@ impl Mode {
 }
 
 impl Shared {
+    /// Why this instance forwards nothing, or cannot serve a shard, in one
+    /// line each (`/readyz`, the operator's page): another set-up on the
+    /// prefix or its database (SPEC §10), an untrusted gate object.
+    pub fn fence_problems(&self) -> Vec<String> {
+        let mut problems = self.mode.fence_problems();
+        problems.extend(
+            self.state
+                .set_up_conflict()
+                .map(|p| format!("forwarding stopped: {p}")),
+        );
+        problems
+    }
+
     /// Shutdown has begun: readiness fails from now on.
     pub fn begin_stopping(&self) {
         self.stopping.store(true, Ordering::SeqCst);
@@ -94,8 +107,13 @@ impl Shared {
     }
 
     /// The owner generation under which this instance writes the records of
-    /// `route`; `None` when its lease's fence is not running here.
+    /// `route`; `None` when its lease's fence is not running here, or when
+    /// the database belongs to another set-up now (an operator's action is
+    /// not written into another set-up's records, SPEC §10).
     pub fn owner_of_route(&self, name: &str) -> Option<Owner> {
+        if self.state.set_up_conflict().is_some() {
+            return None;
+        }
         let lease: LeaseName = self.live.current().routes.get(name)?.lease.clone();
         self.fences.get(&lease).map(|f| f.owner())
     }

@@ -86,6 +86,12 @@ impl Cluster {
             .zip(&self.gates)
             .filter_map(|(s, g)| lock(&g.holding).map(|gen| (s, gen)))
             .collect();
+        if self.state.set_up_conflict().is_some() {
+            // The database is another set-up's now (SPEC §10): this instance
+            // neither renews nor announces itself there; its shards self-fence.
+            tracing::warn!("the database belongs to another set-up: not renewing shards or announcing this instance");
+            return;
+        }
         if !held.is_empty() {
             if !self.vouches() && !super::weakened::no_self_fence() {
                 // Not renewing is how shards go to the others: this instance
@@ -239,7 +245,7 @@ impl Cluster {
                 self.saw_beats(beats);
             }
         }
-        if !self.stopping.is_cancelled() && lock(&self.conflict).is_none() {
+        if !self.stopping.is_cancelled() && !self.stopped_by_another_set_up() {
             self.balance();
         }
     }

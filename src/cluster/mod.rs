@@ -246,6 +246,12 @@ impl Cluster {
         lock(&self.conflict).clone()
     }
 
+    /// Whether another set-up holds the prefix (a live gate object) or the
+    /// database (its set-up record): nothing is served, taken or balanced.
+    fn stopped_by_another_set_up(&self) -> bool {
+        lock(&self.conflict).is_some() || self.state.set_up_conflict().is_some()
+    }
+
     /// This instance's id (`[cluster] instance_id`).
     pub fn id(&self) -> &str {
         &self.id
@@ -266,7 +272,7 @@ impl Cluster {
         let Some(g) = self.gates.get(shard as usize) else {
             return Placement::Unavailable;
         };
-        if lock(&self.conflict).is_some() {
+        if self.stopped_by_another_set_up() {
             return Placement::Unavailable;
         }
         let generation = g.serving.load(Ordering::SeqCst);
@@ -318,7 +324,7 @@ impl Cluster {
     /// Whether this instance can serve or route: it has looked at the shards at
     /// least once and every shard has an owner it can name.
     pub fn is_ready(&self) -> bool {
-        lock(&self.conflict).is_none()
+        !self.stopped_by_another_set_up()
             && self.gates.iter().all(|g| {
                 g.serving.load(Ordering::SeqCst) != 0
                     || lock(&g.seen).owner(self.ttl, self.grace).is_some()

@@ -42,7 +42,7 @@ impl Cluster {
         // Not while leaving: a graceful stop's handover may still be draining
         // the shard (a renewal answered then must not take it again).
         if self.stopping.is_cancelled()
-            || lock(&self.conflict).is_some()
+            || self.stopped_by_another_set_up()
             || g.busy.swap(true, Ordering::SeqCst)
         {
             return;
@@ -120,7 +120,7 @@ impl Cluster {
             }
         };
         let owner = Owner { shard, generation };
-        if !self.anchor.window.is_open() || lock(&self.conflict).is_some() {
+        if !self.anchor.window.is_open() || self.stopped_by_another_set_up() {
             tracing::info!(
                 shard,
                 "the prefix's anchor is not known to be this set-up's: handing the shard back"

@@ -74,6 +74,16 @@ impl Collector for StateCollector {
         )?;
         emit(
             &mut enc,
+            "fencegate_state_set_up_conflict",
+            "1 while the database's set-up record names another set-up, or is gone (SPEC §10): nothing is forwarded",
+            MetricType::Gauge,
+            vec![(
+                vec![],
+                ConstGauge::new(i64::from(shared.state.set_up_conflict().is_some())),
+            )],
+        )?;
+        emit(
+            &mut enc,
             "fencegate_store_ok",
             "1 when the last refresh of the lease's epochs succeeded",
             MetricType::Gauge,

@@ -33,6 +33,7 @@ use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::protect;
 use crate::shared::{Mode, Shared};
+use crate::state::StateStore;
 use crate::streaming::{Exchange, ProxyBody, Streamed, UpBody, Upload, UploadEnd, UploadState};
 use crate::telemetry::{Kind, Spans, Telemetry};
 
@@ -46,6 +47,9 @@ pub(crate) struct Proxy {
     dedup: Arc<Dedup>,
     fences: Arc<Fences>,
     mode: Mode,
+    /// The state store, asked per request whether its database still belongs
+    /// to this set-up (SPEC §10).
+    state: Arc<dyn StateStore>,
     /// Pooled connections to cluster peers (SPEC §10.2).
     peers: Option<HttpsClient>,
     metrics: Arc<Metrics>,
@@ -72,6 +76,7 @@ impl Proxy {
             dedup: shared.dedup.clone(),
             fences: shared.fences.clone(),
             mode: shared.mode.clone(),
+            state: shared.state.clone(),
             peers,
             metrics,
             clock,
@@ -507,7 +512,7 @@ impl Proxy {
                 Sent::Nothing,
             );
         }
-        if !self.mode.may_forward(fence.owner()) {
+        if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
             // The gate lease (the instance guard, or the shard's in a cluster) could
             // not be renewed in time: another instance may serve it now (SPEC §10).
             let lease = route.lease.clone();
@@ -727,6 +732,11 @@ impl Proxy {
         let unavailable = || ProxyError::ShardUnavailable {
             lease: route.lease.clone(),
         };
+        if self.state.set_up_conflict().is_some() {
+            // The database is another set-up's now (SPEC §10): nothing is
+            // served here, nor relayed to an owner it names.
+            return Served::Here(Err(unavailable()));
+        }
         if let Some(f) = &route.fence {
             return Served::Here(Ok(f.clone()));
         }

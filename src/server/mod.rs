@@ -39,6 +39,7 @@ use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route, RouteTable};
 use crate::shared::{Mode, Shared};
+use crate::state::postgres::set_up_record::OurSetUp;
 use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
 use crate::state::{Owner, StateError, StateStore};
@@ -151,9 +152,18 @@ async fn build_on(
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
+    // On PostgreSQL the database is this set-up's, or nothing is written to
+    // it (SPEC §10: one database, one set-up); the record is looked at again
+    // while running.
+    let mut set_up_watch = None;
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
-        StateKind::Postgres => PostgresState::connect(&cfg.state).await?,
+        StateKind::Postgres => {
+            let pg = PostgresState::connect(&cfg.state).await?;
+            pg.hold_for(OurSetUp::of(cfg)).await?;
+            set_up_watch = Some(pg.clone());
+            pg
+        }
     };
     let (durable, state_metrics) = crate::state::timed::Timed::wrap(durable);
     let durable: Arc<dyn StateStore> = durable;
@@ -258,6 +268,13 @@ async fn build_on(
     if let Mode::Single(guard) = &mode {
         tasks.push(tokio::spawn(
             guard.clone().abort_at_expiry(fences.clone(), stop.clone()),
+        ));
+    }
+    if let Some(pg) = set_up_watch {
+        let every = (cfg.store.gate_ttl / 4).max(Duration::from_millis(100));
+        let stop = stop.clone();
+        tasks.push(tokio::spawn(
+            async move { pg.watch_set_up(every, stop).await },
         ));
     }
     let admin = Arc::new(Admin::new(

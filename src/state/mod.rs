@@ -164,6 +164,10 @@ pub enum StateError {
     /// A write (or the read before it) failed; nothing is known to be durable.
     #[error("state write failed: {0}")]
     Write(String),
+    /// The database belongs to another set-up (SPEC §10: one database, one
+    /// set-up): refused at start-up, naming that set-up and the way out.
+    #[error("{0}")]
+    OtherSetUp(String),
     /// Another instance now owns the shard (SPEC §10.2): this one must stop writing.
     #[error("shard {} is owned under generation {stored}, newer than this instance's {}", .ours.shard, .ours.generation)]
     OwnerLost {
@@ -383,6 +387,12 @@ pub trait StateStore: Send + Sync + 'static {
 
     /// Whether the last write reached the disk or database.
     fn is_healthy(&self) -> bool;
+
+    /// Why this instance must forward nothing because its database now
+    /// belongs to another set-up (SPEC §10), if it does; checked per request.
+    fn set_up_conflict(&self) -> Option<String> {
+        None
+    }
 
     /// Readiness: the backend can take a write now (the database answers).
     async fn check(&self) -> Result<(), StateError>;

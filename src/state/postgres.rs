@@ -26,6 +26,7 @@
 //! of an existing record is marked `in_doubt`.
 
 mod ownership;
+pub mod set_up_record;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -62,6 +63,14 @@ pub struct PostgresState {
     /// outcome not yet written): an outcome is written only over that claim.
     /// A leaf lock, held for an insert or a remove.
     held: Mutex<HashMap<RecordKey, i64>>,
+    /// The set-up record this instance started on (SPEC §10: one database,
+    /// one set-up); unset when the state was opened without one (tests,
+    /// benches).
+    set_up: std::sync::OnceLock<set_up_record::Held>,
+    /// Why forwarding stopped: the record is no longer this set-up's.
+    set_up_problem: Mutex<Option<String>>,
+    /// Whether `set_up_problem` is set (read on every request).
+    foreign: AtomicBool,
 }
 
 /// Batches in flight at once: one forming while one is sent, as the sled
@@ -153,9 +162,16 @@ impl PostgresState {
         // anew for each call (PostgreSQL's default for the first executions and
         // whenever it judges the custom plan cheaper) costs more CPU than
         // running them.
+        let mut ours = "-c plan_cache_mode=force_generic_plan".to_owned();
+        // `[state] schema`: every table, every statement, every migration of
+        // this set-up in its own schema (named without quoting: the config
+        // allows only lowercase letters, digits and '_').
+        if let Some(schema) = &cfg.schema {
+            ours.push_str(&format!(" -c search_path={schema}"));
+        }
         let options = match pg.get_options() {
-            Some(o) if !o.is_empty() => format!("{o} -c plan_cache_mode=force_generic_plan"),
-            _ => "-c plan_cache_mode=force_generic_plan".to_owned(),
+            Some(o) if !o.is_empty() => format!("{o} {ours}"),
+            _ => ours,
         };
         pg.options(&options);
         if pg.get_application_name().is_none() {
@@ -197,6 +213,9 @@ impl PostgresState {
                 move |batch| pg_batch::writes(db.clone(), batch)
             }),
             held: Mutex::new(HashMap::new()),
+            set_up: std::sync::OnceLock::new(),
+            set_up_problem: Mutex::new(None),
+            foreign: AtomicBool::new(false),
         };
         let mut client = state
             .pool
@@ -213,9 +232,12 @@ impl PostgresState {
                 "synchronous_commit is off: a committed dedup record could be lost in a crash and a delivery repeated; set synchronous_commit = on for fencegate's role or database".into(),
             ));
         }
-        let found = tokio::time::timeout(cfg.timeout() * 5, schema::migrate(&mut client))
-            .await
-            .map_err(|_| open("the schema migration timed out".into()))??;
+        let found = tokio::time::timeout(
+            cfg.timeout() * 5,
+            schema::migrate(&mut client, cfg.schema.as_deref()),
+        )
+        .await
+        .map_err(|_| open("the schema migration timed out".into()))??;
         if found < schema::VERSION {
             tracing::info!(
                 from = found,
@@ -930,6 +952,10 @@ impl StateStore for PostgresState {
 
     fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+    }
+
+    fn set_up_conflict(&self) -> Option<String> {
+        self.set_up_problem()
     }
 
     async fn check(&self) -> Result<(), StateError> {

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use super::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 7;
+pub const VERSION: i32 = 8;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -116,10 +116,27 @@ const MIGRATIONS: &[&str] = &[
     // each outcome wrote both. Dropping it saved ~2 of the ~12 WAL records a
     // request writes.
     "DROP INDEX IF EXISTS fencegate_dedup_by_state;",
+    // 7 → 8: the set-up this database (or schema) belongs to (SPEC §10, issue
+    // 39): one row, written by the first instance that starts on it, read by
+    // every other at start-up and while it runs ([`super::postgres::set_up_record`]).
+    // Two set-ups in one database share marks and answer each other's retries.
+    "CREATE TABLE fencegate_set_up (
+        one boolean PRIMARY KEY DEFAULT true CHECK (one),
+        id text NOT NULL,
+        store text NOT NULL,
+        prefix text NOT NULL,
+        mode text NOT NULL,
+        recorded_by text NOT NULL,
+        recorded_at timestamptz NOT NULL DEFAULT now(),
+        mac text
+    );",
 ];
 
-/// Creates or migrates the schema; returns the version found before.
-pub async fn migrate(client: &mut Client) -> Result<i32, StateError> {
+/// Creates or migrates the schema — in `schema` when set (`[state] schema`,
+/// created if missing; the connection's `search_path` names it), else where
+/// the connection's `search_path` creates tables; returns the version found
+/// before.
+pub async fn migrate(client: &mut Client, schema: Option<&str>) -> Result<i32, StateError> {
     let err = |e: tokio_postgres::Error| {
         StateError::Write(format!(
             "schema migration: {}",
@@ -130,6 +147,22 @@ pub async fn migrate(client: &mut Client) -> Result<i32, StateError> {
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await
         .map_err(err)?;
+    if let Some(schema) = schema {
+        // Looked up first: `CREATE SCHEMA IF NOT EXISTS` needs the CREATE
+        // privilege on the database even when the schema exists, and a role
+        // given a schema by its administrator may lack it. The name is an
+        // unquoted identifier (checked with the config).
+        let exists = tx
+            .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[&schema])
+            .await
+            .map_err(err)?
+            .is_some();
+        if !exists {
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await
+                .map_err(err)?;
+        }
+    }
     tx.batch_execute("CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL)")
         .await
         .map_err(err)?;

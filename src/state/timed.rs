@@ -87,7 +87,10 @@ impl Op {
 fn kind(e: &StateError) -> usize {
     match e {
         StateError::OwnerLost { .. } => 1,
-        StateError::Write(_) | StateError::Open { .. } | StateError::Damaged { .. } => 0,
+        StateError::Write(_)
+        | StateError::Open { .. }
+        | StateError::Damaged { .. }
+        | StateError::OtherSetUp(_) => 0,
     }
 }
 const KINDS: [&str; 2] = ["unavailable", "owner_lost"];
@@ -328,6 +331,10 @@ impl StateStore for Timed {
 
     fn is_healthy(&self) -> bool {
         self.inner.is_healthy()
+    }
+
+    fn set_up_conflict(&self) -> Option<String> {
+        self.inner.set_up_conflict()
     }
 
     async fn check(&self) -> Result<(), StateError> {

@@ -516,7 +516,7 @@ async fn held_a7_schema_6_with_live_records_migrates_to_7() {
     pg.psql(
         &db,
         "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
-         UPDATE fencegate_schema SET version = 6; \
+         DROP TABLE fencegate_set_up; UPDATE fencegate_schema SET version = 6; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms, status, headers, body, claim) \
          SELECT 'pay', 'v6-' || s || '-' || i, 0, s, decode(repeat('01', 32), 'hex'), \
@@ -526,7 +526,10 @@ async fn held_a7_schema_6_with_live_records_migrates_to_7() {
          FROM generate_series(0, 2) s, generate_series(1, 5) i",
     );
     let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(pg.psql(&db, "SELECT version FROM fencegate_schema"), "7");
+    assert_eq!(
+        pg.psql(&db, "SELECT version FROM fencegate_schema"),
+        fencegate::state::schema::VERSION.to_string()
+    );
     assert_eq!(
         pg.psql(
             &db,
@@ -599,7 +602,10 @@ async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
     r.origin.wait_for(before + 1).await;
     // A schema-7 instance starts beside it: the migration drops the index.
     let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(pg.psql(&db, "SELECT version FROM fencegate_schema"), "7");
+    assert_eq!(
+        pg.psql(&db, "SELECT version FROM fencegate_schema"),
+        fencegate::state::schema::VERSION.to_string()
+    );
     r.origin.release("a8-held");
     assert_eq!(
         crate::postgres::answer(pending.await.unwrap()),

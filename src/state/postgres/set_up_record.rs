@@ -1,0 +1,416 @@
+//! One database, one set-up (SPEC §10): the record that says which set-up —
+//! which lease store and prefix — a database (or a `[state] schema` in it)
+//! belongs to.
+//!
+//! Marks, dedup records and shard rows are keyed by lease, (route, key) and
+//! shard, never by set-up: two set-ups in one database would share one
+//! high-water mark per lease name (one environment's epochs refusing the
+//! other's holder), answer one's retry with the other's stored response, and
+//! split one set of shard rows between two clusters. The S3 anchor (§10) keeps
+//! two set-ups off one prefix; this record keeps two prefixes off one database.
+//!
+//! The first instance to start records its set-up (a random id, the store and
+//! prefix, its mode; a cluster seals it with its peer token, as it seals gate
+//! objects). Every later instance reads it before writing anything: another
+//! store or prefix, or a seal made with another peer token, refuses start-up
+//! (exit 2). A running instance reads it again every quarter of `gate_ttl`;
+//! a record that is gone or is no longer the one it started on stops all
+//! forwarding until it is ([`PostgresState::watch_set_up`]). That look is
+//! periodic: a record replaced by hand is noticed within one interval, and
+//! requests forwarded before that are not undone.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::{PostgresState, StateError};
+use crate::config::{Config, StoreKind};
+use crate::setup::{push_field, GateKey};
+
+/// This instance's set-up, as a record names it.
+#[derive(Clone, Debug)]
+pub struct OurSetUp {
+    /// `s3://{bucket}`, or `dir:{path}`.
+    store: String,
+    prefix: String,
+    mode: &'static str,
+    /// A cluster member's instance id; for a single instance its listener.
+    recorded_by: String,
+    /// A cluster's seal; a single instance has no secret its successor shares
+    /// (its `gate-key` lives in its own `data_dir`) and seals nothing.
+    key: Option<GateKey>,
+}
+
+impl OurSetUp {
+    /// The set-up `cfg` describes. The S3 endpoint is not part of it: one
+    /// bucket is reached through several (regional, VPC, path-style) ones.
+    pub fn of(cfg: &Config) -> OurSetUp {
+        let store = match cfg.store.kind {
+            StoreKind::S3 => format!("s3://{}", cfg.store.bucket.as_deref().unwrap_or_default()),
+            StoreKind::Dir => format!("dir:{}", cfg.store.path.display()),
+        };
+        let (mode, recorded_by, key) = match &cfg.cluster {
+            Some(c) => (
+                "cluster",
+                c.instance_id.clone(),
+                Some(GateKey::for_set_up_record(
+                    &c.resolved_peer_token().unwrap_or_default(),
+                )),
+            ),
+            None => (
+                "single",
+                format!("a single instance listening on {}", cfg.server.listen),
+                None,
+            ),
+        };
+        OurSetUp {
+            store,
+            prefix: cfg.store.prefix.clone(),
+            mode,
+            recorded_by,
+            key,
+        }
+    }
+
+    /// The seal of a record with these fields (`None` for a single instance).
+    fn seal(&self, id: &str, mode: &str) -> Option<String> {
+        let key = self.key.as_ref()?;
+        Some(hex::encode(key.tag_of(&message(
+            id,
+            &self.store,
+            &self.prefix,
+            mode,
+        ))))
+    }
+
+    /// What `rec` is to this instance.
+    fn judge(&self, rec: &SetUpRecord) -> Verdict {
+        if rec.store != self.store || rec.prefix != self.prefix {
+            return Verdict::Foreign(format!(
+                "it holds the state of {rec}, and this instance's lease store is {} with prefix {:?}",
+                self.store, self.prefix
+            ));
+        }
+        match (&self.key, &rec.mac) {
+            (None, _) => Verdict::Ours,
+            (Some(_), None) => Verdict::Unsealed,
+            (Some(key), Some(mac)) => {
+                let m = message(&rec.id, &rec.store, &rec.prefix, &rec.mode);
+                if key.verifies_message(&m, mac) {
+                    Verdict::Ours
+                } else {
+                    Verdict::Foreign(format!(
+                        "it holds the state of {rec}, sealed with another peer token than this instance's: another cluster on the same lease store and prefix, or this cluster's peer_token changed (then, with every instance stopped, delete the row of fencegate_set_up and start again)"
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// The sealed fields, each length-prefixed as a gate object's are.
+fn message(id: &str, store: &str, prefix: &str, mode: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(128);
+    for f in [id, store, prefix, mode] {
+        push_field(&mut out, Some(f));
+    }
+    out
+}
+
+/// The row of `fencegate_set_up`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetUpRecord {
+    /// Random, made by the instance that wrote the record.
+    pub id: String,
+    /// `s3://{bucket}` or `dir:{path}`.
+    pub store: String,
+    /// The lease store prefix.
+    pub prefix: String,
+    /// `single` or `cluster`.
+    pub mode: String,
+    /// Who wrote it.
+    pub recorded_by: String,
+    /// When, on the database's clock (shown only).
+    pub recorded_at: String,
+    /// A cluster's seal (hex HMAC-SHA256), or none.
+    pub mac: Option<String>,
+}
+
+impl fmt::Display for SetUpRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "set-up {} (lease store {}, prefix {:?}, {}, recorded by {} at {})",
+            self.id, self.store, self.prefix, self.mode, self.recorded_by, self.recorded_at
+        )
+    }
+}
+
+/// What a record is to an instance.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Ours,
+    /// Ours, written by a single instance: a cluster member seals it.
+    Unsealed,
+    /// Another set-up's, and why.
+    Foreign(String),
+}
+
+/// The record an instance started on, and what its last look found.
+#[derive(Debug)]
+pub(super) struct Held {
+    ours: OurSetUp,
+    id: String,
+    /// Where the record lives, for messages: `schema "public"`.
+    place: String,
+}
+
+const SELECT: &str = "SELECT id, store, prefix, mode, recorded_by, \
+     to_char(recorded_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), mac \
+     FROM fencegate_set_up";
+
+fn record_of(row: &tokio_postgres::Row) -> SetUpRecord {
+    SetUpRecord {
+        id: row.get(0),
+        store: row.get(1),
+        prefix: row.get(2),
+        mode: row.get(3),
+        recorded_by: row.get(4),
+        recorded_at: row.get(5),
+        mac: row.get(6),
+    }
+}
+
+/// A fresh record id: 128 random bits, hex.
+fn new_id() -> String {
+    format!(
+        "{:016x}{:016x}",
+        crate::entropy::u64(),
+        crate::entropy::u64()
+    )
+}
+
+impl PostgresState {
+    /// The record in the database, if any.
+    async fn read_set_up(&self) -> Result<Option<SetUpRecord>, StateError> {
+        let row = self
+            .with("reading the set-up record", |c| async move {
+                let st = c.prepare_cached(SELECT).await?;
+                c.query_opt(&st, &[]).await
+            })
+            .await?;
+        Ok(row.as_ref().map(record_of))
+    }
+
+    /// Start-up, before anything else is written: records `ours` as the set-up
+    /// this database belongs to, or finds it recorded — or refuses, naming the
+    /// set-up that holds it ([`StateError::OtherSetUp`], exit 2).
+    pub async fn hold_for(&self, ours: OurSetUp) -> Result<(), StateError> {
+        let place = self
+            .with("reading the schema", |c| async move {
+                c.query_one("SELECT COALESCE(current_schema(), '')", &[])
+                    .await
+            })
+            .await
+            .map(|r| format!("schema {:?}", r.get::<_, String>(0)))?;
+        // Two rounds at most: a record written by another instance between our
+        // read and our insert is read on the second.
+        for _ in 0..2 {
+            let Some(rec) = self.read_set_up().await? else {
+                let id = new_id();
+                let (ours, id_) = (&ours, &id);
+                self.with("recording the set-up", |c| async move {
+                    let st = c
+                        .prepare_cached(
+                            "INSERT INTO fencegate_set_up (id, store, prefix, mode, recorded_by, mac) \
+                             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (one) DO NOTHING",
+                        )
+                        .await?;
+                    let mac = ours.seal(id_, ours.mode);
+                    c.execute(
+                        &st,
+                        &[id_, &ours.store, &ours.prefix, &ours.mode, &ours.recorded_by, &mac],
+                    )
+                    .await
+                })
+                .await?;
+                continue;
+            };
+            match ours.judge(&rec) {
+                Verdict::Foreign(why) => {
+                    return Err(StateError::OtherSetUp(format!(
+                        "this database ({place}) belongs to another fencegate set-up: {why}. Two set-ups in one database share high-water marks and answer each other's retries: give this one a database of its own, or a [state] schema of its own (docs/operations.md, \"One database, one set-up\")"
+                    )));
+                }
+                Verdict::Unsealed => {
+                    let (ours, rec_) = (&ours, &rec);
+                    self.with("sealing the set-up record", |c| async move {
+                        let st = c
+                            .prepare_cached(
+                                "UPDATE fencegate_set_up SET mode = 'cluster', mac = $2 \
+                                 WHERE id = $1 AND mac IS NULL",
+                            )
+                            .await?;
+                        let mac = ours.seal(&rec_.id, "cluster");
+                        c.execute(&st, &[&rec_.id, &mac]).await
+                    })
+                    .await?;
+                }
+                Verdict::Ours => {}
+            }
+            tracing::info!(set_up = %rec, %place, "the database belongs to this set-up");
+            let held = Held {
+                ours,
+                id: rec.id,
+                place,
+            };
+            // Set once, at start-up; a second call keeps the first.
+            let _ = self.set_up.set(held);
+            return Ok(());
+        }
+        Err(StateError::Write(
+            "recording the set-up: the record was neither written nor found".into(),
+        ))
+    }
+
+    /// While running: reads the record every `every`; one that is gone or not
+    /// the one this instance started on stops all forwarding
+    /// ([`crate::state::StateStore::set_up_conflict`]) until it is again. A
+    /// failed read changes nothing (the database's health says that).
+    pub async fn watch_set_up(&self, every: Duration, stop: CancellationToken) {
+        let Some(held) = self.set_up.get() else {
+            return;
+        };
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+            let Ok(found) = self.read_set_up().await else {
+                continue;
+            };
+            let problem = match &found {
+                None => Some(format!(
+                    "the record of the set-up this database belongs to ({}, fencegate_set_up) is gone; this instance started on set-up {}: it forwards nothing until the record is back (or it is restarted)",
+                    held.place, held.id
+                )),
+                Some(rec) => match held.ours.judge(rec) {
+                    Verdict::Foreign(why) => Some(format!(
+                        "the database ({}) now belongs to another set-up: {why}; this instance forwards nothing until the record is its set-up's again",
+                        held.place
+                    )),
+                    _ if rec.id != held.id => Some(format!(
+                        "the database's set-up record ({}) was replaced: it names {rec}, and this instance started on set-up {}; it forwards nothing until the record is back (or it is restarted)",
+                        held.place, held.id
+                    )),
+                    _ => None,
+                },
+            };
+            self.note_set_up_problem(problem);
+        }
+    }
+
+    fn note_set_up_problem(&self, now: Option<String>) {
+        let mut slot = self
+            .set_up_problem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match (&*slot, &now) {
+            (None, Some(p)) => tracing::error!(problem = %p, "forwarding stopped"),
+            (Some(_), None) => {
+                tracing::warn!("the database's set-up record is this set-up's again: serving again")
+            }
+            _ => {}
+        }
+        self.foreign.store(now.is_some(), Ordering::SeqCst);
+        *slot = now;
+    }
+
+    /// Why this instance forwards nothing, if its database's record says it
+    /// belongs to another set-up.
+    pub(super) fn set_up_problem(&self) -> Option<String> {
+        if !self.foreign.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.set_up_problem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(prefix: &str, cluster: Option<&str>) -> Config {
+        let cluster = cluster.map_or(String::new(), |token| {
+            format!(
+                "[cluster]\ninstance_id = \"fg-a\"\nadvertise = \"http://10.0.0.1:8080\"\npeer_token = \"{token}\"\n"
+            )
+        });
+        Config::parse(&format!(
+            "[store]\nkind = \"s3\"\nbucket = \"b\"\nprefix = \"{prefix}\"\n[state]\nkind = \"postgres\"\nurl = \"postgres://fg@127.0.0.1/fg\"\n{cluster}[[route]]\nname = \"r\"\npath_prefix = \"/r/\"\nupstream = \"http://127.0.0.1:1/\"\nlease = \"l\"\n"
+        ))
+        .unwrap()
+    }
+
+    fn record_by(ours: &OurSetUp, id: &str) -> SetUpRecord {
+        SetUpRecord {
+            id: id.into(),
+            store: ours.store.clone(),
+            prefix: ours.prefix.clone(),
+            mode: ours.mode.into(),
+            recorded_by: ours.recorded_by.clone(),
+            recorded_at: "2026-12-04T00:00:00Z".into(),
+            mac: ours.seal(id, ours.mode),
+        }
+    }
+
+    const TOKEN: &str = "0123456789abcdef0123";
+
+    /// The store and prefix decide; a cluster also needs its own seal; a
+    /// single instance takes a cluster's record of its store and prefix (the
+    /// anchor keeps the two apart while either runs).
+    #[test]
+    fn a_record_is_ours_only_for_our_store_prefix_and_seal() {
+        let staging = OurSetUp::of(&cfg("staging/", Some(TOKEN)));
+        let prod = OurSetUp::of(&cfg("prod/", Some(TOKEN)));
+        let rec = record_by(&staging, "id1");
+        assert_eq!(staging.judge(&rec), Verdict::Ours);
+        let Verdict::Foreign(why) = prod.judge(&rec) else {
+            panic!("another prefix's record taken")
+        };
+        assert!(
+            why.contains("\"staging/\"") && why.contains("fg-a"),
+            "{why}"
+        );
+
+        let other_token = OurSetUp::of(&cfg("staging/", Some("another-token-0123456789")));
+        assert!(matches!(other_token.judge(&rec), Verdict::Foreign(w) if w.contains("peer token")));
+        // Every sealed field counts: a record edited by hand does not verify.
+        for edit in [
+            |r: &mut SetUpRecord| r.id.push('x'),
+            |r: &mut SetUpRecord| r.mode = "single".into(),
+            |r: &mut SetUpRecord| r.mac = Some("00".repeat(32)),
+            |r: &mut SetUpRecord| r.mac = Some("not hex".into()),
+        ] {
+            let mut r = rec.clone();
+            edit(&mut r);
+            assert!(matches!(staging.judge(&r), Verdict::Foreign(_)), "{r:?}");
+        }
+        let single = OurSetUp::of(&cfg("staging/", None));
+        assert_eq!(single.judge(&rec), Verdict::Ours);
+        let unsealed = record_by(&single, "id2");
+        assert_eq!(unsealed.mac, None);
+        assert_eq!(staging.judge(&unsealed), Verdict::Unsealed);
+        assert!(matches!(
+            OurSetUp::of(&cfg("prod/", None)).judge(&unsealed),
+            Verdict::Foreign(_)
+        ));
+    }
+}

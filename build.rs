@@ -1,6 +1,13 @@
-//! Records the git commit the binary is built from, for `fencegate_build_info`
-//! and `--version`: `FENCEGATE_COMMIT` when set (a build without `.git`, e.g. a
-//! container), else `git rev-parse`, else "unknown".
+//! Stamps the binary with the git commit it is built from, for
+//! `fencegate_build_info` and `--version` (read in `src/main.rs` only):
+//! `FENCEGATE_COMMIT` when set (a build without `.git`, e.g. a container),
+//! else — in a release build — `git rev-parse`, else "dev".
+//!
+//! Only a release build watches HEAD. A build script's rerun makes cargo
+//! recompile every target of the package, the library and each test binary
+//! included, whatever reads the stamp: watching HEAD in debug builds rebuilt
+//! the whole test suite on every commit, even one that changed only a test. A
+//! debug build says "dev" rather than a commit it would not keep current.
 
 use std::process::Command;
 
@@ -13,14 +20,23 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
-    let commit = std::env::var("FENCEGATE_COMMIT")
+    let release = std::env::var("PROFILE").is_ok_and(|p| p == "release");
+    let given = std::env::var("FENCEGATE_COMMIT")
         .ok()
-        .filter(|c| !c.is_empty())
-        .or_else(|| git(&["rev-parse", "--short=12", "HEAD"]))
-        .unwrap_or_else(|| "unknown".to_owned());
+        .filter(|c| !c.is_empty());
+    let commit = match (given, release) {
+        (Some(c), _) => c,
+        (None, true) => {
+            git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".to_owned())
+        }
+        (None, false) => "dev".to_owned(),
+    };
     println!("cargo:rustc-env=FENCEGATE_COMMIT={commit}");
     println!("cargo:rerun-if-env-changed=FENCEGATE_COMMIT");
     println!("cargo:rerun-if-changed=build.rs");
+    if !release {
+        return;
+    }
     // Run again when HEAD moves: HEAD itself, and the branch it points to.
     let mut watch = vec!["HEAD".to_owned()];
     if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use serde_json::json;
 
 use crate::clock::{rfc3339, Clock, SystemClock};
@@ -20,7 +20,7 @@ use crate::lease::{self, Epochs};
 #[derive(Parser)]
 #[command(
     name = "fencegate",
-    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("FENCEGATE_COMMIT"), ")"),
+    version = env!("CARGO_PKG_VERSION"),
     about = "An HTTP gateway that fences stale leaders"
 )]
 struct Cli {
@@ -143,8 +143,18 @@ const EXIT_HELD: u8 = 3;
 
 /// The `fencegate` command line: parses arguments, runs the subcommand, and maps its
 /// outcome to the exit code (0 ok, 1 error, 2 config or usage, 3 lease held).
-pub fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+/// `commit` is the binary's build stamp (`--version`, `fencegate_build_info`):
+/// the binary reads it, so that a new commit relinks the binary without making
+/// the library's own code depend on it.
+pub fn main(commit: &'static str) -> ExitCode {
+    crate::metrics::set_commit(commit);
+    let version: &'static str =
+        Box::leak(format!("{} ({commit})", env!("CARGO_PKG_VERSION")).into_boxed_str());
+    let parsed = Cli::command()
+        .version(version)
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();

@@ -11,5 +11,6 @@ use std::process::ExitCode;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
-    fencegate::cli::main()
+    // The build stamp (build.rs) is read here, in the binary only.
+    fencegate::cli::main(env!("FENCEGATE_COMMIT"))
 }

@@ -234,8 +234,14 @@ pub(crate) fn emit<M: EncodeMetric>(
 #[derive(Debug)]
 struct ProcessCollector;
 
-/// The git commit the build came from (`build.rs`).
-pub const COMMIT: &str = env!("FENCEGATE_COMMIT");
+/// The git commit the binary was built from, as `main` hands it over
+/// ([`set_commit`]); "unknown" in a process that did not (tests).
+static COMMIT: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// Sets the commit `fencegate_build_info` reports (once, at start-up).
+pub fn set_commit(commit: &'static str) {
+    let _ = COMMIT.set(commit);
+}
 
 impl Collector for ProcessCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -247,7 +253,10 @@ impl Collector for ProcessCollector {
             vec![(
                 vec![
                     ("version", env!("CARGO_PKG_VERSION").to_owned()),
-                    ("commit", COMMIT.to_owned()),
+                    (
+                        "commit",
+                        COMMIT.get().copied().unwrap_or("unknown").to_owned(),
+                    ),
                 ],
                 ConstGauge::new(1),
             )],

@@ -9,10 +9,13 @@ use std::process::{Command, Output};
 
 use crate::support::*;
 
+/// Runs the script with the test Python first on the PATH (its preflight
+/// picks ports with `python3`).
 fn cluster_sh(args: &[&str]) -> Output {
     Command::new("bash")
         .arg(repo_root().join("scripts/cluster.sh"))
         .args(args)
+        .env("PATH", path_with_test_python())
         .output()
         .unwrap()
 }
@@ -21,6 +24,7 @@ fn cluster_sh(args: &[&str]) -> Output {
 /// (with the S3 server unable to listen) failed later without naming the port.
 #[test]
 fn the_cluster_script_moves_off_a_busy_port_or_names_it() {
+    skip_without_python!();
     // The S3 test server's port, held here (or by whatever holds it already).
     let _held = std::net::TcpListener::bind("127.0.0.1:9000").ok();
 

@@ -77,6 +77,20 @@ fn python() -> PathBuf {
     }
 }
 
+/// `PATH` with the test Python's folder first, as `python3` and `python`: for
+/// scripts a test runs that call `python3` themselves.
+pub fn path_with_test_python() -> std::ffi::OsString {
+    let dir = tempfile::tempdir().unwrap().keep();
+    for name in ["python3", "python"] {
+        std::os::unix::fs::symlink(python(), dir.join(name)).unwrap();
+    }
+    let mut paths = vec![dir];
+    paths.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(paths).unwrap()
+}
+
 /// Whether the Python test servers can run; if not, says so on the terminal (past
 /// the test harness's output capture) and returns `false`. See
 /// [`skip_without_python!`].

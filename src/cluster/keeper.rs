@@ -112,7 +112,7 @@ impl Cluster {
             return;
         }
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        match self.state.beat(&self.id).await {
+        match self.owners.beat(&self.id).await {
             Ok(beats) => self.saw_beats(beats),
             Err(e) => {
                 tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
@@ -123,7 +123,7 @@ impl Cluster {
     async fn renew_held(self: &Arc<Self>, held: &[(u32, u64)]) {
         let sent = Instant::now();
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        let renewed = match self.state.renew_shards(&self.id, held, self.ttl).await {
+        let renewed = match self.owners.renew_shards(&self.id, held, self.ttl).await {
             Ok(r) => r,
             Err(e) => {
                 // Outcome unknown: the windows stay where the last confirmed
@@ -207,7 +207,7 @@ impl Cluster {
     /// One look: every owner row, then balance.
     pub(super) async fn look_round(self: &Arc<Self>) {
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        let rows = match self.state.owner_rows().await {
+        let rows = match self.owners.owner_rows().await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "could not read the shards' owners");
@@ -241,7 +241,7 @@ impl Cluster {
         });
         if released {
             self.db_calls.fetch_add(1, Ordering::Relaxed);
-            if let Ok(beats) = self.state.beat(&self.id).await {
+            if let Ok(beats) = self.owners.beat(&self.id).await {
                 self.saw_beats(beats);
             }
         }

@@ -229,6 +229,22 @@ impl StateStore for Db {
         }
         Ok(())
     }
+    fn is_healthy(&self) -> bool {
+        !self.down.load(Ordering::SeqCst)
+    }
+    async fn check(&self) -> Result<(), StateError> {
+        self.call(|_| ()).await
+    }
+    fn stats(&self) -> CommitStats {
+        CommitStats::default()
+    }
+    async fn close(&self) -> Result<(), StateError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl OwnershipStore for Db {
     async fn owner_rows(&self) -> Result<Vec<OwnerRow>, StateError> {
         self.call(|t| {
             t.owners
@@ -346,18 +362,6 @@ impl StateStore for Db {
         })
         .await
     }
-    fn is_healthy(&self) -> bool {
-        !self.down.load(Ordering::SeqCst)
-    }
-    async fn check(&self) -> Result<(), StateError> {
-        self.call(|_| ()).await
-    }
-    fn stats(&self) -> CommitStats {
-        CommitStats::default()
-    }
-    async fn close(&self) -> Result<(), StateError> {
-        Ok(())
-    }
 }
 
 const TTL: Duration = Duration::from_secs(6);
@@ -438,7 +442,7 @@ impl World {
             self.clock.clone(),
             Duration::from_secs(60),
         ));
-        let c = Cluster::new(&cfg, store, fences, state, dedup)
+        let c = Cluster::new(&cfg, store, fences, state, db.clone(), dedup)
             .await
             .unwrap();
         Member { c, db }

@@ -62,7 +62,7 @@ use crate::fence::Fences;
 
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::setup::GateKey;
-use crate::state::{Owner, OwnerRow, StateError, StateStore};
+use crate::state::{Owner, OwnerRow, OwnershipStore, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
 pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
@@ -140,6 +140,8 @@ pub struct Cluster {
     gates: Vec<ShardLease>,
     fences: Arc<Fences>,
     state: Arc<dyn StateStore>,
+    /// The shards' owner rows and membership (the same database as `state`).
+    owners: Arc<dyn OwnershipStore>,
     dedup: Arc<Dedup>,
     members: Mutex<Vec<String>>,
     /// Wakes the keeper for an early round (a request found no owner).
@@ -173,6 +175,7 @@ impl Cluster {
         store: Arc<dyn LeaseStore>,
         fences: Arc<Fences>,
         state: Arc<dyn StateStore>,
+        owners: Arc<dyn OwnershipStore>,
         dedup: Arc<Dedup>,
     ) -> Result<Arc<Cluster>, ClusterError> {
         let Some(cc) = &cfg.cluster else {
@@ -225,6 +228,7 @@ impl Cluster {
             gates,
             fences,
             state,
+            owners,
             dedup,
             members: Mutex::new(vec![cc.instance_id.clone()]),
             nudged: tokio::sync::Notify::new(),

@@ -86,7 +86,7 @@ impl Cluster {
             let sent = Instant::now();
             self.db_calls.fetch_add(1, Ordering::Relaxed);
             match self
-                .state
+                .owners
                 .take_shard(shard, from, &self.id, &self.advertise, self.ttl)
                 .await
             {
@@ -304,7 +304,7 @@ impl Cluster {
         };
         g.window.close();
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        match self.state.release_shard(&self.id, shard, generation).await {
+        match self.owners.release_shard(&self.id, shard, generation).await {
             Ok(released) => {
                 if let Some(row) = lock(&g.seen).row.as_mut() {
                     if row.generation == generation {
@@ -349,7 +349,7 @@ impl Cluster {
             releases.spawn(async move { me.hand_over(shard).await });
         }
         while releases.join_next().await.is_some() {}
-        if let Err(e) = self.state.leave(&self.id).await {
+        if let Err(e) = self.owners.leave(&self.id).await {
             tracing::warn!(error = %e, "could not record leaving the cluster");
         }
     }

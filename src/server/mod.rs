@@ -155,13 +155,13 @@ async fn build_on(
     // On PostgreSQL the database is this set-up's, or nothing is written to
     // it (SPEC §10: one database, one set-up); the record is looked at again
     // while running.
-    let mut set_up_watch = None;
+    let mut database = None;
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
         StateKind::Postgres => {
             let pg = PostgresState::connect(&cfg.state).await?;
             pg.hold_for(OurSetUp::of(cfg)).await?;
-            set_up_watch = Some(pg.clone());
+            database = Some(pg.clone());
             pg
         }
     };
@@ -193,16 +193,27 @@ async fn build_on(
             }
             Mode::Single(guard)
         }
-        Some(_) => Mode::Cluster(
-            Cluster::new(
-                cfg,
-                store.clone(),
-                fences.clone(),
-                durable.clone(),
-                dedup.clone(),
+        Some(_) => {
+            // A cluster keeps its owner rows in the database its state is in
+            // (config validation: [cluster] needs [state] kind = "postgres").
+            let Some(owners) = database.clone() else {
+                return Err(StartError::State(StateError::Open {
+                    path: "[state]".into(),
+                    detail: "[cluster] needs [state] kind = \"postgres\"".into(),
+                }));
+            };
+            Mode::Cluster(
+                Cluster::new(
+                    cfg,
+                    store.clone(),
+                    fences.clone(),
+                    durable.clone(),
+                    owners,
+                    dedup.clone(),
+                )
+                .await?,
             )
-            .await?,
-        ),
+        }
     };
     let metrics = Metrics::new();
     let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics).await?);
@@ -270,7 +281,7 @@ async fn build_on(
             guard.clone().abort_at_expiry(fences.clone(), stop.clone()),
         ));
     }
-    if let Some(pg) = set_up_watch {
+    if let Some(pg) = database.clone() {
         let every = (cfg.store.gate_ttl / 4).max(Duration::from_millis(100));
         let stop = stop.clone();
         tasks.push(tokio::spawn(

@@ -17,22 +17,23 @@
 //! only makes a restart settle longer.
 
 pub mod codec;
+pub mod ownership;
 pub mod postgres;
 pub mod record;
-pub mod schema;
 pub mod sled;
 pub mod timed;
 
 mod flusher;
 mod gather;
-mod pg_batch;
-mod pg_error;
-mod pg_record;
 mod witness;
 
 use async_trait::async_trait;
 
+/// The PostgreSQL schema's version and epoch mapping (tests and benches name
+/// them here).
+pub use self::postgres::schema;
 use crate::epoch::{Epoch, LeaseName};
+pub use ownership::{OwnerRow, OwnershipStore};
 pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 
 /// The generation under which an instance writes the state of one shard.
@@ -50,37 +51,6 @@ impl Owner {
         shard: 0,
         generation: 0,
     };
-}
-
-/// A shard's ownership row as the database holds it (SPEC §10.2): who owns the
-/// shard, under which generation, and how many renewals the tenure has had. A
-/// successor judges expiry by watching `(generation, renewals)` stay unchanged
-/// on its own monotonic clock, never by `expires_at` (the database's clock, for
-/// display only).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnerRow {
-    /// The shard.
-    pub shard: u32,
-    /// The tenure's generation: every state write of the shard carries it.
-    pub generation: u64,
-    /// The owning instance; `None` when released (free at once).
-    pub owner: Option<String>,
-    /// The owner's advertised proxy URL.
-    pub advertise: Option<String>,
-    /// Renewals of this tenure so far.
-    pub renewals: u64,
-    /// `now() + gate_ttl` at the latest renewal, on the database's clock (shown,
-    /// never judged on).
-    pub expires_at: Option<std::time::SystemTime>,
-    /// The owner's own `gate_ttl`, as it wrote it with its take and renewals:
-    /// it aborts what it has in flight that long after a renewal's send, so a
-    /// contender configured with a shorter one waits this long (members with
-    /// different `gate_ttl`, as during a rolling config change).
-    pub ttl: Option<std::time::Duration>,
-    /// Released by its owner (a handover): free at once. An owner set to NULL
-    /// any other way (by hand) is not a release: the row is watched like a
-    /// live one.
-    pub released: bool,
 }
 
 /// What is kept for one lease.
@@ -240,10 +210,6 @@ pub struct CommitStats {
     pub records: u64,
 }
 
-fn unshared() -> StateError {
-    StateError::Write("shard ownership needs a shared backend ([state] kind = \"postgres\")".into())
-}
-
 /// Marks and dedup records. See the module documentation for durability.
 #[async_trait]
 pub trait StateStore: Send + Sync + 'static {
@@ -316,74 +282,6 @@ pub trait StateStore: Send + Sync + 'static {
     /// `owner.generation`, and a write of an older generation fails. Durable on
     /// return. [`StateError::OwnerLost`] when a newer generation holds it already.
     async fn claim_shard(&self, owner: Owner) -> Result<(), StateError>;
-
-    /// Cluster membership, advisory (for balancing shards, never for ownership):
-    /// records that instance `id` is alive now and returns the ids alive within
-    /// `ttl`, `id` included. A backend one instance owns knows only itself.
-    async fn heartbeat(
-        &self,
-        id: &str,
-        _ttl: std::time::Duration,
-    ) -> Result<Vec<String>, StateError> {
-        Ok(vec![id.to_owned()])
-    }
-
-    /// SPEC §10.2 ownership: every shard's row ([`OwnerRow`]), in shard order.
-    /// Only a backend several instances share has them.
-    async fn owner_rows(&self) -> Result<Vec<OwnerRow>, StateError> {
-        Err(unshared())
-    }
-
-    /// Takes `shard` for `id`: a new generation (one above the row's), only if
-    /// the row is still exactly as seen — `seen` its `(generation, renewals)`,
-    /// `None` when it had no row. Returns the new generation, or `None` when
-    /// the row had changed (someone renewed or took it). Waits for every state
-    /// write of the older generation in progress (the owner row's lock), so
-    /// none commits after it.
-    async fn take_shard(
-        &self,
-        _shard: u32,
-        _seen: Option<(u64, u64)>,
-        _id: &str,
-        _advertise: &str,
-        _ttl: std::time::Duration,
-    ) -> Result<Option<u64>, StateError> {
-        Err(unshared())
-    }
-
-    /// Renews every `(shard, generation)` of `held` that `id` still owns, in one
-    /// statement; returns those renewed with their renewal count.
-    async fn renew_shards(
-        &self,
-        _id: &str,
-        _held: &[(u32, u64)],
-        _ttl: std::time::Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
-        Err(unshared())
-    }
-
-    /// Releases `shard` held by `id` under `generation` (a handover): a
-    /// successor may take it at once. Whether it was released.
-    async fn release_shard(
-        &self,
-        _id: &str,
-        _shard: u32,
-        _generation: u64,
-    ) -> Result<bool, StateError> {
-        Err(unshared())
-    }
-
-    /// Membership, advisory: counts a beat of `id` and returns every member's
-    /// beat count (liveness is judged by watching a count change on the
-    /// caller's monotonic clock, never by the database's clock).
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
-        Ok(vec![(id.to_owned(), 0)])
-    }
-
-    /// A graceful stop: `id` is no longer a member.
-    async fn leave(&self, _id: &str) -> Result<(), StateError> {
-        Ok(())
-    }
 
     /// Whether the last write reached the disk or database.
     fn is_healthy(&self) -> bool;

@@ -36,14 +36,12 @@ enum Op {
     Sweep,
     Recover,
     ClaimShard,
-    Heartbeat,
-    Leave,
     Check,
     Close,
 }
 
 impl Op {
-    const ALL: [Op; 15] = [
+    const ALL: [Op; 13] = [
         Op::Marks,
         Op::RaiseMark,
         Op::NoteDrained,
@@ -55,8 +53,6 @@ impl Op {
         Op::Sweep,
         Op::Recover,
         Op::ClaimShard,
-        Op::Heartbeat,
-        Op::Leave,
         Op::Check,
         Op::Close,
     ];
@@ -74,8 +70,6 @@ impl Op {
             Op::Sweep => "sweep",
             Op::Recover => "recover",
             Op::ClaimShard => "claim_shard",
-            Op::Heartbeat => "heartbeat",
-            Op::Leave => "leave",
             Op::Check => "check",
             Op::Close => "close",
         }
@@ -281,52 +275,6 @@ impl StateStore for Timed {
     async fn claim_shard(&self, owner: Owner) -> Result<(), StateError> {
         self.timed(Op::ClaimShard, self.inner.claim_shard(owner))
             .await
-    }
-
-    async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<Vec<String>, StateError> {
-        self.timed(Op::Heartbeat, self.inner.heartbeat(id, ttl))
-            .await
-    }
-
-    async fn leave(&self, id: &str) -> Result<(), StateError> {
-        self.timed(Op::Leave, self.inner.leave(id)).await
-    }
-
-    async fn owner_rows(&self) -> Result<Vec<super::OwnerRow>, StateError> {
-        self.inner.owner_rows().await
-    }
-
-    async fn take_shard(
-        &self,
-        shard: u32,
-        seen: Option<(u64, u64)>,
-        id: &str,
-        advertise: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>, StateError> {
-        self.inner.take_shard(shard, seen, id, advertise, ttl).await
-    }
-
-    async fn renew_shards(
-        &self,
-        id: &str,
-        held: &[(u32, u64)],
-        ttl: Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
-        self.inner.renew_shards(id, held, ttl).await
-    }
-
-    async fn release_shard(
-        &self,
-        id: &str,
-        shard: u32,
-        generation: u64,
-    ) -> Result<bool, StateError> {
-        self.inner.release_shard(id, shard, generation).await
-    }
-
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
-        self.inner.beat(id).await
     }
 
     fn is_healthy(&self) -> bool {

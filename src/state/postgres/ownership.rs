@@ -11,8 +11,10 @@
 
 use std::time::{Duration, UNIX_EPOCH};
 
+use async_trait::async_trait;
+
 use super::{PostgresState, StateError};
-use crate::state::OwnerRow;
+use crate::state::{OwnerRow, OwnershipStore};
 
 fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -22,8 +24,9 @@ fn uint(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
-impl PostgresState {
-    pub(super) async fn rows_of_owners(&self) -> Result<Vec<OwnerRow>, StateError> {
+#[async_trait]
+impl OwnershipStore for PostgresState {
+    async fn owner_rows(&self) -> Result<Vec<OwnerRow>, StateError> {
         let rows = self
             .with("reading shard owners", |c| async move {
                 let st = c
@@ -57,7 +60,7 @@ impl PostgresState {
             .collect())
     }
 
-    pub(super) async fn take(
+    async fn take_shard(
         &self,
         shard: u32,
         seen: Option<(u64, u64)>,
@@ -118,7 +121,7 @@ impl PostgresState {
         Ok(row.map(|r| uint(r.get(0))))
     }
 
-    pub(super) async fn renew(
+    async fn renew_shards(
         &self,
         id: &str,
         held: &[(u32, u64)],
@@ -165,7 +168,7 @@ impl PostgresState {
             .collect())
     }
 
-    pub(super) async fn release(
+    async fn release_shard(
         &self,
         id: &str,
         shard: u32,
@@ -188,7 +191,7 @@ impl PostgresState {
         Ok(n == 1)
     }
 
-    pub(super) async fn count_beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
         let rows = self
             .with("cluster heartbeat", |c| async move {
                 let st = c
@@ -208,5 +211,16 @@ impl PostgresState {
             })
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), uint(r.get(1)))).collect())
+    }
+
+    async fn leave(&self, id: &str) -> Result<(), StateError> {
+        self.with("leaving the cluster", |c| async move {
+            let st = c
+                .prepare_cached("DELETE FROM fencegate_members WHERE instance_id = $1")
+                .await?;
+            c.execute(&st, &[&id]).await
+        })
+        .await
+        .map(drop)
     }
 }

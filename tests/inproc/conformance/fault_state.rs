@@ -42,8 +42,6 @@ pub enum Op {
     Sweep,
     Recover,
     ClaimShard,
-    Heartbeat,
-    Leave,
     Check,
 }
 
@@ -278,15 +276,6 @@ impl StateStore for FaultState {
         let call = self.inner.claim_shard(owner);
         self.around(Op::ClaimShard, &owner.shard.to_string(), call)
             .await
-    }
-
-    async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<Vec<String>, StateError> {
-        self.around(Op::Heartbeat, id, self.inner.heartbeat(id, ttl))
-            .await
-    }
-
-    async fn leave(&self, id: &str) -> Result<(), StateError> {
-        self.around(Op::Leave, id, self.inner.leave(id)).await
     }
 
     fn is_healthy(&self) -> bool {

@@ -6,8 +6,8 @@ use bytes::Bytes;
 use tokio_postgres::Row;
 
 use super::schema::epoch_from_sql;
-use super::{Record, RequestLine, State, StoredResponse};
 use crate::epoch::Epoch;
+use crate::state::{Record, RequestLine, State, StoredResponse};
 
 pub(super) fn state_code(s: State) -> i16 {
     match s {
@@ -47,7 +47,7 @@ pub(super) fn record_at(row: &Row, at: usize) -> Option<Record> {
     let packed: Option<Vec<u8>> = row.get(at + 11);
     // Since schema 5 the headers are one column; older records keep two arrays.
     let headers = match packed {
-        Some(raw) => super::codec::decode_headers(&raw)?,
+        Some(raw) => crate::state::codec::decode_headers(&raw)?,
         None => names
             .unwrap_or_default()
             .into_iter()

@@ -14,7 +14,7 @@
 //! Durability is PostgreSQL's commit: each statement commits on its own
 //! (autocommit), and `synchronous_commit` must be on (checked at start-up).
 //! Claims and outcomes — two statements per request — go in batches
-//! ([`super::pg_batch`]): the claims of concurrent requests are one statement
+//! ([`batch`]): the claims of concurrent requests are one statement
 //! and one commit, their outcomes another. The rest (marks, take-overs,
 //! operators' actions) are one statement each. Statements are prepared once per
 //! connection; every call is bounded by `[state] timeout_ms`.
@@ -25,7 +25,11 @@
 //! blocked: a batch's claims are freed, its outcomes written again; a take-over
 //! of an existing record is marked `in_doubt`.
 
+mod batch;
+mod error;
 mod ownership;
+mod record;
+pub mod schema;
 pub mod set_up_record;
 
 use std::collections::HashMap;
@@ -39,15 +43,15 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::oneshot;
 
 use super::gather::Gather;
-use super::pg_batch::{self, BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem, Write};
-use super::pg_record::{record_of, state_code, RECORD_COLUMNS};
-use super::schema::{self, epoch_from_sql, epoch_to_sql};
 use super::{
     Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey, Resolution,
     Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
 };
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
+use batch::{BatchError, ClaimItem, Claimed, Db, Op, OutcomeItem, Write};
+use record::{record_of, state_code, RECORD_COLUMNS};
+use schema::{epoch_from_sql, epoch_to_sql};
 
 /// The state in PostgreSQL: several instances share it (SPEC §10.2), each write fenced
 /// by its [`Owner`].
@@ -210,7 +214,7 @@ impl PostgresState {
             records: Arc::clone(&db.records),
             writes: Gather::start(BATCH_WORKERS, BATCH_MAX, {
                 let db = db.clone();
-                move |batch| pg_batch::writes(db.clone(), batch)
+                move |batch| batch::writes(db.clone(), batch)
             }),
             held: Mutex::new(HashMap::new()),
             set_up: std::sync::OnceLock::new(),
@@ -225,7 +229,7 @@ impl PostgresState {
         let sync: String = client
             .query_one("SHOW synchronous_commit", &[])
             .await
-            .map_err(|e| open(super::pg_error::describe(&e)))?
+            .map_err(|e| open(error::describe(&e)))?
             .get(0);
         if sync == "off" {
             return Err(open(
@@ -260,9 +264,9 @@ impl PostgresState {
                 self.pool.get().await.map_err(|e| {
                     StateError::Write(format!("{what}: no database connection: {e}"))
                 })?;
-            f(client).await.map_err(|e| {
-                StateError::Write(format!("{what}: {}", super::pg_error::describe(&e)))
-            })
+            f(client)
+                .await
+                .map_err(|e| StateError::Write(format!("{what}: {}", error::describe(&e))))
         };
         let res = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -877,77 +881,6 @@ impl StateStore for PostgresState {
             }),
             _ => Ok(()),
         }
-    }
-
-    async fn heartbeat(&self, id: &str, ttl: Duration) -> Result<Vec<String>, StateError> {
-        let secs = ttl.as_secs_f64();
-        let rows = self
-            .with("cluster heartbeat", |c| async move {
-                let st = c
-                    .prepare_cached(
-                        "INSERT INTO fencegate_members (instance_id, seen_at) VALUES ($1, now()) \
-                         ON CONFLICT (instance_id) DO UPDATE SET seen_at = now()",
-                    )
-                    .await?;
-                c.execute(&st, &[&id]).await?;
-                let st = c
-                    .prepare_cached(
-                        "SELECT instance_id FROM fencegate_members \
-                         WHERE seen_at > now() - make_interval(secs => $1) ORDER BY instance_id",
-                    )
-                    .await?;
-                c.query(&st, &[&secs]).await
-            })
-            .await?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
-    }
-
-    async fn owner_rows(&self) -> Result<Vec<super::OwnerRow>, StateError> {
-        self.rows_of_owners().await
-    }
-
-    async fn take_shard(
-        &self,
-        shard: u32,
-        seen: Option<(u64, u64)>,
-        id: &str,
-        advertise: &str,
-        ttl: Duration,
-    ) -> Result<Option<u64>, StateError> {
-        self.take(shard, seen, id, advertise, ttl).await
-    }
-
-    async fn renew_shards(
-        &self,
-        id: &str,
-        held: &[(u32, u64)],
-        ttl: Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
-        self.renew(id, held, ttl).await
-    }
-
-    async fn release_shard(
-        &self,
-        id: &str,
-        shard: u32,
-        generation: u64,
-    ) -> Result<bool, StateError> {
-        self.release(id, shard, generation).await
-    }
-
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
-        self.count_beat(id).await
-    }
-
-    async fn leave(&self, id: &str) -> Result<(), StateError> {
-        self.with("leaving the cluster", |c| async move {
-            let st = c
-                .prepare_cached("DELETE FROM fencegate_members WHERE instance_id = $1")
-                .await?;
-            c.execute(&st, &[&id]).await
-        })
-        .await
-        .map(drop)
     }
 
     fn is_healthy(&self) -> bool {

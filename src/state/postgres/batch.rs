@@ -37,8 +37,8 @@ use deadpool_postgres::{Object, ObjectId, Pool};
 use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
-use super::pg_error::describe;
-use super::{Record, RecordKey};
+use super::error::describe;
+use crate::state::{Record, RecordKey};
 
 /// What the workers share with the backend.
 #[derive(Clone)]
@@ -527,7 +527,7 @@ async fn send(db: &Db, claims: &[ClaimItem], outcomes: &[OutcomeItem]) -> Result
             Claimed::Yes
         } else {
             Claimed::No {
-                existing: super::pg_record::record_at(row, 4),
+                existing: super::record::record_at(row, 4),
                 owner: row.get(3),
             }
         });

@@ -5,7 +5,7 @@
 
 use tokio_postgres::Client;
 
-use super::StateError;
+use crate::state::StateError;
 
 /// The schema version this build writes and understands.
 pub const VERSION: i32 = 8;
@@ -138,10 +138,7 @@ const MIGRATIONS: &[&str] = &[
 /// before.
 pub async fn migrate(client: &mut Client, schema: Option<&str>) -> Result<i32, StateError> {
     let err = |e: tokio_postgres::Error| {
-        StateError::Write(format!(
-            "schema migration: {}",
-            super::pg_error::describe(&e)
-        ))
+        StateError::Write(format!("schema migration: {}", super::error::describe(&e)))
     };
     let tx = client.transaction().await.map_err(err)?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])

@@ -1,5 +1,5 @@
 /** Calls through fencegate (SPEC §3) with typed outcomes (SPEC §7) and safe retries. */
-import { type Lease } from "./lease";
+import { type Lease } from "./held";
 import { Tenure } from "./tenure";
 interface OutcomeBase {
     /** 0 when there was no HTTP answer. */

@@ -5,7 +5,7 @@ exports.GatewayClient = exports.NO_KEY = exports.ERROR_CODES = void 0;
 exports.parseRetryAfter = parseRetryAfter;
 exports.parseOutcome = parseOutcome;
 const node_crypto_1 = require("node:crypto");
-const lease_1 = require("./lease");
+const held_1 = require("./held");
 const tenure_1 = require("./tenure");
 /** Every code of SPEC §7 and the kind of outcome it becomes. */
 exports.ERROR_CODES = Object.freeze({
@@ -177,7 +177,7 @@ class GatewayClient {
             const delay = this.delay(outcome, attempt);
             if (delay > this.maxRetryWaitMs)
                 return outcome;
-            const left = holder instanceof tenure_1.Tenure ? holder.msLeft() : (0, lease_1.msLeft)(holder);
+            const left = holder instanceof tenure_1.Tenure ? holder.msLeft() : (0, held_1.msLeft)(holder);
             if (left <= delay)
                 return outcome; // the work must stop before the retry could be sent
             opts.onRetry?.(outcome, delay);
@@ -226,7 +226,7 @@ function current(holder) {
             return [null, `tenure ended (${holder.stopReason ?? "deadline"})`];
         return [holder.lease, ""];
     }
-    if ((0, lease_1.isExpired)(holder))
+    if ((0, held_1.isExpired)(holder))
         return [null, `epoch ${holder.epoch} of lease ${holder.name} has expired on the store's clock`];
     return [holder, ""];
 }

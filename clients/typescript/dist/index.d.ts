@@ -12,6 +12,7 @@
  */
 export { StoreClock } from "./clock";
 export { LeaseError, LeaseHeld, LeaseLost, TenureEnded, type StopReason } from "./errors";
-export { LeaseClient, LEASE_NAME, MAX_ROUNDS, isExpired, msLeft, parseEpochObject, tokenSha256, type AcquireOptions, type EpochObject, type HoldOptions, type Lease, type LeaseClientOptions, } from "./lease";
+export { isExpired, msLeft, type Lease } from "./held";
+export { LeaseClient, LEASE_NAME, MAX_ROUNDS, parseEpochObject, tokenSha256, type AcquireOptions, type EpochObject, type HoldOptions, type LeaseClientOptions, } from "./lease";
 export { Tenure, type TenureOptions } from "./tenure";
 export { ERROR_CODES, GatewayClient, NO_KEY, parseOutcome, parseRetryAfter, type AlreadyDone, type CallOptions, type Delivered, type Expired, type GatewayOptions, type InDoubt, type InFlight, type Invalid, type KeyReused, type NoResponse, type NotSent, type Outcome, type OutcomeKind, type Refused, type Stale, type Unavailable, type UnknownError, type Unreachable, } from "./gateway";

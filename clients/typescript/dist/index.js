@@ -12,7 +12,7 @@
  * ```
  */
 Object.defineProperty(exports, "__esModule", { value: true });
-exports.parseRetryAfter = exports.parseOutcome = exports.NO_KEY = exports.GatewayClient = exports.ERROR_CODES = exports.Tenure = exports.tokenSha256 = exports.parseEpochObject = exports.msLeft = exports.isExpired = exports.MAX_ROUNDS = exports.LEASE_NAME = exports.LeaseClient = exports.TenureEnded = exports.LeaseLost = exports.LeaseHeld = exports.LeaseError = exports.StoreClock = void 0;
+exports.parseRetryAfter = exports.parseOutcome = exports.NO_KEY = exports.GatewayClient = exports.ERROR_CODES = exports.Tenure = exports.tokenSha256 = exports.parseEpochObject = exports.MAX_ROUNDS = exports.LEASE_NAME = exports.LeaseClient = exports.msLeft = exports.isExpired = exports.TenureEnded = exports.LeaseLost = exports.LeaseHeld = exports.LeaseError = exports.StoreClock = void 0;
 var clock_1 = require("./clock");
 Object.defineProperty(exports, "StoreClock", { enumerable: true, get: function () { return clock_1.StoreClock; } });
 var errors_1 = require("./errors");
@@ -20,12 +20,13 @@ Object.defineProperty(exports, "LeaseError", { enumerable: true, get: function (
 Object.defineProperty(exports, "LeaseHeld", { enumerable: true, get: function () { return errors_1.LeaseHeld; } });
 Object.defineProperty(exports, "LeaseLost", { enumerable: true, get: function () { return errors_1.LeaseLost; } });
 Object.defineProperty(exports, "TenureEnded", { enumerable: true, get: function () { return errors_1.TenureEnded; } });
+var held_1 = require("./held");
+Object.defineProperty(exports, "isExpired", { enumerable: true, get: function () { return held_1.isExpired; } });
+Object.defineProperty(exports, "msLeft", { enumerable: true, get: function () { return held_1.msLeft; } });
 var lease_1 = require("./lease");
 Object.defineProperty(exports, "LeaseClient", { enumerable: true, get: function () { return lease_1.LeaseClient; } });
 Object.defineProperty(exports, "LEASE_NAME", { enumerable: true, get: function () { return lease_1.LEASE_NAME; } });
 Object.defineProperty(exports, "MAX_ROUNDS", { enumerable: true, get: function () { return lease_1.MAX_ROUNDS; } });
-Object.defineProperty(exports, "isExpired", { enumerable: true, get: function () { return lease_1.isExpired; } });
-Object.defineProperty(exports, "msLeft", { enumerable: true, get: function () { return lease_1.msLeft; } });
 Object.defineProperty(exports, "parseEpochObject", { enumerable: true, get: function () { return lease_1.parseEpochObject; } });
 Object.defineProperty(exports, "tokenSha256", { enumerable: true, get: function () { return lease_1.tokenSha256; } });
 var tenure_1 = require("./tenure");

@@ -2,28 +2,10 @@
 import { type S3Client } from "@aws-sdk/client-s3";
 import { StoreClock } from "./clock";
 import { type StopReason } from "./errors";
+import { type Lease } from "./held";
 import { Tenure } from "./tenure";
 export declare const LEASE_NAME: RegExp;
 export declare const MAX_ROUNDS = 16;
-/** One epoch of a lease that we hold. `expiresAt` is on the store's clock. */
-export interface Lease {
-    readonly name: string;
-    readonly epoch: number;
-    readonly token: string;
-    readonly holder: string;
-    readonly ttlMs: number;
-    readonly expiresAt: Date;
-    /** The estimate `expiresAt` is judged with. */
-    readonly clock: StoreClock;
-    /**
-     * True when the create's answer was not a plain success (lost, a 412 after an
-     * SDK retry, a 5xx) and reading the object back decided that we won.
-     */
-    readonly reconciled: boolean;
-}
-/** Milliseconds until the lease ends, on the latest estimate of the store's clock. */
-export declare function msLeft(lease: Lease): number;
-export declare function isExpired(lease: Lease): boolean;
 /** An epoch object as read from the store (SPEC §2). */
 export interface EpochObject {
     readonly epoch: number;

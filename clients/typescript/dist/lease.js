@@ -2,25 +2,17 @@
 /** Leases on an S3 lease store: acquire, renew, release (SPEC §2, docs/worker-protocol.md). */
 Object.defineProperty(exports, "__esModule", { value: true });
 exports.LeaseClient = exports.MAX_ROUNDS = exports.LEASE_NAME = void 0;
-exports.msLeft = msLeft;
-exports.isExpired = isExpired;
 exports.tokenSha256 = tokenSha256;
 exports.parseEpochObject = parseEpochObject;
 const node_crypto_1 = require("node:crypto");
 const client_s3_1 = require("@aws-sdk/client-s3");
 const clock_1 = require("./clock");
 const errors_1 = require("./errors");
+const held_1 = require("./held");
 const tenure_1 = require("./tenure");
 exports.LEASE_NAME = /^[a-z0-9][a-z0-9._-]{0,62}$/;
 const EPOCH_FILE = /^(\d{20})\.json$/;
 exports.MAX_ROUNDS = 16;
-/** Milliseconds until the lease ends, on the latest estimate of the store's clock. */
-function msLeft(lease) {
-    return lease.clock.msUntil(lease.expiresAt);
-}
-function isExpired(lease) {
-    return msLeft(lease) <= 0;
-}
 /** Lowercase hex SHA-256 of the token's bytes as sent in X-Lease-Token. */
 function tokenSha256(token) {
     return (0, node_crypto_1.createHash)("sha256").update(token, "utf8").digest("hex");
@@ -281,7 +273,7 @@ class LeaseClient {
                 if (!LeaseClient.mine(obj, latest, current)) {
                     throw new errors_1.LeaseLost(`lease ${lease}: epoch ${current.epoch} is no longer the latest (${latest})`);
                 }
-                if (isExpired(current))
+                if ((0, held_1.isExpired)(current))
                     throw new errors_1.LeaseLost(`lease ${lease}: epoch ${current.epoch} has expired`);
             }
             else if (!this.isFree(obj)) {

@@ -1,6 +1,6 @@
 /** A tenure: a held lease that renews itself and says when the work must stop. */
 import { type StopReason } from "./errors";
-import { type Lease, type LeaseClient } from "./lease";
+import { type Lease, type Renewer } from "./held";
 export interface TenureOptions {
     /** How long before the lease could end the work is told to stop. Default 2000. */
     marginMs?: number;
@@ -44,7 +44,7 @@ export declare class Tenure {
     private readonly controller;
     private readonly onStop;
     private readonly unsubscribe;
-    constructor(client: LeaseClient, lease: Lease, opts?: TenureOptions);
+    constructor(client: Renewer, lease: Lease, opts?: TenureOptions);
     /** The current epoch (it changes at each renewal: use it for every request). */
     get lease(): Lease;
     get name(): string;

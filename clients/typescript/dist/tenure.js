@@ -3,7 +3,7 @@
 Object.defineProperty(exports, "__esModule", { value: true });
 exports.Tenure = void 0;
 const errors_1 = require("./errors");
-const lease_1 = require("./lease");
+const held_1 = require("./held");
 /**
  * Holds a lease: renews it in the background and signals stop BEFORE it ends.
  *
@@ -119,7 +119,7 @@ class Tenure {
         if (opts.release === false || !finished || this.reason === "lost" || this.released)
             return undefined;
         this.released = true;
-        if ((0, lease_1.isExpired)(this.current))
+        if ((0, held_1.isExpired)(this.current))
             return undefined;
         return this.client.release(this.current);
     }

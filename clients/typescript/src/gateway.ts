@@ -2,7 +2,7 @@
 
 import { randomUUID } from "node:crypto";
 
-import { isExpired, msLeft, type Lease } from "./lease";
+import { isExpired, msLeft, type Lease } from "./held";
 import { Tenure } from "./tenure";
 
 // --------------------------------------------------------------------------- outcomes

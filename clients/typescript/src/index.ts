@@ -13,9 +13,10 @@
 
 export { StoreClock } from "./clock";
 export { LeaseError, LeaseHeld, LeaseLost, TenureEnded, type StopReason } from "./errors";
+export { isExpired, msLeft, type Lease } from "./held";
 export {
-  LeaseClient, LEASE_NAME, MAX_ROUNDS, isExpired, msLeft, parseEpochObject, tokenSha256,
-  type AcquireOptions, type EpochObject, type HoldOptions, type Lease, type LeaseClientOptions,
+  LeaseClient, LEASE_NAME, MAX_ROUNDS, parseEpochObject, tokenSha256,
+  type AcquireOptions, type EpochObject, type HoldOptions, type LeaseClientOptions,
 } from "./lease";
 export { Tenure, type TenureOptions } from "./tenure";
 export {

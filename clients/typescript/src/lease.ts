@@ -11,37 +11,12 @@ import {
 
 import { StoreClock } from "./clock";
 import { LeaseError, LeaseHeld, LeaseLost, type StopReason } from "./errors";
+import { isExpired, type Lease } from "./held";
 import { Tenure } from "./tenure";
 
 export const LEASE_NAME = /^[a-z0-9][a-z0-9._-]{0,62}$/;
 const EPOCH_FILE = /^(\d{20})\.json$/;
 export const MAX_ROUNDS = 16;
-
-/** One epoch of a lease that we hold. `expiresAt` is on the store's clock. */
-export interface Lease {
-  readonly name: string;
-  readonly epoch: number;
-  readonly token: string;
-  readonly holder: string;
-  readonly ttlMs: number;
-  readonly expiresAt: Date;
-  /** The estimate `expiresAt` is judged with. */
-  readonly clock: StoreClock;
-  /**
-   * True when the create's answer was not a plain success (lost, a 412 after an
-   * SDK retry, a 5xx) and reading the object back decided that we won.
-   */
-  readonly reconciled: boolean;
-}
-
-/** Milliseconds until the lease ends, on the latest estimate of the store's clock. */
-export function msLeft(lease: Lease): number {
-  return lease.clock.msUntil(lease.expiresAt);
-}
-
-export function isExpired(lease: Lease): boolean {
-  return msLeft(lease) <= 0;
-}
 
 /** An epoch object as read from the store (SPEC §2). */
 export interface EpochObject {

@@ -1,7 +1,7 @@
 /** A tenure: a held lease that renews itself and says when the work must stop. */
 
 import { LeaseLost, TenureEnded, type StopReason } from "./errors";
-import { isExpired, type Lease, type LeaseClient } from "./lease";
+import { isExpired, type Lease, type Renewer } from "./held";
 
 export interface TenureOptions {
   /** How long before the lease could end the work is told to stop. Default 2000. */
@@ -49,7 +49,7 @@ export class Tenure {
   private readonly unsubscribe: () => void;
 
   constructor(
-    private readonly client: LeaseClient,
+    private readonly client: Renewer,
     lease: Lease,
     opts: TenureOptions = {},
   ) {

@@ -13,6 +13,7 @@ through fencegate (SPEC §3) with typed outcomes (SPEC §7).
 """
 
 from .clock import StoreClock
+from .errors import LeaseError, LeaseHeld, LeaseLost, TenureEnded
 from .gateway import (
     ERROR_CODES,
     NO_KEY,
@@ -35,17 +36,9 @@ from .gateway import (
     parse_outcome,
     parse_retry_after,
 )
-from .lease import (
-    EpochObject,
-    Lease,
-    LeaseClient,
-    LeaseError,
-    LeaseHeld,
-    LeaseLost,
-    parse_epoch_object,
-    token_sha256,
-)
-from .tenure import Tenure, TenureEnded
+from .held import Lease
+from .lease import EpochObject, LeaseClient, parse_epoch_object, token_sha256
+from .tenure import Tenure
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
 from urllib.parse import urlsplit
 
-from .lease import Lease
+from .held import Lease
 from .tenure import Tenure
 
 log = logging.getLogger("fencegate_client")

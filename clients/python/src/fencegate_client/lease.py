@@ -10,38 +10,20 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from .clock import StoreClock
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .tenure import Tenure
+from .errors import LeaseError, LeaseHeld, LeaseLost
+from .held import Lease
+from .tenure import Tenure
 
 log = logging.getLogger("fencegate_client")
 
 LEASE_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 EPOCH_FILE = re.compile(r"^(\d{20})\.json$")
 MAX_ROUNDS = 16
-
-
-class LeaseError(Exception):
-    """The store refused an operation (credentials, bucket, a store that cannot
-    fence), or the protocol gave up after MAX_ROUNDS attempts."""
-
-
-class LeaseHeld(LeaseError):
-    """Someone else holds the lease (a live acquire that is not ours)."""
-
-    def __init__(self, lease: str, epoch: int, holder: Optional[str], expires_at: Optional[datetime]):
-        self.lease, self.epoch, self.holder, self.expires_at = lease, epoch, holder, expires_at
-        until = expires_at.isoformat() if expires_at else "?"
-        super().__init__(f"lease {lease} is held by {holder!r} at epoch {epoch} until {until}")
-
-
-class LeaseLost(LeaseError):
-    """The lease is no longer ours: a newer epoch exists, or ours expired."""
 
 
 def token_sha256(token: str) -> str:
@@ -97,38 +79,6 @@ def parse_epoch_object(lease: str, epoch: int, raw: bytes, last_modified: dateti
 
 def _is_int(v: Any, want: Optional[int] = None) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and (want is None or v == want)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """One epoch of a lease that we hold. `expires_at` is on the store's clock;
-    `clock` is the estimate it is judged with (`expired()`, `seconds_left()`)."""
-
-    name: str
-    epoch: int
-    token: str = field(repr=False)
-    holder: str
-    ttl_ms: int
-    expires_at: datetime
-    clock: StoreClock = field(repr=False, compare=False)
-    # True when the create's answer was not a plain success (lost, a 412 after
-    # an SDK retry, a 5xx) and reading the object back decided that we won.
-    reconciled: bool = False
-
-    def seconds_left(self) -> float:
-        """Seconds until expiry, on the latest estimate of the store's clock."""
-        return self.clock.seconds_until(self.expires_at)
-
-    def expired(self) -> bool:
-        return self.seconds_left() <= 0
-
-    def as_json(self) -> Dict[str, Any]:
-        return {"lease": self.name, "epoch": self.epoch, "token": self.token, "holder": self.holder,
-                "expires_at": _iso(self.expires_at)}
-
-
-def _iso(t: datetime) -> str:
-    return t.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _status(e: ClientError) -> Optional[int]:
@@ -309,11 +259,9 @@ class LeaseClient:
 
     def hold(self, lease: str, holder: str, ttl_ms: int = 30000, margin_ms: int = 2000,
              wait: bool = False, wait_timeout: Optional[float] = None,
-             on_stop: Optional[Callable[[str], None]] = None) -> "Tenure":
+             on_stop: Optional[Callable[[str], None]] = None) -> Tenure:
         """Acquires `lease` and returns a started Tenure: it renews itself in the
         background and signals stop `margin_ms` before the lease could end."""
-        from .tenure import Tenure
-
         if margin_ms < 0 or margin_ms >= ttl_ms:
             raise ValueError("margin_ms must be in [0, ttl_ms)")
         return Tenure(self, self.acquire(lease, holder, ttl_ms, wait, wait_timeout), margin_ms, on_stop)

@@ -7,22 +7,12 @@ import threading
 import time
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Callable, Optional, Type
+from typing import Callable, Optional, Type
 
-from .lease import Lease, LeaseError, LeaseLost
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .lease import LeaseClient
+from .errors import LeaseError, LeaseLost, TenureEnded
+from .held import Lease, Renewer
 
 log = logging.getLogger("fencegate_client")
-
-
-class TenureEnded(LeaseError):
-    """The work must stop: the tenure ended (`reason`: "deadline", "lost" or "closed")."""
-
-    def __init__(self, lease: str, reason: str):
-        self.lease, self.reason = lease, reason
-        super().__init__(f"tenure of lease {lease} ended ({reason}): stop the work")
 
 
 class Tenure:
@@ -45,7 +35,7 @@ class Tenure:
     exists or ours expired: someone else holds the lease), "closed" (`close()`).
     """
 
-    def __init__(self, client: "LeaseClient", lease: Lease, margin_ms: int = 2000,
+    def __init__(self, client: Renewer, lease: Lease, margin_ms: int = 2000,
                  on_stop: Optional[Callable[[str], None]] = None) -> None:
         if margin_ms < 0 or margin_ms >= lease.ttl_ms:
             raise ValueError("margin_ms must be in [0, ttl_ms)")

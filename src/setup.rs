@@ -174,7 +174,8 @@ pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
 
 /// Where an instance keeps marks and dedup records, as its gate objects name it:
 /// `sled:{instance id}` (sled lives in `data_dir`, beside the id), or the
-/// database as `postgres://host:port/db` (never credentials). Instances that
+/// database as `postgres://host:port/db`, with `?schema=NAME` when `[state]
+/// schema` is set (never credentials). Instances that
 /// name the same state share deliveries; a takeover between two that do not may
 /// repeat a delivery.
 pub fn state_of(cfg: &StateConfig, instance_id: &str) -> String {
@@ -197,7 +198,12 @@ pub fn state_of(cfg: &StateConfig, instance_id: &str) -> String {
                         })
                         .collect();
                     let db = c.get_dbname().or(c.get_user()).unwrap_or_default();
-                    format!("postgres://{}/{db}", hosts.join(","))
+                    // Two schemas of one database keep two sets of deliveries.
+                    let schema = cfg
+                        .schema
+                        .as_ref()
+                        .map_or(String::new(), |s| format!("?schema={s}"));
+                    format!("postgres://{}/{db}{schema}", hosts.join(","))
                 }
                 Err(_) => "postgres".into(),
             }

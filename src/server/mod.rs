@@ -155,23 +155,23 @@ async fn build_on(
     // On PostgreSQL the database is this set-up's, or nothing is written to
     // it (SPEC §10: one database, one set-up); the record is looked at again
     // while running.
+    let store = match store {
+        Some(s) => s,
+        None => lease::open(&cfg.store, clock.clone()).await?,
+    };
+    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let mut database = None;
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
         StateKind::Postgres => {
             let pg = PostgresState::connect(&cfg.state).await?;
-            pg.hold_for(OurSetUp::of(cfg)).await?;
+            pg.hold_for(OurSetUp::of(cfg), &store).await?;
             database = Some(pg.clone());
             pg
         }
     };
     let (durable, state_metrics) = crate::state::timed::Timed::wrap(durable);
     let durable: Arc<dyn StateStore> = durable;
-    let store = match store {
-        Some(s) => s,
-        None => lease::open(&cfg.store, clock.clone()).await?,
-    };
-    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
     let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
     let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);

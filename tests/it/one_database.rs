@@ -41,6 +41,14 @@ struct Env {
     cluster: Option<&'static str>,
 }
 
+/// An S3 test server's endpoint in a store section: `s3`'s, or `other`'s.
+fn on(store: String, s3: &S3Server, other: Option<&S3Server>) -> String {
+    match other {
+        Some(o) => store.replace(&s3.endpoint, &o.endpoint),
+        None => store,
+    }
+}
+
 const STAGING: Env = Env {
     prefix: "staging/",
     schema: None,
@@ -73,6 +81,12 @@ impl Env {
             state_toml(db, &schema),
             route_toml("pay", "pay", origin, "")
         )
+    }
+
+    /// [`Env::toml`] for a fencegate on another S3 server holding a bucket of
+    /// the same name.
+    fn toml_on(&self, s3: &S3Server, other: &S3Server, db: &str, origin: &Origin) -> String {
+        on(self.toml(s3, db, origin, free_port()), s3, Some(other))
     }
 
     fn start(&self, s3: &S3Server, db: &str, origin: &Origin) -> Fencegate {
@@ -347,4 +361,283 @@ async fn a_changed_record_stops_a_running_single_instance_forwarding() {
         ..STAGING
     })
     .await;
+}
+
+/// Another S3 service holding a bucket of the same name, with the same prefix:
+/// the same store by name, not the same store. Its instance is refused (the
+/// database's set-up id is not the one its store keeps), before it writes
+/// anything; the first goes on delivering. Failed before the set-up's id was
+/// kept in the store too: the record compared names only (found by the
+/// review of issue 39 with two hosts' `dir` stores of one path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let elsewhere = S3Server::start();
+    let origin = Origin::start().await;
+    let (db_name, db) = PgServer::shared().new_database();
+    let staging = STAGING.start(&s3, &db, &origin);
+    ready(&staging).await;
+    let single = Env {
+        cluster: None,
+        ..STAGING
+    };
+    for env in [&STAGING, &single] {
+        let (code, stderr) = serve_expecting_exit(&env.toml_on(&s3, &elsewhere, &db, &origin));
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(
+            stderr.contains("staging/.set-up") && stderr.contains("[state] schema"),
+            "names the store's set-up object and the way out: {stderr}"
+        );
+    }
+    let pg = PgServer::shared();
+    assert_eq!(
+        pg.psql(
+            &db_name,
+            "SELECT count(*) FROM fencegate_members WHERE instance_id <> 'fg-staging'"
+        ),
+        "0"
+    );
+    let w = acquire(
+        &STAGING.epochs(&s3).await,
+        "pay",
+        "w",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(keyed_post(&staging, &w, "k", "staging").await.status, 200);
+    assert_eq!(bodies(&origin), ["staging"]);
+}
+
+/// Records already in a database without a set-up row (written by a build
+/// before schema 8, or the row deleted) belong to whoever wrote them: another
+/// set-up starting first is refused, and the set-up whose gate objects name
+/// the database claims them — its retry is answered from its record, not
+/// delivered again. Failed when an unrecorded database went to the first
+/// instance to start (review of issue 39: production claimed staging's marks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let (db_name, db) = PgServer::shared().new_database();
+    let mut staging = STAGING.start(&s3, &db, &origin);
+    ready(&staging).await;
+    let w = acquire(
+        &STAGING.epochs(&s3).await,
+        "pay",
+        "w",
+        Duration::from_secs(60),
+    )
+    .await;
+    let first = keyed_post(&staging, &w, "order-1", "staging-1").await;
+    assert_eq!(first.status, 200);
+    staging.terminate();
+    let pg = PgServer::shared();
+    pg.psql(&db_name, "DELETE FROM fencegate_set_up");
+
+    let (code, stderr) = serve_expecting_exit(&PROD.toml(&s3, &db, &origin, free_port()));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("written before set-up records") && stderr.contains("[state] schema"),
+        "{stderr}"
+    );
+    assert_eq!(
+        pg.psql(&db_name, "SELECT count(*) FROM fencegate_set_up"),
+        "0"
+    );
+
+    staging.restart();
+    ready(&staging).await;
+    // A restarted member serves its shard once it has taken it again (503
+    // `shard_unavailable` until then); a retry is safe to repeat.
+    let mut again = keyed_post(&staging, &w, "order-1", "staging-1").await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while again.status == 503 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        again = keyed_post(&staging, &w, "order-1", "staging-1").await;
+    }
+    assert_eq!(again.status, 200, "{:?}", again.body);
+    assert_eq!(again.body, first.body, "answered from its own record");
+    assert_eq!(bodies(&origin), ["staging-1"]);
+    assert_eq!(
+        pg.psql(&db_name, "SELECT prefix FROM fencegate_set_up"),
+        "staging/"
+    );
+}
+
+/// A single instance moved to a `[state] schema` of its own (another
+/// `data_dir` too) keeps its deliveries elsewhere than the instance it takes
+/// the guard over from: refused like any other state (exit 2), not taken over
+/// as "the same state" — which forwarded a delivered key's retry again
+/// (review of issue 39: gate objects named the database without its schema).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_instance_moved_to_a_schema_is_another_state() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let (_, db) = PgServer::shared().new_database();
+    let before = Env {
+        cluster: None,
+        ..STAGING
+    };
+    let mut old = before.start(&s3, &db, &origin);
+    ready(&old).await;
+    let w = acquire(
+        &before.epochs(&s3).await,
+        "pay",
+        "w",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(keyed_post(&old, &w, "charge-42", "c").await.status, 200);
+    old.terminate();
+    let moved = Env {
+        schema: Some("fg_moved"),
+        ..before
+    };
+    // Another instance's released guard is free gate_ttl + grace after it was
+    // written (SPEC §10); until then the start is refused for that reason.
+    let toml = moved.toml(&s3, &db, &origin, free_port());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (code, stderr) = loop {
+        let (code, stderr) = serve_expecting_exit(&toml);
+        if !stderr.contains("holds the instance guard") || std::time::Instant::now() > deadline {
+            break (code, stderr);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("keeps its marks and dedup records in")
+            && stderr.contains("?schema=fg_moved"),
+        "refused as another state: {stderr}"
+    );
+    assert_eq!(bodies(&origin), ["c"]);
+}
+
+/// While the record names another set-up, the state writes nothing at all —
+/// not a mark, a claim, an outcome, a sweep, a shard row nor membership —
+/// so that no background task (the sweeper, a drain's note, a graceful
+/// leave) changes the other set-up's records; reads still work, and writes
+/// resume once the record is this set-up's again. Failed when only forwarding
+/// was stopped (review of issue 39: the sweeper of a stopped set-up deleted
+/// the other's `done` record, and its key was delivered again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_record_stops_every_write() {
+    use fencegate::epoch::{Epoch, LeaseName};
+    use fencegate::state::postgres::set_up_record::OurSetUp;
+    use fencegate::state::postgres::PostgresState;
+    use fencegate::state::{Owner, OwnershipStore, Record, RecordKey, State, StateStore, TakeOver};
+
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db_name, url) = pg.new_database();
+    let leases = tempfile::tempdir().unwrap();
+    let cfg = fencegate::config::Config::parse(&format!(
+        "{}[state]\nkind = \"postgres\"\nurl = \"{url}\"\n[[route]]\nname = \"pay\"\npath_prefix = \"/pay/\"\nupstream = \"http://127.0.0.1:1/\"\nlease = \"pay\"\n",
+        dir_store_toml(leases.path())
+    ))
+    .unwrap();
+    let store = dir_epochs(leases.path()).store().clone();
+    let db = PostgresState::connect(&cfg.state).await.unwrap();
+    db.hold_for(OurSetUp::of(&cfg), &store).await.unwrap();
+    let owner = Owner::SINGLE;
+    let lease = LeaseName::parse("pay").unwrap();
+    let key = |k: &str| RecordKey {
+        route: "pay".into(),
+        key: k.into(),
+    };
+    let fresh = Record {
+        state: State::InFlight,
+        fingerprint: [1; 32],
+        epoch: Epoch::new(1),
+        created_ms: 1_000,
+        updated_ms: 1_000,
+        response: None,
+        request: None,
+    };
+    let strict = TakeOver {
+        in_doubt: false,
+        done_before_ms: u64::MAX,
+    };
+    db.raise_mark(owner, &lease, Epoch::new(1)).await.unwrap();
+    db.begin(owner, &key("old"), &fresh, strict).await.unwrap();
+
+    pg.psql(
+        &db_name,
+        "UPDATE fencegate_set_up SET id = 'another-set-up'",
+    );
+    db.look_at_set_up().await;
+    assert!(db.set_up_conflict().is_some());
+    let refused = |what: &str, r: Result<(), fencegate::state::StateError>| {
+        let e = r.expect_err(what).to_string();
+        assert!(e.contains("not written"), "{what}: {e}");
+    };
+    refused("raise", db.raise_mark(owner, &lease, Epoch::new(2)).await);
+    refused("note", db.note_drained(owner, &lease, Epoch::new(1)).await);
+    refused(
+        "claim",
+        db.begin(owner, &key("new"), &fresh, strict).await.map(drop),
+    );
+    refused(
+        "outcome",
+        db.finish(owner, &key("old"), fencegate::state::End::Delete)
+            .await,
+    );
+    refused("sweep", db.sweep(strict).await.map(drop));
+    refused("recover", db.recover(owner, 2_000).await.map(drop));
+    refused("beat", db.beat("fg-a").await.map(drop));
+    refused("leave", db.leave("fg-a").await);
+    refused(
+        "take",
+        db.take_shard(0, None, "fg-a", "http://a", Duration::from_secs(6))
+            .await
+            .map(drop),
+    );
+    assert_eq!(
+        db.marks(&lease).await.unwrap().mark,
+        Epoch::new(1),
+        "reads work"
+    );
+    assert_eq!(
+        pg.psql(&db_name, "SELECT count(*) FROM fencegate_dedup"),
+        "1"
+    );
+    assert_eq!(
+        pg.psql(&db_name, "SELECT count(*) FROM fencegate_members"),
+        "0"
+    );
+
+    pg.psql(&db_name, "DELETE FROM fencegate_set_up");
+    db.look_at_set_up().await;
+    assert!(db.set_up_conflict().unwrap().contains("is gone"));
+    refused("raise", db.raise_mark(owner, &lease, Epoch::new(2)).await);
+
+    // Back (the id the store keeps): writes resume.
+    let id = String::from_utf8(
+        store
+            .get("fencegate/.set-up")
+            .await
+            .unwrap()
+            .unwrap()
+            .body
+            .to_vec(),
+    )
+    .unwrap();
+    let id: serde_json::Value = serde_json::from_str(&id).unwrap();
+    pg.psql(
+        &db_name,
+        &format!(
+            "INSERT INTO fencegate_set_up (id, store, prefix, mode, recorded_by) VALUES ('{}', 'dir:{}', 'fencegate/', 'single', 'test')",
+            id["set_up"].as_str().unwrap(),
+            leases.path().display()
+        ),
+    );
+    db.look_at_set_up().await;
+    assert_eq!(db.set_up_conflict(), None);
+    db.raise_mark(owner, &lease, Epoch::new(2)).await.unwrap();
 }

@@ -279,6 +279,16 @@ impl PostgresState {
         res
     }
 
+    /// Every write starts here: none while the database's set-up record
+    /// names another set-up (SPEC §10) — not a mark, a claim, an outcome, a
+    /// sweep, an operator's resolution nor a shard row.
+    fn writable(&self) -> Result<(), StateError> {
+        match self.set_up_problem() {
+            None => Ok(()),
+            Some(p) => Err(StateError::Write(format!("not written: {p}"))),
+        }
+    }
+
     /// Counts a committed one-record statement.
     fn committed(&self) {
         self.commits.fetch_add(1, Ordering::Relaxed);
@@ -461,6 +471,7 @@ impl StateStore for PostgresState {
         lease: &LeaseName,
         epoch: Epoch,
     ) -> Result<(), StateError> {
+        self.writable()?;
         let sql = format!(
             "INSERT INTO fencegate_marks AS m (lease, shard, mark, drained, owner_generation) \
              SELECT $1, $2, $3, $5, $4 WHERE {} \
@@ -511,6 +522,7 @@ impl StateStore for PostgresState {
         lease: &LeaseName,
         epoch: Epoch,
     ) -> Result<(), StateError> {
+        self.writable()?;
         let sql = format!(
             "UPDATE fencegate_marks SET drained = GREATEST(drained, $2) \
              WHERE lease = $1 AND owner_generation <= $4 AND {}",
@@ -541,6 +553,7 @@ impl StateStore for PostgresState {
         fresh: &Record,
         rules: TakeOver,
     ) -> Result<Begun, StateError> {
+        self.writable()?;
         for _ in 0..8 {
             // The key exists (or a newer owner holds the shard): take it over
             // only by the exact version seen.
@@ -624,6 +637,7 @@ impl StateStore for PostgresState {
     }
 
     async fn finish(&self, owner: Owner, key: &RecordKey, end: End) -> Result<(), StateError> {
+        self.writable()?;
         let (op, updated, response) = match end {
             // A failed delete (nothing was sent) leaves the key in flight
             // until it is written again: only a liveness cost.
@@ -700,6 +714,7 @@ impl StateStore for PostgresState {
         how: Resolution,
         now_ms: u64,
     ) -> Result<Resolved, StateError> {
+        self.writable()?;
         let cond = format!(
             "route = $1 AND key = $2 AND state = 2 AND {}",
             owner_ok(3, 4)
@@ -800,6 +815,7 @@ impl StateStore for PostgresState {
     }
 
     async fn sweep(&self, rules: TakeOver) -> Result<usize, StateError> {
+        self.writable()?;
         const BATCH: i64 = 1000;
         let before = ms(rules.done_before_ms);
         let mut total = 0;
@@ -825,6 +841,7 @@ impl StateStore for PostgresState {
     }
 
     async fn recover(&self, owner: Owner, now_ms: u64) -> Result<usize, StateError> {
+        self.writable()?;
         let single = owner == Owner::SINGLE;
         let n = self
             .with("recovering in-flight records", |c| async move {
@@ -846,6 +863,7 @@ impl StateStore for PostgresState {
     }
 
     async fn claim_shard(&self, owner: Owner) -> Result<(), StateError> {
+        self.writable()?;
         // The conflict's row is locked (FOR NO KEY UPDATE) before its WHERE is
         // looked at: this waits for every write holding the owner row share-locked
         // (`OWNER_OK`), so none of the old generation commits after it.

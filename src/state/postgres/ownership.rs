@@ -68,6 +68,7 @@ impl OwnershipStore for PostgresState {
         advertise: &str,
         ttl: Duration,
     ) -> Result<Option<u64>, StateError> {
+        self.writable()?;
         let sh = i32::try_from(shard).unwrap_or(i32::MAX);
         let secs = ttl.as_secs_f64();
         let ttl_ms = int(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
@@ -127,6 +128,7 @@ impl OwnershipStore for PostgresState {
         held: &[(u32, u64)],
         ttl: Duration,
     ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        self.writable()?;
         let shards: Vec<i32> = held
             .iter()
             .map(|(s, _)| i32::try_from(*s).unwrap_or(i32::MAX))
@@ -174,6 +176,7 @@ impl OwnershipStore for PostgresState {
         shard: u32,
         generation: u64,
     ) -> Result<bool, StateError> {
+        self.writable()?;
         let sh = i32::try_from(shard).unwrap_or(i32::MAX);
         let n = self
             .with("releasing a shard", |c| async move {
@@ -192,6 +195,7 @@ impl OwnershipStore for PostgresState {
     }
 
     async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+        self.writable()?;
         let rows = self
             .with("cluster heartbeat", |c| async move {
                 let st = c
@@ -214,6 +218,7 @@ impl OwnershipStore for PostgresState {
     }
 
     async fn leave(&self, id: &str) -> Result<(), StateError> {
+        self.writable()?;
         self.with("leaving the cluster", |c| async move {
             let st = c
                 .prepare_cached("DELETE FROM fencegate_members WHERE instance_id = $1")

@@ -21,12 +21,14 @@
 
 use std::fmt;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use super::{PostgresState, StateError};
 use crate::config::{Config, StoreKind};
+use crate::lease::LeaseStore;
 use crate::setup::{push_field, GateKey};
 
 /// This instance's set-up, as a record names it.
@@ -38,6 +40,9 @@ pub struct OurSetUp {
     mode: &'static str,
     /// A cluster member's instance id; for a single instance its listener.
     recorded_by: String,
+    /// Where deliveries are kept, as gate objects name it
+    /// ([`crate::setup::state_of`]).
+    state: String,
     /// A cluster's seal; a single instance has no secret its successor shares
     /// (its `gate-key` lives in its own `data_dir`) and seals nothing.
     key: Option<GateKey>,
@@ -70,6 +75,7 @@ impl OurSetUp {
             prefix: cfg.store.prefix.clone(),
             mode,
             recorded_by,
+            state: crate::setup::state_of(&cfg.state, ""),
             key,
         }
     }
@@ -94,8 +100,12 @@ impl OurSetUp {
             ));
         }
         match (&self.key, &rec.mac) {
-            (None, _) => Verdict::Ours,
-            (Some(_), None) => Verdict::Unsealed,
+            // A single instance has nothing to check a seal with, and a
+            // single instance's record has none: the store's id binds either
+            // to its store (`hold_for`). Never sealed afterwards: a member
+            // whose start is refused later (a wrong peer token) must not have
+            // rewritten the record first.
+            (None, _) | (Some(_), None) => Verdict::Ours,
             (Some(key), Some(mac)) => {
                 let m = message(&rec.id, &rec.store, &rec.prefix, &rec.mode);
                 if key.verifies_message(&m, mac) {
@@ -152,8 +162,6 @@ impl fmt::Display for SetUpRecord {
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
     Ours,
-    /// Ours, written by a single instance: a cluster member seals it.
-    Unsealed,
     /// Another set-up's, and why.
     Foreign(String),
 }
@@ -206,8 +214,14 @@ impl PostgresState {
 
     /// Start-up, before anything else is written: records `ours` as the set-up
     /// this database belongs to, or finds it recorded — or refuses, naming the
-    /// set-up that holds it ([`StateError::OtherSetUp`], exit 2).
-    pub async fn hold_for(&self, ours: OurSetUp) -> Result<(), StateError> {
+    /// set-up that holds it ([`StateError::OtherSetUp`], exit 2). `store` is
+    /// the lease store: the set-up's id is kept there too, so that the record
+    /// is bound to one store and not only to its name.
+    pub async fn hold_for(
+        &self,
+        ours: OurSetUp,
+        store: &Arc<dyn LeaseStore>,
+    ) -> Result<(), StateError> {
         let place = self
             .with("reading the schema", |c| async move {
                 c.query_one("SELECT COALESCE(current_schema(), '')", &[])
@@ -215,50 +229,50 @@ impl PostgresState {
             })
             .await
             .map(|r| format!("schema {:?}", r.get::<_, String>(0)))?;
+        let refuse = |why: String| {
+            StateError::OtherSetUp(format!(
+                "this database ({place}) belongs to another fencegate set-up: {why}. Two set-ups in one database share high-water marks and answer each other's retries: give this one a database of its own, or a [state] schema of its own (docs/postgres.md, \"One database, one set-up\")"
+            ))
+        };
+        let mut in_store = store_id(store, &ours.prefix).await?;
         // Two rounds at most: a record written by another instance between our
         // read and our insert is read on the second.
         for _ in 0..2 {
             let Some(rec) = self.read_set_up().await? else {
-                let id = new_id();
-                let (ours, id_) = (&ours, &id);
-                self.with("recording the set-up", |c| async move {
-                    let st = c
-                        .prepare_cached(
-                            "INSERT INTO fencegate_set_up (id, store, prefix, mode, recorded_by, mac) \
-                             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (one) DO NOTHING",
-                        )
-                        .await?;
-                    let mac = ours.seal(id_, ours.mode);
-                    c.execute(
-                        &st,
-                        &[id_, &ours.store, &ours.prefix, &ours.mode, &ours.recorded_by, &mac],
-                    )
-                    .await
-                })
-                .await?;
-                continue;
-            };
-            match ours.judge(&rec) {
-                Verdict::Foreign(why) => {
-                    return Err(StateError::OtherSetUp(format!(
-                        "this database ({place}) belongs to another fencegate set-up: {why}. Two set-ups in one database share high-water marks and answer each other's retries: give this one a database of its own, or a [state] schema of its own (docs/operations.md, \"One database, one set-up\")"
+                if self.holds_records().await? && !named_by_gate_objects(store, &ours).await? {
+                    return Err(refuse(format!(
+                        "it holds marks or dedup records written before set-up records existed (schema 7 or older, or its record was deleted), and no gate object of this lease store ({}, prefix {:?}) names it as its state ({}) — they may be another set-up's. Start the set-up that wrote them first (it records itself), or",
+                        ours.store, ours.prefix, ours.state
                     )));
                 }
-                Verdict::Unsealed => {
-                    let (ours, rec_) = (&ours, &rec);
-                    self.with("sealing the set-up record", |c| async move {
-                        let st = c
-                            .prepare_cached(
-                                "UPDATE fencegate_set_up SET mode = 'cluster', mac = $2 \
-                                 WHERE id = $1 AND mac IS NULL",
-                            )
-                            .await?;
-                        let mac = ours.seal(&rec_.id, "cluster");
-                        c.execute(&st, &[&rec_.id, &mac]).await
-                    })
-                    .await?;
+                let id = match &in_store {
+                    Some(id) => id.clone(),
+                    None => create_store_id(store, &ours).await?,
+                };
+                self.record(&ours, &id).await?;
+                in_store = Some(id);
+                continue;
+            };
+            if let Verdict::Foreign(why) = ours.judge(&rec) {
+                return Err(refuse(why));
+            }
+            // The record names this store and prefix; the store must say the
+            // same id (another host's `dir` of the same path, or another S3
+            // service's bucket of the same name, does not).
+            match &in_store {
+                Some(id) if *id == rec.id => {}
+                Some(id) => {
+                    return Err(refuse(format!(
+                        "it holds the state of {rec}, and this lease store's {} names set-up {id}: a store of the same name but not the same store (another host's directory, another S3 service's bucket)",
+                        set_up_key(&ours.prefix)
+                    )))
                 }
-                Verdict::Ours => {}
+                None => {
+                    return Err(refuse(format!(
+                        "it holds the state of {rec}, whose lease store keeps the set-up's id in {}, and this lease store has none: a store of the same name but not the same store (another host's directory, another S3 service's bucket)",
+                        set_up_key(&ours.prefix)
+                    )))
+                }
             }
             tracing::info!(set_up = %rec, %place, "the database belongs to this set-up");
             let held = Held {
@@ -275,14 +289,51 @@ impl PostgresState {
         ))
     }
 
-    /// While running: reads the record every `every`; one that is gone or not
-    /// the one this instance started on stops all forwarding
-    /// ([`crate::state::StateStore::set_up_conflict`]) until it is again. A
-    /// failed read changes nothing (the database's health says that).
+    /// Writes the record of `ours` under `id`, unless one appeared meanwhile.
+    async fn record(&self, ours: &OurSetUp, id: &str) -> Result<(), StateError> {
+        self.with("recording the set-up", |c| async move {
+            let st = c
+                .prepare_cached(
+                    "INSERT INTO fencegate_set_up (id, store, prefix, mode, recorded_by, mac) \
+                     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (one) DO NOTHING",
+                )
+                .await?;
+            let mac = ours.seal(id, ours.mode);
+            c.execute(
+                &st,
+                &[
+                    &id,
+                    &ours.store,
+                    &ours.prefix,
+                    &ours.mode,
+                    &ours.recorded_by,
+                    &mac,
+                ],
+            )
+            .await
+        })
+        .await
+        .map(drop)
+    }
+
+    /// Whether any mark, dedup record or shard row is stored.
+    async fn holds_records(&self) -> Result<bool, StateError> {
+        self.with("looking for records", |c| async move {
+            c.query_one(
+                "SELECT EXISTS (SELECT 1 FROM fencegate_marks) \
+                 OR EXISTS (SELECT 1 FROM fencegate_dedup) \
+                 OR EXISTS (SELECT 1 FROM fencegate_owners)",
+                &[],
+            )
+            .await
+        })
+        .await
+        .map(|r| r.get(0))
+    }
+
+    /// While running: reads the record every `every`
+    /// ([`PostgresState::look_at_set_up`]).
     pub async fn watch_set_up(&self, every: Duration, stop: CancellationToken) {
-        let Some(held) = self.set_up.get() else {
-            return;
-        };
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -290,28 +341,40 @@ impl PostgresState {
                 _ = stop.cancelled() => return,
                 _ = ticks.tick() => {}
             }
-            let Ok(found) = self.read_set_up().await else {
-                continue;
-            };
-            let problem = match &found {
-                None => Some(format!(
-                    "the record of the set-up this database belongs to ({}, fencegate_set_up) is gone; this instance started on set-up {}: it forwards nothing until the record is back (or it is restarted)",
+            self.look_at_set_up().await;
+        }
+    }
+
+    /// Reads the record once: one that is gone or not the one this instance
+    /// started on stops all forwarding
+    /// ([`crate::state::StateStore::set_up_conflict`]) and every write, until
+    /// it is again. A failed read changes nothing (the database's health says
+    /// that); before [`PostgresState::hold_for`], nothing is looked at.
+    pub async fn look_at_set_up(&self) {
+        let Some(held) = self.set_up.get() else {
+            return;
+        };
+        let Ok(found) = self.read_set_up().await else {
+            return;
+        };
+        let problem = match &found {
+            None => Some(format!(
+                "the record of the set-up this database belongs to ({}, fencegate_set_up) is gone; this instance started on set-up {}: it forwards nothing until the record is back (or it is restarted)",
+                held.place, held.id
+            )),
+            Some(rec) => match held.ours.judge(rec) {
+                Verdict::Foreign(why) => Some(format!(
+                    "the database ({}) now belongs to another set-up: {why}; this instance forwards nothing until the record is its set-up's again",
+                    held.place
+                )),
+                Verdict::Ours if rec.id != held.id => Some(format!(
+                    "the database's set-up record ({}) was replaced: it names {rec}, and this instance started on set-up {}; it forwards nothing until the record is back (or it is restarted)",
                     held.place, held.id
                 )),
-                Some(rec) => match held.ours.judge(rec) {
-                    Verdict::Foreign(why) => Some(format!(
-                        "the database ({}) now belongs to another set-up: {why}; this instance forwards nothing until the record is its set-up's again",
-                        held.place
-                    )),
-                    _ if rec.id != held.id => Some(format!(
-                        "the database's set-up record ({}) was replaced: it names {rec}, and this instance started on set-up {}; it forwards nothing until the record is back (or it is restarted)",
-                        held.place, held.id
-                    )),
-                    _ => None,
-                },
-            };
-            self.note_set_up_problem(problem);
-        }
+                Verdict::Ours => None,
+            },
+        };
+        self.note_set_up_problem(problem);
     }
 
     fn note_set_up_problem(&self, now: Option<String>) {
@@ -341,6 +404,99 @@ impl PostgresState {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+}
+
+/// The key of the set-up's id in the lease store: beside the gate objects,
+/// outside any lease's folder (lease names do not start with a dot).
+fn set_up_key(prefix: &str) -> String {
+    format!("{prefix}.set-up")
+}
+
+/// The object at [`set_up_key`].
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoreObject {
+    v: u32,
+    set_up: String,
+    created_by: String,
+}
+
+fn store_error(e: crate::lease::StoreError) -> StateError {
+    StateError::Write(format!("the lease store's set-up object: {e}"))
+}
+
+/// The set-up id the lease store keeps, if any.
+async fn store_id(store: &Arc<dyn LeaseStore>, prefix: &str) -> Result<Option<String>, StateError> {
+    let Some(o) = store.get(&set_up_key(prefix)).await.map_err(store_error)? else {
+        return Ok(None);
+    };
+    serde_json::from_slice::<StoreObject>(&o.body)
+        .map(|o| Some(o.set_up))
+        .map_err(|e| {
+            StateError::Write(format!(
+                "the lease store's {} does not parse ({e}): it is fencegate's, written once; restore it or, with every instance stopped, delete it and the database's fencegate_set_up row",
+                set_up_key(prefix)
+            ))
+        })
+}
+
+/// Creates the store's set-up id (conditionally: of two creates, one wins
+/// and both read its id back).
+async fn create_store_id(
+    store: &Arc<dyn LeaseStore>,
+    ours: &OurSetUp,
+) -> Result<String, StateError> {
+    let body = StoreObject {
+        v: 1,
+        set_up: new_id(),
+        created_by: ours.recorded_by.clone(),
+    };
+    let bytes = serde_json::to_vec(&body).map_err(|e| StateError::Write(e.to_string()))?;
+    store
+        .create_if_absent(&set_up_key(&ours.prefix), bytes.into())
+        .await
+        .map_err(store_error)?;
+    store_id(store, &ours.prefix).await?.ok_or_else(|| {
+        StateError::Write(format!(
+            "the lease store's {} was created but cannot be read back",
+            set_up_key(&ours.prefix)
+        ))
+    })
+}
+
+/// How many gate epochs below the latest are read for the state they name.
+const GATE_OBJECTS_READ: u64 = 16;
+
+/// Whether the gate lease of shard 0 (a single instance's guard or a cluster's
+/// anchor) names `ours.state` in one of its latest objects: the records
+/// already in an unrecorded database were written by this set-up.
+async fn named_by_gate_objects(
+    store: &Arc<dyn LeaseStore>,
+    ours: &OurSetUp,
+) -> Result<bool, StateError> {
+    let prefix = format!("{}.gate/", ours.prefix);
+    let shard = crate::setup::shard_name(0);
+    let epochs = crate::lease::Epochs::new(store.clone(), prefix.clone());
+    let latest = epochs
+        .latest_after(&shard, crate::epoch::Epoch::NONE)
+        .await
+        .map_err(store_error)?
+        .get();
+    for e in (latest.saturating_sub(GATE_OBJECTS_READ - 1)..=latest).rev() {
+        if e == 0 {
+            break;
+        }
+        let key = crate::epoch::object_key(&prefix, &shard, crate::epoch::Epoch::new(e));
+        let Some(o) = store.get(&key).await.map_err(store_error)? else {
+            continue;
+        };
+        let named = serde_json::from_slice::<crate::epoch::EpochRecord>(&o.body)
+            .ok()
+            .and_then(|r| r.state);
+        if named.as_deref() == Some(ours.state.as_str()) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -407,7 +563,7 @@ mod tests {
         assert_eq!(single.judge(&rec), Verdict::Ours);
         let unsealed = record_by(&single, "id2");
         assert_eq!(unsealed.mac, None);
-        assert_eq!(staging.judge(&unsealed), Verdict::Unsealed);
+        assert_eq!(staging.judge(&unsealed), Verdict::Ours);
         assert!(matches!(
             OurSetUp::of(&cfg("prod/", None)).judge(&unsealed),
             Verdict::Foreign(_)

@@ -9,7 +9,7 @@
 # - `prebuilt` takes one built on the host (`cargo build --release --locked --bin
 #   fencegate`) from a build context holding `fencegate` and `container.toml`.
 #   scripts/image.sh does this with podman, and when no base image can be pulled
-#   it makes BASE_IMAGE from Debian's packages (mmdebstrap); see README.md.
+#   it makes BASE_IMAGE from Debian's packages (mmdebstrap); see docs/deploy.md.
 #
 # The runtime base is the build argument BASE_IMAGE (Debian bookworm: the Rust
 # image's glibc must not be newer than the base's).

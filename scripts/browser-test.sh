@@ -4,7 +4,7 @@
 # (tests/browser/operator-page.test.mjs). Installs what it needs: Debian's
 # chromium (as root, with apt-get) when /usr/bin/chromium is missing, and the
 # pinned npm packages of tests/browser (npm ci). Screenshots go to
-# target/browser/; `--update-screenshot` also replaces docs/operations.md's
+# target/browser/; `--update-screenshot` also replaces docs/admin.md's
 # tests/browser/operator-page.png.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -2,7 +2,7 @@
 # Builds the container image from the Dockerfile with podman, then runs it:
 # `fencegate demo` inside it, and `serve` as its non-root user with a mounted
 # config and data volume, answering /livez and /readyz, stopped by SIGTERM (exit
-# 0, state flushed into the volume). Issue 30 §3; README "Container image".
+# 0, state flushed into the volume). Issue 30 §3; docs/deploy.md, "The container image".
 #
 #   scripts/image.sh            build and run (CI: .ci/run)
 #   scripts/image.sh --build    build only

@@ -10,7 +10,7 @@
 //   FENCEGATE_BIN   the fencegate binary
 //   CHROMIUM        the browser (default /usr/bin/chromium)
 //   ARTIFACTS       where screenshots go (default ./artifacts)
-//   SCREENSHOT      where docs/operations.md's screenshot is written (optional)
+//   SCREENSHOT      where docs/admin.md's screenshot is written (optional)
 
 import { test } from "node:test";
 import assert from "node:assert/strict";

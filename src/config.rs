@@ -70,7 +70,7 @@ pub struct Config {
     pub state: StateConfig,
     /// `[cluster]` (SPEC §10.2); absent: a single instance (§10.1).
     pub cluster: Option<ClusterConfig>,
-    /// `[telemetry]`: where traces are exported (README "Traces"); absent or
+    /// `[telemetry]`: where traces are exported (docs/traces.md); absent or
     /// without `otlp_endpoint`: none are.
     #[serde(default)]
     pub telemetry: TelemetryConfig,
@@ -335,7 +335,7 @@ impl ClusterConfig {
     }
 }
 
-/// `[telemetry]`: OTLP/HTTP trace export (SPEC §9, README "Traces").
+/// `[telemetry]`: OTLP/HTTP trace export (SPEC §9, docs/traces.md).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TelemetryConfig {

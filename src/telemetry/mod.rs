@@ -1,4 +1,4 @@
-//! Traces (README "Traces"): the W3C trace context a worker (or a relaying
+//! Traces (docs/traces.md): the W3C trace context a worker (or a relaying
 //! peer) sends, a span per request with a child per step of the request path
 //! (admission, a drain it waited for, the dedup claim, the upstream call, the
 //! outcome write, a relay to the shard's owner), the context passed on to the

@@ -2185,7 +2185,7 @@ async fn the_anchor_outlives_the_member_that_renewed_it() {
     );
 }
 
-/// Traces across the peer hop (README "Traces"): a request sent to the
+/// Traces across the peer hop (docs/traces.md): a request sent to the
 /// instance that does not own its shard is one trace — the relaying instance's
 /// request span (the worker's span its parent) and its `peer.relay` span, then
 /// the owner's request span with `peer.relay` as its parent, its steps, and the

@@ -13,7 +13,7 @@
 //! made unknown, until fencegate settles it), never with a forward. With an
 //! *asynchronous* standby the same run loses what the standby had not received:
 //! the test counts and prints it (a `done` gone, a key delivered twice) and
-//! asserts nothing about it — that loss is what docs/operations.md warns of.
+//! asserts nothing about it — that loss is what docs/postgres.md warns of.
 //!
 //! A third run has the dead primary's port swallow connection attempts (a
 //! machine gone rather than a process): fencegate must still reach the standby

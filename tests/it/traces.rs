@@ -1,4 +1,4 @@
-//! Traces (README "Traces"): what fencegate exports over OTLP/HTTP, decoded by
+//! Traces (docs/traces.md): what fencegate exports over OTLP/HTTP, decoded by
 //! the official `opentelemetry-proto` bindings (`scripts/otlp_receiver.py`),
 //! and the `traceparent` the destination receives. The peer hop is in
 //! `cluster.rs` (it needs PostgreSQL).

@@ -857,7 +857,7 @@ impl Admin {
             Mode::Cluster(c) => {
                 let me = c.id();
                 return c
-                    .shard_leases()
+                    .shard_statuses()
                     .into_iter()
                     .map(|s| ShardRow {
                         shard: s.shard,

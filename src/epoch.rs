@@ -182,7 +182,7 @@ pub struct EpochRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<crate::process::ProcessId>,
     /// A cluster's gate objects only: HMAC-SHA256 over the fields above, keyed
-    /// by the peer token ([`crate::setup::GateKey`]), hex.
+    /// by the peer token ([`crate::set_up::GateKey`]), hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
 }

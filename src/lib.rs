@@ -9,7 +9,9 @@
 //! - [`fence`] — everything kept for one lease: gate, known epochs; how fences are
 //!   kept current (`fence/refresh.rs`) and the running ones (`fence/registry.rs`).
 //! - [`state`] — marks and dedup records behind one trait; `sled` (group commit,
-//!   witness) is the embedded backend.
+//!   witness) is the embedded backend, `postgres` the shared one (with the
+//!   set-up record: one database, one set-up); shard owner rows and membership
+//!   are a trait of their own (`ownership`).
 //! - [`dedup`] — dedup keys, records, replay (SPEC §6).
 //! - [`forward`] — the request mapped to the upstream and header hygiene (SPEC §3);
 //!   the pooled client over rustls is `forward/client.rs`, a route's TLS client
@@ -29,13 +31,13 @@
 //!   parked: `server/park.rs`), the admin API, Prometheus.
 //! - [`telemetry`] — traces: W3C trace context in and on, a span per request
 //!   and its steps, OTLP/HTTP export through a bounded queue (`[telemetry]`).
-//! - [`setup`] — what a gate object says of the set-up that wrote it, its seal,
+//! - [`set_up`] — what a gate object says of the set-up that wrote it, its seal,
 //!   and when a contender may believe it (§10).
-//! - [`cluster`] — several instances: a shard's lease (`shard`), exclusion
-//!   between set-ups (`set_up`), the keeper's rounds (`keeper`), a tenure
-//!   (`tenure`), the forwarding window (`window`), relaying to the owner
-//!   (`peer`); and [`cluster::guard`], the instance guard — the one-shard case
-//!   (§10.1). [`process`] — which process wrote a gate object, and whether it
+//! - [`cluster`] — several instances: a shard as held and seen (`shard`),
+//!   the prefix's anchor (`anchor`), exclusion between set-ups on a prefix
+//!   (`exclusion`), the keeper's rounds (`keeper`), a tenure (`tenure`), the
+//!   forwarding window (`window`), relaying to the owner (`peer`); and
+//!   [`cluster::guard`], the instance guard — the one-shard case (§10.1). [`process`] — which process wrote a gate object, and whether it
 //!   is gone.
 //! - [`clock`] — time, injected (the monotonic side is tokio's clock);
 //!   [`entropy`] — randomness, from one place.
@@ -75,7 +77,7 @@ pub mod process;
 pub mod protect;
 pub(crate) mod proxy;
 pub mod server;
-pub mod setup;
+pub mod set_up;
 pub(crate) mod shared;
 pub mod state;
 pub mod streaming;

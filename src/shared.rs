@@ -40,7 +40,8 @@ pub struct Shared {
 pub enum Mode {
     /// Forwarding only while the instance guard is held (§10.1).
     Single(Arc<InstanceGuard>),
-    /// Forwarding only on the shards whose gate leases this instance holds (§10.2).
+    /// Forwarding only on the shards whose owner rows this instance holds, while
+    /// the prefix's anchor is its set-up's (§10.2).
     Cluster(Arc<Cluster>),
 }
 
@@ -62,7 +63,7 @@ impl Mode {
                 .conflict()
                 .map(|c| format!("forwarding stopped: {c}"))
                 .into_iter()
-                .chain(c.shard_leases().into_iter().filter_map(|s| {
+                .chain(c.shard_statuses().into_iter().filter_map(|s| {
                     s.untrusted
                         .map(|why| format!("shard {} unavailable: {why}", s.shard))
                 }))

@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::set_up::{AnchorError, Conflict, Verdict};
+use super::exclusion::{AnchorError, Conflict, Verdict};
 use super::{lock, Cluster};
 use crate::epoch::{Epoch, EpochObject, EpochRecord};
 use crate::lease::acquire::{self, AcquireError, Holding};
@@ -94,7 +94,7 @@ impl Cluster {
     pub(super) fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
         move |r: &mut EpochRecord| {
             r.advertise = Some(self.advertise.clone());
-            crate::setup::SetUp::Cluster {
+            crate::set_up::SetUp::Cluster {
                 shards: self.shards,
             }
             .stamp(r);
@@ -155,7 +155,7 @@ impl Cluster {
         let quarter = self.anchor_ttl() / 4;
         let due = if !self.anchor.window.is_open() {
             true
-        } else if lock(&self.gates[0].holding).is_some() {
+        } else if lock(&self.by_shard[0].holding).is_some() {
             seen.created_after
                 .is_none_or(|c| now.saturating_duration_since(c) >= quarter)
         } else {

@@ -42,7 +42,7 @@ use crate::epoch::{EpochObject, EpochRecord, LeaseName};
 use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::process::ProcessId;
-use crate::setup::SetUp;
+use crate::set_up::SetUp;
 
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
@@ -120,10 +120,10 @@ pub struct InstanceGuard {
     /// When forwarding is allowed, and when what is in flight is aborted.
     window: crate::cluster::window::Window,
     holding: tokio::sync::Mutex<Option<Holding>>,
-    /// Where this instance keeps deliveries ([`crate::setup::state_of`]).
+    /// Where this instance keeps deliveries ([`crate::set_up::state_of`]).
     state_id: String,
     /// Seals this instance's gate objects ([`KEY_FILE`]).
-    key: crate::setup::GateKey,
+    key: crate::set_up::GateKey,
     /// A cluster found live under the prefix after taking the guard (nothing is
     /// forwarded while it is set).
     conflict: std::sync::Mutex<Option<String>>,
@@ -193,8 +193,8 @@ impl InstanceGuard {
         advertise: String,
     ) -> Result<Arc<InstanceGuard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
-        let state_id = crate::setup::state_of(&cfg.state, &id);
-        let key = crate::setup::GateKey::from_secret(
+        let state_id = crate::set_up::state_of(&cfg.state, &id);
+        let key = crate::set_up::GateKey::from_secret(
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),
         );
@@ -283,16 +283,16 @@ impl InstanceGuard {
 
     /// After a create that (re)took the guard: every other shard gate lease
     /// ever used under the prefix (a cluster's) must be free — a cluster serves
-    /// nothing without shard 0 ([`crate::setup`]), but one that held it until
+    /// nothing without shard 0 ([`crate::set_up`]), but one that held it until
     /// just now may still hold others. Looked at after our own create, so a
     /// cluster member taking a shard at the same time sees us, or we see it;
     /// and found by probing (`.gate/NNNN/` whose first object exists), not by
     /// what the object before ours claims, which may be garbage. On a conflict
     /// the guard is released and nothing is forwarded.
     async fn after_take(&self) -> Result<(), GuardError> {
-        let shards = crate::setup::shards_in_use(&self.epochs).await?;
+        let shards = crate::set_up::shards_in_use(&self.epochs).await?;
         for shard in 1..shards {
-            let name = crate::setup::shard_name(shard);
+            let name = crate::set_up::shard_name(shard);
             let st = acquire::status(&self.epochs, &name).await?;
             if self.is_free(&st) {
                 continue;
@@ -317,9 +317,9 @@ impl InstanceGuard {
 
     /// Whether a gate lease's latest object lets this instance in now: nothing
     /// a single instance reads can be authenticated, so only a release that
-    /// proves its tenure is final at once ([`crate::setup::gate_free`]).
+    /// proves its tenure is final at once ([`crate::set_up::gate_free`]).
     fn is_free(&self, st: &acquire::LeaseStatus) -> bool {
-        crate::setup::gate_free(st, self.own(st), self.ttl, self.grace)
+        crate::set_up::gate_free(st, self.own(st), self.ttl, self.grace)
     }
 
     /// Whether the latest gate object is this instance's own: sealed with its

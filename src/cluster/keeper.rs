@@ -72,7 +72,7 @@ impl Cluster {
     /// little; `None` when none will be.
     pub(super) fn next_free_in(&self) -> Option<Duration> {
         let now = Instant::now();
-        self.gates
+        self.by_shard
             .iter()
             .filter(|g| !g.busy.load(Ordering::SeqCst) && lock(&g.holding).is_none())
             .filter_map(|g| lock(&g.seen).free_at(self.ttl, self.grace))
@@ -83,7 +83,7 @@ impl Cluster {
     /// One renewal: every row held here, in one statement, then a beat.
     pub(super) async fn renew_round(self: &Arc<Self>) {
         let held: Vec<(u32, u64)> = (0..self.shards)
-            .zip(&self.gates)
+            .zip(&self.by_shard)
             .filter_map(|(s, g)| lock(&g.holding).map(|gen| (s, gen)))
             .collect();
         if self.state.set_up_conflict().is_some() {
@@ -134,7 +134,7 @@ impl Cluster {
             }
         };
         for &(shard, generation) in held {
-            let g = &self.gates[shard as usize];
+            let g = &self.by_shard[shard as usize];
             let _op = g.op.lock().await;
             if *lock(&g.holding) != Some(generation) {
                 continue; // released or restarted meanwhile
@@ -217,7 +217,7 @@ impl Cluster {
         let now = Instant::now();
         let mut by_shard: HashMap<u32, crate::state::OwnerRow> =
             rows.into_iter().map(|r| (r.shard, r)).collect();
-        for (shard, g) in (0..self.shards).zip(&self.gates) {
+        for (shard, g) in (0..self.shards).zip(&self.by_shard) {
             let row = by_shard.remove(&shard);
             let mut seen = lock(&g.seen);
             let same = match (&seen.row, &row) {
@@ -236,7 +236,7 @@ impl Cluster {
         }
         // A released row (a member left or is balancing): membership now, so
         // that the shard is taken without waiting for the next beat.
-        let released = self.gates.iter().any(|g| {
+        let released = self.by_shard.iter().any(|g| {
             lock(&g.holding).is_none() && lock(&g.seen).row.as_ref().is_some_and(|r| r.released)
         });
         if released {
@@ -265,7 +265,7 @@ impl Cluster {
         let mut free = Vec::new();
         let mut mine = Vec::new();
         let mut gone: BTreeSet<String> = BTreeSet::new();
-        for (shard, g) in (0..self.shards).zip(&self.gates) {
+        for (shard, g) in (0..self.shards).zip(&self.by_shard) {
             if g.busy.load(Ordering::SeqCst) {
                 if lock(&g.holding).is_some() {
                     *counts.entry(self.id.clone()).or_default() += 1;

@@ -520,16 +520,16 @@ async fn rounds(members: &[&Member]) {
 
 fn serving(c: &Cluster) -> Vec<u32> {
     (0..c.shards)
-        .filter(|s| c.gates[*s as usize].serving.load(Ordering::SeqCst) != 0)
+        .filter(|s| c.by_shard[*s as usize].serving.load(Ordering::SeqCst) != 0)
         .collect()
 }
 
 fn generation(c: &Cluster, shard: u32) -> u64 {
-    c.gates[shard as usize].serving.load(Ordering::SeqCst)
+    c.by_shard[shard as usize].serving.load(Ordering::SeqCst)
 }
 
 fn stopping(c: &Cluster, shard: u32) -> usize {
-    *c.gates[shard as usize].stopping.borrow()
+    *c.by_shard[shard as usize].stopping.borrow()
 }
 
 fn assert_apart(a: &Cluster, b: &Cluster) {
@@ -563,7 +563,7 @@ async fn two_members_end_with_two_shards_each_and_never_share_one() {
     // (its own renewals count as seen: the view's owner stayed empty once
     // gate_ttl + grace had passed since its take — review finding).
     for m in [&a, &b] {
-        for v in m.shard_leases() {
+        for v in m.shard_statuses() {
             if v.served_here {
                 assert_eq!(v.owner.as_deref(), Some(m.id.as_str()), "shard {}", v.shard);
             }
@@ -626,7 +626,7 @@ async fn die_and_wait(w: &World, owner: &Member, contender: &Member) -> (Instant
             renew(contender).await;
         }
         look(contender).await;
-        let seen = lock(&contender.gates[0].seen).clone();
+        let seen = lock(&contender.by_shard[0].seen).clone();
         if first_seen.is_none() && seen.row.as_ref().is_some_and(|r| r.renewals == renewals) {
             first_seen = Some(Instant::now());
             assert_eq!(seen.since, first_seen, "counted from the read's arrival");
@@ -732,7 +732,7 @@ async fn an_owner_cut_off_stops_forwarding_at_ttl_minus_margin_after_the_send() 
         "the renewal and the beat, each answered 300 ms late"
     );
     *a.db.latency.lock().unwrap() = Duration::ZERO;
-    let g = &a.gates[0];
+    let g = &a.by_shard[0];
     assert_eq!(a.forward_deadline(g), sent + TTL - MARGIN);
     assert_eq!(a.abort_deadline(g), sent + TTL);
     // A renewal that commits but whose answer is lost extends nothing.
@@ -828,7 +828,7 @@ async fn a_row_cleared_by_hand_is_not_free_and_its_owner_finds_it_lost() {
     advance(Duration::from_millis(100)).await;
     look(&b).await;
     let seen_at = Instant::now();
-    let seen = lock(&b.gates[0].seen).clone();
+    let seen = lock(&b.by_shard[0].seen).clone();
     assert!(!seen.row.as_ref().unwrap().released, "not a release");
     assert!(serving(&b).is_empty(), "not free at once");
     assert_eq!(seen.free_at(TTL, GRACE), Some(seen_at + TTL + GRACE));
@@ -836,7 +836,7 @@ async fn a_row_cleared_by_hand_is_not_free_and_its_owner_finds_it_lost() {
     advance(Duration::from_millis(100)).await;
     renew(&a).await;
     assert!(serving(&a).is_empty(), "lost: stopped at once");
-    assert_eq!(*lock(&a.gates[0].holding), None);
+    assert_eq!(*lock(&a.by_shard[0].holding), None);
     assert_eq!(stopping(&a, 0), 0, "nothing left in flight");
     // The contender takes it once watched for gate_ttl + grace.
     loop {
@@ -881,7 +881,7 @@ async fn a_self_fenced_owner_takes_its_row_again_after_the_stopped_tenures_reque
     advance(Duration::from_millis(500)).await;
     renew(&a).await;
     assert_eq!(w.row(0).unwrap().renewals, 2);
-    assert!(a.gates[0].busy.load(Ordering::SeqCst), "a re-take waits");
+    assert!(a.by_shard[0].busy.load(Ordering::SeqCst), "a re-take waits");
     while Instant::now() < sent + TTL - MS {
         advance(Duration::from_millis(100).min(sent + TTL - MS - Instant::now())).await;
         settle().await;

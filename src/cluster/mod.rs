@@ -31,20 +31,20 @@
 //! nothing; if it committed, successors only wait longer.
 
 mod anchor;
+mod exclusion;
 pub mod guard;
 mod keeper;
 #[cfg(test)]
 mod keeper_tests;
 pub mod peer;
-mod set_up;
 mod shard;
 mod tenure;
 pub(crate) mod window;
 
-pub use set_up::Conflict;
-use set_up::Verdict;
-use shard::{Seen, ShardLease};
-pub use shard::{ShardLeaseView, ShardView};
+pub use exclusion::Conflict;
+use exclusion::Verdict;
+use shard::{Seen, Shard};
+pub use shard::{ShardStatus, ShardView};
 use tokio::time::Instant;
 
 use std::collections::{BTreeMap, HashMap};
@@ -61,7 +61,7 @@ use crate::epoch::LeaseName;
 use crate::fence::Fences;
 
 use crate::lease::{Epochs, LeaseStore, StoreError};
-use crate::setup::GateKey;
+use crate::set_up::GateKey;
 use crate::state::{Owner, OwnerRow, OwnershipStore, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
@@ -73,7 +73,7 @@ pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
     u32::try_from(s).unwrap_or(0)
 }
 
-pub use crate::setup::shard_name;
+pub use crate::set_up::shard_name;
 
 /// Why a cluster member could not start (SPEC §10.2).
 #[derive(Debug, thiserror::Error)]
@@ -125,7 +125,7 @@ pub struct Cluster {
     peer_token: String,
     /// Seals and checks this cluster's gate objects.
     key: GateKey,
-    /// Where deliveries are kept ([`crate::setup::state_of`]).
+    /// Where deliveries are kept ([`crate::set_up::state_of`]).
     state_id: String,
     /// A live gate object of another set-up on the anchor, if any.
     conflict: Mutex<Option<Conflict>>,
@@ -137,7 +137,7 @@ pub struct Cluster {
     ttl: Duration,
     margin: Duration,
     grace: Duration,
-    gates: Vec<ShardLease>,
+    by_shard: Vec<Shard>,
     fences: Arc<Fences>,
     state: Arc<dyn StateStore>,
     /// The shards' owner rows and membership (the same database as `state`).
@@ -187,8 +187,8 @@ impl Cluster {
             let s = settle.entry(r.lease.clone()).or_default();
             *s = (*s).max(r.drain_timeout());
         }
-        let gates = (0..shards)
-            .map(|s| ShardLease {
+        let by_shard = (0..shards)
+            .map(|s| Shard {
                 leases: settle
                     .iter()
                     .filter(|(l, _)| shard_of(l, shards) == s)
@@ -217,7 +217,7 @@ impl Cluster {
                 &cc.resolved_peer_token().unwrap_or_default(),
                 &format!("{}.gate/", cfg.store.prefix),
             ),
-            state_id: crate::setup::state_of(&cfg.state, &cc.instance_id),
+            state_id: crate::set_up::state_of(&cfg.state, &cc.instance_id),
             conflict: Mutex::new(None),
             anchor: anchor::Anchor::new(),
             beats: Mutex::new(HashMap::new()),
@@ -225,7 +225,7 @@ impl Cluster {
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
             grace: Duration::from_millis(cfg.store.grace_ms),
-            gates,
+            by_shard,
             fences,
             state,
             owners,
@@ -273,7 +273,7 @@ impl Cluster {
 
     /// Where a request for `shard` is served now.
     pub fn place(&self, shard: u32) -> Placement {
-        let Some(g) = self.gates.get(shard as usize) else {
+        let Some(g) = self.by_shard.get(shard as usize) else {
             return Placement::Unavailable;
         };
         if self.stopped_by_another_set_up() {
@@ -298,7 +298,7 @@ impl Cluster {
     }
 
     /// A request found its shard without an owner it could reach (a handover or a
-    /// takeover under way): look at the gate leases now rather than at the next
+    /// takeover under way): look at the owner rows now rather than at the next
     /// tick, so a released shard is taken — and its new owner known — sooner.
     pub fn nudge(&self) {
         self.nudged.notify_one();
@@ -306,7 +306,7 @@ impl Cluster {
 
     /// Whether a forward under `owner` may start now (SPEC §10.2 self-fencing).
     pub fn may_forward(&self, owner: Owner) -> bool {
-        self.gates.get(owner.shard as usize).is_some_and(|g| {
+        self.by_shard.get(owner.shard as usize).is_some_and(|g| {
             g.serving.load(Ordering::SeqCst) == owner.generation
                 && (self.window_open(g) || weakened::no_self_fence())
         })
@@ -314,7 +314,7 @@ impl Cluster {
 
     /// Shards served here now.
     pub fn owned(&self) -> usize {
-        self.gates
+        self.by_shard
             .iter()
             .filter(|g| g.serving.load(Ordering::SeqCst) != 0)
             .count()
@@ -329,17 +329,17 @@ impl Cluster {
     /// least once and every shard has an owner it can name.
     pub fn is_ready(&self) -> bool {
         !self.stopped_by_another_set_up()
-            && self.gates.iter().all(|g| {
+            && self.by_shard.iter().all(|g| {
                 g.serving.load(Ordering::SeqCst) != 0
                     || lock(&g.seen).owner(self.ttl, self.grace).is_some()
             })
     }
 
     /// Every shard as last seen, for `/v1/cluster` and the page.
-    pub fn shard_leases(&self) -> Vec<ShardLeaseView> {
+    pub fn shard_statuses(&self) -> Vec<ShardStatus> {
         let anchor = lock(&self.anchor.seen).clone();
         (0..self.shards)
-            .zip(&self.gates)
+            .zip(&self.by_shard)
             .map(|(shard, g)| {
                 let seen = lock(&g.seen).clone();
                 let owner = seen.owner(self.ttl, self.grace).cloned();
@@ -353,13 +353,13 @@ impl Cluster {
                     ttl: None,
                     released: false,
                 });
-                ShardLeaseView {
+                ShardStatus {
                     shard,
                     owner: owner.as_ref().and_then(|r| r.owner.clone()),
                     advertise: owner.as_ref().and_then(|r| r.advertise.clone()),
                     generation: row.generation,
                     renewals: row.renewals,
-                    gate_epoch: (shard == 0).then(|| anchor.epoch.get()),
+                    anchor_epoch: (shard == 0).then(|| anchor.epoch.get()),
                     expires_at: row.expires_at,
                     served_here: g.serving.load(Ordering::SeqCst) != 0,
                     leases: g.leases.iter().map(|(l, _)| l.to_string()).collect(),
@@ -378,7 +378,7 @@ impl Cluster {
     pub fn anchor_view(&self) -> serde_json::Value {
         let seen = lock(&self.anchor.seen).clone();
         serde_json::json!({
-            "gate_epoch": seen.epoch.get(),
+            "epoch": seen.epoch.get(),
             "holder": seen.holder,
             "ours": seen.verdict == Some(Verdict::Ours),
             "window_open": self.anchor.window.is_open(),
@@ -386,9 +386,9 @@ impl Cluster {
         })
     }
 
-    /// [`Cluster::shard_leases`] as JSON rows (times in RFC 3339).
+    /// [`Cluster::shard_statuses`] as JSON rows (times in RFC 3339).
     pub fn view(&self) -> Vec<ShardView> {
-        self.shard_leases()
+        self.shard_statuses()
             .into_iter()
             .map(|g| ShardView {
                 shard: g.shard,
@@ -396,7 +396,7 @@ impl Cluster {
                 advertise: g.advertise,
                 generation: g.generation,
                 renewals: g.renewals,
-                gate_epoch: g.gate_epoch,
+                anchor_epoch: g.anchor_epoch,
                 expires_at: g.expires_at.map(crate::clock::rfc3339),
                 served_here: g.served_here,
                 leases: g.leases,

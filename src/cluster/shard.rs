@@ -55,7 +55,7 @@ impl Seen {
     }
 }
 
-pub(super) struct ShardLease {
+pub(super) struct Shard {
     /// The configured leases of this shard, with their longest drain timeout.
     pub(super) leases: Vec<(LeaseName, Duration)>,
     /// The generation of the tenure being served here; 0 when not served.
@@ -80,7 +80,7 @@ pub(super) struct ShardLease {
 
 /// A shard as this instance last saw it.
 #[derive(Debug, Clone)]
-pub struct ShardLeaseView {
+pub struct ShardStatus {
     /// The shard's number.
     pub shard: u32,
     /// The instance owning the shard, if its tenure may still run.
@@ -92,7 +92,7 @@ pub struct ShardLeaseView {
     /// The tenure's renewals so far.
     pub renewals: u64,
     /// Shard 0 only: the epoch of the prefix's anchor, `{prefix}.gate/0000/`.
-    pub gate_epoch: Option<u64>,
+    pub anchor_epoch: Option<u64>,
     /// The row's expiry on the database's clock (shown, never judged on).
     pub expires_at: Option<SystemTime>,
     /// Whether this instance forwards the shard's requests now.
@@ -118,7 +118,7 @@ pub struct ShardView {
     pub renewals: u64,
     /// Shard 0 only: the epoch of the prefix's anchor gate object.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub gate_epoch: Option<u64>,
+    pub anchor_epoch: Option<u64>,
     /// On the database's clock, RFC 3339 (shown, never judged on).
     pub expires_at: Option<String>,
     /// Whether this instance forwards the shard's requests now.

@@ -17,28 +17,28 @@ impl Cluster {
     /// The shard's one abort deadline (SPEC §10.2): `gate_ttl` after its latest
     /// renewal was sent, and never later than the anchor's. Every lease of the
     /// shard is held to it, however the shard is left.
-    pub(super) fn abort_deadline(&self, g: &super::shard::ShardLease) -> Instant {
+    pub(super) fn abort_deadline(&self, g: &super::shard::Shard) -> Instant {
         g.window
             .abort_deadline()
             .min(self.anchor.window.abort_deadline())
     }
 
     /// When forwards on the shard stop: its own window, and the anchor's.
-    pub(super) fn forward_deadline(&self, g: &super::shard::ShardLease) -> Instant {
+    pub(super) fn forward_deadline(&self, g: &super::shard::Shard) -> Instant {
         g.window
             .forward_deadline()
             .min(self.anchor.window.forward_deadline())
     }
 
     /// Whether forwards on the shard may start now.
-    pub(super) fn window_open(&self, g: &super::shard::ShardLease) -> bool {
+    pub(super) fn window_open(&self, g: &super::shard::Shard) -> bool {
         g.window.is_open() && self.anchor.window.is_open()
     }
 
     /// Takes `shard` (or starts a new tenure on a row owned here) in the
     /// background.
     pub(super) fn spawn_takeover(self: Arc<Self>, shard: u32) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         // Not while leaving: a graceful stop's handover may still be draining
         // the shard (a renewal answered then must not take it again).
         if self.stopping.is_cancelled()
@@ -49,14 +49,14 @@ impl Cluster {
         }
         tokio::spawn(async move {
             self.take_over(shard).await;
-            self.gates[shard as usize]
+            self.by_shard[shard as usize]
                 .busy
                 .store(false, Ordering::SeqCst);
         });
     }
 
     pub(super) async fn take_over(self: &Arc<Self>, shard: u32) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         // A tenure of this shard stopped here (self-fenced, then renewed in
         // time) may still have requests in flight until its abort deadline,
         // which can come after a new tenure's settle; and their outcomes are
@@ -157,7 +157,7 @@ impl Cluster {
     /// in-flight records in doubt, start its fences at max(stored, listed).
     pub(super) async fn start_tenure(
         &self,
-        g: &super::shard::ShardLease,
+        g: &super::shard::Shard,
         owner: Owner,
     ) -> Result<(), String> {
         self.state
@@ -183,7 +183,7 @@ impl Cluster {
 
     /// Stops the shard at its forwarding deadline unless a renewal moved it.
     pub(super) async fn watch_deadline(&self, shard: u32, generation: u64) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         loop {
             if g.serving.load(Ordering::SeqCst) != generation {
                 return;
@@ -212,7 +212,7 @@ impl Cluster {
     /// Stops serving `shard` now: no new admissions or forwards; its requests in
     /// flight may finish until `deadline`, then are aborted.
     pub(super) fn stop_serving(&self, shard: u32, deadline: Instant, why: &'static str) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         let generation = g.serving.swap(0, Ordering::SeqCst);
         if generation == 0 {
             return;
@@ -234,7 +234,7 @@ impl Cluster {
     /// and returns the drains, each aborting what is in flight at its deadline.
     pub(super) fn stop_leases(
         &self,
-        g: &super::shard::ShardLease,
+        g: &super::shard::Shard,
         owner: Owner,
         deadline: impl Fn(Duration) -> Instant,
     ) -> tokio::task::JoinSet<bool> {
@@ -247,14 +247,14 @@ impl Cluster {
     }
 
     pub(super) fn spawn_handover(self: Arc<Self>, shard: u32, why: &'static str) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         if g.busy.swap(true, Ordering::SeqCst) {
             return;
         }
         tokio::spawn(async move {
             tracing::info!(shard, why, "handing a shard over");
             self.hand_over(shard).await;
-            self.gates[shard as usize]
+            self.by_shard[shard as usize]
                 .busy
                 .store(false, Ordering::SeqCst);
         });
@@ -264,7 +264,7 @@ impl Cluster {
     /// aborted after their drain timeout), then the row is released so that a
     /// successor takes the shard at once.
     pub(super) async fn hand_over(&self, shard: u32) {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         // A renewal may still move the shard's deadline while the drains run, but
         // a database lost partway must not: what is in flight is aborted by the
         // deadline of the latest renewal sent before the handover began at the
@@ -282,7 +282,7 @@ impl Cluster {
     }
 
     /// Until no stopped tenure of the shard here has requests in flight.
-    async fn previous_tenure_ended(&self, g: &super::shard::ShardLease) {
+    async fn previous_tenure_ended(&self, g: &super::shard::Shard) {
         let mut stopped = g.stopping.subscribe();
         if *stopped.borrow() > 0 {
             tracing::info!("waiting for the requests of a stopped tenure of the shard to end");
@@ -295,7 +295,7 @@ impl Cluster {
     /// self-fenced tenure's requests run until its abort deadline); true if
     /// released.
     pub(super) async fn hand_back(&self, shard: u32) -> bool {
-        let g = &self.gates[shard as usize];
+        let g = &self.by_shard[shard as usize];
         g.serving.store(0, Ordering::SeqCst);
         self.previous_tenure_ended(g).await;
         let _op = g.op.lock().await;
@@ -332,13 +332,13 @@ impl Cluster {
         // A takeover under way finishes (or gives up) first: then nothing is
         // taken behind our back. Bounded: a database call has its own timeout.
         for _ in 0..250 {
-            if !self.gates.iter().any(|g| g.busy.load(Ordering::SeqCst)) {
+            if !self.by_shard.iter().any(|g| g.busy.load(Ordering::SeqCst)) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let mut held = Vec::new();
-        for (shard, g) in (0..self.shards).zip(&self.gates) {
+        for (shard, g) in (0..self.shards).zip(&self.by_shard) {
             if lock(&g.holding).is_some() {
                 held.push(shard);
             }

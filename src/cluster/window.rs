@@ -1,6 +1,7 @@
-//! An owner's forwarding window (SPEC §10): a gate lease's holder — a shard's
-//! owner in a cluster, or a single instance's guard — starts no forward later
-//! than `gate_ttl − self_fence_margin` after it *sent* its latest gate create,
+//! An owner's forwarding window (SPEC §10): a tenure's holder — a shard's
+//! owner in a cluster (its owner row; and the prefix's anchor), or a single
+//! instance's guard (a gate lease) — starts no forward later than
+//! `gate_ttl − self_fence_margin` after it *sent* its latest renewal or take,
 //! and aborts what is still in flight at `gate_ttl` after it. Both deadlines run
 //! on this process's monotonic clock from the send, not the confirmation, so the
 //! window only errs short; neither the store's clock nor the local wall clock

@@ -329,7 +329,7 @@ pub type Reclaim<'a> = &'a (dyn Fn(&EpochRecord) -> bool + Sync);
 /// of a worker's [`LeaseStatus::is_free`]: a gate object may be forged by
 /// anyone who can write under `.gate/`, so its own word (a release, a short
 /// TTL, garbage) must not end the tenure it follows any sooner than that
-/// tenure's own end ([`crate::setup::gate_free`]).
+/// tenure's own end ([`crate::set_up::gate_free`]).
 pub struct GateRules<'a> {
     /// Whether the latest object lets a contender in now.
     pub free: &'a (dyn Fn(&LeaseStatus) -> bool + Sync),

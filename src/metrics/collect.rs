@@ -375,7 +375,7 @@ fn cluster_metrics(
         vec![(
             vec![],
             ConstGauge::new(
-                cl.shard_leases()
+                cl.shard_statuses()
                     .iter()
                     .filter(|s| s.untrusted.is_some())
                     .count() as i64,

@@ -4,8 +4,8 @@
 //! database several instances share.
 //!
 //! Every write carries an [`Owner`]: the generation under which the writer holds
-//! the lease's shard (SPEC §10.2: the gate epoch; constant in single-instance
-//! mode). A backend refuses a write whose generation is older than the one it has
+//! the lease's shard (SPEC §10.2: the generation of the shard's owner row;
+//! constant in single-instance mode). A backend refuses a write whose generation is older than the one it has
 //! stored for that shard ([`StateError::OwnerLost`]), so an instance that lost a
 //! shard cannot change its state.
 //!

@@ -1002,7 +1002,7 @@ async fn a_live_gate_object_of_another_set_up_stops_the_cluster_until_it_ends() 
         // before /readyz was read in two runs under the full suite.
         Duration::from_secs(15),
     );
-    fencegate::setup::SetUp::Single.stamp(&mut rec);
+    fencegate::set_up::SetUp::Single.stamp(&mut rec);
     gates
         .create(&shard1, next, rec.to_json().into())
         .await
@@ -1085,7 +1085,7 @@ async fn a_forged_gate_object_is_trusted_for_nothing() {
         // gate_ttl after the forged object was written.
         Duration::from_secs(1),
     );
-    fencegate::setup::SetUp::Cluster { shards: 1 }.stamp(&mut rec);
+    fencegate::set_up::SetUp::Cluster { shards: 1 }.stamp(&mut rec);
     rec.advertise = Some(forger.url("").trim_end_matches('/').to_owned());
     rec.mac = Some("00".repeat(32));
     gates
@@ -1094,7 +1094,7 @@ async fn a_forged_gate_object_is_trusted_for_nothing() {
         .unwrap();
     let forged_at = Instant::now();
     eventually("the other member reads the forged object", || async {
-        other.admin_json("/v1/cluster").await["shard_map"][0]["gate_epoch"] == next.get()
+        other.admin_json("/v1/cluster").await["shard_map"][0]["anchor_epoch"] == next.get()
     })
     .await;
     let r = post(other, &format!("/{lease}-ff/x"), &w, "during").await;

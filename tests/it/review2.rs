@@ -586,7 +586,7 @@ async fn an_older_builds_live_shard_gate_lease_refuses_start_up() {
     rec.advertise = Some("http://127.0.0.1:9".into());
     rec.mode = Some("cluster".into());
     rec.shards = Some(2);
-    fencegate::setup::GateKey::from_peer_token(PEER_TOKEN, g.prefix()).seal(&mut rec);
+    fencegate::set_up::GateKey::from_peer_token(PEER_TOKEN, g.prefix()).seal(&mut rec);
     let created = g
         .store()
         .create_if_absent(

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::{PostgresState, StateError};
 use crate::config::{Config, StoreKind};
 use crate::lease::LeaseStore;
-use crate::setup::{push_field, GateKey};
+use crate::set_up::{push_field, GateKey};
 
 /// This instance's set-up, as a record names it.
 #[derive(Clone, Debug)]
@@ -41,7 +41,7 @@ pub struct OurSetUp {
     /// A cluster member's instance id; for a single instance its listener.
     recorded_by: String,
     /// Where deliveries are kept, as gate objects name it
-    /// ([`crate::setup::state_of`]).
+    /// ([`crate::set_up::state_of`]).
     state: String,
     /// A cluster's seal; a single instance has no secret its successor shares
     /// (its `gate-key` lives in its own `data_dir`) and seals nothing.
@@ -75,7 +75,7 @@ impl OurSetUp {
             prefix: cfg.store.prefix.clone(),
             mode,
             recorded_by,
-            state: crate::setup::state_of(&cfg.state, ""),
+            state: crate::set_up::state_of(&cfg.state, ""),
             key,
         }
     }
@@ -474,7 +474,7 @@ async fn named_by_gate_objects(
     ours: &OurSetUp,
 ) -> Result<bool, StateError> {
     let prefix = format!("{}.gate/", ours.prefix);
-    let shard = crate::setup::shard_name(0);
+    let shard = crate::set_up::shard_name(0);
     let epochs = crate::lease::Epochs::new(store.clone(), prefix.clone());
     let latest = epochs
         .latest_after(&shard, crate::epoch::Epoch::NONE)

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use super::*;
 use fencegate::epoch::EpochRecord;
 use fencegate::lease::CreateOutcome;
-use fencegate::setup::{GateKey, SetUp};
+use fencegate::set_up::{GateKey, SetUp};
 
 /// The forged gate object step: first this long after the faults start, then
 /// this long after the shard was served again; the forged object's TTL.

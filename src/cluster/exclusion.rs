@@ -8,7 +8,7 @@ use super::{lock, shard_name, Cluster, ClusterError};
 use crate::epoch::{Epoch, EpochRecord};
 use crate::lease::acquire;
 use crate::lease::StoreError;
-use crate::setup::SetUp;
+use crate::set_up::SetUp;
 
 /// A live gate object of another set-up under this cluster's prefix (SPEC
 /// §10.2): a single instance, or a cluster of another shard count. While one is
@@ -63,7 +63,7 @@ impl Cluster {
         // latest object claims (it may be garbage).
         // (A cluster keeps only shard 0's, its anchor, in the store; older
         // builds kept one per shard.)
-        let shards = crate::setup::shards_in_use(&self.epochs).await?.max(1);
+        let shards = crate::set_up::shards_in_use(&self.epochs).await?.max(1);
         for shard in 0..shards {
             let read = self.read_latest(shard).await?;
             if let Some(c) = self.live_conflict(shard, read.as_ref()) {
@@ -162,9 +162,9 @@ impl Cluster {
     /// `st` (SPEC §2 step 2, with `grace_ms`): a member's object is believed;
     /// anything else — another set-up's, forged, garbage — ends the tenure it
     /// follows no sooner than that tenure would end itself
-    /// ([`crate::setup::gate_free`]).
+    /// ([`crate::set_up::gate_free`]).
     pub(super) fn is_free(&self, verdict: &Verdict, st: &acquire::LeaseStatus) -> bool {
-        crate::setup::gate_free(st, *verdict == Verdict::Ours, self.ttl, self.grace)
+        crate::set_up::gate_free(st, *verdict == Verdict::Ours, self.ttl, self.grace)
     }
 
     /// A conflict if `read` (a shard's latest gate object) is a live one of
@@ -251,7 +251,7 @@ impl Cluster {
             // every shard gate lease ever used under the prefix is looked at.
             Some((e, rec, _)) => match self.verdict(0, *e, rec.as_ref()) {
                 Verdict::Ours => return Ok(()),
-                _ => crate::setup::shards_in_use(&self.epochs)
+                _ => crate::set_up::shards_in_use(&self.epochs)
                     .await
                     .map_err(AnchorError::Store)?
                     .max(self.shards),

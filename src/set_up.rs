@@ -8,11 +8,13 @@
 //! and every instance that reads one of another set-up that is still live stops
 //! forwarding ([`crate::cluster`], [`crate::cluster::guard`]).
 //!
-//! Shard 0 is the prefix's *anchor*: a cluster serves no shard unless shard 0's
-//! latest gate object is one of its own set-up, so a set-up that takes shard 0
-//! over from another one knows which shards to look at (the previous object of
-//! shard 0 names its shard count) — and does so after its own create, so of two
-//! set-ups starting side by side at least one sees the other.
+//! Shard 0's gate lease is the prefix's *anchor*, the one gate lease a cluster
+//! keeps in the store (its shards are owned through rows in the database): a
+//! cluster serves no shard unless the anchor's latest gate object is one of its
+//! own set-up, so a set-up that takes the anchor over from another one knows
+//! which shards to look at (the previous object names its shard count; older
+//! builds kept a gate lease per shard) — and does so after its own create, so
+//! of two set-ups starting side by side at least one sees the other.
 
 use std::fmt;
 
@@ -50,7 +52,8 @@ impl SetUp {
         }
     }
 
-    /// How many shard gate leases this set-up uses (`{prefix}.gate/0000/` …),
+    /// How many shards this set-up uses (older builds' clusters kept a gate
+    /// lease for each under `{prefix}.gate/0000/` …),
     /// never more than a config allows (a forged object cannot make a reader
     /// look at billions of shards).
     pub fn shards(self) -> u32 {

@@ -505,7 +505,7 @@ impl Admin {
     async fn dedup_list<B>(&self, req: &Request<B>) -> Result<Response<Full<Bytes>>, AdminError> {
         self.authorize(req)?;
         let (mut state, mut route, mut limit, mut after) = (None, None, 100usize, None);
-        for (name, value) in form::pairs(req.uri().query().unwrap_or(""), false) {
+        for (name, value) in form::query_pairs(req.uri().query().unwrap_or("")) {
             match name.as_str() {
                 "state" => {
                     state = Some(match value.as_str() {
@@ -566,7 +566,7 @@ impl Admin {
         if !self.shared.has_route(route) {
             return Err(AdminError::RouteNotFound(route.to_owned()));
         }
-        DedupKey::parse(&form::decode(key, false)).map_err(AdminError::DedupKeyMalformed)
+        DedupKey::parse(&form::decode_segment(key)).map_err(AdminError::DedupKeyMalformed)
     }
 
     async fn dedup_get(&self, route: &str, key: &str) -> Result<Response<Full<Bytes>>, AdminError> {
@@ -665,7 +665,7 @@ impl Admin {
                 return Err(AdminError::Unauthorized);
             }
             let body = read_body(req).await?;
-            let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+            let fields = form::form_pairs(&body);
             if !form_field(&fields, "csrf").is_some_and(|t| s.csrf_matches(&t)) {
                 return Err(AdminError::CrossSite);
             }
@@ -701,7 +701,7 @@ impl Admin {
             return Err(AdminError::CrossSite);
         }
         let body = read_body(req).await?;
-        let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+        let fields = form::form_pairs(&body);
         let presented = form_field(&fields, "token").unwrap_or_default();
         if !expected.matches(&TokenHash::of(presented.as_bytes())) {
             tracing::warn!("operator page: a login with a wrong admin token was refused");
@@ -724,7 +724,7 @@ impl Admin {
             },
             Some(_) => return Ok(html(StatusCode::OK, page::render_login(None))),
         };
-        let q = form::pairs(req.uri().query().unwrap_or(""), false);
+        let q = form::query_pairs(req.uri().query().unwrap_or(""));
         let view = self.gather(&q, access).await;
         Ok(html(StatusCode::OK, page::render(&view)))
     }

@@ -9,6 +9,7 @@
 //! ([`session`]).
 
 mod form;
+pub mod markup;
 pub mod page;
 pub(crate) mod session;
 
@@ -133,8 +134,8 @@ fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
     )
 }
 
-fn html(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut r = with_type(body, status, "text/html; charset=utf-8");
+fn html(status: StatusCode, body: markup::Html) -> Response<Full<Bytes>> {
+    let mut r = with_type(body.into_string(), status, "text/html; charset=utf-8");
     let h = r.headers_mut();
     // The page loads nothing from elsewhere and runs its one script only (by
     // hash); it may not be framed.

@@ -96,23 +96,29 @@ pub struct MemberRow {
     pub last_seen: Option<SystemTime>,
     /// Whether it is this instance.
     pub this_instance: bool,
-    /// The shards whose gate lease it holds, as last seen.
+    /// The shards it owns, as last seen.
     pub shards: Vec<u32>,
 }
 
-/// One shard of the shard map. A single instance has one: shard 0 of 1, its
-/// instance guard's gate lease (SPEC §10.1); a cluster has `shards` of them.
+/// One shard of the shard map. A single instance has one, shard 0 of 1, which
+/// it holds by its instance guard, a gate lease in the store (SPEC §10.1); a
+/// cluster has `shards` of them, each owned through a row of `fencegate_owners`
+/// in PostgreSQL (§10.2).
 #[derive(Debug, Clone)]
 pub struct ShardRow {
     /// The shard's number.
     pub shard: u32,
     /// How many shards there are.
     pub shards: u32,
-    /// The instance holding the shard's gate lease, if anyone does.
+    /// The instance that owns the shard, if one does: in a cluster the owner of
+    /// its row while that tenure may still run; a single instance while it
+    /// holds its guard.
     pub owner: Option<String>,
-    /// The epoch of the shard's current gate object.
-    pub gate_epoch: Option<u64>,
-    /// On the store's clock.
+    /// What the owner holds the shard by, if anything.
+    pub tenure: Option<Tenure>,
+    /// When the tenure ends, as last seen: a cluster's row's `expires_at`, on
+    /// the database's clock (shown, never judged on); a single instance's
+    /// guard's expiry, on the store's clock.
     pub expires_at: Option<SystemTime>,
     /// Whether the owner is this instance.
     pub this_instance: bool,
@@ -120,6 +126,18 @@ pub struct ShardRow {
     pub serving: bool,
     /// The leases hashed to the shard (of the configured routes).
     pub leases: Vec<String>,
+}
+
+/// What a shard's owner holds it by: a number that rises with every new tenure,
+/// which means one thing in a cluster and another in a single instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tenure {
+    /// A cluster's shard: the `generation` of its row of `fencegate_owners`,
+    /// raised by every take and carried by every state write (SPEC §10.2).
+    Generation(u64),
+    /// A single instance's shard: the epoch of its instance guard, the gate
+    /// lease under `{prefix}.gate/0000/` (SPEC §10.1).
+    GuardEpoch(u64),
 }
 
 /// One dedup key in full: the detail view (`/?detail=1&route=R&key=K`).
@@ -209,7 +227,7 @@ pub struct PageView {
     pub version: &'static str,
     /// This instance's clock (record times).
     pub now: SystemTime,
-    /// The store's clock (lease and gate expiries).
+    /// The store's clock (lease and instance guard expiries).
     pub store_now: SystemTime,
     /// The store and state backend's health.
     pub health: StoreHealth,
@@ -864,7 +882,7 @@ fn shards_section(out: &mut Html, v: &PageView) {
     for p in &v.fence_problems {
         html!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(p));
     }
-    out.push_static(r#"<table><thead><tr><th>shard</th><th>owner</th><th>leases</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
+    out.push_static(r#"<table><thead><tr><th>shard</th><th>owner</th><th>leases</th><th>tenure</th><th>expires</th><th>here</th></tr></thead><tbody>"#);
     for s in &v.shards {
         let mut leases: Vec<Html> = s
             .leases
@@ -880,7 +898,7 @@ fn shards_section(out: &mut Html, v: &PageView) {
         }
         html!(
             out,
-            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="leases" class="leases">{}</td><td data-label="gate epoch" class="n">{}</td><td data-label="gate expires">"#,
+            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="leases" class="leases">{}</td><td data-label="tenure" class="n">{}</td><td data-label="expires">"#,
             s.shard,
             s.shards,
             opt(&s.owner),
@@ -889,8 +907,11 @@ fn shards_section(out: &mut Html, v: &PageView) {
             } else {
                 Html::join(leases, " ")
             },
-            s.gate_epoch
-                .map_or_else(|| Html::raw_static("—"), |e| html!("{}", e))
+            match s.tenure {
+                None => Html::raw_static("—"),
+                Some(Tenure::Generation(g)) => html!("generation {}", g),
+                Some(Tenure::GuardEpoch(e)) => html!("guard epoch {}", e),
+            }
         );
         match s.expires_at {
             Some(t) => expiry(out, t, v.store_now),
@@ -1049,9 +1070,10 @@ mod tests {
         assert!(!html.contains("Nothing to resolve."));
     }
 
-    /// A cluster's map: one row per shard, with its owner and gate expiry, and
-    /// whether this instance serves it (an owned shard past its self-fence window
-    /// shows as not serving).
+    /// A cluster's map: one row per shard, with its owner, its tenure (the owner
+    /// row's generation) and when that ends, and whether this instance serves it
+    /// (an owned shard past its self-fence window shows as not serving); a
+    /// single instance's one shard shows its guard's epoch.
     #[test]
     fn the_shard_map_shows_each_shard_its_owner_and_who_serves_it() {
         let v = view();
@@ -1060,7 +1082,7 @@ mod tests {
             shard,
             shards: 3,
             owner: owner.map(str::to_owned),
-            gate_epoch: owner.map(|_| 40 + u64::from(shard)),
+            tenure: owner.map(|_| Tenure::Generation(40 + u64::from(shard))),
             expires_at: owner.map(|_| in_8s),
             this_instance,
             serving,
@@ -1077,7 +1099,13 @@ mod tests {
         let rows: Vec<&str> = html.split(r#"<tr class="shard">"#).skip(1).collect();
         assert_eq!(rows.len(), 3, "{html}");
         assert!(rows[0].contains(">0 of 3<") && rows[0].contains("<code>fg-1</code>"));
-        assert!(rows[0].contains(">40<") && rows[0].contains(">in 8 s</time>"));
+        assert!(html.contains("<th>tenure</th><th>expires</th>"), "{html}");
+        assert!(
+            rows[0].contains(r#"data-label="tenure" class="n">generation 40<"#)
+                && rows[0].contains(">in 8 s</time>"),
+            "{}",
+            rows[0]
+        );
         assert!(rows[0].contains("this instance, serving"), "{}", rows[0]);
         // Each shard names its leases.
         assert!(
@@ -1096,6 +1124,18 @@ mod tests {
             ..view()
         });
         assert!(stalled.contains(r#"<span class="bad">this instance, not serving</span>"#));
+        let single = render(&PageView {
+            shards: vec![ShardRow {
+                shards: 1,
+                tenure: Some(Tenure::GuardEpoch(7)),
+                ..row(0, Some("fg-1"), true, true)
+            }],
+            ..view()
+        });
+        assert!(
+            single.contains(r#"data-label="tenure" class="n">guard epoch 7<"#),
+            "{single}"
+        );
     }
 
     /// Another set-up on the prefix, or an untrusted gate object, is said above

@@ -9,6 +9,7 @@
 //! ([`session`]).
 
 mod form;
+pub mod markup;
 pub mod page;
 pub(crate) mod session;
 
@@ -30,6 +31,7 @@ use crate::shared::{Mode, Shared};
 use crate::state::{ListCursor, Listing, Record, RecordKey};
 use page::{
     Access, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, PageView, ShardRow, StoreHealth,
+    Tenure,
 };
 use session::Session;
 
@@ -73,7 +75,7 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/metrics", "Prometheus text"),
     ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
     ("GET", "/v1/routes", "per route: upstream, requests in flight and max_in_flight, a Retry-After hold, the circuit breaker, refusals"),
-    ("GET", "/v1/cluster", "this instance's id and, per shard, owner, gate epoch, expiry and leases"),
+    ("GET", "/v1/cluster", "this instance's id, the members, the prefix's anchor and, per shard, owner, generation, expiry and leases"),
     ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
     ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
     ("POST", "/v1/dedup/{route}/{key}/resolve", "resolve an in-doubt key: {\"outcome\": \"delivered\"|\"not_delivered\"} (admin token)"),
@@ -133,8 +135,8 @@ fn json_response(status: StatusCode, v: Value) -> Response<Full<Bytes>> {
     )
 }
 
-fn html(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut r = with_type(body, status, "text/html; charset=utf-8");
+fn html(status: StatusCode, body: markup::Html) -> Response<Full<Bytes>> {
+    let mut r = with_type(body.into_string(), status, "text/html; charset=utf-8");
     let h = r.headers_mut();
     // The page loads nothing from elsewhere and runs its one script only (by
     // hash); it may not be framed.
@@ -381,8 +383,10 @@ impl Admin {
         }
     }
 
-    /// SPEC §10.2: this instance's id and, per shard, owner, gate epoch, expiry
-    /// (on the store's clock) and leases. A single instance is one shard.
+    /// SPEC §10.2: this instance's id, the members, the prefix's anchor (its
+    /// gate epoch is also shard 0's `gate_epoch`) and, per shard, its row of
+    /// `fencegate_owners` (owner, generation, renewals, expiry on the database's
+    /// clock) and leases. A single instance is one shard.
     fn cluster(&self) -> Response<Full<Bytes>> {
         match self.shared.mode.cluster() {
             Some(c) => json_response(
@@ -505,7 +509,7 @@ impl Admin {
     async fn dedup_list<B>(&self, req: &Request<B>) -> Result<Response<Full<Bytes>>, AdminError> {
         self.authorize(req)?;
         let (mut state, mut route, mut limit, mut after) = (None, None, 100usize, None);
-        for (name, value) in form::pairs(req.uri().query().unwrap_or(""), false) {
+        for (name, value) in form::query_pairs(req.uri().query().unwrap_or("")) {
             match name.as_str() {
                 "state" => {
                     state = Some(match value.as_str() {
@@ -566,7 +570,7 @@ impl Admin {
         if !self.shared.has_route(route) {
             return Err(AdminError::RouteNotFound(route.to_owned()));
         }
-        DedupKey::parse(&form::decode(key, false)).map_err(AdminError::DedupKeyMalformed)
+        DedupKey::parse(&form::decode_segment(key)).map_err(AdminError::DedupKeyMalformed)
     }
 
     async fn dedup_get(&self, route: &str, key: &str) -> Result<Response<Full<Bytes>>, AdminError> {
@@ -665,7 +669,7 @@ impl Admin {
                 return Err(AdminError::Unauthorized);
             }
             let body = read_body(req).await?;
-            let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+            let fields = form::form_pairs(&body);
             if !form_field(&fields, "csrf").is_some_and(|t| s.csrf_matches(&t)) {
                 return Err(AdminError::CrossSite);
             }
@@ -701,7 +705,7 @@ impl Admin {
             return Err(AdminError::CrossSite);
         }
         let body = read_body(req).await?;
-        let fields = form::pairs(&String::from_utf8_lossy(&body), true);
+        let fields = form::form_pairs(&body);
         let presented = form_field(&fields, "token").unwrap_or_default();
         if !expected.matches(&TokenHash::of(presented.as_bytes())) {
             tracing::warn!("operator page: a login with a wrong admin token was refused");
@@ -724,7 +728,7 @@ impl Admin {
             },
             Some(_) => return Ok(html(StatusCode::OK, page::render_login(None))),
         };
-        let q = form::pairs(req.uri().query().unwrap_or(""), false);
+        let q = form::query_pairs(req.uri().query().unwrap_or(""));
         let view = self.gather(&q, access).await;
         Ok(html(StatusCode::OK, page::render(&view)))
     }
@@ -849,8 +853,9 @@ impl Admin {
         }
     }
 
-    /// The shard map. A single instance: shard 0 of 1, the instance guard's
-    /// gate lease (SPEC §10.1); a cluster: every shard's gate lease (§10.2).
+    /// The shard map. A single instance: shard 0 of 1, held by its instance
+    /// guard, a gate lease (SPEC §10.1); a cluster: every shard, owned through
+    /// its row of `fencegate_owners` (§10.2).
     async fn shard_map(&self) -> Vec<ShardRow> {
         let g = match &self.shared.mode {
             Mode::Single(g) => g,
@@ -864,9 +869,9 @@ impl Admin {
                         shards: c.shards(),
                         this_instance: s.owner.as_deref() == Some(me),
                         owner: s.owner,
-                        // A cluster's shard: its owner generation (the anchor's epoch is in
-                        // /v1/cluster).
-                        gate_epoch: (s.generation > 0).then_some(s.generation),
+                        // The anchor's gate epoch is in /v1/cluster: it is the
+                        // set-up's, no shard's tenure.
+                        tenure: (s.generation > 0).then_some(Tenure::Generation(s.generation)),
                         expires_at: s.expires_at,
                         serving: s.served_here,
                         leases: s.leases,
@@ -889,7 +894,7 @@ impl Admin {
             shard: 0,
             shards: 1,
             owner: held.map(|_| g.id().to_owned()),
-            gate_epoch: held.map(|(e, _)| e.get()),
+            tenure: held.map(|(e, _)| Tenure::GuardEpoch(e.get())),
             expires_at: held.map(|(_, t)| t),
             this_instance: true,
             serving: g.may_forward(),

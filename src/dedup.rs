@@ -237,17 +237,14 @@ pub fn record_path(route: &str, key: &str) -> String {
 /// Escapes everything but RFC 3986's unreserved characters (a key in a path, a
 /// cursor in a query).
 pub fn escape_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 15)]));
-        }
-    }
-    out
+    use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+    /// All but ALPHA, DIGIT and `-._~` (bytes above ASCII are always escaped).
+    const NOT_UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    utf8_percent_encode(s, NOT_UNRESERVED).to_string()
 }
 
 /// Counters for metrics.

@@ -1,44 +1,28 @@
 //! Percent-encoding for the admin listener: query strings, HTML form bodies, and
-//! dedup keys in paths.
+//! dedup keys in paths — on the `form_urlencoded` and `percent-encoding` crates.
 
-/// Decodes `%XX` escapes; with `plus_is_space` (form bodies, RFC 1866), `+` too.
-/// A malformed escape is kept as it is.
-pub(super) fn decode(s: &str, plus_is_space: bool) -> Vec<u8> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                match std::str::from_utf8(&b[i + 1..i + 3])
-                    .ok()
-                    .and_then(|h| u8::from_str_radix(h, 16).ok())
-                {
-                    Some(v) => {
-                        out.push(v);
-                        i += 3;
-                        continue;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            b'+' if plus_is_space => out.push(b' '),
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    out
+/// A path segment's bytes, `%XX` escapes decoded (a malformed escape is kept as
+/// it is; `+` is a `+`).
+pub(super) fn decode_segment(s: &str) -> Vec<u8> {
+    percent_encoding::percent_decode_str(s).collect()
 }
 
-/// `name=value` pairs of a query string or form body, decoded (lossy UTF-8).
-pub(super) fn pairs(s: &str, plus_is_space: bool) -> Vec<(String, String)> {
-    s.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (n, v) = p.split_once('=').unwrap_or((p, ""));
-            let text = |x: &str| String::from_utf8_lossy(&decode(x, plus_is_space)).into_owned();
-            (text(n), text(v))
-        })
+/// `name=value` pairs of an HTML form body (`application/x-www-form-urlencoded`:
+/// `+` is a space), decoded as lossy UTF-8; empty pairs are skipped.
+pub(super) fn form_pairs(body: &[u8]) -> Vec<(String, String)> {
+    // Lossy before decoding as well as after: an invalid byte beside an escape
+    // becomes U+FFFD on its own, as it always has.
+    form_urlencoded::parse(String::from_utf8_lossy(body).as_bytes())
+        .into_owned()
+        .collect()
+}
+
+/// `name=value` pairs of a query string: as [`form_pairs`], but a `+` stays a
+/// `+` (a client may send a cursor or key unescaped; the page's own links escape
+/// everything).
+pub(super) fn query_pairs(query: &str) -> Vec<(String, String)> {
+    form_urlencoded::parse(query.replace('+', "%2B").as_bytes())
+        .into_owned()
         .collect()
 }
 
@@ -52,20 +36,54 @@ pub(super) fn encode(s: &str) -> String {
 mod tests {
     use super::*;
 
+    fn pair(n: &str, v: &str) -> (String, String) {
+        (n.to_owned(), v.to_owned())
+    }
+
+    /// What the hand-written code these replaced answered (issue 40, item 5):
+    /// malformed escapes stay text (`%+f` too, which it read as 0x0f: a sign
+    /// is no hex digit), `+` is a space in a form body only.
     #[test]
-    fn round_trips_and_tolerates_bad_escapes() {
-        let key = "a/b?c#d%e+f&g=h~";
-        assert_eq!(decode(&encode(key), true), key.as_bytes());
-        assert_eq!(decode("%41%4", false), b"A%4");
-        assert_eq!(decode("%zz+", false), b"%zz+");
-        assert_eq!(decode("a+b", true), b"a b");
+    fn decodes_as_before_and_tolerates_bad_escapes() {
+        for (s, want) in [
+            ("", &b""[..]),
+            ("%", b"%"),
+            ("%4", b"%4"),
+            ("%41%4", b"A%4"),
+            ("%zz+", b"%zz+"),
+            ("%%41", b"%A"),
+            ("%2b+%20", b"++ "),
+            ("%+f", b"%+f"),
+            ("%ff%C3%a9", b"\xff\xc3\xa9"),
+        ] {
+            assert_eq!(decode_segment(s), want, "{s:?}");
+        }
         assert_eq!(
-            pairs("x=1&&y=a%2Bb&z", true),
-            vec![
-                ("x".into(), "1".into()),
-                ("y".into(), "a+b".into()),
-                ("z".into(), String::new())
+            query_pairs("x=1&&y=a%2Bb&z&a+b=c=d&="),
+            [
+                pair("x", "1"),
+                pair("y", "a+b"),
+                pair("z", ""),
+                pair("a+b", "c=d"),
+                pair("", "")
             ]
         );
+        assert_eq!(
+            form_pairs(b"a+b=%2B&t=%e2%82&u=\xe2%82&v=\xff"),
+            [
+                pair("a b", "+"),
+                pair("t", "\u{fffd}"),
+                pair("u", "\u{fffd}\u{fffd}"),
+                pair("v", "\u{fffd}")
+            ]
+        );
+    }
+
+    #[test]
+    fn escapes_all_but_the_unreserved_and_round_trips() {
+        let key = "a/b?c#d%e+f&g=h~ \u{e9}";
+        assert_eq!(encode(key), "a%2Fb%3Fc%23d%25e%2Bf%26g%3Dh~%20%C3%A9");
+        assert_eq!(encode("AZaz09-._~"), "AZaz09-._~");
+        assert_eq!(decode_segment(&encode(key)), key.as_bytes());
     }
 }

@@ -8,15 +8,17 @@
 //! refresh reloads it.
 //!
 //! Rendering is a pure function of a [`PageView`], gathered by the admin API, so
-//! tests and benches build views directly. Every value from outside (lease and
-//! holder names, keys, paths, error texts) goes through [`esc`].
+//! tests and benches build views directly. The render functions write
+//! [`Html`] ([`super::markup`]): every value from outside (lease and holder
+//! names, keys, paths, error texts) goes through [`esc`], or it does not
+//! compile.
 
-use std::fmt::Write as _;
 use std::time::SystemTime;
 
 use crate::clock::rfc3339;
 
 use super::form;
+use super::markup::{esc, html, Html};
 
 /// Leases shown per page of the lease table.
 pub const LEASES_PER_PAGE: usize = 100;
@@ -94,23 +96,29 @@ pub struct MemberRow {
     pub last_seen: Option<SystemTime>,
     /// Whether it is this instance.
     pub this_instance: bool,
-    /// The shards whose gate lease it holds, as last seen.
+    /// The shards it owns, as last seen.
     pub shards: Vec<u32>,
 }
 
-/// One shard of the shard map. A single instance has one: shard 0 of 1, its
-/// instance guard's gate lease (SPEC §10.1); a cluster has `shards` of them.
+/// One shard of the shard map. A single instance has one, shard 0 of 1, which
+/// it holds by its instance guard, a gate lease in the store (SPEC §10.1); a
+/// cluster has `shards` of them, each owned through a row of `fencegate_owners`
+/// in PostgreSQL (§10.2).
 #[derive(Debug, Clone)]
 pub struct ShardRow {
     /// The shard's number.
     pub shard: u32,
     /// How many shards there are.
     pub shards: u32,
-    /// The instance holding the shard's gate lease, if anyone does.
+    /// The instance that owns the shard, if one does: in a cluster the owner of
+    /// its row while that tenure may still run; a single instance while it
+    /// holds its guard.
     pub owner: Option<String>,
-    /// The epoch of the shard's current gate object.
-    pub gate_epoch: Option<u64>,
-    /// On the store's clock.
+    /// What the owner holds the shard by, if anything.
+    pub tenure: Option<Tenure>,
+    /// When the tenure ends, as last seen: a cluster's row's `expires_at`, on
+    /// the database's clock (shown, never judged on); a single instance's
+    /// guard's expiry, on the store's clock.
     pub expires_at: Option<SystemTime>,
     /// Whether the owner is this instance.
     pub this_instance: bool,
@@ -118,6 +126,18 @@ pub struct ShardRow {
     pub serving: bool,
     /// The leases hashed to the shard (of the configured routes).
     pub leases: Vec<String>,
+}
+
+/// What a shard's owner holds it by: a number that rises with every new tenure,
+/// which means one thing in a cluster and another in a single instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tenure {
+    /// A cluster's shard: the `generation` of its row of `fencegate_owners`,
+    /// raised by every take and carried by every state write (SPEC §10.2).
+    Generation(u64),
+    /// A single instance's shard: the epoch of its instance guard, the gate
+    /// lease under `{prefix}.gate/0000/` (SPEC §10.1).
+    GuardEpoch(u64),
 }
 
 /// One dedup key in full: the detail view (`/?detail=1&route=R&key=K`).
@@ -207,7 +227,7 @@ pub struct PageView {
     pub version: &'static str,
     /// This instance's clock (record times).
     pub now: SystemTime,
-    /// The store's clock (lease and gate expiries).
+    /// The store's clock (lease and instance guard expiries).
     pub store_now: SystemTime,
     /// The store and state backend's health.
     pub health: StoreHealth,
@@ -249,22 +269,6 @@ pub struct PageView {
     pub notice: Option<String>,
 }
 
-/// HTML-escapes text for element content and quoted attributes.
-pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 fn signed_ms(t: SystemTime, now: SystemTime) -> i128 {
     match t.duration_since(now) {
         Ok(d) => d.as_millis() as i128,
@@ -291,22 +295,28 @@ pub fn relative(t: SystemTime, now: SystemTime) -> String {
 }
 
 /// A `<time>` element: relative text, the absolute time on hover.
-fn time(out: &mut String, t: SystemTime, now: SystemTime) {
-    let abs = rfc3339(t);
-    let _ = write!(
+fn time(out: &mut Html, t: SystemTime, now: SystemTime) {
+    html!(
         out,
-        r#"<time datetime="{abs}" title="{abs}">{}</time>"#,
-        relative(t, now)
+        r#"<time datetime="{0}" title="{0}">{1}</time>"#,
+        esc(&rfc3339(t)),
+        esc(&relative(t, now))
     );
 }
 
-fn opt(s: &Option<String>) -> String {
-    s.as_deref().map_or_else(|| "—".into(), esc)
+/// Text, or "—" for none.
+fn opt(s: &Option<String>) -> Html {
+    s.as_deref().map_or_else(|| Html::raw_static("—"), esc)
 }
 
 /// Paths wrap only after a slash, never inside a segment.
-fn path(p: &str) -> String {
-    esc(p).replace('/', "/<wbr>")
+fn path(p: &str) -> Html {
+    Html::join(p.split('/').map(esc), "/<wbr>")
+}
+
+/// A path, or "—" for none.
+fn opt_path(p: &Option<String>) -> Html {
+    p.as_deref().map_or_else(|| Html::raw_static("—"), path)
 }
 
 /// A record's state as the page says it (the API's `in_doubt` is "in doubt").
@@ -385,89 +395,76 @@ pub const SCRIPT: &str = r#"(function () {
   tick(false);
 })();"#;
 
-/// [`SCRIPT`] as the page embeds it.
-fn script() -> String {
-    SCRIPT.replace("REFRESH", &REFRESH_SECS.to_string())
+/// [`SCRIPT`] as the page embeds it (built once).
+fn script() -> &'static str {
+    static EMBEDDED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    EMBEDDED.get_or_init(|| SCRIPT.replace("REFRESH", &REFRESH_SECS.to_string()))
 }
 
 /// `'sha256-…'` of the embedded script, for the page's Content-Security-Policy.
 pub fn script_hash() -> String {
+    use base64::Engine as _;
     use sha2::{Digest, Sha256};
-    format!("'sha256-{}'", base64(&Sha256::digest(script().as_bytes())))
-}
-
-fn base64(bytes: &[u8]) -> String {
-    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ABC[(n >> (18 - 6 * i)) as usize & 63]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    let digest = Sha256::digest(script().as_bytes());
+    format!(
+        "'sha256-{}'",
+        base64::engine::general_purpose::STANDARD.encode(digest)
+    )
 }
 
 /// `refresh`: reload every [`REFRESH_SECS`], at `Some(url)` or in place (by the
 /// script, or a meta refresh without script).
-fn head(out: &mut String, title: &str, refresh: Option<Option<&str>>) {
-    out.push_str("<!doctype html>\n<html lang=\"en\"");
+fn head(out: &mut Html, title: &str, refresh: Option<Option<&str>>) {
+    out.push_static("<!doctype html>\n<html lang=\"en\"");
     if let Some(Some(url)) = refresh {
-        let _ = write!(out, " data-reload=\"{}\"", esc(url));
+        html!(out, " data-reload=\"{}\"", esc(url));
     }
-    out.push_str("><head><meta charset=\"utf-8\">");
-    out.push_str("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
+    out.push_static("><head><meta charset=\"utf-8\">");
+    out.push_static("<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">");
     match refresh {
-        Some(None) => {
-            let _ = write!(
-                out,
-                "<noscript><meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}\"></noscript>"
-            );
-        }
-        Some(Some(url)) => {
-            let _ = write!(
-                out,
-                "<noscript><meta http-equiv=\"refresh\" content=\"{REFRESH_SECS}; url={}\"></noscript>",
-                esc(url)
-            );
-        }
+        Some(None) => html!(
+            out,
+            "<noscript><meta http-equiv=\"refresh\" content=\"{}\"></noscript>",
+            REFRESH_SECS
+        ),
+        Some(Some(url)) => html!(
+            out,
+            "<noscript><meta http-equiv=\"refresh\" content=\"{}; url={}\"></noscript>",
+            REFRESH_SECS,
+            esc(url)
+        ),
         None => {}
     }
-    let _ = write!(
+    html!(
         out,
-        "<title>{}</title><style>{STYLE}</style></head><body>",
-        esc(title)
+        "<title>{}</title><style>{}</style></head><body>",
+        esc(title),
+        Html::raw_static(STYLE)
     );
 }
 
 /// The page.
-pub fn render(v: &PageView) -> String {
-    let mut out = String::with_capacity(16 * 1024 + 400 * (v.leases.len() + v.keys.len()));
+pub fn render(v: &PageView) -> Html {
+    let mut out = Html::with_capacity(16 * 1024 + 400 * (v.leases.len() + v.keys.len()));
     // After a resolve, the reload drops the notice.
     head(&mut out, "fencegate", Some(v.notice.as_ref().map(|_| "/")));
-    let _ = write!(
+    html!(
         out,
-        r#"<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span id="refresh" role="status">reloads every {REFRESH_SECS} s</span>"#,
+        r#"<header><h1>fencegate</h1><span>instance <code>{}</code></span><span>version {}</span><span id="refresh" role="status">reloads every {} s</span>"#,
         esc(&v.instance),
-        esc(v.version)
+        esc(v.version),
+        REFRESH_SECS
     );
     if let Access::Resolve { csrf } = &v.access {
-        let _ = write!(
+        html!(
             out,
             r#"<form class="inline" method="post" action="/logout"><input type="hidden" name="csrf" value="{}"><button>log out</button></form>"#,
             esc(csrf)
         );
     }
-    out.push_str("</header><main>");
+    out.push_static("</header><main>");
     if let Some(n) = &v.notice {
-        let _ = write!(
+        html!(
             out,
             r#"<section class="notice" role="status">{}</section>"#,
             esc(n)
@@ -482,36 +479,40 @@ pub fn render(v: &PageView) -> String {
     routes_section(&mut out, v);
     members_section(&mut out, v);
     shards_section(&mut out, v);
-    let _ = writeln!(out, "</main><script>{}</script></body></html>", script());
+    html!(
+        out,
+        "</main><script>{}</script></body></html>\n",
+        Html::raw_static(script())
+    );
     out
 }
 
-fn store_section(out: &mut String, v: &PageView) {
+fn store_section(out: &mut Html, v: &PageView) {
     let h = &v.health;
-    let _ = write!(
+    html!(
         out,
         r#"<section id="store"><h2>Store</h2><table><tbody><tr><th>lease store</th><td><code class="path">{}</code> {}</td></tr><tr><th>clock offset</th><td class="n" title="the store's clock minus this machine's (upper end of the estimate)">{:+} ms</td></tr><tr><th>state</th><td>{}</td></tr></tbody></table></section>"#,
         path(&h.store),
         if h.leases_failing == 0 {
-            r#"<span class="ok">reachable</span>"#.to_owned()
+            Html::raw_static(r#"<span class="ok">reachable</span>"#)
         } else {
-            format!(
+            html!(
                 r#"<span class="bad">last call failed for {} lease(s)</span>"#,
                 h.leases_failing
             )
         },
         h.clock_offset_ms,
-        if h.state_ok {
+        Html::raw_static(if h.state_ok {
             r#"<span class="ok">writing</span>"#
         } else {
             r#"<span class="bad">the last write failed</span>"#
-        },
+        }),
     );
 }
 
 /// The link to a key's detail view.
-fn detail_href(route: &str, key: &str) -> String {
-    format!(
+fn detail_href(route: &str, key: &str) -> Html {
+    html!(
         "/?detail=1&amp;route={}&amp;key={}#key",
         esc(&form::encode(route)),
         esc(&form::encode(key))
@@ -519,8 +520,8 @@ fn detail_href(route: &str, key: &str) -> String {
 }
 
 /// The two resolve buttons, behind a disclosure and a confirmation.
-fn resolve_form(out: &mut String, route: &str, key: &str, csrf: &str) {
-    let _ = write!(
+fn resolve_form(out: &mut Html, route: &str, key: &str, csrf: &str) {
+    html!(
         out,
         r#"<details class="resolve"><summary>resolve…</summary><form method="post" action="/v1/dedup/{}/{}/resolve" data-confirm="Resolve {} / {} as {{}}? Only if you have checked the destination."><input type="hidden" name="csrf" value="{}"><p class="note">Checked the destination? Resolve <code>{}</code> as:</p><button class="del" name="outcome" value="delivered">delivered</button><button class="nd" name="outcome" value="not_delivered">not delivered</button></form></details>"#,
         esc(&form::encode(route)),
@@ -533,89 +534,95 @@ fn resolve_form(out: &mut String, route: &str, key: &str, csrf: &str) {
 }
 
 /// What the destination answered, as the detail view says it.
-fn answered(r: &KeyRecord) -> String {
+fn answered(r: &KeyRecord) -> Html {
     match (r.state, r.status, r.body_bytes) {
         (_, Some(s), Some(n)) => {
-            format!("HTTP {s}, body stored ({n} bytes): a retry gets it replayed")
+            html!(
+                "HTTP {}, body stored ({} bytes): a retry gets it replayed",
+                s,
+                n
+            )
         }
         (_, Some(s), None) => {
-            format!("HTTP {s}, body not stored (too large): a retry gets 409 dedup_done")
+            html!(
+                "HTTP {}, body not stored (too large): a retry gets 409 dedup_done",
+                s
+            )
         }
-        ("done", None, _) => "not recorded: resolved as delivered by an operator".into(),
-        ("in_doubt", None, _) => "nothing fencegate saw: the request timed out, was aborted, \
-            or its connection failed after it was sent"
-            .into(),
-        _ => "nothing yet: the request is still at the destination".into(),
+        ("done", None, _) => Html::raw_static("not recorded: resolved as delivered by an operator"),
+        ("in_doubt", None, _) => Html::raw_static(
+            "nothing fencegate saw: the request timed out, was aborted, \
+            or its connection failed after it was sent",
+        ),
+        _ => Html::raw_static("nothing yet: the request is still at the destination"),
     }
 }
 
-fn detail_section(out: &mut String, v: &PageView, d: &KeyDetail) {
-    let _ = write!(
+fn detail_section(out: &mut Html, v: &PageView, d: &KeyDetail) {
+    html!(
         out,
         r#"<section id="key"><h2>Key <code>{}</code> of route <code>{}</code></h2>"#,
         esc(&d.key),
         esc(&d.route)
     );
     match &d.record {
-        Err(why) => {
-            let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(why));
-        }
+        Err(why) => html!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(why)),
         Ok(r) => {
-            let _ = write!(
+            html!(
                 out,
                 r#"<table><tbody><tr><th>state</th><td class="state">{}</td></tr><tr><th>request</th><td><code class="path">{} {}</code></td></tr><tr><th>lease, epoch</th><td><code>{}</code>, epoch {}</td></tr><tr><th>first claimed</th><td>"#,
-                state_words(r.state),
+                Html::raw_static(state_words(r.state)),
                 opt(&r.method),
-                r.path.as_deref().map_or_else(|| "—".into(), path),
+                opt_path(&r.path),
                 opt(&r.lease),
                 r.epoch
             );
             time(out, r.created, v.now);
-            out.push_str("</td></tr><tr><th>last change</th><td>");
+            out.push_static("</td></tr><tr><th>last change</th><td>");
             time(out, r.updated, v.now);
-            let _ = write!(
+            html!(
                 out,
                 r#"</td></tr><tr><th>destination answered</th><td class="answer">{}</td></tr></tbody></table>"#,
-                esc(&answered(r))
+                answered(r)
             );
             if let (Access::Resolve { csrf }, "in_doubt") = (&v.access, r.state) {
                 resolve_form(out, &d.route, &d.key, csrf);
             }
         }
     }
-    out.push_str(r#"<p><a href="/">Back to the page</a></p></section>"#);
+    out.push_static(r#"<p><a href="/">Back to the page</a></p></section>"#);
 }
 
-fn keys_section(out: &mut String, v: &PageView) {
-    let _ = write!(
+fn keys_section(out: &mut Html, v: &PageView) {
+    html!(
         out,
         r#"<section id="in-doubt"><h2>In-doubt keys <span class="note">({} in all, oldest first)</span></h2>"#,
         v.keys_total
     );
     match &v.access {
-        Access::ReadOnly => out.push_str(
+        Access::ReadOnly => out.push_static(
             r#"<p class="note">Read-only: resolving needs an admin token. Set <code>admin_token</code> in <code>[server]</code> (or <code>FENCEGATE_ADMIN_TOKEN</code>) and restart, then log in here.</p>"#,
         ),
-        Access::Resolve { .. } => out.push_str(
+        Access::Resolve { .. } => out.push_static(
             r#"<p class="note">Check the destination first. <b>delivered</b>: retries get 409 dedup_done. <b>not delivered</b>: the key is forgotten and the next retry is forwarded.</p>"#,
         ),
     }
     if let Some(e) = &v.keys_error {
-        let _ = write!(
+        html!(
             out,
             r#"<p class="bad" role="alert">The state store did not answer: {}</p>"#,
             esc(e)
         );
     } else if v.keys.is_empty() {
-        out.push_str(r#"<p class="ok">Nothing to resolve.</p>"#);
+        out.push_static(r#"<p class="ok">Nothing to resolve.</p>"#);
     } else {
-        out.push_str("<table><thead><tr><th>route</th><th>key</th><th>epoch</th><th>when</th><th>request</th>");
+        out.push_static("<table><thead><tr><th>route</th><th>key</th><th>epoch</th><th>when</th><th>request</th>");
         if matches!(v.access, Access::Resolve { .. }) {
-            out.push_str("<th>resolve</th>");
+            out.push_static("<th>resolve</th>");
         }
-        out.push_str("</tr></thead><tbody>");
+        out.push_static("</tr></thead><tbody>");
         for k in &v.keys {
-            let _ = write!(
+            html!(
                 out,
                 r#"<tr class="key"><td data-label="route">{}</td><td data-label="key"><a href="{}" title="details"><code>{}</code></a></td><td data-label="epoch" class="n">{}</td><td data-label="when">"#,
                 esc(&k.route),
@@ -625,75 +632,72 @@ fn keys_section(out: &mut String, v: &PageView) {
             );
             time(out, k.created, v.now);
             if k.updated != k.created {
-                out.push_str(r#" <span class="note">(in doubt "#);
+                out.push_static(r#" <span class="note">(in doubt "#);
                 time(out, k.updated, v.now);
-                out.push_str(")</span>");
+                out.push_static(")</span>");
             }
-            let _ = write!(
+            html!(
                 out,
                 r#"</td><td data-label="request"><code class="path">{} {}</code></td>"#,
                 opt(&k.method),
-                k.path.as_deref().map_or_else(|| "—".into(), path)
+                opt_path(&k.path)
             );
             if let Access::Resolve { csrf } = &v.access {
-                out.push_str(r#"<td data-label="resolve">"#);
+                out.push_static(r#"<td data-label="resolve">"#);
                 resolve_form(out, &k.route, &k.key, csrf);
-                out.push_str("</td>");
+                out.push_static("</td>");
             }
-            out.push_str("</tr>");
+            out.push_static("</tr>");
         }
-        out.push_str("</tbody></table>");
+        out.push_static("</tbody></table>");
     }
-    out.push_str("<nav>");
+    out.push_static("<nav>");
     if v.keys_paged {
-        out.push_str(r##"<a href="/#in-doubt">« oldest</a>"##);
+        out.push_static(r##"<a href="/#in-doubt">« oldest</a>"##);
     }
     if let Some(next) = &v.keys_next {
-        let _ = write!(
+        html!(
             out,
             r##"<a href="/?after={}#in-doubt">newer »</a>"##,
             esc(&form::encode(next))
         );
     }
-    out.push_str(r#"</nav><form class="lookup" method="get" action="/"><input type="hidden" name="detail" value="1"><label>Look up a key: <input type="text" name="route" placeholder="route" required></label> <input type="text" name="key" placeholder="key" required aria-label="key"> <button>show</button></form></section>"#);
+    out.push_static(r#"</nav><form class="lookup" method="get" action="/"><input type="hidden" name="detail" value="1"><label>Look up a key: <input type="text" name="route" placeholder="route" required></label> <input type="text" name="key" placeholder="key" required aria-label="key"> <button>show</button></form></section>"#);
 }
 
-fn leases_section(out: &mut String, v: &PageView) {
+fn leases_section(out: &mut Html, v: &PageView) {
     match v.relayed {
-        None => {
-            let _ = write!(
-                out,
-                r#"<section id="leases"><h2>Leases <span class="note">({} in all)</span></h2>"#,
-                v.leases_total
-            );
-        }
-        Some(relayed) => {
-            let _ = write!(
-                out,
-                r#"<section id="leases"><h2>Leases served here <span class="note">({})</span></h2><p class="note relayed">{} This instance relayed {relayed} request(s) to their shard's owner since it started; the shard map names the instance that serves each lease.</p>"#,
-                v.leases_total,
-                if v.leases_total == 0 {
-                    "This instance owns no shard now: it serves no lease itself, and relays every request to the owner of the lease's shard."
-                } else {
-                    "The leases of the shards this instance owns; requests for the others are relayed to their owners."
-                }
-            );
-        }
+        None => html!(
+            out,
+            r#"<section id="leases"><h2>Leases <span class="note">({} in all)</span></h2>"#,
+            v.leases_total
+        ),
+        Some(relayed) => html!(
+            out,
+            r#"<section id="leases"><h2>Leases served here <span class="note">({})</span></h2><p class="note relayed">{} This instance relayed {} request(s) to their shard's owner since it started; the shard map names the instance that serves each lease.</p>"#,
+            v.leases_total,
+            Html::raw_static(if v.leases_total == 0 {
+                "This instance owns no shard now: it serves no lease itself, and relays every request to the owner of the lease's shard."
+            } else {
+                "The leases of the shards this instance owns; requests for the others are relayed to their owners."
+            }),
+            relayed
+        ),
     }
     if v.leases.is_empty() {
         if v.relayed.is_none() {
-            out.push_str(r#"<p class="note">No leases on this page.</p>"#);
+            out.push_static(r#"<p class="note">No leases on this page.</p>"#);
         }
     } else {
-        out.push_str("<table><thead><tr><th>lease</th><th>mark</th><th>latest epoch</th><th>holder</th><th>time left</th><th>in flight</th><th>drains</th></tr></thead><tbody>");
+        out.push_static("<table><thead><tr><th>lease</th><th>mark</th><th>latest epoch</th><th>holder</th><th>time left</th><th>in flight</th><th>drains</th></tr></thead><tbody>");
         for l in &v.leases {
             lease_row(out, v, l);
         }
-        out.push_str("</tbody></table>");
+        out.push_static("</tbody></table>");
     }
-    out.push_str("<nav>");
+    out.push_static("<nav>");
     if v.leases_offset > 0 {
-        let _ = write!(
+        html!(
             out,
             r##"<a href="/?leases={}#leases">« previous</a>"##,
             v.leases_offset.saturating_sub(LEASES_PER_PAGE)
@@ -701,65 +705,66 @@ fn leases_section(out: &mut String, v: &PageView) {
     }
     let shown_to = v.leases_offset + v.leases.len();
     if shown_to < v.leases_total {
-        let _ = write!(
+        html!(
             out,
-            r##"<span class="note">{}–{} of {}</span> <a href="/?leases={shown_to}#leases">next »</a>"##,
+            r##"<span class="note">{}–{} of {}</span> <a href="/?leases={1}#leases">next »</a>"##,
             v.leases_offset + 1,
             shown_to,
             v.leases_total
         );
     }
-    out.push_str("</nav></section>");
+    out.push_static("</nav></section>");
 }
 
 /// An expiry on the store's clock: "in 12 s", or "expired 45 min ago" (never
 /// "time left: 45 min ago").
-fn expiry(out: &mut String, t: SystemTime, store_now: SystemTime) {
+fn expiry(out: &mut Html, t: SystemTime, store_now: SystemTime) {
     if signed_ms(t, store_now) <= 0 {
-        out.push_str(r#"<span class="bad">expired "#);
+        out.push_static(r#"<span class="bad">expired "#);
     } else {
-        out.push_str(r#"<span class="ok">"#);
+        out.push_static(r#"<span class="ok">"#);
     }
     time(out, t, store_now);
-    out.push_str("</span>");
+    out.push_static("</span>");
 }
 
-fn lease_row(out: &mut String, v: &PageView, l: &LeaseRow) {
-    let raised = if l.latest > l.mark {
+fn lease_row(out: &mut Html, v: &PageView, l: &LeaseRow) {
+    let raised = Html::raw_static(if l.latest > l.mark {
         r#" <span class="warn" title="a newer epoch exists than any request has carried">(newer known)</span>"#
     } else {
         ""
-    };
-    let _ = write!(
+    });
+    html!(
         out,
-        r#"<tr class="lease"><td data-label="lease"><code>{}</code></td><td data-label="mark" class="n">{}</td><td data-label="latest epoch" class="n">{}{raised}</td><td data-label="holder">{}</td><td data-label="time left">"#,
+        r#"<tr class="lease"><td data-label="lease"><code>{}</code></td><td data-label="mark" class="n">{}</td><td data-label="latest epoch" class="n">{}{}</td><td data-label="holder">{}</td><td data-label="time left">"#,
         esc(&l.lease),
         l.mark,
         l.latest,
+        raised,
         opt(&l.holder)
     );
     match l.expires_at {
         Some(t) => expiry(out, t, v.store_now),
-        None => out.push('—'),
+        None => out.push_static("—"),
     }
     if let Some(e) = &l.store_error {
-        let _ = write!(
+        html!(
             out,
             r#" <span class="bad" title="{}">store error</span>"#,
             esc(e)
         );
     }
-    let _ = write!(
+    html!(
         out,
         r#"</td><td data-label="in flight" class="n">{}{}</td><td data-label="drains" class="n">{} started, {} aborted</td></tr>"#,
         l.in_flight,
         if l.in_doubt > 0 {
-            format!(
+            html!(
                 r#" <span class="warn" title="outcome unknown: still counted by a drain">({} in doubt)</span>"#,
                 l.in_doubt
             )
         } else {
-            String::new()
+            Html::new()
         },
         l.drains_started,
         l.drains_aborted
@@ -773,172 +778,178 @@ fn secs(d: std::time::Duration) -> u128 {
 
 /// Each route's protection of its destination (SPEC §9): requests in flight
 /// against `max_in_flight`, a `Retry-After` hold, the circuit breaker.
-fn routes_section(out: &mut String, v: &PageView) {
-    let _ = write!(
+fn routes_section(out: &mut Html, v: &PageView) {
+    html!(
         out,
         r#"<section id="routes"><h2>Routes <span class="note">({} in all; protecting the destination)</span></h2>"#,
         v.routes_total
     );
-    out.push_str("<table><thead><tr><th>route</th><th>upstream</th><th>in flight</th><th>held</th><th>breaker</th><th>refused</th></tr></thead><tbody>");
+    out.push_static("<table><thead><tr><th>route</th><th>upstream</th><th>in flight</th><th>held</th><th>breaker</th><th>refused</th></tr></thead><tbody>");
     for r in &v.routes {
-        let limit = r
-            .max_in_flight
-            .map_or(String::new(), |m| format!(" of {m}"));
-        let full = if r.max_in_flight.is_some_and(|m| r.in_flight >= m) {
+        let limit = r.max_in_flight.map_or(Html::new(), |m| html!(" of {}", m));
+        let full = Html::raw_static(if r.max_in_flight.is_some_and(|m| r.in_flight >= m) {
             r#" <span class="warn">(full)</span>"#
         } else {
             ""
-        };
+        });
         let held = match r.held_for {
-            Some(d) => format!(
+            Some(d) => html!(
                 r#"<span class="bad">for {} s</span> <span class="note">(upstream's Retry-After)</span>"#,
                 secs(d)
             ),
-            None => "—".into(),
+            None => Html::raw_static("—"),
         };
         let breaker = match r.breaker {
-            None => "—".into(),
-            Some(("closed", _)) => r#"<span class="ok">closed</span>"#.into(),
+            None => Html::raw_static("—"),
+            Some(("closed", _)) => Html::raw_static(r#"<span class="ok">closed</span>"#),
             Some(("open", Some(d))) => {
-                format!(r#"<span class="bad">open</span> (probes in {} s)"#, secs(d))
+                html!(r#"<span class="bad">open</span> (probes in {} s)"#, secs(d))
             }
-            Some((state, _)) => format!(
+            Some((state, _)) => html!(
                 r#"<span class="warn">{}</span> (one probe at a time)"#,
-                state.replace('_', "-")
+                esc(&state.replace('_', "-"))
             ),
         };
-        let _ = write!(
+        html!(
             out,
-            r#"<tr class="route"><td data-label="route"><code>{}</code></td><td data-label="upstream"><code class="path">{}</code></td><td data-label="in flight" class="n">{}{limit}{full}</td><td data-label="held">{held}</td><td data-label="breaker">{breaker}</td><td data-label="refused" class="n">{}</td></tr>"#,
+            r#"<tr class="route"><td data-label="route"><code>{}</code></td><td data-label="upstream"><code class="path">{}</code></td><td data-label="in flight" class="n">{}{}{}</td><td data-label="held">{}</td><td data-label="breaker">{}</td><td data-label="refused" class="n">{}</td></tr>"#,
             esc(&r.route),
             path(&r.upstream),
             r.in_flight,
+            limit,
+            full,
+            held,
+            breaker,
             r.refused
         );
     }
-    out.push_str("</tbody></table>");
+    out.push_static("</tbody></table>");
     if v.routes.len() < v.routes_total {
-        let _ = write!(
+        html!(
             out,
             r#"<p class="note">{} of {} routes shown, the held and open ones first; <code>GET /v1/routes</code> lists them all.</p>"#,
             v.routes.len(),
             v.routes_total
         );
     }
-    out.push_str("</section>");
+    out.push_static("</section>");
 }
 
-fn members_section(out: &mut String, v: &PageView) {
+fn members_section(out: &mut Html, v: &PageView) {
     let alive = v.members.iter().filter(|m| m.alive).count();
-    let _ = write!(
+    html!(
         out,
-        r#"<section id="members"><h2>Members <span class="note">({alive} alive, {} gone)</span></h2><table><thead><tr><th>instance</th><th>state</th><th>shards</th></tr></thead><tbody>"#,
+        r#"<section id="members"><h2>Members <span class="note">({} alive, {} gone)</span></h2><table><thead><tr><th>instance</th><th>state</th><th>shards</th></tr></thead><tbody>"#,
+        alive,
         v.members.len() - alive
     );
     for m in &v.members {
-        let _ = write!(
+        html!(
             out,
             r#"<tr class="member"><td data-label="instance"><code>{}</code>{}</td><td data-label="state">"#,
             esc(&m.id),
-            if m.this_instance {
+            Html::raw_static(if m.this_instance {
                 " (this instance)"
             } else {
                 ""
-            }
+            })
         );
         if m.alive {
-            out.push_str(r#"<span class="ok">alive</span>"#);
+            out.push_static(r#"<span class="ok">alive</span>"#);
         } else {
-            out.push_str(r#"<span class="bad">gone</span>"#);
+            out.push_static(r#"<span class="bad">gone</span>"#);
             if let Some(t) = m.last_seen {
-                out.push_str(r#" <span class="note">(last seen "#);
+                out.push_static(r#" <span class="note">(last seen "#);
                 time(out, t, v.now);
-                out.push_str(")</span>");
+                out.push_static(")</span>");
             }
         }
-        let shards: Vec<String> = m.shards.iter().map(u32::to_string).collect();
-        let _ = write!(
+        html!(
             out,
             r#"</td><td data-label="shards" class="n">{}</td></tr>"#,
-            if shards.is_empty() {
-                "—".to_owned()
+            if m.shards.is_empty() {
+                Html::raw_static("—")
             } else {
-                shards.join(", ")
+                Html::join(m.shards.iter().map(|s| html!("{}", s)), ", ")
             }
         );
     }
-    out.push_str("</tbody></table></section>");
+    out.push_static("</tbody></table></section>");
 }
 
-fn shards_section(out: &mut String, v: &PageView) {
-    out.push_str(r#"<section id="shards"><h2>Shard map</h2>"#);
+fn shards_section(out: &mut Html, v: &PageView) {
+    out.push_static(r#"<section id="shards"><h2>Shard map</h2>"#);
     for p in &v.fence_problems {
-        let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(p));
+        html!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(p));
     }
-    out.push_str(r#"<table><thead><tr><th>shard</th><th>owner</th><th>leases</th><th>gate epoch</th><th>gate expires</th><th>here</th></tr></thead><tbody>"#);
+    out.push_static(r#"<table><thead><tr><th>shard</th><th>owner</th><th>leases</th><th>tenure</th><th>expires</th><th>here</th></tr></thead><tbody>"#);
     for s in &v.shards {
-        let mut leases: Vec<String> = s
+        let mut leases: Vec<Html> = s
             .leases
             .iter()
             .take(SHARD_LEASES_SHOWN)
-            .map(|l| format!("<code>{}</code>", esc(l)))
+            .map(|l| html!("<code>{}</code>", esc(l)))
             .collect();
         if s.leases.len() > SHARD_LEASES_SHOWN {
-            leases.push(format!(
+            leases.push(html!(
                 r#"<span class="note">and {} more</span>"#,
                 s.leases.len() - SHARD_LEASES_SHOWN
             ));
         }
-        let _ = write!(
+        html!(
             out,
-            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="leases" class="leases">{}</td><td data-label="gate epoch" class="n">{}</td><td data-label="gate expires">"#,
+            r#"<tr class="shard"><td data-label="shard" class="n">{} of {}</td><td data-label="owner"><code>{}</code></td><td data-label="leases" class="leases">{}</td><td data-label="tenure" class="n">{}</td><td data-label="expires">"#,
             s.shard,
             s.shards,
             opt(&s.owner),
             if leases.is_empty() {
-                "—".to_owned()
+                Html::raw_static("—")
             } else {
-                leases.join(" ")
+                Html::join(leases, " ")
             },
-            s.gate_epoch.map_or_else(|| "—".into(), |e| e.to_string())
+            match s.tenure {
+                None => Html::raw_static("—"),
+                Some(Tenure::Generation(g)) => html!("generation {}", g),
+                Some(Tenure::GuardEpoch(e)) => html!("guard epoch {}", e),
+            }
         );
         match s.expires_at {
             Some(t) => expiry(out, t, v.store_now),
-            None => out.push('—'),
+            None => out.push_static("—"),
         }
-        let _ = write!(
+        html!(
             out,
             r#"</td><td data-label="here">{}</td></tr>"#,
-            match (s.this_instance, s.serving) {
+            Html::raw_static(match (s.this_instance, s.serving) {
                 (true, true) => r#"<span class="ok">this instance, serving</span>"#,
                 (true, false) => r#"<span class="bad">this instance, not serving</span>"#,
                 (false, _) => "another instance",
-            }
+            })
         );
     }
-    out.push_str("</tbody></table></section>");
+    out.push_static("</tbody></table></section>");
 }
 
 /// The login form (the admin token is configured and the browser has no session).
-pub fn render_login(message: Option<&str>) -> String {
-    let mut out = String::with_capacity(4096);
+pub fn render_login(message: Option<&str>) -> Html {
+    let mut out = Html::with_capacity(4096);
     head(&mut out, "fencegate: log in", None);
-    out.push_str("<header><h1>fencegate</h1></header><main><section><h2>Log in</h2>");
+    out.push_static("<header><h1>fencegate</h1></header><main><section><h2>Log in</h2>");
     if let Some(m) = message {
-        let _ = write!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(m));
+        html!(out, r#"<p class="bad" role="alert">{}</p>"#, esc(m));
     }
-    out.push_str(r#"<form method="post" action="/login"><p><label>Admin token<br><input type="password" name="token" autocomplete="current-password" autofocus required></label></p><p><button>log in</button></p></form><p class="note">The token is the <code>admin_token</code> of <code>[server]</code> (or <code>FENCEGATE_ADMIN_TOKEN</code>). It is sent once; the browser keeps a session cookie for this listener until it closes or fencegate restarts.</p></section></main></body></html>
+    out.push_static(r#"<form method="post" action="/login"><p><label>Admin token<br><input type="password" name="token" autocomplete="current-password" autofocus required></label></p><p><button>log in</button></p></form><p class="note">The token is the <code>admin_token</code> of <code>[server]</code> (or <code>FENCEGATE_ADMIN_TOKEN</code>). It is sent once; the browser keeps a session cookie for this listener until it closes or fencegate restarts.</p></section></main></body></html>
 "#);
     out
 }
 
 /// A short page for an action that failed.
-pub fn render_message(title: &str, message: &str) -> String {
-    let mut out = String::with_capacity(2048);
+pub fn render_message(title: &str, message: &str) -> Html {
+    let mut out = Html::with_capacity(2048);
     head(&mut out, title, None);
-    let _ = writeln!(
+    html!(
         out,
-        r#"<header><h1>fencegate</h1></header><main><section><h2>{}</h2><p>{}</p><p><a href="/">Back to the page</a></p></section></main></body></html>"#,
+        "<header><h1>fencegate</h1></header><main><section><h2>{}</h2><p>{}</p><p><a href=\"/\">Back to the page</a></p></section></main></body></html>\n",
         esc(title),
         esc(message)
     );
@@ -949,6 +960,11 @@ pub fn render_message(title: &str, message: &str) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// The page as text.
+    fn render(v: &PageView) -> String {
+        super::render(v).into_string()
+    }
 
     fn view() -> PageView {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
@@ -1054,9 +1070,10 @@ mod tests {
         assert!(!html.contains("Nothing to resolve."));
     }
 
-    /// A cluster's map: one row per shard, with its owner and gate expiry, and
-    /// whether this instance serves it (an owned shard past its self-fence window
-    /// shows as not serving).
+    /// A cluster's map: one row per shard, with its owner, its tenure (the owner
+    /// row's generation) and when that ends, and whether this instance serves it
+    /// (an owned shard past its self-fence window shows as not serving); a
+    /// single instance's one shard shows its guard's epoch.
     #[test]
     fn the_shard_map_shows_each_shard_its_owner_and_who_serves_it() {
         let v = view();
@@ -1065,7 +1082,7 @@ mod tests {
             shard,
             shards: 3,
             owner: owner.map(str::to_owned),
-            gate_epoch: owner.map(|_| 40 + u64::from(shard)),
+            tenure: owner.map(|_| Tenure::Generation(40 + u64::from(shard))),
             expires_at: owner.map(|_| in_8s),
             this_instance,
             serving,
@@ -1082,7 +1099,13 @@ mod tests {
         let rows: Vec<&str> = html.split(r#"<tr class="shard">"#).skip(1).collect();
         assert_eq!(rows.len(), 3, "{html}");
         assert!(rows[0].contains(">0 of 3<") && rows[0].contains("<code>fg-1</code>"));
-        assert!(rows[0].contains(">40<") && rows[0].contains(">in 8 s</time>"));
+        assert!(html.contains("<th>tenure</th><th>expires</th>"), "{html}");
+        assert!(
+            rows[0].contains(r#"data-label="tenure" class="n">generation 40<"#)
+                && rows[0].contains(">in 8 s</time>"),
+            "{}",
+            rows[0]
+        );
         assert!(rows[0].contains("this instance, serving"), "{}", rows[0]);
         // Each shard names its leases.
         assert!(
@@ -1101,6 +1124,18 @@ mod tests {
             ..view()
         });
         assert!(stalled.contains(r#"<span class="bad">this instance, not serving</span>"#));
+        let single = render(&PageView {
+            shards: vec![ShardRow {
+                shards: 1,
+                tenure: Some(Tenure::GuardEpoch(7)),
+                ..row(0, Some("fg-1"), true, true)
+            }],
+            ..view()
+        });
+        assert!(
+            single.contains(r#"data-label="tenure" class="n">guard epoch 7<"#),
+            "{single}"
+        );
     }
 
     /// Another set-up on the prefix, or an untrusted gate object, is said above
@@ -1241,23 +1276,17 @@ mod tests {
         let html = render(&view());
         let start = html.find("<script>").unwrap() + "<script>".len();
         let end = html.find("</script>").unwrap();
+        use base64::Engine as _;
         use sha2::{Digest, Sha256};
         assert_eq!(
             script_hash(),
             format!(
                 "'sha256-{}'",
-                base64(&Sha256::digest(&html.as_bytes()[start..end]))
+                base64::engine::general_purpose::STANDARD
+                    .encode(Sha256::digest(&html.as_bytes()[start..end]))
             )
         );
         assert!(!html[start..end].contains("REFRESH"));
-        assert_eq!(base64(b"ab"), "YWI=");
-        assert_eq!(base64(b"abc"), "YWJj");
-        assert_eq!(base64(b"a"), "YQ==");
-    }
-
-    #[test]
-    fn escapes_markup_and_quotes() {
-        assert_eq!(esc(r#"<script>"a'&b"#), "&lt;script&gt;&quot;a&#39;&amp;b");
     }
 
     #[test]

@@ -299,9 +299,10 @@ async fn the_page_shows_a_held_lease_a_raised_mark_and_the_in_doubt_keys() {
     assert!(keys[1].contains("k-later") && keys[1].contains("POST /<wbr>pay/<wbr>refund"));
     assert!(html.contains("(2 in all, oldest first)"));
 
-    // The shard map: this instance's guard, shard 0 of 1.
+    // The shard map: this instance's guard, shard 0 of 1, held at the guard's epoch.
     let shard = row_of(&html, r#"<tr class="shard">"#);
     assert!(shard.contains("0 of 1") && shard.contains("this instance, serving"), "{shard}");
+    assert!(shard.contains(r#"data-label="tenure" class="n">guard epoch "#), "{shard}");
     assert!(shard.contains("fg-"), "{shard}");
     // … naming its leases; the members: this instance, alive, on shard 0.
     assert!(shard.contains(r#"class="leases"><code>other</code> <code>pay</code>"#), "{shard}");

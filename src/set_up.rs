@@ -177,11 +177,12 @@ pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
 
 /// Where an instance keeps marks and dedup records, as its gate objects name it:
 /// `sled:{instance id}` (sled lives in `data_dir`, beside the id), or the
-/// database as `postgres://host:port/db`, with `?schema=NAME` when `[state]
-/// schema` is set (never credentials). Instances that
+/// database as `postgres://host:port/db`, with `?schema=NAME` when its tables
+/// are in a schema other than `public` (`schema`: the one in use, as the
+/// database says; never credentials). Instances that
 /// name the same state share deliveries; a takeover between two that do not may
 /// repeat a delivery.
-pub fn state_of(cfg: &StateConfig, instance_id: &str) -> String {
+pub fn state_of(cfg: &StateConfig, instance_id: &str, schema: Option<&str>) -> String {
     match cfg.kind {
         StateKind::Sled => format!("sled:{instance_id}"),
         StateKind::Postgres => {
@@ -201,10 +202,12 @@ pub fn state_of(cfg: &StateConfig, instance_id: &str) -> String {
                         })
                         .collect();
                     let db = c.get_dbname().or(c.get_user()).unwrap_or_default();
-                    // Two schemas of one database keep two sets of deliveries.
-                    let schema = cfg
-                        .schema
-                        .as_ref()
+                    // Two schemas of one database keep two sets of deliveries,
+                    // however the schema was chosen (`[state] schema`, the
+                    // url's `search_path`, the role's); `public` is named as
+                    // before schemas were (no suffix).
+                    let schema = schema
+                        .filter(|s| *s != "public")
                         .map_or(String::new(), |s| format!("?schema={s}"));
                     format!("postgres://{}/{db}{schema}", hosts.join(","))
                 }

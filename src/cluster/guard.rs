@@ -186,14 +186,16 @@ fn this_process() -> Option<ProcessId> {
 }
 
 impl InstanceGuard {
-    /// Takes the instance guard at start-up, or says who holds it.
+    /// Takes the instance guard at start-up, or says who holds it. `schema`:
+    /// the PostgreSQL schema the state is in, if it is in PostgreSQL.
     pub async fn acquire(
         cfg: &Config,
         store: Arc<dyn LeaseStore>,
         advertise: String,
+        schema: Option<&str>,
     ) -> Result<Arc<InstanceGuard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
-        let state_id = crate::set_up::state_of(&cfg.state, &id);
+        let state_id = crate::set_up::state_of(&cfg.state, &id, schema);
         let key = crate::set_up::GateKey::from_secret(
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),

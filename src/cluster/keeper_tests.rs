@@ -442,7 +442,7 @@ impl World {
             self.clock.clone(),
             Duration::from_secs(60),
         ));
-        let c = Cluster::new(&cfg, store, fences, state, db.clone(), dedup)
+        let c = Cluster::new(&cfg, store, fences, state, db.clone(), dedup, "public")
             .await
             .unwrap();
         Member { c, db }

@@ -170,6 +170,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Cluster {
     /// Checks that no other kind of set-up uses the prefix; nothing is taken yet.
+    /// `schema`: the PostgreSQL schema the state is in.
     pub async fn new(
         cfg: &Config,
         store: Arc<dyn LeaseStore>,
@@ -177,6 +178,7 @@ impl Cluster {
         state: Arc<dyn StateStore>,
         owners: Arc<dyn OwnershipStore>,
         dedup: Arc<Dedup>,
+        schema: &str,
     ) -> Result<Arc<Cluster>, ClusterError> {
         let Some(cc) = &cfg.cluster else {
             unreachable!("Cluster::new without [cluster]: checked by the caller")
@@ -217,7 +219,7 @@ impl Cluster {
                 &cc.resolved_peer_token().unwrap_or_default(),
                 &format!("{}.gate/", cfg.store.prefix),
             ),
-            state_id: crate::set_up::state_of(&cfg.state, &cc.instance_id),
+            state_id: crate::set_up::state_of(&cfg.state, &cc.instance_id, Some(schema)),
             conflict: Mutex::new(None),
             anchor: anchor::Anchor::new(),
             beats: Mutex::new(HashMap::new()),

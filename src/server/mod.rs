@@ -164,10 +164,29 @@ async fn build_on(
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
         StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
         StateKind::Postgres => {
-            let pg = PostgresState::connect(&cfg.state).await?;
-            pg.hold_for(OurSetUp::of(cfg), &store).await?;
+            // Opened, not yet migrated nor written: the database is claimed
+            // (and migrated) once this instance holds its place in the store
+            // — the guard, or the cluster's checks — below.
+            let pg = PostgresState::open(&cfg.state).await?;
             database = Some(pg.clone());
             pg
+        }
+    };
+    let schema = database.as_ref().map(|pg| pg.schema().to_owned());
+    // SPEC §10, one database, one set-up: checked before this instance writes
+    // its own gate object (whose state would vouch for any database), held —
+    // migrated and recorded — once it holds its place in the store.
+    let may_hold = match &database {
+        Some(pg) => {
+            let state = crate::set_up::state_of(&cfg.state, "", schema.as_deref());
+            Some(pg.check_set_up(OurSetUp::of(cfg, &state), &store).await?)
+        }
+        None => None,
+    };
+    let claim_database = || async {
+        match (&database, may_hold) {
+            (Some(pg), Some(may)) => pg.hold_set_up(may, &store).await,
+            _ => Ok(()),
         }
     };
     let (durable, state_metrics) = crate::state::timed::Timed::wrap(durable);
@@ -181,9 +200,14 @@ async fn build_on(
     // instance serves the shards it takes (their fences start at takeover).
     let mode = match &cfg.cluster {
         None => {
-            let guard =
-                InstanceGuard::acquire(cfg, store.clone(), format!("http://{}", cfg.server.listen))
-                    .await?;
+            let guard = InstanceGuard::acquire(
+                cfg,
+                store.clone(),
+                format!("http://{}", cfg.server.listen),
+                schema.as_deref(),
+            )
+            .await?;
+            claim_database().await?;
             let recovered = dedup.recover(Owner::SINGLE).await?;
             if recovered > 0 {
                 tracing::warn!(
@@ -202,17 +226,18 @@ async fn build_on(
                     detail: "[cluster] needs [state] kind = \"postgres\"".into(),
                 }));
             };
-            Mode::Cluster(
-                Cluster::new(
-                    cfg,
-                    store.clone(),
-                    fences.clone(),
-                    durable.clone(),
-                    owners,
-                    dedup.clone(),
-                )
-                .await?,
+            let cluster = Cluster::new(
+                cfg,
+                store.clone(),
+                fences.clone(),
+                durable.clone(),
+                owners,
+                dedup.clone(),
+                schema.as_deref().unwrap_or("public"),
             )
+            .await?;
+            claim_database().await?;
+            Mode::Cluster(cluster)
         }
     };
     let metrics = Metrics::new();

@@ -104,9 +104,14 @@ impl Env {
     }
 }
 
+/// Ready, and (a cluster member alone in its cluster) serving every shard.
 async fn ready(fg: &Fencegate) {
-    eventually("the instance is ready", || async {
-        fg.admin_json("/readyz").await["status"] == "ready"
+    eventually("the instance is ready and serves", || async {
+        let cluster = fg.admin_json("/v1/cluster").await;
+        let serves = cluster["shard_map"]
+            .as_array()
+            .is_none_or(|m| m.iter().all(|s| s["served_here"] == true));
+        serves && fg.admin_json("/readyz").await["status"] == "ready"
     })
     .await;
 }
@@ -441,7 +446,7 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     let (code, stderr) = serve_expecting_exit(&PROD.toml(&s3, &db, &origin, free_port()));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
-        stderr.contains("written before set-up records") && stderr.contains("[state] schema"),
+        stderr.contains("no set-up record") && stderr.contains("[state] schema"),
         "{stderr}"
     );
     assert_eq!(
@@ -468,18 +473,17 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     );
 }
 
-/// A single instance moved to a `[state] schema` of its own (another
-/// `data_dir` too) keeps its deliveries elsewhere than the instance it takes
-/// the guard over from: refused like any other state (exit 2), not taken over
-/// as "the same state" — which forwarded a delivered key's retry again
-/// (review of issue 39: gate objects named the database without its schema).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_single_instance_moved_to_a_schema_is_another_state() {
-    skip_without_python!();
-    skip_without_postgres!();
+/// A single instance moved to another schema (another `data_dir` too) keeps
+/// its deliveries elsewhere than the instance it takes the guard over from:
+/// refused like any other state (exit 2), not taken over as "the same state" —
+/// which forwarded a delivered key's retry again (review of issue 39: gate
+/// objects named the database without its schema). `url` gives the moved
+/// instance's connection string from the first's.
+async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Option<&'static str>)) {
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let (_, db) = PgServer::shared().new_database();
+    let (db_name, db) = PgServer::shared().new_database();
+    PgServer::shared().psql(&db_name, "CREATE SCHEMA fg_moved");
     let before = Env {
         cluster: None,
         ..STAGING
@@ -495,13 +499,11 @@ async fn a_single_instance_moved_to_a_schema_is_another_state() {
     .await;
     assert_eq!(keyed_post(&old, &w, "charge-42", "c").await.status, 200);
     old.terminate();
-    let moved = Env {
-        schema: Some("fg_moved"),
-        ..before
-    };
+    let (url, schema) = moved_state(&db);
+    let moved = Env { schema, ..before };
     // Another instance's released guard is free gate_ttl + grace after it was
     // written (SPEC §10); until then the start is refused for that reason.
-    let toml = moved.toml(&s3, &db, &origin, free_port());
+    let toml = moved.toml(&s3, &url, &origin, free_port());
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let (code, stderr) = loop {
         let (code, stderr) = serve_expecting_exit(&toml);
@@ -517,6 +519,137 @@ async fn a_single_instance_moved_to_a_schema_is_another_state() {
         "refused as another state: {stderr}"
     );
     assert_eq!(bodies(&origin), ["c"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_instance_moved_to_a_schema_is_another_state() {
+    skip_without_python!();
+    skip_without_postgres!();
+    moved_to_another_schema(|db| (db.to_owned(), Some("fg_moved"))).await;
+}
+
+/// The same, with the schema chosen by the connection's `search_path` (the
+/// url's `options`) rather than `[state] schema`: the state is named by the
+/// schema the database says is in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_instance_moved_by_its_search_path_is_another_state() {
+    skip_without_python!();
+    skip_without_postgres!();
+    moved_to_another_schema(|db| (format!("{db} options='-c search_path=fg_moved'"), None)).await;
+}
+
+/// The set-up table dropped under a running instance (as restoring a dump
+/// from before schema 8 does) is a record gone: forwarding stops. Failed when
+/// a failed read of the record changed nothing (second review of issue 39).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_set_up_table_stops_a_running_instance() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let (db_name, db) = PgServer::shared().new_database();
+    let fg = STAGING.start(&s3, &db, &origin);
+    ready(&fg).await;
+    let w = acquire(
+        &STAGING.epochs(&s3).await,
+        "pay",
+        "w",
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(keyed_post(&fg, &w, "k1", "one").await.status, 200);
+    PgServer::shared().psql(&db_name, "DROP TABLE fencegate_set_up");
+    eventually("the instance says the record is gone", || async {
+        fg.admin_json("/readyz")
+            .await
+            .to_string()
+            .contains("is gone")
+    })
+    .await;
+    keyed_post(&fg, &w, "k2", "two")
+        .await
+        .assert_error(503, "shard_unavailable");
+    assert_eq!(bodies(&origin), ["one"]);
+}
+
+/// An instance refused by the legacy rule (a database of schema 7 holding
+/// another set-up's records) writes nothing there — not even the migration to
+/// schema 8, which an older build running on it would then refuse to start
+/// on. Failed when the migration ran before the check (second review).
+/// And a set-up whose own database holds records of the same name but another
+/// schema is not fooled by equal connection strings: the gate objects name
+/// the schema in use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_instance_leaves_an_older_database_as_it_was() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let pg = PgServer::shared();
+    let (db_name, db) = pg.new_database();
+    let staging = Env {
+        cluster: None,
+        ..STAGING
+    };
+    let mut s = staging.start(&s3, &db, &origin);
+    ready(&s).await;
+    let w = acquire(
+        &staging.epochs(&s3).await,
+        "pay",
+        "w",
+        Duration::from_secs(60),
+    )
+    .await;
+    let first = keyed_post(&s, &w, "k1", "one").await;
+    assert_eq!(first.status, 200);
+    s.terminate();
+    pg.psql(
+        &db_name,
+        "DROP TABLE fencegate_set_up; UPDATE fencegate_schema SET version = 7",
+    );
+    let prod = Env {
+        cluster: None,
+        ..PROD
+    };
+    let (code, stderr) = serve_expecting_exit(&prod.toml(&s3, &db, &origin, free_port()));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("no set-up record"), "{stderr}");
+    assert_eq!(
+        pg.psql(&db_name, "SELECT version FROM fencegate_schema"),
+        "7"
+    );
+    assert_eq!(
+        pg.psql(
+            &db_name,
+            "SELECT count(*) FROM pg_tables WHERE tablename = 'fencegate_set_up'"
+        ),
+        "0"
+    );
+    // Production's own schema of the same database names itself in its gate
+    // objects; pointed at staging's schema by mistake it is another state.
+    pg.psql(&db_name, "CREATE SCHEMA fg_prod");
+    let prod_own = format!("{db} options='-c search_path=fg_prod'");
+    let mut p = Fencegate::start_listening(
+        "127.0.0.1:0",
+        "",
+        &prod.toml(&s3, &prod_own, &origin, 0),
+        &[],
+    );
+    ready(&p).await;
+    p.terminate();
+    s.restart();
+    ready(&s).await;
+    let again = keyed_post(&s, &w, "k1", "one").await;
+    assert_eq!(again.body, first.body, "answered from staging's own record");
+    assert_eq!(bodies(&origin), ["one"]);
+    assert_eq!(
+        pg.psql(&db_name, "SELECT prefix FROM public.fencegate_set_up"),
+        "staging/"
+    );
+    assert_eq!(
+        pg.psql(&db_name, "SELECT prefix FROM fg_prod.fencegate_set_up"),
+        "prod/"
+    );
 }
 
 /// While the record names another set-up, the state writes nothing at all —
@@ -544,7 +677,10 @@ async fn a_changed_record_stops_every_write() {
     .unwrap();
     let store = dir_epochs(leases.path()).store().clone();
     let db = PostgresState::connect(&cfg.state).await.unwrap();
-    db.hold_for(OurSetUp::of(&cfg), &store).await.unwrap();
+    let state = fencegate::set_up::state_of(&cfg.state, "", Some(db.schema()));
+    db.hold_for(OurSetUp::of(&cfg, &state), &store)
+        .await
+        .unwrap();
     let owner = Owner::SINGLE;
     let lease = LeaseName::parse("pay").unwrap();
     let key = |k: &str| RecordKey {

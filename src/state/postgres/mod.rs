@@ -75,6 +75,10 @@ pub struct PostgresState {
     set_up_problem: Mutex<Option<String>>,
     /// Whether `set_up_problem` is set (read on every request).
     foreign: AtomicBool,
+    /// `[state] schema`, as configured.
+    config_schema: Option<String>,
+    /// The schema in use ([`PostgresState::schema`]).
+    schema: String,
 }
 
 /// Batches in flight at once: one forming while one is sent, as the sled
@@ -146,6 +150,48 @@ fn generation(o: Owner) -> i64 {
 impl PostgresState {
     /// Connects, checks `synchronous_commit`, and creates or migrates the schema.
     pub async fn connect(cfg: &StateConfig) -> Result<Arc<PostgresState>, StateError> {
+        let state = PostgresState::open(cfg).await?;
+        state.migrate().await?;
+        Ok(state)
+    }
+
+    /// Creates or migrates the schema (in `[state] schema` when set).
+    pub async fn migrate(&self) -> Result<(), StateError> {
+        let open = |detail: String| StateError::Open {
+            path: "[state] url".into(),
+            detail,
+        };
+        let mut client = self
+            .pool
+            .get()
+            .await
+            .map_err(|e| open(format!("cannot reach the database: {e}")))?;
+        let found = tokio::time::timeout(
+            self.timeout * 5,
+            schema::migrate(&mut client, self.config_schema.as_deref()),
+        )
+        .await
+        .map_err(|_| open("the schema migration timed out".into()))??;
+        if found < schema::VERSION {
+            tracing::info!(
+                from = found,
+                to = schema::VERSION,
+                "PostgreSQL schema migrated"
+            );
+        }
+        Ok(())
+    }
+
+    /// The schema fencegate's tables are in: `[state] schema`, else the first
+    /// of the connection's `search_path` (normally `public`).
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Connects and checks `synchronous_commit`, writing nothing: the schema
+    /// is migrated by [`PostgresState::migrate`] (at start-up, once the
+    /// database is known to be this set-up's: [`PostgresState::hold_for`]).
+    pub async fn open(cfg: &StateConfig) -> Result<Arc<PostgresState>, StateError> {
         let open = |detail: String| StateError::Open {
             path: "[state] url".into(),
             detail,
@@ -220,8 +266,10 @@ impl PostgresState {
             set_up: std::sync::OnceLock::new(),
             set_up_problem: Mutex::new(None),
             foreign: AtomicBool::new(false),
+            config_schema: cfg.schema.clone(),
+            schema: cfg.schema.clone().unwrap_or_default(),
         };
-        let mut client = state
+        let client = state
             .pool
             .get()
             .await
@@ -236,18 +284,16 @@ impl PostgresState {
                 "synchronous_commit is off: a committed dedup record could be lost in a crash and a delivery repeated; set synchronous_commit = on for fencegate's role or database".into(),
             ));
         }
-        let found = tokio::time::timeout(
-            cfg.timeout() * 5,
-            schema::migrate(&mut client, cfg.schema.as_deref()),
-        )
-        .await
-        .map_err(|_| open("the schema migration timed out".into()))??;
-        if found < schema::VERSION {
-            tracing::info!(
-                from = found,
-                to = schema::VERSION,
-                "PostgreSQL schema migrated"
-            );
+        let mut state = state;
+        if state.config_schema.is_none() {
+            // Where unqualified tables are created: the first schema of the
+            // search_path that exists (the role's, the url's `options`, or
+            // `public`).
+            state.schema = client
+                .query_one("SELECT COALESCE(current_schema(), 'public')", &[])
+                .await
+                .map_err(|e| open(error::describe(&e)))?
+                .get(0);
         }
         drop(client);
         Ok(Arc::new(state))

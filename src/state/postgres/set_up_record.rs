@@ -51,10 +51,17 @@ pub struct OurSetUp {
 impl OurSetUp {
     /// The set-up `cfg` describes. The S3 endpoint is not part of it: one
     /// bucket is reached through several (regional, VPC, path-style) ones.
-    pub fn of(cfg: &Config) -> OurSetUp {
+    pub fn of(cfg: &Config, state: &str) -> OurSetUp {
         let store = match cfg.store.kind {
             StoreKind::S3 => format!("s3://{}", cfg.store.bucket.as_deref().unwrap_or_default()),
-            StoreKind::Dir => format!("dir:{}", cfg.store.path.display()),
+            StoreKind::Dir => format!(
+                "dir:{}",
+                // One directory, however the config spells it (relative,
+                // `./`, a symlink): the store is open, so it exists.
+                std::fs::canonicalize(&cfg.store.path)
+                    .unwrap_or_else(|_| cfg.store.path.clone())
+                    .display()
+            ),
         };
         let (mode, recorded_by, key) = match &cfg.cluster {
             Some(c) => (
@@ -75,7 +82,7 @@ impl OurSetUp {
             prefix: cfg.store.prefix.clone(),
             mode,
             recorded_by,
-            state: crate::set_up::state_of(&cfg.state, ""),
+            state: state.to_owned(),
             key,
         }
     }
@@ -166,6 +173,13 @@ enum Verdict {
     Foreign(String),
 }
 
+/// A database found free for this set-up, or recorded as its
+/// ([`PostgresState::check_set_up`]): what [`PostgresState::hold_set_up`] records.
+#[derive(Debug)]
+pub struct MayHold {
+    ours: OurSetUp,
+}
+
 /// The record an instance started on, and what its last look found.
 #[derive(Debug)]
 pub(super) struct Held {
@@ -212,39 +226,48 @@ impl PostgresState {
         Ok(row.as_ref().map(record_of))
     }
 
-    /// Start-up, before anything else is written: records `ours` as the set-up
-    /// this database belongs to, or finds it recorded — or refuses, naming the
-    /// set-up that holds it ([`StateError::OtherSetUp`], exit 2). `store` is
-    /// the lease store: the set-up's id is kept there too, so that the record
-    /// is bound to one store and not only to its name.
-    pub async fn hold_for(
+    /// Start-up, first step, before this instance takes its place in the
+    /// lease store (the guard, or a cluster's checks) and before anything is
+    /// written to the database (not even a migration): whether the database
+    /// may be this set-up's — recorded as `ours`, or not recorded and holding
+    /// no record another set-up may have written — or the refusal that names
+    /// the set-up that holds it ([`StateError::OtherSetUp`], exit 2). Its gate
+    /// objects are read before this start writes one of its own.
+    pub async fn check_set_up(
         &self,
         ours: OurSetUp,
         store: &Arc<dyn LeaseStore>,
+    ) -> Result<MayHold, StateError> {
+        let in_store = store_id(store, &ours.prefix).await?;
+        match self.read_set_up_if_any().await? {
+            Some(rec) => self.verify(&ours, &rec, in_store.as_deref())?,
+            None => {
+                if self.holds_records().await? && !named_by_gate_objects(store, &ours).await? {
+                    return Err(self.refusal(format!(
+                        "it holds marks, dedup records or shard rows but no set-up record (written by a build before schema 8, or the record was deleted), and no recent gate object of this lease store ({}, prefix {:?}) names it as its state ({}): they may be another set-up's. Start the set-up that wrote them first (it records itself)",
+                        ours.store, ours.prefix, ours.state
+                    )));
+                }
+            }
+        }
+        Ok(MayHold { ours })
+    }
+
+    /// Start-up, second step, once this instance holds its place in the lease
+    /// store: migrates the schema and records the set-up if no one has (or
+    /// finds it recorded, as [`PostgresState::check_set_up`] did).
+    pub async fn hold_set_up(
+        &self,
+        may: MayHold,
+        store: &Arc<dyn LeaseStore>,
     ) -> Result<(), StateError> {
-        let place = self
-            .with("reading the schema", |c| async move {
-                c.query_one("SELECT COALESCE(current_schema(), '')", &[])
-                    .await
-            })
-            .await
-            .map(|r| format!("schema {:?}", r.get::<_, String>(0)))?;
-        let refuse = |why: String| {
-            StateError::OtherSetUp(format!(
-                "this database ({place}) belongs to another fencegate set-up: {why}. Two set-ups in one database share high-water marks and answer each other's retries: give this one a database of its own, or a [state] schema of its own (docs/postgres.md, \"One database, one set-up\")"
-            ))
-        };
+        let ours = may.ours;
+        self.migrate().await?;
         let mut in_store = store_id(store, &ours.prefix).await?;
         // Two rounds at most: a record written by another instance between our
         // read and our insert is read on the second.
         for _ in 0..2 {
             let Some(rec) = self.read_set_up().await? else {
-                if self.holds_records().await? && !named_by_gate_objects(store, &ours).await? {
-                    return Err(refuse(format!(
-                        "it holds marks or dedup records written before set-up records existed (schema 7 or older, or its record was deleted), and no gate object of this lease store ({}, prefix {:?}) names it as its state ({}) — they may be another set-up's. Start the set-up that wrote them first (it records itself), or",
-                        ours.store, ours.prefix, ours.state
-                    )));
-                }
                 let id = match &in_store {
                     Some(id) => id.clone(),
                     None => create_store_id(store, &ours).await?,
@@ -253,27 +276,8 @@ impl PostgresState {
                 in_store = Some(id);
                 continue;
             };
-            if let Verdict::Foreign(why) = ours.judge(&rec) {
-                return Err(refuse(why));
-            }
-            // The record names this store and prefix; the store must say the
-            // same id (another host's `dir` of the same path, or another S3
-            // service's bucket of the same name, does not).
-            match &in_store {
-                Some(id) if *id == rec.id => {}
-                Some(id) => {
-                    return Err(refuse(format!(
-                        "it holds the state of {rec}, and this lease store's {} names set-up {id}: a store of the same name but not the same store (another host's directory, another S3 service's bucket)",
-                        set_up_key(&ours.prefix)
-                    )))
-                }
-                None => {
-                    return Err(refuse(format!(
-                        "it holds the state of {rec}, whose lease store keeps the set-up's id in {}, and this lease store has none: a store of the same name but not the same store (another host's directory, another S3 service's bucket)",
-                        set_up_key(&ours.prefix)
-                    )))
-                }
-            }
+            self.verify(&ours, &rec, in_store.as_deref())?;
+            let place = format!("schema {:?}", self.schema());
             tracing::info!(set_up = %rec, %place, "the database belongs to this set-up");
             let held = Held {
                 ours,
@@ -287,6 +291,69 @@ impl PostgresState {
         Err(StateError::Write(
             "recording the set-up: the record was neither written nor found".into(),
         ))
+    }
+
+    /// [`PostgresState::check_set_up`], then [`PostgresState::hold_set_up`].
+    pub async fn hold_for(
+        &self,
+        ours: OurSetUp,
+        store: &Arc<dyn LeaseStore>,
+    ) -> Result<(), StateError> {
+        let may = self.check_set_up(ours, store).await?;
+        self.hold_set_up(may, store).await
+    }
+
+    /// Whether `rec` is `ours`: its store, prefix and seal, and the id the
+    /// store keeps (`in_store`) — another host's `dir` of the same path, or
+    /// another S3 service's bucket of the same name, keeps another or none.
+    fn verify(
+        &self,
+        ours: &OurSetUp,
+        rec: &SetUpRecord,
+        in_store: Option<&str>,
+    ) -> Result<(), StateError> {
+        if let Verdict::Foreign(why) = ours.judge(rec) {
+            return Err(self.refusal(why));
+        }
+        let key = set_up_key(&ours.prefix);
+        match in_store {
+            Some(id) if id == rec.id => Ok(()),
+            Some(id) => Err(self.refusal(format!(
+                "it holds the state of {rec}, and this lease store's {key} names set-up {id}: a store of the same name but not the same store (another host's directory, another S3 service's bucket)"
+            ))),
+            None => Err(self.refusal(format!(
+                "it holds the state of {rec}, whose lease store keeps the set-up's id in {key}, and this lease store has none: a store of the same name but not the same store (another host's directory, another S3 service's bucket), or {key} was deleted"
+            ))),
+        }
+    }
+
+    /// The start-up refusal: why, and the ways out.
+    fn refusal(&self, why: String) -> StateError {
+        StateError::OtherSetUp(format!(
+            "this database (schema {:?}) belongs to another fencegate set-up: {why}. Two set-ups in one database share high-water marks and answer each other's retries: give this one a database of its own, or a [state] schema of its own (docs/postgres.md, \"One database, one set-up\"). If it is this set-up after all, stop every instance and delete the row of {}.fencegate_set_up: this set-up then claims its records again through its gate objects",
+            self.schema(),
+            self.schema()
+        ))
+    }
+
+    /// The record, or `None` when there is none or no table for it yet (a
+    /// database of schema 7 or older, or an empty one).
+    async fn read_set_up_if_any(&self) -> Result<Option<SetUpRecord>, StateError> {
+        if self.table_exists("fencegate_set_up").await? {
+            self.read_set_up().await
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Whether fencegate's table `name` exists where its tables are looked up.
+    async fn table_exists(&self, name: &'static str) -> Result<bool, StateError> {
+        self.with("looking for a table", |c| async move {
+            c.query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
+                .await
+        })
+        .await
+        .map(|r| r.get(0))
     }
 
     /// Writes the record of `ours` under `id`, unless one appeared meanwhile.
@@ -316,8 +383,12 @@ impl PostgresState {
         .map(drop)
     }
 
-    /// Whether any mark, dedup record or shard row is stored.
+    /// Whether any mark, dedup record or shard row is stored (none in a
+    /// database fencegate never migrated).
     async fn holds_records(&self) -> Result<bool, StateError> {
+        if !self.table_exists("fencegate_marks").await? {
+            return Ok(false);
+        }
         self.with("looking for records", |c| async move {
             c.query_one(
                 "SELECT EXISTS (SELECT 1 FROM fencegate_marks) \
@@ -354,8 +425,12 @@ impl PostgresState {
         let Some(held) = self.set_up.get() else {
             return;
         };
-        let Ok(found) = self.read_set_up().await else {
-            return;
+        let found = match self.read_set_up().await {
+            Ok(found) => found,
+            // The table dropped (or a dump from before schema 8 restored):
+            // as gone as a deleted row. Any other failure changes nothing.
+            Err(_) if matches!(self.table_exists("fencegate_set_up").await, Ok(false)) => None,
+            Err(_) => return,
         };
         let problem = match &found {
             None => Some(format!(
@@ -528,14 +603,15 @@ mod tests {
     }
 
     const TOKEN: &str = "0123456789abcdef0123";
+    const STATE: &str = "postgres://127.0.0.1:5432/fg";
 
     /// The store and prefix decide; a cluster also needs its own seal; a
     /// single instance takes a cluster's record of its store and prefix (the
     /// anchor keeps the two apart while either runs).
     #[test]
     fn a_record_is_ours_only_for_our_store_prefix_and_seal() {
-        let staging = OurSetUp::of(&cfg("staging/", Some(TOKEN)));
-        let prod = OurSetUp::of(&cfg("prod/", Some(TOKEN)));
+        let staging = OurSetUp::of(&cfg("staging/", Some(TOKEN)), STATE);
+        let prod = OurSetUp::of(&cfg("prod/", Some(TOKEN)), STATE);
         let rec = record_by(&staging, "id1");
         assert_eq!(staging.judge(&rec), Verdict::Ours);
         let Verdict::Foreign(why) = prod.judge(&rec) else {
@@ -546,7 +622,7 @@ mod tests {
             "{why}"
         );
 
-        let other_token = OurSetUp::of(&cfg("staging/", Some("another-token-0123456789")));
+        let other_token = OurSetUp::of(&cfg("staging/", Some("another-token-0123456789")), STATE);
         assert!(matches!(other_token.judge(&rec), Verdict::Foreign(w) if w.contains("peer token")));
         // Every sealed field counts: a record edited by hand does not verify.
         for edit in [
@@ -559,13 +635,13 @@ mod tests {
             edit(&mut r);
             assert!(matches!(staging.judge(&r), Verdict::Foreign(_)), "{r:?}");
         }
-        let single = OurSetUp::of(&cfg("staging/", None));
+        let single = OurSetUp::of(&cfg("staging/", None), STATE);
         assert_eq!(single.judge(&rec), Verdict::Ours);
         let unsealed = record_by(&single, "id2");
         assert_eq!(unsealed.mac, None);
         assert_eq!(staging.judge(&unsealed), Verdict::Ours);
         assert!(matches!(
-            OurSetUp::of(&cfg("prod/", None)).judge(&unsealed),
+            OurSetUp::of(&cfg("prod/", None), STATE).judge(&unsealed),
             Verdict::Foreign(_)
         ));
     }

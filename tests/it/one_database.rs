@@ -121,6 +121,83 @@ async fn keyed_post(fg: &Fencegate, w: &Holding, key: &str, payload: &str) -> Re
     send(keyed(fg, "/pay/x", w, key, payload)).await
 }
 
+/// An S3 test server, a recording origin and a fresh database: what two
+/// environments share.
+struct World {
+    s3: S3Server,
+    origin: Origin,
+    db_name: String,
+    db: String,
+}
+
+impl World {
+    async fn new() -> World {
+        let (db_name, db) = PgServer::shared().new_database();
+        World {
+            s3: S3Server::start(),
+            origin: Origin::start().await,
+            db_name,
+            db,
+        }
+    }
+
+    /// `env` started on this world's database (`url`: another connection
+    /// string) and ready.
+    async fn start(&self, env: &Env) -> Fencegate {
+        let fg = env.start(&self.s3, &self.db, &self.origin);
+        ready(&fg).await;
+        fg
+    }
+
+    /// A worker of `env` holding `pay` (epoch 1).
+    async fn worker(&self, env: &Env) -> Holding {
+        acquire(
+            &env.epochs(&self.s3).await,
+            "pay",
+            "w",
+            Duration::from_secs(60),
+        )
+        .await
+    }
+
+    /// `env` started, and `payload` delivered through it under `key`: the
+    /// instance, the worker and the answer.
+    async fn delivered(&self, env: &Env, key: &str, payload: &str) -> (Fencegate, Holding, Reply) {
+        let fg = self.start(env).await;
+        let w = self.worker(env).await;
+        let first = keyed_post(&fg, &w, key, payload).await;
+        assert_eq!(first.status, 200, "{:?}", first.body);
+        (fg, w, first)
+    }
+}
+
+/// `serve` of `toml` expected to exit: its code and stderr, once another
+/// instance's released instance guard is free (SPEC §10: `gate_ttl + grace`
+/// after it was written; until then every start is refused for that).
+async fn refused_past_the_guard(toml: &str) -> (Option<i32>, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, stderr) = serve_expecting_exit(toml);
+        if !stderr.contains("holds the instance guard") || std::time::Instant::now() > deadline {
+            return (code, stderr);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A keyed POST sent again while the instance answers 503 (a restarted
+/// member serves its shard once it has taken it again; a retry is safe).
+async fn keyed_post_once_served(fg: &Fencegate, w: &Holding, key: &str, payload: &str) -> Reply {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = keyed_post(fg, w, key, payload).await;
+        if r.status != 503 || std::time::Instant::now() > deadline {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn bodies(origin: &Origin) -> Vec<String> {
     origin
         .log()
@@ -138,18 +215,10 @@ fn bodies(origin: &Origin) -> Vec<String> {
 async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
-    let staging = STAGING.start(&s3, &db, &origin);
-    ready(&staging).await;
-    let w = acquire(
-        &STAGING.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
+    let world = World::new().await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
+    let staging = world.start(&STAGING).await;
+    let w = world.worker(&STAGING).await;
     assert_eq!(
         keyed_post(&staging, &w, "order-1", "staging-1")
             .await
@@ -210,9 +279,8 @@ async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
 async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
+    let world = World::new().await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
     let staging_env = Env {
         schema: Some("fg_staging"),
         ..STAGING
@@ -291,13 +359,9 @@ async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
 /// environment had then started): the instance stops forwarding and says why
 /// (`/readyz`, the metric), and serves again once the record is its own again.
 async fn a_changed_record_stops_forwarding(env: Env) {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
-    let fg = env.start(&s3, &db, &origin);
-    ready(&fg).await;
-    let w = acquire(&env.epochs(&s3).await, "pay", "w", Duration::from_secs(60)).await;
-    assert_eq!(keyed_post(&fg, &w, "k-before", "before").await.status, 200);
+    let world = World::new().await;
+    let (origin, db_name) = (&world.origin, &world.db_name);
+    let (fg, w, _) = world.delivered(&env, "k-before", "before").await;
 
     let pg = PgServer::shared();
     pg.psql(
@@ -378,12 +442,10 @@ async fn a_changed_record_stops_a_running_single_instance_forwarding() {
 async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
+    let world = World::new().await;
     let elsewhere = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
-    let staging = STAGING.start(&s3, &db, &origin);
-    ready(&staging).await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
+    let staging = world.start(&STAGING).await;
     let single = Env {
         cluster: None,
         ..STAGING
@@ -404,13 +466,7 @@ async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
         ),
         "0"
     );
-    let w = acquire(
-        &STAGING.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
+    let w = world.worker(&STAGING).await;
     assert_eq!(keyed_post(&staging, &w, "k", "staging").await.status, 200);
     assert_eq!(bodies(&origin), ["staging"]);
 }
@@ -425,18 +481,10 @@ async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
 async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
-    let mut staging = STAGING.start(&s3, &db, &origin);
-    ready(&staging).await;
-    let w = acquire(
-        &STAGING.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
+    let world = World::new().await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
+    let mut staging = world.start(&STAGING).await;
+    let w = world.worker(&STAGING).await;
     let first = keyed_post(&staging, &w, "order-1", "staging-1").await;
     assert_eq!(first.status, 200);
     staging.terminate();
@@ -456,14 +504,7 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
 
     staging.restart();
     ready(&staging).await;
-    // A restarted member serves its shard once it has taken it again (503
-    // `shard_unavailable` until then); a retry is safe to repeat.
-    let mut again = keyed_post(&staging, &w, "order-1", "staging-1").await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while again.status == 503 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        again = keyed_post(&staging, &w, "order-1", "staging-1").await;
-    }
+    let again = keyed_post_once_served(&staging, &w, "order-1", "staging-1").await;
     assert_eq!(again.status, 200, "{:?}", again.body);
     assert_eq!(again.body, first.body, "answered from its own record");
     assert_eq!(bodies(&origin), ["staging-1"]);
@@ -480,23 +521,15 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
 /// objects named the database without its schema). `url` gives the moved
 /// instance's connection string from the first's.
 async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Option<&'static str>)) {
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
+    let world = World::new().await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
     PgServer::shared().psql(&db_name, "CREATE SCHEMA fg_moved");
     let before = Env {
         cluster: None,
         ..STAGING
     };
-    let mut old = before.start(&s3, &db, &origin);
-    ready(&old).await;
-    let w = acquire(
-        &before.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
+    let mut old = world.start(&before).await;
+    let w = world.worker(&before).await;
     assert_eq!(keyed_post(&old, &w, "charge-42", "c").await.status, 200);
     old.terminate();
     let (url, schema) = moved_state(&db);
@@ -504,14 +537,7 @@ async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Opti
     // Another instance's released guard is free gate_ttl + grace after it was
     // written (SPEC §10); until then the start is refused for that reason.
     let toml = moved.toml(&s3, &url, &origin, free_port());
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let (code, stderr) = loop {
-        let (code, stderr) = serve_expecting_exit(&toml);
-        if !stderr.contains("holds the instance guard") || std::time::Instant::now() > deadline {
-            break (code, stderr);
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let (code, stderr) = refused_past_the_guard(&toml).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("keeps its marks and dedup records in")
@@ -545,19 +571,9 @@ async fn a_single_instance_moved_by_its_search_path_is_another_state() {
 async fn a_dropped_set_up_table_stops_a_running_instance() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let (db_name, db) = PgServer::shared().new_database();
-    let fg = STAGING.start(&s3, &db, &origin);
-    ready(&fg).await;
-    let w = acquire(
-        &STAGING.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
-    assert_eq!(keyed_post(&fg, &w, "k1", "one").await.status, 200);
+    let world = World::new().await;
+    let (fg, w, _) = world.delivered(&STAGING, "k1", "one").await;
+    let (origin, db_name) = (&world.origin, &world.db_name);
     PgServer::shared().psql(&db_name, "DROP TABLE fencegate_set_up");
     eventually("the instance says the record is gone", || async {
         fg.admin_json("/readyz")
@@ -583,23 +599,15 @@ async fn a_dropped_set_up_table_stops_a_running_instance() {
 async fn a_refused_instance_leaves_an_older_database_as_it_was() {
     skip_without_python!();
     skip_without_postgres!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
+    let world = World::new().await;
+    let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
     let pg = PgServer::shared();
-    let (db_name, db) = pg.new_database();
     let staging = Env {
         cluster: None,
         ..STAGING
     };
-    let mut s = staging.start(&s3, &db, &origin);
-    ready(&s).await;
-    let w = acquire(
-        &staging.epochs(&s3).await,
-        "pay",
-        "w",
-        Duration::from_secs(60),
-    )
-    .await;
+    let mut s = world.start(&staging).await;
+    let w = world.worker(&staging).await;
     let first = keyed_post(&s, &w, "k1", "one").await;
     assert_eq!(first.status, 200);
     s.terminate();

@@ -231,7 +231,7 @@ async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
         ..PROD
     };
     for env in [&PROD, &single] {
-        let (code, stderr) = serve_expecting_exit(&env.toml(&s3, &db, &origin, free_port()));
+        let (code, stderr) = serve_expecting_exit(&env.toml(s3, db, origin, free_port()));
         assert_eq!(code, Some(2), "refused as a bad set-up: {stderr}");
         for named in ["staging/", "fg-staging", "[state] schema"] {
             assert!(
@@ -243,7 +243,7 @@ async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
     let pg = PgServer::shared();
     assert_eq!(
         pg.psql(
-            &db_name,
+            db_name,
             "SELECT count(*) FROM fencegate_owners WHERE owner IS DISTINCT FROM 'fg-staging' \
              OR previous_owner IS NOT NULL"
         ),
@@ -252,7 +252,7 @@ async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
     );
     assert_eq!(
         pg.psql(
-            &db_name,
+            db_name,
             "SELECT count(*) FROM fencegate_members WHERE instance_id <> 'fg-staging'"
         ),
         "0"
@@ -263,7 +263,7 @@ async fn a_second_set_up_on_one_database_refuses_to_start_naming_the_first() {
             .status,
         200
     );
-    assert_eq!(bodies(&origin), ["staging-1", "staging-2"]);
+    assert_eq!(bodies(origin), ["staging-1", "staging-2"]);
     assert_eq!(
         staging.metric_sum("fencegate_state_set_up_conflict").await,
         0.0
@@ -289,18 +289,18 @@ async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
         schema: Some("fg_prod"),
         ..PROD
     };
-    let staging = staging_env.start(&s3, &db, &origin);
-    let prod = prod_env.start(&s3, &db, &origin);
+    let staging = staging_env.start(s3, db, origin);
+    let prod = prod_env.start(s3, db, origin);
     ready(&staging).await;
     ready(&prod).await;
 
-    let prod_epochs = prod_env.epochs(&s3).await;
+    let prod_epochs = prod_env.epochs(s3).await;
     acquire(&prod_epochs, "pay", "p", Duration::from_secs(60)).await;
     force_next_epoch(&prod_epochs, "pay", "p", Duration::from_secs(60)).await;
     let p = force_next_epoch(&prod_epochs, "pay", "p", Duration::from_secs(60)).await;
     assert_eq!(p.epoch.get(), 3);
     let s = acquire(
-        &staging_env.epochs(&s3).await,
+        &staging_env.epochs(s3).await,
         "pay",
         "s",
         Duration::from_secs(60),
@@ -322,7 +322,7 @@ async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
     assert_eq!(again_prod.body, first_prod.body);
     assert_eq!(again_staging.body, first_staging.body);
     assert_ne!(first_prod.body, first_staging.body);
-    assert_eq!(bodies(&origin), ["prod-order-1", "staging-order-1"]);
+    assert_eq!(bodies(origin), ["prod-order-1", "staging-order-1"]);
 
     let mark = |v: serde_json::Value| v["leases"][0]["high_water_mark"].as_u64();
     assert_eq!(mark(prod.admin_json("/v1/leases").await), Some(3));
@@ -331,14 +331,14 @@ async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
     for (schema, id) in [("fg_staging", "fg-staging"), ("fg_prod", "fg-prod")] {
         assert_eq!(
             pg.psql(
-                &db_name,
+                db_name,
                 &format!("SELECT count(*) FROM {schema}.fencegate_dedup")
             ),
             "1"
         );
         assert_eq!(
             pg.psql(
-                &db_name,
+                db_name,
                 &format!("SELECT string_agg(DISTINCT owner, ',') FROM {schema}.fencegate_owners")
             ),
             id
@@ -346,7 +346,7 @@ async fn set_ups_in_schemas_of_their_own_deliver_the_same_key_once_each() {
     }
     assert_eq!(
         pg.psql(
-            &db_name,
+            db_name,
             "SELECT count(*) FROM pg_tables WHERE schemaname = 'public' AND tablename LIKE 'fencegate%'"
         ),
         "0",
@@ -365,11 +365,11 @@ async fn a_changed_record_stops_forwarding(env: Env) {
 
     let pg = PgServer::shared();
     pg.psql(
-        &db_name,
+        db_name,
         "CREATE TABLE kept AS SELECT * FROM fencegate_set_up",
     );
     pg.psql(
-        &db_name,
+        db_name,
         "UPDATE fencegate_set_up SET id = 'another-set-up', prefix = 'elsewhere/', \
          recorded_by = 'fg-other', mac = NULL",
     );
@@ -403,7 +403,7 @@ async fn a_changed_record_stops_forwarding(env: Env) {
     assert_eq!(resolve.status, 503, "{:?}", resolve.body);
 
     pg.psql(
-        &db_name,
+        db_name,
         "DELETE FROM fencegate_set_up; INSERT INTO fencegate_set_up SELECT * FROM kept",
     );
     eventually("the instance serves again", || async {
@@ -411,7 +411,7 @@ async fn a_changed_record_stops_forwarding(env: Env) {
     })
     .await;
     assert_eq!(fg.metric_sum("fencegate_state_set_up_conflict").await, 0.0);
-    assert_eq!(bodies(&origin), ["before", "after"]);
+    assert_eq!(bodies(origin), ["before", "after"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -451,7 +451,7 @@ async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
         ..STAGING
     };
     for env in [&STAGING, &single] {
-        let (code, stderr) = serve_expecting_exit(&env.toml_on(&s3, &elsewhere, &db, &origin));
+        let (code, stderr) = serve_expecting_exit(&env.toml_on(s3, &elsewhere, db, origin));
         assert_eq!(code, Some(2), "{stderr}");
         assert!(
             stderr.contains("staging/.set-up") && stderr.contains("[state] schema"),
@@ -461,14 +461,14 @@ async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
     let pg = PgServer::shared();
     assert_eq!(
         pg.psql(
-            &db_name,
+            db_name,
             "SELECT count(*) FROM fencegate_members WHERE instance_id <> 'fg-staging'"
         ),
         "0"
     );
     let w = world.worker(&STAGING).await;
     assert_eq!(keyed_post(&staging, &w, "k", "staging").await.status, 200);
-    assert_eq!(bodies(&origin), ["staging"]);
+    assert_eq!(bodies(origin), ["staging"]);
 }
 
 /// Records already in a database without a set-up row (written by a build
@@ -489,16 +489,16 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     assert_eq!(first.status, 200);
     staging.terminate();
     let pg = PgServer::shared();
-    pg.psql(&db_name, "DELETE FROM fencegate_set_up");
+    pg.psql(db_name, "DELETE FROM fencegate_set_up");
 
-    let (code, stderr) = serve_expecting_exit(&PROD.toml(&s3, &db, &origin, free_port()));
+    let (code, stderr) = serve_expecting_exit(&PROD.toml(s3, db, origin, free_port()));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
         stderr.contains("no set-up record") && stderr.contains("[state] schema"),
         "{stderr}"
     );
     assert_eq!(
-        pg.psql(&db_name, "SELECT count(*) FROM fencegate_set_up"),
+        pg.psql(db_name, "SELECT count(*) FROM fencegate_set_up"),
         "0"
     );
 
@@ -507,9 +507,9 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     let again = keyed_post_once_served(&staging, &w, "order-1", "staging-1").await;
     assert_eq!(again.status, 200, "{:?}", again.body);
     assert_eq!(again.body, first.body, "answered from its own record");
-    assert_eq!(bodies(&origin), ["staging-1"]);
+    assert_eq!(bodies(origin), ["staging-1"]);
     assert_eq!(
-        pg.psql(&db_name, "SELECT prefix FROM fencegate_set_up"),
+        pg.psql(db_name, "SELECT prefix FROM fencegate_set_up"),
         "staging/"
     );
 }
@@ -523,7 +523,7 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
 async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Option<&'static str>)) {
     let world = World::new().await;
     let (s3, origin, db_name, db) = (&world.s3, &world.origin, &world.db_name, &world.db);
-    PgServer::shared().psql(&db_name, "CREATE SCHEMA fg_moved");
+    PgServer::shared().psql(db_name, "CREATE SCHEMA fg_moved");
     let before = Env {
         cluster: None,
         ..STAGING
@@ -532,11 +532,11 @@ async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Opti
     let w = world.worker(&before).await;
     assert_eq!(keyed_post(&old, &w, "charge-42", "c").await.status, 200);
     old.terminate();
-    let (url, schema) = moved_state(&db);
+    let (url, schema) = moved_state(db);
     let moved = Env { schema, ..before };
     // Another instance's released guard is free gate_ttl + grace after it was
     // written (SPEC §10); until then the start is refused for that reason.
-    let toml = moved.toml(&s3, &url, &origin, free_port());
+    let toml = moved.toml(s3, &url, origin, free_port());
     let (code, stderr) = refused_past_the_guard(&toml).await;
     assert_eq!(code, Some(2), "{stderr}");
     assert!(
@@ -544,7 +544,7 @@ async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Opti
             && stderr.contains("?schema=fg_moved"),
         "refused as another state: {stderr}"
     );
-    assert_eq!(bodies(&origin), ["c"]);
+    assert_eq!(bodies(origin), ["c"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -574,7 +574,7 @@ async fn a_dropped_set_up_table_stops_a_running_instance() {
     let world = World::new().await;
     let (fg, w, _) = world.delivered(&STAGING, "k1", "one").await;
     let (origin, db_name) = (&world.origin, &world.db_name);
-    PgServer::shared().psql(&db_name, "DROP TABLE fencegate_set_up");
+    PgServer::shared().psql(db_name, "DROP TABLE fencegate_set_up");
     eventually("the instance says the record is gone", || async {
         fg.admin_json("/readyz")
             .await
@@ -585,7 +585,7 @@ async fn a_dropped_set_up_table_stops_a_running_instance() {
     keyed_post(&fg, &w, "k2", "two")
         .await
         .assert_error(503, "shard_unavailable");
-    assert_eq!(bodies(&origin), ["one"]);
+    assert_eq!(bodies(origin), ["one"]);
 }
 
 /// An instance refused by the legacy rule (a database of schema 7 holding
@@ -612,50 +612,46 @@ async fn a_refused_instance_leaves_an_older_database_as_it_was() {
     assert_eq!(first.status, 200);
     s.terminate();
     pg.psql(
-        &db_name,
+        db_name,
         "DROP TABLE fencegate_set_up; UPDATE fencegate_schema SET version = 7",
     );
     let prod = Env {
         cluster: None,
         ..PROD
     };
-    let (code, stderr) = serve_expecting_exit(&prod.toml(&s3, &db, &origin, free_port()));
+    let (code, stderr) = serve_expecting_exit(&prod.toml(s3, db, origin, free_port()));
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("no set-up record"), "{stderr}");
     assert_eq!(
-        pg.psql(&db_name, "SELECT version FROM fencegate_schema"),
+        pg.psql(db_name, "SELECT version FROM fencegate_schema"),
         "7"
     );
     assert_eq!(
         pg.psql(
-            &db_name,
+            db_name,
             "SELECT count(*) FROM pg_tables WHERE tablename = 'fencegate_set_up'"
         ),
         "0"
     );
     // Production's own schema of the same database names itself in its gate
     // objects; pointed at staging's schema by mistake it is another state.
-    pg.psql(&db_name, "CREATE SCHEMA fg_prod");
+    pg.psql(db_name, "CREATE SCHEMA fg_prod");
     let prod_own = format!("{db} options='-c search_path=fg_prod'");
-    let mut p = Fencegate::start_listening(
-        "127.0.0.1:0",
-        "",
-        &prod.toml(&s3, &prod_own, &origin, 0),
-        &[],
-    );
+    let mut p =
+        Fencegate::start_listening("127.0.0.1:0", "", &prod.toml(s3, &prod_own, origin, 0), &[]);
     ready(&p).await;
     p.terminate();
     s.restart();
     ready(&s).await;
     let again = keyed_post(&s, &w, "k1", "one").await;
     assert_eq!(again.body, first.body, "answered from staging's own record");
-    assert_eq!(bodies(&origin), ["one"]);
+    assert_eq!(bodies(origin), ["one"]);
     assert_eq!(
-        pg.psql(&db_name, "SELECT prefix FROM public.fencegate_set_up"),
+        pg.psql(db_name, "SELECT prefix FROM public.fencegate_set_up"),
         "staging/"
     );
     assert_eq!(
-        pg.psql(&db_name, "SELECT prefix FROM fg_prod.fencegate_set_up"),
+        pg.psql(db_name, "SELECT prefix FROM fg_prod.fencegate_set_up"),
         "prod/"
     );
 }

@@ -32,7 +32,6 @@ mod review;
 mod review2;
 mod review_batch;
 mod review_combined;
-mod review_ops;
 mod review_own;
 mod review_protect;
 mod review_sign;

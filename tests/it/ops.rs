@@ -1,5 +1,7 @@
 //! SPEC §8: the admin API, metrics, shutdown, TLS, secrets, container.
 
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -392,6 +394,96 @@ async fn a_second_sigterm_during_the_shutdown_delay_exits_at_once() {
     let status = fg.wait_exit();
     assert_eq!(status.code(), Some(130), "{}", fg.stderr());
     assert!(fg.stderr().contains("second signal, exiting now"));
+}
+
+/// Whether `pid` has a handler installed for SIGTERM (`SigCgt` in /proc).
+fn catches_sigterm(pid: u32) -> bool {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigCgt:"))
+        .and_then(|m| u64::from_str_radix(m.trim(), 16).ok())
+        .is_some_and(|m| m & (1 << (15 - 1)) != 0)
+}
+
+/// SPEC §8: SIGTERM twice while start-up waits on a store that does not
+/// answer: no ready line; the process exits without listening (a second signal
+/// exits at once in start-up too). Failed when the handlers were installed
+/// before `build` but nothing read them until `run`, and the two signals
+/// coalesced into one: once the store answered fencegate went on, bound,
+/// printed its ready line and served the whole shutdown delay (here 60 s), so a
+/// pod killed while starting was held until SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sigterms_during_start_up_exit_without_listening() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("fencegate.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nshutdown_delay_ms = 60000\n\n{}{}",
+            dir.path().join("state").display(),
+            s3.store_toml(200).replace("timeout_ms = 1500", "timeout_ms = 3000"),
+            route_toml("jobs", "jobs", &origin, "derive_key = \"none\"\n"),
+        ),
+    )
+    .unwrap();
+    s3.pause();
+    let mut child = Command::new(bin())
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(dir.path().join("stderr.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let log = dir.path().join("stderr.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !catches_sigterm(pid) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no SIGTERM handler: {:?} {}",
+            std::fs::read_to_string(format!("/proc/{pid}/status")),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let term = || {
+        assert!(Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+    };
+    // Two signals sent back to back may reach the process as one (pending
+    // signals of a kind coalesce): the second goes once the first was seen.
+    term();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("signal received")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first SIGTERM was never seen"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    term();
+    s3.resume();
+    let mut line = String::new();
+    let _ = BufReader::new(child.stdout.take().unwrap()).read_line(&mut line);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        line.trim().is_empty(),
+        "asked twice to stop during start-up, it went on to listen: {line}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

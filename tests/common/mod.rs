@@ -567,6 +567,15 @@ impl Reply {
         assert!(j["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
         assert_eq!(self.headers["content-type"], "application/json");
     }
+
+    /// Its `Retry-After` in whole seconds (there must be one).
+    pub fn retry_after_secs(&self) -> u64 {
+        self.headers["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    }
 }
 
 fn client() -> Client<HttpConnector, Full<Bytes>> {

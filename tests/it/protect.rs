@@ -53,6 +53,17 @@ fn req(s: &Setup, path: &str, key: &str, headers: &[(&str, &str)]) -> Request<Fu
     r.body(body(&format!("payload of {key}"))).unwrap()
 }
 
+/// Keyed requests `k1` and `k2` to `/billing/x`, held at the origin (under
+/// `h`) once both have arrived.
+async fn two_held(s: &Setup) -> Vec<tokio::task::JoinHandle<Result<Reply, String>>> {
+    let held = ["k1", "k2"]
+        .iter()
+        .map(|k| tokio::spawn(try_send(req(s, "/billing/x", k, &[("x-test-hold", "h")]))))
+        .collect();
+    s.origin.wait_for(2).await;
+    held
+}
+
 /// `/v1/routes`' entry for `route`.
 async fn route_view(fg: &Fencegate, route: &str) -> Value {
     let all = fg.admin_json("/v1/routes").await;
@@ -66,11 +77,7 @@ async fn route_view(fg: &Fencegate, route: &str) -> Value {
 fn assert_held(r: &Reply, detail: &str) -> u64 {
     r.assert_error(503, "upstream_held");
     assert_eq!(r.json()["detail"], detail, "{}", r.json());
-    let secs = r.headers["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse::<u64>()
-        .unwrap();
+    let secs = r.retry_after_secs();
     assert!(secs >= 1, "Retry-After {secs}");
     secs
 }
@@ -83,11 +90,7 @@ fn assert_held(r: &Reply, detail: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn beyond_max_in_flight_is_refused_and_the_key_stays_free() {
     let s = Arc::new(setup("max_in_flight = 2", "").await);
-    let held: Vec<_> = ["k1", "k2"]
-        .iter()
-        .map(|k| tokio::spawn(try_send(req(&s, "/billing/x", k, &[("x-test-hold", "h")]))))
-        .collect();
-    s.origin.wait_for(2).await;
+    let held = two_held(&s).await;
     let view = route_view(&s.fg, "billing").await;
     assert_eq!(view["in_flight"], 2, "{view}");
     assert_eq!(view["max_in_flight"], 2, "{view}");
@@ -483,11 +486,7 @@ async fn a_request_in_flight_across_a_reload_holds_no_longer_than_the_new_max_re
     assert_eq!(asked.await.unwrap().unwrap().status, 503);
     let refused = send(req(&s, "/billing/x", "next", &[])).await;
     refused.assert_error(503, "upstream_held");
-    let secs: u64 = refused.headers["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let secs = refused.retry_after_secs();
     let v = route_view(&s.fg, "billing").await;
     assert!(secs <= 2, "held {secs} s with max_retry_after = 2s: {v}");
 }
@@ -498,11 +497,7 @@ async fn a_request_in_flight_across_a_reload_holds_no_longer_than_the_new_max_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_lowering_max_in_flight_below_the_count_in_flight_drains_it() {
     let s = Arc::new(setup("max_in_flight = 2", "").await);
-    let held: Vec<_> = ["k1", "k2"]
-        .iter()
-        .map(|k| tokio::spawn(try_send(req(&s, "/billing/x", k, &[("x-test-hold", "h")]))))
-        .collect();
-    s.origin.wait_for(2).await;
+    let held = two_held(&s).await;
     reload_with(&s.fg, |t| {
         t.replace("max_in_flight = 2", "max_in_flight = 1")
     })

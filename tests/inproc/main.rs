@@ -23,5 +23,4 @@ mod hygiene;
 mod operator;
 mod parking;
 mod protect;
-mod review_protect;
 mod streaming;

@@ -4,15 +4,13 @@
 //! streams it. Each test asserts what the origin received and what the worker got,
 //! frame by frame where the order matters.
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use fencegate::lease::acquire::Holding;
 use http::Request;
 use http_body_util::BodyExt;
-use hyper::body::{Body, Frame, Incoming};
+use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::rt::TokioIo;
 use tokio::sync::mpsc;
@@ -20,21 +18,6 @@ use tokio::sync::mpsc;
 use crate::support::*;
 
 const LEASE: &str = "billing";
-
-/// A request body the test feeds chunk by chunk; it ends when the sender drops.
-struct Fed(mpsc::Receiver<Bytes>);
-
-impl Body for Fed {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        self.0.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b))))
-    }
-}
 
 /// A worker's own connection to fencegate, so that its request body can be fed
 /// and its answer read frame by frame.

@@ -392,3 +392,20 @@ pub async fn billing_route(refresh_ms: u64, route_extra: &str) -> (Origin, Fence
     .await;
     (origin, fg)
 }
+
+/// A request body the test feeds chunk by chunk; it ends when the sender drops.
+pub struct Fed(pub tokio::sync::mpsc::Receiver<bytes::Bytes>);
+
+impl hyper::body::Body for Fed {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|c| c.map(|b| Ok(hyper::body::Frame::data(b))))
+    }
+}

@@ -56,8 +56,40 @@ async fn a_timeout_opens_the_breaker_and_a_4xx_does_not() {
     origin.release("never");
 }
 
-fn held_route_view(v: &serde_json::Value) -> serde_json::Value {
-    v["routes"][0].clone()
+/// `/v1/routes`' entry for the one route.
+async fn route_view(fg: &Fencegate) -> serde_json::Value {
+    fg.admin_json("/v1/routes").await["routes"][0].clone()
+}
+
+/// A request the origin answers 500 (`payload`), then the wait until the
+/// breaker (`failures = 1`) is half-open.
+async fn failed_until_half_open(
+    fg: &Fencegate,
+    a: &fencegate::lease::acquire::Holding,
+    payload: &str,
+) {
+    let r = send(
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
+            .header("x-test-status", "500")
+            .body(body(payload))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    eventually("half-open", || async {
+        route_view(fg).await["breaker"]["state"] == "half_open"
+    })
+    .await;
+}
+
+/// Route `billing` (`route_extra`: more of its keys) and a worker holding its
+/// lease for 60 s.
+async fn route_and_worker(
+    route_extra: &str,
+) -> (Origin, Fencegate, fencegate::lease::acquire::Holding) {
+    let (origin, fg) = billing_route(60_000, route_extra).await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    (origin, fg, a)
 }
 
 /// A keyed POST of "A" to `/billing/x` that the origin holds under `hold`.
@@ -118,12 +150,8 @@ async fn stalled_upload(
 /// handled two at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_request_keeps_its_slot_while_the_origin_may_still_run_it() {
-    let (origin, fg) = billing_route(
-        60_000,
-        "timeout_ms = 300\ndrain_timeout_ms = 60000\nmax_in_flight = 1",
-    )
-    .await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) =
+        route_and_worker("timeout_ms = 300\ndrain_timeout_ms = 60000\nmax_in_flight = 1").await;
     let r = send(keyed_hold(&fg, &a, "slow", "never")).await;
     r.assert_error(504, "upstream_timeout");
     assert_eq!(origin.count(), 1);
@@ -147,8 +175,7 @@ async fn a_timed_out_request_keeps_its_slot_while_the_origin_may_still_run_it() 
 /// reused the key acted on a falsehood.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_held_never_calls_an_in_flight_key_free() {
-    let (origin, fg) = billing_route(60_000, "max_in_flight = 1").await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) = route_and_worker("max_in_flight = 1").await;
     let first = tokio::spawn(try_send(keyed_hold(&fg, &a, "k", "h")));
     origin.wait_for(1).await;
     let record = fg.admin_json("/v1/dedup/billing/k").await;
@@ -168,8 +195,7 @@ async fn upstream_held_never_calls_an_in_flight_key_free() {
 /// is not left "full").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_cutting_a_streamed_answer_gives_its_slot_back() {
-    let (origin, fg) = billing_route(60_000, "max_in_flight = 1").await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) = route_and_worker("max_in_flight = 1").await;
     let s = tokio::net::TcpStream::connect(fg.proxy_addr())
         .await
         .unwrap();
@@ -193,16 +219,13 @@ async fn a_worker_cutting_a_streamed_answer_gives_its_slot_back() {
     let mut body = resp.into_body();
     let _ = &origin;
     let _ = body.frame().await;
-    assert_eq!(
-        held_route_view(&fg.admin_json("/v1/routes").await)["in_flight"],
-        1
-    );
+    assert_eq!(route_view(&fg).await["in_flight"], 1);
     // The worker goes away mid-stream.
     drop(body);
     drop(tx);
     conn.abort();
     eventually("the slot given back", || async {
-        held_route_view(&fg.admin_json("/v1/routes").await)["in_flight"] == 0
+        route_view(&fg).await["in_flight"] == 0
     })
     .await;
     assert_eq!(post(&fg, "/billing/x", &a, "B").await.status, 200);
@@ -252,8 +275,7 @@ async fn a_stale_worker_is_told_so_before_upstream_held() {
 /// counts down from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn odd_retry_after_values_hold_nothing_and_a_huge_one_is_capped() {
-    let (origin, fg) = billing_route(60_000, "max_retry_after = \"7s\"").await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) = route_and_worker("max_retry_after = \"7s\"").await;
     let url = fg.url("/billing/x");
     let past = httpdate::fmt_http_date(std::time::SystemTime::now() - Duration::from_secs(60));
     for (i, (status, v)) in [
@@ -278,7 +300,7 @@ async fn odd_retry_after_values_hold_nothing_and_a_huge_one_is_capped() {
         )
         .await;
         assert_eq!(r.status.as_str(), *status);
-        let view = held_route_view(&fg.admin_json("/v1/routes").await);
+        let view = route_view(&fg).await;
         assert!(view["held_for_ms"].is_null(), "{status} {v:?}: {view}");
     }
     let r = send(
@@ -301,34 +323,17 @@ async fn odd_retry_after_values_hold_nothing_and_a_huge_one_is_capped() {
 /// (nothing forwarded) hands the probe to the next request, which closes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_probe_that_is_a_replay_hands_the_probe_on() {
-    let (origin, fg) =
-        billing_route(60_000, "breaker = { failures = 1, cool_down = \"1s\" }").await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) = route_and_worker("breaker = { failures = 1, cool_down = \"1s\" }").await;
     assert_eq!(
         send(keyed(&fg, "/billing/x", &a, "done", "D")).await.status,
         200
     );
-    let url = fg.url("/billing/x");
-    let r = send(
-        worker_req(&url, a.epoch.get(), &a.token)
-            .header("x-test-status", "500")
-            .body(body("fail"))
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(r.status, 500);
-    eventually("half-open", || async {
-        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"] == "half_open"
-    })
-    .await;
+    failed_until_half_open(&fg, &a, "fail").await;
     let replay = send(keyed(&fg, "/billing/x", &a, "done", "D")).await;
     assert_eq!(replay.status, 200);
     assert_eq!(origin.count(), 2, "the replay forwarded nothing");
     assert_eq!(post(&fg, "/billing/x", &a, "probe").await.status, 200);
-    assert_eq!(
-        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"],
-        "closed"
-    );
+    assert_eq!(route_view(&fg).await["breaker"]["state"], "closed");
 }
 
 /// SPEC §7 ("the worker's own body failing is not" a failure): an upload
@@ -343,12 +348,10 @@ async fn a_probe_that_is_a_replay_hands_the_probe_on() {
 /// for the cool-down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_stalling_its_upload_does_not_open_the_breaker() {
-    let (origin, fg) = billing_route(
-        60_000,
+    let (origin, fg, a) = route_and_worker(
         "derive_key = \"none\"\ntimeout_ms = 300\nbreaker = { failures = 1, cool_down = \"10m\" }",
     )
     .await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
     let (feed, answer, _conn) = stalled_upload(&fg, &a, &[]).await;
     let resp = answer.await.unwrap().unwrap();
     let code = resp
@@ -357,7 +360,7 @@ async fn a_worker_stalling_its_upload_does_not_open_the_breaker() {
         .map(|v| v.to_str().unwrap().to_owned());
     eprintln!("the stalled upload got {} {code:?}", resp.status());
     drop(feed);
-    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    let view = route_view(&fg).await;
     let next = post(&fg, "/billing/x", &a, "another worker's request").await;
     assert_eq!(
         (next.status.as_u16(), view["breaker"]["state"].as_str()),
@@ -374,12 +377,8 @@ async fn a_worker_stalling_its_upload_does_not_open_the_breaker() {
 /// (observed ~10 s here, from fencegate's worker-connection idle handling).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_upload_after_an_early_answer_frees_the_route_eventually() {
-    let (origin, fg) = billing_route(
-        60_000,
-        "derive_key = \"none\"\ntimeout_ms = 300\nmax_in_flight = 1",
-    )
-    .await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) =
+        route_and_worker("derive_key = \"none\"\ntimeout_ms = 300\nmax_in_flight = 1").await;
     let (feed, answer, _conn) = stalled_upload(&fg, &a, &[("x-test-answer-early", "1")]).await;
     let resp = answer.await.unwrap().unwrap();
     assert_eq!(resp.status(), 200);
@@ -390,7 +389,7 @@ async fn a_stalled_upload_after_an_early_answer_frees_the_route_eventually() {
     let refused = post(&fg, "/billing/x", &a, "B").await;
     refused.assert_error(503, "upstream_held");
     eventually("the stalled exchange to give its slot back", || async {
-        held_route_view(&fg.admin_json("/v1/routes").await)["in_flight"] == 0
+        route_view(&fg).await["in_flight"] == 0
     })
     .await;
     drop(feed);
@@ -408,12 +407,9 @@ async fn a_stalled_upload_after_an_early_answer_frees_the_route_eventually() {
 /// just succeeded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_result_from_before_the_breaker_opened_is_ignored_after_the_probe_closed_it() {
-    let (origin, fg) = billing_route(
-        60_000,
-        "timeout_ms = 60000\nbreaker = { failures = 1, cool_down = \"1s\" }",
-    )
-    .await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (origin, fg, a) =
+        route_and_worker("timeout_ms = 60000\nbreaker = { failures = 1, cool_down = \"1s\" }")
+            .await;
     let url = fg.url("/billing/x");
     let slow = tokio::spawn(try_send(
         worker_req(&url, a.epoch.get(), &a.token)
@@ -423,26 +419,12 @@ async fn a_result_from_before_the_breaker_opened_is_ignored_after_the_probe_clos
             .unwrap(),
     ));
     origin.wait_for(1).await;
-    let r = send(
-        worker_req(&url, a.epoch.get(), &a.token)
-            .header("x-test-status", "500")
-            .body(body("F"))
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(r.status, 500);
-    eventually("half-open", || async {
-        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"] == "half_open"
-    })
-    .await;
+    failed_until_half_open(&fg, &a, "F").await;
     assert_eq!(post(&fg, "/billing/x", &a, "probe").await.status, 200);
-    assert_eq!(
-        held_route_view(&fg.admin_json("/v1/routes").await)["breaker"]["state"],
-        "closed"
-    );
+    assert_eq!(route_view(&fg).await["breaker"]["state"], "closed");
     origin.release("slow");
     assert_eq!(slow.await.unwrap().unwrap().status, 500);
-    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    let view = route_view(&fg).await;
     assert_eq!(
         view["breaker"]["state"], "closed",
         "S, let through before the breaker opened, reopened it: {view}"
@@ -470,9 +452,7 @@ async fn a_huge_cool_down_is_refused_and_the_largest_allowed_opens_the_breaker()
             .unwrap_err();
         assert!(e.contains("at most \"1d\""), "{extra}: {e}");
     }
-    let (_origin, fg) =
-        billing_route(60_000, "breaker = { failures = 1, cool_down = \"1d\" }").await;
-    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(60)).await;
+    let (_origin, fg, a) = route_and_worker("breaker = { failures = 1, cool_down = \"1d\" }").await;
     let r = try_send(
         worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
             .header("idempotency-key", "k")
@@ -482,7 +462,7 @@ async fn a_huge_cool_down_is_refused_and_the_largest_allowed_opens_the_breaker()
     )
     .await;
     let record = fg.admin_json("/v1/dedup/billing/k").await;
-    let view = held_route_view(&fg.admin_json("/v1/routes").await);
+    let view = route_view(&fg).await;
     assert_eq!(
         (
             r.as_ref().map(|r| r.status.as_u16()).ok(),

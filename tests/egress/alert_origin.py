@@ -1,6 +1,6 @@
 """An https destination that completes the TLS 1.3 handshake, reads and records
 each request (the application has it), and then ends the connection with a fatal
-TLS alert of its choosing, for tests/it/review_sign.rs. Built on tlslite-ng (pure
+TLS alert of its choosing, for tests/it/client_cert.rs. Built on tlslite-ng (pure
 Python TLS), the one test server here that can send any alert at any moment.
 
     python alert_origin.py CERT KEY LOG MODE ALERT

@@ -33,7 +33,6 @@ mod review2;
 mod review_batch;
 mod review_combined;
 mod review_own;
-mod review_sign;
 mod startup;
 mod traces;
 mod webhooks;

@@ -30,8 +30,6 @@ mod quickstart;
 mod reload;
 mod review;
 mod review2;
-mod review_batch;
-mod review_combined;
 mod review_own;
 mod startup;
 mod traces;

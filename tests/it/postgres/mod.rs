@@ -8,7 +8,9 @@
 //! others take a fresh database on the shared one.
 //!
 //! Crashes of fencegate itself on PostgreSQL are `dedup::crash_on_each_durable_
-//! boundary_is_at_most_once::postgres`.
+//! boundary_is_at_most_once::postgres`. The group commit under faults is
+//! [`group_commit`], claims and outcomes in one statement
+//! [`combined_statement`], a database upgraded while in use [`upgrade`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader};
@@ -39,6 +41,10 @@ macro_rules! skip_without_postgres {
         }
     };
 }
+
+mod combined_statement;
+mod group_commit;
+mod upgrade;
 
 // ---------------------------------------------------------------------------
 // A fencegate process on PostgreSQL
@@ -840,6 +846,17 @@ pub(crate) fn pg_config(url: &str) -> StateConfig {
         url: Some(url.to_owned()),
         ..StateConfig::default()
     }
+}
+
+/// A pool on `url` whose writes wait up to `timeout_ms` for the database's
+/// answer.
+async fn connect_waiting(url: &str, timeout_ms: u64) -> Arc<PostgresState> {
+    PostgresState::connect(&StateConfig {
+        timeout_ms,
+        ..pg_config(url)
+    })
+    .await
+    .unwrap()
 }
 
 pub(crate) fn rkey(key: &str) -> RecordKey {

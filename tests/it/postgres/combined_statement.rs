@@ -1,6 +1,10 @@
-//! Review of issue 27's combined statement (claims and outcomes of concurrent
-//! requests in ONE PostgreSQL statement, one commit; 2651ba4) and of schema 7
-//! (c8a767b).
+//! Claims and outcomes of concurrent requests in ONE PostgreSQL statement, one
+//! commit (issue 27): a claim and the outcome of one key together, a statement
+//! cut or chosen as a deadlock victim, an outcome of a lost shard beside a
+//! claim of a held one, and two instances' statements over the same keys. No
+//! destination-level rule breaks; a lost shard's outcome and a takeover also
+//! show the liveness coupling the combination brings (an outcome failing, or a
+//! takeover waiting, because of an unrelated claim's lock wait).
 //!
 //! Each library-level test forces a chosen mix into one statement: a claim of
 //! a key the test's own transaction holds uncommitted (`KeyHold`) keeps the
@@ -8,35 +12,21 @@
 //! meanwhile (each future polled once, which queues its write) goes out
 //! together as the next statement once the hold is rolled back (`CommitStats`
 //! shows one commit for it).
-//!
-//! Result on c8a767b: every test here PASSES (`held_*`): no destination-level
-//! rule broke. `held_a8` needs a schema-6 build (see its comment) and is
-//! ignored otherwise. `held_a3` and `held_a9` also show the liveness coupling
-//! the combination brings (an outcome failing, or a takeover waiting, because
-//! of an unrelated claim's lock wait).
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use fencegate::config::StateConfig;
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::{Begun, End, Owner, State, StateError, StateStore};
 
-use crate::postgres::{
-    claim, db_state, ended, keyed_answer, pg_config, rig, rkey, until, Answer, STRICT,
+use super::{
+    claim, connect_waiting, db_state, ended, keyed_answer, pg_config, rig, rkey, tally, until,
+    Answer, STRICT,
 };
 use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
 use crate::support::Gateway;
-
-macro_rules! skip_without_postgres {
-    () => {
-        if !$crate::support::postgres::available_or_skip() {
-            return;
-        }
-    };
-}
 
 type Queued<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -96,13 +86,13 @@ fn body_of(pg: &PgServer, db: &str, key: &str) -> String {
 }
 
 // ---------------------------------------------------------------------------
-// A1. A claim and the outcome of the SAME key in one statement (a retry of a
-// key still in flight arrives as its request ends).
+// A claim and the outcome of the SAME key in one statement (a retry of a key
+// still in flight arrives as its request ends).
 
-/// done + the key's retry in one statement: the retry must not be claimed
-/// (the key was forwarded), and the done must be written.
+/// done + the key's retry in one statement: the retry is not claimed (the key
+/// was forwarded), and the done is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a1_retry_and_done_of_one_key_in_one_statement() {
+async fn a_retry_and_the_done_of_one_key_in_one_statement_never_claim_it_again() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -164,7 +154,7 @@ async fn held_a1_retry_and_done_of_one_key_in_one_statement() {
 /// A delete (nothing sent) + two retries of the key in the same gathered
 /// batch: the second retry goes in a round of its own. At most one claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a2_delete_and_two_retries_of_one_key_in_one_batch() {
+async fn a_delete_and_two_retries_of_one_key_in_one_batch_claim_it_once() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -200,7 +190,7 @@ async fn held_a2_delete_and_two_retries_of_one_key_in_one_batch() {
 }
 
 // ---------------------------------------------------------------------------
-// A3. A combined statement cut (TCP relay) with a claim and a done in it:
+// A combined statement cut (TCP relay) with a claim and a done in it:
 // while it waits at the database, or after it committed.
 
 /// Where the relay cuts the combined statement.
@@ -213,21 +203,16 @@ enum Cut {
     Committed,
 }
 
-/// The claim must end free (released after the statement ends: it was never
-/// forwarded), the done must end written — whether the statement commits
+/// The claim ends free (released after the statement ends: it was never
+/// forwarded), the done ends written — whether the statement commits
 /// before or after the background rewrite, or committed before the cut.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
+async fn a_cut_combined_statement_frees_its_claim_and_keeps_its_done() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
     let relay = Relay::start(pg.port).await;
-    let s = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&relay.url(&db))
-    })
-    .await
-    .unwrap();
+    let s = connect_waiting(&relay.url(&db), 30_000).await;
     let owner = Owner::SINGLE;
     // `Committed` last: it leaves the relay holding replies.
     let cuts = [
@@ -312,11 +297,13 @@ async fn held_a3_combined_statement_cut_claim_freed_done_kept() {
 }
 
 // ---------------------------------------------------------------------------
-// A4. The owner-row share lock spans both kinds' shards: an outcome of a lost
-// shard beside a claim on a shard still held, in one statement.
+// The owner-row share lock spans both kinds' shards.
 
+/// An outcome of a lost shard beside a claim on a shard still held, in one
+/// statement: the outcome fails `OwnerLost` and leaves the successor's record
+/// as it was; the claim succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a4_lost_shards_outcome_beside_a_held_shards_claim() {
+async fn a_lost_shards_outcome_fails_beside_a_held_shards_claim_that_succeeds() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -358,12 +345,13 @@ async fn held_a4_lost_shards_outcome_beside_a_held_shards_claim() {
 }
 
 // ---------------------------------------------------------------------------
-// A5. Destination level: many retries of each key racing its own outcome
-// (claims and outcomes of one key co-batched at random) through fencegate on
-// PostgreSQL. Every key reaches the origin exactly once and ends replayable.
+// Destination level.
 
+/// Many retries of each key racing its own outcome (claims and outcomes of one
+/// key co-batched at random) through fencegate on PostgreSQL: every key
+/// reaches the origin exactly once and ends replayable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
+async fn retries_racing_their_keys_outcomes_reach_the_origin_once() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -408,7 +396,7 @@ async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
     }
     eprintln!(
         "answers {:?}; commits {} for {} records",
-        crate::postgres::tally(&all),
+        tally(&all),
         r.fg.metric_sum("fencegate_flush_batches_total").await - b0,
         r.fg.metric_sum("fencegate_flush_records_total").await - r0
     );
@@ -421,20 +409,16 @@ async fn held_a5_retries_racing_outcomes_reach_the_origin_once() {
 }
 
 // ---------------------------------------------------------------------------
-// A6. A combined statement chosen as a deadlock victim (class 40) is sent
-// again: the second try must write exactly what one would.
+// Retried statements and lock waits.
 
+/// A combined statement chosen as a deadlock victim (class 40) is sent again:
+/// the second try writes exactly what one would.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a6_combined_statement_retried_after_a_deadlock() {
+async fn a_combined_statement_retried_after_a_deadlock_writes_what_one_would() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
-    let a = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&url)
-    })
-    .await
-    .unwrap();
+    let a = connect_waiting(&url, 30_000).await;
     let on = |shard, generation| Owner { shard, generation };
     a.claim_shard(on(1, 1)).await.unwrap();
     a.claim_shard(on(2, 1)).await.unwrap();
@@ -502,166 +486,17 @@ async fn held_a6_combined_statement_retried_after_a_deadlock() {
     );
 }
 
-// ---------------------------------------------------------------------------
-// A7. Schema 6 → 7 with live records of every state: listings, counts,
-// recovery and claims after the index is gone.
-
+/// The share lock spans both kinds' shards: a combined statement whose claim
+/// (shard 1) waits on a lock holds shard 2's owner row (its outcome's)
+/// meanwhile. The rules hold — the done of generation 1 commits before the
+/// takeover of shard 2 — but the takeover of shard 2 waits on a key of shard 1
+/// (the liveness coupling the combination brings).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a7_schema_6_with_live_records_migrates_to_7() {
+async fn a_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
-    drop(PostgresState::connect(&pg_config(&url)).await.unwrap());
-    // Back to what a version-6 database is, with records of each state.
-    pg.psql(
-        &db,
-        "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
-         DROP TABLE fencegate_set_up; UPDATE fencegate_schema SET version = 6; \
-         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
-           owner_generation, created_ms, updated_ms, status, headers, body, claim) \
-         SELECT 'pay', 'v6-' || s || '-' || i, 0, s, decode(repeat('01', 32), 'hex'), \
-           -9223372036854775807, 0, 1000 + i, 1000 + i, \
-           CASE WHEN s = 1 THEN 200 END, NULL, CASE WHEN s = 1 THEN 'ok'::bytea END, \
-           CASE WHEN s = 0 THEN i END \
-         FROM generate_series(0, 2) s, generate_series(1, 5) i",
-    );
-    let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(
-        pg.psql(&db, "SELECT version FROM fencegate_schema"),
-        fencegate::state::schema::VERSION.to_string()
-    );
-    assert_eq!(
-        pg.psql(
-            &db,
-            "SELECT count(*) FROM pg_indexes WHERE indexname = 'fencegate_dedup_by_state'"
-        ),
-        "0"
-    );
-    let total = |st| {
-        let s = s.clone();
-        async move { s.list(st, Some("pay"), None, 100).await.unwrap().total }
-    };
-    assert_eq!(total(State::InFlight).await, 5);
-    assert_eq!(total(State::Done).await, 5);
-    assert_eq!(total(State::InDoubt).await, 5);
-    assert_eq!(s.recover(Owner::SINGLE, 5_000).await.unwrap(), 5);
-    assert_eq!(total(State::InDoubt).await, 10);
-    assert_eq!(total(State::InFlight).await, 0);
-    let page = s.list(State::InDoubt, None, None, 3).await.unwrap();
-    assert_eq!(page.records.len(), 3);
-    match s
-        .begin(Owner::SINGLE, &rkey("v6-1-3"), &claim(1, 9_000), STRICT)
-        .await
-    {
-        Ok(Begun::Exists(r)) => assert_eq!(r.state, State::Done),
-        other => panic!("{other:?}"),
-    }
-    assert!(matches!(
-        s.begin(Owner::SINGLE, &rkey("v7-new"), &claim(1, 9_000), STRICT)
-            .await,
-        Ok(Begun::Claimed)
-    ));
-}
-
-// ---------------------------------------------------------------------------
-// A8. Rolling upgrade: a fencegate of schema 6 (the build before c8a767b) runs
-// beside the migration to 7, with a request in flight across it.
-//
-// Run alone, with the older build as the binary under test:
-//   FENCEGATE_TEST_BIN=/path/to/fencegate-v6 cargo test --test it -- \
-//     review_combined::held_a8 --include-ignored
-// (built from this tree with src/state/schema.rs of 2651ba4).
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs FENCEGATE_TEST_BIN naming a schema-6 build"]
-async fn held_a8_schema_6_instance_beside_the_migration_to_7() {
-    skip_without_postgres!();
-    if std::env::var("FENCEGATE_TEST_BIN").is_err() {
-        eprintln!("skipped: FENCEGATE_TEST_BIN (a schema-6 build) is not set");
-        return;
-    }
-    let pg = PgServer::shared();
-    let (db, url) = pg.new_database();
-    let mut r = rig(&url, "").await;
-    assert_eq!(
-        pg.psql(&db, "SELECT version FROM fencegate_schema"),
-        "6",
-        "FENCEGATE_TEST_BIN is not a schema-6 build"
-    );
-    let pay = r.hold("pay").await;
-    assert_eq!(
-        keyed_answer(&r.fg, &pay, "a8-warm").await,
-        Answer::Forwarded(200)
-    );
-    // A request in flight (held at the origin) across the migration.
-    let mut req = crate::support::keyed(&r.fg, "/pay/a8-held", &pay, "a8-held", "pay a8-held");
-    req.headers_mut()
-        .insert("x-test-hold", "a8-held".parse().unwrap());
-    let before = r.origin.count();
-    let pending = tokio::spawn(crate::support::try_send(req));
-    r.origin.wait_for(before + 1).await;
-    // A schema-7 instance starts beside it: the migration drops the index.
-    let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    assert_eq!(
-        pg.psql(&db, "SELECT version FROM fencegate_schema"),
-        fencegate::state::schema::VERSION.to_string()
-    );
-    r.origin.release("a8-held");
-    assert_eq!(
-        crate::postgres::answer(pending.await.unwrap()),
-        Answer::Forwarded(200)
-    );
-    // The old instance goes on: new keys, retries replayed.
-    assert_eq!(
-        keyed_answer(&r.fg, &pay, "a8-after").await,
-        Answer::Forwarded(200)
-    );
-    for k in ["a8-held", "a8-after", "a8-warm"] {
-        assert_eq!(
-            keyed_answer(&r.fg, &pay, k).await,
-            Answer::Replayed(200),
-            "{k}"
-        );
-        assert_eq!(r.arrivals_of(k), 1, "{k}");
-    }
-    match new
-        .begin(Owner::SINGLE, &rkey("a8-held"), &claim(1, 1), STRICT)
-        .await
-    {
-        Ok(Begun::Exists(rec)) => assert_eq!(rec.state, State::Done),
-        other => panic!("{other:?}"),
-    }
-    // The old instance restarts (a crash, a node drain, a rollback of the
-    // rollout): it refuses the database.
-    r.fg.kill9();
-    let again = r.fg.spawn(None);
-    eprintln!(
-        "the schema-6 build restarted beside schema 7: {}",
-        match &again {
-            Ok(()) => "started".to_owned(),
-            Err(e) => e.lines().last().unwrap_or_default().to_owned(),
-        }
-    );
-    assert!(again.is_err());
-}
-
-// ---------------------------------------------------------------------------
-// A9. The share lock spans both kinds' shards: a combined statement whose
-// claim (shard 1) waits on a lock holds shard 2's owner row (its outcome's)
-// meanwhile. The rules hold — the done of generation 1 commits before the
-// takeover of shard 2 — but the takeover of shard 2 waits on a key of shard 1.
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a9_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
-    skip_without_postgres!();
-    let pg = PgServer::shared();
-    let (db, url) = pg.new_database();
-    let a = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&url)
-    })
-    .await
-    .unwrap();
+    let a = connect_waiting(&url, 30_000).await;
     let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let on = |shard, generation| Owner { shard, generation };
     a.claim_shard(on(1, 1)).await.unwrap();
@@ -701,14 +536,12 @@ async fn held_a9_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
     assert_eq!(b.recover(on(2, 2), 5_000).await.unwrap(), 0);
 }
 
-// ---------------------------------------------------------------------------
-// A10. Two instances' combined statements over the same keys and shards (each
-// key claimed on both, its winner's done racing the losers' retries): one
-// claim per key, every done written, and no deadlock at the database
-// (`pg_stat_database.deadlocks`: a retried statement would hide one).
-
+/// Two instances' combined statements over the same keys and shards (each key
+/// claimed on both, its winner's done racing the losers' retries): one claim
+/// per key, every done written, and no deadlock at the database
+/// (`pg_stat_database.deadlocks`: a retried statement would hide one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a10_two_instances_combined_statements_never_deadlock() {
+async fn two_instances_combined_statements_never_deadlock() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();

@@ -1,34 +1,22 @@
-//! A skeptical review of the PostgreSQL group commit (8700b36..12f2834):
-//! attempts to break the destination-level rules of SPEC §6, §7 and §10
-//! through the batched claims and outcomes and their background settling.
-//! Tests named `f*` failed on 12f2834 (findings); `held_*` passed.
-//!
-//! On 12f2834: `f1_claim_batch_timed_out_at_the_database_blocks_its_key`,
-//! `f1b_library_claim_timed_out_then_committed_stays_in_flight` and
-//! `f2_deposed_owners_settle_deletes_the_successors_in_doubt_record` FAIL
-//! (findings); every `held_*` test PASSES.
+//! The PostgreSQL group commit under faults: claims and outcomes of concurrent
+//! requests written in batches, and the background settling of a batch whose
+//! answer was lost — against the destination-level rules of SPEC §6, §7 and
+//! §10: a key whose claim timed out is not left in flight, a deposed owner's
+//! settle changes nothing its successor owns, one claim per key however the
+//! batches fall, and a late outcome re-write never touches a takeover.
 
 use std::time::{Duration, Instant};
 
-use fencegate::config::StateConfig;
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::{Begun, End, Owner, State, StateError, StateStore, TakeOver};
 
-use crate::postgres::{
-    answer, claim, db_state, ended, keyed_answer, pg_config, refused, rig, rkey, timed, until,
-    Answer, STRICT,
+use super::{
+    answer, claim, connect_waiting, db_state, ended, keyed_answer, pg_config, refused, rig, rkey,
+    timed, until, Answer, STRICT,
 };
 use crate::support::postgres::{KeyHold, PgServer};
 use crate::support::relay::Relay;
 use crate::support::*;
-
-macro_rules! skip_without_postgres {
-    () => {
-        if !$crate::support::postgres::available_or_skip() {
-            return;
-        }
-    };
-}
 
 /// Opens `n` pooled connections at once (as a loaded instance has them), so
 /// that a background statement does not queue behind a timed-out one on the
@@ -48,19 +36,20 @@ async fn warm_pool(s: &std::sync::Arc<PostgresState>, n: usize) {
 }
 
 // ---------------------------------------------------------------------------
-// F1. A claim batch that times out while its statement waits at the database:
-// the background settle runs at once, finds nothing (the claim has not
-// committed yet), declares the batch settled — and then the statement commits.
+// A claim batch that times out while its statement waits at the database, and
+// commits after its background settle has run.
 
-/// Rule 5 (and docs/operations.md: "no answer within timeout_ms … is settled in
-/// the background"): a worker's request whose claim batch got no answer within
+/// docs/operations.md ("no answer within timeout_ms … is settled in the
+/// background"): a worker's request whose claim batch got no answer within
 /// `timeout_ms` (the statement waits at the database, e.g. on a lock or a slow
-/// commit) is refused 503 and nothing is forwarded. Its retries must get the key
-/// forwarded once the database is well again. Observed: the claim commits
-/// after the settling DELETE ran, and the key stays `in_flight` — every retry is
-/// `409 dedup_in_flight`, the destination never receives it.
+/// commit) is refused 503 and nothing is forwarded; once the database is well
+/// again its retries get the key forwarded, once. Failed when the background
+/// settle ran at once, found nothing (the claim had not committed yet) and
+/// declared the batch settled: the claim committed after the settling DELETE,
+/// the key stayed `in_flight`, every retry was `409 dedup_in_flight`, and the
+/// destination never received it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
+async fn a_claim_that_commits_after_its_batch_timed_out_does_not_block_its_key() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -181,20 +170,16 @@ async fn f1_claim_batch_timed_out_at_the_database_blocks_its_key() {
     );
 }
 
-/// F1 at the library level: `begin` fails (unknown outcome) after
-/// `timeout_ms`; when the statement then commits, the key must not stay in
-/// flight — nothing will ever write its outcome.
+/// The same at the library level: `begin` fails (unknown outcome) after
+/// `timeout_ms`; when the statement then commits, the key does not stay in
+/// flight (nothing would ever write its outcome): the background settling frees
+/// it and a retry's `begin` claims it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn f1b_library_claim_timed_out_then_committed_stays_in_flight() {
+async fn a_timed_out_claim_that_commits_later_is_freed_not_left_in_flight() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
-    let s = PostgresState::connect(&StateConfig {
-        timeout_ms: 1000,
-        ..pg_config(&url)
-    })
-    .await
-    .unwrap();
+    let s = connect_waiting(&url, 1000).await;
     warm_pool(&s, 4).await;
     let owner = Owner::SINGLE;
     let key = rkey("lib-timed-out");
@@ -229,33 +214,24 @@ async fn f1b_library_claim_timed_out_then_committed_stays_in_flight() {
 }
 
 // ---------------------------------------------------------------------------
-// F2. The settling delete of a deposed owner is not conditioned on its
-// generation.
+// A deposed owner's settling delete, conditioned on its generation.
 
-/// Rule 3 (SPEC §10: every state write of an owner is conditioned on its
-/// generation): owner A's claim batch commits and its answer is lost (503,
-/// nothing forwarded); A cannot reach the database. B takes the shard over
+/// SPEC §10 (every state write of an owner is conditioned on its generation):
+/// owner A's claim batch commits and its answer is lost (503, nothing
+/// forwarded); A cannot reach the database. B takes the shard over
 /// (claim_shard + recover): A's claim is now B's `in_doubt` record, listed for
-/// B's operator. When A reaches the database again, its background settle
-/// deletes B's record — a write of a deposed generation after the takeover.
+/// B's operator, and it stays so when A reaches the database again. Failed when
+/// the settling delete was not conditioned on the generation: A's background
+/// settle deleted B's record, a write of a deposed generation after the
+/// takeover.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn f2_deposed_owners_settle_deletes_the_successors_in_doubt_record() {
+async fn a_deposed_owners_settle_never_deletes_the_successors_in_doubt_record() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
     let relay = Relay::start(pg.port).await;
-    let old = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&relay.url(&db))
-    })
-    .await
-    .unwrap();
-    let new = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&url)
-    })
-    .await
-    .unwrap();
+    let old = connect_waiting(&relay.url(&db), 30_000).await;
+    let new = connect_waiting(&url, 30_000).await;
     let five = |generation| Owner {
         shard: 5,
         generation,
@@ -299,13 +275,13 @@ async fn f2_deposed_owners_settle_deletes_the_successors_in_doubt_record() {
 }
 
 // ---------------------------------------------------------------------------
-// What held
+// One claim per key, one outcome per claim
 
-/// Rule 1: one key claimed concurrently many times on one instance (same and
+/// One key claimed concurrently many times on one instance (same and
 /// next batches) and on a second instance (a concurrent batch): exactly one
 /// claim wins; every other sees the record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_one_key_claimed_in_one_and_in_concurrent_batches_wins_once() {
+async fn one_key_claimed_in_one_and_in_concurrent_batches_wins_once() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (_db, url) = pg.new_database();
@@ -333,12 +309,12 @@ async fn held_one_key_claimed_in_one_and_in_concurrent_batches_wins_once() {
     }
 }
 
-/// Rule 1 with a worker hanging up while its claim waits at the database (in a
+/// One claim per key with a worker hanging up while its claim waits at the database (in a
 /// batch): the request goes on without its client (FinishOnDrop) and the key
 /// reaches the origin at most once; a retry afterwards is a replay or a 409,
 /// never a second delivery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_worker_hangs_up_while_its_claim_is_in_a_batch() {
+async fn a_worker_hanging_up_while_its_claim_is_in_a_batch_is_delivered_once() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
@@ -390,24 +366,19 @@ async fn held_worker_hangs_up_while_its_claim_is_in_a_batch() {
     assert_eq!(r.arrivals_of(key), 1);
 }
 
-/// Rule 2 and rule 1: `done` commits and its answer is lost (the outcome batch
+/// A `done` commits and its answer is lost (the outcome batch
 /// is unknown; the instance cannot reach the database, so the background
 /// re-write waits). The `done` expires and a new request takes the key over
 /// (in flight again, a new claim). When the old instance's re-write finally
 /// lands it must match nothing: the successor's in-flight record and then its
 /// own `done` stand.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_a_late_outcome_rewrite_never_touches_a_takeover_of_its_key() {
+async fn a_late_outcome_rewrite_never_touches_a_takeover_of_its_key() {
     skip_without_postgres!();
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
     let relay = Relay::start(pg.port).await;
-    let old = PostgresState::connect(&StateConfig {
-        timeout_ms: 30_000,
-        ..pg_config(&relay.url(&db))
-    })
-    .await
-    .unwrap();
+    let old = connect_waiting(&relay.url(&db), 30_000).await;
     let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let o = Owner::SINGLE;
     let warm = rkey("warm");

@@ -1,7 +1,10 @@
-//! SPEC §10.1, the instance guard: one single instance per lease store and prefix.
+//! SPEC §10.1, the instance guard: one single instance per lease store and
+//! prefix — also against garbage written into the guard's gate lease — and an
+//! instance cut from the store aborts what is in flight at gate_ttl.
 
 use std::time::{Duration, Instant};
 
+use crate::support::gate::{forge_next, gates, next_renewal, single_config};
 use crate::support::*;
 
 const LEASE: &str = "billing";
@@ -475,4 +478,201 @@ async fn a_single_instance_refuses_a_prefix_a_cluster_uses() {
         stderr.contains("cluster") && stderr.contains("16"),
         "{stderr}"
     );
+}
+
+/// SPEC §10.1 / §5 / §6: one unparsable object written as the next epoch of a
+/// live single instance's guard (`.gate/0000/`) does not let a second single
+/// instance with another data_dir start (the test ends there). Failed when gate
+/// objects were believed rather than judged: the second started at once — no
+/// `--takeover-may-duplicate`, no wait for the live holder's expiry — while the
+/// first kept forwarding until its own self-fence deadline (it did not stop when
+/// its renewal found the tenure lost). Both forwarded the same lease: an epoch
+/// e+1 request reached the destination while an epoch e request was still in
+/// flight there, and a key delivered by the first was delivered again by the
+/// second; the test then fails on those, or at its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_garbage_gate_object_never_lets_a_second_single_instance_serve_beside_a_live_one() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let cfg = single_config(&s3, &origin);
+    let a = Fencegate::start(&cfg);
+    let epochs = s3.epochs().await;
+    let w1 = acquire(&epochs, LEASE, "worker-1", Duration::from_secs(120)).await;
+    assert_eq!(
+        send(keyed(&a, "/billing/x", &w1, "charge-1", "charge one"))
+            .await
+            .status,
+        200
+    );
+    // Garbage as the guard's next epoch.
+    let g = gates(&s3).await;
+    let forged = forge_next(&g, 0, |_| b"{not json".to_vec()).await;
+    let t0 = Instant::now();
+    eprintln!("forged gate epoch {forged}");
+    // A second single instance, its own data_dir, no flag.
+    let mut b = Fencegate::unstarted("127.0.0.1:0", "", &cfg, &[]);
+    let started = b.spawn(None);
+    eprintln!(
+        "second instance start after {:?}: {:?}",
+        t0.elapsed(),
+        started.as_ref().map(|_| "listening").map_err(|e| e
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_owned())
+    );
+    if started.is_err() {
+        return; // the guard held
+    }
+    // Both serve now? A request at epoch e through A, held at the destination...
+    let held = spawn_post(&a, &w1, &[("x-test-hold", "a")], b"epoch e, via a".to_vec());
+    origin
+        .wait_until("a's request", |l| {
+            l.iter().any(|x| x.body == b"epoch e, via a"[..])
+        })
+        .await;
+    // ...and the next leader's request at e+1 through B.
+    let w2 = force_next_epoch(&epochs, LEASE, "worker-2", Duration::from_secs(120)).await;
+    let b_reply = post(&b, "/billing/x", &w2, "epoch e+1, via b").await;
+    // The key A delivered, retried through B.
+    let again = send(keyed(&b, "/billing/x", &w2, "charge-1", "charge one")).await;
+    origin.release("a");
+    let a_reply = held.await.unwrap();
+    eprintln!(
+        "a (e) -> {:?}; b (e+1) -> {}; charge-1 again via b -> {}; {:?} after the forge",
+        a_reply.as_ref().map(|r| r.status),
+        b_reply.status,
+        again.status,
+        t0.elapsed()
+    );
+    // How long A keeps forwarding after its tenure was lost to the garbage
+    // object (its renewal, every 2 s, finds epoch `forged` taken).
+    let w3 = force_next_epoch(&epochs, LEASE, "worker-3", Duration::from_secs(120)).await;
+    let mut n = 0;
+    let last_ok = loop {
+        let r = post(&a, "/billing/x", &w3, &format!("a late {n}")).await;
+        n += 1;
+        if r.status != 200 || t0.elapsed() > Duration::from_secs(10) {
+            eprintln!("a answered {} {:?} after the forge", r.status, t0.elapsed());
+            break t0.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!(
+        "a forwarded {} requests until {last_ok:?} after the forge",
+        n - 1
+    );
+    let log = dump_arrivals(&origin, t0);
+    let a_done = log
+        .iter()
+        .find(|x| x.body == b"epoch e, via a"[..])
+        .unwrap()
+        .completed;
+    let b_arr = log
+        .iter()
+        .find(|x| x.body == b"epoch e+1, via b"[..])
+        .map(|x| x.arrived);
+    let charges = log.iter().filter(|x| x.body == b"charge one"[..]).count();
+    assert!(
+        b_arr.is_none() || a_done.is_some_and(|d| d <= b_arr.unwrap()),
+        "SPEC §5: the epoch e+1 request arrived while the epoch e request was in flight"
+    );
+    assert!(charges <= 1, "SPEC §6: charge-1 delivered {charges} times");
+    panic!("SPEC §10.1: a second single instance started beside a live one (garbage gate object)");
+}
+
+/// SPEC §10.1: a single instance whose guard cannot be renewed aborts a
+/// request still in flight at gate_ttl after its last renewal (the destination
+/// holds the request; the store is paused), not before its self-fence margin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_instance_cut_from_the_store_aborts_in_flight_at_gate_ttl() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&single_config(&s3, &origin));
+    let epochs = s3.epochs().await;
+    let w1 = acquire(&epochs, LEASE, "worker-1", Duration::from_secs(120)).await;
+    let g = gates(&s3).await;
+    next_renewal(&g, 0).await;
+    let renewed = Instant::now();
+    let a = held_a(&fg, &origin, &w1, "a: held").await;
+    s3.pause();
+    let r = a.await.unwrap();
+    let at = renewed.elapsed();
+    s3.resume();
+    eprintln!(
+        "a -> {:?} {:?} after the last renewal (gate_ttl 6 s)",
+        r.as_ref().map(|r| (r.status, r.error_code())),
+        at
+    );
+    assert!(
+        at <= Duration::from_millis(6500),
+        "aborted {at:?} after the last renewal, gate_ttl is 6 s"
+    );
+    assert!(at >= Duration::from_millis(5000), "aborted early: {at:?}");
+}
+
+/// SPEC §10.1 ("refuses (exit 2) to take the guard over from an instance
+/// whose state differs unless started with --takeover-may-duplicate") / §6. A
+/// (sled) delivered charge-1 and was killed; B (another data_dir, no flag) is
+/// refused, and still refused after 33 garbage objects are written over A's
+/// guard (the test ends there). Failed when the guard's start-up checks read
+/// the latest gate object that parsed, walking back at most 32 epochs: 33
+/// garbage objects left nothing to check, the state check was skipped, B
+/// started and charge-1's retry was delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_three_garbage_objects_never_skip_the_guards_state_check() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let cfg = single_config(&s3, &origin);
+    let mut a = Fencegate::start(&cfg);
+    let epochs = s3.epochs().await;
+    let w1 = acquire(&epochs, LEASE, "worker-1", Duration::from_secs(300)).await;
+    let r = send(keyed(&a, "/billing/x", &w1, "charge-1", "charge one")).await;
+    assert_eq!(r.status, 200);
+    a.kill9();
+    // A's guard (gate_ttl 6 s) expires; + LastModified resolution + grace.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let mut b = Fencegate::unstarted("127.0.0.1:0", "", &cfg, &[]);
+    let control = b.spawn(None);
+    let refused = control
+        .as_ref()
+        .err()
+        .is_some_and(|e| e.contains("--takeover-may-duplicate"));
+    eprintln!("control (no garbage): refused with the state check: {refused}");
+    assert!(refused, "control: B should be refused: {control:?}");
+    let g = gates(&s3).await;
+    for _ in 0..33 {
+        forge_next(&g, 0, |_| b"garbage".to_vec()).await;
+    }
+    // The last garbage object frees after gate_ttl (6 s) + 1 s + grace.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let started = b.spawn(None);
+    eprintln!(
+        "B after 33 garbage objects: {:?}",
+        started.as_ref().map(|_| "listening").map_err(|e| e
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_owned())
+    );
+    if started.is_err() {
+        return; // held
+    }
+    let w2 = force_next_epoch(&epochs, LEASE, "worker-2", Duration::from_secs(300)).await;
+    let again = send(keyed(&b, "/billing/x", &w2, "charge-1", "charge one")).await;
+    let n = origin
+        .log()
+        .iter()
+        .filter(|x| x.body == b"charge one"[..])
+        .count();
+    eprintln!(
+        "charge-1 retried via B -> {} (replayed: {:?}); delivered {n} times",
+        again.status,
+        again.headers.get("x-fencegate-replayed")
+    );
+    assert!(n <= 1, "SPEC §6: charge-1 delivered {n} times");
+    panic!("SPEC §10.1: B took the guard from an instance with other state, without the flag");
 }

@@ -5,6 +5,11 @@
 //! Short gate leases (6 s, renewed every 2 s, self-fence margin 2 s, grace
 //! 500 ms) keep takeovers within seconds while leaving a loaded two-core machine
 //! a renewal's worth of slack.
+//!
+//! Attacks and faults on members started one by one (`support::members`): gate
+//! objects someone else wrote ([`gate_objects`]), the anchor beside a single
+//! instance ([`anchor`]), when an ownership row is free ([`owner_rows`]), and
+//! how a tenure ends ([`tenure`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -25,6 +30,11 @@ macro_rules! skip_without_postgres {
         }
     };
 }
+
+mod anchor;
+mod gate_objects;
+mod owner_rows;
+mod tenure;
 
 const PEER_TOKEN: &str = "test-peer-token-0123456789";
 

@@ -17,6 +17,8 @@
 #[path = "../../common/mod.rs"]
 mod common;
 pub mod egress;
+pub mod gate;
+pub mod members;
 pub mod otlp;
 pub mod relay;
 
@@ -597,4 +599,35 @@ pub async fn billing_route(
     ));
     let epochs = s3.epochs().await;
     (s3, origin, fg, epochs)
+}
+
+/// Prints the origin's log (each arrival's times counted from `t0`, its epoch
+/// and body) and returns it.
+pub fn dump_arrivals(origin: &Origin, t0: Instant) -> Vec<Arrival> {
+    let log = origin.log();
+    for x in &log {
+        eprintln!(
+            "  arrived {:?} epoch {:?} body {:?} completed {:?}",
+            x.arrived.saturating_duration_since(t0),
+            x.epoch(),
+            String::from_utf8_lossy(&x.body),
+            x.completed.map(|c| c.saturating_duration_since(t0))
+        );
+    }
+    log
+}
+
+/// Epoch e's request, held: a POST of `payload` (which starts `a:`) through
+/// `fg`, held at the origin under `a`; returns once it has arrived there.
+pub async fn held_a(
+    fg: &Fencegate,
+    origin: &Origin,
+    h: &Holding,
+    payload: &str,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let a = spawn_post(fg, h, &[("x-test-hold", "a")], payload.as_bytes().to_vec());
+    origin
+        .wait_until("a", |l| l.iter().any(|x| x.body.starts_with(b"a:")))
+        .await;
+    a
 }

@@ -324,7 +324,8 @@ async fn each_error_message_says_the_next_step() {
 /// taken by a request held at the origin) says which protection refused it
 /// (`detail`), when to retry (`Retry-After`, and in the message), and that
 /// nothing was recorded for it (not that its key is free: another request may
-/// hold it, review finding F2) — and so: nothing reached the origin, no record.
+/// hold it, `protect::upstream_held_never_calls_an_in_flight_key_free`) — and
+/// so: nothing reached the origin, no record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_held_says_when_to_retry_and_records_nothing() {
     let origin = Origin::start().await;

@@ -1,7 +1,7 @@
 //! Traces (docs/traces.md): what fencegate exports over OTLP/HTTP, decoded by
 //! the official `opentelemetry-proto` bindings (`scripts/otlp_receiver.py`),
 //! and the `traceparent` the destination receives. The peer hop is in
-//! `cluster.rs` (it needs PostgreSQL).
+//! `cluster/mod.rs` (it needs PostgreSQL).
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! database, every request sent to a random instance (two of three take a peer
 //! hop to the shard's owner).
 //!
-//! Gate leases as in tests/it/cluster.rs: `gate_ttl` 6 s, `self_fence_margin`
+//! Gate leases as in tests/it/cluster/mod.rs: `gate_ttl` 6 s, `self_fence_margin`
 //! 2 s, `grace_ms` 500, six shards. A seeded nemesis injects, one instance at a
 //! time:
 //!

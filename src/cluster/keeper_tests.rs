@@ -561,7 +561,7 @@ async fn two_members_end_with_two_shards_each_and_never_share_one() {
     assert_eq!((serving(&a).len(), serving(&b).len()), (2, 2));
     // Long into its tenures, each names itself the owner of what it serves
     // (its own renewals count as seen: the view's owner stayed empty once
-    // gate_ttl + grace had passed since its take — review finding).
+    // gate_ttl + grace had passed since its take).
     for m in [&a, &b] {
         for v in m.shard_statuses() {
             if v.served_here {

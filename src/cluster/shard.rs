@@ -73,7 +73,7 @@ pub(super) struct Shard {
     pub(super) busy: AtomicBool,
     /// Tenures of this shard stopped here whose requests may still be in
     /// flight (until their abort deadline): a new tenure here starts after
-    /// them, as a successor elsewhere would (review of issue 28, F3).
+    /// them, as a successor elsewhere would.
     pub(super) stopping: std::sync::Arc<tokio::sync::watch::Sender<usize>>,
     pub(super) seen: Mutex<Seen>,
 }

@@ -61,7 +61,7 @@ impl Cluster {
         // time) may still have requests in flight until its abort deadline,
         // which can come after a new tenure's settle; and their outcomes are
         // written under its generation, which a new take would make stale
-        // (review of issue 28, F3/F4). They end first; meanwhile the row stays
+        // (both were found delivering late). They end first; meanwhile the row stays
         // this instance's, renewed.
         self.previous_tenure_ended(g).await;
         let previous = lock(&g.seen).clone();

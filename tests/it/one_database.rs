@@ -436,8 +436,8 @@ async fn a_changed_record_stops_a_running_single_instance_forwarding() {
 /// the same store by name, not the same store. Its instance is refused (the
 /// database's set-up id is not the one its store keeps), before it writes
 /// anything; the first goes on delivering. Failed before the set-up's id was
-/// kept in the store too: the record compared names only (found by the
-/// review of issue 39 with two hosts' `dir` stores of one path).
+/// kept in the store too: the record compared names only, and two hosts'
+/// `dir` stores of one path were taken for one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
     skip_without_python!();
@@ -476,7 +476,7 @@ async fn a_store_of_the_same_name_elsewhere_is_another_set_up() {
 /// set-up starting first is refused, and the set-up whose gate objects name
 /// the database claims them — its retry is answered from its record, not
 /// delivered again. Failed when an unrecorded database went to the first
-/// instance to start (review of issue 39: production claimed staging's marks).
+/// instance to start: production claimed staging's marks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
     skip_without_python!();
@@ -517,8 +517,8 @@ async fn records_without_a_set_up_row_go_only_to_the_set_up_that_wrote_them() {
 /// A single instance moved to another schema (another `data_dir` too) keeps
 /// its deliveries elsewhere than the instance it takes the guard over from:
 /// refused like any other state (exit 2), not taken over as "the same state" —
-/// which forwarded a delivered key's retry again (review of issue 39: gate
-/// objects named the database without its schema). `url` gives the moved
+/// which forwarded a delivered key's retry again when gate objects named the
+/// database without its schema. `url` gives the moved
 /// instance's connection string from the first's.
 async fn moved_to_another_schema(moved_state: impl FnOnce(&str) -> (String, Option<&'static str>)) {
     let world = World::new().await;
@@ -566,7 +566,7 @@ async fn a_single_instance_moved_by_its_search_path_is_another_state() {
 
 /// The set-up table dropped under a running instance (as restoring a dump
 /// from before schema 8 does) is a record gone: forwarding stops. Failed when
-/// a failed read of the record changed nothing (second review of issue 39).
+/// a failed read of the record changed nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_set_up_table_stops_a_running_instance() {
     skip_without_python!();
@@ -591,7 +591,7 @@ async fn a_dropped_set_up_table_stops_a_running_instance() {
 /// An instance refused by the legacy rule (a database of schema 7 holding
 /// another set-up's records) writes nothing there — not even the migration to
 /// schema 8, which an older build running on it would then refuse to start
-/// on. Failed when the migration ran before the check (second review).
+/// on. Failed when the migration ran before the check.
 /// And a set-up whose own database holds records of the same name but another
 /// schema is not fooled by equal connection strings: the gate objects name
 /// the schema in use.
@@ -661,8 +661,8 @@ async fn a_refused_instance_leaves_an_older_database_as_it_was() {
 /// so that no background task (the sweeper, a drain's note, a graceful
 /// leave) changes the other set-up's records; reads still work, and writes
 /// resume once the record is this set-up's again. Failed when only forwarding
-/// was stopped (review of issue 39: the sweeper of a stopped set-up deleted
-/// the other's `done` record, and its key was delivered again).
+/// was stopped: the sweeper of a stopped set-up deleted the other's `done`
+/// record, and its key was delivered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_record_stops_every_write() {
     use fencegate::epoch::{Epoch, LeaseName};

@@ -26,7 +26,9 @@
 //!   store's and the local wall clocks do not matter); an instance that cannot
 //!   renew stops forwarding there (503 `shard_unavailable`) and resumes when it
 //!   holds the lease again.
-//! - A graceful stop writes a `release` gate object: a successor starts at once.
+//! - A graceful stop writes a `release` gate object: the same instance (its
+//!   `data_dir`) starts again at once; another believes only its own seal's
+//!   release, so it waits `gate_ttl + grace_ms` after the object (SPEC §10).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};

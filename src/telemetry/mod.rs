@@ -161,11 +161,33 @@ struct Recording {
     children: Vec<SpanData>,
 }
 
-/// A child span begun ([`Spans::begin`]).
+/// A child span begun ([`Spans::step`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Begun {
     id: [u8; 8],
     at: Instant,
+}
+
+/// The span of a [step](Spans::step) as its work is made: what a request the
+/// step sends on (to the upstream, or to the shard's owner) carries.
+pub(crate) struct Onward<'a> {
+    spans: &'a Spans,
+    begun: Option<Begun>,
+}
+
+impl Onward<'_> {
+    /// Sets `traceparent` on the request sent on to name this step's span as
+    /// the parent, with the worker's `tracestate`. Untouched when off.
+    pub(crate) fn propagate(self, headers: &mut HeaderMap) {
+        let (Some(r), Some(b)) = (self.spans.0.as_ref(), self.begun) else {
+            return;
+        };
+        headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
+        match &r.trace_state {
+            Some(s) => headers.insert(TRACESTATE, s.clone()),
+            None => headers.remove(TRACESTATE),
+        };
+    }
 }
 
 /// A span's kind (OTLP `SpanKind`).
@@ -233,29 +255,40 @@ impl Spans {
         self.0.is_some()
     }
 
+    /// Runs one step of the request path as a child span of the request's, at
+    /// one call a step: the span begins, `work` is made (given the span, for a
+    /// request sent on to name as its parent: [`Onward::propagate`]) and awaited,
+    /// and the span ends with the attributes and the error status `describe`
+    /// reads off the step's result. Off: `work` runs as it would alone — no clock
+    /// read, no span id drawn, `describe` never called.
+    pub(crate) async fn step<T, W>(
+        &mut self,
+        name: &'static str,
+        kind: Kind,
+        work: impl FnOnce(Onward<'_>) -> W,
+        describe: impl for<'r> FnOnce(&'r T, &mut Attrs) -> Option<&'r str>,
+    ) -> T
+    where
+        W: std::future::Future<Output = T>,
+    {
+        let begun = self.begin();
+        let out = work(Onward { spans: self, begun }).await;
+        if let (Some(r), Some(b)) = (self.0.as_mut(), begun) {
+            let end = crate::clock::stopwatch();
+            let mut a = Attrs::default();
+            let error = describe(&out, &mut a);
+            r.child(b.id, name, kind, (b.at, end), a, error);
+        }
+        out
+    }
+
     /// Starts a child span of the request span now (`None` when off: the clock
     /// is not even read).
-    pub(crate) fn begin(&self) -> Option<Begun> {
+    fn begin(&self) -> Option<Begun> {
         self.0.as_ref().map(|_| Begun {
             id: span_id(),
             at: crate::clock::stopwatch(),
         })
-    }
-
-    /// Ends the child `begun` now, with `attrs` and an error message when it failed.
-    pub(crate) fn end(
-        &mut self,
-        begun: Option<Begun>,
-        name: &'static str,
-        kind: Kind,
-        attrs: impl FnOnce(&mut Attrs),
-        error: Option<&str>,
-    ) {
-        let (Some(r), Some(b)) = (self.0.as_mut(), begun) else {
-            return;
-        };
-        let end = crate::clock::stopwatch();
-        r.child(b.id, name, kind, (b.at, end), attrs, error);
     }
 
     /// A child span that ran from `from` to `to`, measured elsewhere (a drain).
@@ -266,22 +299,10 @@ impl Spans {
         attrs: impl FnOnce(&mut Attrs),
     ) {
         if let Some(r) = self.0.as_mut() {
-            r.child(span_id(), name, Kind::Internal, (from, to), attrs, None);
+            let mut a = Attrs::default();
+            attrs(&mut a);
+            r.child(span_id(), name, Kind::Internal, (from, to), a, None);
         }
-    }
-
-    /// Sets `traceparent` on a request sent on (to the upstream, or to the
-    /// shard's owner) to name `begun`'s span as the parent, with the worker's
-    /// `tracestate`. Untouched when off.
-    pub(crate) fn propagate(&self, begun: Option<Begun>, headers: &mut HeaderMap) {
-        let (Some(r), Some(b)) = (self.0.as_ref(), begun) else {
-            return;
-        };
-        headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
-        match &r.trace_state {
-            Some(s) => headers.insert(TRACESTATE, s.clone()),
-            None => headers.remove(TRACESTATE),
-        };
     }
 
     /// Ends the request span (named `name`, a SERVER span) and queues the
@@ -325,11 +346,9 @@ impl Recording {
         name: &'static str,
         kind: Kind,
         (from, to): (Instant, Instant),
-        attrs: impl FnOnce(&mut Attrs),
+        a: Attrs,
         error: Option<&str>,
     ) {
-        let mut a = Attrs::default();
-        attrs(&mut a);
         let t = &self.telemetry;
         self.children.push(SpanData {
             trace_id: self.trace_id,
@@ -391,28 +410,73 @@ mod tests {
         assert!(always.request(&HeaderMap::new()).is_on());
         let unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
         assert!(!always.request(&with_traceparent(unsampled)).is_on());
-        // Off: nothing begun, headers untouched.
-        let off = Spans::off();
+        // Off: nothing begun, headers untouched, nothing described.
+        let mut off = Spans::off();
         assert!(off.begin().is_none());
         let mut h = with_traceparent(unsampled);
-        off.propagate(off.begin(), &mut h);
+        let out = off
+            .step(
+                "step",
+                Kind::Client,
+                |onward| {
+                    onward.propagate(&mut h);
+                    async { 7 }
+                },
+                |_, _| unreachable!("a step is not described when off"),
+            )
+            .await;
+        assert_eq!(out, 7);
         assert_eq!(h[TRACEPARENT], unsampled);
+    }
+
+    #[tokio::test]
+    async fn a_step_is_a_child_span_its_request_names_as_parent() {
+        let (t, _) = telemetry(1.0, 10);
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut spans = t.request(&with_traceparent(sampled));
+        let mut h = HeaderMap::new();
+        let out: Result<(), String> = spans
+            .step(
+                "upstream",
+                Kind::Client,
+                |onward| {
+                    onward.propagate(&mut h);
+                    async { Err("cut".to_owned()) }
+                },
+                |r, a| {
+                    a.str("error.type", "outcome_unknown");
+                    r.as_ref().err().map(String::as_str)
+                },
+            )
+            .await;
+        assert_eq!(out, Err("cut".to_owned()));
+        spans.finish(|| "GET".into(), |_| {}, None);
+        let queued = t.queue.take(10);
+        let (step, request) = (&queued[0], &queued[1]);
+        assert_eq!(step.name, "upstream");
+        assert_eq!(step.parent, Some(request.span_id));
+        assert_eq!(step.error.as_deref(), Some("cut"));
+        assert_eq!(step.attributes.len(), 1);
+        let sent = h[TRACEPARENT].to_str().unwrap();
+        assert!(
+            sent.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"),
+            "{sent}"
+        );
+        assert!(sent.contains(&hex::encode(step.span_id)), "{sent}");
     }
 
     #[tokio::test]
     async fn a_request_that_does_not_fit_the_queue_is_dropped_whole() {
         let (t, metrics) = telemetry(1.0, 5);
-        let request = |children: usize| {
+        for children in [2, 2, 1] {
+            // 3 spans: queued; 3 more: 6 > 5, all dropped; 2: fit.
             let mut s = t.request(&HeaderMap::new());
             for _ in 0..children {
-                let b = s.begin();
-                s.end(b, "step", Kind::Internal, |_| {}, None);
+                s.step("step", Kind::Internal, |_| async {}, |_, _| None)
+                    .await;
             }
             s.finish(|| "GET".into(), |_| {}, None);
-        };
-        request(2); // 3 spans: queued
-        request(2); // 3 more: 6 > 5, all dropped
-        request(1); // 2: fits
+        }
         assert_eq!(t.queue.take(100).len(), 5);
         let text = metrics.render();
         assert!(

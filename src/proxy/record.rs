@@ -1,0 +1,169 @@
+//! The dedup key's record (SPEC §6): phase 5, claim the key — the request's
+//! key, and on a recording route its durable `in_flight` record (or the stored
+//! answer of a request done before); phase 7, record — the key's outcome, from
+//! how the forward ended.
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::Response;
+
+use super::claim::Payload;
+use super::server_error;
+use super::upstream::{Answer, Sent};
+use super::{Proxy, Route};
+use crate::dedup::{self, Action, Begin, DedupKey, Outcome};
+use crate::epoch::Epoch;
+use crate::error::ProxyError;
+use crate::fence::Fence;
+use crate::streaming::ProxyBody;
+use crate::telemetry::{Kind, Spans};
+
+/// The request as its dedup key and record know it: method, path and query,
+/// and the body when the route records the request (read whole).
+pub(super) struct Keyed<'a> {
+    method: &'a str,
+    path_query: &'a str,
+    recorded: Option<&'a Bytes>,
+}
+
+impl<'a> Keyed<'a> {
+    pub(super) fn new(parts: &'a Parts, body: &'a Payload, record: bool) -> Keyed<'a> {
+        Keyed {
+            method: parts.method.as_str(),
+            path_query: parts
+                .uri
+                .path_and_query()
+                .map_or(parts.uri.path(), |pq| pq.as_str()),
+            recorded: match body {
+                Payload::Whole(b) if record => Some(b),
+                Payload::Whole(_) | Payload::Stream(_) => None,
+            },
+        }
+    }
+
+    /// The request's dedup key: the worker's, else derived from a recorded
+    /// request, else a fresh one (sent on, never recorded).
+    pub(super) fn key(&self, route: &Route, worker_key: Option<DedupKey>) -> DedupKey {
+        match (worker_key, self.recorded) {
+            (Some(k), _) => k,
+            (None, Some(b)) => DedupKey::derive(&route.name, self.method, self.path_query, b),
+            (None, None) => DedupKey::fresh(),
+        }
+    }
+}
+
+/// What claiming the key decided.
+pub(super) enum Claimed {
+    /// Forward the request; with a ticket, the route records its outcome.
+    Forward(Option<dedup::Ticket>),
+    /// The request was done before: its stored answer.
+    Replay(Response<ProxyBody>),
+}
+
+impl Proxy {
+    /// Claims `key` for a recorded request: its `in_flight` record is durable
+    /// before anything is forwarded (span `dedup.claim`). Not raced against a
+    /// drain abort: a record must never be left `in_flight` by a request that
+    /// stopped halfway through writing it.
+    pub(super) async fn claim_key(
+        &self,
+        route: &Route,
+        fence: &Fence,
+        key: &DedupKey,
+        request: &Keyed<'_>,
+        epoch: Epoch,
+        spans: &mut Spans,
+    ) -> Result<Claimed, ProxyError> {
+        let Some(body) = request.recorded else {
+            return Ok(Claimed::Forward(None));
+        };
+        let begun = spans
+            .step(
+                "dedup.claim",
+                Kind::Internal,
+                |_| async {
+                    self.dedup
+                        .begin(
+                            fence.owner(),
+                            &route.name,
+                            key,
+                            Action::new(request.method, request.path_query, body),
+                            epoch,
+                            route.in_doubt,
+                        )
+                        .await
+                        .map_err(ProxyError::from)
+                },
+                |begun, a| {
+                    a.str(
+                        "fencegate.dedup",
+                        match begun {
+                            Ok(Begin::Forward(_)) => "claimed",
+                            Ok(Begin::Replay(_)) => "replay",
+                            Err(e) => e.code(),
+                        },
+                    );
+                    server_error(begun)
+                },
+            )
+            .await;
+        Ok(match begun? {
+            Begin::Replay(stored) => Claimed::Replay(stored.to_response().map(ProxyBody::from)),
+            Begin::Forward(t) => Claimed::Forward(Some(t)),
+        })
+    }
+
+    /// Records the key's outcome, from how the forward ended, in one place (span
+    /// `dedup.outcome`). A response larger than `max_replay_bytes` is recorded
+    /// `done` without its body (what was read is over the limit), durably,
+    /// before any of it is streamed to the worker (SPEC §6).
+    pub(super) async fn record(
+        &self,
+        route: &Route,
+        ticket: dedup::Ticket,
+        result: &Result<Answer, ProxyError>,
+        sent: Sent,
+        spans: &mut Spans,
+    ) {
+        let outcome = match (result, sent) {
+            (Ok(a), _) => Outcome::Response {
+                status: a.status,
+                headers: &a.headers,
+                body: &a.body,
+                retryable: route.retryable.contains(&a.status.as_u16()),
+                max_replay_bytes: route.max_replay_bytes,
+            },
+            (Err(_), Sent::Nothing) => Outcome::NotSent,
+            (Err(_), Sent::Maybe) => Outcome::Unknown,
+        };
+        let recorded = match outcome {
+            Outcome::Response { .. } => "response",
+            Outcome::NotSent => "not_sent",
+            Outcome::Unknown => "unknown",
+        };
+        spans
+            .step(
+                "dedup.outcome",
+                Kind::Internal,
+                |_| self.finish_quietly(ticket, outcome),
+                |written, a| {
+                    a.str("fencegate.dedup.outcome", recorded);
+                    (!written).then_some("not recorded")
+                },
+            )
+            .await;
+    }
+
+    /// Records a forward's outcome. A failure here must not change the worker's
+    /// answer: the upstream's response (or the forwarding error) is the truth
+    /// about the action. The `in_flight` record was durable before forwarding, so
+    /// a retry is refused (`dedup_in_flight`, or `dedup_in_doubt` after a restart),
+    /// never repeated.
+    async fn finish_quietly(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) -> bool {
+        let written = self.dedup.finish(ticket, outcome).await;
+        if let Err(e) = &written {
+            tracing::error!(error = %e, "could not record the outcome of a forwarded request; a retry of its key is refused until the outcome is settled (PostgreSQL: written again in the background) or a restart makes it in doubt");
+        }
+        written.is_ok()
+    }
+}

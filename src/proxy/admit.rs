@@ -2,6 +2,8 @@
 //! drain; phase 4, protect (SPEC §7 `upstream_held`): the route's in-flight
 //! limit, its hold on a `Retry-After` and its breaker.
 
+use std::pin::pin;
+
 use super::{server_error, Route};
 use crate::admission::Claim;
 use crate::error::ProxyError;
@@ -24,12 +26,12 @@ pub(super) async fn admit(
         .step(
             "admission",
             Kind::Internal,
-            |_| async {
+            pin!(async {
                 fence
                     .admit(claim, route.require_token, route.drain_timeout)
                     .await
                     .map_err(ProxyError::from)
-            },
+            }),
             |admitted, a| {
                 a.str("fencegate.lease", route.lease.to_string())
                     .int("fencegate.epoch", claim.epoch.get() as i64)

@@ -4,7 +4,6 @@
 //! left to stream.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -35,6 +34,11 @@ pub(super) struct Parsed<'p> {
     pub(super) relayed: bool,
     /// The route records this request's outcome (SPEC §6).
     pub(super) record: bool,
+    /// The body is read whole before admission ([`read_body`]): a recorded
+    /// request's (its key and fingerprint need it) and a signed one's (its
+    /// signature covers the body); any other is streamed to the upstream once
+    /// admitted.
+    pub(super) whole: bool,
 }
 
 impl Proxy {
@@ -88,6 +92,7 @@ impl Proxy {
             worker_key,
             relayed,
             record,
+            whole: record || route.signer.is_some(),
         })
     }
 
@@ -115,22 +120,6 @@ pub(super) enum Payload {
 }
 
 impl Payload {
-    /// The body as the request's route takes it: a recorded request is read
-    /// whole (its key and fingerprint need it), and so is a signed one (its
-    /// signature covers the body); any other is streamed to the upstream once
-    /// admitted.
-    pub(super) async fn read(
-        route: &Route,
-        body: Incoming,
-        record: bool,
-    ) -> Result<Payload, ProxyError> {
-        Ok(if record || route.signer.is_some() {
-            Payload::Whole(read_body(body, route.max_body_bytes, route.timeout).await?)
-        } else {
-            Payload::Stream(body)
-        })
-    }
-
     /// The body as it is sent on, and how far a streamed one got (`None`: sent
     /// whole).
     pub(super) fn upload(self, limit: usize) -> (UpBody, Option<Arc<UploadState>>) {
@@ -170,9 +159,11 @@ fn refuse_declared_length(parts: &Parts, limit: usize) -> Result<(), ProxyError>
     }
 }
 
-/// Reads the whole request body, refusing more than `limit` bytes (413).
-async fn read_body(body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, ProxyError> {
-    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+/// Reads the whole request body within the route's timeout, refusing more
+/// than its `max_body_bytes` (413).
+pub(super) async fn read_body(body: Incoming, route: &Route) -> Result<Bytes, ProxyError> {
+    let limit = route.max_body_bytes;
+    match tokio::time::timeout(route.timeout, Limited::new(body, limit).collect()).await {
         Ok(Ok(c)) => Ok(c.to_bytes()),
         Ok(Err(e))
             if e.downcast_ref::<http_body_util::LengthLimitError>()

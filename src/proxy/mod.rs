@@ -4,9 +4,9 @@
 //!
 //! 1. **Parse the claim** — [`Proxy::parse`] (`claim.rs`): refuses an
 //!    `Upgrade`, reads the epoch, the worker's key, the token and a peer's
-//!    headers, refuses a declared length over the limit; then
-//!    [`Payload::read`] reads the body whole (a recorded or signed request) or
-//!    leaves it to stream.
+//!    headers, refuses a declared length over the limit; then [`read_body`]
+//!    reads the body whole (a recorded or signed request), or it is left to
+//!    stream.
 //! 2. **Place or relay** — [`Proxy::place`] (`place.rs`): this instance's
 //!    fence of the lease, or the shard's owner, to which [`Proxy::relay`]
 //!    passes the request (SPEC §10; span `peer.relay`).
@@ -16,8 +16,8 @@
 //!    hold and breaker, after admission and before the dedup claim (SPEC §7
 //!    `upstream_held`).
 //! 5. **Claim the key** — [`Keyed::key`], [`Proxy::claim_key`] (`record.rs`):
-//!    the dedup key, and on a recording route its durable `in_flight` record or
-//!    the stored answer, replayed (SPEC §6; span `dedup.claim`).
+//!    the dedup key, and for a recorded request its durable `in_flight` record
+//!    or the stored answer, replayed (SPEC §6; span `dedup.claim`).
 //! 6. **Forward** — [`Proxy::forward`] (`upstream.rs`): builds (and signs) the
 //!    upstream request, checks right before the send that the pass was not
 //!    aborted, that this instance may still forward for the lease's owner and
@@ -47,7 +47,7 @@ pub(crate) use routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::clock::Clock;
-use crate::dedup::{Dedup, DedupKey};
+use crate::dedup::{Begin, Dedup, DedupKey};
 use crate::error::ProxyError;
 use crate::fence::Fences;
 use crate::forward::{ClientHop, HttpsClient};
@@ -59,9 +59,9 @@ use crate::state::StateStore;
 use crate::streaming::ProxyBody;
 use crate::telemetry::{Spans, Telemetry};
 use admit::{admit, protect};
-use claim::{Parsed, Payload};
+use claim::{read_body, Parsed, Payload};
 use place::Served;
-use record::{Claimed, Keyed};
+use record::Keyed;
 use upstream::{Outgoing, Trace};
 
 pub(crate) struct Proxy {
@@ -243,8 +243,13 @@ impl Proxy {
             worker_key,
             relayed,
             record,
+            whole,
         } = self.parse(route, &parts, seen)?;
-        let body = Payload::read(route, body, record).await?;
+        let body = if whole {
+            Payload::Whole(read_body(body, route).await?)
+        } else {
+            Payload::Stream(body)
+        };
         // 2. Place or relay.
         let fence = match self.place(route, relayed) {
             Served::Here(fence) => fence?,
@@ -259,14 +264,19 @@ impl Proxy {
         // 4. Protect.
         let protect = protect(route)?;
         // 5. Claim the key.
-        let request = Keyed::new(&parts, &body, record);
+        let request = Keyed::new(&parts, &body, record, claim.epoch);
         let key: &'s DedupKey = seen.key.insert(request.key(route, worker_key));
-        let ticket = match self
-            .claim_key(route, &fence, key, &request, claim.epoch, spans)
-            .await?
-        {
-            Claimed::Forward(ticket) => ticket,
-            Claimed::Replay(stored) => return Ok((stored, "replayed")),
+        let ticket = match request.recorded {
+            None => None,
+            Some(b) => match self
+                .claim_key(route, &fence, key, &request, b, spans)
+                .await?
+            {
+                Begin::Forward(ticket) => Some(ticket),
+                Begin::Replay(stored) => {
+                    return Ok((stored.to_response().map(ProxyBody::from), "replayed"))
+                }
+            },
         };
         // 6. Forward.
         let outgoing = Outgoing::new(route, parts, body, ticket.is_some(), protect);

@@ -1,6 +1,7 @@
 //! Phase 2, place or relay (SPEC §10): the request is served by this
 //! instance's fence of the lease, or relayed to the shard's owner.
 
+use std::pin::pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,15 +76,14 @@ impl Proxy {
         spans: &mut Spans,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (body, _) = body.upload(route.max_body_bytes);
+        let onward = spans.onward(&mut parts.headers);
         let owner = peer.owner.as_str();
-        spans
+        onward
             .step(
+                spans,
                 "peer.relay",
                 Kind::Client,
-                |onward| {
-                    onward.propagate(&mut parts.headers);
-                    self.send_to_owner(route, owner, &peer.url, parts, body, hop)
-                },
+                pin!(self.send_to_owner(route, owner, &peer.url, parts, body, hop)),
                 |relayed, a| {
                     a.str("fencegate.peer", owner.to_owned());
                     if let Ok(r) = relayed {

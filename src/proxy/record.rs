@@ -3,9 +3,10 @@
 //! answer of a request done before); phase 7, record — the key's outcome, from
 //! how the forward ended.
 
+use std::pin::pin;
+
 use bytes::Bytes;
 use http::request::Parts;
-use http::Response;
 
 use super::claim::Payload;
 use super::server_error;
@@ -15,25 +16,33 @@ use crate::dedup::{self, Action, Begin, DedupKey, Outcome};
 use crate::epoch::Epoch;
 use crate::error::ProxyError;
 use crate::fence::Fence;
-use crate::streaming::ProxyBody;
 use crate::telemetry::{Kind, Spans};
 
 /// The request as its dedup key and record know it: method, path and query,
-/// and the body when the route records the request (read whole).
+/// epoch, and the body when the route records the request (read whole).
 pub(super) struct Keyed<'a> {
     method: &'a str,
     path_query: &'a str,
-    recorded: Option<&'a Bytes>,
+    epoch: Epoch,
+    /// The body of a request the route records: its key is claimed
+    /// ([`Proxy::claim_key`]) and its outcome recorded ([`Proxy::record`]).
+    pub(super) recorded: Option<&'a Bytes>,
 }
 
 impl<'a> Keyed<'a> {
-    pub(super) fn new(parts: &'a Parts, body: &'a Payload, record: bool) -> Keyed<'a> {
+    pub(super) fn new(
+        parts: &'a Parts,
+        body: &'a Payload,
+        record: bool,
+        epoch: Epoch,
+    ) -> Keyed<'a> {
         Keyed {
             method: parts.method.as_str(),
             path_query: parts
                 .uri
                 .path_and_query()
                 .map_or(parts.uri.path(), |pq| pq.as_str()),
+            epoch,
             recorded: match body {
                 Payload::Whole(b) if record => Some(b),
                 Payload::Whole(_) | Payload::Stream(_) => None,
@@ -52,48 +61,38 @@ impl<'a> Keyed<'a> {
     }
 }
 
-/// What claiming the key decided.
-pub(super) enum Claimed {
-    /// Forward the request; with a ticket, the route records its outcome.
-    Forward(Option<dedup::Ticket>),
-    /// The request was done before: its stored answer.
-    Replay(Response<ProxyBody>),
-}
-
 impl Proxy {
-    /// Claims `key` for a recorded request: its `in_flight` record is durable
-    /// before anything is forwarded (span `dedup.claim`). Not raced against a
-    /// drain abort: a record must never be left `in_flight` by a request that
-    /// stopped halfway through writing it.
+    /// Claims `key` for a recorded request (`body`: what it records): its
+    /// `in_flight` record is durable before anything is forwarded, or the
+    /// request was done before and its stored answer is replayed (span
+    /// `dedup.claim`). Not raced against a drain abort: a record must never be
+    /// left `in_flight` by a request that stopped halfway through writing it.
     pub(super) async fn claim_key(
         &self,
         route: &Route,
         fence: &Fence,
         key: &DedupKey,
         request: &Keyed<'_>,
-        epoch: Epoch,
+        body: &Bytes,
         spans: &mut Spans,
-    ) -> Result<Claimed, ProxyError> {
-        let Some(body) = request.recorded else {
-            return Ok(Claimed::Forward(None));
-        };
-        let begun = spans
+    ) -> Result<Begin, ProxyError> {
+        spans
             .step(
                 "dedup.claim",
                 Kind::Internal,
-                |_| async {
+                pin!(async {
                     self.dedup
                         .begin(
                             fence.owner(),
                             &route.name,
                             key,
                             Action::new(request.method, request.path_query, body),
-                            epoch,
+                            request.epoch,
                             route.in_doubt,
                         )
                         .await
                         .map_err(ProxyError::from)
-                },
+                }),
                 |begun, a| {
                     a.str(
                         "fencegate.dedup",
@@ -106,11 +105,7 @@ impl Proxy {
                     server_error(begun)
                 },
             )
-            .await;
-        Ok(match begun? {
-            Begin::Replay(stored) => Claimed::Replay(stored.to_response().map(ProxyBody::from)),
-            Begin::Forward(t) => Claimed::Forward(Some(t)),
-        })
+            .await
     }
 
     /// Records the key's outcome, from how the forward ended, in one place (span
@@ -145,7 +140,7 @@ impl Proxy {
             .step(
                 "dedup.outcome",
                 Kind::Internal,
-                |_| self.finish_quietly(ticket, outcome),
+                pin!(self.finish_quietly(ticket, outcome)),
                 |written, a| {
                     a.str("fencegate.dedup.outcome", recorded);
                     (!written).then_some("not recorded")

@@ -3,6 +3,7 @@
 //! read, and how the exchange settles — answered, or failed with what may have
 //! been sent.
 
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -171,6 +172,8 @@ impl Proxy {
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }
         let upstream_started = crate::clock::stopwatch();
+        // The upstream's spans are children of this step's.
+        let calling = spans.onward(upstream_req.headers_mut());
         let upstream_method = spans.is_on().then(|| upstream_req.method().clone());
         let exchange = Exchange::new();
         let at = AtUpstream {
@@ -185,17 +188,20 @@ impl Proxy {
             request_id,
             uri: upstream_req.uri().clone(),
         };
-        let result = spans
+        let upstream_req = upstream_req.map(|b| b.until_sent(at.exchange.end()));
+        let stop = stop_on(&at.pass, &self.abandon);
+        let result = calling
             .step(
+                spans,
                 "upstream",
                 Kind::Client,
-                |onward| {
-                    // The upstream's spans are children of this one.
-                    onward.propagate(upstream_req.headers_mut());
-                    let upstream_req = upstream_req.map(|b| b.until_sent(at.exchange.end()));
-                    let stop = stop_on(&at.pass, &self.abandon);
-                    send(route, upstream_req, at.recorded, upstream_started, stop)
-                },
+                pin!(send(
+                    route,
+                    upstream_req,
+                    at.recorded,
+                    upstream_started,
+                    stop
+                )),
                 |result, a| upstream_span(a, upstream_method.as_ref(), &at.uri, result),
             )
             .await;

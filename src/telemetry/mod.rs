@@ -20,7 +20,10 @@ mod export;
 mod otlp;
 
 use std::borrow::Cow;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Instant, UNIX_EPOCH};
 
 use http::{HeaderMap, HeaderValue, Uri};
@@ -163,30 +166,73 @@ struct Recording {
 
 /// A child span begun ([`Spans::step`]).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Begun {
+struct Begun {
     id: [u8; 8],
     at: Instant,
 }
 
-/// The span of a [step](Spans::step) as its work is made: what a request the
-/// step sends on (to the upstream, or to the shard's owner) carries.
-pub(crate) struct Onward<'a> {
-    spans: &'a Spans,
-    begun: Option<Begun>,
+/// A step begun by [`Spans::onward`]: its span is named in the request it
+/// sends on, and [`Onward::step`] runs it.
+#[must_use = "a step begun is run by Onward::step"]
+pub(crate) struct Onward(Option<Begun>);
+
+impl Onward {
+    /// [`Spans::step`], for this step.
+    pub(crate) fn step<'s, 'w, W, D>(
+        self,
+        spans: &'s mut Spans,
+        name: &'static str,
+        kind: Kind,
+        work: Pin<&'w mut W>,
+        describe: D,
+    ) -> Step<'s, 'w, W, D>
+    where
+        W: Future,
+        D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str>,
+    {
+        Step {
+            spans,
+            work,
+            begun: self.0,
+            name,
+            kind,
+            describe: Some(describe),
+        }
+    }
 }
 
-impl Onward<'_> {
-    /// Sets `traceparent` on the request sent on to name this step's span as
-    /// the parent, with the worker's `tracestate`. Untouched when off.
-    pub(crate) fn propagate(self, headers: &mut HeaderMap) {
-        let (Some(r), Some(b)) = (self.spans.0.as_ref(), self.begun) else {
-            return;
-        };
-        headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
-        match &r.trace_state {
-            Some(s) => headers.insert(TRACESTATE, s.clone()),
-            None => headers.remove(TRACESTATE),
-        };
+/// A step's work under its span ([`Spans::step`]): the work's output, once
+/// the span has ended. Holds the work pinned where its caller made it, so
+/// that wrapping it moves nothing.
+#[must_use = "a step does nothing unless awaited"]
+pub(crate) struct Step<'s, 'w, W, D> {
+    spans: &'s mut Spans,
+    work: Pin<&'w mut W>,
+    begun: Option<Begun>,
+    name: &'static str,
+    kind: Kind,
+    describe: Option<D>,
+}
+
+impl<W, D> Future for Step<'_, '_, W, D>
+where
+    W: Future,
+    D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str> + Unpin,
+{
+    type Output = W::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
+        let this = self.get_mut();
+        let out = std::task::ready!(this.work.as_mut().poll(cx));
+        if let (Some(r), Some(b), Some(describe)) =
+            (this.spans.0.as_mut(), this.begun, this.describe.take())
+        {
+            let end = crate::clock::stopwatch();
+            let mut a = Attrs::default();
+            let error = describe(&out, &mut a);
+            r.child(b.id, this.name, this.kind, (b.at, end), a, error);
+        }
+        Poll::Ready(out)
     }
 }
 
@@ -255,31 +301,40 @@ impl Spans {
         self.0.is_some()
     }
 
-    /// Runs one step of the request path as a child span of the request's, at
-    /// one call a step: the span begins, `work` is made (given the span, for a
-    /// request sent on to name as its parent: [`Onward::propagate`]) and awaited,
-    /// and the span ends with the attributes and the error status `describe`
-    /// reads off the step's result. Off: `work` runs as it would alone — no clock
-    /// read, no span id drawn, `describe` never called.
-    pub(crate) async fn step<T, W>(
-        &mut self,
+    /// Runs `work` as one step of the request path, at one call a step
+    /// (`spans.step("admission", Kind::Internal, pin!(work), describe).await`):
+    /// a child span of the request's, begun now and ended when `work` is done,
+    /// with the attributes and the error status `describe` reads off its
+    /// output. Off: `work` runs as it would alone — no clock read, no span id
+    /// drawn, `describe` never called.
+    pub(crate) fn step<'s, 'w, W, D>(
+        &'s mut self,
         name: &'static str,
         kind: Kind,
-        work: impl FnOnce(Onward<'_>) -> W,
-        describe: impl for<'r> FnOnce(&'r T, &mut Attrs) -> Option<&'r str>,
-    ) -> T
+        work: Pin<&'w mut W>,
+        describe: D,
+    ) -> Step<'s, 'w, W, D>
     where
-        W: std::future::Future<Output = T>,
+        W: Future,
+        D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str>,
     {
+        Onward(self.begin()).step(self, name, kind, work, describe)
+    }
+
+    /// Begins a step whose request is sent on (to the upstream, or to the
+    /// shard's owner) and sets that request's `traceparent` to name the step's
+    /// span as the parent, with the worker's `tracestate`; [`Onward::step`]
+    /// runs the step. Headers untouched when off.
+    pub(crate) fn onward(&self, headers: &mut HeaderMap) -> Onward {
         let begun = self.begin();
-        let out = work(Onward { spans: self, begun }).await;
-        if let (Some(r), Some(b)) = (self.0.as_mut(), begun) {
-            let end = crate::clock::stopwatch();
-            let mut a = Attrs::default();
-            let error = describe(&out, &mut a);
-            r.child(b.id, name, kind, (b.at, end), a, error);
+        if let (Some(r), Some(b)) = (self.0.as_ref(), begun) {
+            headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
+            match &r.trace_state {
+                Some(s) => headers.insert(TRACESTATE, s.clone()),
+                None => headers.remove(TRACESTATE),
+            };
         }
-        out
+        Onward(begun)
     }
 
     /// Starts a child span of the request span now (`None` when off: the clock
@@ -414,14 +469,13 @@ mod tests {
         let mut off = Spans::off();
         assert!(off.begin().is_none());
         let mut h = with_traceparent(unsampled);
-        let out = off
+        let onward = off.onward(&mut h);
+        let out = onward
             .step(
+                &mut off,
                 "step",
                 Kind::Client,
-                |onward| {
-                    onward.propagate(&mut h);
-                    async { 7 }
-                },
+                std::pin::pin!(async { 7 }),
                 |_, _| unreachable!("a step is not described when off"),
             )
             .await;
@@ -435,14 +489,13 @@ mod tests {
         let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let mut spans = t.request(&with_traceparent(sampled));
         let mut h = HeaderMap::new();
-        let out: Result<(), String> = spans
+        let onward = spans.onward(&mut h);
+        let out: Result<(), String> = onward
             .step(
+                &mut spans,
                 "upstream",
                 Kind::Client,
-                |onward| {
-                    onward.propagate(&mut h);
-                    async { Err("cut".to_owned()) }
-                },
+                std::pin::pin!(async { Err("cut".to_owned()) }),
                 |r, a| {
                     a.str("error.type", "outcome_unknown");
                     r.as_ref().err().map(String::as_str)
@@ -472,8 +525,10 @@ mod tests {
             // 3 spans: queued; 3 more: 6 > 5, all dropped; 2: fit.
             let mut s = t.request(&HeaderMap::new());
             for _ in 0..children {
-                s.step("step", Kind::Internal, |_| async {}, |_, _| None)
-                    .await;
+                s.step("step", Kind::Internal, std::pin::pin!(async {}), |_, _| {
+                    None
+                })
+                .await;
             }
             s.finish(|| "GET".into(), |_| {}, None);
         }

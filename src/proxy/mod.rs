@@ -11,13 +11,15 @@
 //!    fence of the lease, or the shard's owner, to which [`Proxy::relay`]
 //!    passes the request (SPEC §10; span `peer.relay`).
 //! 3. **Admit** — [`admit()`] (`admit.rs`): the fence's decision and the
-//!    drain it may wait out (SPEC §4–§5; spans `admission`, `drain`).
+//!    drain it may wait out (SPEC §4–§5; spans `admission` and `drain`:
+//!    [`admission`], [`drained`]).
 //! 4. **Protect** — [`protect()`] (`admit.rs`): the route's in-flight limit,
 //!    hold and breaker, after admission and before the dedup claim (SPEC §7
 //!    `upstream_held`).
 //! 5. **Claim the key** — [`Keyed::key`], [`Proxy::claim_key`] (`record.rs`):
 //!    the dedup key, and for a recorded request its durable `in_flight` record
-//!    or the stored answer, replayed (SPEC §6; span `dedup.claim`).
+//!    or the stored answer, replayed (SPEC §6; span `dedup.claim`:
+//!    [`claimed`]).
 //! 6. **Forward** — [`Proxy::forward`] (`upstream.rs`): builds (and signs) the
 //!    upstream request, checks right before the send that the pass was not
 //!    aborted, that this instance may still forward for the lease's owner and
@@ -25,12 +27,25 @@
 //!    the answer (SPEC §3, §5; span `upstream`); then [`Proxy::answered`]
 //!    hands the pass to the exchange, or [`Proxy::failed`] ends it (or leaves
 //!    it lingering) and says whether anything may have been sent.
-//! 7. **Record** — [`Proxy::record`] (`record.rs`): the key's outcome, from how
-//!    the forward ended (SPEC §6; span `dedup.outcome`).
+//! 7. **Record** — [`outcome()`], [`Proxy::record`] (`record.rs`): the key's
+//!    outcome, from how the forward ended (SPEC §6; span `dedup.outcome`:
+//!    [`written`]).
 //!
 //! Then [`Proxy::handle`] counts the request, writes its access line and ends
-//! its span. Each traced step is one [`Spans::step`] call.
+//! its span.
+//!
+//! Tracing costs a phase one call: [`Spans::step`] around the phase's work in
+//! [`Proxy::serve`], or, for a phase whose request carries its span on (the
+//! relay, the upstream call), [`Spans::onward`] and [`Onward::end`] inside it.
+//! A traced phase's future is pinned where `serve` makes it (`pin!` in the
+//! `step` call, its output bound to a plain name): moving it into `serve`'s
+//! own future would copy it whole, and a pinned future bound any other way
+//! (a pattern, a `match` on its output) stays in `serve`'s future after it is
+//! done, which grows every request's future by its size.
+//!
+//! [`Onward::end`]: crate::telemetry::Onward::end
 
+use std::pin::pin;
 use std::sync::Arc;
 
 use http::{HeaderValue, Request, Response};
@@ -57,11 +72,11 @@ use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
 use crate::state::StateStore;
 use crate::streaming::ProxyBody;
-use crate::telemetry::{Spans, Telemetry};
-use admit::{admit, protect};
+use crate::telemetry::{Kind, Spans, Telemetry};
+use admit::{admission, admit, drained, protect};
 use claim::{read_body, Parsed, Payload};
 use place::Served;
-use record::Keyed;
+use record::{claimed, outcome, written, Keyed};
 use upstream::{Outgoing, Trace};
 
 pub(crate) struct Proxy {
@@ -260,7 +275,15 @@ impl Proxy {
         };
         let hop = &if relayed { hop.relayed() } else { hop.clone() };
         // 3. Admit.
-        let pass = admit(route, &fence, claim, relayed, spans).await?;
+        let pass = spans
+            .step(
+                "admission",
+                Kind::Internal,
+                pin!(admit(route, &fence, claim)),
+                |admitted, a| admission(a, route, claim, relayed, admitted),
+            )
+            .await?;
+        drained(route, claim, &pass, spans);
         // 4. Protect.
         let protect = protect(route)?;
         // 5. Claim the key.
@@ -268,15 +291,22 @@ impl Proxy {
         let key: &'s DedupKey = seen.key.insert(request.key(route, worker_key));
         let ticket = match request.recorded {
             None => None,
-            Some(b) => match self
-                .claim_key(route, &fence, key, &request, b, spans)
-                .await?
-            {
-                Begin::Forward(ticket) => Some(ticket),
-                Begin::Replay(stored) => {
-                    return Ok((stored.to_response().map(ProxyBody::from), "replayed"))
+            Some(b) => {
+                let begun = spans
+                    .step(
+                        "dedup.claim",
+                        Kind::Internal,
+                        pin!(self.claim_key(route, &fence, key, &request, b)),
+                        claimed,
+                    )
+                    .await?;
+                match begun {
+                    Begin::Forward(ticket) => Some(ticket),
+                    Begin::Replay(stored) => {
+                        return Ok((stored.to_response().map(ProxyBody::from), "replayed"))
+                    }
                 }
-            },
+            }
         };
         // 6. Forward.
         let outgoing = Outgoing::new(route, parts, body, ticket.is_some(), protect);
@@ -291,7 +321,15 @@ impl Proxy {
             .await;
         // 7. Record.
         if let Some(ticket) = ticket {
-            self.record(route, ticket, &result, sent, spans).await;
+            let (outcome, name) = outcome(route, &result, sent);
+            spans
+                .step(
+                    "dedup.outcome",
+                    Kind::Internal,
+                    pin!(self.record(ticket, outcome)),
+                    |w, a| written(a, name, *w),
+                )
+                .await;
         }
         result.map(|a| (a.into_response(), "forwarded"))
     }

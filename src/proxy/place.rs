@@ -77,22 +77,15 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let (body, _) = body.upload(route.max_body_bytes);
         let onward = spans.onward(&mut parts.headers);
-        let owner = peer.owner.as_str();
-        onward
-            .step(
-                spans,
-                "peer.relay",
-                Kind::Client,
-                pin!(self.send_to_owner(route, owner, &peer.url, parts, body, hop)),
-                |relayed, a| {
-                    a.str("fencegate.peer", owner.to_owned());
-                    if let Ok(r) = relayed {
-                        a.int("http.response.status_code", i64::from(r.status().as_u16()));
-                    }
-                    relayed.as_ref().err().map(ProxyError::code)
-                },
-            )
-            .await
+        let relayed = pin!(self.send_to_owner(route, &peer, parts, body, hop)).await;
+        onward.end(spans, "peer.relay", Kind::Client, &relayed, |relayed, a| {
+            a.str("fencegate.peer", peer.owner);
+            if let Ok(r) = relayed {
+                a.int("http.response.status_code", i64::from(r.status().as_u16()));
+            }
+            relayed.as_ref().err().map(ProxyError::code)
+        });
+        relayed
     }
 
     /// Sends the request to the shard's owner and takes its answer; looks again
@@ -101,8 +94,7 @@ impl Proxy {
     async fn send_to_owner(
         &self,
         route: &Route,
-        owner: &str,
-        url: &str,
+        Peer { owner, url }: &Peer,
         parts: Parts,
         body: UpBody,
         hop: &ClientHop,

@@ -3,7 +3,6 @@
 //! read, and how the exchange settles — answered, or failed with what may have
 //! been sent.
 
-use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +44,7 @@ pub(super) struct Outgoing {
 }
 
 impl Outgoing {
+    #[inline]
     pub(super) fn new(
         route: &Route,
         parts: http::request::Parts,
@@ -188,23 +188,27 @@ impl Proxy {
             request_id,
             uri: upstream_req.uri().clone(),
         };
-        let upstream_req = upstream_req.map(|b| b.until_sent(at.exchange.end()));
         let stop = stop_on(&at.pass, &self.abandon);
-        let result = calling
-            .step(
-                spans,
-                "upstream",
-                Kind::Client,
-                pin!(send(
-                    route,
-                    upstream_req,
-                    at.recorded,
-                    upstream_started,
-                    stop
-                )),
-                |result, a| upstream_span(a, upstream_method.as_ref(), &at.uri, result),
-            )
-            .await;
+        tokio::pin!(stop);
+        let upstream_req = upstream_req.map(|b| b.until_sent(at.exchange.end()));
+        let result = match forward::send(&route.client, upstream_req, route.timeout, stop.as_mut())
+            .await
+        {
+            Ok(mut head) => {
+                let read = if at.recorded {
+                    let deadline = tokio::time::Instant::from_std(upstream_started) + route.timeout;
+                    forward::read_up_to(&mut head, route.max_replay_bytes, deadline, stop.as_mut())
+                        .await
+                } else {
+                    forward::read_ready(&mut head, READY_BYTES)
+                };
+                read.map(|got| (head, got))
+            }
+            Err(e) => Err(e),
+        };
+        calling.end(spans, "upstream", Kind::Client, &result, |result, a| {
+            upstream_span(a, upstream_method.as_ref(), &at.uri, result)
+        });
         let upstream_elapsed = upstream_started.elapsed();
         *upstream_time = Some(upstream_elapsed);
         route
@@ -393,28 +397,6 @@ impl Proxy {
         };
         (err, sent)
     }
-}
-
-/// Sends the request and reads its answer's head, and as much of its body as
-/// the forward reads before answering: a recorded route's up to
-/// `max_replay_bytes` within the route's timeout, any other's as far as it has
-/// already arrived. Ends early when `stop` resolves (a drain abort, shutdown).
-async fn send(
-    route: &Route,
-    req: Request<UpBody>,
-    recorded: bool,
-    started: std::time::Instant,
-    stop: impl std::future::Future<Output = &'static str>,
-) -> Result<(UpstreamHead, (Bytes, bool)), UpstreamError> {
-    tokio::pin!(stop);
-    let mut head = forward::send(&route.client, req, route.timeout, stop.as_mut()).await?;
-    let read = if recorded {
-        let deadline = tokio::time::Instant::from_std(started) + route.timeout;
-        forward::read_up_to(&mut head, route.max_replay_bytes, deadline, stop.as_mut()).await
-    } else {
-        forward::read_ready(&mut head, READY_BYTES)
-    };
-    read.map(|got| (head, got))
 }
 
 /// The `upstream` span's attributes and error status.

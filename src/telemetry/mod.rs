@@ -171,33 +171,29 @@ struct Begun {
     at: Instant,
 }
 
-/// A step begun by [`Spans::onward`]: its span is named in the request it
-/// sends on, and [`Onward::step`] runs it.
-#[must_use = "a step begun is run by Onward::step"]
+/// A step begun by [`Spans::onward`], its span named in the request it sends
+/// on; [`Onward::end`] ends it.
+#[must_use = "a step begun is ended by Onward::end"]
 pub(crate) struct Onward(Option<Begun>);
 
 impl Onward {
-    /// [`Spans::step`], for this step.
-    pub(crate) fn step<'s, 'w, W, D>(
+    /// Ends the step's span now, with the attributes and the error status
+    /// `describe` reads off its output (never called when off).
+    pub(crate) fn end<T>(
         self,
-        spans: &'s mut Spans,
+        spans: &mut Spans,
         name: &'static str,
         kind: Kind,
-        work: Pin<&'w mut W>,
-        describe: D,
-    ) -> Step<'s, 'w, W, D>
-    where
-        W: Future,
-        D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str>,
-    {
-        Step {
-            spans,
-            work,
-            begun: self.0,
-            name,
-            kind,
-            describe: Some(describe),
-        }
+        output: &T,
+        describe: impl for<'r> FnOnce(&'r T, &mut Attrs) -> Option<&'r str>,
+    ) {
+        let (Some(r), Some(b)) = (spans.0.as_mut(), self.0) else {
+            return;
+        };
+        let end = crate::clock::stopwatch();
+        let mut a = Attrs::default();
+        let error = describe(output, &mut a);
+        r.child(b.id, name, kind, (b.at, end), a, error);
     }
 }
 
@@ -221,16 +217,15 @@ where
 {
     type Output = W::Output;
 
+    // Inlined where the step is awaited, as the work's poll would be without
+    // the step (a call here costs the request path its register saves and two
+    // copies of the output).
+    #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
         let this = self.get_mut();
         let out = std::task::ready!(this.work.as_mut().poll(cx));
-        if let (Some(r), Some(b), Some(describe)) =
-            (this.spans.0.as_mut(), this.begun, this.describe.take())
-        {
-            let end = crate::clock::stopwatch();
-            let mut a = Attrs::default();
-            let error = describe(&out, &mut a);
-            r.child(b.id, this.name, this.kind, (b.at, end), a, error);
+        if let Some(describe) = this.describe.take() {
+            Onward(this.begun).end(this.spans, this.name, this.kind, &out, describe);
         }
         Poll::Ready(out)
     }
@@ -302,11 +297,17 @@ impl Spans {
     }
 
     /// Runs `work` as one step of the request path, at one call a step
-    /// (`spans.step("admission", Kind::Internal, pin!(work), describe).await`):
-    /// a child span of the request's, begun now and ended when `work` is done,
-    /// with the attributes and the error status `describe` reads off its
-    /// output. Off: `work` runs as it would alone — no clock read, no span id
-    /// drawn, `describe` never called.
+    /// (`let out = spans.step("admission", Kind::Internal, pin!(work),
+    /// describe).await;`): a child span of the request's, begun now and ended
+    /// when `work` is done, with the attributes and the error status `describe`
+    /// reads off its output. Off: `work` runs as it would alone — no clock
+    /// read, no span id drawn, `describe` never called.
+    ///
+    /// `work` is pinned where the caller makes it (`pin!` in this call) and is
+    /// never moved: a future moved into an awaiting one is copied whole. Bind
+    /// the output to a plain name: a pinned future whose output is bound to a
+    /// pattern or matched on at once stays in the caller's future after it is
+    /// done, and the caller's future grows by its size (rustc's layout).
     pub(crate) fn step<'s, 'w, W, D>(
         &'s mut self,
         name: &'static str,
@@ -318,13 +319,20 @@ impl Spans {
         W: Future,
         D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str>,
     {
-        Onward(self.begin()).step(self, name, kind, work, describe)
+        Step {
+            begun: self.begin(),
+            spans: self,
+            work,
+            name,
+            kind,
+            describe: Some(describe),
+        }
     }
 
     /// Begins a step whose request is sent on (to the upstream, or to the
     /// shard's owner) and sets that request's `traceparent` to name the step's
-    /// span as the parent, with the worker's `tracestate`; [`Onward::step`]
-    /// runs the step. Headers untouched when off.
+    /// span as the parent, with the worker's `tracestate`; [`Onward::end`] ends
+    /// it. Headers untouched when off.
     pub(crate) fn onward(&self, headers: &mut HeaderMap) -> Onward {
         let begun = self.begin();
         if let (Some(r), Some(b)) = (self.0.as_ref(), begun) {
@@ -469,16 +477,18 @@ mod tests {
         let mut off = Spans::off();
         assert!(off.begin().is_none());
         let mut h = with_traceparent(unsampled);
-        let onward = off.onward(&mut h);
-        let out = onward
+        let out = off
             .step(
-                &mut off,
                 "step",
-                Kind::Client,
+                Kind::Internal,
                 std::pin::pin!(async { 7 }),
                 |_, _| unreachable!("a step is not described when off"),
             )
             .await;
+        let onward = off.onward(&mut h);
+        onward.end(&mut off, "step", Kind::Client, &out, |_, _| {
+            unreachable!("a step is not described when off")
+        });
         assert_eq!(out, 7);
         assert_eq!(h[TRACEPARENT], unsampled);
     }
@@ -490,18 +500,11 @@ mod tests {
         let mut spans = t.request(&with_traceparent(sampled));
         let mut h = HeaderMap::new();
         let onward = spans.onward(&mut h);
-        let out: Result<(), String> = onward
-            .step(
-                &mut spans,
-                "upstream",
-                Kind::Client,
-                std::pin::pin!(async { Err("cut".to_owned()) }),
-                |r, a| {
-                    a.str("error.type", "outcome_unknown");
-                    r.as_ref().err().map(String::as_str)
-                },
-            )
-            .await;
+        let out: Result<(), String> = Err("cut".to_owned());
+        onward.end(&mut spans, "upstream", Kind::Client, &out, |r, a| {
+            a.str("error.type", "outcome_unknown");
+            r.as_ref().err().map(String::as_str)
+        });
         assert_eq!(out, Err("cut".to_owned()));
         spans.finish(|| "GET".into(), |_| {}, None);
         let queued = t.queue.take(10);

@@ -79,6 +79,11 @@ use place::Served;
 use record::{claimed, outcome, written, Keyed};
 use upstream::{Outgoing, Trace};
 
+/// The target of the request path's log lines, whichever file of `proxy/`
+/// writes them: one target, as before the phases had files of their own
+/// (operators filter and route logs on it).
+const LOG: &str = "fencegate::proxy";
+
 pub(crate) struct Proxy {
     /// The routes and the access-log switch, as the last reload left them.
     live: Arc<LiveConfig>,

@@ -10,7 +10,7 @@ use http::request::Parts;
 use http::Response;
 
 use super::claim::Payload;
-use super::{Proxy, Route};
+use super::{Proxy, Route, LOG};
 use crate::cluster::{peer as relay, Placement};
 use crate::error::{Doubt, ProxyError};
 use crate::fence::Fence;
@@ -137,7 +137,7 @@ impl Proxy {
             cluster.peer_failures.fetch_add(1, Ordering::Relaxed);
             match failed {
                 relay::RelayFailed::NotSent(detail) => {
-                    tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner could not be reached");
+                    tracing::warn!(target: LOG, route = %route.name, lease = %route.lease, owner, detail, "the shard's owner could not be reached");
                     ProxyError::ShardUnavailable {
                         lease: route.lease.clone(),
                     }
@@ -146,7 +146,7 @@ impl Proxy {
                 // was not (found by the cluster fault campaign, a kill -9 of the
                 // owner while it had the relayed request at the destination).
                 relay::RelayFailed::Uncertain(detail) => {
-                    tracing::warn!(route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer; it may have forwarded the request");
+                    tracing::warn!(target: LOG, route = %route.name, lease = %route.lease, owner, detail, "the shard's owner did not answer; it may have forwarded the request");
                     ProxyError::UpstreamTimeout {
                         detail,
                         doubt: Doubt::Relayed,

@@ -9,7 +9,7 @@ use http::request::Parts;
 use super::claim::Payload;
 use super::server_error;
 use super::upstream::{Answer, Sent};
-use super::{Proxy, Route};
+use super::{Proxy, Route, LOG};
 use crate::dedup::{self, Action, Begin, DedupKey, Outcome};
 use crate::epoch::Epoch;
 use crate::error::ProxyError;
@@ -96,7 +96,7 @@ impl Proxy {
     pub(super) async fn record(&self, ticket: dedup::Ticket, outcome: Outcome<'_>) -> bool {
         let written = self.dedup.finish(ticket, outcome).await;
         if let Err(e) = &written {
-            tracing::error!(error = %e, "could not record the outcome of a forwarded request; a retry of its key is refused until the outcome is settled (PostgreSQL: written again in the background) or a restart makes it in doubt");
+            tracing::error!(target: LOG, error = %e, "could not record the outcome of a forwarded request; a retry of its key is refused until the outcome is settled (PostgreSQL: written again in the background) or a restart makes it in doubt");
         }
         written.is_ok()
     }

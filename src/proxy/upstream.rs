@@ -11,7 +11,7 @@ use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
 
 use super::claim::Payload;
-use super::{Proxy, Route};
+use super::{Proxy, Route, LOG};
 use crate::config::InDoubtPolicy;
 use crate::dedup::DedupKey;
 use crate::error::{Doubt, ProxyError};
@@ -371,6 +371,7 @@ impl Proxy {
         // SPEC §8: every upstream failure with its cause, for the operator
         // (the worker gets only the code and a short detail).
         tracing::warn!(
+            target: LOG,
             route = %route.name,
             upstream = %UriNoQuery(&uri),
             error = %e,

@@ -46,6 +46,7 @@ impl Proxy {
     /// in this order: an `Upgrade`, the epoch, the worker's key, a repeated
     /// token, a peer's header without the peer token, a declared length over
     /// the route's limit. The epoch goes into `seen` as soon as it is read.
+    #[inline]
     pub(super) fn parse<'p>(
         &self,
         route: &Route,

@@ -227,6 +227,7 @@ impl Proxy {
     /// The upstream request. Built only once the request will really be
     /// forwarded (not for a replay); signed last, so that nothing the worker or
     /// `upstream_headers` set replaces the signature (SPEC §3).
+    #[inline]
     fn build(
         &self,
         route: &Route,
@@ -250,6 +251,7 @@ impl Proxy {
     /// The upstream answered: its head reports to the route's protection, and
     /// from here the exchange holds the pass (and the request's in-flight slot)
     /// until both of its ends are over.
+    #[inline]
     fn answered(&self, at: AtUpstream<'_>, head: UpstreamHead, read: (Bytes, bool)) -> Answer {
         let AtUpstream {
             route,

@@ -21,8 +21,10 @@
 //! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
 //! - [`protect`] — protecting the destination: a route's in-flight limit, its
 //!   hold on a `Retry-After`, its circuit breaker (refusals before forwarding).
-//! - [`proxy`] — the request path tying the above together; [`access`] — its
-//!   access log line and request id.
+//! - [`proxy`] — the request path tying the above together, in named phases
+//!   its module doc lists in order (parse the claim, place or relay, admit,
+//!   protect, claim the key, forward, record); [`access`] — its access log
+//!   line and request id.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
 //! - [`live`] — what a reload (SIGHUP) replaces: routes, admin token, TLS.
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the

@@ -20,7 +20,10 @@ mod export;
 mod otlp;
 
 use std::borrow::Cow;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Instant, UNIX_EPOCH};
 
 use http::{HeaderMap, HeaderValue, Uri};
@@ -161,11 +164,71 @@ struct Recording {
     children: Vec<SpanData>,
 }
 
-/// A child span begun ([`Spans::begin`]).
+/// A child span begun ([`Spans::step`]).
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Begun {
+struct Begun {
     id: [u8; 8],
     at: Instant,
+}
+
+/// A step begun by [`Spans::onward`], its span named in the request it sends
+/// on; [`Onward::end`] ends it.
+#[must_use = "a step begun is ended by Onward::end"]
+pub(crate) struct Onward(Option<Begun>);
+
+impl Onward {
+    /// Ends the step's span now, with the attributes and the error status
+    /// `describe` reads off its output (never called when off).
+    pub(crate) fn end<T>(
+        self,
+        spans: &mut Spans,
+        name: &'static str,
+        kind: Kind,
+        output: &T,
+        describe: impl for<'r> FnOnce(&'r T, &mut Attrs) -> Option<&'r str>,
+    ) {
+        let (Some(r), Some(b)) = (spans.0.as_mut(), self.0) else {
+            return;
+        };
+        let end = crate::clock::stopwatch();
+        let mut a = Attrs::default();
+        let error = describe(output, &mut a);
+        r.child(b.id, name, kind, (b.at, end), a, error);
+    }
+}
+
+/// A step's work under its span ([`Spans::step`]): the work's output, once
+/// the span has ended. Holds the work pinned where its caller made it, so
+/// that wrapping it moves nothing.
+#[must_use = "a step does nothing unless awaited"]
+pub(crate) struct Step<'s, 'w, W, D> {
+    spans: &'s mut Spans,
+    work: Pin<&'w mut W>,
+    begun: Option<Begun>,
+    name: &'static str,
+    kind: Kind,
+    describe: Option<D>,
+}
+
+impl<W, D> Future for Step<'_, '_, W, D>
+where
+    W: Future,
+    D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str> + Unpin,
+{
+    type Output = W::Output;
+
+    // Inlined where the step is awaited, as the work's poll would be without
+    // the step (a call here costs the request path its register saves and two
+    // copies of the output).
+    #[inline(always)]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<W::Output> {
+        let this = self.get_mut();
+        let out = std::task::ready!(this.work.as_mut().poll(cx));
+        if let Some(describe) = this.describe.take() {
+            Onward(this.begun).end(this.spans, this.name, this.kind, &out, describe);
+        }
+        Poll::Ready(out)
+    }
 }
 
 /// A span's kind (OTLP `SpanKind`).
@@ -233,29 +296,62 @@ impl Spans {
         self.0.is_some()
     }
 
+    /// Runs `work` as one step of the request path, at one call a step
+    /// (`let out = spans.step("admission", Kind::Internal, pin!(work),
+    /// describe).await;`): a child span of the request's, begun now and ended
+    /// when `work` is done, with the attributes and the error status `describe`
+    /// reads off its output. Off: `work` runs as it would alone — no clock
+    /// read, no span id drawn, `describe` never called.
+    ///
+    /// `work` is pinned where the caller makes it (`pin!` in this call) and is
+    /// never moved: a future moved into an awaiting one is copied whole. Bind
+    /// the output to a plain name: a pinned future whose output is bound to a
+    /// pattern or matched on at once stays in the caller's future after it is
+    /// done, and the caller's future grows by its size (rustc's layout).
+    pub(crate) fn step<'s, 'w, W, D>(
+        &'s mut self,
+        name: &'static str,
+        kind: Kind,
+        work: Pin<&'w mut W>,
+        describe: D,
+    ) -> Step<'s, 'w, W, D>
+    where
+        W: Future,
+        D: for<'r> FnOnce(&'r W::Output, &mut Attrs) -> Option<&'r str>,
+    {
+        Step {
+            begun: self.begin(),
+            spans: self,
+            work,
+            name,
+            kind,
+            describe: Some(describe),
+        }
+    }
+
+    /// Begins a step whose request is sent on (to the upstream, or to the
+    /// shard's owner) and sets that request's `traceparent` to name the step's
+    /// span as the parent, with the worker's `tracestate`; [`Onward::end`] ends
+    /// it. Headers untouched when off.
+    pub(crate) fn onward(&self, headers: &mut HeaderMap) -> Onward {
+        let begun = self.begin();
+        if let (Some(r), Some(b)) = (self.0.as_ref(), begun) {
+            headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
+            match &r.trace_state {
+                Some(s) => headers.insert(TRACESTATE, s.clone()),
+                None => headers.remove(TRACESTATE),
+            };
+        }
+        Onward(begun)
+    }
+
     /// Starts a child span of the request span now (`None` when off: the clock
     /// is not even read).
-    pub(crate) fn begin(&self) -> Option<Begun> {
+    fn begin(&self) -> Option<Begun> {
         self.0.as_ref().map(|_| Begun {
             id: span_id(),
             at: crate::clock::stopwatch(),
         })
-    }
-
-    /// Ends the child `begun` now, with `attrs` and an error message when it failed.
-    pub(crate) fn end(
-        &mut self,
-        begun: Option<Begun>,
-        name: &'static str,
-        kind: Kind,
-        attrs: impl FnOnce(&mut Attrs),
-        error: Option<&str>,
-    ) {
-        let (Some(r), Some(b)) = (self.0.as_mut(), begun) else {
-            return;
-        };
-        let end = crate::clock::stopwatch();
-        r.child(b.id, name, kind, (b.at, end), attrs, error);
     }
 
     /// A child span that ran from `from` to `to`, measured elsewhere (a drain).
@@ -266,22 +362,10 @@ impl Spans {
         attrs: impl FnOnce(&mut Attrs),
     ) {
         if let Some(r) = self.0.as_mut() {
-            r.child(span_id(), name, Kind::Internal, (from, to), attrs, None);
+            let mut a = Attrs::default();
+            attrs(&mut a);
+            r.child(span_id(), name, Kind::Internal, (from, to), a, None);
         }
-    }
-
-    /// Sets `traceparent` on a request sent on (to the upstream, or to the
-    /// shard's owner) to name `begun`'s span as the parent, with the worker's
-    /// `tracestate`. Untouched when off.
-    pub(crate) fn propagate(&self, begun: Option<Begun>, headers: &mut HeaderMap) {
-        let (Some(r), Some(b)) = (self.0.as_ref(), begun) else {
-            return;
-        };
-        headers.insert(TRACEPARENT, context::traceparent(&r.trace_id, &b.id));
-        match &r.trace_state {
-            Some(s) => headers.insert(TRACESTATE, s.clone()),
-            None => headers.remove(TRACESTATE),
-        };
     }
 
     /// Ends the request span (named `name`, a SERVER span) and queues the
@@ -325,11 +409,9 @@ impl Recording {
         name: &'static str,
         kind: Kind,
         (from, to): (Instant, Instant),
-        attrs: impl FnOnce(&mut Attrs),
+        a: Attrs,
         error: Option<&str>,
     ) {
-        let mut a = Attrs::default();
-        attrs(&mut a);
         let t = &self.telemetry;
         self.children.push(SpanData {
             trace_id: self.trace_id,
@@ -391,28 +473,68 @@ mod tests {
         assert!(always.request(&HeaderMap::new()).is_on());
         let unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
         assert!(!always.request(&with_traceparent(unsampled)).is_on());
-        // Off: nothing begun, headers untouched.
-        let off = Spans::off();
+        // Off: nothing begun, headers untouched, nothing described.
+        let mut off = Spans::off();
         assert!(off.begin().is_none());
         let mut h = with_traceparent(unsampled);
-        off.propagate(off.begin(), &mut h);
+        let out = off
+            .step(
+                "step",
+                Kind::Internal,
+                std::pin::pin!(async { 7 }),
+                |_, _| unreachable!("a step is not described when off"),
+            )
+            .await;
+        let onward = off.onward(&mut h);
+        onward.end(&mut off, "step", Kind::Client, &out, |_, _| {
+            unreachable!("a step is not described when off")
+        });
+        assert_eq!(out, 7);
         assert_eq!(h[TRACEPARENT], unsampled);
+    }
+
+    #[tokio::test]
+    async fn a_step_is_a_child_span_its_request_names_as_parent() {
+        let (t, _) = telemetry(1.0, 10);
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let mut spans = t.request(&with_traceparent(sampled));
+        let mut h = HeaderMap::new();
+        let onward = spans.onward(&mut h);
+        let out: Result<(), String> = Err("cut".to_owned());
+        onward.end(&mut spans, "upstream", Kind::Client, &out, |r, a| {
+            a.str("error.type", "outcome_unknown");
+            r.as_ref().err().map(String::as_str)
+        });
+        assert_eq!(out, Err("cut".to_owned()));
+        spans.finish(|| "GET".into(), |_| {}, None);
+        let queued = t.queue.take(10);
+        let (step, request) = (&queued[0], &queued[1]);
+        assert_eq!(step.name, "upstream");
+        assert_eq!(step.parent, Some(request.span_id));
+        assert_eq!(step.error.as_deref(), Some("cut"));
+        assert_eq!(step.attributes.len(), 1);
+        let sent = h[TRACEPARENT].to_str().unwrap();
+        assert!(
+            sent.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"),
+            "{sent}"
+        );
+        assert!(sent.contains(&hex::encode(step.span_id)), "{sent}");
     }
 
     #[tokio::test]
     async fn a_request_that_does_not_fit_the_queue_is_dropped_whole() {
         let (t, metrics) = telemetry(1.0, 5);
-        let request = |children: usize| {
+        for children in [2, 2, 1] {
+            // 3 spans: queued; 3 more: 6 > 5, all dropped; 2: fit.
             let mut s = t.request(&HeaderMap::new());
             for _ in 0..children {
-                let b = s.begin();
-                s.end(b, "step", Kind::Internal, |_| {}, None);
+                s.step("step", Kind::Internal, std::pin::pin!(async {}), |_, _| {
+                    None
+                })
+                .await;
             }
             s.finish(|| "GET".into(), |_| {}, None);
-        };
-        request(2); // 3 spans: queued
-        request(2); // 3 more: 6 > 5, all dropped
-        request(1); // 2: fits
+        }
         assert_eq!(t.queue.take(100).len(), 5);
         let text = metrics.render();
         assert!(

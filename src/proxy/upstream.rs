@@ -166,8 +166,9 @@ impl Proxy {
             );
         }
         if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
-            // The gate lease (the instance guard, or the shard's in a cluster) could
-            // not be renewed in time: another instance may serve it now (SPEC §10).
+            // The tenure (the instance guard, or a cluster's owner row and anchor)
+            // could not be renewed in time, or the database is another set-up's
+            // now: another instance may serve it (SPEC §10).
             let lease = route.lease.clone();
             return (Err(ProxyError::ShardUnavailable { lease }), Sent::Nothing);
         }

@@ -178,6 +178,8 @@ enum Verdict {
 #[derive(Debug)]
 pub struct MayHold {
     ours: OurSetUp,
+    /// The set-up id the lease store kept when checked (read once).
+    in_store: Option<String>,
 }
 
 /// The record an instance started on, and what its last look found.
@@ -250,7 +252,7 @@ impl PostgresState {
                 }
             }
         }
-        Ok(MayHold { ours })
+        Ok(MayHold { ours, in_store })
     }
 
     /// Start-up, second step, once this instance holds its place in the lease
@@ -261,9 +263,8 @@ impl PostgresState {
         may: MayHold,
         store: &Arc<dyn LeaseStore>,
     ) -> Result<(), StateError> {
-        let ours = may.ours;
+        let MayHold { ours, mut in_store } = may;
         self.migrate().await?;
-        let mut in_store = store_id(store, &ours.prefix).await?;
         // Two rounds at most: a record written by another instance between our
         // read and our insert is read on the second.
         for _ in 0..2 {

@@ -240,8 +240,14 @@ impl PostgresState {
         ours: OurSetUp,
         store: &Arc<dyn LeaseStore>,
     ) -> Result<MayHold, StateError> {
+        // The row first, the store's id after: a record is written only once
+        // the store keeps its id (`hold_set_up`), so a record read here has
+        // its id in the store by the time the store is read — read the other
+        // way round, an instance starting beside the one recording took its
+        // own set-up for another (found by three instances starting at once).
+        let rec = self.read_set_up_if_any().await?;
         let in_store = store_id(store, &ours.prefix).await?;
-        match self.read_set_up_if_any().await? {
+        match rec {
             Some(rec) => self.verify(&ours, &rec, in_store.as_deref())?,
             None => {
                 if self.holds_records().await? && !named_by_gate_objects(store, &ours).await? {
@@ -277,6 +283,11 @@ impl PostgresState {
                 in_store = Some(id);
                 continue;
             };
+            if in_store.is_none() {
+                // Recorded by another instance since the check: its id is in
+                // the store now (read after the row, as the check reads).
+                in_store = store_id(store, &ours.prefix).await?;
+            }
             self.verify(&ours, &rec, in_store.as_deref())?;
             let place = format!("schema {:?}", self.schema());
             tracing::info!(set_up = %rec, %place, "the database belongs to this set-up");

@@ -416,6 +416,18 @@ impl PgServer {
 impl PgServer {
     /// Whether a backend of `db` waits on a lock in a statement that starts with
     /// `sql` (`pg_stat_activity`).
+    /// Whether a statement starting with `sql` is still running on `db`
+    /// (waiting or working): once it is not, it has committed or aborted.
+    pub fn runs(&self, db: &str, sql: &str) -> bool {
+        self.psql(
+            db,
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = '{db}' \
+                 AND state = 'active' AND query LIKE '{sql}%'"
+            ),
+        ) != "0"
+    }
+
     pub fn waits_on_a_lock(&self, db: &str, sql: &str) -> bool {
         self.psql(
             db,

@@ -325,11 +325,29 @@ fn one_line(e: &anyhow::Error) -> String {
     out.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
+/// The runtime: with one CPU to run on (the process's affinity, a cgroup
+/// quota of one, or `TOKIO_WORKER_THREADS=1`) one thread runs everything, on
+/// tokio's current-thread scheduler; with more, a worker per CPU. On one CPU
+/// the multi-thread scheduler still hands every connection from the thread
+/// that accepts to its one worker and parks and wakes through a shared queue
+/// (benches/README.md, "Where the time goes": the current-thread scheduler
+/// halved the context switches per request).
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")
+    let mut b = if one_cpu() {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    b.enable_all().build().context("starting the tokio runtime")
+}
+
+/// Whether this process has one CPU to run on; `TOKIO_WORKER_THREADS` (which
+/// tokio's multi-thread scheduler reads too) decides when set.
+fn one_cpu() -> bool {
+    match std::env::var("TOKIO_WORKER_THREADS") {
+        Ok(v) => v.trim() == "1",
+        Err(_) => std::thread::available_parallelism().is_ok_and(|n| n.get() == 1),
+    }
 }
 
 fn init_tracing(format: LogFormat) -> Option<crate::server::reload::SetLogFilter> {
@@ -409,6 +427,10 @@ async fn serve(
     // Installed before anything listens, so a SIGTERM right after the ready line
     // is a graceful shutdown, not the default kill (and a SIGHUP never kills).
     let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tracing::info!(
+        threads = %if one_cpu() { "one (current-thread scheduler)" } else { "a worker per CPU" },
+        "runtime"
+    );
     let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     // Watched from now on, start-up included: a second signal while starting
     // exits at once too, and a first one is kept for when serving begins.

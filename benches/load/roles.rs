@@ -34,10 +34,12 @@ pub const ORIGIN_BODY: &[u8; 100] =
 
 pub fn run(args: &[String]) -> Result<(), String> {
     let role = args.first().map(String::as_str).unwrap_or("");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
+    let mut rt = if std::env::var("BENCH_RT").as_deref() == Ok("current") {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+    };
+    let rt = rt.enable_all().build().map_err(|e| e.to_string())?;
     match role {
         "origin" => rt.block_on(origin()),
         "passthrough" => {

@@ -22,6 +22,7 @@ mod guard;
 mod kubernetes;
 mod lease_cli;
 mod logs;
+mod one_cpu;
 mod one_database;
 mod ops;
 mod postgres;

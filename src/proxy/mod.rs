@@ -278,7 +278,15 @@ impl Proxy {
                 return Ok((relayed?, "relayed"));
             }
         };
-        let hop = &if relayed { hop.relayed() } else { hop.clone() };
+        // A relayed request's hop is a copy; anyone else's is borrowed (a clone
+        // per request was two allocations).
+        let relayed_hop;
+        let hop = if relayed {
+            relayed_hop = hop.relayed();
+            &relayed_hop
+        } else {
+            hop
+        };
         // 3. Admit.
         let pass = spans
             .step(

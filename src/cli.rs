@@ -206,8 +206,14 @@ pub fn main(commit: &'static str) -> ExitCode {
             };
             let format = asked.unwrap_or(cfg.server.log_format);
             let set_log = init_tracing_with(format, &server_filter(&cfg.server.log_level));
-            // The first log line: which file this process runs on.
-            tracing::info!(config = %at.path.display(), via = at.via, "config loaded");
+            // The first log line: which file this process runs on, and on how
+            // many threads (`runtime`).
+            tracing::info!(
+                config = %at.path.display(),
+                via = at.via,
+                threads = if one_cpu() { "one (current-thread scheduler)" } else { "a worker per CPU" },
+                "config loaded"
+            );
             report(
                 format,
                 runtime().and_then(|rt| rt.block_on(serve(cfg, at.path, set_log))),
@@ -427,10 +433,6 @@ async fn serve(
     // Installed before anything listens, so a SIGTERM right after the ready line
     // is a graceful shutdown, not the default kill (and a SIGHUP never kills).
     let term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    tracing::info!(
-        threads = %if one_cpu() { "one (current-thread scheduler)" } else { "a worker per CPU" },
-        "runtime"
-    );
     let int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     // Watched from now on, start-up included: a second signal while starting
     // exits at once too, and a first one is kept for when serving begins.

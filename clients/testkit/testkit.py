@@ -65,6 +65,7 @@ ROUTES = {
     "late": {},
     "replay": {},
     "renew": {},
+    "overtaken": {},
     "tenure": {},
     "codes": {},
     "inflight": {},

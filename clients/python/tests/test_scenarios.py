@@ -4,6 +4,7 @@ recording origin (the TypeScript suite runs the same list)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import unittest
 from datetime import timedelta
@@ -16,6 +17,7 @@ from fencegate_client import (
     NoResponse,
     NotSent,
     Stale,
+    Tenure,
     token_sha256,
 )
 
@@ -128,6 +130,58 @@ class Scenarios(unittest.TestCase):
         self.assertEqual(len(got), 1, "the origin received it once")
         self.assertEqual(got[0]["idempotency_key"], "charge-42")
         k.leases().release(renewed)
+
+    def test_4b_a_call_overtaken_by_its_own_renewal_is_sent_again(self) -> None:
+        # The tenure's renewal has created epoch 2 at the store and not yet
+        # returned; fencegate has admitted epoch 2 (another request carried
+        # it). A call with epoch 1 is refused as stale — by this tenure's own
+        # renewal, not a new leader: the call waits for the renewal and sends
+        # the request again at epoch 2, once.
+        k = kit()
+        leases = k.leases()
+        created, go_on = threading.Event(), threading.Event()
+        renewed: list = []
+
+        class SlowRenewal:
+            def renew(self, current):  # type: ignore[no-untyped-def]
+                new = leases.renew(current)
+                renewed.append(new)
+                created.set()
+                go_on.wait(20)
+                return new
+
+            def release(self, current):  # type: ignore[no-untyped-def]
+                return leases.release(current)
+
+        first = leases.acquire("overtaken", "worker", ttl_ms=8000)
+        tenure = Tenure(SlowRenewal(), first, margin_ms=1000)  # type: ignore[arg-type]
+        gate = k.gateway()
+        try:
+            wait_for(created.is_set, "the renewal created epoch 2", timeout=15)
+            out2 = gate.call(renewed[0], "POST", "/overtaken/x", json={"n": "epoch 2"})
+            self.assertIsInstance(out2, Delivered, out2)
+            real_send = gate._send_once
+            refused = []
+
+            def send_once(*a, **kw):  # type: ignore[no-untyped-def]
+                out = real_send(*a, **kw)
+                if isinstance(out, Stale):
+                    refused.append(out)
+                    go_on.set()  # the renewal returns only after the refusal
+                return out
+
+            gate._send_once = send_once  # type: ignore[method-assign]
+            out = gate.call(tenure, "POST", "/overtaken/x", json={"n": "epoch 1 then 2"})
+            self.assertIsInstance(out, Delivered, out)
+            self.assertEqual(len(refused), 1, refused)
+            self.assertEqual(refused[0].details.get("latest_epoch"), renewed[0].epoch)
+            got = k.origin_requests("/overtaken/")
+            self.assertEqual([(r["epoch"], json.loads(r["body"])) for r in got],
+                             [(str(renewed[0].epoch), {"n": "epoch 2"}),
+                              (str(renewed[0].epoch), {"n": "epoch 1 then 2"})])
+        finally:
+            go_on.set()
+            tenure.close(release=False, timeout=0)
 
     def test_4_renewal_missing_deadline_stops_work(self) -> None:
         k = kit()

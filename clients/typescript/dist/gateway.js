@@ -171,7 +171,16 @@ class GatewayClient {
             const h = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
             if (key !== null)
                 h["Idempotency-Key"] = key;
-            const outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+            let outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+            const renewed = await renewedPast(holder, lease, outcome);
+            if (renewed !== null) {
+                // Refused at admission (nothing was forwarded) because this tenure's
+                // own renewal reached fencegate first: the same request again, at the
+                // renewed epoch.
+                h["X-Lease-Epoch"] = String(renewed.epoch);
+                h["X-Lease-Token"] = renewed.token;
+                outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch);
+            }
             if (attempt >= attempts || !shouldRetry(outcome, key !== null))
                 return outcome;
             const delay = this.delay(outcome, attempt);
@@ -220,6 +229,19 @@ class GatewayClient {
     }
 }
 exports.GatewayClient = GatewayClient;
+/**
+ * The tenure's renewed lease when `outcome` is a 409 epoch_stale whose newer
+ * epoch is the tenure's own renewal (it holds it now, or once its renewal on
+ * the way returns); null otherwise.
+ */
+async function renewedPast(holder, sent, outcome) {
+    if (outcome.kind !== "stale" || !(holder instanceof tenure_1.Tenure))
+        return null;
+    const latest = outcome.details.latest_epoch;
+    if (typeof latest !== "number" || latest <= sent.epoch)
+        return null;
+    return holder.holdsAtLeast(latest, holder.msLeft());
+}
 function current(holder) {
     if (holder instanceof tenure_1.Tenure) {
         if (holder.mustStop)

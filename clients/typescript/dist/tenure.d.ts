@@ -52,6 +52,14 @@ export declare class Tenure {
     get stopReason(): StopReason | null;
     /** Milliseconds until the work must stop (≤ 0: now). */
     msLeft(): number;
+    /**
+     * This tenure's lease if it holds `epoch` or a later one, waiting up to
+     * `timeoutMs` for a renewal on its way: a request sent with the epoch before
+     * the renewal is refused as stale (409 epoch_stale) once fencegate has seen
+     * the renewal's epoch, before the renewal has returned here. null: a newer
+     * epoch that is not this tenure's, or the work must stop.
+     */
+    holdsAtLeast(epoch: number, timeoutMs: number): Promise<Lease | null>;
     /** Throws TenureEnded if the work must stop. */
     check(): void;
     /** Resolves true once the stop signal came, or false after `timeoutMs`. */

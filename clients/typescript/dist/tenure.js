@@ -73,6 +73,27 @@ class Tenure {
     msLeft() {
         return this.reason !== null ? 0 : this.stopAt - performance.now();
     }
+    /**
+     * This tenure's lease if it holds `epoch` or a later one, waiting up to
+     * `timeoutMs` for a renewal on its way: a request sent with the epoch before
+     * the renewal is refused as stale (409 epoch_stale) once fencegate has seen
+     * the renewal's epoch, before the renewal has returned here. null: a newer
+     * epoch that is not this tenure's, or the work must stop.
+     */
+    async holdsAtLeast(epoch, timeoutMs) {
+        const renewing = this.renewing;
+        if (this.current.epoch < epoch && renewing !== undefined && this.reason === null) {
+            let timer;
+            const timeout = new Promise((resolve) => {
+                timer = setTimeout(resolve, Math.max(0, timeoutMs));
+            });
+            await Promise.race([renewing, timeout]);
+            clearTimeout(timer);
+        }
+        if (this.reason !== null || this.current.epoch < epoch)
+            return null;
+        return this.current;
+    }
     /** Throws TenureEnded if the work must stop. */
     check() {
         if (this.mustStop)

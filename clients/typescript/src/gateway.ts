@@ -287,7 +287,16 @@ export class GatewayClient {
       if (lease === null) return notSent(attempt - 1, why, previous);
       const h: Record<string, string> = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
       if (key !== null) h["Idempotency-Key"] = key;
-      const outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+      let outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+      const renewed = await renewedPast(holder, lease, outcome);
+      if (renewed !== null) {
+        // Refused at admission (nothing was forwarded) because this tenure's
+        // own renewal reached fencegate first: the same request again, at the
+        // renewed epoch.
+        h["X-Lease-Epoch"] = String(renewed.epoch);
+        h["X-Lease-Token"] = renewed.token;
+        outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch);
+      }
       if (attempt >= attempts || !shouldRetry(outcome, key !== null)) return outcome;
       const delay = this.delay(outcome, attempt);
       if (delay > this.maxRetryWaitMs) return outcome;
@@ -331,6 +340,18 @@ export class GatewayClient {
     }
     return parseOutcome(res.status, res.headers, payload, attempt, epoch);
   }
+}
+
+/**
+ * The tenure's renewed lease when `outcome` is a 409 epoch_stale whose newer
+ * epoch is the tenure's own renewal (it holds it now, or once its renewal on
+ * the way returns); null otherwise.
+ */
+async function renewedPast(holder: Tenure | Lease, sent: Lease, outcome: Outcome): Promise<Lease | null> {
+  if (outcome.kind !== "stale" || !(holder instanceof Tenure)) return null;
+  const latest = outcome.details.latest_epoch;
+  if (typeof latest !== "number" || latest <= sent.epoch) return null;
+  return holder.holdsAtLeast(latest, holder.msLeft());
 }
 
 function current(holder: Tenure | Lease): [Lease | null, string] {

@@ -87,6 +87,27 @@ export class Tenure {
     return this.reason !== null ? 0 : this.stopAt - performance.now();
   }
 
+  /**
+   * This tenure's lease if it holds `epoch` or a later one, waiting up to
+   * `timeoutMs` for a renewal on its way: a request sent with the epoch before
+   * the renewal is refused as stale (409 epoch_stale) once fencegate has seen
+   * the renewal's epoch, before the renewal has returned here. null: a newer
+   * epoch that is not this tenure's, or the work must stop.
+   */
+  async holdsAtLeast(epoch: number, timeoutMs: number): Promise<Lease | null> {
+    const renewing = this.renewing;
+    if (this.current.epoch < epoch && renewing !== undefined && this.reason === null) {
+      let timer: NodeJS.Timeout | undefined;
+      const timeout = new Promise<void>((resolve) => {
+        timer = setTimeout(resolve, Math.max(0, timeoutMs));
+      });
+      await Promise.race([renewing, timeout]);
+      clearTimeout(timer);
+    }
+    if (this.reason !== null || this.current.epoch < epoch) return null;
+    return this.current;
+  }
+
   /** Throws TenureEnded if the work must stop. */
   check(): void {
     if (this.mustStop) throw new TenureEnded(this.name, this.reason ?? "deadline");

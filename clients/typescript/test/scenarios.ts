@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { describe, test } from "node:test";
 
-import { LeaseHeld, isExpired, tokenSha256, type Outcome } from "fencegate-client";
+import { LeaseHeld, Tenure, isExpired, tokenSha256, type Lease, type Outcome } from "fencegate-client";
 
 import { kit, settle, waitFor } from "./kit";
 
@@ -107,6 +107,60 @@ describe("scenarios", () => {
     assert.equal(after.length, 1, "the origin received it once");
     assert.equal(after[0].idempotency_key, "charge-42");
     await k.leases().release(renewed);
+  });
+
+  test("4b a call overtaken by its own renewal is sent again", async () => {
+    // The tenure's renewal has created epoch 2 at the store and not yet
+    // returned; fencegate has admitted epoch 2 (another request carried it). A
+    // call with epoch 1 is refused as stale — by this tenure's own renewal, not
+    // a new leader: the call waits for the renewal and sends the request again
+    // at epoch 2, once.
+    const k = await kit();
+    const leases = k.leases();
+    let created: Lease | undefined;
+    let goOn: () => void = () => undefined;
+    const returned = new Promise<void>((resolve) => {
+      goOn = resolve;
+    });
+    const slowRenewal = {
+      renew: async (current: Lease, ttlMs?: number) => {
+        const next = await leases.renew(current, ttlMs);
+        created = next;
+        await returned;
+        return next;
+      },
+      release: (current: Lease) => leases.release(current),
+    };
+    const first = await leases.acquire("overtaken", { holder: "worker", ttlMs: 8000 });
+    const tenure = new Tenure(slowRenewal, first, { marginMs: 1000 });
+    const refused: (string | null)[] = [];
+    const gate = k.gateway(false, {
+      fetch: async (input, init) => {
+        const res = await fetch(input, init);
+        if (res.status === 409) {
+          refused.push(res.headers.get("x-fencegate-error"));
+          goOn(); // the renewal returns only after the refusal
+        }
+        return res;
+      },
+    });
+    try {
+      await waitFor(() => created !== undefined, "the renewal created epoch 2", 15000);
+      const renewed = created as Lease;
+      const out2 = await gate.call(renewed, "POST", "/overtaken/x", { json: { n: "epoch 2" } });
+      assert.equal(out2.kind, "delivered", JSON.stringify(out2));
+      const out = await gate.call(tenure, "POST", "/overtaken/x", { json: { n: "epoch 1 then 2" } });
+      assert.equal(out.kind, "delivered", JSON.stringify(out));
+      assert.deepEqual(refused, ["epoch_stale"]);
+      const got = await k.originRequests("/overtaken/");
+      assert.deepEqual(got.map((r) => [r.epoch, JSON.parse(r.body)]), [
+        [String(renewed.epoch), { n: "epoch 2" }],
+        [String(renewed.epoch), { n: "epoch 1 then 2" }],
+      ]);
+    } finally {
+      goOn();
+      await tenure.close({ release: false, timeoutMs: 0 });
+    }
   });
 
   test("4 renewal missing deadline stops work", async () => {

@@ -318,6 +318,18 @@ class GatewayClient:
         self.backoff, self.max_retry_wait = backoff, max_retry_wait
         self._ssl = ssl_context
 
+    @staticmethod
+    def _renewed_past(holder: Union[Tenure, Lease], sent: Lease, outcome: Outcome) -> Optional[Lease]:
+        """The tenure's renewed lease when `outcome` is a 409 epoch_stale whose
+        newer epoch is the tenure's own renewal (it holds it now, or once its
+        renewal on the way returns); None otherwise."""
+        if not isinstance(outcome, Stale) or not isinstance(holder, Tenure):
+            return None
+        latest = outcome.details.get("latest_epoch")
+        if not isinstance(latest, int) or latest <= sent.epoch:
+            return None
+        return holder.holds_at_least(latest, holder.seconds_left())
+
     def call(self, holder: Union[Tenure, Lease], method: str, path: str,
              body: Union[bytes, str, None] = None, *, json: Any = None,
              idempotency_key: Any = None, headers: Optional[Mapping[str, str]] = None,
@@ -358,6 +370,14 @@ class GatewayClient:
             if key is not None:
                 h["Idempotency-Key"] = key
             outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch)
+            renewed = self._renewed_past(holder, lease, outcome)
+            if renewed is not None:
+                # Refused at admission (nothing was forwarded) because this
+                # tenure's own renewal reached fencegate first: the same request
+                # again, at the renewed epoch.
+                h["X-Lease-Epoch"] = str(renewed.epoch)
+                h["X-Lease-Token"] = renewed.token
+                outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt, renewed.epoch)
             if attempt == attempts or not self._retry(outcome, key is not None):
                 return outcome
             delay = self._delay(outcome, attempt)

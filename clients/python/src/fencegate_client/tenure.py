@@ -49,6 +49,7 @@ class Tenure:
         self._stop_at = self._deadline(lease)
         self._renew_at = self._halfway(self._stop_at)
         self._reason: Optional[str] = None
+        self._renewing = False  # a renewal's create is on its way to the store
         self.stopped = threading.Event()
         self.stopped_at: Optional[datetime] = None  # latest store-clock estimate at the signal
         self.renewals = 0
@@ -95,6 +96,24 @@ class Tenure:
         """Raises TenureEnded if the work must stop."""
         if self.must_stop:
             raise TenureEnded(self.name, self.stop_reason or "deadline")
+
+    def holds_at_least(self, epoch: int, timeout: float) -> Optional[Lease]:
+        """This tenure's lease if it holds `epoch` or a later one, waiting up to
+        `timeout` seconds for a renewal on its way: a request sent with the
+        epoch before the renewal is refused as stale (409 epoch_stale) once
+        fencegate has seen the renewal's epoch, before the renewal has
+        returned here. None: a newer epoch that is not this tenure's, or the
+        work must stop."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._lease.epoch < epoch and self._renewing and self._reason is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._reason is not None or self._lease.epoch < epoch:
+                return None
+            return self._lease
 
     # ---- the end
 
@@ -185,22 +204,29 @@ class Tenure:
                     self._cond.wait(left)
                     continue
                 current = self._lease
+                self._renewing = True
             try:
                 new = self._client.renew(current)
             except LeaseLost as e:
                 self.last_error = e
+                with self._cond:
+                    self._renewing = False
                 self._stop("lost")
                 return
             except Exception as e:  # noqa: BLE001 - the store is unreachable or failing: retry until the deadline
                 self.last_error = e
                 log.info("renewing lease %s failed: %s", current.name, e)
                 with self._cond:
+                    self._renewing = False
+                    self._cond.notify_all()
                     left = self._stop_at - time.monotonic()
                     self._renew_at = time.monotonic() + min(1.0, max(0.05, left / 4))
                 continue
             stop_at = self._deadline(new)
             with self._cond:
                 late = self._reason is not None
+                self._renewing = False
+                self._cond.notify_all()
                 self._lease = new
                 if not late:
                     self._stop_at = stop_at

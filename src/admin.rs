@@ -8,6 +8,7 @@
 //! Bearer`, or for the page's forms as its session cookie plus the form token
 //! ([`session`]).
 
+mod deliveries;
 mod form;
 pub mod markup;
 pub mod page;
@@ -64,6 +65,10 @@ enum Endpoint<'a> {
     DedupResolve(&'a str, &'a str),
     Login,
     Logout,
+    Deliveries,
+    DeliveryGet(&'a str, &'a str),
+    DeliveryRetry(&'a str, &'a str),
+    DeliveryDrop(&'a str, &'a str),
 }
 
 /// Method, path and purpose of each endpoint (the index, `GET /`).
@@ -79,6 +84,10 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
     ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
     ("POST", "/v1/dedup/{route}/{key}/resolve", "resolve an in-doubt key: {\"outcome\": \"delivered\"|\"not_delivered\"} (admin token)"),
+    ("GET", "/v1/deliveries[?route=R][&lease=L][&status=S][&limit=N]", "queued messages (SPEC §11), by route and key (admin token)"),
+    ("GET", "/v1/deliveries/{route}/{key}", "one queued message: status, attempts, last status and error, next attempt"),
+    ("POST", "/v1/deliveries/{route}/{key}/retry", "a pending message now, or a failed one again at the end of its lease's queue (admin token)"),
+    ("POST", "/v1/deliveries/{route}/{key}/drop", "drop a pending or failed message; the ones behind it go on (admin token)"),
     ("POST", "/login", "the operator page's login form"),
     ("POST", "/logout", "ends the operator page's session"),
 ];
@@ -100,6 +109,10 @@ impl<'a> Endpoint<'a> {
             ["v1", "dedup"] => Endpoint::DedupList,
             ["v1", "dedup", route, key] => Endpoint::DedupGet(route, key),
             ["v1", "dedup", route, key, "resolve"] => Endpoint::DedupResolve(route, key),
+            ["v1", "deliveries"] => Endpoint::Deliveries,
+            ["v1", "deliveries", route, key] => Endpoint::DeliveryGet(route, key),
+            ["v1", "deliveries", route, key, "retry"] => Endpoint::DeliveryRetry(route, key),
+            ["v1", "deliveries", route, key, "drop"] => Endpoint::DeliveryDrop(route, key),
             _ => return None,
         })
     }
@@ -107,7 +120,11 @@ impl<'a> Endpoint<'a> {
     /// The one method it takes (`GET` ones take `HEAD` too).
     fn method(self) -> Method {
         match self {
-            Endpoint::DedupResolve(..) | Endpoint::Login | Endpoint::Logout => Method::POST,
+            Endpoint::DedupResolve(..)
+            | Endpoint::DeliveryRetry(..)
+            | Endpoint::DeliveryDrop(..)
+            | Endpoint::Login
+            | Endpoint::Logout => Method::POST,
             _ => Method::GET,
         }
     }
@@ -305,6 +322,16 @@ impl Admin {
                 } else {
                     self.resolve_form(req, &route, &key).await
                 }
+            }
+            Endpoint::Deliveries => self.deliveries(&req)?,
+            Endpoint::DeliveryGet(route, key) => self.delivery(route, key)?,
+            Endpoint::DeliveryRetry(route, key) => {
+                self.authorize(&req)?;
+                self.delivery_edit(route, key, true).await?
+            }
+            Endpoint::DeliveryDrop(route, key) => {
+                self.authorize(&req)?;
+                self.delivery_edit(route, key, false).await?
             }
             Endpoint::Login => self.login(req).await?,
             Endpoint::Logout => {

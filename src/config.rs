@@ -502,6 +502,14 @@ mod duration {
     pub(super) fn ms_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
         ms(d).map(Some)
     }
+
+    /// A list of durations, each as [`human`] reads one.
+    pub(super) fn list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Duration>, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct One(#[serde(deserialize_with = "human")] Duration);
+        let v: Vec<One> = serde::Deserialize::deserialize(d)?;
+        Ok(v.into_iter().map(|o| o.0).collect())
+    }
 }
 
 /// `host:port`, an IP address or a host name resolved now (the first IPv4
@@ -534,6 +542,51 @@ pub enum DeriveKey {
     Content,
     /// A fresh key each time; nothing is recorded.
     None,
+}
+
+/// `[[route]] delivery`: forward while the worker waits, or accept into the
+/// queue and deliver later (SPEC §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Delivery {
+    /// Forwarded while the worker waits (SPEC §3–§6).
+    #[default]
+    Direct,
+    /// Written durably, answered 202, delivered in order with retries (SPEC §11).
+    Queued,
+}
+
+/// `[[route]] ordering` of a queued route (SPEC §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    /// One message of a lease at a time, in acceptance order.
+    #[default]
+    Lease,
+    /// Parallel delivery within an epoch: not built yet, refused by name.
+    None,
+}
+
+/// `[[route]] retry` of a queued route: the waits between its attempts.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// The wait before attempt n+1 is `schedule[n-1]` (±20%); after the last,
+    /// the message has failed.
+    #[serde(deserialize_with = "duration::list")]
+    pub schedule: Vec<Duration>,
+}
+
+impl Default for RetryConfig {
+    /// Svix's shape: 5 s, 30 s, 5 min, 30 min, 2 h.
+    fn default() -> RetryConfig {
+        RetryConfig {
+            schedule: [5, 30, 300, 1800, 7200]
+                .into_iter()
+                .map(Duration::from_secs)
+                .collect(),
+        }
+    }
 }
 
 /// `[[route]] in_doubt`: what a repeat of an in-doubt key gets (SPEC §6).
@@ -644,6 +697,16 @@ pub struct RouteConfig {
     /// read whole first (up to `max_body_bytes`). Never logged or printed.
     #[serde(default, deserialize_with = "secrets::list")]
     pub signing_secrets: Vec<String>,
+    /// `"queued"`: accept durably, answer 202, deliver in order with retries
+    /// (SPEC §11).
+    #[serde(default)]
+    pub delivery: Delivery,
+    /// A queued route's delivery order.
+    #[serde(default)]
+    pub ordering: Ordering,
+    /// A queued route's retry schedule.
+    #[serde(default)]
+    pub retry: RetryConfig,
 }
 
 /// `[[route]] breaker`: `failures` consecutive upstream failures within `window`
@@ -1315,6 +1378,58 @@ impl Config {
                     ));
                 }
             }
+            self.validate_queued(r)?;
+        }
+        Ok(())
+    }
+
+    /// SPEC §11: a queued route's keys, and what it may not share.
+    fn validate_queued(&self, r: &RouteConfig) -> Result<(), String> {
+        if r.delivery != Delivery::Queued {
+            return Ok(());
+        }
+        if self.state.kind != StateKind::Sled || self.cluster.is_some() {
+            return Err(format!(
+                "route {:?}: delivery = \"queued\" needs a single instance on sled ([state] kind = \"sled\", no [cluster]); queues on PostgreSQL are not built yet",
+                r.name
+            ));
+        }
+        if r.ordering == Ordering::None {
+            return Err(format!(
+                "route {:?}: ordering = \"none\" is not built yet; queued routes deliver one message of a lease at a time (ordering = \"lease\")",
+                r.name
+            ));
+        }
+        // SPEC §11: the queue's order is the lease's epoch order only if no
+        // direct request of the lease can overtake a queued message.
+        if let Some(d) = self
+            .routes
+            .iter()
+            .find(|o| o.lease == r.lease && o.delivery == Delivery::Direct)
+        {
+            return Err(format!(
+                "lease {}: route {:?} is queued and route {:?} is direct; a lease's routes are all queued or all direct (a direct request could reach a destination before an older queued message)",
+                r.lease, r.name, d.name
+            ));
+        }
+        if r.retry.schedule.len() > 20 {
+            return Err(format!(
+                "route {:?}: retry.schedule has {} steps; at most 20",
+                r.name,
+                r.retry.schedule.len()
+            ));
+        }
+        if let Some(d) = r
+            .retry
+            .schedule
+            .iter()
+            .find(|d| d.is_zero() || **d > Duration::from_secs(7 * 86_400))
+        {
+            return Err(format!(
+                "route {:?}: retry.schedule step {} must be positive and at most 7 days",
+                r.name,
+                humantime::format_duration(*d)
+            ));
         }
         Ok(())
     }

@@ -65,6 +65,18 @@ pub(crate) enum ProxyError {
     },
     #[error("a request with this idempotency key was delivered; its response was not stored (too large, or resolved as delivered by an operator)")]
     DedupDone { key: String, status: Option<u16> },
+    #[error("route {route} queues what it accepts and needs a key to find it again: this request has no Idempotency-Key and the route's derive_key is \"none\"")]
+    DedupKeyMissing { route: String },
+    #[error("the queued message with this idempotency key failed: {detail}")]
+    DeliveryFailed {
+        key: String,
+        status: Option<u16>,
+        detail: String,
+    },
+    #[error("the queued message with this idempotency key was dropped by an operator")]
+    DeliveryDropped { key: String },
+    #[error("no queued message has this route and key")]
+    DeliveryNotFound,
     #[error("protocol upgrades (WebSocket, h2c) are not proxied")]
     UpgradeUnsupported,
     #[error("the upstream could not be reached; nothing was sent")]
@@ -214,6 +226,8 @@ pub(crate) enum AdminError {
     MethodNotAllowed(&'static str),
     #[error("refused: the request did not come from the operator page of this listener")]
     CrossSite,
+    #[error("{0}")]
+    Delivery(#[from] crate::queue::Edit),
 }
 
 impl AdminError {
@@ -232,6 +246,16 @@ impl AdminError {
             E::ShardUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
             E::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             E::CrossSite => (StatusCode::FORBIDDEN, "cross_site_refused"),
+            E::Delivery(e) => match e {
+                crate::queue::Edit::NotFound => (StatusCode::NOT_FOUND, "delivery_not_found"),
+                crate::queue::Edit::Conflict(_) => (StatusCode::CONFLICT, "delivery_conflict"),
+                crate::queue::Edit::Superseded(_) => {
+                    (StatusCode::CONFLICT, "delivery_superseded")
+                }
+                crate::queue::Edit::State(_) => {
+                    (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable")
+                }
+            },
         }
     }
 
@@ -364,6 +388,10 @@ impl ProxyError {
             E::DedupInDoubt { .. } => (StatusCode::CONFLICT, "dedup_in_doubt"),
             E::DedupKeyReused { .. } => (StatusCode::UNPROCESSABLE_ENTITY, "dedup_key_reused"),
             E::DedupDone { .. } => (StatusCode::CONFLICT, "dedup_done"),
+            E::DedupKeyMissing { .. } => (StatusCode::BAD_REQUEST, "dedup_key_missing"),
+            E::DeliveryFailed { .. } => (StatusCode::CONFLICT, "delivery_failed"),
+            E::DeliveryDropped { .. } => (StatusCode::CONFLICT, "delivery_dropped"),
+            E::DeliveryNotFound => (StatusCode::NOT_FOUND, "delivery_not_found"),
             E::UpgradeUnsupported => (StatusCode::NOT_IMPLEMENTED, "upgrade_unsupported"),
             E::UpstreamUnreachable { .. } => (StatusCode::BAD_GATEWAY, "upstream_unreachable"),
             E::UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
@@ -415,6 +443,18 @@ impl ProxyError {
                 ctx.insert("dedup_key".into(), json!(key));
                 ctx.insert("upstream_status".into(), json!(status));
             }
+            E::DeliveryFailed {
+                key,
+                status,
+                detail,
+            } => {
+                ctx.insert("dedup_key".into(), json!(key));
+                ctx.insert("upstream_status".into(), json!(status));
+                ctx.insert("detail".into(), json!(detail));
+            }
+            E::DeliveryDropped { key } => {
+                ctx.insert("dedup_key".into(), json!(key));
+            }
             E::UpstreamUnreachable { detail }
             | E::StateUnavailable { detail }
             | E::BodyUnreadable { detail } => {
@@ -446,6 +486,8 @@ impl ProxyError {
             | E::DedupKeyMalformed(_)
             | E::BodyTimeout
             | E::UpgradeUnsupported
+            | E::DedupKeyMissing { .. }
+            | E::DeliveryNotFound
             | E::PeerUnauthorized => {}
         }
     }
@@ -519,6 +561,17 @@ impl ProxyError {
                 key; the destination holds its result"
                 .into(),
             E::UpgradeUnsupported => "Send a plain HTTP request".into(),
+            E::DedupKeyMissing { .. } => "Nothing was queued: send an Idempotency-Key (or set \
+                the route's derive_key = \"content\")"
+                .into(),
+            E::DeliveryFailed { .. } => "Do not send it again under another key without \
+                checking the destination: an operator may retry it (POST \
+                /v1/deliveries/{route}/{key}/retry on the admin listener) or drop it"
+                .into(),
+            E::DeliveryDropped { .. } => "An operator decided it is not to be delivered; a \
+                new message needs a new key"
+                .into(),
+            E::DeliveryNotFound => return None,
             E::UpstreamUnreachable { .. } => Doubt::NotSent.next_step(),
             E::UpstreamTimeout { doubt, .. } | E::ShuttingDown { doubt } => doubt.next_step(),
             E::DrainAborted { doubt, .. } => format!(

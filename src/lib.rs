@@ -77,6 +77,7 @@ pub(crate) mod lock_order;
 pub mod metrics;
 pub mod process;
 pub mod protect;
+pub mod queue;
 pub(crate) mod proxy;
 pub mod server;
 pub mod set_up;

@@ -30,6 +30,9 @@ pub struct Shared {
     /// What a reload may change: the routes (dedup records are scoped by route),
     /// the admin token, TLS, the access-log switch.
     pub live: Arc<LiveConfig>,
+    /// Queued routes' messages and their deliverers (SPEC §11); `None` unless
+    /// the state is on sled.
+    pub queue: Option<Arc<crate::queue::Queue>>,
     /// Set by the first SIGTERM: `/readyz` fails from then on, while the
     /// listeners still serve for `shutdown_delay_ms` (SPEC §8).
     pub stopping: AtomicBool,

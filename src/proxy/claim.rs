@@ -93,7 +93,7 @@ impl Proxy {
             worker_key,
             relayed,
             record,
-            whole: record || route.signer.is_some(),
+            whole: record || route.signer.is_some() || route.queued,
         })
     }
 

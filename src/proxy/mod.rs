@@ -54,6 +54,7 @@ use hyper::body::Incoming;
 mod admit;
 mod claim;
 mod place;
+pub(crate) mod queued;
 mod record;
 pub(crate) mod routes;
 mod upstream;
@@ -103,6 +104,8 @@ pub(crate) struct Proxy {
     abandon: tokio_util::sync::CancellationToken,
     /// Trace export (`[telemetry]`); `None`: no request is traced.
     telemetry: Option<Arc<Telemetry>>,
+    /// Queued routes' messages (SPEC §11); `None` when no queue is kept.
+    queue: Option<Arc<crate::queue::Queue>>,
 }
 
 impl Proxy {
@@ -120,6 +123,7 @@ impl Proxy {
             fences: shared.fences.clone(),
             mode: shared.mode.clone(),
             state: shared.state.clone(),
+            queue: shared.queue.clone(),
             peers,
             metrics,
             clock,
@@ -161,6 +165,11 @@ impl Proxy {
         let mut seen = Seen::default();
         // This request's config to its end, whatever a reload does meanwhile.
         let live = self.live.current();
+        if uri.path().starts_with(queued::STATUS_PREFIX) {
+            let mut resp = self.delivery_status(&req);
+            resp.headers_mut().insert(REQUEST_ID, request_id);
+            return resp;
+        }
         let route = live.routes.find(&method, uri.path());
         let mut refusal = None;
         let (mut resp, outcome) = match route {
@@ -297,6 +306,20 @@ impl Proxy {
             )
             .await?;
         drained(route, claim, &pass, spans);
+        if let (Some(queue), Payload::Whole(b)) = (self.queue.as_ref().filter(|_| route.queued), &body) {
+            // 5'. A queued route accepts into its lease's queue (SPEC §11).
+            let b = b.clone();
+            let claimed = queued::Claimed::of(claim);
+            let resp = self
+                .accept(queue, route, &fence, parts, b, hop, pass, claimed, worker_key, seen)
+                .await?;
+            let outcome = if resp.status() == http::StatusCode::ACCEPTED {
+                "queued"
+            } else {
+                "replayed"
+            };
+            return Ok((resp, outcome));
+        }
         // 4. Protect.
         let protect = protect(route)?;
         // 5. Claim the key.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::Method;
 
-use crate::config::{DeriveKey, InDoubtPolicy, RouteConfig};
+use crate::config::{Delivery, DeriveKey, InDoubtPolicy, RouteConfig};
 use crate::epoch::LeaseName;
 use crate::fence::Fence;
 use crate::forward::sign::Signer;
@@ -43,6 +43,10 @@ pub struct Route {
     /// Signs each forwarded request the Standard Webhooks way (its body is read
     /// whole first).
     pub signer: Option<Signer>,
+    /// `delivery = "queued"` (SPEC §11): accepted durably, delivered later.
+    pub queued: bool,
+    /// A queued route's waits between attempts.
+    pub retry: Vec<Duration>,
     /// This route's counter and histograms.
     pub(super) metrics: RouteMetrics,
 }
@@ -74,6 +78,8 @@ impl Route {
             protect_cfg: protect::Settings::of(cfg),
             protect: Arc::new(protect::Guard::new(&protect::Settings::of(cfg))),
             signer: cfg.signer()?,
+            queued: cfg.delivery == Delivery::Queued,
+            retry: cfg.retry.schedule.clone(),
             metrics: metrics.for_route(&cfg.name),
         })
     }

@@ -161,8 +161,13 @@ async fn build_on(
     };
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let mut database = None;
+    let mut on_sled = None;
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
-        StateKind::Sled => SledState::open(&cfg.server.data_dir)?,
+        StateKind::Sled => {
+            let sled = SledState::open(&cfg.server.data_dir)?;
+            on_sled = Some(sled.clone());
+            sled
+        }
         StateKind::Postgres => {
             // Opened, not yet migrated nor written: the database is claimed
             // (and migrated) once this instance holds its place in the store
@@ -242,7 +247,24 @@ async fn build_on(
     };
     let metrics = Metrics::new();
     let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics).await?);
+    let stop = CancellationToken::new();
+    // SPEC §11: the queue keeps its trees beside the marks, on sled.
+    let queue = match on_sled {
+        None => None,
+        Some(sled) => Some(crate::queue::Queue::new(
+            crate::queue::QueueStore::open(sled).map_err(StartError::State)?,
+            crate::queue::Context {
+                live: live.clone(),
+                mode: mode.clone(),
+                state: durable.clone(),
+                clock: clock.clone(),
+                stop: stop.clone(),
+                abandon: CancellationToken::new(),
+            },
+        )),
+    };
     let shared = Arc::new(Shared {
+        queue: queue.clone(),
         state: durable,
         state_metrics,
         store,
@@ -261,7 +283,6 @@ async fn build_on(
             Some(crate::forward::client(tls, Duration::from_secs(1)))
         }
     };
-    let stop = CancellationToken::new();
     // Trace export: its own pooled client (system roots), its own task.
     let telemetry = match &cfg.telemetry.otlp_endpoint {
         None => None,
@@ -304,6 +325,17 @@ async fn build_on(
     if let Mode::Single(guard) = &mode {
         tasks.push(tokio::spawn(
             guard.clone().abort_at_expiry(fences.clone(), stop.clone()),
+        ));
+    }
+    if let Some(q) = &queue {
+        q.register(&metrics);
+        let resumed = q.start().map_err(StartError::State)?;
+        if resumed > 0 {
+            tracing::info!(leases = resumed, "queued messages left by a previous run are delivered");
+        }
+        tasks.push(tokio::spawn(
+            q.clone()
+                .run_sweeper(cfg.dedup.ttl, cfg.dedup.sweep_interval),
         ));
     }
     if let Some(pg) = database.clone() {
@@ -539,6 +571,12 @@ impl App {
                 let _ = tokio::time::timeout(Duration::from_secs(2), &mut finishing).await;
             }
             self.stop.cancel();
+            if let Some(q) = &self.shared.queue {
+                // No attempt starts from now on; one still out is given the
+                // shutdown timeout, then cut (its outcome unknown: sent again
+                // at the next start with the same webhook-id).
+                q.stop(self.shutdown_timeout).await;
+            }
             if let Mode::Cluster(c) = &self.shared.mode {
                 // Nothing is in flight: each shard is released, successors start at once.
                 c.leave().await;

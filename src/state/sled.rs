@@ -29,6 +29,8 @@ const OWNER_PREFIX: &[u8] = b"owner/";
 /// commit.
 pub struct SledState {
     path: PathBuf,
+    /// The database: the queue (SPEC §11) keeps its own trees in it.
+    db: sled::Db,
     meta: sled::Tree,
     marks: sled::Tree,
     /// Per lease, the epoch its drains completed through (SPEC §5: a drain
@@ -216,6 +218,7 @@ impl SledState {
         .map_err(|e| open_err(format!("starting the flusher: {e}")))?;
         Ok(Arc::new(SledState {
             path,
+            db,
             meta,
             marks,
             drained,
@@ -223,6 +226,12 @@ impl SledState {
             commit,
             owners: Mutex::new(owners),
         }))
+    }
+
+    /// The sled database, for the queue's trees (made durable by the same
+    /// group commit, [`SledState::commit`]).
+    pub fn db(&self) -> &sled::Db {
+        &self.db
     }
 
     /// The database's directory.

@@ -1,0 +1,312 @@
+//! A queued route's phase 5 (SPEC §11): instead of claiming the key and
+//! forwarding, the admitted request is written into its lease's queue under
+//! its pass, durably, and answered `202 Accepted`; a retry of its key is
+//! answered from the message. And the worker's status URL.
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::Full;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use super::{Proxy, Route};
+use crate::access::Seen;
+use crate::admission::Claim;
+use crate::config::DeriveKey;
+use crate::dedup::{self, escape_segment, DedupKey, Differs, KeyFrees};
+use crate::error::ProxyError;
+use crate::fence::Fence;
+use crate::forward::{self, ClientHop};
+use crate::gate::Pass;
+use crate::queue::{ms, Accepted, Envelope, Message, Queue, Status};
+use crate::state::RequestLine;
+use crate::streaming::{ProxyBody, UpBody};
+
+/// The proxy listener's path of a message's status (the `Location` of its 202).
+pub(crate) const STATUS_PREFIX: &str = "/.fencegate/deliveries/";
+
+/// The status URL of `route`, `key` (the key escaped as a path segment).
+pub(crate) fn status_path(route: &str, key: &str) -> String {
+    format!(
+        "{STATUS_PREFIX}{}/{}",
+        escape_segment(route),
+        escape_segment(key)
+    )
+}
+
+/// What a message keeps of its request's claim: the epoch, and the token's
+/// hash (the status URL's credential).
+pub(super) struct Claimed {
+    epoch: crate::epoch::Epoch,
+    token_sha256: Option<String>,
+}
+
+impl Claimed {
+    pub(super) fn of(claim: Claim<'_>) -> Claimed {
+        Claimed {
+            epoch: claim.epoch,
+            token_sha256: claim.token.map(|t| hex::encode(Sha256::digest(t))),
+        }
+    }
+}
+
+/// A message as the worker and the admin API see it.
+pub(crate) fn view(m: &Message) -> serde_json::Value {
+    json!({
+        "route": m.route,
+        "dedup_key": m.key,
+        "lease": m.lease,
+        "epoch": m.epoch,
+        "seq": m.seq,
+        "status": m.status.as_str(),
+        "attempts": m.attempts,
+        "unknown_outcomes": m.unknown_outcomes,
+        "accepted_at": crate::clock::rfc3339(dedup::ms_to_system(m.accepted_ms)),
+        "updated_at": crate::clock::rfc3339(dedup::ms_to_system(m.updated_ms)),
+        "next_attempt_at": (m.status == Status::Pending)
+            .then(|| crate::clock::rfc3339(dedup::ms_to_system(m.next_attempt_ms))),
+        "last_status": m.last_status,
+        "last_error": m.last_error,
+        "location": status_path(&m.route, &m.key),
+    })
+}
+
+/// `202 Accepted` for a message pending or being delivered.
+fn accepted(m: &Message) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::from(Full::new(Bytes::from(
+        view(m).to_string(),
+    ))));
+    *resp.status_mut() = StatusCode::ACCEPTED;
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert("x-fencegate-delivery", HeaderValue::from_static("queued"));
+    if let Ok(k) = HeaderValue::from_str(&m.key) {
+        h.insert("x-fencegate-dedup-key", k);
+    }
+    if let Ok(l) = HeaderValue::from_str(&status_path(&m.route, &m.key)) {
+        h.insert(http::header::LOCATION, l);
+    }
+    resp
+}
+
+/// What a retry of a key with a message gets (SPEC §11, as §6 answers one).
+fn answer_from(
+    m: Message,
+    fingerprint: &str,
+    line: &RequestLine,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    if m.fingerprint != fingerprint {
+        let differs = if m.method != line.method {
+            Differs::Method(m.method)
+        } else if m.path != line.path {
+            Differs::Path(m.path)
+        } else {
+            Differs::QueryOrBody
+        };
+        return Err(ProxyError::DedupKeyReused {
+            route: m.route,
+            key: m.key,
+            differs,
+            frees: KeyFrees::AfterFirstEnds,
+        });
+    }
+    match m.status {
+        Status::Pending | Status::Delivering => Ok(accepted(&m)),
+        Status::Delivered => match m.answer.as_ref().map(|a| a.stored()) {
+            Some(stored) if stored.body.is_some() => {
+                Ok(stored.to_response().map(ProxyBody::from))
+            }
+            _ => Err(ProxyError::DedupDone {
+                key: m.key,
+                status: m.last_status,
+            }),
+        },
+        Status::Failed => Err(ProxyError::DeliveryFailed {
+            key: m.key,
+            status: m.last_status,
+            detail: m.last_error.unwrap_or_default(),
+        }),
+        Status::Dropped => Err(ProxyError::DeliveryDropped { key: m.key }),
+    }
+}
+
+impl Proxy {
+    /// Accepts an admitted request into its lease's queue (SPEC §11): its key
+    /// (the worker's, else derived from the request whatever its method), the
+    /// request as it will be sent, and its message, written durably under
+    /// `pass` — which ends only once the write is durable, so a newer epoch's
+    /// raise waits for it. Answered `202`, or from the key's message.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn accept(
+        &self,
+        queue: &std::sync::Arc<Queue>,
+        route: &Route,
+        fence: &Fence,
+        parts: Parts,
+        body: Bytes,
+        hop: &ClientHop,
+        pass: Pass,
+        claim: Claimed,
+        worker_key: Option<DedupKey>,
+        seen: &mut Seen,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let method = parts.method.as_str().to_owned();
+        let path_query = parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |pq| pq.as_str())
+            .to_owned();
+        let key = match worker_key {
+            Some(k) => k,
+            None if route.derive_key == DeriveKey::Content => {
+                DedupKey::derive(&route.name, &method, &path_query, &body)
+            }
+            None => {
+                return Err(ProxyError::DedupKeyMissing {
+                    route: route.name.clone(),
+                })
+            }
+        };
+        let key = seen.key.insert(key);
+        let fingerprint = hex::encode(dedup::fingerprint(&method, &path_query, &body));
+        let line = RequestLine::new(&method, &path_query);
+        if let Some(m) = queue.store.get(&route.name, key.as_str()).map_err(state)? {
+            return answer_from(m, &fingerprint, &line);
+        }
+        if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
+            // This instance cannot deliver now (SPEC §10): accept nothing it
+            // could not send.
+            return Err(ProxyError::ShardUnavailable {
+                lease: route.lease.clone(),
+            });
+        }
+        let up = forward::build_request(
+            &route.target,
+            parts,
+            UpBody::from(Bytes::new()),
+            hop,
+            key.as_str(),
+        )
+        .map_err(|detail| ProxyError::UpstreamUnreachable { detail })?;
+        let envelope = Envelope {
+            method: method.clone(),
+            uri: up.uri().to_string(),
+            headers: up
+                .headers()
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+                .collect(),
+            body,
+        };
+        let now = ms(self.clock.now());
+        let msg = Message {
+            route: route.name.clone(),
+            key: key.as_str().to_owned(),
+            lease: route.lease.as_str().to_owned(),
+            epoch: claim.epoch.get(),
+            seq: 0,
+            fingerprint: fingerprint.clone(),
+            method: line.method.clone(),
+            path: line.path.clone(),
+            token_sha256: claim.token_sha256,
+            status: Status::Pending,
+            attempts: 0,
+            unknown_outcomes: 0,
+            accepted_ms: now,
+            updated_ms: now,
+            next_attempt_ms: now,
+            last_status: None,
+            last_error: None,
+            answer: None,
+        };
+        let done = queue
+            .store
+            .accept(msg, &envelope, || !pass.is_aborted())
+            .await
+            .map_err(state);
+        // Durable (or failed): a newer epoch's raise may go on.
+        let newer = pass.newer_epoch();
+        drop(pass);
+        match done? {
+            Accepted::New(m) => {
+                crate::failpoint::hit("queue_accepted");
+                queue.wake(&m.lease);
+                Ok(accepted(&m))
+            }
+            Accepted::Exists(m) => answer_from(m, &fingerprint, &line),
+            Accepted::Aborted => Err(ProxyError::DrainAborted {
+                lease: route.lease.clone(),
+                epoch: claim.epoch,
+                newer,
+                doubt: crate::error::Doubt::NotSent,
+            }),
+        }
+    }
+}
+
+fn state(e: crate::state::StateError) -> ProxyError {
+    ProxyError::StateUnavailable {
+        detail: e.to_string(),
+    }
+}
+
+impl Proxy {
+    /// `GET {STATUS_PREFIX}{route}/{key}` on the proxy listener: the message's
+    /// status for its worker, authenticated by the lease token it was accepted
+    /// with (none on a route with `require_token = false`).
+    pub(super) fn delivery_status<B>(&self, req: &http::Request<B>) -> Response<ProxyBody> {
+        self.status_of(req)
+            .unwrap_or_else(|e| e.to_response().map(ProxyBody::from))
+    }
+
+    fn status_of<B>(&self, req: &http::Request<B>) -> Result<Response<ProxyBody>, ProxyError> {
+        use crate::admission::Refusal;
+        if !matches!(*req.method(), http::Method::GET | http::Method::HEAD) {
+            return Err(ProxyError::RouteNotFound);
+        }
+        let rest = &req.uri().path()[STATUS_PREFIX.len()..];
+        let Some((route, key)) = rest.split_once('/') else {
+            return Err(ProxyError::DeliveryNotFound);
+        };
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+        };
+        let (Ok(route), Ok(key)) = (decode(route), decode(key)) else {
+            return Err(ProxyError::DeliveryNotFound);
+        };
+        let queue = self.queue.as_ref().ok_or(ProxyError::DeliveryNotFound)?;
+        let m = queue
+            .store
+            .get(&route, &key)
+            .map_err(state)?
+            .ok_or(ProxyError::DeliveryNotFound)?;
+        if let Some(want) = &m.token_sha256 {
+            let lease = crate::epoch::LeaseName::parse(&m.lease)
+                .map_err(|_| ProxyError::DeliveryNotFound)?;
+            let mut tokens = req.headers().get_all(crate::headers::LEASE_TOKEN).iter();
+            let (Some(t), None) = (tokens.next(), tokens.next()) else {
+                return Err(ProxyError::Refused(Refusal::TokenMissing { lease }));
+            };
+            if hex::encode(Sha256::digest(t.as_bytes())) != *want {
+                return Err(ProxyError::Refused(Refusal::TokenInvalid {
+                    lease,
+                    epoch: crate::epoch::Epoch::new(m.epoch),
+                }));
+            }
+        }
+        let mut resp = Response::new(ProxyBody::from(Full::new(Bytes::from(
+            view(&m).to_string(),
+        ))));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        Ok(resp)
+    }
+}

@@ -1,0 +1,366 @@
+//! A lease's deliverer (SPEC §11): sends the head of its queue, and the next
+//! only once the head is settled. Each attempt is written as started, durably,
+//! before it is sent; a crash while it is out leaves it `delivering`, which
+//! the next run counts as an unknown outcome and sends again, with the same
+//! `webhook-id`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Request, StatusCode};
+use rand::Rng;
+use tokio::sync::Notify;
+
+use super::{ms, Answer, Message, Queue, Status};
+use crate::forward::{self, UpstreamError};
+use crate::proxy::Route;
+use crate::state::Owner;
+use crate::streaming::UpBody;
+
+/// How long a deliverer waits before looking again when it cannot go on
+/// (the route is gone, the instance may not forward, the state cannot be read).
+const PAUSE: Duration = Duration::from_millis(250);
+
+/// Statuses that are not a final refusal though they are 4xx (SPEC §11).
+fn retryable_4xx(s: StatusCode) -> bool {
+    matches!(s.as_u16(), 408 | 409 | 425 | 429)
+}
+
+/// What an attempt came to.
+enum Came {
+    /// 2xx: delivered.
+    Delivered(Answer),
+    /// A final refusal (4xx other than 408, 409, 425, 429).
+    Refused(u16),
+    /// Try again: the status (if it answered), why, whether anything may have
+    /// been sent, and a `Retry-After` the destination asked for.
+    Again {
+        status: Option<u16>,
+        why: String,
+        maybe_sent: bool,
+        retry_after: Option<Duration>,
+    },
+}
+
+pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
+    loop {
+        if q.ctx.stop.is_cancelled() {
+            return;
+        }
+        let head = match q.store.head(&lease) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                if q.retire(&lease) {
+                    return;
+                }
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(lease, error = %e, "cannot read the queue; trying again");
+                pause(&q, &notify, PAUSE).await;
+                continue;
+            }
+        };
+        let now = ms(q.ctx.clock.now());
+        if head.status == Status::Pending && head.next_attempt_ms > now {
+            pause(&q, &notify, Duration::from_millis(head.next_attempt_ms - now)).await;
+            continue;
+        }
+        let live = q.ctx.live.current();
+        let Some(route) = live.routes.get(&head.route).filter(|r| r.queued) else {
+            // Removed by a reload: kept, not delivered, until it is back or an
+            // operator drops the message.
+            pause(&q, &notify, PAUSE * 4).await;
+            continue;
+        };
+        let ticket = match route.protect.enter(&route.protect_cfg) {
+            Ok(t) => t,
+            Err(refused) => {
+                // A held route delays the attempt; it spends none.
+                pause(&q, &notify, Duration::from_secs(refused.retry_after_secs)).await;
+                continue;
+            }
+        };
+        if !may_send(&q) {
+            pause(&q, &notify, PAUSE).await;
+            continue;
+        }
+        if let Err(e) = attempt(&q, route, head, ticket).await {
+            tracing::warn!(lease, error = %e, "a delivery attempt could not be written; trying again");
+            pause(&q, &notify, PAUSE).await;
+        }
+    }
+}
+
+/// SPEC §10 applied to the queue: this instance sends only while it holds its
+/// place (the instance guard) and the state is its set-up's.
+fn may_send(q: &Queue) -> bool {
+    q.ctx.mode.may_forward(Owner::SINGLE) && q.ctx.state.set_up_conflict().is_none()
+}
+
+/// Waits for `d`, a wake-up or shutdown.
+async fn pause(q: &Queue, notify: &Notify, d: Duration) {
+    tokio::select! {
+        _ = q.ctx.stop.cancelled() => {}
+        _ = notify.notified() => {}
+        _ = tokio::time::sleep(d) => {}
+    }
+}
+
+async fn attempt(
+    q: &Queue,
+    route: &Route,
+    mut m: Message,
+    ticket: crate::protect::Ticket,
+) -> Result<(), crate::state::StateError> {
+    let Some(envelope) = q.store.envelope(&m.route, &m.key)? else {
+        return Err(crate::state::StateError::Write(format!(
+            "the request of queued message {}/{} is gone",
+            m.route, m.key
+        )));
+    };
+    // Counted out before shutdown is looked at: shutdown cancels `stop`, then
+    // waits for what is out (SeqCst both sides), so an attempt either sees
+    // the stop or is waited for.
+    let Some(_out) = Out::enter(q) else {
+        return Ok(());
+    };
+    let edit = q.edits.lock().await;
+    // An operator may have changed it since it was read as the head.
+    match q.store.get(&m.route, &m.key)? {
+        Some(now) if now.status == m.status && now.seq == m.seq && now.next_attempt_ms == m.next_attempt_ms => {}
+        _ => return Ok(()),
+    }
+    if m.status == Status::Delivering {
+        // Out when the last run stopped: it may have arrived.
+        m.unknown_outcomes += 1;
+        q.unknown.fetch_add(1, Ordering::Relaxed);
+    }
+    let now = ms(q.ctx.clock.now());
+    m.status = Status::Delivering;
+    m.attempts += 1;
+    m.updated_ms = now;
+    q.store.put(&m).await?;
+    drop(edit);
+    crate::failpoint::hit("queue_attempt_started");
+    let request = match build(q, route, &m, envelope) {
+        Ok(r) => r,
+        Err(why) => {
+            drop(ticket);
+            return finish(q, route, m, Came::Refused(0), Some(why)).await;
+        }
+    };
+    // The last check, right before the send (nothing awaited between them).
+    if !may_send(q) {
+        drop(ticket);
+        m.status = Status::Pending;
+        m.attempts -= 1;
+        q.count(&m.route, "not_sent");
+        return q.store.put(&m).await;
+    }
+    let result = send(q, route, request, ticket).await;
+    crate::failpoint::hit("queue_attempt_answered");
+    finish(q, route, m, result, None).await
+}
+
+/// An attempt counted as out ([`Queue::stop`] waits for it).
+struct Out<'q>(&'q Queue);
+
+impl<'q> Out<'q> {
+    fn enter(q: &'q Queue) -> Option<Out<'q>> {
+        q.out.fetch_add(1, Ordering::SeqCst);
+        let out = Out(q);
+        (!q.ctx.stop.is_cancelled()).then_some(out)
+    }
+}
+
+impl Drop for Out<'_> {
+    fn drop(&mut self) {
+        if self.0.out.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// The request of attempt `m.attempts`: as accepted, signed now.
+fn build(
+    q: &Queue,
+    route: &Route,
+    m: &Message,
+    e: super::Envelope,
+) -> Result<Request<UpBody>, String> {
+    let mut req = Request::new(UpBody::from(e.body.clone()));
+    *req.method_mut() = e.method.parse().map_err(|_| "a stored method".to_owned())?;
+    *req.uri_mut() = e.uri.parse().map_err(|_| "a stored URI".to_owned())?;
+    let h = req.headers_mut();
+    for (n, v) in &e.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_bytes(v),
+        ) {
+            h.append(n, v);
+        }
+    }
+    if let Some(signer) = &route.signer {
+        // The same webhook-id on every attempt; timestamp and signature per attempt.
+        let id = format!("{}:{}", m.route, m.key);
+        signer.sign(h, &id, q.ctx.clock.now(), &e.body)?;
+    }
+    Ok(req)
+}
+
+async fn send(
+    q: &Queue,
+    route: &Route,
+    req: Request<UpBody>,
+    ticket: crate::protect::Ticket,
+) -> Came {
+    let abandon = q.ctx.abandon.clone();
+    let stop = async move {
+        abandon.cancelled().await;
+        "shutdown gave up on it"
+    };
+    tokio::pin!(stop);
+    let started = tokio::time::Instant::now();
+    let head = forward::send(&route.client, req, route.timeout, stop.as_mut()).await;
+    let mut head = match head {
+        Ok(h) => h,
+        Err(UpstreamError::Unreachable(why)) => {
+            ticket.failed(true, None);
+            return Came::Again {
+                status: None,
+                why,
+                maybe_sent: false,
+                retry_after: None,
+            };
+        }
+        Err(UpstreamError::Uncertain(why)) => {
+            ticket.failed(true, None);
+            return Came::Again {
+                status: None,
+                why,
+                maybe_sent: true,
+                retry_after: None,
+            };
+        }
+    };
+    let status = head.status;
+    let read = forward::read_up_to(
+        &mut head,
+        route.max_replay_bytes,
+        started + route.timeout,
+        stop.as_mut(),
+    )
+    .await;
+    let wall = q.ctx.clock.now();
+    let retry_after = crate::protect::retry_after::delay(&head.headers, wall);
+    drop(ticket.answered(status, &head.headers, || wall));
+    match read {
+        Err(UpstreamError::Unreachable(why) | UpstreamError::Uncertain(why))
+            if status.is_success() =>
+        {
+            // A 2xx whose body broke off: it was received; keep no body.
+            tracing::debug!(why, "a delivered message's answer broke off");
+            Came::Delivered(Answer::new(status.as_u16(), &head.headers, None))
+        }
+        _ if status.is_success() => {
+            let body = read.ok().filter(|(_, whole)| *whole).map(|(b, _)| b);
+            Came::Delivered(Answer::new(
+                status.as_u16(),
+                &head.headers,
+                body.as_ref().map(Bytes::as_ref),
+            ))
+        }
+        _ if status.is_client_error() && !retryable_4xx(status) => {
+            Came::Refused(status.as_u16())
+        }
+        _ => Came::Again {
+            status: Some(status.as_u16()),
+            why: format!("the destination answered {status}"),
+            maybe_sent: true,
+            retry_after,
+        },
+    }
+}
+
+/// Writes what the attempt came to: settled (delivered, failed), or pending
+/// with its next attempt.
+async fn finish(
+    q: &Queue,
+    route: &Route,
+    mut m: Message,
+    result: Came,
+    unsendable: Option<String>,
+) -> Result<(), crate::state::StateError> {
+    let now = ms(q.ctx.clock.now());
+    m.updated_ms = now;
+    match result {
+        Came::Delivered(answer) => {
+            m.status = Status::Delivered;
+            m.last_status = Some(answer.status);
+            m.last_error = None;
+            m.answer = Some(answer);
+            q.count(&m.route, "delivered");
+            q.store.settle(&m, true).await?;
+            crate::failpoint::hit("queue_delivered");
+        }
+        Came::Refused(status) => {
+            m.status = Status::Failed;
+            m.last_status = (status != 0).then_some(status);
+            m.last_error = Some(match unsendable {
+                Some(why) => format!("could not be built: {why}"),
+                None => format!("the destination refused it ({status}): not retried"),
+            });
+            q.count(&m.route, "failed");
+            q.store.settle(&m, status != 0).await?;
+            tracing::warn!(route = m.route, key = m.key, status, "a queued message failed for good");
+        }
+        Came::Again {
+            status,
+            why,
+            maybe_sent,
+            retry_after,
+        } => {
+            m.last_status = status;
+            m.last_error = Some(why);
+            if maybe_sent && status.is_none() {
+                // Timed out or reset after it may have been sent.
+                m.unknown_outcomes += 1;
+                q.unknown.fetch_add(1, Ordering::Relaxed);
+            }
+            let schedule = &route.retry;
+            match schedule.get(m.attempts as usize - 1) {
+                Some(wait) => {
+                    let mut wait = jitter(*wait);
+                    if let Some(ra) = retry_after {
+                        let cap = schedule.last().copied().unwrap_or(wait);
+                        wait = wait.max(ra.min(cap));
+                    }
+                    m.status = Status::Pending;
+                    m.next_attempt_ms = now + wait.as_millis() as u64;
+                    q.count(&m.route, "retry");
+                    q.store.put(&m).await?;
+                }
+                None => {
+                    m.status = Status::Failed;
+                    q.count(&m.route, "failed");
+                    q.store.settle(&m, maybe_sent).await?;
+                    tracing::warn!(
+                        route = m.route,
+                        key = m.key,
+                        attempts = m.attempts,
+                        "a queued message failed after its last attempt"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// ±20% of `d`.
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(rand::thread_rng().gen_range(0.8..=1.2))
+}

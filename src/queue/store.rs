@@ -1,0 +1,512 @@
+//! The queue's records on sled (SPEC §11), beside the marks and dedup records
+//! of [`SledState`] and made durable by its group commit.
+//!
+//! Trees: `queue` (route \0 key → the message's [`Message`], JSON),
+//! `queue_requests` (route \0 key → the request as it will be sent; written
+//! once), `queue_order` (lease \0 seq → route \0 key, only for messages not
+//! settled: a lease's head is its first entry), `queue_seq` (lease → the next
+//! sequence number) and `queue_sent` (lease → the newest epoch of which a
+//! message was sent). An acceptance writes the first four in one sled
+//! transaction (all or nothing after a crash), under one lock that also orders
+//! the sequence numbers.
+
+use std::sync::{Arc, Mutex};
+
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine as _;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sled::transaction::{ConflictableTransactionError, TransactionError};
+use sled::Transactional;
+
+use crate::state::sled::SledState;
+use crate::state::{StateError, StoredResponse};
+
+/// Where a message stands (SPEC §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Accepted; waiting for its turn or its next attempt.
+    Pending,
+    /// An attempt was written as started: its request may be on the wire.
+    Delivering,
+    /// The destination answered 2xx.
+    Delivered,
+    /// The last attempt failed, or the destination refused it for good.
+    Failed,
+    /// An operator dropped it.
+    Dropped,
+}
+
+impl Status {
+    /// The name SPEC, the admin API and the metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Delivering => "delivering",
+            Status::Delivered => "delivered",
+            Status::Failed => "failed",
+            Status::Dropped => "dropped",
+        }
+    }
+
+    /// Parses [`Status::as_str`]'s names.
+    pub fn parse(s: &str) -> Option<Status> {
+        [
+            Status::Pending,
+            Status::Delivering,
+            Status::Delivered,
+            Status::Failed,
+            Status::Dropped,
+        ]
+        .into_iter()
+        .find(|st| st.as_str() == s)
+    }
+
+    /// Settled: no attempt will be made unless an operator retries it.
+    pub fn is_settled(self) -> bool {
+        matches!(self, Status::Delivered | Status::Failed | Status::Dropped)
+    }
+}
+
+/// A stored answer (the 2xx that delivered a message), bytes in base64.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Answer {
+    /// The destination's status.
+    pub status: u16,
+    /// Its headers, values in base64.
+    pub headers: Vec<(String, String)>,
+    /// `None` when over the route's `max_replay_bytes`.
+    pub body: Option<String>,
+}
+
+impl Answer {
+    /// Keeps `status`, `headers` and `body` (if whole and within the limit).
+    pub fn new(status: u16, headers: &http::HeaderMap, body: Option<&[u8]>) -> Answer {
+        Answer {
+            status,
+            headers: headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_owned(), STANDARD.encode(v.as_bytes())))
+                .collect(),
+            body: body.map(|b| STANDARD.encode(b)),
+        }
+    }
+
+    /// As a dedup record keeps one, to be replayed the same way (SPEC §6).
+    pub fn stored(&self) -> StoredResponse {
+        StoredResponse {
+            status: self.status,
+            headers: self
+                .headers
+                .iter()
+                .filter_map(|(n, v)| Some((n.clone(), STANDARD.decode(v).ok()?)))
+                .collect(),
+            body: self
+                .body
+                .as_ref()
+                .and_then(|b| STANDARD.decode(b).ok())
+                .map(Bytes::from),
+        }
+    }
+}
+
+/// One message's record: everything but its request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Message {
+    /// The route it was accepted on.
+    pub route: String,
+    /// Its dedup key (the worker's, or derived).
+    pub key: String,
+    /// The lease whose queue it is in.
+    pub lease: String,
+    /// The epoch it was accepted at.
+    pub epoch: u64,
+    /// Its place in its lease's queue (strictly increasing per lease).
+    pub seq: u64,
+    /// Hex SHA-256 of method, path and query, and body: tells a retry from a
+    /// reused key (SPEC §6).
+    pub fingerprint: String,
+    /// The request's method and path (no query), to say how a reused key's
+    /// request differs.
+    pub method: String,
+    /// The request's path, without its query.
+    pub path: String,
+    /// Hex SHA-256 of the lease token it was accepted with: the status URL's
+    /// credential. `None` on a route with `require_token = false`.
+    pub token_sha256: Option<String>,
+    /// Where it stands.
+    pub status: Status,
+    /// Attempts started.
+    pub attempts: u32,
+    /// Attempts whose outcome was unknown (a timeout, a reset, a crash while
+    /// one was out): the destination may have seen this message more than once.
+    pub unknown_outcomes: u32,
+    /// When it was accepted (ms since the Unix epoch).
+    pub accepted_ms: u64,
+    /// When it last changed.
+    pub updated_ms: u64,
+    /// When the next attempt may start (ms since the Unix epoch).
+    pub next_attempt_ms: u64,
+    /// The destination's last status, if it answered.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    /// The answer that delivered it.
+    pub answer: Option<Answer>,
+}
+
+/// The request as it will be sent on every attempt (signed per attempt).
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    /// The request's method.
+    pub method: String,
+    /// The upstream URI, built at acceptance.
+    pub uri: String,
+    /// The headers as forwarded (hop-by-hop removed, the route's added).
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The body.
+    pub body: Bytes,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EnvelopeHead {
+    method: String,
+    uri: String,
+    headers: Vec<(String, String)>,
+}
+
+impl Envelope {
+    fn encode(&self) -> Vec<u8> {
+        let head = EnvelopeHead {
+            method: self.method.clone(),
+            uri: self.uri.clone(),
+            headers: self
+                .headers
+                .iter()
+                .map(|(n, v)| (n.clone(), STANDARD.encode(v)))
+                .collect(),
+        };
+        let head = serde_json::to_vec(&head).unwrap_or_default();
+        let mut out = Vec::with_capacity(4 + head.len() + self.body.len());
+        out.extend_from_slice(&(head.len() as u32).to_be_bytes());
+        out.extend_from_slice(&head);
+        out.extend_from_slice(&self.body);
+        out
+    }
+
+    fn decode(raw: &[u8]) -> Option<Envelope> {
+        let len = u32::from_be_bytes(raw.get(..4)?.try_into().ok()?) as usize;
+        let head: EnvelopeHead = serde_json::from_slice(raw.get(4..4 + len)?).ok()?;
+        Some(Envelope {
+            method: head.method,
+            uri: head.uri,
+            headers: head
+                .headers
+                .into_iter()
+                .map(|(n, v)| Some((n, STANDARD.decode(v).ok()?)))
+                .collect::<Option<_>>()?,
+            body: Bytes::copy_from_slice(raw.get(4 + len..)?),
+        })
+    }
+}
+
+/// What [`QueueStore::accept`] did.
+#[derive(Debug)]
+pub enum Accepted {
+    /// Written (durable on return), with its sequence number.
+    New(Message),
+    /// The key has a message already: answered from it.
+    Exists(Message),
+    /// The request's pass was aborted before its place in the queue was taken.
+    Aborted,
+}
+
+fn db_err(e: sled::Error) -> StateError {
+    StateError::Write(e.to_string())
+}
+
+fn id(route: &str, key: &str) -> Vec<u8> {
+    let mut v = Vec::with_capacity(route.len() + 1 + key.len());
+    v.extend_from_slice(route.as_bytes());
+    v.push(0);
+    v.extend_from_slice(key.as_bytes());
+    v
+}
+
+fn order_key(lease: &str, seq: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(lease.len() + 9);
+    v.extend_from_slice(lease.as_bytes());
+    v.push(0);
+    v.extend_from_slice(&seq.to_be_bytes());
+    v
+}
+
+fn lease_prefix(lease: &str) -> Vec<u8> {
+    let mut v = lease.as_bytes().to_vec();
+    v.push(0);
+    v
+}
+
+fn u64_of(v: Option<sled::IVec>) -> u64 {
+    v.and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+        .map(u64::from_be_bytes)
+        .unwrap_or(0)
+}
+
+fn decode(raw: &[u8]) -> Result<Message, StateError> {
+    serde_json::from_slice(raw).map_err(|e| StateError::Write(format!("a queued message: {e}")))
+}
+
+fn encode(m: &Message) -> Vec<u8> {
+    serde_json::to_vec(m).unwrap_or_default()
+}
+
+/// The queue's trees in sled.
+pub struct QueueStore {
+    sled: Arc<SledState>,
+    msgs: sled::Tree,
+    requests: sled::Tree,
+    order: sled::Tree,
+    seqs: sled::Tree,
+    sent: sled::Tree,
+    /// Orders acceptances: a sequence number is taken, and the pass checked,
+    /// under it (a leaf lock; nothing is awaited under it).
+    accepting: Mutex<()>,
+}
+
+impl QueueStore {
+    /// Opens the queue's trees in `sled`'s database.
+    pub fn open(sled: Arc<SledState>) -> Result<QueueStore, StateError> {
+        let db = sled.db();
+        Ok(QueueStore {
+            msgs: db.open_tree("queue").map_err(db_err)?,
+            requests: db.open_tree("queue_requests").map_err(db_err)?,
+            order: db.open_tree("queue_order").map_err(db_err)?,
+            seqs: db.open_tree("queue_seq").map_err(db_err)?,
+            sent: db.open_tree("queue_sent").map_err(db_err)?,
+            sled,
+            accepting: Mutex::new(()),
+        })
+    }
+
+    /// Accepts `msg` (its `seq` is assigned here) with its request, unless its
+    /// key has a message already; `admitted` is asked under the lock that
+    /// orders acceptances, right before the sequence number is taken (SPEC §11:
+    /// a pass aborted by a newer epoch's drain takes no place after it).
+    /// Durable on return.
+    pub async fn accept(
+        &self,
+        mut msg: Message,
+        envelope: &Envelope,
+        admitted: impl Fn() -> bool,
+    ) -> Result<Accepted, StateError> {
+        let mid = id(&msg.route, &msg.key);
+        {
+            let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(old) = self.msgs.get(&mid).map_err(db_err)? {
+                return Ok(Accepted::Exists(decode(&old)?));
+            }
+            if !admitted() {
+                return Ok(Accepted::Aborted);
+            }
+            msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
+            let meta = encode(&msg);
+            let request = envelope.encode();
+            let okey = order_key(&msg.lease, msg.seq);
+            (&self.msgs, &self.requests, &self.order, &self.seqs)
+                .transaction(|(msgs, reqs, order, seqs)| {
+                    msgs.insert(mid.as_slice(), meta.as_slice())?;
+                    reqs.insert(mid.as_slice(), request.as_slice())?;
+                    order.insert(okey.as_slice(), mid.as_slice())?;
+                    seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
+                    Ok::<_, ConflictableTransactionError<()>>(())
+                })
+                .map_err(tx_err)?;
+        }
+        crate::failpoint::hit("queue_accept_written");
+        self.sled.commit().await?;
+        Ok(Accepted::New(msg))
+    }
+
+    /// The message of `route`, `key`, if there is one.
+    pub fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
+        self.msgs
+            .get(id(route, key))
+            .map_err(db_err)?
+            .map(|v| decode(&v))
+            .transpose()
+    }
+
+    /// The request of `route`, `key`.
+    pub fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
+        match self.requests.get(id(route, key)).map_err(db_err)? {
+            None => Ok(None),
+            Some(v) => Envelope::decode(&v)
+                .map(Some)
+                .ok_or_else(|| StateError::Write("a queued request is unreadable".into())),
+        }
+    }
+
+    /// The first message of `lease` not settled, if any.
+    pub fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
+        let Some(entry) = self.order.scan_prefix(lease_prefix(lease)).next() else {
+            return Ok(None);
+        };
+        let (_, mid) = entry.map_err(db_err)?;
+        match self.msgs.get(&mid).map_err(db_err)? {
+            Some(v) => decode(&v).map(Some),
+            None => Err(StateError::Write(format!(
+                "lease {lease}'s queue names a message that is gone"
+            ))),
+        }
+    }
+
+    /// Leases with messages not settled (start-up).
+    pub fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
+        let mut out: Vec<String> = Vec::new();
+        for item in self.order.iter() {
+            let (k, _) = item.map_err(db_err)?;
+            let Some(at) = k.iter().position(|b| *b == 0) else {
+                continue;
+            };
+            let lease = String::from_utf8_lossy(&k[..at]).into_owned();
+            if out.last() != Some(&lease) {
+                out.push(lease);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Messages not settled, per lease (for metrics: depth and oldest).
+    pub fn unsettled(&self) -> Result<Vec<Message>, StateError> {
+        let mut out = Vec::new();
+        for item in self.order.iter() {
+            let (_, mid) = item.map_err(db_err)?;
+            if let Some(v) = self.msgs.get(&mid).map_err(db_err)? {
+                out.push(decode(&v)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes a message that stays in its queue (an attempt started, a retry
+    /// scheduled). Durable on return.
+    pub async fn put(&self, msg: &Message) -> Result<(), StateError> {
+        self.msgs
+            .insert(id(&msg.route, &msg.key), encode(msg))
+            .map_err(db_err)?;
+        self.sled.commit().await
+    }
+
+    /// Writes a settled message and takes it out of its queue (the next one
+    /// may go); `sent`: an attempt of it went out, so its epoch is the newest
+    /// sent when newer than the one kept. Durable on return.
+    pub async fn settle(&self, msg: &Message, sent: bool) -> Result<(), StateError> {
+        let mid = id(&msg.route, &msg.key);
+        let meta = encode(msg);
+        let okey = order_key(&msg.lease, msg.seq);
+        let newest = u64_of(self.sent.get(msg.lease.as_bytes()).map_err(db_err)?);
+        (&self.msgs, &self.order, &self.sent)
+            .transaction(|(msgs, order, sent_t)| {
+                msgs.insert(mid.as_slice(), meta.as_slice())?;
+                order.remove(okey.as_slice())?;
+                if sent && msg.epoch > newest {
+                    sent_t.insert(msg.lease.as_bytes(), &msg.epoch.to_be_bytes()[..])?;
+                }
+                Ok::<_, ConflictableTransactionError<()>>(())
+            })
+            .map_err(tx_err)?;
+        self.sled.commit().await
+    }
+
+    /// Puts a settled (failed) message back at the end of its lease's queue,
+    /// pending now, with a new sequence number. Durable on return.
+    pub async fn requeue(&self, mut msg: Message, now_ms: u64) -> Result<Message, StateError> {
+        let mid = id(&msg.route, &msg.key);
+        {
+            let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+            msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
+            msg.status = Status::Pending;
+            msg.next_attempt_ms = now_ms;
+            msg.updated_ms = now_ms;
+            let meta = encode(&msg);
+            let okey = order_key(&msg.lease, msg.seq);
+            (&self.msgs, &self.order, &self.seqs)
+                .transaction(|(msgs, order, seqs)| {
+                    msgs.insert(mid.as_slice(), meta.as_slice())?;
+                    order.insert(okey.as_slice(), mid.as_slice())?;
+                    seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
+                    Ok::<_, ConflictableTransactionError<()>>(())
+                })
+                .map_err(tx_err)?;
+        }
+        self.sled.commit().await?;
+        Ok(msg)
+    }
+
+    /// The newest epoch of `lease` of which a message was sent (0: none).
+    pub fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
+        Ok(u64_of(self.sent.get(lease.as_bytes()).map_err(db_err)?))
+    }
+
+    /// Up to `limit` messages matching, in key order (route, then key).
+    pub fn list(
+        &self,
+        route: Option<&str>,
+        lease: Option<&str>,
+        status: Option<Status>,
+        limit: usize,
+    ) -> Result<(Vec<Message>, u64), StateError> {
+        let iter = match route {
+            Some(r) => self.msgs.scan_prefix(id(r, "")),
+            None => self.msgs.iter(),
+        };
+        let mut out = Vec::new();
+        let mut total = 0;
+        for item in iter {
+            let (_, v) = item.map_err(db_err)?;
+            let m = decode(&v)?;
+            if lease.is_some_and(|l| l != m.lease) || status.is_some_and(|s| s != m.status) {
+                continue;
+            }
+            total += 1;
+            if out.len() < limit {
+                out.push(m);
+            }
+        }
+        Ok((out, total))
+    }
+
+    /// Removes settled messages last changed before `before_ms`; how many.
+    pub async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
+        let mut gone = 0;
+        for item in self.msgs.iter() {
+            let (k, v) = item.map_err(db_err)?;
+            let m = decode(&v)?;
+            if m.status.is_settled() && m.updated_ms < before_ms {
+                // Only if unchanged since read (an operator's retry wins).
+                if self
+                    .msgs
+                    .compare_and_swap(&k, Some(&v), None::<&[u8]>)
+                    .map_err(db_err)?
+                    .is_ok()
+                {
+                    self.requests.remove(&k).map_err(db_err)?;
+                    gone += 1;
+                }
+            }
+        }
+        if gone > 0 {
+            self.sled.commit().await?;
+        }
+        Ok(gone)
+    }
+}
+
+fn tx_err(e: TransactionError<()>) -> StateError {
+    match e {
+        TransactionError::Storage(e) => db_err(e),
+        TransactionError::Abort(()) => StateError::Write("a queue transaction aborted".into()),
+    }
+}

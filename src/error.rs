@@ -249,9 +249,7 @@ impl AdminError {
             E::Delivery(e) => match e {
                 crate::queue::Edit::NotFound => (StatusCode::NOT_FOUND, "delivery_not_found"),
                 crate::queue::Edit::Conflict(_) => (StatusCode::CONFLICT, "delivery_conflict"),
-                crate::queue::Edit::Superseded(_) => {
-                    (StatusCode::CONFLICT, "delivery_superseded")
-                }
+                crate::queue::Edit::Superseded(_) => (StatusCode::CONFLICT, "delivery_superseded"),
                 crate::queue::Edit::State(_) => {
                     (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable")
                 }

@@ -306,12 +306,16 @@ impl Proxy {
             )
             .await?;
         drained(route, claim, &pass, spans);
-        if let (Some(queue), Payload::Whole(b)) = (self.queue.as_ref().filter(|_| route.queued), &body) {
+        if let (Some(queue), Payload::Whole(b)) =
+            (self.queue.as_ref().filter(|_| route.queued), &body)
+        {
             // 5'. A queued route accepts into its lease's queue (SPEC §11).
             let b = b.clone();
             let claimed = queued::Claimed::of(claim);
             let resp = self
-                .accept(queue, route, &fence, parts, b, hop, pass, claimed, worker_key, seen)
+                .accept(
+                    queue, route, &fence, parts, b, hop, pass, claimed, worker_key, seen,
+                )
                 .await?;
             let outcome = if resp.status() == http::StatusCode::ACCEPTED {
                 "queued"

@@ -74,9 +74,7 @@ pub(crate) fn view(m: &Message) -> serde_json::Value {
 
 /// `202 Accepted` for a message pending or being delivered.
 fn accepted(m: &Message) -> Response<ProxyBody> {
-    let mut resp = Response::new(ProxyBody::from(Full::new(Bytes::from(
-        view(m).to_string(),
-    ))));
+    let mut resp = Response::new(ProxyBody::from(Full::new(Bytes::from(view(m).to_string()))));
     *resp.status_mut() = StatusCode::ACCEPTED;
     let h = resp.headers_mut();
     h.insert(
@@ -117,9 +115,7 @@ fn answer_from(
     match m.status {
         Status::Pending | Status::Delivering => Ok(accepted(&m)),
         Status::Delivered => match m.answer.as_ref().map(|a| a.stored()) {
-            Some(stored) if stored.body.is_some() => {
-                Ok(stored.to_response().map(ProxyBody::from))
-            }
+            Some(stored) if stored.body.is_some() => Ok(stored.to_response().map(ProxyBody::from)),
             _ => Err(ProxyError::DedupDone {
                 key: m.key,
                 status: m.last_status,

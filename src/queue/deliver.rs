@@ -65,7 +65,12 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
         };
         let now = ms(q.ctx.clock.now());
         if head.status == Status::Pending && head.next_attempt_ms > now {
-            pause(&q, &notify, Duration::from_millis(head.next_attempt_ms - now)).await;
+            pause(
+                &q,
+                &notify,
+                Duration::from_millis(head.next_attempt_ms - now),
+            )
+            .await;
             continue;
         }
         let live = q.ctx.live.current();
@@ -130,7 +135,10 @@ async fn attempt(
     let edit = q.edits.lock().await;
     // An operator may have changed it since it was read as the head.
     match q.store.get(&m.route, &m.key)? {
-        Some(now) if now.status == m.status && now.seq == m.seq && now.next_attempt_ms == m.next_attempt_ms => {}
+        Some(now)
+            if now.status == m.status
+                && now.seq == m.seq
+                && now.next_attempt_ms == m.next_attempt_ms => {}
         _ => return Ok(()),
     }
     if m.status == Status::Delivering {
@@ -157,8 +165,9 @@ async fn attempt(
         drop(ticket);
         m.status = Status::Pending;
         m.attempts -= 1;
+        q.store.put(&m).await?;
         q.count(&m.route, "not_sent");
-        return q.store.put(&m).await;
+        return Ok(());
     }
     let result = send(q, route, request, ticket).await;
     crate::failpoint::hit("queue_attempt_answered");
@@ -273,9 +282,7 @@ async fn send(
                 body.as_ref().map(Bytes::as_ref),
             ))
         }
-        _ if status.is_client_error() && !retryable_4xx(status) => {
-            Came::Refused(status.as_u16())
-        }
+        _ if status.is_client_error() && !retryable_4xx(status) => Came::Refused(status.as_u16()),
         _ => Came::Again {
             status: Some(status.as_u16()),
             why: format!("the destination answered {status}"),
@@ -302,8 +309,9 @@ async fn finish(
             m.last_status = Some(answer.status);
             m.last_error = None;
             m.answer = Some(answer);
-            q.count(&m.route, "delivered");
             q.store.settle(&m, true).await?;
+            // Counted once durable: a scrape that sees it may rely on it.
+            q.count(&m.route, "delivered");
             crate::failpoint::hit("queue_delivered");
         }
         Came::Refused(status) => {
@@ -313,9 +321,14 @@ async fn finish(
                 Some(why) => format!("could not be built: {why}"),
                 None => format!("the destination refused it ({status}): not retried"),
             });
-            q.count(&m.route, "failed");
             q.store.settle(&m, status != 0).await?;
-            tracing::warn!(route = m.route, key = m.key, status, "a queued message failed for good");
+            q.count(&m.route, "failed");
+            tracing::warn!(
+                route = m.route,
+                key = m.key,
+                status,
+                "a queued message failed for good"
+            );
         }
         Came::Again {
             status,
@@ -340,13 +353,13 @@ async fn finish(
                     }
                     m.status = Status::Pending;
                     m.next_attempt_ms = now + wait.as_millis() as u64;
-                    q.count(&m.route, "retry");
                     q.store.put(&m).await?;
+                    q.count(&m.route, "retry");
                 }
                 None => {
                     m.status = Status::Failed;
-                    q.count(&m.route, "failed");
                     q.store.settle(&m, maybe_sent).await?;
+                    q.count(&m.route, "failed");
                     tracing::warn!(
                         route = m.route,
                         key = m.key,

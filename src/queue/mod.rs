@@ -168,11 +168,7 @@ impl Queue {
     /// one goes back to the end of its lease's queue — unless a message of a
     /// newer epoch of its lease was sent or waits, which it would then follow
     /// (the order rule has no exemption, not even an operator's).
-    pub(crate) async fn retry(
-        self: &Arc<Self>,
-        route: &str,
-        key: &str,
-    ) -> Result<Message, Edit> {
+    pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
         let mut m = self.store.get(route, key)?.ok_or(Edit::NotFound)?;
         let now = ms(self.ctx.clock.now());

@@ -331,7 +331,10 @@ async fn build_on(
         q.register(&metrics);
         let resumed = q.start().map_err(StartError::State)?;
         if resumed > 0 {
-            tracing::info!(leases = resumed, "queued messages left by a previous run are delivered");
+            tracing::info!(
+                leases = resumed,
+                "queued messages left by a previous run are delivered"
+            );
         }
         tasks.push(tokio::spawn(
             q.clone()

@@ -27,6 +27,7 @@ mod one_database;
 mod ops;
 mod postgres;
 mod protect;
+mod queued;
 mod quickstart;
 mod reload;
 mod startup;

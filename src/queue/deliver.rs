@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, StatusCode};
-use rand::Rng;
 use tokio::sync::Notify;
 
 use super::{ms, Answer, Message, Queue, Status};
@@ -375,5 +374,7 @@ async fn finish(
 
 /// ±20% of `d`.
 fn jitter(d: Duration) -> Duration {
-    d.mul_f64(rand::thread_rng().gen_range(0.8..=1.2))
+    // A uniform fraction in [0, 1] from 53 random bits.
+    let unit = (crate::entropy::u64() >> 11) as f64 / (1u64 << 53) as f64;
+    d.mul_f64(0.8 + 0.4 * unit)
 }

@@ -149,6 +149,29 @@ impl Reloader {
                 });
             }
         }
+        // SPEC §11: a lease's requests are queued or forwarded, never both in
+        // one run — a direct route's dedup records and a queued route's
+        // messages are kept apart, so a key done on one would be delivered
+        // again by the other, and a direct request could overtake a message.
+        let current = self.shared.live.current();
+        for r in &cfg.routes {
+            let queued = r.delivery == crate::config::Delivery::Queued;
+            if let Some(o) = current
+                .routes
+                .iter()
+                .find(|o| (o.name == r.name || o.lease == r.lease) && o.queued != queued)
+            {
+                return Err(ReloadError::Fixed {
+                    key: format!(
+                        "whether lease {}'s requests are queued (route {:?} is {} now)",
+                        o.lease,
+                        o.name,
+                        if o.queued { "queued" } else { "direct" }
+                    ),
+                });
+            }
+        }
+        drop(current);
         let running: HashSet<LeaseName> = self
             .shared
             .fences

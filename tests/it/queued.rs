@@ -428,3 +428,35 @@ async fn kill_9_at_each_boundary_loses_nothing_and_repeats_only_the_unknown() {
         );
     }
 }
+
+/// A reload that would forward a queued lease's requests directly is refused
+/// whole (a key delivered from the queue would be forwarded again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_switching_a_lease_between_queued_and_direct_is_refused() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = start(&s3, &origin.url("/v1/"), "").await;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    accepted(&send(message(&fg, &a, "k1", "one", 200)).await);
+    durably_delivered(&fg, 1).await;
+    fg.edit_config(|t| t.replace("delivery = \"queued\"\n", ""));
+    fg.hup();
+    for _ in 0..200 {
+        if fg.stderr().contains("config reload refused") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        fg.stderr()
+            .contains("whether lease hook's requests are queued"),
+        "{}",
+        fg.stderr()
+    );
+    let replay = send(message(&fg, &a, "k1", "one", 200)).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(origin.count(), 1);
+}

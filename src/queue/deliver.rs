@@ -15,7 +15,6 @@ use tokio::sync::Notify;
 use super::{ms, Answer, Message, Queue, Status};
 use crate::forward::{self, UpstreamError};
 use crate::proxy::Route;
-use crate::state::Owner;
 use crate::streaming::UpBody;
 
 /// How long a deliverer waits before looking again when it cannot go on
@@ -101,7 +100,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
 /// SPEC §10 applied to the queue: this instance sends only while it holds its
 /// place (the instance guard) and the state is its set-up's.
 fn may_send(q: &Queue) -> bool {
-    q.ctx.mode.may_forward(Owner::SINGLE) && q.ctx.state.set_up_conflict().is_none()
+    (q.ctx.may_send)()
 }
 
 /// Waits for `d`, a wake-up or shutdown.

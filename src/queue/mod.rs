@@ -31,8 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::live::LiveConfig;
 use crate::metrics::{emit, Metrics};
-use crate::shared::Mode;
-use crate::state::{StateError, StateStore};
+use crate::state::StateError;
 pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
 
 /// Milliseconds since the Unix epoch.
@@ -61,8 +60,9 @@ pub enum Edit {
 /// What the deliverers need of the rest of fencegate.
 pub(crate) struct Context {
     pub live: Arc<LiveConfig>,
-    pub mode: Mode,
-    pub state: Arc<dyn StateStore>,
+    /// SPEC §10 applied to the queue: whether this instance may send now (it
+    /// holds its instance guard, and its state is its set-up's).
+    pub may_send: Box<dyn Fn() -> bool + Send + Sync>,
     pub clock: Arc<dyn Clock>,
     /// Shutdown: no new attempt starts.
     pub stop: CancellationToken,

@@ -255,8 +255,12 @@ async fn build_on(
             crate::queue::QueueStore::open(sled).map_err(StartError::State)?,
             crate::queue::Context {
                 live: live.clone(),
-                mode: mode.clone(),
-                state: durable.clone(),
+                may_send: {
+                    let (mode, state) = (mode.clone(), durable.clone());
+                    Box::new(move || {
+                        mode.may_forward(Owner::SINGLE) && state.set_up_conflict().is_none()
+                    })
+                },
                 clock: clock.clone(),
                 stop: stop.clone(),
                 abandon: CancellationToken::new(),

@@ -16,6 +16,7 @@ use super::{ms, Answer, Message, Queue, Status};
 use crate::forward::{self, UpstreamError};
 use crate::proxy::Route;
 use crate::streaming::UpBody;
+use crate::telemetry::{Kind, Spans};
 
 /// How long a deliverer waits before looking again when it cannot go on
 /// (the route is gone, the instance may not forward, the state cannot be read).
@@ -167,9 +168,61 @@ async fn attempt(
         q.count(&m.route, "not_sent");
         return Ok(());
     }
+    // A span per attempt (`[telemetry]`): a child of the worker's trace when
+    // its request carried a `traceparent`, with the upstream call under it.
+    let mut spans = q
+        .telemetry
+        .get()
+        .map_or_else(Spans::off, |t| t.request(request.headers()));
+    let mut request = request;
+    let calling = spans.onward(request.headers_mut());
     let result = send(q, route, request, ticket).await;
+    calling.end(&mut spans, "upstream", Kind::Client, &result, |c, a| {
+        if let Some(s) = c.status() {
+            a.int("http.response.status_code", i64::from(s));
+        }
+        c.is_failure().then_some("the attempt failed")
+    });
+    let attempt = i64::from(m.attempts);
+    let (epoch, outcome) = (m.epoch as i64, result.name());
+    spans.finish_as(
+        Kind::Internal,
+        || format!("attempt {}", route.target.prefix),
+        |a| {
+            a.str("fencegate.route", m.route.clone())
+                .str("fencegate.lease", m.lease.clone())
+                .int("fencegate.epoch", epoch)
+                .int("fencegate.attempt", attempt)
+                .str("fencegate.delivery.outcome", outcome);
+        },
+        result.is_failure().then_some("the attempt failed"),
+    );
     crate::failpoint::hit("queue_attempt_answered");
     finish(q, route, m, result, None).await
+}
+
+impl Came {
+    /// The destination's status, if it answered.
+    fn status(&self) -> Option<u16> {
+        match self {
+            Came::Delivered(a) => Some(a.status),
+            Came::Refused(s) => (*s != 0).then_some(*s),
+            Came::Again { status, .. } => *status,
+        }
+    }
+
+    fn is_failure(&self) -> bool {
+        !matches!(self, Came::Delivered(_))
+    }
+
+    /// Its name on the attempt's span.
+    fn name(&self) -> &'static str {
+        match self {
+            Came::Delivered(_) => "delivered",
+            Came::Refused(_) => "refused",
+            Came::Again { .. } => "again",
+        }
+    }
 }
 
 /// An attempt counted as out ([`Queue::stop`] waits for it).

@@ -92,6 +92,8 @@ pub struct Queue {
     /// Attempts out now, and what wakes [`Queue::stop`] when one ends.
     out: AtomicU64,
     idle: Notify,
+    /// Trace export (`[telemetry]`): a span per attempt.
+    telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
     ctx: Context,
 }
 
@@ -105,8 +107,14 @@ impl Queue {
             edits: tokio::sync::Mutex::new(()),
             out: AtomicU64::new(0),
             idle: Notify::new(),
+            telemetry: std::sync::OnceLock::new(),
             ctx,
         })
+    }
+
+    /// Traces each attempt from now on (`[telemetry]`).
+    pub(crate) fn trace_with(&self, t: Arc<crate::telemetry::Telemetry>) {
+        let _ = self.telemetry.set(t);
     }
 
     /// Starts a deliverer for every lease with messages left by an earlier run

@@ -303,6 +303,9 @@ async fn build_on(
         }
     };
     let (telemetry, exporter) = telemetry.map(|s| (s.telemetry, s.exporter)).unzip();
+    if let (Some(q), Some(t)) = (&queue, &telemetry) {
+        q.trace_with(t.clone());
+    }
     let proxy = Arc::new(Proxy::new(
         &shared,
         metrics.clone(),

@@ -376,6 +376,18 @@ impl Spans {
         attrs: impl FnOnce(&mut Attrs),
         error: Option<&str>,
     ) {
+        self.finish_as(Kind::Server, name, attrs, error);
+    }
+
+    /// [`Spans::finish`] with the root span of another kind (a queued
+    /// message's delivery attempt is no server span: nobody waits on it).
+    pub(crate) fn finish_as(
+        self,
+        kind: Kind,
+        name: impl FnOnce() -> String,
+        attrs: impl FnOnce(&mut Attrs),
+        error: Option<&str>,
+    ) {
         let Some(r) = self.0 else {
             return;
         };
@@ -391,7 +403,7 @@ impl Spans {
             remote_parent: r.parent.is_some(),
             trace_state: r.trace_state.clone(),
             name: Cow::Owned(name()),
-            kind: Kind::Server,
+            kind,
             start: t.unix_nanos(r.start),
             end: t.unix_nanos(end),
             attributes: a.0,

@@ -460,3 +460,61 @@ async fn a_reload_switching_a_lease_between_queued_and_direct_is_refused() {
     assert_eq!(replay.headers["x-fencegate-replayed"], "true");
     assert_eq!(origin.count(), 1);
 }
+
+/// `[telemetry]`: each attempt is a span (INTERNAL) in the worker's trace, with
+/// the upstream call (CLIENT) under it; the destination's `traceparent` names
+/// that upstream span. The acceptance is the request's span as any request's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_attempt_is_a_span_in_the_workers_trace() {
+    use crate::support::otlp::{one, Receiver};
+    skip_without_python!();
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const PARENT: &str = "00f067aa0ba902b7";
+    let receiver = Receiver::start(false);
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&format!(
+        "{}{}{}",
+        s3.store_toml(200),
+        receiver.toml(""),
+        queued_route(&origin.url("/v1/"), "retry = { schedule = [\"100ms\"] }"),
+    ));
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let mut r = message(&fg, &a, "t1", "traced", 503);
+    r.headers_mut().insert(
+        "traceparent",
+        format!("00-{TRACE}-{PARENT}-01").parse().unwrap(),
+    );
+    accepted(&send(r).await);
+    let spans = receiver.wait_until("two attempts", |s| {
+        s.iter().filter(|s| s.name() == "attempt /hook/").count() >= 2
+    });
+    let attempts: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name() == "attempt /hook/")
+        .collect();
+    for (i, at) in attempts.iter().enumerate() {
+        assert_eq!(at.trace_id(), TRACE);
+        assert_eq!(at.parent(), PARENT);
+        assert_eq!(at.kind(), "SPAN_KIND_INTERNAL");
+        assert_eq!(at.attr("fencegate.attempt"), (i + 1) as u64);
+        assert_eq!(at.attr("fencegate.route"), "hook");
+        let up: Vec<_> = spans
+            .iter()
+            .filter(|s| s.name() == "upstream" && s.parent() == at.span_id())
+            .collect();
+        assert_eq!(up.len(), 1, "{spans:#?}");
+        assert_eq!(up[0].kind(), "SPAN_KIND_CLIENT");
+        assert_eq!(up[0].attr("http.response.status_code"), 503);
+    }
+    let accept = one(&spans, "POST /hook/");
+    assert_eq!(accept.attr("fencegate.outcome"), "queued");
+    let sent: Vec<_> = origin
+        .log()
+        .iter()
+        .map(|x| x.header("traceparent").unwrap())
+        .collect();
+    assert!(sent[0].starts_with(&format!("00-{TRACE}-")), "{sent:?}");
+    assert_ne!(sent[0], sent[1], "each attempt names its own upstream span");
+}

@@ -586,6 +586,7 @@ impl InstanceGuard {
     pub async fn abort_at_expiry(
         self: Arc<Self>,
         fences: Arc<crate::fence::Fences>,
+        also: Box<dyn Fn() + Send + Sync>,
         stop: CancellationToken,
     ) {
         let mut aborted_for = None;
@@ -604,6 +605,7 @@ impl InstanceGuard {
                 for f in fences.all() {
                     f.abort_in_flight();
                 }
+                also();
                 aborted_for = Some(abort_at);
                 continue;
             };
@@ -615,6 +617,7 @@ impl InstanceGuard {
                     for f in fences.all() {
                         f.abort_in_flight();
                     }
+                    also();
                 }
             }
         }

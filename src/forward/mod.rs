@@ -141,7 +141,13 @@ impl Target {
 
     /// Maps a request target to the upstream URI: prefix replaced by the base path.
     pub fn upstream_uri(&self, path: &str, query: Option<&str>) -> Result<Uri, String> {
-        let rest = path.get(self.prefix.len()..).unwrap_or("");
+        self.upstream_uri_of(path.get(self.prefix.len()..).unwrap_or(""), query)
+    }
+
+    /// The upstream URI of `rest`, a request path without the route's prefix
+    /// (a queued message keeps that, so that a reload's new prefix or upstream
+    /// applies to it).
+    pub fn upstream_uri_of(&self, rest: &str, query: Option<&str>) -> Result<Uri, String> {
         let mut pq = String::with_capacity(
             self.base_path.len() + rest.len() + 1 + query.map_or(0, str::len),
         );
@@ -349,14 +355,37 @@ pub fn build_request(
 ) -> Result<Request<UpBody>, String> {
     let uri = target.upstream_uri(parts.uri.path(), parts.uri.query())?;
     let mut headers = parts.headers;
-    strip_hop_by_hop(&mut headers);
+    end_to_end(&mut headers, hop)?;
+    route_headers(target, &mut headers, dedup_key)?;
+    let mut req = Request::new(body);
+    *req.method_mut() = parts.method;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    Ok(req)
+}
+
+/// The worker's part of SPEC §3's headers: hop-by-hop, the lease token, a
+/// peer's headers, `Content-Length` and the admin cookie removed, this hop
+/// appended to `X-Forwarded-For` and `Forwarded`. What a queued message keeps.
+pub fn end_to_end(headers: &mut HeaderMap, hop: &ClientHop) -> Result<(), String> {
+    strip_hop_by_hop(headers);
     let orig_host = headers.remove(header::HOST);
     headers.remove(LEASE_TOKEN_NAME);
     headers.remove(PEER_NAME);
     headers.remove(PEER_TOKEN_NAME);
     headers.remove(header::CONTENT_LENGTH);
-    strip_admin_cookie(&mut headers);
-    append_forwarding(&mut headers, hop, orig_host.as_ref())?;
+    strip_admin_cookie(headers);
+    append_forwarding(headers, hop, orig_host.as_ref())
+}
+
+/// The route's part of SPEC §3's headers, set when the request is sent: the
+/// upstream's `Host`, the dedup key, `upstream_headers` (replacing the
+/// worker's).
+pub fn route_headers(
+    target: &Target,
+    headers: &mut HeaderMap,
+    dedup_key: &str,
+) -> Result<(), String> {
     headers.insert(header::HOST, target.host.clone());
     headers.insert(
         target.dedup_header.clone(),
@@ -365,11 +394,7 @@ pub fn build_request(
     for (n, v) in &target.fixed_headers {
         headers.insert(n.clone(), v.clone());
     }
-    let mut req = Request::new(body);
-    *req.method_mut() = parts.method;
-    *req.uri_mut() = uri;
-    *req.headers_mut() = headers;
-    Ok(req)
+    Ok(())
 }
 
 /// Sends `req` and waits for the response head within `timeout`, unless `stop`

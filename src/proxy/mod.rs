@@ -166,7 +166,7 @@ impl Proxy {
         // This request's config to its end, whatever a reload does meanwhile.
         let live = self.live.current();
         if uri.path().starts_with(queued::STATUS_PREFIX) {
-            let mut resp = self.delivery_status(&req);
+            let mut resp = self.delivery_status(&req).await;
             resp.headers_mut().insert(REQUEST_ID, request_id);
             return resp;
         }

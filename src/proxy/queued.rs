@@ -21,7 +21,7 @@ use crate::forward::{self, ClientHop};
 use crate::gate::Pass;
 use crate::queue::{ms, Accepted, Envelope, Message, Queue, Status};
 use crate::state::RequestLine;
-use crate::streaming::{ProxyBody, UpBody};
+use crate::streaming::ProxyBody;
 
 /// The proxy listener's path of a message's status (the `Location` of its 202).
 pub(crate) const STATUS_PREFIX: &str = "/.fencegate/deliveries/";
@@ -171,6 +171,9 @@ impl Proxy {
         let fingerprint = hex::encode(dedup::fingerprint(&method, &path_query, &body));
         let line = RequestLine::new(&method, &path_query);
         if let Some(m) = queue.store.get(&route.name, key.as_str()).map_err(state)? {
+            // Another request's acceptance may not be on disk yet: answer
+            // from it only once it is.
+            queue.store.durable().await.map_err(state)?;
             return answer_from(m, &fingerprint, &line);
         }
         if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
@@ -180,19 +183,25 @@ impl Proxy {
                 lease: route.lease.clone(),
             });
         }
-        let up = forward::build_request(
-            &route.target,
-            parts,
-            UpBody::from(Bytes::new()),
-            hop,
-            key.as_str(),
-        )
-        .map_err(|detail| ProxyError::UpstreamUnreachable { detail })?;
+        let (parts, rest, query) = {
+            let mut parts = parts;
+            forward::end_to_end(&mut parts.headers, hop)
+                .map_err(|detail| ProxyError::UpstreamUnreachable { detail })?;
+            let rest = parts
+                .uri
+                .path()
+                .get(route.target.prefix.len()..)
+                .unwrap_or("")
+                .to_owned();
+            let query = parts.uri.query().map(str::to_owned);
+            (parts, rest, query)
+        };
         let envelope = Envelope {
             method: method.clone(),
-            uri: up.uri().to_string(),
-            headers: up
-                .headers()
+            rest,
+            query,
+            headers: parts
+                .headers
                 .iter()
                 .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
                 .collect(),
@@ -233,7 +242,10 @@ impl Proxy {
                 queue.wake(&m.lease);
                 Ok(accepted(&m))
             }
-            Accepted::Exists(m) => answer_from(m, &fingerprint, &line),
+            Accepted::Exists(m) => {
+                queue.store.durable().await.map_err(state)?;
+                answer_from(m, &fingerprint, &line)
+            }
             Accepted::Aborted => Err(ProxyError::DrainAborted {
                 lease: route.lease.clone(),
                 epoch: claim.epoch,
@@ -254,12 +266,16 @@ impl Proxy {
     /// `GET {STATUS_PREFIX}{route}/{key}` on the proxy listener: the message's
     /// status for its worker, authenticated by the lease token it was accepted
     /// with (none on a route with `require_token = false`).
-    pub(super) fn delivery_status<B>(&self, req: &http::Request<B>) -> Response<ProxyBody> {
+    pub(super) async fn delivery_status<B>(&self, req: &http::Request<B>) -> Response<ProxyBody> {
         self.status_of(req)
+            .await
             .unwrap_or_else(|e| e.to_response().map(ProxyBody::from))
     }
 
-    fn status_of<B>(&self, req: &http::Request<B>) -> Result<Response<ProxyBody>, ProxyError> {
+    async fn status_of<B>(
+        &self,
+        req: &http::Request<B>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         use crate::admission::Refusal;
         if !matches!(*req.method(), http::Method::GET | http::Method::HEAD) {
             return Err(ProxyError::RouteNotFound);
@@ -296,6 +312,8 @@ impl Proxy {
                 }));
             }
         }
+        // What is shown is on disk (another request may have just written it).
+        queue.store.durable().await.map_err(state)?;
         let mut resp = Response::new(ProxyBody::from(Full::new(Bytes::from(
             view(&m).to_string(),
         ))));

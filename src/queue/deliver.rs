@@ -149,7 +149,7 @@ async fn attempt(
     m.status = Status::Delivering;
     m.attempts += 1;
     m.updated_ms = now;
-    q.store.put(&m).await?;
+    q.store.start_attempt(&m).await?;
     drop(edit);
     crate::failpoint::hit("queue_attempt_started");
     let request = match build(q, route, &m, envelope) {
@@ -253,7 +253,7 @@ fn build(
 ) -> Result<Request<UpBody>, String> {
     let mut req = Request::new(UpBody::from(e.body.clone()));
     *req.method_mut() = e.method.parse().map_err(|_| "a stored method".to_owned())?;
-    *req.uri_mut() = e.uri.parse().map_err(|_| "a stored URI".to_owned())?;
+    *req.uri_mut() = route.target.upstream_uri_of(&e.rest, e.query.as_deref())?;
     let h = req.headers_mut();
     for (n, v) in &e.headers {
         if let (Ok(n), Ok(v)) = (
@@ -263,6 +263,8 @@ fn build(
             h.append(n, v);
         }
     }
+    // The route as it is now: a reload's new upstream or credentials apply.
+    forward::route_headers(&route.target, h, &m.key)?;
     if let Some(signer) = &route.signer {
         // The same webhook-id on every attempt; timestamp and signature per attempt.
         let id = format!("{}:{}", m.route, m.key);
@@ -277,10 +279,12 @@ async fn send(
     req: Request<UpBody>,
     ticket: crate::protect::Ticket,
 ) -> Came {
-    let abandon = q.ctx.abandon.clone();
+    let (abandon, cut) = (q.ctx.abandon.clone(), q.cut_token());
     let stop = async move {
-        abandon.cancelled().await;
-        "shutdown gave up on it"
+        tokio::select! {
+            _ = abandon.cancelled() => "shutdown gave up on it",
+            _ = cut.cancelled() => "this instance's guard lapsed: it may no longer send",
+        }
     };
     tokio::pin!(stop);
     let started = tokio::time::Instant::now();

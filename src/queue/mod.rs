@@ -34,6 +34,13 @@ use crate::metrics::{emit, Metrics};
 use crate::state::StateError;
 pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
 
+/// Why a direct route is refused on `lease` (start-up and reload, SPEC §11).
+pub(crate) fn direct_on_queued_lease(route: &str, lease: &str) -> String {
+    format!(
+        "route {route:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
+    )
+}
+
 /// Milliseconds since the Unix epoch.
 pub(crate) fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -92,6 +99,9 @@ pub struct Queue {
     /// Attempts out now, and what wakes [`Queue::stop`] when one ends.
     out: AtomicU64,
     idle: Notify,
+    /// Cancelled to cut every attempt out now (the instance guard lapsed or
+    /// was taken, SPEC §10.1), then replaced for the attempts after.
+    cut: Mutex<CancellationToken>,
     /// Trace export (`[telemetry]`): a span per attempt.
     telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
     ctx: Context,
@@ -108,8 +118,23 @@ impl Queue {
             out: AtomicU64::new(0),
             idle: Notify::new(),
             telemetry: std::sync::OnceLock::new(),
+            cut: Mutex::new(CancellationToken::new()),
             ctx,
         })
+    }
+
+    /// Cuts every attempt out now: this instance may no longer send (its
+    /// guard was not renewed in time, or was taken). Their outcomes are
+    /// unknown; each is sent again once the instance may send.
+    pub(crate) fn cut_attempts(&self) {
+        let mut cut = self.cut.lock().unwrap_or_else(|p| p.into_inner());
+        cut.cancel();
+        *cut = CancellationToken::new();
+    }
+
+    /// What cuts an attempt starting now ([`Queue::cut_attempts`]).
+    fn cut_token(&self) -> CancellationToken {
+        self.cut.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Traces each attempt from now on (`[telemetry]`).
@@ -187,23 +212,12 @@ impl Queue {
                 self.store.put(&m).await?;
                 m
             }
-            Status::Failed => {
-                let newer_sent = self.store.sent_epoch(&m.lease)?;
-                let newer_waiting = self
-                    .store
-                    .unsettled()?
-                    .iter()
-                    .filter(|o| o.lease == m.lease)
-                    .map(|o| o.epoch)
-                    .max()
-                    .unwrap_or(0);
-                let newest = newer_sent.max(newer_waiting);
-                if newest > m.epoch {
-                    return Err(Edit::Superseded(newest));
-                }
-                m.last_error = None;
-                self.store.requeue(m, now).await?
-            }
+            Status::Failed => match self.store.requeue(route, key, now).await? {
+                store::Requeued::Done(m) => *m,
+                store::Requeued::Gone => return Err(Edit::NotFound),
+                store::Requeued::NotFailed(s) => return Err(Edit::Conflict(s)),
+                store::Requeued::Superseded(e) => return Err(Edit::Superseded(e)),
+            },
             other => return Err(Edit::Conflict(other)),
         };
         self.wake(&m.lease);
@@ -248,7 +262,13 @@ impl Queue {
                 _ = tokio::time::sleep(every) => {}
             }
             let before = ms(self.ctx.clock.now()).saturating_sub(ttl.as_millis() as u64);
-            match self.store.sweep(before).await {
+            // Under the edits lock: an operator's retry reads and writes a
+            // message under it too.
+            let swept = {
+                let _edit = self.edits.lock().await;
+                self.store.sweep(before).await
+            };
+            match swept {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(removed = n, "queue sweep removed settled messages"),
                 Err(e) => tracing::warn!(error = %e, "queue sweep failed"),
@@ -273,10 +293,8 @@ impl Collector for QueueCollector {
         for r in q.ctx.live.current().routes.iter().filter(|r| r.queued) {
             depth.insert(r.name.clone(), (0, now));
         }
-        for m in q.store.unsettled().unwrap_or_default() {
-            let d = depth.entry(m.route.clone()).or_insert((0, now));
-            d.0 += 1;
-            d.1 = d.1.min(m.accepted_ms);
+        for (route, (n, oldest)) in q.store.depth().unwrap_or_default() {
+            depth.insert(route, (n as i64, oldest.min(now)));
         }
         let mut rows: Vec<_> = depth.into_iter().collect();
         rows.sort();

@@ -156,13 +156,18 @@ pub struct Message {
     pub answer: Option<Answer>,
 }
 
-/// The request as it will be sent on every attempt (signed per attempt).
+/// The request as the worker sent it, its end-to-end headers as SPEC §3
+/// forwards them; the route's own (upstream URI, `Host`, dedup header,
+/// `upstream_headers`, signature) are set per attempt, from the route as it is
+/// then.
 #[derive(Debug, Clone)]
 pub struct Envelope {
     /// The request's method.
     pub method: String,
-    /// The upstream URI, built at acceptance.
-    pub uri: String,
+    /// The request's path after the route's prefix, and its query.
+    pub rest: String,
+    /// The request's query, if any.
+    pub query: Option<String>,
     /// The headers as forwarded (hop-by-hop removed, the route's added).
     pub headers: Vec<(String, Vec<u8>)>,
     /// The body.
@@ -172,7 +177,8 @@ pub struct Envelope {
 #[derive(Serialize, Deserialize)]
 struct EnvelopeHead {
     method: String,
-    uri: String,
+    rest: String,
+    query: Option<String>,
     headers: Vec<(String, String)>,
 }
 
@@ -180,7 +186,8 @@ impl Envelope {
     fn encode(&self) -> Vec<u8> {
         let head = EnvelopeHead {
             method: self.method.clone(),
-            uri: self.uri.clone(),
+            rest: self.rest.clone(),
+            query: self.query.clone(),
             headers: self
                 .headers
                 .iter()
@@ -200,7 +207,8 @@ impl Envelope {
         let head: EnvelopeHead = serde_json::from_slice(raw.get(4..4 + len)?).ok()?;
         Some(Envelope {
             method: head.method,
-            uri: head.uri,
+            rest: head.rest,
+            query: head.query,
             headers: head
                 .headers
                 .into_iter()
@@ -209,6 +217,19 @@ impl Envelope {
             body: Bytes::copy_from_slice(raw.get(4 + len..)?),
         })
     }
+}
+
+/// What [`QueueStore::requeue`] did.
+#[derive(Debug)]
+pub enum Requeued {
+    /// Pending again, at the end of its lease's queue.
+    Done(Box<Message>),
+    /// No such message (swept meanwhile).
+    Gone,
+    /// It is not failed (its status).
+    NotFailed(Status),
+    /// A message of this newer epoch of its lease was sent or waits.
+    Superseded(u64),
 }
 
 /// What [`QueueStore::accept`] did.
@@ -378,20 +399,95 @@ impl QueueStore {
         Ok(out)
     }
 
-    /// Messages not settled, per lease (for metrics: depth and oldest).
-    pub fn unsettled(&self) -> Result<Vec<Message>, StateError> {
-        let mut out = Vec::new();
-        for item in self.order.iter() {
-            let (_, mid) = item.map_err(db_err)?;
-            if let Some(v) = self.msgs.get(&mid).map_err(db_err)? {
-                out.push(decode(&v)?);
+    /// Leases with messages that may still be sent: pending or delivering, or
+    /// failed (an operator may retry them). A direct route on such a lease
+    /// could overtake them (SPEC §11).
+    pub fn leases_holding(&self) -> Result<std::collections::BTreeSet<String>, StateError> {
+        let mut out: std::collections::BTreeSet<String> =
+            self.leases_with_work()?.into_iter().collect();
+        for item in self.msgs.iter() {
+            let (_, v) = item.map_err(db_err)?;
+            let m = decode(&v)?;
+            if m.status == Status::Failed {
+                out.insert(m.lease);
             }
         }
         Ok(out)
     }
 
-    /// Writes a message that stays in its queue (an attempt started, a retry
-    /// scheduled). Durable on return.
+    /// Per route, how many messages are not settled and when the oldest
+    /// lease head among them was accepted (metrics). Reads the order index,
+    /// decoding only each lease's head: a scrape costs one pass over the keys,
+    /// not a decode per message.
+    pub fn depth(&self) -> Result<std::collections::HashMap<String, (u64, u64)>, StateError> {
+        let mut out: std::collections::HashMap<String, (u64, u64)> = Default::default();
+        let mut last_lease: Option<Vec<u8>> = None;
+        for item in self.order.iter() {
+            let (k, mid) = item.map_err(db_err)?;
+            let lease = k
+                .get(..k.len().saturating_sub(9))
+                .unwrap_or_default()
+                .to_vec();
+            let route = match mid.iter().position(|b| *b == 0) {
+                Some(at) => String::from_utf8_lossy(&mid[..at]).into_owned(),
+                None => continue,
+            };
+            let head = last_lease.as_deref() != Some(lease.as_slice());
+            let entry = out.entry(route).or_insert((0, u64::MAX));
+            entry.0 += 1;
+            if head {
+                if let Some(v) = self.msgs.get(&mid).map_err(db_err)? {
+                    entry.1 = entry.1.min(decode(&v)?.accepted_ms);
+                }
+                last_lease = Some(lease);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The epoch of the last message waiting in `lease`'s queue (0: none) —
+    /// the newest waiting, as places follow epoch order (an operator's retry
+    /// takes a place only when no newer epoch is sent or waiting).
+    pub fn newest_waiting(&self, lease: &str) -> Result<u64, StateError> {
+        let Some(entry) = self.order.scan_prefix(lease_prefix(lease)).next_back() else {
+            return Ok(0);
+        };
+        let (_, mid) = entry.map_err(db_err)?;
+        Ok(match self.msgs.get(&mid).map_err(db_err)? {
+            Some(v) => decode(&v)?.epoch,
+            None => 0,
+        })
+    }
+
+    /// Writes a message's attempt as started (`delivering`), with its epoch as
+    /// the newest of its lease that may have been sent: from here on an
+    /// operator's retry of an older message is superseded, whatever becomes of
+    /// this one (a drop, a final failure). Durable on return.
+    pub async fn start_attempt(&self, msg: &Message) -> Result<(), StateError> {
+        let mid = id(&msg.route, &msg.key);
+        let meta = encode(msg);
+        let newest = u64_of(self.sent.get(msg.lease.as_bytes()).map_err(db_err)?);
+        (&self.msgs, &self.sent)
+            .transaction(|(msgs, sent)| {
+                msgs.insert(mid.as_slice(), meta.as_slice())?;
+                if msg.epoch > newest {
+                    sent.insert(msg.lease.as_bytes(), &msg.epoch.to_be_bytes()[..])?;
+                }
+                Ok::<_, ConflictableTransactionError<()>>(())
+            })
+            .map_err(tx_err)?;
+        self.sled.commit().await
+    }
+
+    /// Waits until every write made so far is durable: what is answered from
+    /// a message read now is then on disk (another request's acceptance may
+    /// have written it and not yet committed).
+    pub async fn durable(&self) -> Result<(), StateError> {
+        self.sled.commit().await
+    }
+
+    /// Writes a message that stays in its queue (a retry scheduled). Durable
+    /// on return.
     pub async fn put(&self, msg: &Message) -> Result<(), StateError> {
         self.msgs
             .insert(id(&msg.route, &msg.key), encode(msg))
@@ -420,29 +516,56 @@ impl QueueStore {
         self.sled.commit().await
     }
 
-    /// Puts a settled (failed) message back at the end of its lease's queue,
-    /// pending now, with a new sequence number. Durable on return.
-    pub async fn requeue(&self, mut msg: Message, now_ms: u64) -> Result<Message, StateError> {
-        let mid = id(&msg.route, &msg.key);
-        {
+    /// Puts a failed message back at the end of its lease's queue, pending
+    /// now, with a new place — checked and written under the lock that orders
+    /// acceptances, so that no newer epoch's message is placed or sent between
+    /// the check and the write. Durable on return.
+    pub async fn requeue(
+        &self,
+        route: &str,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<Requeued, StateError> {
+        let mid = id(route, key);
+        let msg = {
             let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(raw) = self.msgs.get(&mid).map_err(db_err)? else {
+                return Ok(Requeued::Gone);
+            };
+            let mut msg = decode(&raw)?;
+            if msg.status != Status::Failed {
+                return Ok(Requeued::NotFailed(msg.status));
+            }
+            let newest = self
+                .sent_epoch(&msg.lease)?
+                .max(self.newest_waiting(&msg.lease)?);
+            if newest > msg.epoch {
+                return Ok(Requeued::Superseded(newest));
+            }
             msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
             msg.status = Status::Pending;
             msg.next_attempt_ms = now_ms;
             msg.updated_ms = now_ms;
+            msg.last_error = None;
             let meta = encode(&msg);
             let okey = order_key(&msg.lease, msg.seq);
             (&self.msgs, &self.order, &self.seqs)
                 .transaction(|(msgs, order, seqs)| {
+                    // Unchanged since read (the sweeper takes what it removes
+                    // in a transaction too).
+                    if msgs.get(mid.as_slice())?.as_deref() != Some(&raw[..]) {
+                        return Err(ConflictableTransactionError::Abort(()));
+                    }
                     msgs.insert(mid.as_slice(), meta.as_slice())?;
                     order.insert(okey.as_slice(), mid.as_slice())?;
                     seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
                     Ok::<_, ConflictableTransactionError<()>>(())
                 })
                 .map_err(tx_err)?;
-        }
+            msg
+        };
         self.sled.commit().await?;
-        Ok(msg)
+        Ok(Requeued::Done(Box::new(msg)))
     }
 
     /// The newest epoch of `lease` of which a message was sent (0: none).
@@ -485,16 +608,19 @@ impl QueueStore {
             let (k, v) = item.map_err(db_err)?;
             let m = decode(&v)?;
             if m.status.is_settled() && m.updated_ms < before_ms {
-                // Only if unchanged since read (an operator's retry wins).
-                if self
-                    .msgs
-                    .compare_and_swap(&k, Some(&v), None::<&[u8]>)
-                    .map_err(db_err)?
-                    .is_ok()
-                {
-                    self.requests.remove(&k).map_err(db_err)?;
-                    gone += 1;
-                }
+                // Message and request together, and only if unchanged since
+                // read (an operator's retry wins).
+                let removed = (&self.msgs, &self.requests)
+                    .transaction(|(msgs, reqs)| {
+                        if msgs.get(&k)?.as_deref() != Some(&v[..]) {
+                            return Ok(false);
+                        }
+                        msgs.remove(&k)?;
+                        reqs.remove(&k)?;
+                        Ok::<_, ConflictableTransactionError<()>>(true)
+                    })
+                    .map_err(tx_err)?;
+                gone += usize::from(removed);
             }
         }
         if gone > 0 {
@@ -508,5 +634,119 @@ fn tx_err(e: TransactionError<()>) -> StateError {
     match e {
         TransactionError::Storage(e) => db_err(e),
         TransactionError::Abort(()) => StateError::Write("a queue transaction aborted".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(key: &str, epoch: u64, status: Status) -> Message {
+        Message {
+            route: "hook".into(),
+            key: key.into(),
+            lease: "hook".into(),
+            epoch,
+            seq: 0,
+            fingerprint: String::new(),
+            method: "POST".into(),
+            path: "/hook/x".into(),
+            token_sha256: None,
+            status,
+            attempts: 0,
+            unknown_outcomes: 0,
+            accepted_ms: 1,
+            updated_ms: 1,
+            next_attempt_ms: 1,
+            last_status: None,
+            last_error: None,
+            answer: None,
+        }
+    }
+
+    fn envelope() -> Envelope {
+        Envelope {
+            method: "POST".into(),
+            rest: "x".into(),
+            query: None,
+            headers: vec![],
+            body: Bytes::from_static(b"b"),
+        }
+    }
+
+    async fn store() -> (tempfile::TempDir, QueueStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let sled = SledState::open(&dir.path().join("state")).unwrap();
+        (dir, QueueStore::open(sled).unwrap())
+    }
+
+    async fn failed(q: &QueueStore, key: &str, epoch: u64) -> Message {
+        let Accepted::New(mut m) = q
+            .accept(msg(key, epoch, Status::Pending), &envelope(), || true)
+            .await
+            .unwrap()
+        else {
+            panic!("accepted")
+        };
+        m.status = Status::Failed;
+        q.settle(&m, false).await.unwrap();
+        m
+    }
+
+    /// The superseded check of an operator's retry is made where the place is
+    /// taken: a newer epoch's message accepted (not yet sent) before the
+    /// requeue supersedes it, as one attempted and then dropped does.
+    #[tokio::test]
+    async fn a_requeue_is_superseded_by_a_newer_message_waiting_or_attempted() {
+        let (_d, q) = store().await;
+        failed(&q, "m1", 1).await;
+        let Accepted::New(m2) = q
+            .accept(msg("m2", 2, Status::Pending), &envelope(), || true)
+            .await
+            .unwrap()
+        else {
+            panic!("accepted")
+        };
+        assert!(matches!(
+            q.requeue("hook", "m1", 5).await.unwrap(),
+            Requeued::Superseded(2)
+        ));
+        // m2 attempted, then dropped: still superseded.
+        let mut m2 = Message {
+            status: Status::Delivering,
+            ..m2
+        };
+        q.start_attempt(&m2).await.unwrap();
+        m2.status = Status::Dropped;
+        q.settle(&m2, false).await.unwrap();
+        assert_eq!(q.newest_waiting("hook").unwrap(), 0);
+        assert!(matches!(
+            q.requeue("hook", "m1", 5).await.unwrap(),
+            Requeued::Superseded(2)
+        ));
+        // Nothing newer: requeued at the end, pending, with a new place.
+        let (_d2, q2) = store().await;
+        let first = failed(&q2, "m1", 1).await;
+        let Requeued::Done(again) = q2.requeue("hook", "m1", 5).await.unwrap() else {
+            panic!("requeued")
+        };
+        assert_eq!(again.status, Status::Pending);
+        assert!(again.seq > first.seq);
+        assert_eq!(q2.head("hook").unwrap().map(|m| m.key), Some("m1".into()));
+    }
+
+    /// A message the sweeper removed is not brought back by a retry without
+    /// its request (the lease's queue would stall on it).
+    #[tokio::test]
+    async fn a_swept_message_is_not_requeued() {
+        let (_d, q) = store().await;
+        failed(&q, "m1", 1).await;
+        assert_eq!(q.sweep(u64::MAX).await.unwrap(), 1);
+        assert!(q.envelope("hook", "m1").unwrap().is_none());
+        assert!(matches!(
+            q.requeue("hook", "m1", 5).await.unwrap(),
+            Requeued::Gone
+        ));
+        assert!(q.head("hook").unwrap().is_none());
     }
 }

@@ -267,6 +267,19 @@ async fn build_on(
             },
         )),
     };
+    if let Some(q) = &queue {
+        // SPEC §11: a direct route must not overtake messages still queued
+        // for its lease (a config that changed since they were accepted).
+        let holding = q.store.leases_holding()?;
+        if let Some(r) = cfg.routes.iter().find(|r| {
+            r.delivery == crate::config::Delivery::Direct && holding.contains(r.lease.as_str())
+        }) {
+            return Err(StartError::State(StateError::Open {
+                path: cfg.server.data_dir.clone(),
+                detail: crate::queue::direct_on_queued_lease(&r.name, r.lease.as_str()),
+            }));
+        }
+    }
     let shared = Arc::new(Shared {
         queue: queue.clone(),
         state: durable,
@@ -330,9 +343,15 @@ async fn build_on(
         ),
     ];
     if let Mode::Single(guard) = &mode {
-        tasks.push(tokio::spawn(
-            guard.clone().abort_at_expiry(fences.clone(), stop.clone()),
-        ));
+        tasks.push(tokio::spawn(guard.clone().abort_at_expiry(
+            fences.clone(),
+            // Queued attempts out are cut with the forwarded requests.
+            match queue.clone() {
+                Some(q) => Box::new(move || q.cut_attempts()),
+                None => Box::new(|| {}),
+            },
+            stop.clone(),
+        )));
     }
     if let Some(q) = &queue {
         q.register(&metrics);

@@ -172,6 +172,20 @@ impl Reloader {
             }
         }
         drop(current);
+        if let Some(q) = &self.shared.queue {
+            let holding = q
+                .store
+                .leases_holding()
+                .map_err(|e| ReloadError::Invalid(e.to_string()))?;
+            if let Some(r) = cfg.routes.iter().find(|r| {
+                r.delivery == crate::config::Delivery::Direct && holding.contains(r.lease.as_str())
+            }) {
+                return Err(ReloadError::Invalid(crate::queue::direct_on_queued_lease(
+                    &r.name,
+                    r.lease.as_str(),
+                )));
+            }
+        }
         let running: HashSet<LeaseName> = self
             .shared
             .fences

@@ -518,3 +518,131 @@ async fn each_attempt_is_a_span_in_the_workers_trace() {
     assert!(sent[0].starts_with(&format!("00-{TRACE}-")), "{sent:?}");
     assert_ne!(sent[0], sent[1], "each attempt names its own upstream span");
 }
+
+/// An attempt that went out makes its epoch the newest sent, whatever becomes
+/// of its message: after an epoch-2 message was attempted (500) and then
+/// dropped, an operator's retry of a failed epoch-1 message is superseded —
+/// it would reach the destination after epoch 2's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_is_superseded_by_a_newer_attempt_even_one_dropped_since() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    accepted(&send(message(&fg, &a, "m1", "a-m1", 400)).await);
+    wait_status(&fg, "m1", |v| v["status"] == "failed").await;
+    let b = force_next_epoch(&epochs, "hook", "worker-b", Duration::from_secs(60)).await;
+    accepted(&send(message(&fg, &b, "m2", "b-m2", 500)).await);
+    wait_status(&fg, "m2", |v| {
+        v["status"] == "pending" && v["attempts"] == 1
+    })
+    .await;
+    assert_eq!(
+        admin_post(&fg, "/v1/deliveries/hook/m2/drop").await.status,
+        200
+    );
+    admin_post(&fg, "/v1/deliveries/hook/m1/retry")
+        .await
+        .assert_error(409, "delivery_superseded");
+    assert_eq!(arrived(&origin), ["a-m1", "b-m2"]);
+    assert_eq!(status_of(&fg, "m1").await["status"], "failed");
+}
+
+/// A direct route on a lease whose queue still holds messages is refused, by
+/// a reload and at start-up — even in steps (the queued route removed first,
+/// the direct one added next): it could overtake them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_route_on_a_lease_with_queued_messages_is_refused() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let mut fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    accepted(&send(message(&fg, &a, "m1", "a-m1", 500)).await);
+    wait_status(&fg, "m1", |v| {
+        v["status"] == "pending" && v["attempts"] == 1
+    })
+    .await;
+    let queued = queued_route(&origin.url("/v1/"), "retry = { schedule = [\"1h\"] }");
+    let direct = format!(
+        "[[route]]\nname = \"d\"\npath_prefix = \"/d/\"\nupstream = \"{}\"\nlease = \"hook\"\n",
+        origin.url("/v1/")
+    );
+    let filler = format!(
+        "[[route]]\nname = \"z\"\npath_prefix = \"/z/\"\nupstream = \"{}\"\nlease = \"other\"\n",
+        origin.url("/v1/")
+    );
+    // Step 1, allowed: the queued route goes (its message is kept).
+    fg.edit_config(|t| format!("{}{filler}", t.replace(&queued, "")));
+    fg.hup();
+    wait_log(&fg, "config reloaded", 1).await;
+    // Step 2, refused: a direct route on the lease.
+    fg.edit_config(|t| format!("{t}{direct}"));
+    fg.hup();
+    wait_log(&fg, "config reload refused", 1).await;
+    assert!(fg
+        .stderr()
+        .contains("would forward lease hook's requests directly"));
+    let b = force_next_epoch(&epochs, "hook", "worker-b", Duration::from_secs(60)).await;
+    send(keyed(&fg, "/d/x", &b, "d1", "b-direct"))
+        .await
+        .assert_error(404, "route_not_found");
+    // At start-up too (exit 2).
+    fg.kill9();
+    assert!(fg.spawn(None).is_err(), "{}", fg.stderr());
+    assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
+    assert!(fg
+        .stderr()
+        .contains("would forward lease hook's requests directly"));
+    assert_eq!(arrived(&origin), ["a-m1"]);
+}
+
+async fn wait_log(fg: &Fencegate, line: &str, n: usize) {
+    for _ in 0..400 {
+        if fg.stderr().matches(line).count() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{n} × {line:?}: {}", fg.stderr());
+}
+
+/// SPEC §10.1 for the queue: an attempt out when the instance guard lapses
+/// (the store unreachable past `gate_ttl`) is cut with the forwarded
+/// requests; the destination never gets it from the deposed instance, and the
+/// attempt counts as an unknown outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_out_when_the_guard_lapses_is_cut() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let relay = Relay::start(origin.addr.port()).await;
+    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let route = queued_route(&upstream, "").replace("timeout_ms = 3000", "timeout_ms = 30000");
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!("{}gate_ttl = 4500\n{route}", s3.store_toml(200)),
+        &[],
+    );
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    relay.hold_requests(true);
+    accepted(&send(message(&fg, &a, "m1", "a-m1", 200)).await);
+    wait_status(&fg, "m1", |v| v["status"] == "delivering").await;
+    s3.pause();
+    wait_log(&fg, "requests in flight are aborted", 1).await;
+    wait_status(&fg, "m1", |v| {
+        v["status"] == "pending" && v["unknown_outcomes"] == 1
+    })
+    .await;
+    relay.hold_requests(false);
+    s3.resume();
+    // Sent again once the instance holds its guard: the destination gets it
+    // from this attempt only (the cut one's bytes never left the relay).
+    origin.wait_until("m1", |l| !l.is_empty()).await;
+    durably_delivered(&fg, 1).await;
+    assert_eq!(arrived(&origin), ["a-m1"]);
+}

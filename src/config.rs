@@ -563,7 +563,8 @@ pub enum Ordering {
     /// One message of a lease at a time, in acceptance order.
     #[default]
     Lease,
-    /// Parallel delivery within an epoch: not built yet, refused by name.
+    /// An epoch's messages in parallel (up to `max_in_flight`, else 16); the
+    /// next epoch's only once none of this one is left.
     None,
 }
 
@@ -1394,10 +1395,12 @@ impl Config {
                 r.name
             ));
         }
-        if r.ordering == Ordering::None {
+        if let Some(o) = self.routes.iter().find(|o| {
+            o.lease == r.lease && o.delivery == Delivery::Queued && o.ordering != r.ordering
+        }) {
             return Err(format!(
-                "route {:?}: ordering = \"none\" is not built yet; queued routes deliver one message of a lease at a time (ordering = \"lease\")",
-                r.name
+                "lease {}: queued routes {:?} and {:?} order it differently; a lease's queue has one ordering",
+                r.lease, r.name, o.name
             ));
         }
         // SPEC §11: the queue's order is the lease's epoch order only if no

@@ -47,6 +47,9 @@ pub struct Route {
     pub queued: bool,
     /// A queued route's waits between attempts.
     pub retry: Vec<Duration>,
+    /// `ordering = "none"`: this many of an epoch's messages at once (the
+    /// route's `max_in_flight`, else 16); `None`: one at a time (`"lease"`).
+    pub parallel: Option<usize>,
     /// This route's counter and histograms.
     pub(super) metrics: RouteMetrics,
 }
@@ -80,6 +83,8 @@ impl Route {
             signer: cfg.signer()?,
             queued: cfg.delivery == Delivery::Queued,
             retry: cfg.retry.schedule.clone(),
+            parallel: (cfg.ordering == crate::config::Ordering::None)
+                .then(|| cfg.max_in_flight.unwrap_or(16)),
             metrics: metrics.for_route(&cfg.name),
         })
     }

@@ -4,6 +4,7 @@
 //! the next run counts as an unknown outcome and sends again, with the same
 //! `webhook-id`.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Request, StatusCode};
 use tokio::sync::Notify;
+use tokio::task::JoinSet;
 
 use super::{ms, Answer, Message, Queue, Status};
 use crate::forward::{self, UpstreamError};
@@ -44,13 +46,21 @@ enum Came {
 }
 
 pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
+    // `ordering = "none"`: the attempts out, by key.
+    let mut running: JoinSet<(String, String)> = JoinSet::new();
+    let mut out: HashSet<(String, String)> = HashSet::new();
     loop {
         if q.ctx.stop.is_cancelled() {
+            // Attempts out finish (shutdown waits for them, then cuts them).
+            while running.join_next().await.is_some() {}
             return;
         }
         let head = match q.store.head(&lease) {
             Ok(Some(m)) => m,
             Ok(None) => {
+                // Attempts that settled the last messages end first.
+                while running.join_next().await.is_some() {}
+                out.clear();
                 if q.retire(&lease) {
                     return;
                 }
@@ -62,6 +72,34 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 continue;
             }
         };
+        let parallel = q
+            .ctx
+            .live
+            .current()
+            .routes
+            .get(&head.route)
+            .filter(|r| r.queued)
+            .and_then(|r| r.parallel);
+        if let Some(width) = parallel {
+            let wait = launch(&q, &lease, width, &mut running, &mut out);
+            tokio::select! {
+                _ = q.ctx.stop.cancelled() => {}
+                _ = notify.notified() => {}
+                Some(done) = running.join_next(), if !running.is_empty() => {
+                    if let Ok(key) = done {
+                        out.remove(&key);
+                    }
+                }
+                _ = tokio::time::sleep(wait) => {}
+            }
+            continue;
+        }
+        // One at a time: what a change to `ordering` left out ends first.
+        while let Some(done) = running.join_next().await {
+            if let Ok(key) = done {
+                out.remove(&key);
+            }
+        }
         let now = ms(q.ctx.clock.now());
         if head.status == Status::Pending && head.next_attempt_ms > now {
             pause(
@@ -96,6 +134,69 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             pause(&q, &notify, PAUSE).await;
         }
     }
+}
+
+/// `ordering = "none"`: starts an attempt for each message at the front of
+/// the lease's queue with its head's epoch — due, not out already, up to
+/// `width` out at once, while the route lets them through. A message of the
+/// next epoch is at the front only once none of this epoch is left, so epoch
+/// order holds; within an epoch there is none. How long to wait at most
+/// before looking again.
+fn launch(
+    q: &Arc<Queue>,
+    lease: &str,
+    width: usize,
+    running: &mut JoinSet<(String, String)>,
+    out: &mut HashSet<(String, String)>,
+) -> Duration {
+    let front = match q.store.front(lease, width.saturating_mul(4).max(64)) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::warn!(lease, error = %e, "cannot read the queue; trying again");
+            return PAUSE;
+        }
+    };
+    let now = ms(q.ctx.clock.now());
+    let mut wait = PAUSE * 4;
+    let live = q.ctx.live.current();
+    for m in front {
+        if out.len() >= width {
+            break;
+        }
+        let key = (m.route.clone(), m.key.clone());
+        if out.contains(&key) {
+            continue;
+        }
+        if m.status == Status::Pending && m.next_attempt_ms > now {
+            wait = wait.min(Duration::from_millis(m.next_attempt_ms - now));
+            continue;
+        }
+        let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) else {
+            continue;
+        };
+        let ticket = match route.protect.enter(&route.protect_cfg) {
+            Ok(t) => t,
+            Err(refused) => {
+                wait = wait.min(Duration::from_secs(refused.retry_after_secs));
+                break;
+            }
+        };
+        if !may_send(q) {
+            return PAUSE;
+        }
+        out.insert(key.clone());
+        let q = q.clone();
+        running.spawn(async move {
+            let live = q.ctx.live.current();
+            if let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) {
+                if let Err(e) = attempt(&q, route, m, ticket).await {
+                    tracing::warn!(error = %e, "a delivery attempt could not be written; trying again");
+                }
+            }
+            key
+        });
+    }
+    wait
 }
 
 /// SPEC §10 applied to the queue: this instance sends only while it holds its

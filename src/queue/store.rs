@@ -399,6 +399,25 @@ impl QueueStore {
         Ok(out)
     }
 
+    /// Up to `max` messages at the front of `lease`'s queue that have the
+    /// epoch of its head (in place order): what `ordering = "none"` may send
+    /// at once.
+    pub fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
+        let mut out: Vec<Message> = Vec::new();
+        for item in self.order.scan_prefix(lease_prefix(lease)) {
+            let (_, mid) = item.map_err(db_err)?;
+            let Some(v) = self.msgs.get(&mid).map_err(db_err)? else {
+                break;
+            };
+            let m = decode(&v)?;
+            if out.first().is_some_and(|h| h.epoch != m.epoch) || out.len() >= max {
+                break;
+            }
+            out.push(m);
+        }
+        Ok(out)
+    }
+
     /// Leases with messages that may still be sent: pending or delivering, or
     /// failed (an operator may retry them). A direct route on such a lease
     /// could overtake them (SPEC §11).

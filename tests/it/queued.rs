@@ -328,10 +328,11 @@ fn queued_routes_refuse_what_they_cannot_keep() {
         ),
         (
             format!(
-                "{store}{}",
-                route("q", "l", "delivery = \"queued\"\nordering = \"none\"")
+                "{store}{}{}",
+                route("q", "l", "delivery = \"queued\"\nordering = \"none\""),
+                route("p", "l", "delivery = \"queued\"")
             ),
-            "ordering = \"none\" is not built yet",
+            "a lease's queue has one ordering",
         ),
         (
             format!(
@@ -645,4 +646,50 @@ async fn an_attempt_out_when_the_guard_lapses_is_cut() {
     origin.wait_until("m1", |l| !l.is_empty()).await;
     durably_delivered(&fg, 1).await;
     assert_eq!(arrived(&origin), ["a-m1"]);
+}
+
+/// `ordering = "none"`: an epoch's messages go in parallel (up to
+/// `max_in_flight`), and the next epoch's only once none of this one is left —
+/// a failing one included, until it is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordering_none_is_parallel_within_an_epoch_and_ordered_across() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = start(
+        &s3,
+        &origin.url("/v1/"),
+        "ordering = \"none\"\nmax_in_flight = 3\nretry = { schedule = [\"100ms\", \"100ms\"] }",
+    )
+    .await;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let slow = |h: &Holding, key: &str, payload: &str, status: u16| {
+        let mut r = message(&fg, h, key, payload, status);
+        r.headers_mut()
+            .insert("x-test-delay-ms", "200".parse().unwrap());
+        r
+    };
+    for i in 0..6 {
+        accepted(&send(slow(&a, &format!("a{i}"), &format!("a-{i}"), 200)).await);
+    }
+    accepted(&send(slow(&a, "a-fail", "a-fail", 503)).await);
+    let b = force_next_epoch(&epochs, "hook", "worker-b", Duration::from_secs(60)).await;
+    for i in 0..3 {
+        accepted(&send(slow(&b, &format!("b{i}"), &format!("b-{i}"), 200)).await);
+    }
+    // 6 + 3 attempts of a-fail + 3.
+    origin.wait_until("everything", |l| l.len() >= 12).await;
+    wait_status(&fg, "b2", |v| v["status"] == "delivered").await;
+    let got = arrived(&origin);
+    let last_a = got.iter().rposition(|b| b.starts_with("a-")).unwrap();
+    let first_b = got.iter().position(|b| b.starts_with("b-")).unwrap();
+    assert!(last_a < first_b, "epoch 1 before epoch 2: {got:?}");
+    assert_eq!(got.iter().filter(|b| *b == "a-fail").count(), 3, "{got:?}");
+    assert_eq!(status_of(&fg, "a-fail").await["status"], "failed");
+    let most = origin.max_concurrent();
+    assert!(
+        (2..=3).contains(&most),
+        "parallel, within max_in_flight: {most}"
+    );
 }

@@ -7,16 +7,19 @@ exercised) that answers every request after a small random delay, sometimes long
 enough for fencegate's drain or upstream timeout to fire. It appends JSON lines to
 --log, flushed one by one, so the file survives SIGSTOP and kill:
 
-  {"ev": "arrive", "seq", "path", "req", "epoch", "key", "arrive"}
+  {"ev": "arrive", "seq", "path", "req", "epoch", "key", "wid", "arrive"}
   {"ev": "done", "seq", "complete", "status", "body"}
 
 `arrive` and `complete` are time.monotonic_ns() (CLOCK_MONOTONIC, comparable
 across processes on Linux); `complete` is taken before the response is written, so
 it precedes fencegate's receipt of the answer. `req` is the worker's
 X-Campaign-Req header, `epoch` the forwarded X-Lease-Epoch, `key` the forwarded
-Idempotency-Key. The response body is unique per request; statuses are 200, 201,
-202, 409 or 422 (never one of fencegate's retryable statuses, so every answered
-key is recorded `done` and may be replayed).
+Idempotency-Key, `wid` the webhook-id (a signing route's: the queued route's
+attempts of one message all carry `{route}:{key}`). The response body is unique
+per request; statuses are 200, 201, 202, 409 or 422 (never one of fencegate's
+retryable statuses for a direct route, so every answered key is recorded `done`
+and may be replayed; a queued route retries a 409 and fails a message on a
+422, SPEC §11).
 
 Delays: 60% under 10 ms, 25% 20-300 ms, 12% 0.3-0.9 s, 3% 1.0-1.5 s (past the
 1 s route timeouts; a route with a 300 ms timeout sees 15% of its requests outlive
@@ -160,7 +163,8 @@ class Handler(BaseHTTPRequestHandler):
         seq, delay, status = draw(arrive)
         h = self.headers
         write({"ev": "arrive", "seq": seq, "path": self.path, "req": h.get("x-campaign-req"),
-               "epoch": h.get("x-lease-epoch"), "key": h.get("idempotency-key"), "arrive": arrive})
+               "epoch": h.get("x-lease-epoch"), "key": h.get("idempotency-key"),
+               "wid": h.get("webhook-id"), "arrive": arrive})
         length = int(h.get("content-length") or 0)
         hold = h.get("x-campaign-hold")
         if hold is not None:

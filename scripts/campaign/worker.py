@@ -6,8 +6,11 @@ through fencegate to the recording origin.
 Every request attempt is one JSON line in --log:
   {"ev": "attempt", "w", "req", "kind", "route", "lease", "epoch", "token", "key",
    "body", "invoke", "complete", "outcome", "status", "error", "replayed",
-   "resp_body", "detail", "addr"}
-(`addr`: the fencegate it was sent to, for humans.)
+   "resp_body", "detail", "addr", "delivery", "seq", "q_epoch"}
+(`addr`: the fencegate it was sent to. `delivery`: the X-Fencegate-Delivery
+header; a queued route's 202 (`delivery` "queued", SPEC §11) also logs the
+message's place `seq` and epoch `q_epoch` from its JSON body: the checker
+expects every such key at the destination.)
 `outcome` is "response", "conn_error" or "timeout"; times are time.monotonic_ns().
 `kind` is "op" (first send), "retry" (same key and body after a timeout, a
 connection error, 504, 503 or dedup_in_flight), "dup" (the same key sent concurrently),
@@ -253,7 +256,8 @@ class Worker:
         route = "r" + ten.lease[1:]
         rec = {"ev": "attempt", "w": self.id, "req": req, "kind": kind, "route": route,
                "lease": ten.lease, "epoch": epoch, "token": token, "key": key, "body": body,
-               "status": None, "error": None, "replayed": False, "resp_body": None, "detail": None}
+               "status": None, "error": None, "replayed": False, "resp_body": None, "detail": None,
+               "delivery": None, "seq": None, "q_epoch": None}
         rec["invoke"] = time.monotonic_ns()
         try:
             if addr is None:
@@ -277,7 +281,14 @@ class Worker:
             conn.close()
             rec.update(outcome="response", status=r.status, error=r.getheader("x-fencegate-error"),
                        replayed=r.getheader("x-fencegate-replayed") == "true",
-                       resp_body=data.decode("latin-1"))
+                       resp_body=data.decode("latin-1"),
+                       delivery=r.getheader("x-fencegate-delivery"))
+            if rec["delivery"] == "queued" and r.status == 202:
+                try:
+                    msg = json.loads(data)
+                    rec.update(seq=msg.get("seq"), q_epoch=msg.get("epoch"))
+                except ValueError:
+                    pass  # no place: the checker reports the 202 as no acceptance
         except TimeoutError as e:
             rec.update(outcome="timeout", detail=repr(e))
         except (OSError, http.client.HTTPException, ValueError) as e:
@@ -593,7 +604,8 @@ class Worker:
                 sloppy = self.rng.random() < 0.1
                 if ten.left() <= 0 and not sloppy:
                     break
-                time.sleep(self.rng.uniform(0, 0.15))  # work; a SIGSTOP here makes a late worker
+                # work; a SIGSTOP here makes a late worker
+                time.sleep(self.rng.uniform(0, 0.15) + self.rng.uniform(0, 2 * self.a.think))
                 for j in range(self.rng.choice((1, 1, 2, 3))):
                     live.append(threading.Thread(target=self.operation,
                                                  args=(ten, f"{ten.epoch}.{opn}.{j}")))
@@ -631,6 +643,8 @@ def main():
                    help="chance that a renewal is followed by a poll with the superseded epoch")
     p.add_argument("--polls", type=float, default=0.0,
                    help="share of operations sent as a GET without an Idempotency-Key")
+    p.add_argument("--think", type=float, default=0.0,
+                   help="mean extra pause in seconds before each operation (a slower worker)")
     p.add_argument("--ttl-ms", type=int, default=0,
                    help="every tenure's TTL (instead of the random ones)")
     p.add_argument("--directed", default="",

@@ -76,10 +76,12 @@
 //! The checker is pure: the campaign builds a [`History`] from the logs, and the
 //! unit tests at the bottom build small ones by hand, one per rule broken.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use sha2::{Digest, Sha256};
+
+pub mod queued;
 
 /// Fencegate codes that mean the request was not forwarded (SPEC §6, §7).
 pub const NOT_FORWARDED: [&str; 21] = [
@@ -143,6 +145,18 @@ pub struct Attempt {
     pub invoke: u64,
     pub complete: u64,
     pub outcome: Outcome,
+    /// The fencegate it was sent to (`host:port`), when known.
+    pub addr: Option<String>,
+    /// A queued route's acceptance (`202`, `X-Fencegate-Delivery: queued`):
+    /// the message's place and epoch as the answer's body gave them.
+    pub accepted: Option<Accepted>,
+}
+
+/// What a `202` of a queued route said (SPEC §11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    pub seq: u64,
+    pub epoch: u64,
 }
 
 /// One request as the destination recorded it.
@@ -161,6 +175,8 @@ pub struct Arrival {
     pub wrote_after: Option<u64>,
     pub status: Option<u16>,
     pub body: Option<String>,
+    /// The `webhook-id` header (a signing route's).
+    pub webhook_id: Option<String>,
 }
 
 /// An epoch object as read from the store at the end of the campaign.
@@ -185,6 +201,41 @@ pub struct History {
     pub expiry_ns: BTreeMap<(String, u64), u64>,
     /// `[stop, cont]` of each pause of the origin, in mono ns (`cont` 0: never resumed).
     pub origin_pauses: Vec<(u64, u64)>,
+    /// The routes with `delivery = "queued"` (all of them signing): judged by
+    /// Q1–Q4 instead of R1, R2, R4 and R6 ([`queued`]).
+    pub queued: BTreeSet<String>,
+    /// (route, key) → the queued message as fencegate's admin API showed it
+    /// at the end, after the queue drained.
+    pub messages: BTreeMap<(String, String), Message>,
+    /// The stretches in which a copy of the instance with a copy of its state
+    /// served (the clone step's takeover): see [`queued`].
+    pub forks: Vec<Fork>,
+}
+
+/// A queued message as `GET /v1/deliveries/{route}/{key}` showed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub seq: u64,
+    pub epoch: u64,
+    /// pending, delivering, delivered, failed or dropped.
+    pub status: String,
+    pub attempts: u64,
+    pub unknown_outcomes: u64,
+}
+
+/// A copy of the instance that took over with a copy of its `data_dir`
+/// (legitimately: the original was frozen past its gate lease), served from
+/// `from` to `to` (mono ns; `to` includes a slack for its last attempt), and
+/// was then killed while the original went on with its own state.
+#[derive(Debug, Clone, Default)]
+pub struct Fork {
+    pub from: u64,
+    pub to: u64,
+    /// The copy's proxy address: its acceptances were kept in the copy's state.
+    pub addr: String,
+    /// The copy's messages just before it was killed (those that reached the
+    /// destination meanwhile).
+    pub messages: BTreeMap<(String, String), Message>,
 }
 
 /// R6: how long after its epoch's expiry a forwarded request may still reach a
@@ -230,6 +281,8 @@ pub struct Report {
     pub ordered_pairs: usize,
     pub replays_checked: usize,
     pub keys_at_destination: usize,
+    /// The queued routes' figures ([`queued`]).
+    pub queued: queued::Figures,
     /// The CLOCK_MONOTONIC ns that the violations' `+s` times count from.
     pub start: u64,
 }
@@ -382,7 +435,8 @@ pub fn check(h: &History) -> Report {
 
     // R1 + R2, per lease.
     let mut per_lease: BTreeMap<&str, Vec<&Arrival>> = BTreeMap::new();
-    for a in &h.arrivals {
+    let direct = |a: &&Arrival| !h.queued.contains(&a.route);
+    for a in h.arrivals.iter().filter(direct) {
         if let (Some(lease), Some(_)) = (h.routes.get(&a.route), a.epoch) {
             per_lease.entry(lease).or_default().push(a);
         }
@@ -480,7 +534,7 @@ pub fn check(h: &History) -> Report {
     }
 
     // R6: nothing arrives well after its epoch's expiry (origin running).
-    for a in &h.arrivals {
+    for a in h.arrivals.iter().filter(direct) {
         let (Some(lease), Some(e)) = (h.routes.get(&a.route), a.epoch) else {
             continue;
         };
@@ -507,7 +561,7 @@ pub fn check(h: &History) -> Report {
 
     // R4: at most once per key, and replays are the first answer.
     let mut by_key: BTreeMap<(&str, &str), Vec<&Arrival>> = BTreeMap::new();
-    for a in &h.arrivals {
+    for a in h.arrivals.iter().filter(direct) {
         match &a.key {
             Some(k) => by_key.entry((&a.route, k)).or_default().push(a),
             None => v(
@@ -547,6 +601,27 @@ pub fn check(h: &History) -> Report {
             continue;
         };
         r.replays_checked += 1;
+        if h.queued.contains(&at.route) {
+            // SPEC §11: a delivered message's stored answer is the one the
+            // destination gave the attempt that delivered it.
+            let answered = h.arrivals.iter().any(|a| {
+                a.route == at.route
+                    && a.key.as_deref() == Some(at.key.as_str())
+                    && a.status == Some(*status)
+                    && a.body.as_deref() == Some(body)
+            });
+            if !answered {
+                v(
+                    "R5 outcome",
+                    format!(
+                        "a replay of queued message {} is no answer the destination gave it",
+                        at.key
+                    ),
+                    vec![clk.attempt(at)],
+                );
+            }
+            continue;
+        }
         let first = by_key
             .get(&(at.route.as_str(), at.key.as_str()))
             .and_then(|l| l.first());
@@ -567,7 +642,11 @@ pub fn check(h: &History) -> Report {
 
     // R5: outcomes against the destination.
     for at in &h.attempts {
-        *r.outcomes.entry(outcome_label(&at.outcome)).or_default() += 1;
+        let label = match at.accepted {
+            Some(_) => "202 queued".to_owned(),
+            None => outcome_label(&at.outcome),
+        };
+        *r.outcomes.entry(label).or_default() += 1;
         *r.kinds.entry(at.kind.clone()).or_default() += 1;
         let arrived = arrivals_by_req
             .get(at.req.as_str())
@@ -578,7 +657,50 @@ pub fn check(h: &History) -> Report {
             e.extend(arrived.iter().map(|a| clk.arrival(a)));
             e
         };
+        let queued = h.queued.contains(&at.route);
         match &at.outcome {
+            // A queued route's answer without an error is its acceptance
+            // (SPEC §11): it says nothing of the destination yet (Q3 does).
+            Outcome::Response {
+                status: 202,
+                error: None,
+                replayed: false,
+                ..
+            } if queued && at.accepted.is_some() => {}
+            Outcome::Response {
+                status,
+                error: None,
+                replayed: false,
+                ..
+            } if queued => v(
+                "R5 outcome",
+                format!("a queued route answered {status} without an error, and not as an acceptance (202, X-Fencegate-Delivery: queued, seq)"),
+                entries(),
+            ),
+            Outcome::Response {
+                error: Some(code), ..
+            } if queued => {
+                // Refused at acceptance, nothing queued under this request.
+                if queued::NOT_QUEUED.contains(&code.as_str())
+                    || NOT_FORWARDED.contains(&code.as_str())
+                {
+                    if !arrived.is_empty() {
+                        v(
+                            "R5 outcome",
+                            format!("refused with {code} (nothing queued), but it reached the destination"),
+                            entries(),
+                        );
+                    }
+                } else if !queued::INDETERMINATE.contains(&code.as_str()) {
+                    v(
+                        "R5 outcome",
+                        format!(
+                            "an error code the checker cannot classify on a queued route: {code}"
+                        ),
+                        entries(),
+                    );
+                }
+            }
             Outcome::Response {
                 status,
                 error: None,
@@ -645,6 +767,7 @@ pub fn check(h: &History) -> Report {
             .or_default()
             .epochs_at_destination = epochs.len();
     }
+    queued::check(h, &clk, &mut r);
     r
 }
 
@@ -673,6 +796,8 @@ mod tests {
             invoke: t.0 * MS,
             complete: t.1 * MS,
             outcome: o,
+            addr: None,
+            accepted: None,
         }
     }
 
@@ -706,6 +831,7 @@ mod tests {
             wrote_after: None,
             status: Some(200),
             body: Some(body.into()),
+            webhook_id: None,
         }
     }
 

@@ -121,13 +121,21 @@ impl Nemesis<'_> {
         let n = self.clones_done + 1;
         let port = crate::support::free_port();
         let addr = format!("127.0.0.1:{port}");
-        let mut copy = Fencegate::unstarted_with_args(&addr, "", &self.base_config, &[], &[]);
+        let mut copy = Fencegate::unstarted_with_args(
+            &addr,
+            &admin_server_toml(),
+            &self.base_config,
+            &[],
+            &[],
+        );
         let pid = self.fg.pid().to_string();
         let signal = |sig: &str| {
             let _ = Command::new("kill").args([sig, &pid]).status();
         };
         let frozen = original != Original::Running;
         let started = Instant::now();
+        // A takeover forks the queue's state from here (tests/it/campaign/checker/queued.rs).
+        let fork_from = mono_ns();
         if frozen {
             signal("-STOP");
             // Frozen in the middle of a store call, it would hold the
@@ -213,6 +221,7 @@ impl Nemesis<'_> {
             }
             Ok(()) => {
                 let how = if original == Original::FrozenPastTtl {
+                    self.fork = Some((fork_from, addr.clone()));
                     "took over"
                 } else {
                     "LET IN"
@@ -244,7 +253,21 @@ impl Nemesis<'_> {
         };
         self.clone_addr = None;
         self.write_addr();
+        // The copy's messages that reached the destination since the fork.
+        let fork = self.fork.take().map(|(from, addr)| {
+            let messages = queued_messages(fg.admin, &queued_keys(&self.dir, from));
+            (from, addr, messages)
+        });
         fg.kill9();
+        if let Some((from, addr, messages)) = fork {
+            self.forks.push(checker::Fork {
+                from,
+                // The copy's last attempt, in flight when it was killed.
+                to: mono_ns() + 1_000_000_000,
+                addr,
+                messages: messages.unwrap_or_default(),
+            });
+        }
         fs::write(self.dir.join(format!("clone-{n}.stderr")), fg.stderr()).unwrap();
         // The resumed original must have found its id held by the copy's
         // process, stopped forwarding and said so.

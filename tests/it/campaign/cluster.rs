@@ -1347,6 +1347,7 @@ async fn cluster_fault_campaign() {
                 .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
                 .collect(),
             extra_violations,
+            queue: None,
         },
     )
     .await;

@@ -1,5 +1,5 @@
-//! A Jepsen-style fault campaign: SPEC §1, §4–§6 checked at the destination under
-//! crashes, pauses, slow origins and short leases.
+//! A Jepsen-style fault campaign: SPEC §1, §4–§6 and §11 checked at the
+//! destination under crashes, pauses, slow origins and short leases.
 //!
 //! Real processes on loopback: the single-threaded moto S3 server, the real
 //! fencegate binary (its data directory kept across restarts), a recording origin
@@ -46,10 +46,27 @@
 //! their epoch's expiry on the store's clock — forwarded after it, which no rule
 //! checks (SPEC §4 is judged on fencegate's estimate of the store's clock).
 //!
+//! **Queued delivery (SPEC §11).** Route `r4` on its own lease `l4` is
+//! `delivery = "queued"`, signing, with the retry schedule 200 ms … 3 s and a
+//! 1 s timeout; two more workers contend for `l4` alone (at a slower pace) and
+//! log each `202` with the message's key, epoch and `seq`. The origin answers
+//! its attempts as any request (a 409 is retried, a 422 fails the message, a
+//! slow answer times out: an unknown outcome) and logs their `webhook-id`. The
+//! nemesis's kill -9 with a failpoint arms the queue's durable boundaries too
+//! (`queue_accept_written`, `queue_accepted`, `queue_attempt_started`,
+//! `queue_attempt_answered`, `queue_delivered`). After healing, the campaign
+//! waits (30 s at most) until no message is pending or being delivered, then
+//! reads every message of the route from the admin API (`GET
+//! /v1/deliveries/r4/{key}`: status, `seq`, `unknown_outcomes`). The checker
+//! judges `r4`'s arrivals by Q1–Q4 ([`checker::queued`]): acceptance order,
+//! epoch order without exemption, every `202` delivered unless failed, repeats
+//! only after an unknown outcome or a retried answer — and not by R1, R2, R4 or
+//! R6, which SPEC §11 does not ask of a queue.
+//!
 //! At the end every fault is healed, the workers finish, and [`checker::check`]
 //! verifies the history (origin log, every worker's log, the epoch objects in the
-//! store, each route's drain timeout). Any violation fails the test with the
-//! offending entries printed and the run's directory kept.
+//! store, each route's drain timeout, the queued messages). Any violation fails
+//! the test with the offending entries printed and the run's directory kept.
 //!
 //! The instance reaches the S3 server through its own TCP relay, which the clone
 //! step cuts while the instance is frozen (a single-threaded S3 server held by a
@@ -143,14 +160,51 @@ fn wide_drain_leases() -> Vec<&'static str> {
 /// 0.9–1.3 s, about r1's drain timeout: it renews before every operation, and its
 /// raises can wait in a drain past the epoch's expiry (scripts/campaign/worker.py).
 const SHORT_TTL_SHARE: f64 = 0.5;
-const FAILPOINTS: [&str; 6] = [
+const FAILPOINTS: [&str; 11] = [
     "mark_written_before_flush",
     "mark_flushed",
     "dedup_in_flight_written",
     "dedup_in_flight_flushed",
     "dedup_response_before_done",
     "dedup_done_flushed",
+    // The queue's durable boundaries (SPEC §11), hit by the queued route.
+    "queue_accept_written",
+    "queue_accepted",
+    "queue_attempt_started",
+    "queue_attempt_answered",
+    "queue_delivered",
 ];
+
+/// The queued route (SPEC §11): `r4` on its own lease `l4`, signing (every
+/// attempt carries `webhook-id`), with a short retry schedule so that a
+/// message retried across the faults settles within the run. Its timeout is
+/// the origin's slowest common answer: 3% of the attempts time out (unknown
+/// outcomes), more in the slow windows.
+const QUEUED_LEASE: &str = "l4";
+const QUEUED_ROUTE: &str = "r4";
+const QUEUED_TIMEOUT_MS: u64 = 1000;
+const QUEUED_SCHEDULE: &str = r#"["200ms", "400ms", "800ms", "1600ms", "3s"]"#;
+const WEBHOOK_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+/// The admin token of the campaign's fencegate (and of its copies): the
+/// queue's listing needs it.
+const ADMIN_TOKEN: &str = "campaign-admin";
+/// Workers on the queued lease alone (besides the others, which do not send
+/// to it), and their mean pause before each operation (s).
+const QUEUED_WORKERS: usize = 2;
+const QUEUED_THINK_S: f64 = 0.3;
+/// How long the campaign waits, after healing, for the queue to drain.
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
+
+fn admin_server_toml() -> String {
+    format!("admin_token = \"{ADMIN_TOKEN}\"")
+}
+
+/// The queued route's TOML.
+fn queued_route_toml(origin_addr: &str) -> String {
+    format!(
+        "\n[[route]]\nname = \"{QUEUED_ROUTE}\"\npath_prefix = \"/{QUEUED_ROUTE}/\"\nupstream = \"http://{origin_addr}/{QUEUED_ROUTE}/\"\nlease = \"{QUEUED_LEASE}\"\ntimeout_ms = {QUEUED_TIMEOUT_MS}\ndrain_timeout_ms = 1000\ndelivery = \"queued\"\nretry = {{ schedule = {QUEUED_SCHEDULE} }}\nsigning_secrets = [\"{WEBHOOK_SECRET}\"]\n"
+    )
+}
 /// The workers' contenders wait this long past an expiry (SPEC §2), as fencegate's
 /// `[store] grace_ms` in [`S3Server::store_toml`].
 const GRACE_MS: u64 = 500;
@@ -184,11 +238,98 @@ fn admin_get(admin: std::net::SocketAddr, path: &str) -> Option<String> {
     let mut conn = std::net::TcpStream::connect_timeout(&admin, Duration::from_millis(300)).ok()?;
     conn.set_read_timeout(Some(Duration::from_millis(500)))
         .ok()?;
-    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: fencegate\r\n\r\n").as_bytes())
-        .ok()?;
+    conn.write_all(
+        format!(
+            "GET {path} HTTP/1.0\r\nHost: fencegate\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .ok()?;
     let mut text = String::new();
     conn.read_to_string(&mut text).ok()?;
     Some(text)
+}
+
+/// The JSON body of a `200` from the admin listener to `GET path`; `Err`:
+/// what it answered instead (`Err("404")` for a 404).
+fn admin_json(admin: std::net::SocketAddr, path: &str) -> Result<serde_json::Value, String> {
+    let text = admin_get(admin, path).ok_or("no answer")?;
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("no head")?;
+    let status = head.split_whitespace().nth(1).unwrap_or_default();
+    if status != "200" {
+        return Err(status.to_owned());
+    }
+    serde_json::from_str(body).map_err(|e| format!("{e}: {body}"))
+}
+
+/// The queued messages of `keys` as fencegate's admin API shows them (a key
+/// it does not hold is left out); `None` if it stopped answering.
+fn queued_messages(
+    admin: std::net::SocketAddr,
+    keys: &std::collections::BTreeSet<String>,
+) -> Option<BTreeMap<(String, String), checker::Message>> {
+    let mut out = BTreeMap::new();
+    for key in keys {
+        let path = format!("/v1/deliveries/{QUEUED_ROUTE}/{key}");
+        let mut tries = 0;
+        let v = loop {
+            match admin_json(admin, &path) {
+                Ok(v) => break Some(v),
+                Err(e) if e == "404" => break None,
+                Err(_) if tries < 10 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(_) => return None,
+            }
+        };
+        let Some(v) = v else { continue };
+        let n = |f: &str| v[f].as_u64().unwrap_or_default();
+        out.insert(
+            (QUEUED_ROUTE.to_owned(), key.clone()),
+            checker::Message {
+                seq: n("seq"),
+                epoch: n("epoch"),
+                status: s(&v["status"]).unwrap_or_default(),
+                attempts: n("attempts"),
+                unknown_outcomes: n("unknown_outcomes"),
+            },
+        );
+    }
+    Some(out)
+}
+
+/// The queued route's keys seen so far: what the workers sent it, and what
+/// reached the destination on it (at or after `since`, mono ns).
+fn queued_keys(dir: &Path, since: u64) -> std::collections::BTreeSet<String> {
+    let mut keys = std::collections::BTreeSet::new();
+    let prefix = format!("/{QUEUED_ROUTE}/");
+    // Read while the origin may be writing: a line cut short is skipped.
+    let text = fs::read_to_string(dir.join("origin.jsonl")).unwrap_or_default();
+    let lines = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok());
+    for v in lines {
+        if v["ev"] == "arrive"
+            && v["arrive"].as_u64().unwrap_or_default() >= since
+            && v["path"].as_str().is_some_and(|p| p.starts_with(&prefix))
+        {
+            keys.extend(s(&v["key"]));
+        }
+    }
+    if since == 0 {
+        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('w') && name.ends_with(".jsonl") {
+                for v in json_lines(&entry.path()) {
+                    if v["ev"] == "attempt" && v["route"] == QUEUED_ROUTE {
+                        keys.extend(s(&v["key"]).filter(|k| !k.is_empty()));
+                    }
+                }
+            }
+        }
+    }
+    keys
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -410,6 +551,13 @@ struct Nemesis<'a> {
     clone_addr: Option<String>,
     /// A run of a minute or more (the clone step's takeover variant).
     long_run: bool,
+    /// The takeover's fork of the queue's state: when the original was frozen
+    /// (mono ns) and the copy's address, while the copy serves; then each
+    /// fork as the checker sees it.
+    fork: Option<(u64, String)>,
+    forks: Vec<checker::Fork>,
+    /// The queued messages at the end, after the queue drained.
+    messages: BTreeMap<(String, String), checker::Message>,
     events: BTreeMap<String, usize>,
     timeline: Vec<String>,
     unexpected_exits: Vec<String>,
@@ -713,16 +861,55 @@ impl Nemesis<'_> {
         if self.down.is_some() {
             self.restart(None);
         }
-        let failures = wait_workers(&mut self.workers);
+        let mut failures = wait_workers(&mut self.workers);
         if self.fg.exited() {
             self.unexpected_exits
                 .push("fencegate exited while the workers finished".into());
         } else {
             self.scrape();
+            failures.extend(self.drain_queue());
         }
         // Let the origin write its last answers (slow ones take up to 4.5 s).
         wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
+        if !self.fg.exited() {
+            match queued_messages(self.fg.admin, &queued_keys(&self.dir, 0)) {
+                Some(m) => self.messages = m,
+                None => failures.push("fencegate's admin API stopped answering".into()),
+            }
+        }
         failures
+    }
+
+    /// Waits (bounded) until no queued message is pending or being delivered
+    /// (SPEC §11: every accepted message is delivered, or fails, by the end).
+    fn drain_queue(&mut self) -> Vec<String> {
+        let started = Instant::now();
+        let mut left = String::new();
+        while started.elapsed() < DRAIN_WAIT {
+            let total = |status: &str| {
+                admin_json(
+                    self.fg.admin,
+                    &format!("/v1/deliveries?route={QUEUED_ROUTE}&status={status}&limit=1"),
+                )
+                .ok()
+                .and_then(|v| v["total"].as_u64())
+            };
+            match (total("pending"), total("delivering")) {
+                (Some(0), Some(0)) => {
+                    self.note(
+                        "queue drained",
+                        format!("in {} ms", started.elapsed().as_millis()),
+                    );
+                    return Vec::new();
+                }
+                (p, d) => left = format!("pending {p:?}, delivering {d:?}"),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        vec![format!(
+            "the queue did not drain in {} s after the faults healed: {left}",
+            DRAIN_WAIT.as_secs()
+        )]
     }
 }
 
@@ -845,6 +1032,18 @@ fn read_attempts(path: &Path) -> Vec<Attempt> {
                 "timeout" => Outcome::Timeout,
                 _ => Outcome::ConnError(s(&v["detail"]).unwrap_or_default()),
             },
+            addr: s(&v["addr"]),
+            // A queued route's 202 (scripts/campaign/worker.py).
+            accepted: match (
+                v["delivery"].as_str(),
+                v["seq"].as_u64(),
+                v["q_epoch"].as_u64(),
+            ) {
+                (Some("queued"), Some(seq), Some(epoch)) if v["status"] == 202 => {
+                    Some(checker::Accepted { seq, epoch })
+                }
+                _ => None,
+            },
         })
         .collect()
 }
@@ -888,6 +1087,7 @@ fn edge_figures(
     let late = |slack_ms: u64| {
         h.arrivals
             .iter()
+            .filter(|a| !h.queued.contains(&a.route))
             .filter(|a| {
                 let lease = h.routes.get(&a.route).cloned().unwrap_or_default();
                 let late = |&x: &u64| a.arrive > x + slack_ms * 1_000_000;
@@ -918,6 +1118,7 @@ fn edge_figures(
     let outlived = h
         .attempts
         .iter()
+        .filter(|at| !h.queued.contains(&at.route))
         .filter(|at| {
             let lease = h.routes.get(&at.route).cloned().unwrap_or_default();
             let Some(&x) = expiry.get(&(lease, at.epoch)) else {
@@ -978,6 +1179,7 @@ fn read_arrivals(path: &Path) -> Vec<Arrival> {
                     wrote_after: None,
                     status: None,
                     body: None,
+                    webhook_id: s(&v["wid"]),
                 },
             );
         }
@@ -1110,7 +1312,8 @@ async fn fault_campaign() {
     // Extra route lines, for checking the checker against a weakened fencegate
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
-    let base_config = s3.store_toml(200) + &routes_toml(&origin_addr, &extra);
+    let base_config =
+        s3.store_toml(200) + &routes_toml(&origin_addr, &extra) + &queued_route_toml(&origin_addr);
     // The instance reaches the store through its own relay: the clone step cuts
     // it while the instance is frozen, so that the single-threaded S3 server is
     // not held by a request the frozen process was in the middle of (a copy
@@ -1126,7 +1329,7 @@ async fn fault_campaign() {
         &format!("http://127.0.0.1:{s3_port}"),
         &format!("http://127.0.0.1:{}", store_relay.addr.port()),
     );
-    let fg = Fencegate::start(&config);
+    let fg = Fencegate::start_with_server(&admin_server_toml(), &config, &[]);
     // Pin the proxy port so restarts keep it (workers also re-read proxy.addr).
     let text = fs::read_to_string(&fg.config).unwrap();
     fs::write(
@@ -1146,7 +1349,7 @@ async fn fault_campaign() {
         fg,
         origin,
         workers: Vec::new(),
-        worker_resume: vec![None; n_workers],
+        worker_resume: vec![None; n_workers + QUEUED_WORKERS],
         store_resume: None,
         origin_resume: None,
         origin_pauses: Vec::new(),
@@ -1159,6 +1362,9 @@ async fn fault_campaign() {
         clones_done: 0,
         clone_addr: None,
         long_run: secs >= 60,
+        fork: None,
+        forks: Vec::new(),
+        messages: BTreeMap::new(),
         events: BTreeMap::new(),
         timeline: Vec::new(),
         unexpected_exits: Vec::new(),
@@ -1169,6 +1375,28 @@ async fn fault_campaign() {
     nemesis.workers = (0..n_workers)
         .map(|i| start_worker(&dir, i, &s3, secs, seed * 100 + i as u64, &[]))
         .collect();
+    // The queued route's workers (the last ids): they contend for its lease
+    // alone, at a pace its deliverer keeps up with between the faults.
+    let think = QUEUED_THINK_S.to_string();
+    nemesis
+        .workers
+        .extend((n_workers..n_workers + QUEUED_WORKERS).map(|i| {
+            start_worker(
+                &dir,
+                i,
+                &s3,
+                secs,
+                seed * 100 + i as u64,
+                &[
+                    "--leases",
+                    QUEUED_LEASE,
+                    "--short-ttl",
+                    "0",
+                    "--think",
+                    &think,
+                ],
+            )
+        }));
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);
         nemesis.heal()
@@ -1183,6 +1411,8 @@ async fn fault_campaign() {
         origin,
         workers,
         fg,
+        forks,
+        messages,
         ..
     } = nemesis;
     drop(workers);
@@ -1200,10 +1430,10 @@ async fn fault_campaign() {
         &s3,
         Run {
             title: format!(
-                "fault campaign: seed {seed}, {secs} s of faults, {n_workers} workers, {} leases",
-                LEASES.len()
+                "fault campaign: seed {seed}, {secs} s of faults, {n_workers} workers and {QUEUED_WORKERS} on the queued lease, {} leases",
+                LEASES.len() + 1
             ),
-            n_workers,
+            n_workers: n_workers + QUEUED_WORKERS,
             events,
             timeline,
             t0_ns,
@@ -1212,9 +1442,17 @@ async fn fault_campaign() {
             begun,
             extra_leases: Vec::new(),
             extra_violations: Vec::new(),
+            queue: Some(QueueRun { messages, forks }),
         },
     )
     .await;
+}
+
+/// The queued route's part of a run: its messages at the end, and the forks
+/// of its state (the clone step's takeover).
+struct QueueRun {
+    messages: BTreeMap<(String, String), checker::Message>,
+    forks: Vec<checker::Fork>,
 }
 
 /// What a campaign run leaves for [`judge`].
@@ -1237,6 +1475,9 @@ struct Run {
     /// campaign's requests relayed to a forged gate object's `advertise`):
     /// printed and counted with the checker's.
     extra_violations: Vec<checker::Violation>,
+    /// The queued route `QUEUED_ROUTE` on `QUEUED_LEASE` (the single-instance
+    /// campaign; a cluster cannot queue).
+    queue: Option<QueueRun>,
 }
 
 /// Reads the history in `tmp` (origin log, worker logs, the store's epochs),
@@ -1254,6 +1495,7 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         begun,
         extra_leases,
         extra_violations,
+        queue,
     } = run;
     let dir = tmp.path().to_owned();
     let mut leases: Vec<&str> = LEASES.to_vec();
@@ -1272,6 +1514,10 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         leases.push(lease);
         routes.insert(route.clone(), lease.to_string());
         drain_timeout_ns.insert(route, r.drain_timeout_ms * 1_000_000);
+    }
+    if queue.is_some() {
+        leases.push(QUEUED_LEASE);
+        routes.insert(QUEUED_ROUTE.into(), QUEUED_LEASE.into());
     }
     fs::write(
         dir.join("nemesis.log"),
@@ -1305,7 +1551,13 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         drain_timeout_ns,
         expiry_ns: expiry.clone(),
         origin_pauses: origin_pauses.clone(),
+        ..History::default()
     };
+    if let Some(q) = queue {
+        history.queued.insert(QUEUED_ROUTE.into());
+        history.messages = q.messages;
+        history.forks = q.forks;
+    }
     let mut tenures = Vec::new();
     for i in 0..n_workers {
         let log = dir.join(format!("w{i}.jsonl"));
@@ -1340,6 +1592,23 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
     for (k, n) in &report.exempt {
         println!("  {n:>6}  {k}");
     }
+    let q = &report.queued;
+    if !history.queued.is_empty() {
+        println!(
+            "queued route {QUEUED_ROUTE} (Q1-Q4): {} arrivals of {} messages, {} epochs, {} first arrivals compared in seq order, {} epoch changes; repeats after a retried answer {}, after an unknown outcome {} ({} unknown outcomes counted); {} segments, {} messages accepted by a copy whose state was thrown away",
+            q.arrivals,
+            q.messages_at_destination,
+            q.epochs_at_destination,
+            q.ordered_firsts,
+            q.epoch_changes,
+            q.again_after_answer,
+            q.again_after_unknown,
+            q.unknown_outcomes,
+            q.segments,
+            q.accepted_by_copy,
+        );
+        print_counts("  messages answered 202, by status at the end", &q.accepted);
+    }
     println!(
         "violations: {} (times in seconds since CLOCK_MONOTONIC {} ns; add {:.3} s for nemesis.log)",
         report.violations.len(),
@@ -1366,6 +1635,13 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
     // arrivals, or too few epoch-ordered pairs among them, checked nothing. (Not the
     // answered attempts: on a slow machine most answers are lost to the kills and
     // timeouts the campaign is made of, while the arrivals stay.)
+    let accepted: usize = q.accepted.values().sum();
+    if !history.queued.is_empty() && (accepted < 10 || q.epoch_changes < 2) {
+        problems.push(format!(
+            "only {accepted} messages accepted on the queued route and {} epoch changes among its arrivals: the campaign did not exercise the queue",
+            q.epoch_changes
+        ));
+    }
     if history.arrivals.len() < 20 || report.ordered_pairs < 10 {
         problems.push(format!(
             "only {} arrivals at the destination and {} epoch-ordered pairs: the campaign did not exercise fencegate",

@@ -31,8 +31,8 @@ use crate::metrics::Metrics;
 use crate::shared::{Mode, Shared};
 use crate::state::{ListCursor, Listing, Record, RecordKey};
 use page::{
-    Access, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, PageView, ShardRow, StoreHealth,
-    Tenure,
+    Access, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, Notice, PageView, ShardRow,
+    StoreHealth, Tenure,
 };
 use session::Session;
 
@@ -325,13 +325,16 @@ impl Admin {
             }
             Endpoint::Deliveries => self.deliveries(&req)?,
             Endpoint::DeliveryGet(route, key) => self.delivery(route, key)?,
-            Endpoint::DeliveryRetry(route, key) => {
-                self.authorize(&req)?;
-                self.delivery_edit(route, key, true).await?
-            }
-            Endpoint::DeliveryDrop(route, key) => {
-                self.authorize(&req)?;
-                self.delivery_edit(route, key, false).await?
+            Endpoint::DeliveryRetry(route, key) | Endpoint::DeliveryDrop(route, key) => {
+                let retry = matches!(ep, Endpoint::DeliveryRetry(..));
+                let (route, key) = (route.to_string(), key.to_string());
+                // As for a resolve: the page's forms carry no Authorization.
+                if req.headers().contains_key(header::AUTHORIZATION) || !is_form(req.headers()) {
+                    self.authorize(&req)?;
+                    self.delivery_edit(&route, &key, retry).await?
+                } else {
+                    self.delivery_form(req, &route, &key, retry).await
+                }
             }
             Endpoint::Login => self.login(req).await?,
             Endpoint::Logout => {
@@ -678,9 +681,27 @@ impl Admin {
         Ok((k, state))
     }
 
-    /// The page's resolve form: session cookie, same-origin and the form token
-    /// (a cross-site page can make a browser POST, but not with them); answers
-    /// with a redirect back to the page.
+    /// A form posted from the page: its fields, once the session cookie, the
+    /// same-origin check and the form token (a cross-site page can make a
+    /// browser POST, but not with them) have passed.
+    async fn page_form(&self, req: Request<Incoming>) -> Result<Vec<(String, String)>, AdminError> {
+        let s = self.session().ok_or(AdminError::Disabled)?;
+        if !session::same_origin(req.headers()) {
+            return Err(AdminError::CrossSite);
+        }
+        if !s.presented(req.headers()) {
+            return Err(AdminError::Unauthorized);
+        }
+        let body = read_body(req).await?;
+        let fields = form::form_pairs(&body);
+        if !form_field(&fields, "csrf").is_some_and(|t| s.csrf_matches(&t)) {
+            return Err(AdminError::CrossSite);
+        }
+        Ok(fields)
+    }
+
+    /// The page's resolve form ([`Admin::page_form`]'s checks); answers with a
+    /// redirect back to the page.
     async fn resolve_form(
         &self,
         req: Request<Incoming>,
@@ -688,18 +709,7 @@ impl Admin {
         key: &str,
     ) -> Response<Full<Bytes>> {
         let attempt = async {
-            let s = self.session().ok_or(AdminError::Disabled)?;
-            if !session::same_origin(req.headers()) {
-                return Err(AdminError::CrossSite);
-            }
-            if !s.presented(req.headers()) {
-                return Err(AdminError::Unauthorized);
-            }
-            let body = read_body(req).await?;
-            let fields = form::form_pairs(&body);
-            if !form_field(&fields, "csrf").is_some_and(|t| s.csrf_matches(&t)) {
-                return Err(AdminError::CrossSite);
-            }
+            let fields = self.page_form(req).await?;
             let how = match form_field(&fields, "outcome").as_deref() {
                 Some("delivered") => Resolution::Delivered,
                 Some("not_delivered") => Resolution::NotDelivered,
@@ -761,7 +771,8 @@ impl Admin {
     }
 
     /// What the page shows, for the query `q` (`leases=OFFSET`, `after=NEXT`,
-    /// and the notice of a resolve just done).
+    /// `queued=OFFSET`, and the notice of a resolve, retry or drop just done
+    /// or refused).
     pub(crate) async fn gather(&self, q: &[(String, String)], access: Access) -> PageView {
         let offset = form_field(q, "leases")
             .and_then(|v| v.parse::<usize>().ok())
@@ -823,12 +834,12 @@ impl Admin {
             form_field(q, "key"),
         ) {
             (Some(how), Some(route), Some(key)) if how == "delivered" || how == "not_delivered" => {
-                Some(format!(
+                Some(Notice::done(format!(
                     "Resolved {route} / {key} as {}.",
                     how.replace('_', " ")
-                ))
+                )))
             }
-            _ => None,
+            _ => Self::delivery_notice(q),
         };
         let clock = self.shared.store.clock();
         let shards = self.shard_map().await;
@@ -875,6 +886,7 @@ impl Admin {
             keys_paged: after.is_some(),
             keys_error,
             fence_problems: self.shared.fence_problems(),
+            queue: self.queue_panel(q).await,
             access,
             notice,
         }

@@ -1,14 +1,125 @@
-//! The admin API of queued messages (SPEC §11): list, one, retry, drop.
+//! The admin API of queued messages (SPEC §11): list, one, retry, drop; and
+//! the operator page's queue panel, whose Retry and Drop forms post to the
+//! same endpoints.
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
+use hyper::body::Incoming;
 use serde_json::json;
 
-use super::{form, json_response, Admin};
+use super::page::{self, MessageRow, Notice, QueuePanel, QueueRoute};
+use super::{form, form_field, html, json_response, see_other, Admin};
+use crate::dedup::ms_to_system;
 use crate::error::AdminError;
 use crate::proxy::queued::view;
-use crate::queue::{Edit, Queue, Status};
+use crate::queue::{Edit, Message, Queue, Status};
+use crate::state::StateError;
+
+/// The statuses the panel lists, in its order: those an operator acts on
+/// first.
+const SHOWN: [Status; 3] = [Status::Failed, Status::Delivering, Status::Pending];
+
+/// The queue panel of queued routes `routes` (name, lease; by name): their
+/// figures, and rows `offset..offset + MESSAGES_PER_PAGE` of their messages not
+/// delivered. Each route's messages are read three times (once per status
+/// shown), keeping at most a page and what comes before it.
+fn panel(q: &Queue, routes: &[(String, String)], offset: usize) -> Result<QueuePanel, StateError> {
+    let need = offset + page::MESSAGES_PER_PAGE;
+    let mut figures = Vec::with_capacity(routes.len());
+    let mut rows: Vec<Message> = Vec::new();
+    let mut total = 0;
+    for (route, lease) in routes {
+        let mut counts = [0u64; 3];
+        for (n, status) in SHOWN.into_iter().enumerate() {
+            let (found, count) = q.store.list(
+                Some(route),
+                None,
+                Some(status),
+                need.saturating_sub(rows.len()),
+            )?;
+            counts[n] = count;
+            rows.extend(found);
+        }
+        total += counts.iter().sum::<u64>();
+        // The metric's figure: the lease's head, if it is this route's.
+        let oldest = q
+            .store
+            .head(lease)?
+            .filter(|m| &m.route == route)
+            .map(|m| ms_to_system(m.accepted_ms));
+        figures.push(QueueRoute {
+            route: route.clone(),
+            lease: lease.clone(),
+            depth: counts[1] + counts[2],
+            failed: counts[0],
+            oldest,
+        });
+    }
+    let messages = rows
+        .into_iter()
+        .skip(offset)
+        .take(page::MESSAGES_PER_PAGE)
+        .map(|m| MessageRow {
+            next_attempt: (m.status == Status::Pending).then(|| ms_to_system(m.next_attempt_ms)),
+            status: m.status.as_str(),
+            route: m.route,
+            key: m.key,
+            lease: m.lease,
+            epoch: m.epoch,
+            seq: m.seq,
+            attempts: m.attempts,
+            last_status: m.last_status,
+            last_error: m.last_error,
+        })
+        .collect();
+    Ok(QueuePanel {
+        routes: figures,
+        messages,
+        messages_total: total,
+        offset,
+        error: None,
+    })
+}
+
+/// What the page says after a retry or drop from its queue panel:
+/// `delivery=retried|dropped|refused` with `route`, `key`, and for a refusal
+/// `action` and `why` (`superseded` with `epoch`, `conflict` with `status`,
+/// `not_found`). The words are the program's; only route and key come from
+/// the query.
+fn notice_of(q: &[(String, String)]) -> Option<Notice> {
+    let (what, route, key) = (
+        form_field(q, "delivery")?,
+        form_field(q, "route")?,
+        form_field(q, "key")?,
+    );
+    Some(match what.as_str() {
+        "retried" => Notice::done(format!(
+            "Retried {route} / {key}: it is pending, and is sent when its turn in its lease's queue comes."
+        )),
+        "dropped" => Notice::done(format!(
+            "Dropped {route} / {key}: it will not be delivered; the messages behind it go on."
+        )),
+        "refused" => {
+            let why = match form_field(q, "why")?.as_str() {
+                "superseded" => Edit::Superseded(form_field(q, "epoch")?.parse().ok()?),
+                "conflict" => Edit::Conflict(Status::parse(&form_field(q, "status")?)?),
+                "not_found" => Edit::NotFound,
+                _ => return None,
+            };
+            let action = match form_field(q, "action")?.as_str() {
+                "retry" => "retried",
+                "drop" => "dropped",
+                _ => return None,
+            };
+            Notice {
+                text: format!("Not {action}: {route} / {key}: {why}."),
+                refused: true,
+            }
+        }
+        _ => return None,
+    })
+}
 
 impl Admin {
     fn queue(&self) -> Result<&std::sync::Arc<Queue>, AdminError> {
@@ -81,13 +192,9 @@ impl Admin {
         Ok(json_response(StatusCode::OK, view(&m)))
     }
 
-    /// `POST /v1/deliveries/{route}/{key}/retry|drop`.
-    pub(super) async fn delivery_edit(
-        &self,
-        route: &str,
-        key: &str,
-        retry: bool,
-    ) -> Result<Response<Full<Bytes>>, AdminError> {
+    /// An operator's retry or drop of `route`, `key` (the key as the path
+    /// has it, escaped).
+    async fn edit(&self, route: &str, key: &str, retry: bool) -> Result<Message, AdminError> {
         let key = String::from_utf8_lossy(&form::decode_segment(key)).into_owned();
         let q = self.queue()?;
         let m = if retry {
@@ -102,6 +209,100 @@ impl Admin {
             status = m.status.as_str(),
             "operator changed a queued message"
         );
+        Ok(m)
+    }
+
+    /// `POST /v1/deliveries/{route}/{key}/retry|drop`.
+    pub(super) async fn delivery_edit(
+        &self,
+        route: &str,
+        key: &str,
+        retry: bool,
+    ) -> Result<Response<Full<Bytes>>, AdminError> {
+        let m = self.edit(route, key, retry).await?;
         Ok(json_response(StatusCode::OK, view(&m)))
+    }
+
+    /// The page's Retry and Drop forms: the checks of every form of the page
+    /// ([`Admin::page_form`]), then a redirect back to the page with a notice
+    /// — of the refusal too, when the queue refuses (a newer epoch's message,
+    /// a message in another state, none).
+    pub(super) async fn delivery_form(
+        &self,
+        req: Request<Incoming>,
+        route: &str,
+        key: &str,
+        retry: bool,
+    ) -> Response<Full<Bytes>> {
+        let action = if retry { "retry" } else { "drop" };
+        let back = |what: &str, key: &str, why: &str| {
+            see_other(&format!(
+                "/?delivery={what}&route={}&key={}{why}#queued",
+                form::encode(route),
+                form::encode(key),
+            ))
+        };
+        let done = async {
+            self.page_form(req).await?;
+            self.edit(route, key, retry).await
+        };
+        match done.await {
+            Ok(m) => back(if retry { "retried" } else { "dropped" }, &m.key, ""),
+            Err(AdminError::Delivery(refused)) if !matches!(refused, Edit::State(_)) => {
+                let why = match refused {
+                    Edit::Superseded(epoch) => format!("superseded&epoch={epoch}"),
+                    Edit::Conflict(status) => format!("conflict&status={}", status.as_str()),
+                    _ => "not_found".to_owned(),
+                };
+                let key = String::from_utf8_lossy(&form::decode_segment(key)).into_owned();
+                back("refused", &key, &format!("&action={action}&why={why}"))
+            }
+            Err(e) => {
+                let (status, _) = e.status_and_code();
+                let title = if retry { "Not retried" } else { "Not dropped" };
+                html(status, page::render_message(title, &e.to_string()))
+            }
+        }
+    }
+
+    /// The page's queue panel (`queued=OFFSET` pages its messages); `None`
+    /// when no route is queued. Read off the async threads: it scans the
+    /// queued routes' messages.
+    pub(super) async fn queue_panel(&self, q: &[(String, String)]) -> Option<QueuePanel> {
+        let queue = self.shared.queue.clone()?;
+        let mut routes: Vec<(String, String)> = self
+            .shared
+            .live
+            .current()
+            .routes
+            .iter()
+            .filter(|r| r.queued)
+            .map(|r| (r.name.clone(), r.lease.as_str().to_owned()))
+            .collect();
+        if routes.is_empty() {
+            return None;
+        }
+        routes.sort();
+        // Each page is read from the first message on: a bounded number of them.
+        let offset = form_field(q, "queued")
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0)
+            .min(page::MESSAGES_PER_PAGE * (page::MESSAGE_PAGES - 1));
+        let read = tokio::task::spawn_blocking(move || panel(&queue, &routes, offset)).await;
+        let error = match read {
+            Ok(Ok(p)) => return Some(p),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "reading it failed".to_owned(),
+        };
+        Some(QueuePanel {
+            offset,
+            error: Some(error),
+            ..QueuePanel::default()
+        })
+    }
+
+    /// The notice of a retry or drop just done or refused from the page.
+    pub(super) fn delivery_notice(q: &[(String, String)]) -> Option<Notice> {
+        notice_of(q)
     }
 }

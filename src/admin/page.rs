@@ -1,10 +1,12 @@
 //! The operator's page (SPEC §8, issue 16): one server-rendered HTML page on the
 //! admin listener — leases and their marks, the store, the members and the shard
 //! map (with each shard's leases), the in-doubt keys with the two buttons that
-//! resolve them (after a confirmation), and one key's detail view. Nothing is
+//! resolve them (after a confirmation), one key's detail view, and — when a
+//! route is queued — the queue panel (SPEC §11: depth, oldest pending, the
+//! messages not delivered with Retry and Drop buttons). Nothing is
 //! fetched from elsewhere; one small inline script ([`SCRIPT`], allowed by its
 //! hash alone) reloads the page every [`REFRESH_SECS`] unless the pointer is on
-//! it or a form is open, and asks before a resolve. Without script, a meta
+//! it or a form is open, and asks before a resolve, a retry or a drop. Without script, a meta
 //! refresh reloads it.
 //!
 //! Rendering is a pure function of a [`PageView`], gathered by the admin API, so
@@ -30,6 +32,11 @@ pub const SHARD_LEASES_SHOWN: usize = 20;
 pub const ROUTES_SHOWN: usize = 100;
 /// Seconds between the page's reloads.
 pub const REFRESH_SECS: u32 = 10;
+/// Queued messages shown per page of the queue panel.
+pub const MESSAGES_PER_PAGE: usize = 100;
+/// Pages of queued messages the panel goes to (each is read from the first
+/// message on); `GET /v1/deliveries` lists by status and lease beyond.
+pub const MESSAGE_PAGES: usize = 100;
 
 /// One lease as the page shows it.
 #[derive(Debug, Clone)]
@@ -205,6 +212,84 @@ pub enum Access {
     },
 }
 
+/// A queued route's figures (SPEC §11), as the metrics give them.
+#[derive(Debug, Clone)]
+pub struct QueueRoute {
+    /// The route's name.
+    pub route: String,
+    /// Its lease (whose queue its messages are in).
+    pub lease: String,
+    /// Messages not settled, pending or being delivered
+    /// (`fencegate_queue_depth`).
+    pub depth: u64,
+    /// Failed messages, kept until an operator retries or drops them or the
+    /// `[dedup] ttl` sweeps them.
+    pub failed: u64,
+    /// When the oldest message not settled was accepted (its lease's head, as
+    /// `fencegate_queue_oldest_pending_seconds`), if there is one.
+    pub oldest: Option<SystemTime>,
+}
+
+/// A queued message not delivered: pending, delivering or failed.
+#[derive(Debug, Clone)]
+pub struct MessageRow {
+    /// The route it was accepted on.
+    pub route: String,
+    /// Its dedup key.
+    pub key: String,
+    /// The lease whose queue it is in.
+    pub lease: String,
+    /// The epoch it was accepted at.
+    pub epoch: u64,
+    /// Its place in its lease's queue.
+    pub seq: u64,
+    /// `pending`, `delivering` or `failed`.
+    pub status: &'static str,
+    /// Attempts started.
+    pub attempts: u32,
+    /// The destination's last status, if it answered.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    /// When a pending message's next attempt may start.
+    pub next_attempt: Option<SystemTime>,
+}
+
+/// The queue panel: shown only when a route is queued.
+#[derive(Debug, Clone, Default)]
+pub struct QueuePanel {
+    /// Each queued route's figures, by name.
+    pub routes: Vec<QueueRoute>,
+    /// This page of their messages not delivered: route by route, failed
+    /// ones first, then the one being delivered, then the pending ones.
+    pub messages: Vec<MessageRow>,
+    /// How many such messages there are in all.
+    pub messages_total: u64,
+    /// Index of the first row in `messages`.
+    pub offset: usize,
+    /// Why the queue could not be read, if it could not.
+    pub error: Option<String>,
+}
+
+/// A line about what the viewer just did.
+#[derive(Debug, Clone)]
+pub struct Notice {
+    /// What to say.
+    pub text: String,
+    /// The action was refused (shown as an alert).
+    pub refused: bool,
+}
+
+impl Notice {
+    /// An action done.
+    pub fn done(text: String) -> Notice {
+        Notice {
+            text,
+            refused: false,
+        }
+    }
+}
+
 /// The store and the state backend.
 #[derive(Debug, Clone)]
 pub struct StoreHealth {
@@ -263,10 +348,13 @@ pub struct PageView {
     /// Why this instance forwards nothing, or trusts no owner of some shard
     /// (another set-up on the prefix, an untrusted gate object: SPEC §10).
     pub fence_problems: Vec<String>,
-    /// Whether the resolve buttons are shown.
+    /// The queued routes and their messages; `None` when no route is queued
+    /// (the page then says nothing of queues).
+    pub queue: Option<QueuePanel>,
+    /// Whether the resolve, retry and drop buttons are shown.
     pub access: Access,
     /// A line about what the viewer just did.
-    pub notice: Option<String>,
+    pub notice: Option<Notice>,
 }
 
 fn signed_ms(t: SystemTime, now: SystemTime) -> i128 {
@@ -343,7 +431,8 @@ td.n{font-variant-numeric:tabular-nums}
 code{font:13px ui-monospace,SFMono-Regular,Menlo,monospace;word-break:break-all}
 code.path{word-break:normal;overflow-wrap:normal}
 .ok{color:#137333}.bad{color:#b3261e;font-weight:600}.warn{color:#8a5300}
-.notice{background:#e8f0fe;border-color:#aac4f6}.note{color:#5b6370;font-size:.9rem}
+.notice{background:#e8f0fe;border-color:#aac4f6}.notice.refused{background:#fdecea;border-color:#f1b0aa}.note{color:#5b6370;font-size:.9rem}
+h3{font-size:.95rem;margin:.7rem 0 .3rem}
 form.inline{display:inline}
 details.resolve summary{cursor:pointer;color:#1a56c4}
 details.resolve form{margin:.3rem 0}
@@ -464,17 +553,28 @@ pub fn render(v: &PageView) -> Html {
     }
     out.push_static("</header><main>");
     if let Some(n) = &v.notice {
-        html!(
-            out,
-            r#"<section class="notice" role="status">{}</section>"#,
-            esc(n)
-        );
+        if n.refused {
+            html!(
+                out,
+                r#"<section class="notice refused" role="alert">{}</section>"#,
+                esc(&n.text)
+            );
+        } else {
+            html!(
+                out,
+                r#"<section class="notice" role="status">{}</section>"#,
+                esc(&n.text)
+            );
+        }
     }
     if let Some(d) = &v.detail {
         detail_section(&mut out, v, d);
     }
     store_section(&mut out, v);
     keys_section(&mut out, v);
+    if let Some(q) = &v.queue {
+        queue_section(&mut out, v, q);
+    }
     leases_section(&mut out, v);
     routes_section(&mut out, v);
     members_section(&mut out, v);
@@ -663,6 +763,147 @@ fn keys_section(out: &mut Html, v: &PageView) {
         );
     }
     out.push_static(r#"</nav><form class="lookup" method="get" action="/"><input type="hidden" name="detail" value="1"><label>Look up a key: <input type="text" name="route" placeholder="route" required></label> <input type="text" name="key" placeholder="key" required aria-label="key"> <button>show</button></form></section>"#);
+}
+
+/// A queued message's Retry and Drop buttons, each a form with a confirmation.
+fn message_forms(out: &mut Html, m: &MessageRow, csrf: &str) {
+    let (route, key) = (esc(&form::encode(&m.route)), esc(&form::encode(&m.key)));
+    html!(
+        out,
+        r#"<form class="inline" method="post" action="/v1/deliveries/{0}/{1}/retry" data-confirm="Retry {2} / {3}?"><input type="hidden" name="csrf" value="{4}"><button class="del">Retry</button></form><form class="inline" method="post" action="/v1/deliveries/{0}/{1}/drop" data-confirm="Drop {2} / {3}? It will not be delivered; the messages behind it go on."><input type="hidden" name="csrf" value="{4}"><button class="nd">Drop</button></form>"#,
+        route,
+        key,
+        esc(&m.route),
+        esc(&m.key),
+        esc(csrf)
+    );
+}
+
+/// Queued delivery (SPEC §11): each queued route's depth and oldest pending
+/// message, then its messages not delivered, with Retry and Drop.
+fn queue_section(out: &mut Html, v: &PageView, q: &QueuePanel) {
+    html!(
+        out,
+        r#"<section id="queued"><h2>Queued delivery <span class="note">({} route(s), {} message(s) not delivered)</span></h2>"#,
+        q.routes.len(),
+        q.messages_total
+    );
+    match &v.access {
+        Access::ReadOnly => out.push_static(
+            r#"<p class="note">Read-only: retrying and dropping need an admin token.</p>"#,
+        ),
+        Access::Resolve { .. } => out.push_static(
+            r#"<p class="note"><b>Retry</b>: a pending message is due now; a failed one goes back to the end of its lease's queue (refused when a newer epoch's message of its lease was sent or waits: it would arrive after it). <b>Drop</b>: the message is not delivered; the ones behind it go on.</p>"#,
+        ),
+    }
+    if let Some(e) = &q.error {
+        html!(
+            out,
+            r#"<p class="bad" role="alert">The queue could not be read: {}</p></section>"#,
+            esc(e)
+        );
+        return;
+    }
+    out.push_static("<table><thead><tr><th>route</th><th>lease</th><th>depth</th><th>failed</th><th>oldest pending</th></tr></thead><tbody>");
+    for r in &q.routes {
+        html!(
+            out,
+            r#"<tr class="queue"><td data-label="route"><code>{}</code></td><td data-label="lease"><code>{}</code></td><td data-label="depth" class="n" title="not settled: pending or being delivered">{}</td><td data-label="failed" class="n">{}</td><td data-label="oldest pending">"#,
+            esc(&r.route),
+            esc(&r.lease),
+            r.depth,
+            if r.failed > 0 {
+                html!(r#"<span class="bad">{}</span>"#, r.failed)
+            } else {
+                html!("{}", r.failed)
+            }
+        );
+        match r.oldest {
+            Some(t) => time(out, t, v.now),
+            None => out.push_static("—"),
+        }
+        out.push_static("</td></tr>");
+    }
+    out.push_static("</tbody></table>");
+    if q.messages.is_empty() {
+        out.push_static(if q.offset == 0 {
+            r#"<p class="ok">No message waits or failed.</p></section>"#
+        } else {
+            r##"<p class="note">No messages on this page. <a href="/#queued">« first page</a></p></section>"##
+        });
+        return;
+    }
+    out.push_static("<h3>Messages not delivered <span class=\"note\">(failed first)</span></h3><table><thead><tr><th>route</th><th>key</th><th>lease</th><th>epoch</th><th>seq</th><th>status</th><th>attempts</th><th>last status</th><th>last error</th><th>next attempt</th>");
+    let actions = match &v.access {
+        Access::Resolve { csrf } => Some(csrf.as_str()),
+        Access::ReadOnly => None,
+    };
+    if actions.is_some() {
+        out.push_static("<th>action</th>");
+    }
+    out.push_static("</tr></thead><tbody>");
+    for m in &q.messages {
+        html!(
+            out,
+            r#"<tr class="message"><td data-label="route"><code>{}</code></td><td data-label="key"><code>{}</code></td><td data-label="lease"><code>{}</code></td><td data-label="epoch" class="n">{}</td><td data-label="seq" class="n">{}</td><td data-label="status" class="status">{}</td><td data-label="attempts" class="n">{}</td><td data-label="last status" class="n">{}</td><td data-label="last error" class="error">{}</td><td data-label="next attempt">"#,
+            esc(&m.route),
+            esc(&m.key),
+            esc(&m.lease),
+            m.epoch,
+            m.seq,
+            match m.status {
+                "failed" => Html::raw_static(r#"<span class="bad">failed</span>"#),
+                "delivering" => Html::raw_static(r#"<span class="warn">delivering</span>"#),
+                other => esc(other),
+            },
+            m.attempts,
+            m.last_status
+                .map_or(Html::raw_static("—"), |s| html!("{}", s)),
+            opt(&m.last_error)
+        );
+        match m.next_attempt {
+            Some(t) if signed_ms(t, v.now) > 0 => time(out, t, v.now),
+            Some(t) => html!(out, r#"<span title="{}">due</span>"#, esc(&rfc3339(t))),
+            None => out.push_static("—"),
+        }
+        out.push_static("</td>");
+        if let Some(csrf) = actions {
+            out.push_static(r#"<td data-label="action">"#);
+            if m.status == "pending" || m.status == "failed" {
+                message_forms(out, m, csrf);
+            }
+            out.push_static("</td>");
+        }
+        out.push_static("</tr>");
+    }
+    out.push_static("</tbody></table><nav>");
+    if q.offset > 0 {
+        html!(
+            out,
+            r##"<a href="/?queued={}#queued">« previous</a>"##,
+            q.offset.saturating_sub(MESSAGES_PER_PAGE)
+        );
+    }
+    let shown_to = q.offset + q.messages.len();
+    if (shown_to as u64) < q.messages_total {
+        html!(
+            out,
+            r#"<span class="note">{}–{} of {}</span> "#,
+            q.offset + 1,
+            shown_to,
+            q.messages_total
+        );
+        if shown_to < MESSAGES_PER_PAGE * MESSAGE_PAGES {
+            html!(
+                out,
+                r##"<a href="/?queued={}#queued">next »</a>"##,
+                shown_to
+            );
+        } else {
+            out.push_static(r#"<span class="note">the rest: <code>GET /v1/deliveries?route=R&amp;status=S</code></span>"#);
+        }
+    }
+    out.push_static("</nav></section>");
 }
 
 fn leases_section(out: &mut Html, v: &PageView) {
@@ -1013,6 +1254,7 @@ mod tests {
             keys_paged: false,
             keys_error: None,
             fence_problems: vec![],
+            queue: None,
             access: Access::ReadOnly,
             notice: None,
         }
@@ -1268,6 +1510,104 @@ mod tests {
         assert!(doubt.contains("timed out, was aborted"));
         assert!(page(Err("no record for that key".into()))
             .contains(r#"role="alert">no record for that key"#));
+    }
+
+    /// SPEC §11 on the page: each queued route's depth and oldest pending
+    /// message; the messages not delivered with what came of their last
+    /// attempt, everything escaped; Retry and Drop for a pending or failed one
+    /// (for a logged-in operator only); nothing of queues when none is queued.
+    #[test]
+    fn the_queue_panel_lists_messages_escaped_with_retry_and_drop() {
+        let v = view();
+        let row = |key: &str, status, last_error: Option<&str>| MessageRow {
+            route: "hook".into(),
+            key: key.into(),
+            lease: "hook".into(),
+            epoch: 3,
+            seq: 7,
+            status,
+            attempts: 4,
+            last_status: last_error.map(|_| 400),
+            last_error: last_error.map(str::to_owned),
+            next_attempt: (status == "pending").then(|| v.now + Duration::from_secs(30)),
+        };
+        let panel = QueuePanel {
+            routes: vec![QueueRoute {
+                route: "hook".into(),
+                lease: "hook".into(),
+                depth: 2,
+                failed: 1,
+                oldest: Some(v.now - Duration::from_secs(300)),
+            }],
+            messages: vec![
+                row(
+                    "<script>alert(1)</script>",
+                    "failed",
+                    Some("the destination refused it (400): <b>no</b>"),
+                ),
+                row("m-2", "delivering", None),
+                row("m/3", "pending", None),
+            ],
+            messages_total: 3,
+            offset: 0,
+            error: None,
+        };
+        let html = render(&PageView {
+            queue: Some(panel.clone()),
+            access: Access::Resolve { csrf: "tok".into() },
+            ..v.clone()
+        });
+        assert!(!html.contains("<script>alert") && !html.contains("<b>no</b>"));
+        let figures = &html[html.find(r#"<tr class="queue">"#).unwrap()..];
+        let figures = &figures[..figures.find("</tr>").unwrap()];
+        assert!(
+            figures.contains(
+                r#"data-label="depth" class="n" title="not settled: pending or being delivered">2<"#
+            ) && figures.contains(r#"<span class="bad">1</span>"#)
+                && figures.contains(">5 min ago</time>"),
+            "{figures}"
+        );
+        let rows: Vec<&str> = html.split(r#"<tr class="message">"#).skip(1).collect();
+        assert_eq!(rows.len(), 3, "{html}");
+        let failed = &rows[0][..rows[0].find("</tr>").unwrap()];
+        for want in [
+            "<code>&lt;script&gt;alert(1)&lt;/script&gt;</code>",
+            r#"<span class="bad">failed</span>"#,
+            r#"data-label="attempts" class="n">4<"#,
+            r#"data-label="last status" class="n">400<"#,
+            "refused it (400): &lt;b&gt;no&lt;/b&gt;",
+            r#"action="/v1/deliveries/hook/%3Cscript%3Ealert%281%29%3C%2Fscript%3E/retry""#,
+            r#"action="/v1/deliveries/hook/%3Cscript%3Ealert%281%29%3C%2Fscript%3E/drop""#,
+            r#"data-confirm="Drop hook / &lt;script&gt;alert(1)&lt;/script&gt;? It will not"#,
+            r#"<input type="hidden" name="csrf" value="tok"><button class="del">Retry</button>"#,
+        ] {
+            assert!(failed.contains(want), "{want}: {failed}");
+        }
+        // Being delivered: nothing to do to it; pending: when it is next tried.
+        assert!(rows[1].contains("delivering") && !rows[1].contains("<form"));
+        assert!(
+            rows[2].contains(">in 30 s</time>")
+                && rows[2].contains("/v1/deliveries/hook/m%2F3/drop")
+        );
+        // Read-only: the same figures and rows, no forms.
+        let read_only = render(&PageView {
+            queue: Some(panel),
+            ..v.clone()
+        });
+        assert!(
+            read_only.contains(r#"<tr class="message">"#) && !read_only.contains("/v1/deliveries/")
+        );
+        // No queued route: no panel.
+        assert!(!render(&v).contains("Queued delivery"));
+        // A refusal is the page's alert.
+        let refused = render(&PageView {
+            notice: Some(Notice {
+                text: "Not retried: hook / <k>: a message of epoch 2".into(),
+                refused: true,
+            }),
+            ..v
+        });
+        assert!(refused.contains(r#"<section class="notice refused" role="alert">Not retried: hook / &lt;k&gt;: a message of epoch 2</section>"#), "{refused}");
     }
 
     /// The script that runs is the one the Content-Security-Policy allows.

@@ -3,7 +3,8 @@
 // read the shard map's leases, the members, an expired lease and a key's detail
 // view; see the reload pause while the pointer is on the page or a form is open;
 // open "resolve…", refuse the confirmation, then confirm "not delivered", see the
-// key gone and the worker's retry forwarded at the origin.
+// key gone and the worker's retry forwarded at the origin; drop a queued message
+// the destination refused from the queue panel.
 //
 // Run by scripts/browser-test.sh, which installs Chromium and this folder's npm
 // packages and builds fencegate. Environment:
@@ -26,7 +27,8 @@ const ARTIFACTS = process.env.ARTIFACTS ?? "artifacts";
 const TOKEN = "browser-test-admin-token";
 
 /** An origin that records what it received; `x-test-hold` keeps the answer
- * back past the route's timeout, so the key goes in doubt. */
+ * back past the route's timeout, so the key goes in doubt; `x-test-status` is
+ * the status it answers. */
 async function startOrigin() {
   const arrivals = [];
   const server = createServer((req, res) => {
@@ -35,7 +37,7 @@ async function startOrigin() {
     req.on("end", () => {
       arrivals.push({ method: req.method, url: req.url, key: req.headers["idempotency-key"], body });
       const answer = () => {
-        res.writeHead(200, { "content-type": "application/json" });
+        res.writeHead(Number(req.headers["x-test-status"] ?? 200), { "content-type": "application/json" });
         res.end(JSON.stringify({ ok: true, seq: arrivals.length }));
       };
       if (req.headers["x-test-hold"]) setTimeout(answer, 1500);
@@ -72,13 +74,13 @@ test("an operator resolves an in-doubt key from the page", { timeout: 180000 }, 
   const origin = await startOrigin();
   const [proxyPort, adminPort] = [await freePort(), await freePort()];
   const config = join(dir, "fencegate.toml");
-  const route = (name) => `[[route]]
+  const route = (name, extra = "") => `[[route]]
 name = "${name}"
 path_prefix = "/${name}/"
 upstream = "http://127.0.0.1:${origin.port}/v1/"
 lease = "${name}"
 timeout_ms = 300
-`;
+${extra}`;
   writeFileSync(
     config,
     `[server]
@@ -94,6 +96,7 @@ prefix = "fencegate/"
 refresh_interval_ms = 200
 
 ${route("billing")}
+${route("hooks", 'delivery = "queued"\n')}
 ${route("payouts")}
 ${route("reports")}`,
   );
@@ -131,7 +134,7 @@ ${route("reports")}`,
 
   const lease = (...args) =>
     JSON.parse(execFileSync(BIN, ["lease", ...args, "--config", config], { encoding: "utf8" }));
-  const send = (path, w, key, hold) =>
+  const send = (path, w, key, hold, status) =>
     fetch(`${proxy}${path}`, {
       method: "POST",
       headers: {
@@ -139,6 +142,7 @@ ${route("reports")}`,
         "x-lease-token": w.token,
         "idempotency-key": key,
         ...(hold ? { "x-test-hold": "yes" } : {}),
+        ...(status ? { "x-test-status": String(status) } : {}),
       },
       body: JSON.stringify({ amount: 1042 }),
     });
@@ -157,6 +161,11 @@ ${route("reports")}`,
   // reports: a tenure of 1 s, used once, then over.
   const r = lease("acquire", "--lease", "reports", "--holder", "report-runner", "--ttl-ms", "1000");
   assert.equal((await send("/reports/daily", r, "report-1")).status, 200);
+  // hooks (queued): a message the destination refuses for good (400): failed.
+  const h = lease("acquire", "--lease", "hooks", "--holder", "hook-sender", "--ttl-ms", "60000");
+  assert.equal((await send("/hooks/events", h, "hook-1", false, 400)).status, 202);
+  await waitFor("hook-1 to fail", async () =>
+    (await (await fetch(`${admin}/v1/deliveries/hooks/hook-1`)).json()).status === "failed");
   await new Promise((res) => setTimeout(res, 2500));
   assert.equal(origin.arrivals.filter((x) => x.key === "order-1042").length, 1);
 
@@ -209,13 +218,13 @@ ${route("reports")}`,
   assert.match(await reports.locator('td[data-label="time left"]').innerText(), /^expired \d+ s ago$/);
   // The shard map names each shard's leases; the members list this instance.
   const shard = page.locator("tr.shard");
-  assert.equal(await shard.locator("td.leases").innerText(), "billing payouts reports");
+  assert.equal(await shard.locator("td.leases").innerText(), "billing hooks payouts reports");
   const member = page.locator("tr.member");
   assert.equal(await member.count(), 1);
   assert.match(await member.innerText(), /\(this instance\)\s+alive\s+0/);
   // Each route's protection of its destination (issue 29): nothing held here.
   const routes = page.locator("tr.route");
-  assert.equal(await routes.count(), 3);
+  assert.equal(await routes.count(), 4);
   const billingRoute = routes.filter({ hasText: "billing" });
   assert.equal(await billingRoute.locator('td[data-label="held"]').innerText(), "—");
   assert.equal(await billingRoute.locator('td[data-label="in flight"]').innerText(), "0");
@@ -284,5 +293,24 @@ ${route("reports")}`,
   const got = origin.arrivals.filter((x) => x.key === "order-1042");
   assert.equal(got.length, 2, JSON.stringify(origin.arrivals));
   assert.equal(got[1].url, "/v1/charges");
+
+  // The queue panel: the refused message, failed; dropped after a confirmation.
+  const queued = page.locator("tr.queue", { hasText: "hooks" });
+  assert.equal(await queued.locator('td[data-label="failed"]').innerText(), "1");
+  const message = page.locator("tr.message", { hasText: "hook-1" });
+  assert.equal(await message.locator('td[data-label="status"]').innerText(), "failed");
+  assert.equal(await message.locator('td[data-label="last status"]').innerText(), "400");
+  const dropAsked = [];
+  page.once("dialog", (d) => {
+    dropAsked.push(d.message());
+    d.accept();
+  });
+  await message.getByRole("button", { name: "Drop" }).click();
+  await page.getByText("Dropped hooks / hook-1").waitFor();
+  assert.match(dropAsked[0], /^Drop hooks \/ hook-1\?/);
+  assert.equal(await page.locator("tr.message").count(), 0);
+  const dropped = await (await fetch(`${admin}/v1/deliveries/hooks/hook-1`)).json();
+  assert.equal(dropped.status, "dropped");
+  await page.screenshot({ path: join(ARTIFACTS, "after-drop.png"), fullPage: true });
   assert.deepEqual(outside, [], "the page fetched nothing from elsewhere");
 });

@@ -500,3 +500,305 @@ async fn without_an_admin_token_the_page_is_read_only_and_says_how_to_enable() {
     .assert_error(403, "admin_disabled");
     origin.release("stuck");
 }
+
+/// A form of the page's queue panel as a browser posts it: `action` is `retry`
+/// or `drop`.
+fn delivery_form(
+    fg: &Fencegate,
+    key: &str,
+    action: &str,
+    cookie: Option<&str>,
+    csrf: Option<&str>,
+    origin: &str,
+) -> Request<Full<Bytes>> {
+    let mut b = admin(
+        fg,
+        "POST",
+        &format!("/v1/deliveries/hook/{}/{action}", urlencode(key)),
+    )
+    .header("content-type", "application/x-www-form-urlencoded")
+    .header("origin", origin);
+    if let Some(c) = cookie {
+        b = b.header("cookie", c);
+    }
+    b.body(body(&csrf.map_or(String::new(), |t| format!("csrf={t}"))))
+        .unwrap()
+}
+
+/// The queued message `hook`/`key`, from the admin API.
+async fn message_of(fg: &Fencegate, key: &str) -> serde_json::Value {
+    fg.admin_json(&format!("/v1/deliveries/hook/{}", urlencode(key)))
+        .await
+}
+
+async fn wait_for(fg: &Fencegate, key: &str, want: &str) {
+    for _ in 0..500 {
+        if message_of(fg, key).await["status"] == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{key} never {want}: {}", message_of(fg, key).await);
+}
+
+/// SPEC §11 on the page: a queued route's depth, oldest pending message and
+/// its messages not delivered — a failed one with its last error, its key
+/// escaped — with Retry and Drop forms that pass the page's session and form
+/// token checks, change the message, and come back to the page with a notice
+/// (a refusal too); the JSON API with the admin token works as before; a page
+/// without a queued route says nothing of queues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_panel_lists_messages_and_retries_and_drops_them_from_the_page() {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start_with(
+        Setup {
+            server: &with_token(),
+            ..Setup::default()
+        },
+        &route_toml(
+            "hook",
+            "hook",
+            &origin,
+            "delivery = \"queued\"\nretry = { schedule = [\"1h\"] }",
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let queue = |key: &str, status: u16| {
+        let mut r = keyed(&fg, "/hook/events", &a, key, key);
+        r.headers_mut()
+            .insert("x-test-status", status.to_string().parse().unwrap());
+        r
+    };
+    // The destination refuses the first for good (400): failed at once. The
+    // second fails (503), to be tried again in an hour; the third waits.
+    let nasty = "<script>alert(1)</script>";
+    assert_eq!(send(queue(nasty, 400)).await.status, 202);
+    wait_for(&fg, nasty, "failed").await;
+    assert_eq!(send(queue("m2", 503)).await.status, 202);
+    for _ in 0..500 {
+        if message_of(&fg, "m2").await["attempts"] == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(send(queue("m3", 200)).await.status, 202);
+    fg.clock.advance(Duration::from_secs(5));
+
+    let cookie = cookie_of(&login(&fg, TOKEN).await);
+    let html = text(&page(&fg, Some(&cookie)).await);
+    let csrf = csrf_of(&html);
+    assert!(!html.contains("<script>alert"), "{html}");
+    let figures = row_of(&html, r#"<tr class="queue">"#);
+    assert!(
+        figures.contains("<code>hook</code>")
+            && figures.contains(r#"title="not settled: pending or being delivered">2<"#)
+            && figures.contains(r#"<span class="bad">1</span>"#)
+            && figures.contains(">5 s ago</time>"),
+        "{figures}"
+    );
+    let failed = row_of(&html, r#"<tr class="message">"#);
+    for want in [
+        "<code>&lt;script&gt;alert(1)&lt;/script&gt;</code>",
+        r#"<span class="bad">failed</span>"#,
+        r#"data-label="last status" class="n">400<"#,
+        "the destination refused it (400): not retried",
+        r#"action="/v1/deliveries/hook/%3Cscript%3Ealert%281%29%3C%2Fscript%3E/retry""#,
+    ] {
+        assert!(failed.contains(want), "{want}: {failed}");
+    }
+    let m2 = row_of(&html, r#"<code>m2</code>"#);
+    assert!(
+        m2.contains(r#"data-label="last status" class="n">503<"#) && m2.contains(">in "),
+        "{m2}"
+    );
+    assert!(html.contains("<code>m3</code>"));
+
+    // Cross-site, without the form token, or without the session: refused,
+    // and nothing changes.
+    let me = format!("http://{}", fg.admin);
+    let refused = [
+        (
+            delivery_form(&fg, "m3", "drop", Some(&cookie), None, &me),
+            403,
+        ),
+        (
+            delivery_form(
+                &fg,
+                "m3",
+                "drop",
+                Some(&cookie),
+                Some(&csrf),
+                "http://evil.example",
+            ),
+            403,
+        ),
+        (
+            delivery_form(&fg, "m3", "drop", Some(&cookie), Some("0000"), &me),
+            403,
+        ),
+        (
+            delivery_form(&fg, "m3", "drop", None, Some(&csrf), &me),
+            401,
+        ),
+    ];
+    for (req, status) in refused {
+        let r = send(req).await;
+        assert_eq!(r.status, status, "{}", text(&r));
+        assert_eq!(message_of(&fg, "m3").await["status"], "pending");
+    }
+
+    // From the page: dropped, and back to the page with a notice.
+    let follow = |r: &Reply| {
+        assert_eq!(r.status, 303, "{}", text(r));
+        let to = r.headers["location"].to_str().unwrap();
+        assert!(to.ends_with("#queued") && !to.contains(&csrf), "{to}");
+        to.trim_end_matches("#queued").to_owned()
+    };
+    let r = send(delivery_form(
+        &fg,
+        "m3",
+        "drop",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let back = follow(&r);
+    assert_eq!(message_of(&fg, "m3").await["status"], "dropped");
+    let html = text(&page_at(&fg, &back, Some(&cookie)).await);
+    assert!(
+        html.contains(
+            r#"<section class="notice" role="status">Dropped hook / m3: it will not be delivered"#
+        ),
+        "{html}"
+    );
+    assert!(
+        !html.contains("<code>m3</code>"),
+        "a dropped message is no longer listed"
+    );
+
+    // A newer epoch's message waits: retrying the failed one would deliver it
+    // after that one. Refused, said on the page.
+    let b = force_next_epoch(&fg.epochs, "hook", "worker-b", Duration::from_secs(60)).await;
+    assert_eq!(
+        send(keyed(&fg, "/hook/events", &b, "m4", "m4"))
+            .await
+            .status,
+        202
+    );
+    let r = send(delivery_form(
+        &fg,
+        nasty,
+        "retry",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(
+        html.contains(&format!(
+            r#"<section class="notice refused" role="alert">Not retried: hook / &lt;script&gt;alert(1)&lt;/script&gt;: a message of epoch {} of its lease was sent or waits"#,
+            b.epoch.get()
+        )),
+        "{html}"
+    );
+    assert_eq!(message_of(&fg, nasty).await["status"], "failed");
+    // A message in another state, and none: refusals on the page too.
+    let r = send(delivery_form(
+        &fg,
+        "m3",
+        "retry",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(
+        html.contains("Not retried: hook / m3: the message is dropped"),
+        "{html}"
+    );
+    let r = send(delivery_form(
+        &fg,
+        "nope",
+        "drop",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(
+        html.contains("Not dropped: hook / nope: no queued message has this route and key"),
+        "{html}"
+    );
+
+    // Drop the failed one from the page; retry the pending head (due now: it
+    // is sent again at once, and fails again).
+    let r = send(delivery_form(
+        &fg,
+        nasty,
+        "drop",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    follow(&r);
+    assert_eq!(message_of(&fg, nasty).await["status"], "dropped");
+    let sent = origin.count();
+    let r = send(delivery_form(
+        &fg,
+        "m2",
+        "retry",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(html.contains("Retried hook / m2"), "{html}");
+    origin.wait_until("m2 again", |log| log.len() > sent).await;
+
+    // The JSON API, with the admin token, as before.
+    let r = send(
+        admin(&fg, "POST", "/v1/deliveries/hook/m4/drop")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", text(&r));
+    assert_eq!(r.json()["status"], "dropped");
+    send(
+        admin(&fg, "POST", "/v1/deliveries/hook/m4/retry")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(empty())
+            .unwrap(),
+    )
+    .await
+    .assert_error(409, "delivery_conflict");
+    send(
+        admin(&fg, "POST", "/v1/deliveries/hook/m4/retry")
+            .body(empty())
+            .unwrap(),
+    )
+    .await
+    .assert_error(401, "unauthorized");
+}
+
+/// No queued route: nothing of queues on the page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_queued_route_the_page_says_nothing_of_queues() {
+    let (origin, fg, _a) = setup(&with_token()).await;
+    let cookie = cookie_of(&login(&fg, TOKEN).await);
+    let html = text(&page(&fg, Some(&cookie)).await);
+    assert!(html.contains("In-doubt keys"), "{html}");
+    assert!(
+        !html.contains("Queued") && !html.contains("queued"),
+        "{html}"
+    );
+    drop(origin);
+}

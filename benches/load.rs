@@ -71,6 +71,8 @@
 // the library, where time is injected).
 #![allow(clippy::disallowed_methods)]
 
+#[path = "load/backlog.rs"]
+mod backlog;
 #[path = "load/loadgen.rs"]
 mod loadgen;
 #[path = "load/procs.rs"]
@@ -115,6 +117,12 @@ pub struct Args {
     pub nginx: bool,
     /// Another fencegate binary, measured beside this build (A/B).
     pub fencegate_b: Option<String>,
+    /// `--queue-backlog [N]`: the queue backlog mode, N messages.
+    pub backlog: Option<usize>,
+    /// `--leases 1,16`: the backlog mode's lease counts, one run each.
+    pub backlog_leases: Vec<usize>,
+    /// `--perf`: `perf stat` on fencegate while a backlog drains.
+    pub perf: bool,
 }
 
 impl Args {
@@ -126,7 +134,7 @@ impl Args {
                 .and_then(|i| argv.get(i + 1))
                 .cloned()
         };
-        let smoke = !has("--bench");
+        let smoke = !has("--bench") || has("--smoke");
         let quick = smoke || has("--quick");
         let mut a = Args {
             smoke,
@@ -156,7 +164,17 @@ impl Args {
             },
             nginx: !has("--no-nginx"),
             fencegate_b: val("--fencegate-b"),
+            backlog: has("--queue-backlog").then(|| {
+                val("--queue-backlog")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(if smoke { 1000 } else { 100_000 })
+            }),
+            backlog_leases: if smoke { vec![1, 4] } else { vec![1, 16] },
+            perf: has("--perf"),
         };
+        if let Some(v) = val("--leases") {
+            a.backlog_leases = v.split(',').filter_map(|c| c.trim().parse().ok()).collect();
+        }
         if let Some(v) = val("--rounds").and_then(|v| v.parse().ok()) {
             a.rounds = v;
         }
@@ -217,6 +235,16 @@ fn main() {
     let res = rt.block_on(async {
         if args.scaling {
             scaling::run(&args).await
+        } else if args.backlog.is_some() {
+            backlog::run(&args).await
+        } else if args.smoke {
+            // The smoke runs the backlog mode too, at its smoke size.
+            main_run(&args).await?;
+            let small = Args {
+                backlog: Some(1000),
+                ..args.clone()
+            };
+            backlog::run(&small).await
         } else {
             main_run(&args).await
         }
@@ -362,6 +390,10 @@ fn postgres_version() -> String {
         .unwrap_or_default()
 }
 
+/// The route lines that make a route queued (the origin answers 200, so the
+/// retry schedule only matters if it does not).
+pub const QUEUED_ROUTE: &str = "delivery = \"queued\"\nretry = { schedule = [\"1s\"] }";
+
 fn factory(creds: Creds, tag: u64) -> MakeReq {
     let uri = Uri::from_static("/bench/charge");
     Arc::new(move |conn, seq| {
@@ -392,6 +424,69 @@ struct Sample {
     replayed: u64,
     hist: Histogram<u64>,
     flush: Option<(f64, f64)>,
+    /// The queued target: its queue after the window, drained before the next.
+    queue: Option<QueueRun>,
+}
+
+/// A queued target's window, and the drain of its queue that follows it (no
+/// other target runs until the queue is empty, so its deliverer's work never
+/// lands in another target's window).
+#[derive(Debug, Clone, Copy)]
+struct QueueRun {
+    /// Messages not settled when the window ended (the warm-up's included).
+    left: f64,
+    /// Seconds from the window's end until none was left.
+    drain_secs: f64,
+    /// fencegate's CPU seconds from the plan's start (warm-up included) until
+    /// the queue was empty: accepting and delivering every message.
+    cpu_all: f64,
+    /// The origin's CPU seconds over the same span.
+    origin_cpu_all: f64,
+    /// Messages accepted over the plan (warm-up included).
+    accepted: u64,
+}
+
+/// `fencegate_queue_depth{route}` from the admin listener's /metrics.
+pub async fn queue_depth(p: &Proc, route: &str) -> Result<f64, String> {
+    let admin = p.admin.ok_or("fencegate without an admin address")?;
+    let text = loadgen::get_text(admin, "/metrics").await?;
+    loadgen::metric(
+        &text,
+        &format!("fencegate_queue_depth{{route=\"{route}\"}}"),
+    )
+    .ok_or_else(|| format!("no fencegate_queue_depth for route {route:?} in /metrics"))
+}
+
+/// Waits until `route`'s queue is empty (every message settled), polling its
+/// depth every 100 ms; `cpu0`: fencegate's and the origin's CPU seconds when the plan began.
+async fn drain_queue(
+    p: &Proc,
+    origin: &Proc,
+    route: &str,
+    cpu0: (f64, f64),
+    accepted: u64,
+) -> Result<QueueRun, String> {
+    let t0 = std::time::Instant::now();
+    let left = queue_depth(p, route).await?;
+    let mut depth = left;
+    while depth > 0.0 {
+        if t0.elapsed() > Duration::from_secs(600) {
+            return Err(format!(
+                "{}: {depth} queued messages still not delivered after 600 s\n{}",
+                p.name,
+                p.log_tail()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        depth = queue_depth(p, route).await?;
+    }
+    Ok(QueueRun {
+        left,
+        drain_secs: t0.elapsed().as_secs_f64(),
+        cpu_all: procs::cpu_secs(p.pid) - cpu0.0,
+        origin_cpu_all: procs::cpu_secs(origin.pid) - cpu0.1,
+        accepted,
+    })
 }
 
 impl Sample {
@@ -462,6 +557,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 "none",
             ),
             ("dedup", "fencegate, durable dedup", "content"),
+            ("queued", "fencegate, queued delivery (sled)", "content"),
             (
                 "dedup-pg",
                 "fencegate, durable dedup, PostgreSQL",
@@ -473,8 +569,9 @@ async fn main_run(args: &Args) -> Result<(), String> {
             let db = match (kind, suffix.is_empty(), &postgres) {
                 ("dedup-pg", true, Some((_, url, db))) => Some((url, db)),
                 ("dedup-pg", _, _) => continue,
-                // This build only (build B may not know `[telemetry]`).
-                ("fencing-traced", false, _) => continue,
+                // This build only (build B may not know `[telemetry]` or
+                // queued delivery).
+                ("fencing-traced" | "queued", false, _) => continue,
                 _ => None,
             };
             if !args.wants(kind) && !args.wants(&key) {
@@ -532,6 +629,14 @@ async fn main_run(args: &Args) -> Result<(), String> {
                         prefix: "/bench/".into(),
                         lease,
                         derive_key,
+                        // Queued (SPEC §11): answered 202 once durable; the
+                        // deliverer sends each message to the same origin.
+                        extra: if kind == "queued" {
+                            QUEUED_ROUTE.into()
+                        } else {
+                            String::new()
+                        },
+                        upstream: None,
                     }],
                     &extra,
                     &envs,
@@ -592,6 +697,9 @@ async fn main_run(args: &Args) -> Result<(), String> {
         for t in &targets {
             let c = args.conc.iter().copied().max().unwrap_or(64);
             loadgen::run(&plan_for(t, c, Duration::ZERO, Duration::from_millis(700))).await;
+            if t.key == "queued" {
+                drain_queue(&t.proc_, &origin, "bench", (0.0, 0.0), 0).await?;
+            }
         }
     }
 
@@ -599,15 +707,21 @@ async fn main_run(args: &Args) -> Result<(), String> {
     for round in 0..args.rounds {
         for &c in &args.conc {
             for (ti, t) in targets.iter().enumerate() {
-                let before = if t.key.starts_with("dedup") {
+                let before = if t.key.starts_with("dedup") || t.key == "queued" {
                     flush_stats(&t.proc_).await
                 } else {
                     None
                 };
+                let cpu0 = (procs::cpu_secs(t.proc_.pid), procs::cpu_secs(origin.pid));
                 let out = loadgen::run(&plan_for(t, c, args.warm(), args.measure())).await;
                 let flush = match (before, flush_stats(&t.proc_).await) {
                     (Some(b), Some(a)) => Some((a.0 - b.0, a.1 - b.1)),
                     _ => None,
+                };
+                let queue = if t.key == "queued" {
+                    Some(drain_queue(&t.proc_, &origin, "bench", cpu0, out.counts.ok_total).await?)
+                } else {
+                    None
                 };
                 let s = Sample {
                     round,
@@ -626,6 +740,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     replayed: out.counts.replayed,
                     hist: out.hist,
                     flush,
+                    queue,
                 };
                 eprintln!(
                     "  round {round} c={c:<3} {:<12} {:>8.0} req/s  p99 {:>7.2} ms  cpu {:>5.1} µs/req  errors {}{}",
@@ -636,6 +751,15 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     s.errors,
                     if s.db_cpu.is_some() {
                         format!("  PostgreSQL cpu {:.1} µs/req", s.db_cpu_us())
+                    } else if let Some(q) = s.queue {
+                        format!(
+                            "  left {:.0} of {}, drained in {:.1} s ({:.0} msg/s), {:.1} µs/msg in all",
+                            q.left,
+                            q.accepted,
+                            q.drain_secs,
+                            q.left / q.drain_secs.max(1e-9),
+                            q.cpu_all * 1e6 / q.accepted.max(1) as f64
+                        )
                     } else {
                         String::new()
                     }
@@ -1090,6 +1214,87 @@ fn report(
          CPU is the proxy process's utime+stime (/proc/PID/stat) ÷ answered requests.\n",
     );
 
+    // Queued delivery against durable dedup (the same route, answered 202 once
+    // durable) and the pass-through.
+    let mut queued_json = Value::Null;
+    let mut queued_vs_dedup = BTreeMap::new();
+    if let Some(q) = idx("queued") {
+        let dedup = idx("dedup");
+        md.push_str(
+            "\nQueued delivery on sled (the `dedup` route plus `delivery = \"queued\"`: answered 202 once durable; \
+             its deliverer sends every message to the same origin, one at a time, during the window and after it):\n\n\
+             | conns | accepted req/s | p50 ms | p99 ms | CPU µs/req | req/s ÷ dedup | CPU ÷ dedup | p99 ÷ dedup | req/s ÷ pass | \
+             delivered within the run | left at the window's end | drained after it, msg/s | fencegate CPU µs/msg, accepted + delivered | origin CPU µs/msg |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        let mut per_c = serde_json::Map::new();
+        for &c in &args.conc {
+            let Some(ss) = samples.get(&(q, c)) else {
+                continue;
+            };
+            let r = row(ss);
+            let vs = |other: Option<usize>, f: &dyn Fn(&Sample) -> f64| {
+                other
+                    .and_then(|o| samples.get(&(o, c)))
+                    .map_or(f64::NAN, |os| paired(ss, os, f))
+            };
+            let (dr, dc, dp) = (
+                vs(dedup, &|s| s.rps),
+                vs(dedup, &|s| s.cpu_us()),
+                vs(dedup, &|s| s.p99()),
+            );
+            let pr = vs(pass, &|s| s.rps);
+            queued_vs_dedup.insert(c, dr);
+            let runs: Vec<QueueRun> = ss.iter().filter_map(|s| s.queue).collect();
+            let accepted: u64 = runs.iter().map(|q| q.accepted).sum();
+            let left: f64 = runs.iter().map(|q| q.left).sum();
+            let drain_secs: f64 = runs.iter().map(|q| q.drain_secs).sum();
+            let cpu_all: f64 = runs.iter().map(|q| q.cpu_all).sum();
+            let origin_all: f64 = runs.iter().map(|q| q.origin_cpu_all).sum();
+            let per_msg = |cpu: f64| cpu * 1e6 / accepted.max(1) as f64;
+            let delivered_share = 1.0 - left / accepted.max(1) as f64;
+            let drain_rate = left / drain_secs.max(1e-9);
+            md.push_str(&format!(
+                "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} | {} | {} | {:.0}% | {:.0} | {:.0} | {:.1} | {:.1} |\n",
+                r.rps,
+                r.p50 / 1e3,
+                r.p99 / 1e3,
+                r.cpu_us,
+                fmt_ratio(dr),
+                fmt_ratio(dc),
+                fmt_ratio(dp),
+                fmt_ratio(pr),
+                delivered_share * 100.0,
+                left / runs.len().max(1) as f64,
+                drain_rate,
+                per_msg(cpu_all),
+                per_msg(origin_all),
+            ));
+            per_c.insert(
+                c.to_string(),
+                json!({
+                    "rps": r.rps, "p50_us": r.p50, "p99_us": r.p99, "cpu_us_per_request": r.cpu_us,
+                    "vs_dedup": {"rps": dr, "cpu": dc, "p99": dp},
+                    "vs_passthrough": {"rps": pr},
+                    "accepted": accepted,
+                    "delivered_within_run_share": delivered_share,
+                    "left_at_window_end_total": left,
+                    "drain_secs_total": drain_secs,
+                    "drain_after_window_msgs_per_sec": drain_rate,
+                    "cpu_us_per_message_accepted_and_delivered": per_msg(cpu_all),
+                    "origin_cpu_us_per_message": per_msg(origin_all),
+                }),
+            );
+        }
+        md.push_str(
+            "\nCPU µs/req: fencegate's CPU over the window ÷ messages accepted in it (its deliverer's work \
+             in the window included); µs/msg, accepted + delivered: fencegate's CPU from the plan's start (warm-up \
+             included) until its queue was empty ÷ every message accepted. \
+             Left at the window's end: mean over rounds; the next target waits until they are delivered.\n",
+        );
+        queued_json = Value::Object(per_c);
+    }
+
     // Records per flush for the dedup target(s), summed over each one's windows.
     let per_flush = |d: usize| -> Vec<(usize, f64)> {
         args.conc
@@ -1298,6 +1503,13 @@ fn report(
             }
         }
     }
+    for (c, r) in &queued_vs_dedup {
+        tmd.push_str(&check(
+            format!("queued c={c}: accepted req/s ≥ 0.80× durable dedup"),
+            *r,
+            *r >= 0.80,
+        ));
+    }
     if let Some(rpf) = flush_json.get("64").and_then(Value::as_f64) {
         tmd.push_str(&check(
             "durable dedup c=64: ≥ 8 records per flush".into(),
@@ -1346,6 +1558,7 @@ fn report(
         "load_average": {"before": load_before, "after": load_after},
         "results": rows_json,
         "records_per_flush": flush_json,
+        "queued": queued_json,
         "postgres": pg_json,
         "a_b": ab_json,
         "epoch_change_idle": idle_json,

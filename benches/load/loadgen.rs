@@ -239,7 +239,13 @@ async fn conn_task(
         let res = exchange(s, req).await;
         let t1 = Instant::now();
         match res {
-            Ok(a) if a.status.is_success() && a.body_len == super::roles::ORIGIN_BODY.len() => {
+            // The origin's answer, or a queued route's `202 Accepted` (its body
+            // is the message's status, not the origin's).
+            Ok(a)
+                if a.status.is_success()
+                    && (a.body_len == super::roles::ORIGIN_BODY.len()
+                        || a.status == StatusCode::ACCEPTED) =>
+            {
                 counts.ok_total += 1;
                 if a.replayed {
                     counts.replayed += 1;

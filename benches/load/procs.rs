@@ -185,6 +185,11 @@ pub struct RouteSpec {
     pub lease: String,
     /// `content` or `none`.
     pub derive_key: &'static str,
+    /// More lines of the route's table (`delivery = "queued"`, `retry = …`).
+    pub extra: String,
+    /// The upstream's address, if not the origin's (a port where nothing
+    /// listens yet: the queue backlog).
+    pub upstream: Option<SocketAddr>,
 }
 
 /// Writes a fencegate config (dir store, listeners on port 0) and starts fencegate.
@@ -209,8 +214,13 @@ pub fn spawn_fencegate(
     for r in routes {
         cfg.push_str(&format!(
             "\n[[route]]\nname = {:?}\npath_prefix = {:?}\nupstream = \"http://{origin}/v1/\"\n\
-             lease = {:?}\ntimeout_ms = 10000\nderive_key = {:?}\n",
-            r.name, r.prefix, r.lease, r.derive_key
+             lease = {:?}\ntimeout_ms = 10000\nderive_key = {:?}\n{}\n",
+            r.name,
+            r.prefix,
+            r.lease,
+            r.derive_key,
+            r.extra,
+            origin = r.upstream.unwrap_or(origin),
         ));
     }
     let path = dir.join(format!("{name}.toml"));

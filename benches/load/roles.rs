@@ -16,6 +16,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -41,7 +42,17 @@ pub fn run(args: &[String]) -> Result<(), String> {
     };
     let rt = rt.enable_all().build().map_err(|e| e.to_string())?;
     match role {
-        "origin" => rt.block_on(origin()),
+        "origin" => {
+            // `--port P`: a port chosen beforehand (the queue backlog's
+            // destination, unreachable until this origin starts on it).
+            let port = args
+                .iter()
+                .position(|a| a == "--port")
+                .and_then(|i| args.get(i + 1))
+                .and_then(|a| a.parse().ok())
+                .unwrap_or(0);
+            rt.block_on(origin(port))
+        }
         "passthrough" => {
             let upstream: SocketAddr = args
                 .iter()
@@ -56,7 +67,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
 }
 
 async fn listen() -> Result<TcpListener, String> {
-    let l = TcpListener::bind("127.0.0.1:0")
+    listen_on(0).await
+}
+
+async fn listen_on(port: u16) -> Result<TcpListener, String> {
+    let l = TcpListener::bind(("127.0.0.1", port))
         .await
         .map_err(|e| e.to_string())?;
     let addr = l.local_addr().map_err(|e| e.to_string())?;
@@ -80,12 +95,23 @@ async fn accept(l: &TcpListener) -> tokio::net::TcpStream {
     }
 }
 
-async fn origin() -> Result<(), String> {
-    let l = listen().await?;
+/// Requests the origin answered (`GET /__bench/count` reads it, uncounted).
+static ANSWERED: AtomicU64 = AtomicU64::new(0);
+
+/// The path that reads [`ANSWERED`].
+pub const COUNT_PATH: &str = "/__bench/count";
+
+async fn origin(port: u16) -> Result<(), String> {
+    let l = listen_on(port).await?;
     loop {
         let s = accept(&l).await;
         tokio::spawn(async move {
             let svc = service_fn(|req: Request<Incoming>| async move {
+                if req.uri().path() == COUNT_PATH {
+                    let n = ANSWERED.load(Ordering::Relaxed).to_string();
+                    return Ok::<_, Infallible>(Response::new(Made::Whole(Some(Bytes::from(n)))));
+                }
+                ANSWERED.fetch_add(1, Ordering::Relaxed);
                 let n = |h: &str| {
                     req.headers()
                         .get(h)

@@ -128,6 +128,8 @@ fn fencing_route(name: &str, lease: &str) -> RouteSpec {
         prefix: "/bench/".into(),
         lease: lease.into(),
         derive_key: "none",
+        extra: String::new(),
+        upstream: None,
     }
 }
 
@@ -216,6 +218,8 @@ fn lease_routes(
             prefix,
             lease,
             derive_key: "none",
+            extra: String::new(),
+            upstream: None,
         });
     }
     Ok((paths, routes))

@@ -25,6 +25,10 @@
 # are logged. FENCEGATE_TEST_BIN=<path> runs another fencegate binary (an older
 # build) under the same campaign.
 #
+# The single-instance campaign also has a queued route (SPEC §11: r4 on lease l4,
+# its own two workers, the queue's failpoints), judged by Q1-Q4 after the queue
+# drained (tests/it/campaign/checker/queued.rs).
+#
 # Prints the histories checked, operations by outcome, nemesis events by kind and
 # every violation (the test fails on any). Re-run a failing seed to reproduce the
 # same fault schedule (timing still varies: it is a real system). Set

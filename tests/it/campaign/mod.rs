@@ -83,6 +83,27 @@
 //! (`[R2 drain]` 5, `[R4 dedup]` 6); seed 11, 60 s: 23 (8 and 15), all while a
 //! copy served; the resumed original never said a word.
 //!
+//! The queued route's runs (2 shared cores; the schedules differ from the runs
+//! above: more failpoints to draw from, two more workers): the correct build,
+//! seeds 5, 11 and 23 (30 s): 0 violations, 39–46 messages of 9–13 epochs
+//! each, 8–11 unknown outcomes, 2 failed in each; seed 11 (70 s): 0 violations
+//! across the takeover fork (3 segments, the copy's 5 acceptances exempt from
+//! Q3). Weakened builds (a scratch worktree of a7d63fe, one edit each, with
+//! `FENCEGATE_TEST_BIN`; its unedited build: seed 5, 30 s, 0 violations):
+//! - the newest message first (`QueueStore::head` from the back): seed 5,
+//!   30 s: 42 violations, `[Q1 acceptance order]` 28 and `[Q2 epoch order]` 14;
+//! - an attempt not written as started (`delivering`) before it is sent: seed
+//!   5, 30 s: 3 `[Q4 duplicates]` (a message resent after the
+//!   `queue_attempt_answered` abort without an unknown outcome counted, and one
+//!   sent twice at once);
+//! - a message found `delivering` at start-up taken as delivered: seed 11,
+//!   70 s: 1 `[Q3 delivery]` (the message whose attempt the
+//!   `queue_attempt_started` abort cut before it was sent; that failpoint is
+//!   drawn in about one 30 s run in four, so a 30 s run may pass);
+//! - the gate pass ended before the message takes its place (0–300 ms later,
+//!   in `src/proxy/queued.rs`): seed 5, 30 s: 1 `[Q2 epoch order]` alone — Q1
+//!   held, the epoch-7 message had taken its place after epoch 8's.
+//!
 //! The CI smoke is 30 s of faults (~40 s in all). The long run:
 //! `scripts/campaign.sh [secs] [seed]`, or the environment variables
 //! `FENCEGATE_CAMPAIGN_SECS`, `FENCEGATE_CAMPAIGN_SEED`,

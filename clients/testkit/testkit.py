@@ -16,7 +16,8 @@ Starts, on free loopback ports:
   `X-Test-Hold: TAG` holds the answer until the tag is released,
   `X-Test-Status: N` answers with status N, `X-Test-Size: N` answers N bytes;
 - fencegate (`$FENCEGATE_BIN`, default <repo>/target/debug/fencegate) on the S3
-  store through the `gate` relay, with the routes in ROUTES.
+  store through the `gate` relay, with the routes in ROUTES (`queued` is a
+  queued route, SPEC §11) and the admin token ADMIN_TOKEN.
 
 Prints one JSON line on stdout when everything is up (the addresses, see
 `info`), then serves a control API over HTTP (JSON) until stdin closes or it gets
@@ -58,6 +59,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUCKET = "leases"
 PREFIX = "fencegate/"
 GRACE_MS = 500
+ADMIN_TOKEN = "testkit-admin-token"  # the admin API's (drop a queued message)
 
 # Each route is `/{name}/` -> the origin's `/{name}/`, protected by lease `{name}`,
 # with these extra keys. The tests of both languages use the same names.
@@ -75,6 +77,9 @@ ROUTES = {
     "drain": {"timeout_ms": 10000, "drain_timeout_ms": 300},
     "dead": {"upstream": "DEAD"},
     "store": {},
+    # SPEC §11: answered 202, delivered afterwards (a single instance on sled: the
+    # testkit's default state). Its own lease, as a lease's routes are all queued or all direct.
+    "queued": {"delivery": '"queued"'},
 }
 
 
@@ -465,6 +470,7 @@ listen = "127.0.0.1:0"
 admin_listen = "127.0.0.1:0"
 data_dir = "state"
 shutdown_timeout_ms = 1000
+admin_token = "{ADMIN_TOKEN}"
 
 [store]
 kind = "s3"
@@ -567,6 +573,7 @@ def main() -> None:
         "gateway": f"http://{listening['proxy']}",
         "gateway_relay": f"http://127.0.0.1:{relays['gw'].port}",
         "admin": f"http://{listening['admin']}",
+        "admin_token": ADMIN_TOKEN,
         "bucket": BUCKET,
         "prefix": PREFIX,
         "grace_ms": GRACE_MS,

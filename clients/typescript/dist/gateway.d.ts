@@ -1,4 +1,5 @@
 /** Calls through fencegate (SPEC §3) with typed outcomes (SPEC §7) and safe retries. */
+import { type DeliveryStatus } from "./delivery";
 import { type Lease } from "./held";
 import { Tenure } from "./tenure";
 interface OutcomeBase {
@@ -31,6 +32,21 @@ interface OutcomeBase {
 export interface Delivered extends OutcomeBase {
     readonly kind: "delivered";
     readonly replayed: boolean;
+}
+/**
+ * 202 Accepted with `X-Fencegate-Delivery: queued`: a queued route (SPEC §11)
+ * wrote the request durably and will deliver it (in order, with retries); the
+ * destination has not answered yet. `delivery`: the message's status (the
+ * 202's JSON); `location`: its status path; `statusUrl`: the same under the
+ * client's base URL (what `waitDelivered` polls). A retry of the same key gets
+ * this again while the message is pending or delivering.
+ */
+export interface Queued extends OutcomeBase {
+    readonly kind: "queued";
+    readonly delivery: DeliveryStatus | undefined;
+    readonly dedupKey: string | undefined;
+    readonly location: string;
+    readonly statusUrl: string;
 }
 /** 409 epoch_stale: a newer epoch exists; you are no longer the leader. Stop. */
 export interface Stale extends OutcomeBase {
@@ -68,6 +84,20 @@ export interface InDoubt extends OutcomeBase {
 export interface AlreadyDone extends OutcomeBase {
     readonly kind: "already_done";
     readonly upstreamStatus: number | undefined;
+}
+/**
+ * 409 delivery_failed: a queued message with this key failed for good (the
+ * destination refused it, or its retries ran out). `upstreamStatus`: the last
+ * attempt's status; `detail`: its error. An operator may retry it.
+ */
+export interface DeliveryFailed extends OutcomeBase {
+    readonly kind: "delivery_failed";
+    readonly upstreamStatus: number | undefined;
+    readonly detail: string | undefined;
+}
+/** 409 delivery_dropped: a queued message with this key was dropped by an operator. */
+export interface DeliveryDropped extends OutcomeBase {
+    readonly kind: "delivery_dropped";
 }
 /** 422 dedup_key_reused: the key was used for a different request. A bug. */
 export interface KeyReused extends OutcomeBase {
@@ -107,7 +137,7 @@ export interface NoResponse extends OutcomeBase {
     readonly error: string;
     readonly sent: boolean;
 }
-export type Outcome = Delivered | Stale | Expired | Refused | Invalid | InFlight | InDoubt | AlreadyDone | KeyReused | Unavailable | Unreachable | UnknownError | NotSent | NoResponse;
+export type Outcome = Delivered | Queued | Stale | Expired | Refused | Invalid | InFlight | InDoubt | AlreadyDone | DeliveryFailed | DeliveryDropped | KeyReused | Unavailable | Unreachable | UnknownError | NotSent | NoResponse;
 export type OutcomeKind = Outcome["kind"];
 /** Every code of SPEC §7 and the kind of outcome it becomes. */
 export declare const ERROR_CODES: Readonly<Record<string, OutcomeKind>>;
@@ -115,7 +145,8 @@ export declare const ERROR_CODES: Readonly<Record<string, OutcomeKind>>;
 export declare function parseRetryAfter(value: string | undefined | null): number | undefined;
 /**
  * The outcome of one HTTP answer from fencegate: fencegate's own (by its
- * `X-Fencegate-Error` header) or the destination's.
+ * `X-Fencegate-Error` header, or a queued route's 202 by `X-Fencegate-Delivery:
+ * queued`) or the destination's.
  */
 export declare function parseOutcome(status: number, headers: Record<string, string> | Headers, body: Uint8Array, attempts?: number, epoch?: number | null): Outcome;
 /** Pass as `idempotencyKey` to send no Idempotency-Key (fencegate derives one per its route's `derive_key`). */
@@ -147,6 +178,25 @@ export interface CallOptions {
     maxAttempts?: number;
     /** Called before each retry. */
     onRetry?: (outcome: Outcome, delayMs: number) => void;
+    /**
+     * The route is meant to be queued (SPEC §11). A queued route's 202 is a
+     * `queued` outcome with or without this; with it, an answer that shows the
+     * route is direct (the destination's own, fresh) is still returned as
+     * `delivered`, and a process warning (`FENCEGATE_NOT_QUEUED`) is emitted.
+     */
+    queued?: boolean;
+}
+export interface WaitDeliveredOptions {
+    /** Default 60000. */
+    timeoutMs?: number;
+    /**
+     * The lease token (or the Lease) the message was accepted with. A `queued`
+     * outcome carries its own; a renewed epoch's token is refused (403). None on
+     * a route with `require_token = false`.
+     */
+    token?: string | Lease;
+    /** Polls every 100 ms at first, doubling up to this. Default 2000. */
+    maxIntervalMs?: number;
 }
 /**
  * Sends requests through fencegate with the epoch and token of a Lease or a
@@ -169,8 +219,27 @@ export declare class GatewayClient {
     /**
      * Sends `method path` (a path under one of fencegate's routes, with its query)
      * carrying the holder's current epoch and token.
+     *
+     * A queued route's `202` (`X-Fencegate-Delivery: queued`, SPEC §11) is
+     * returned as a `queued` outcome — with or without `opts.queued` — never as
+     * `delivered`: the destination has not answered yet. Pass it to
+     * `waitDelivered`.
      */
     call(holder: Tenure | Lease, method: string, path: string, opts?: CallOptions): Promise<Outcome>;
+    /**
+     * Polls a queued message's status URL until it is delivered, and resolves to
+     * its status. `target`: a `queued` outcome, or its status URL (absolute, or a
+     * path such as `/.fencegate/deliveries/{route}/{key}`, taken under this
+     * client's base URL).
+     *
+     * Throws `NotDelivered` when it settles failed or dropped (`status`,
+     * `lastStatus`, `lastError`), `DeliveryTimeout` when `timeoutMs` passes first,
+     * `DeliveryStatusError` when the status URL refuses the query (401, 403, 404
+     * delivery_not_found). No answer or a 5xx is polled again.
+     */
+    waitDelivered(target: Queued | string, opts?: WaitDeliveredOptions): Promise<DeliveryStatus>;
+    /** A queued outcome with its status URL under this client's base URL, and the token it was accepted with. */
+    private accepted;
     private delay;
     private sendOnce;
 }

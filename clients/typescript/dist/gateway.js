@@ -5,6 +5,7 @@ exports.GatewayClient = exports.NO_KEY = exports.ERROR_CODES = void 0;
 exports.parseRetryAfter = parseRetryAfter;
 exports.parseOutcome = parseOutcome;
 const node_crypto_1 = require("node:crypto");
+const delivery_1 = require("./delivery");
 const held_1 = require("./held");
 const tenure_1 = require("./tenure");
 /** Every code of SPEC §7 and the kind of outcome it becomes. */
@@ -12,6 +13,7 @@ exports.ERROR_CODES = Object.freeze({
     epoch_malformed: "invalid",
     dedup_key_malformed: "invalid",
     body_malformed: "invalid",
+    dedup_key_missing: "invalid",
     token_missing: "refused",
     token_invalid: "refused",
     epoch_unknown: "refused",
@@ -24,6 +26,9 @@ exports.ERROR_CODES = Object.freeze({
     dedup_in_flight: "in_flight",
     dedup_in_doubt: "in_doubt",
     dedup_done: "already_done",
+    delivery_failed: "delivery_failed",
+    delivery_dropped: "delivery_dropped",
+    delivery_not_found: "invalid",
     body_too_large: "invalid",
     dedup_key_reused: "key_reused",
     epoch_missing: "invalid",
@@ -73,9 +78,24 @@ function build(kind, p, extra = {}) {
     };
     if (kind === "delivered")
         Object.assign(base, { replayed: p.headers["x-fencegate-replayed"] === "true" });
-    if (kind === "already_done") {
+    if (kind === "already_done" || kind === "delivery_failed") {
         const s = details.upstream_status;
         Object.assign(base, { upstreamStatus: typeof s === "number" ? s : undefined });
+    }
+    if (kind === "delivery_failed") {
+        const d = details.detail;
+        Object.assign(base, { detail: typeof d === "string" ? d : undefined });
+    }
+    if (kind === "queued") {
+        let delivery;
+        try {
+            delivery = (0, delivery_1.parseDelivery)(JSON.parse(new TextDecoder().decode(p.body)));
+        }
+        catch {
+            // not a status: none
+        }
+        const location = p.headers["location"] ?? "";
+        Object.assign(base, { delivery, dedupKey: p.headers["x-fencegate-dedup-key"], location, statusUrl: location });
     }
     if (kind === "unavailable")
         Object.assign(base, { retryAfterMs: parseRetryAfter(p.headers["retry-after"]) });
@@ -83,7 +103,8 @@ function build(kind, p, extra = {}) {
 }
 /**
  * The outcome of one HTTP answer from fencegate: fencegate's own (by its
- * `X-Fencegate-Error` header) or the destination's.
+ * `X-Fencegate-Error` header, or a queued route's 202 by `X-Fencegate-Delivery:
+ * queued`) or the destination's.
  */
 function parseOutcome(status, headers, body, attempts = 1, epoch = null) {
     const h = {};
@@ -95,12 +116,16 @@ function parseOutcome(status, headers, body, attempts = 1, epoch = null) {
             h[k.toLowerCase()] = v;
     }
     const code = h["x-fencegate-error"] ?? null;
-    const kind = code === null ? "delivered" : (exports.ERROR_CODES[code] ?? "unknown_error");
+    const queued = code === null && status === 202 && (h["x-fencegate-delivery"] ?? "").trim().toLowerCase() === "queued"
+        && h["x-fencegate-replayed"] !== "true";
+    const kind = queued ? "queued" : code === null ? "delivered" : (exports.ERROR_CODES[code] ?? "unknown_error");
     return build(kind, { status, headers: h, body, code, attempts, epoch });
 }
 // --------------------------------------------------------------------------- the client
 /** Pass as `idempotencyKey` to send no Idempotency-Key (fencegate derives one per its route's `derive_key`). */
 exports.NO_KEY = Symbol("NO_KEY");
+/** The token each queued outcome was accepted with (kept off the object: it is a secret). */
+const ACCEPTED_WITH = new WeakMap();
 const RESERVED = new Set(["x-lease-epoch", "x-lease-token", "idempotency-key"]);
 // Connection failures: nothing was sent.
 const NOT_SENT_CODES = new Set(["ECONNREFUSED", "ENOTFOUND", "EAI_AGAIN", "EHOSTUNREACH", "ENETUNREACH", "UND_ERR_CONNECT_TIMEOUT"]);
@@ -141,6 +166,11 @@ class GatewayClient {
     /**
      * Sends `method path` (a path under one of fencegate's routes, with its query)
      * carrying the holder's current epoch and token.
+     *
+     * A queued route's `202` (`X-Fencegate-Delivery: queued`, SPEC §11) is
+     * returned as a `queued` outcome — with or without `opts.queued` — never as
+     * `delivered`: the destination has not answered yet. Pass it to
+     * `waitDelivered`.
      */
     async call(holder, method, path, opts = {}) {
         let key;
@@ -171,7 +201,7 @@ class GatewayClient {
             const h = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
             if (key !== null)
                 h["Idempotency-Key"] = key;
-            let outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+            let outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch), lease);
             const renewed = await renewedPast(holder, lease, outcome);
             if (renewed !== null) {
                 // Refused at admission (nothing was forwarded) because this tenure's
@@ -179,10 +209,15 @@ class GatewayClient {
                 // renewed epoch.
                 h["X-Lease-Epoch"] = String(renewed.epoch);
                 h["X-Lease-Token"] = renewed.token;
-                outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch);
+                outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch), renewed);
             }
-            if (attempt >= attempts || !shouldRetry(outcome, key !== null))
+            if (attempt >= attempts || !shouldRetry(outcome, key !== null)) {
+                if (opts.queued && outcome.kind === "delivered" && !outcome.replayed) {
+                    process.emitWarning(`${method} ${path}: answered by the destination, not queued: the route is direct ` +
+                        "(queued: true expected X-Fencegate-Delivery: queued)", { code: "FENCEGATE_NOT_QUEUED" });
+                }
                 return outcome;
+            }
             const delay = this.delay(outcome, attempt);
             if (delay > this.maxRetryWaitMs)
                 return outcome;
@@ -199,6 +234,96 @@ class GatewayClient {
             }
             previous = outcome;
         }
+    }
+    /**
+     * Polls a queued message's status URL until it is delivered, and resolves to
+     * its status. `target`: a `queued` outcome, or its status URL (absolute, or a
+     * path such as `/.fencegate/deliveries/{route}/{key}`, taken under this
+     * client's base URL).
+     *
+     * Throws `NotDelivered` when it settles failed or dropped (`status`,
+     * `lastStatus`, `lastError`), `DeliveryTimeout` when `timeoutMs` passes first,
+     * `DeliveryStatusError` when the status URL refuses the query (401, 403, 404
+     * delivery_not_found). No answer or a 5xx is polled again.
+     */
+    async waitDelivered(target, opts = {}) {
+        let url;
+        let token = typeof opts.token === "string" ? opts.token : opts.token?.token;
+        if (typeof target === "string") {
+            url = target;
+        }
+        else if (typeof target === "object" && target !== null && target.kind === "queued") {
+            url = target.statusUrl || target.location;
+            token ??= ACCEPTED_WITH.get(target);
+        }
+        else {
+            throw new TypeError("waitDelivered: want a queued outcome or a status URL");
+        }
+        if (!url)
+            throw new Error("waitDelivered: no status URL (a queued outcome without Location)");
+        if (url.startsWith("/"))
+            url = this.base + url;
+        const u = new URL(url);
+        if (u.protocol !== "http:" && u.protocol !== "https:")
+            throw new Error(`waitDelivered: ${url} is not an http(s) URL or an absolute path`);
+        const timeoutMs = opts.timeoutMs ?? 60000;
+        const maxIntervalMs = opts.maxIntervalMs ?? 2000;
+        const headers = { Accept: "application/json" };
+        if (token !== undefined)
+            headers["X-Lease-Token"] = token;
+        const deadline = performance.now() + timeoutMs;
+        let interval = Math.min(100, maxIntervalMs);
+        let seen = null;
+        let problem = null;
+        for (;;) {
+            const left = deadline - performance.now();
+            let res;
+            let payload;
+            try {
+                res = await this.fetch(url, {
+                    method: "GET", headers, redirect: "manual", signal: AbortSignal.timeout(Math.ceil(Math.min(this.timeoutMs, Math.max(left, 500)))),
+                });
+                payload = new Uint8Array(await res.arrayBuffer());
+            }
+            catch (e) {
+                problem = describe(e);
+                res = undefined;
+            }
+            if (res !== undefined && payload !== undefined) {
+                if (res.status === 200) {
+                    try {
+                        seen = (0, delivery_1.parseDelivery)(JSON.parse(new TextDecoder().decode(payload)));
+                    }
+                    catch (e) {
+                        throw new delivery_1.DeliveryStatusError(url, 200, null, { message: `not a delivery status: ${describe(e)}` });
+                    }
+                    if (seen.status === "delivered")
+                        return seen;
+                    if (seen.status === "failed" || seen.status === "dropped")
+                        throw new delivery_1.NotDelivered(seen);
+                }
+                else if (res.status >= 400 && res.status < 500 && res.status !== 408 && res.status !== 429) {
+                    const out = parseOutcome(res.status, res.headers, payload);
+                    throw new delivery_1.DeliveryStatusError(url, res.status, out.code, out.details);
+                }
+                else {
+                    problem = `HTTP ${res.status}${res.headers.get("x-fencegate-error") ? ` ${res.headers.get("x-fencegate-error")}` : ""}`;
+                }
+            }
+            const rest = deadline - performance.now();
+            if (rest <= 0)
+                throw new delivery_1.DeliveryTimeout(url, timeoutMs, seen, problem);
+            await sleep(Math.min(interval, rest));
+            interval = Math.min(interval * 2, maxIntervalMs);
+        }
+    }
+    /** A queued outcome with its status URL under this client's base URL, and the token it was accepted with. */
+    accepted(outcome, lease) {
+        if (outcome.kind !== "queued")
+            return outcome;
+        const q = Object.assign(outcome, { statusUrl: outcome.location ? this.base + outcome.location : "" });
+        ACCEPTED_WITH.set(q, lease.token);
+        return q;
     }
     delay(outcome, attempt) {
         const backoff = Math.min(this.backoffMs * 2 ** (attempt - 1), 5000);

@@ -10,11 +10,20 @@
  * const out = await gate.call(tenure, "POST", "/billing/charges", { json: { amount: 5 }, idempotencyKey: "charge-42" });
  * if (out.mustStop) ...; await tenure.close();
  * ```
+ *
+ * A queued route (SPEC §11) answers a `queued` outcome; `gate.waitDelivered(out)`
+ * polls its status URL until it is delivered (or throws NotDelivered / DeliveryTimeout).
  */
 Object.defineProperty(exports, "__esModule", { value: true });
-exports.parseRetryAfter = exports.parseOutcome = exports.NO_KEY = exports.GatewayClient = exports.ERROR_CODES = exports.Tenure = exports.tokenSha256 = exports.parseEpochObject = exports.MAX_ROUNDS = exports.LEASE_NAME = exports.LeaseClient = exports.msLeft = exports.isExpired = exports.TenureEnded = exports.LeaseLost = exports.LeaseHeld = exports.LeaseError = exports.StoreClock = void 0;
+exports.parseRetryAfter = exports.parseOutcome = exports.NO_KEY = exports.GatewayClient = exports.ERROR_CODES = exports.Tenure = exports.tokenSha256 = exports.parseEpochObject = exports.MAX_ROUNDS = exports.LEASE_NAME = exports.LeaseClient = exports.msLeft = exports.isExpired = exports.TenureEnded = exports.LeaseLost = exports.LeaseHeld = exports.LeaseError = exports.parseDelivery = exports.NotDelivered = exports.DeliveryTimeout = exports.DeliveryStatusError = exports.DeliveryError = exports.StoreClock = void 0;
 var clock_1 = require("./clock");
 Object.defineProperty(exports, "StoreClock", { enumerable: true, get: function () { return clock_1.StoreClock; } });
+var delivery_1 = require("./delivery");
+Object.defineProperty(exports, "DeliveryError", { enumerable: true, get: function () { return delivery_1.DeliveryError; } });
+Object.defineProperty(exports, "DeliveryStatusError", { enumerable: true, get: function () { return delivery_1.DeliveryStatusError; } });
+Object.defineProperty(exports, "DeliveryTimeout", { enumerable: true, get: function () { return delivery_1.DeliveryTimeout; } });
+Object.defineProperty(exports, "NotDelivered", { enumerable: true, get: function () { return delivery_1.NotDelivered; } });
+Object.defineProperty(exports, "parseDelivery", { enumerable: true, get: function () { return delivery_1.parseDelivery; } });
 var errors_1 = require("./errors");
 Object.defineProperty(exports, "LeaseError", { enumerable: true, get: function () { return errors_1.LeaseError; } });
 Object.defineProperty(exports, "LeaseHeld", { enumerable: true, get: function () { return errors_1.LeaseHeld; } });

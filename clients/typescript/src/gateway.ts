@@ -2,6 +2,9 @@
 
 import { randomUUID } from "node:crypto";
 
+import {
+  DeliveryStatusError, DeliveryTimeout, NotDelivered, parseDelivery, type DeliveryStatus,
+} from "./delivery";
 import { isExpired, msLeft, type Lease } from "./held";
 import { Tenure } from "./tenure";
 
@@ -36,6 +39,21 @@ interface OutcomeBase {
  * key (`X-Fencegate-Replayed: true`): the action happened once, earlier.
  */
 export interface Delivered extends OutcomeBase { readonly kind: "delivered"; readonly replayed: boolean }
+/**
+ * 202 Accepted with `X-Fencegate-Delivery: queued`: a queued route (SPEC §11)
+ * wrote the request durably and will deliver it (in order, with retries); the
+ * destination has not answered yet. `delivery`: the message's status (the
+ * 202's JSON); `location`: its status path; `statusUrl`: the same under the
+ * client's base URL (what `waitDelivered` polls). A retry of the same key gets
+ * this again while the message is pending or delivering.
+ */
+export interface Queued extends OutcomeBase {
+  readonly kind: "queued";
+  readonly delivery: DeliveryStatus | undefined;
+  readonly dedupKey: string | undefined;
+  readonly location: string;
+  readonly statusUrl: string;
+}
 /** 409 epoch_stale: a newer epoch exists; you are no longer the leader. Stop. */
 export interface Stale extends OutcomeBase { readonly kind: "stale" }
 /** 409 lease_expired: the epoch expired on the store's clock. Stop; acquire again for new work. */
@@ -58,6 +76,16 @@ export interface InFlight extends OutcomeBase { readonly kind: "in_flight" }
 export interface InDoubt extends OutcomeBase { readonly kind: "in_doubt" }
 /** 409 dedup_done: delivered, but the response was not stored. `upstreamStatus` when known. */
 export interface AlreadyDone extends OutcomeBase { readonly kind: "already_done"; readonly upstreamStatus: number | undefined }
+/**
+ * 409 delivery_failed: a queued message with this key failed for good (the
+ * destination refused it, or its retries ran out). `upstreamStatus`: the last
+ * attempt's status; `detail`: its error. An operator may retry it.
+ */
+export interface DeliveryFailed extends OutcomeBase {
+  readonly kind: "delivery_failed"; readonly upstreamStatus: number | undefined; readonly detail: string | undefined;
+}
+/** 409 delivery_dropped: a queued message with this key was dropped by an operator. */
+export interface DeliveryDropped extends OutcomeBase { readonly kind: "delivery_dropped" }
 /** 422 dedup_key_reused: the key was used for a different request. A bug. */
 export interface KeyReused extends OutcomeBase { readonly kind: "key_reused" }
 /** 503 store_unavailable / shard_unavailable / upstream_held: nothing forwarded. Retried after Retry-After by `call`. */
@@ -81,8 +109,8 @@ export interface NotSent extends OutcomeBase { readonly kind: "not_sent"; readon
 export interface NoResponse extends OutcomeBase { readonly kind: "no_response"; readonly error: string; readonly sent: boolean }
 
 export type Outcome =
-  | Delivered | Stale | Expired | Refused | Invalid | InFlight | InDoubt | AlreadyDone | KeyReused
-  | Unavailable | Unreachable | UnknownError | NotSent | NoResponse;
+  | Delivered | Queued | Stale | Expired | Refused | Invalid | InFlight | InDoubt | AlreadyDone | DeliveryFailed
+  | DeliveryDropped | KeyReused | Unavailable | Unreachable | UnknownError | NotSent | NoResponse;
 
 export type OutcomeKind = Outcome["kind"];
 
@@ -91,6 +119,7 @@ export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze(
   epoch_malformed: "invalid",
   dedup_key_malformed: "invalid",
   body_malformed: "invalid",
+  dedup_key_missing: "invalid",
   token_missing: "refused",
   token_invalid: "refused",
   epoch_unknown: "refused",
@@ -103,6 +132,9 @@ export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze(
   dedup_in_flight: "in_flight",
   dedup_in_doubt: "in_doubt",
   dedup_done: "already_done",
+  delivery_failed: "delivery_failed",
+  delivery_dropped: "delivery_dropped",
+  delivery_not_found: "invalid",
   body_too_large: "invalid",
   dedup_key_reused: "key_reused",
   epoch_missing: "invalid",
@@ -159,9 +191,23 @@ function build(kind: OutcomeKind, p: Parts, extra: Record<string, unknown> = {})
     },
   };
   if (kind === "delivered") Object.assign(base, { replayed: p.headers["x-fencegate-replayed"] === "true" });
-  if (kind === "already_done") {
+  if (kind === "already_done" || kind === "delivery_failed") {
     const s = details.upstream_status;
     Object.assign(base, { upstreamStatus: typeof s === "number" ? s : undefined });
+  }
+  if (kind === "delivery_failed") {
+    const d = details.detail;
+    Object.assign(base, { detail: typeof d === "string" ? d : undefined });
+  }
+  if (kind === "queued") {
+    let delivery: DeliveryStatus | undefined;
+    try {
+      delivery = parseDelivery(JSON.parse(new TextDecoder().decode(p.body)));
+    } catch {
+      // not a status: none
+    }
+    const location = p.headers["location"] ?? "";
+    Object.assign(base, { delivery, dedupKey: p.headers["x-fencegate-dedup-key"], location, statusUrl: location });
   }
   if (kind === "unavailable") Object.assign(base, { retryAfterMs: parseRetryAfter(p.headers["retry-after"]) });
   return Object.assign(base, extra) as unknown as Outcome;
@@ -169,7 +215,8 @@ function build(kind: OutcomeKind, p: Parts, extra: Record<string, unknown> = {})
 
 /**
  * The outcome of one HTTP answer from fencegate: fencegate's own (by its
- * `X-Fencegate-Error` header) or the destination's.
+ * `X-Fencegate-Error` header, or a queued route's 202 by `X-Fencegate-Delivery:
+ * queued`) or the destination's.
  */
 export function parseOutcome(
   status: number, headers: Record<string, string> | Headers, body: Uint8Array, attempts = 1, epoch: number | null = null,
@@ -181,7 +228,9 @@ export function parseOutcome(
     for (const [k, v] of Object.entries(headers as Record<string, string>)) h[k.toLowerCase()] = v;
   }
   const code = h["x-fencegate-error"] ?? null;
-  const kind: OutcomeKind = code === null ? "delivered" : (ERROR_CODES[code] ?? "unknown_error");
+  const queued = code === null && status === 202 && (h["x-fencegate-delivery"] ?? "").trim().toLowerCase() === "queued"
+    && h["x-fencegate-replayed"] !== "true";
+  const kind: OutcomeKind = queued ? "queued" : code === null ? "delivered" : (ERROR_CODES[code] ?? "unknown_error");
   return build(kind, { status, headers: h, body, code, attempts, epoch });
 }
 
@@ -218,7 +267,30 @@ export interface CallOptions {
   maxAttempts?: number;
   /** Called before each retry. */
   onRetry?: (outcome: Outcome, delayMs: number) => void;
+  /**
+   * The route is meant to be queued (SPEC §11). A queued route's 202 is a
+   * `queued` outcome with or without this; with it, an answer that shows the
+   * route is direct (the destination's own, fresh) is still returned as
+   * `delivered`, and a process warning (`FENCEGATE_NOT_QUEUED`) is emitted.
+   */
+  queued?: boolean;
 }
+
+export interface WaitDeliveredOptions {
+  /** Default 60000. */
+  timeoutMs?: number;
+  /**
+   * The lease token (or the Lease) the message was accepted with. A `queued`
+   * outcome carries its own; a renewed epoch's token is refused (403). None on
+   * a route with `require_token = false`.
+   */
+  token?: string | Lease;
+  /** Polls every 100 ms at first, doubling up to this. Default 2000. */
+  maxIntervalMs?: number;
+}
+
+/** The token each queued outcome was accepted with (kept off the object: it is a secret). */
+const ACCEPTED_WITH = new WeakMap<object, string>();
 
 const RESERVED = new Set(["x-lease-epoch", "x-lease-token", "idempotency-key"]);
 // Connection failures: nothing was sent.
@@ -264,6 +336,11 @@ export class GatewayClient {
   /**
    * Sends `method path` (a path under one of fencegate's routes, with its query)
    * carrying the holder's current epoch and token.
+   *
+   * A queued route's `202` (`X-Fencegate-Delivery: queued`, SPEC §11) is
+   * returned as a `queued` outcome — with or without `opts.queued` — never as
+   * `delivered`: the destination has not answered yet. Pass it to
+   * `waitDelivered`.
    */
   async call(holder: Tenure | Lease, method: string, path: string, opts: CallOptions = {}): Promise<Outcome> {
     let key: string | null;
@@ -287,7 +364,8 @@ export class GatewayClient {
       if (lease === null) return notSent(attempt - 1, why, previous);
       const h: Record<string, string> = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
       if (key !== null) h["Idempotency-Key"] = key;
-      let outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch);
+      let outcome = this.accepted(
+        await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch), lease);
       const renewed = await renewedPast(holder, lease, outcome);
       if (renewed !== null) {
         // Refused at admission (nothing was forwarded) because this tenure's
@@ -295,9 +373,16 @@ export class GatewayClient {
         // renewed epoch.
         h["X-Lease-Epoch"] = String(renewed.epoch);
         h["X-Lease-Token"] = renewed.token;
-        outcome = await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch);
+        outcome = this.accepted(
+          await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch), renewed);
       }
-      if (attempt >= attempts || !shouldRetry(outcome, key !== null)) return outcome;
+      if (attempt >= attempts || !shouldRetry(outcome, key !== null)) {
+        if (opts.queued && outcome.kind === "delivered" && !outcome.replayed) {
+          process.emitWarning(`${method} ${path}: answered by the destination, not queued: the route is direct ` +
+            "(queued: true expected X-Fencegate-Delivery: queued)", { code: "FENCEGATE_NOT_QUEUED" });
+        }
+        return outcome;
+      }
       const delay = this.delay(outcome, attempt);
       if (delay > this.maxRetryWaitMs) return outcome;
       const left = holder instanceof Tenure ? holder.msLeft() : msLeft(holder);
@@ -310,6 +395,84 @@ export class GatewayClient {
       }
       previous = outcome;
     }
+  }
+
+  /**
+   * Polls a queued message's status URL until it is delivered, and resolves to
+   * its status. `target`: a `queued` outcome, or its status URL (absolute, or a
+   * path such as `/.fencegate/deliveries/{route}/{key}`, taken under this
+   * client's base URL).
+   *
+   * Throws `NotDelivered` when it settles failed or dropped (`status`,
+   * `lastStatus`, `lastError`), `DeliveryTimeout` when `timeoutMs` passes first,
+   * `DeliveryStatusError` when the status URL refuses the query (401, 403, 404
+   * delivery_not_found). No answer or a 5xx is polled again.
+   */
+  async waitDelivered(target: Queued | string, opts: WaitDeliveredOptions = {}): Promise<DeliveryStatus> {
+    let url: string;
+    let token: string | undefined = typeof opts.token === "string" ? opts.token : opts.token?.token;
+    if (typeof target === "string") {
+      url = target;
+    } else if (typeof target === "object" && target !== null && target.kind === "queued") {
+      url = target.statusUrl || target.location;
+      token ??= ACCEPTED_WITH.get(target);
+    } else {
+      throw new TypeError("waitDelivered: want a queued outcome or a status URL");
+    }
+    if (!url) throw new Error("waitDelivered: no status URL (a queued outcome without Location)");
+    if (url.startsWith("/")) url = this.base + url;
+    const u = new URL(url);
+    if (u.protocol !== "http:" && u.protocol !== "https:") throw new Error(`waitDelivered: ${url} is not an http(s) URL or an absolute path`);
+    const timeoutMs = opts.timeoutMs ?? 60000;
+    const maxIntervalMs = opts.maxIntervalMs ?? 2000;
+    const headers: Record<string, string> = { Accept: "application/json" };
+    if (token !== undefined) headers["X-Lease-Token"] = token;
+    const deadline = performance.now() + timeoutMs;
+    let interval = Math.min(100, maxIntervalMs);
+    let seen: DeliveryStatus | null = null;
+    let problem: string | null = null;
+    for (;;) {
+      const left = deadline - performance.now();
+      let res: Response | undefined;
+      let payload: Uint8Array | undefined;
+      try {
+        res = await this.fetch(url, {
+          method: "GET", headers, redirect: "manual", signal: AbortSignal.timeout(Math.ceil(Math.min(this.timeoutMs, Math.max(left, 500)))),
+        });
+        payload = new Uint8Array(await res.arrayBuffer());
+      } catch (e) {
+        problem = describe(e);
+        res = undefined;
+      }
+      if (res !== undefined && payload !== undefined) {
+        if (res.status === 200) {
+          try {
+            seen = parseDelivery(JSON.parse(new TextDecoder().decode(payload)));
+          } catch (e) {
+            throw new DeliveryStatusError(url, 200, null, { message: `not a delivery status: ${describe(e)}` });
+          }
+          if (seen.status === "delivered") return seen;
+          if (seen.status === "failed" || seen.status === "dropped") throw new NotDelivered(seen);
+        } else if (res.status >= 400 && res.status < 500 && res.status !== 408 && res.status !== 429) {
+          const out = parseOutcome(res.status, res.headers, payload);
+          throw new DeliveryStatusError(url, res.status, out.code, out.details);
+        } else {
+          problem = `HTTP ${res.status}${res.headers.get("x-fencegate-error") ? ` ${res.headers.get("x-fencegate-error")}` : ""}`;
+        }
+      }
+      const rest = deadline - performance.now();
+      if (rest <= 0) throw new DeliveryTimeout(url, timeoutMs, seen, problem);
+      await sleep(Math.min(interval, rest));
+      interval = Math.min(interval * 2, maxIntervalMs);
+    }
+  }
+
+  /** A queued outcome with its status URL under this client's base URL, and the token it was accepted with. */
+  private accepted(outcome: Outcome, lease: Lease): Outcome {
+    if (outcome.kind !== "queued") return outcome;
+    const q = Object.assign(outcome, { statusUrl: outcome.location ? this.base + outcome.location : "" });
+    ACCEPTED_WITH.set(q, lease.token);
+    return q;
   }
 
   private delay(outcome: Outcome, attempt: number): number {

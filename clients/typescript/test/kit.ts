@@ -18,6 +18,7 @@ export interface Info {
   gateway: string;
   gateway_relay: string;
   admin: string;
+  admin_token: string;
   bucket: string;
   prefix: string;
   grace_ms: number;

@@ -10,15 +10,28 @@ through fencegate (SPEC §3) with typed outcomes (SPEC §7).
         outcome = gate.call(tenure, "POST", "/billing/charges", json={"amount": 5},
                             idempotency_key="charge-42")
         if outcome.must_stop: ...
+
+A queued route (SPEC §11) answers `Queued`; `gate.wait_delivered(outcome)` polls
+its status URL until it is delivered (or raises NotDelivered / DeliveryTimeout).
 """
 
 from .clock import StoreClock
+from .delivery import (
+    DeliveryError,
+    DeliveryStatus,
+    DeliveryStatusError,
+    DeliveryTimeout,
+    NotDelivered,
+    parse_delivery,
+)
 from .errors import LeaseError, LeaseHeld, LeaseLost, TenureEnded
 from .gateway import (
     ERROR_CODES,
     NO_KEY,
     AlreadyDone,
     Delivered,
+    DeliveryDropped,
+    DeliveryFailed,
     Expired,
     GatewayClient,
     InDoubt,
@@ -28,6 +41,7 @@ from .gateway import (
     NoResponse,
     NotSent,
     Outcome,
+    Queued,
     Refused,
     Stale,
     Unavailable,
@@ -43,9 +57,10 @@ from .tenure import Tenure
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyDone", "Delivered", "ERROR_CODES", "EpochObject", "Expired", "GatewayClient", "InDoubt",
-    "InFlight", "Invalid", "KeyReused", "Lease", "LeaseClient", "LeaseError", "LeaseHeld", "LeaseLost",
-    "NO_KEY", "NoResponse", "NotSent", "Outcome", "Refused", "Stale", "StoreClock", "Tenure",
-    "TenureEnded", "Unavailable", "UnknownError", "Unreachable", "parse_epoch_object", "parse_outcome",
-    "parse_retry_after", "token_sha256",
+    "AlreadyDone", "Delivered", "DeliveryDropped", "DeliveryError", "DeliveryFailed", "DeliveryStatus",
+    "DeliveryStatusError", "DeliveryTimeout", "ERROR_CODES", "EpochObject", "Expired", "GatewayClient",
+    "InDoubt", "InFlight", "Invalid", "KeyReused", "Lease", "LeaseClient", "LeaseError", "LeaseHeld",
+    "LeaseLost", "NO_KEY", "NoResponse", "NotDelivered", "NotSent", "Outcome", "Queued", "Refused", "Stale",
+    "StoreClock", "Tenure", "TenureEnded", "Unavailable", "UnknownError", "Unreachable", "parse_delivery",
+    "parse_epoch_object", "parse_outcome", "parse_retry_after", "token_sha256",
 ]

@@ -9,11 +9,12 @@ import logging
 import ssl
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Type, Union
 from urllib.parse import urlsplit
 
+from .delivery import DeliveryStatus, DeliveryStatusError, DeliveryTimeout, NotDelivered, parse_delivery
 from .held import Lease
 from .tenure import Tenure
 
@@ -85,6 +86,31 @@ class Delivered(Outcome):
 
 
 @dataclass(frozen=True)
+class Queued(Outcome):
+    """202 Accepted with `X-Fencegate-Delivery: queued`: a queued route (SPEC §11)
+    wrote the request durably and will deliver it (in order, with retries); the
+    destination has not answered yet. `delivery`: the message's status (the
+    202's JSON), `location`: its status path, `status_url`: the same under the
+    client's base URL (what `wait_delivered` polls). A retry of the same key
+    gets this again while the message is pending or delivering."""
+
+    delivery: Optional[DeliveryStatus] = None
+    status_url: str = ""
+    #: The epoch the message was accepted with: its token is the status URL's credential.
+    lease: Optional[Lease] = field(default=None, repr=False, compare=False)
+
+    kind: ClassVar[str] = "queued"
+
+    @property
+    def dedup_key(self) -> Optional[str]:
+        return self.headers.get("x-fencegate-dedup-key")
+
+    @property
+    def location(self) -> str:
+        return self.headers.get("location", "")
+
+
+@dataclass(frozen=True)
 class Stale(Outcome):
     """409 epoch_stale: a newer epoch exists; you are no longer the leader. Stop."""
 
@@ -148,6 +174,32 @@ class AlreadyDone(Outcome):
     def upstream_status(self) -> Optional[int]:
         s = self.details.get("upstream_status")
         return s if isinstance(s, int) else None
+
+
+@dataclass(frozen=True)
+class DeliveryFailed(Outcome):
+    """409 delivery_failed: a queued message with this key failed for good (the
+    destination refused it, or its retries ran out). `upstream_status`: the
+    last attempt's status; `detail`: its error. An operator may retry it."""
+
+    kind: ClassVar[str] = "delivery_failed"
+
+    @property
+    def upstream_status(self) -> Optional[int]:
+        s = self.details.get("upstream_status")
+        return s if isinstance(s, int) else None
+
+    @property
+    def detail(self) -> Optional[str]:
+        d = self.details.get("detail")
+        return d if isinstance(d, str) else None
+
+
+@dataclass(frozen=True)
+class DeliveryDropped(Outcome):
+    """409 delivery_dropped: a queued message with this key was dropped by an operator."""
+
+    kind: ClassVar[str] = "delivery_dropped"
 
 
 @dataclass(frozen=True)
@@ -218,6 +270,7 @@ ERROR_CODES: Dict[str, Type[Outcome]] = {
     "epoch_malformed": Invalid,
     "dedup_key_malformed": Invalid,
     "body_malformed": Invalid,
+    "dedup_key_missing": Invalid,
     "token_missing": Refused,
     "token_invalid": Refused,
     "epoch_unknown": Refused,
@@ -230,6 +283,9 @@ ERROR_CODES: Dict[str, Type[Outcome]] = {
     "dedup_in_flight": InFlight,
     "dedup_in_doubt": InDoubt,
     "dedup_done": AlreadyDone,
+    "delivery_failed": DeliveryFailed,
+    "delivery_dropped": DeliveryDropped,
+    "delivery_not_found": Invalid,
     "body_too_large": Invalid,
     "dedup_key_reused": KeyReused,
     "epoch_missing": Invalid,
@@ -264,9 +320,17 @@ def parse_retry_after(value: Optional[str]) -> Optional[float]:
 def parse_outcome(status: int, headers: Mapping[str, str], body: bytes, attempts: int = 1,
                   epoch: Optional[int] = None) -> Outcome:
     """The outcome of one HTTP answer from fencegate: fencegate's own (by its
-    `X-Fencegate-Error` header) or the destination's."""
+    `X-Fencegate-Error` header, or a queued route's 202 by `X-Fencegate-Delivery:
+    queued`) or the destination's."""
     h = {k.lower(): v for k, v in headers.items()}
     code = h.get("x-fencegate-error")
+    if (code is None and status == 202 and h.get("x-fencegate-delivery", "").strip().lower() == "queued"
+            and h.get("x-fencegate-replayed") != "true"):
+        try:
+            delivery: Optional[DeliveryStatus] = parse_delivery(_json.loads(body.decode("utf-8")))
+        except (UnicodeDecodeError, ValueError):
+            delivery = None
+        return Queued(status, h, body, None, attempts, epoch, delivery, h.get("location", ""))
     if code is None:
         return Delivered(status, h, body, None, attempts, epoch)
     return ERROR_CODES.get(code, UnknownError)(status, h, body, code, attempts, epoch)
@@ -314,6 +378,7 @@ class GatewayClient:
         self._host = u.hostname
         self._port = u.port or (443 if self._https else 80)
         self._base_path = u.path.rstrip("/")
+        self._origin = f"{u.scheme}://{u.netloc.rsplit('@', 1)[-1]}"
         self.timeout, self.max_attempts = timeout, max_attempts
         self.backoff, self.max_retry_wait = backoff, max_retry_wait
         self._ssl = ssl_context
@@ -334,7 +399,7 @@ class GatewayClient:
              body: Union[bytes, str, None] = None, *, json: Any = None,
              idempotency_key: Any = None, headers: Optional[Mapping[str, str]] = None,
              timeout: Optional[float] = None, max_attempts: Optional[int] = None,
-             on_retry: Optional[Callable[[Outcome, float], None]] = None) -> Outcome:
+             on_retry: Optional[Callable[[Outcome, float], None]] = None, queued: bool = False) -> Outcome:
         """Sends `method path` (a path under one of fencegate's routes, with its
         query) carrying the holder's current epoch and token.
 
@@ -342,6 +407,13 @@ class GatewayClient:
         same action later (another process, after a crash). None (the default):
         a fresh key for this call, kept by its own retries. NO_KEY: none sent.
         `on_retry(outcome, delay_seconds)` is called before each retry.
+
+        A queued route's `202` (`X-Fencegate-Delivery: queued`, SPEC §11) is
+        returned as `Queued` — with or without `queued` — never as `Delivered`:
+        the destination has not answered yet. Pass it to `wait_delivered`.
+        `queued=True` says the route is meant to be queued: an answer that shows
+        it is not (the destination's own, fresh) is still returned as
+        `Delivered`, and logged as a warning.
         """
         if idempotency_key is None:
             key: Optional[str] = f"fgc-{uuid.uuid4().hex}"
@@ -369,7 +441,8 @@ class GatewayClient:
             h["X-Lease-Token"] = lease.token
             if key is not None:
                 h["Idempotency-Key"] = key
-            outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch)
+            outcome = self._accepted(
+                self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch), lease)
             renewed = self._renewed_past(holder, lease, outcome)
             if renewed is not None:
                 # Refused at admission (nothing was forwarded) because this
@@ -377,8 +450,13 @@ class GatewayClient:
                 # again, at the renewed epoch.
                 h["X-Lease-Epoch"] = str(renewed.epoch)
                 h["X-Lease-Token"] = renewed.token
-                outcome = self._send_once(method, path, data, h, timeout or self.timeout, attempt, renewed.epoch)
+                outcome = self._accepted(
+                    self._send_once(method, path, data, h, timeout or self.timeout, attempt, renewed.epoch),
+                    renewed)
             if attempt == attempts or not self._retry(outcome, key is not None):
+                if queued and isinstance(outcome, Delivered) and not outcome.replayed:
+                    log.warning("%s %s: answered by the destination, not queued: the route is direct "
+                                "(queued=True expected X-Fencegate-Delivery: queued)", method, path)
                 return outcome
             delay = self._delay(outcome, attempt)
             if delay > self.max_retry_wait:
@@ -400,7 +478,85 @@ class GatewayClient:
             previous = outcome
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def wait_delivered(self, target: Union[Queued, str], timeout: float = 60.0, *,
+                       token: Union[str, Lease, None] = None, max_interval: float = 2.0) -> DeliveryStatus:
+        """Polls a queued message's status URL until it is delivered, and returns
+        its status. `target`: a `Queued` outcome, or its status URL (absolute, or
+        a path such as `/.fencegate/deliveries/{route}/{key}`, taken under this
+        client's base URL). `token`: the lease token (or the `Lease`) the message
+        was accepted with — a `Queued` carries its own; a renewed epoch's token is
+        refused (403). None on a route with `require_token = false`.
+
+        Raises `NotDelivered` when it settles failed or dropped (`status`,
+        `last_status`, `last_error`), `DeliveryTimeout` (a `TimeoutError`) when
+        `timeout` seconds pass first, `DeliveryStatusError` when the status URL
+        refuses the query (401, 403, 404 delivery_not_found). No answer or a 5xx
+        is polled again. Polls every 0.1 s at first, doubling up to `max_interval`.
+        """
+        if isinstance(target, Queued):
+            url = target.status_url or target.location
+            if token is None and target.lease is not None:
+                token = target.lease.token
+        elif isinstance(target, str):
+            url = target
+        else:
+            raise TypeError(f"wait_delivered: want a Queued outcome or a status URL, got {type(target).__name__}")
+        if not url:
+            raise ValueError("wait_delivered: no status URL (a Queued without Location)")
+        if url.startswith("/"):
+            url = self._origin + self._base_path + url
+        u = urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"wait_delivered: {url!r} is not an http(s) URL or an absolute path")
+        target_path = u.path + (f"?{u.query}" if u.query else "")
+        headers = {"Accept": "application/json"}
+        secret = token.token if isinstance(token, Lease) else token
+        if secret is not None:
+            headers["X-Lease-Token"] = secret
+        deadline = time.monotonic() + timeout
+        interval = min(0.1, max_interval)
+        seen: Optional[DeliveryStatus] = None
+        problem: Optional[str] = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status, hdrs, payload = self._exchange(
+                    u.scheme == "https", u.hostname, u.port or (443 if u.scheme == "https" else 80), "GET",
+                    target_path, None, headers, min(self.timeout, max(left, 0.5)))
+            except _NotConnected as e:
+                problem = f"connect: {e.cause}"
+            except (OSError, http.client.HTTPException) as e:
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                if status == 200:
+                    try:
+                        seen = parse_delivery(_json.loads(payload.decode("utf-8")))
+                    except (UnicodeDecodeError, ValueError) as e:
+                        raise DeliveryStatusError(url, status, None, {"message": f"not a delivery status: {e}"})
+                    if seen.status == "delivered":
+                        return seen
+                    if seen.status in ("failed", "dropped"):
+                        raise NotDelivered(seen)
+                elif 400 <= status < 500 and status not in (408, 429):
+                    out = parse_outcome(status, hdrs, payload)
+                    raise DeliveryStatusError(url, status, out.code, out.details)
+                else:
+                    problem = f"HTTP {status} {hdrs.get('x-fencegate-error', '')}".rstrip()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeliveryTimeout(url, timeout, seen, problem)
+            time.sleep(min(interval, left))
+            interval = min(interval * 2, max_interval)
+
     # ---- inside
+
+    def _accepted(self, outcome: Outcome, lease: Lease) -> Outcome:
+        """A Queued outcome with its status URL under this client's base URL and
+        the epoch it was accepted with (the status URL's token)."""
+        if not isinstance(outcome, Queued):
+            return outcome
+        return replace(outcome, lease=lease,
+                       status_url=self._origin + self._base_path + outcome.location if outcome.location else "")
 
     @staticmethod
     def _current(holder: Union[Tenure, Lease]) -> Tuple[Optional[Lease], str]:
@@ -427,28 +583,48 @@ class GatewayClient:
             return ra if ra is not None else max(1.0, backoff)
         return backoff
 
-    def _send_once(self, method: str, path: str, data: Optional[bytes], headers: Dict[str, str],
-                   timeout: float, attempt: int, epoch: int) -> Outcome:
-        if self._https:
+    def _exchange(self, https: bool, host: str, port: int, method: str, target: str, data: Optional[bytes],
+                  headers: Mapping[str, str], timeout: float,
+                  ) -> Tuple[int, Dict[str, str], bytes]:
+        """One request on its own connection: (status, lowercase headers, body).
+        Raises OSError / HTTPException; a connect() that failed (nothing was
+        sent) as `_NotConnected`."""
+        if https:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout, context=self._ssl)
+                host, port, timeout=timeout, context=self._ssl)
         else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
         try:
             try:
                 conn.connect()
             except OSError as e:
-                return NoResponse(0, {}, b"", None, attempt, None, error=f"connect: {e}", sent=False)
-            try:
-                conn.request(method, self._base_path + path, body=data, headers=headers)
-                resp = conn.getresponse()
-                payload = resp.read()
-            except (OSError, http.client.HTTPException) as e:
-                return NoResponse(0, {}, b"", None, attempt, epoch, error=f"{type(e).__name__}: {e}", sent=True)
+                raise _NotConnected(e) from e
+            conn.request(method, target, body=data, headers=dict(headers))
+            resp = conn.getresponse()
+            payload = resp.read()
             hdrs: Dict[str, str] = {}
             for k, v in resp.getheaders():
                 k = k.lower()
                 hdrs[k] = f"{hdrs[k]}, {v}" if k in hdrs else v
-            return parse_outcome(resp.status, hdrs, payload, attempt, epoch)
+            return resp.status, hdrs, payload
         finally:
             conn.close()
+
+    def _send_once(self, method: str, path: str, data: Optional[bytes], headers: Dict[str, str],
+                   timeout: float, attempt: int, epoch: int) -> Outcome:
+        try:
+            status, hdrs, payload = self._exchange(self._https, self._host, self._port, method,
+                                                   self._base_path + path, data, headers, timeout)
+        except _NotConnected as e:
+            return NoResponse(0, {}, b"", None, attempt, None, error=f"connect: {e.cause}", sent=False)
+        except (OSError, http.client.HTTPException) as e:
+            return NoResponse(0, {}, b"", None, attempt, epoch, error=f"{type(e).__name__}: {e}", sent=True)
+        return parse_outcome(status, hdrs, payload, attempt, epoch)
+
+
+class _NotConnected(OSError):
+    """The connection was never made: nothing was sent."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

@@ -75,6 +75,13 @@ impl Proxy {
                 Some(DedupKey::parse(v.as_bytes()).map_err(ProxyError::DedupKeyMalformed)?)
             }
         };
+        // SPEC §11: a queued route finds its message again by key; refused
+        // here, before admission, so that it changes nothing (not the mark).
+        if route.queued && worker_key.is_none() && route.derive_key == DeriveKey::None {
+            return Err(ProxyError::DedupKeyMissing {
+                route: route.name.clone(),
+            });
+        }
         // Two tokens: neither can be trusted, and the worker is told why.
         let token: Option<&[u8]> = single_header(&parts.headers, &LEASE_TOKEN_NAME)
             .map_err(|()| ProxyError::TokenRepeated)?

@@ -131,7 +131,12 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
         }
         if let Err(e) = attempt(&q, route, head, ticket).await {
             tracing::warn!(lease, error = %e, "a delivery attempt could not be written; trying again");
-            pause(&q, &notify, PAUSE).await;
+            // Nothing after it goes before what it wrote is durable: a settle
+            // that is in sled's memory but not on disk would otherwise let the
+            // next message go first, and come back after a crash.
+            while q.store.durable().await.is_err() && !q.ctx.stop.is_cancelled() {
+                pause(&q, &notify, PAUSE).await;
+            }
         }
     }
 }
@@ -191,6 +196,9 @@ fn launch(
             if let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) {
                 if let Err(e) = attempt(&q, route, m, ticket).await {
                     tracing::warn!(error = %e, "a delivery attempt could not be written; trying again");
+                    while q.store.durable().await.is_err() && !q.ctx.stop.is_cancelled() {
+                        tokio::time::sleep(PAUSE).await;
+                    }
                 }
             }
             key
@@ -260,6 +268,9 @@ async fn attempt(
             return finish(q, route, m, Came::Refused(0), Some(why)).await;
         }
     };
+    // What cuts this attempt, taken before the last check: a cut after the
+    // check reaches it (one before it, the check sees).
+    let cut = q.cut_token();
     // The last check, right before the send (nothing awaited between them).
     if !may_send(q) {
         drop(ticket);
@@ -277,7 +288,7 @@ async fn attempt(
         .map_or_else(Spans::off, |t| t.request(request.headers()));
     let mut request = request;
     let calling = spans.onward(request.headers_mut());
-    let result = send(q, route, request, ticket).await;
+    let result = send(q, route, request, ticket, cut).await;
     calling.end(&mut spans, "upstream", Kind::Client, &result, |c, a| {
         if let Some(s) = c.status() {
             a.int("http.response.status_code", i64::from(s));
@@ -379,8 +390,9 @@ async fn send(
     route: &Route,
     req: Request<UpBody>,
     ticket: crate::protect::Ticket,
+    cut: tokio_util::sync::CancellationToken,
 ) -> Came {
-    let (abandon, cut) = (q.ctx.abandon.clone(), q.cut_token());
+    let abandon = q.ctx.abandon.clone();
     let stop = async move {
         tokio::select! {
             _ = abandon.cancelled() => "shutdown gave up on it",

@@ -34,11 +34,34 @@ use crate::metrics::{emit, Metrics};
 use crate::state::StateError;
 pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
 
-/// Why a direct route is refused on `lease` (start-up and reload, SPEC §11).
-pub(crate) fn direct_on_queued_lease(route: &str, lease: &str) -> String {
-    format!(
-        "route {route:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
-    )
+/// Why `routes` cannot serve beside the messages this queue holds (start-up
+/// and reload, SPEC §11), if they cannot: a direct route on a lease whose
+/// queue holds messages that may still be sent would overtake them, and a
+/// queued route moved to another lease would answer that lease's workers from
+/// them (and deliver them in the old lease's order).
+pub(crate) fn conflict(
+    store: &QueueStore,
+    routes: &[crate::config::RouteConfig],
+) -> Result<Option<String>, StateError> {
+    let holding = store.holding()?;
+    for r in routes {
+        let queued = r.delivery == crate::config::Delivery::Queued;
+        for (route, lease) in &holding {
+            if !queued && lease == r.lease.as_str() {
+                return Ok(Some(format!(
+                    "route {:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)",
+                    r.name
+                )));
+            }
+            if queued && *route == r.name && lease != r.lease.as_str() {
+                return Ok(Some(format!(
+                    "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name",
+                    r.lease
+                )));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Milliseconds since the Unix epoch.
@@ -262,13 +285,9 @@ impl Queue {
                 _ = tokio::time::sleep(every) => {}
             }
             let before = ms(self.ctx.clock.now()).saturating_sub(ttl.as_millis() as u64);
-            // Under the edits lock: an operator's retry reads and writes a
-            // message under it too.
-            let swept = {
-                let _edit = self.edits.lock().await;
-                self.store.sweep(before).await
-            };
-            match swept {
+            // Each removal is a transaction that checks the message unchanged,
+            // as a requeue's is: no lock held across the pass.
+            match self.store.sweep(before).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(removed = n, "queue sweep removed settled messages"),
                 Err(e) => tracing::warn!(error = %e, "queue sweep failed"),

@@ -418,17 +418,21 @@ impl QueueStore {
         Ok(out)
     }
 
-    /// Leases with messages that may still be sent: pending or delivering, or
-    /// failed (an operator may retry them). A direct route on such a lease
-    /// could overtake them (SPEC §11).
-    pub fn leases_holding(&self) -> Result<std::collections::BTreeSet<String>, StateError> {
-        let mut out: std::collections::BTreeSet<String> =
-            self.leases_with_work()?.into_iter().collect();
+    /// (route, lease) of every message that may still be sent: pending or
+    /// delivering, or failed (an operator may retry it). A direct route on
+    /// such a lease could overtake it, and a route moved to another lease
+    /// would answer that lease's workers from it (SPEC §11). One pass over
+    /// the messages: start-up and reload only.
+    pub fn holding(&self) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
+        let mut out = std::collections::BTreeSet::new();
         for item in self.msgs.iter() {
             let (_, v) = item.map_err(db_err)?;
             let m = decode(&v)?;
-            if m.status == Status::Failed {
-                out.insert(m.lease);
+            if matches!(
+                m.status,
+                Status::Pending | Status::Delivering | Status::Failed
+            ) {
+                out.insert((m.route, m.lease));
             }
         }
         Ok(out)
@@ -439,29 +443,44 @@ impl QueueStore {
     /// decoding only each lease's head: a scrape costs one pass over the keys,
     /// not a decode per message.
     pub fn depth(&self) -> Result<std::collections::HashMap<String, (u64, u64)>, StateError> {
-        let mut out: std::collections::HashMap<String, (u64, u64)> = Default::default();
-        let mut last_lease: Option<Vec<u8>> = None;
+        use std::collections::{BTreeSet, HashMap};
+        // Per route: messages and the leases they wait in; per lease: its
+        // head's acceptance time (what holds everything behind it).
+        let mut routes: HashMap<String, (u64, BTreeSet<Vec<u8>>)> = HashMap::new();
+        let mut heads: HashMap<Vec<u8>, u64> = HashMap::new();
         for item in self.order.iter() {
             let (k, mid) = item.map_err(db_err)?;
             let lease = k
                 .get(..k.len().saturating_sub(9))
                 .unwrap_or_default()
                 .to_vec();
-            let route = match mid.iter().position(|b| *b == 0) {
-                Some(at) => String::from_utf8_lossy(&mid[..at]).into_owned(),
-                None => continue,
+            let Some(at) = mid.iter().position(|b| *b == 0) else {
+                continue;
             };
-            let head = last_lease.as_deref() != Some(lease.as_slice());
-            let entry = out.entry(route).or_insert((0, u64::MAX));
-            entry.0 += 1;
-            if head {
-                if let Some(v) = self.msgs.get(&mid).map_err(db_err)? {
-                    entry.1 = entry.1.min(decode(&v)?.accepted_ms);
-                }
-                last_lease = Some(lease);
+            let route = String::from_utf8_lossy(&mid[..at]).into_owned();
+            if !heads.contains_key(&lease) {
+                let accepted = match self.msgs.get(&mid).map_err(db_err)? {
+                    Some(v) => decode(&v)?.accepted_ms,
+                    None => u64::MAX,
+                };
+                heads.insert(lease.clone(), accepted);
             }
+            let r = routes.entry(route).or_default();
+            r.0 += 1;
+            r.1.insert(lease);
         }
-        Ok(out)
+        Ok(routes
+            .into_iter()
+            .map(|(route, (n, leases))| {
+                let oldest = leases
+                    .iter()
+                    .filter_map(|l| heads.get(l))
+                    .copied()
+                    .min()
+                    .unwrap_or(u64::MAX);
+                (route, (n, oldest))
+            })
+            .collect())
     }
 
     /// The epoch of the last message waiting in `lease`'s queue (0: none) —
@@ -568,8 +587,8 @@ impl QueueStore {
             msg.last_error = None;
             let meta = encode(&msg);
             let okey = order_key(&msg.lease, msg.seq);
-            (&self.msgs, &self.order, &self.seqs)
-                .transaction(|(msgs, order, seqs)| {
+            let written =
+                (&self.msgs, &self.order, &self.seqs).transaction(|(msgs, order, seqs)| {
                     // Unchanged since read (the sweeper takes what it removes
                     // in a transaction too).
                     if msgs.get(mid.as_slice())?.as_deref() != Some(&raw[..]) {
@@ -579,8 +598,12 @@ impl QueueStore {
                     order.insert(okey.as_slice(), mid.as_slice())?;
                     seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
                     Ok::<_, ConflictableTransactionError<()>>(())
-                })
-                .map_err(tx_err)?;
+                });
+            match written {
+                Ok(()) => {}
+                Err(TransactionError::Abort(())) => return Ok(Requeued::Gone),
+                Err(TransactionError::Storage(e)) => return Err(db_err(e)),
+            }
             msg
         };
         self.sled.commit().await?;
@@ -752,6 +775,25 @@ mod tests {
         assert_eq!(again.status, Status::Pending);
         assert!(again.seq > first.seq);
         assert_eq!(q2.head("hook").unwrap().map(|m| m.key), Some("m1".into()));
+    }
+
+    /// The oldest-pending figure of a route whose messages wait behind
+    /// another route's head (one lease, two routes) is that head's age, not
+    /// nothing.
+    #[tokio::test]
+    async fn a_route_behind_another_routes_head_reports_that_heads_age() {
+        let (_d, q) = store().await;
+        let at = |route: &str, key: &str, accepted_ms| Message {
+            route: route.into(),
+            accepted_ms,
+            ..msg(key, 1, Status::Pending)
+        };
+        for m in [at("a", "k1", 5), at("b", "k2", 9)] {
+            q.accept(m, &envelope(), || true).await.unwrap();
+        }
+        let depth = q.depth().unwrap();
+        assert_eq!(depth["a"], (1, 5));
+        assert_eq!(depth["b"], (1, 5));
     }
 
     /// A message the sweeper removed is not brought back by a retry without

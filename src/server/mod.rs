@@ -270,13 +270,10 @@ async fn build_on(
     if let Some(q) = &queue {
         // SPEC §11: a direct route must not overtake messages still queued
         // for its lease (a config that changed since they were accepted).
-        let holding = q.store.leases_holding()?;
-        if let Some(r) = cfg.routes.iter().find(|r| {
-            r.delivery == crate::config::Delivery::Direct && holding.contains(r.lease.as_str())
-        }) {
+        if let Some(detail) = crate::queue::conflict(&q.store, &cfg.routes)? {
             return Err(StartError::State(StateError::Open {
                 path: cfg.server.data_dir.clone(),
-                detail: crate::queue::direct_on_queued_lease(&r.name, r.lease.as_str()),
+                detail,
             }));
         }
     }

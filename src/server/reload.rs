@@ -173,17 +173,10 @@ impl Reloader {
         }
         drop(current);
         if let Some(q) = &self.shared.queue {
-            let holding = q
-                .store
-                .leases_holding()
-                .map_err(|e| ReloadError::Invalid(e.to_string()))?;
-            if let Some(r) = cfg.routes.iter().find(|r| {
-                r.delivery == crate::config::Delivery::Direct && holding.contains(r.lease.as_str())
-            }) {
-                return Err(ReloadError::Invalid(crate::queue::direct_on_queued_lease(
-                    &r.name,
-                    r.lease.as_str(),
-                )));
+            if let Some(why) = crate::queue::conflict(&q.store, &cfg.routes)
+                .map_err(|e| ReloadError::Invalid(e.to_string()))?
+            {
+                return Err(ReloadError::Invalid(why));
             }
         }
         let running: HashSet<LeaseName> = self

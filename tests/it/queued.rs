@@ -277,6 +277,15 @@ async fn bad_input_on_a_queued_route_is_refused_and_changes_nothing() {
         .assert_error(400, "dedup_key_missing");
     let ok = send(message(&fg, &a, "k1", "one", 200)).await;
     accepted(&ok);
+    // Refused before admission: a newer epoch's keyless request does not
+    // raise the mark.
+    let mark = "fencegate_high_water_mark{lease=\"hook\"}";
+    assert_eq!(fg.series(mark).await, 1.0);
+    let b = force_next_epoch(&epochs, "hook", "worker-b", Duration::from_secs(60)).await;
+    post(&fg, "/hook/events", &b, "no key, newer epoch")
+        .await
+        .assert_error(400, "dedup_key_missing");
+    assert_eq!(fg.series(mark).await, 1.0, "the refusal changed the mark");
     let location = ok.headers["location"].to_str().unwrap().to_owned();
     origin.wait_until("k1", |log| log.len() == 1).await;
     // The worker's status URL: its token, or nothing.
@@ -692,4 +701,31 @@ async fn ordering_none_is_parallel_within_an_epoch_and_ordered_across() {
         (2..=3).contains(&most),
         "parallel, within max_in_flight: {most}"
     );
+}
+
+/// A queued route moved by a reload to another lease while it holds messages
+/// of its old lease is refused: that lease's workers would be answered from
+/// them, and they would go in the old lease's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_holding_messages_cannot_move_to_another_lease() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    accepted(&send(message(&fg, &a, "m1", "a-m1", 503)).await);
+    wait_status(&fg, "m1", |v| {
+        v["status"] == "pending" && v["attempts"] == 1
+    })
+    .await;
+    fg.edit_config(|t| t.replace("lease = \"hook\"", "lease = \"other\""));
+    fg.hup();
+    wait_log(&fg, "config reload refused", 1).await;
+    assert!(
+        fg.stderr().contains("would move to lease other"),
+        "{}",
+        fg.stderr()
+    );
+    assert_eq!(arrived(&origin), ["a-m1"]);
 }

@@ -18,6 +18,22 @@
 //! and exported; its A/B row is traced ÷ untraced within this build, and the
 //! run prints how many spans were exported and dropped.
 //!
+//! `queued` ("fencegate, queued delivery (sled)"): the `dedup` route with
+//! `delivery = "queued"` (SPEC §11): answered 202 once the message is durable;
+//! its deliverer sends every message to the same origin, one at a time, during
+//! the window (that CPU counts) and after it: the next target waits until the
+//! queue is empty (`fencegate_queue_depth` 0), so none of its deliveries lands
+//! in another target's window. Its table: ratios to `dedup` and the
+//! pass-through, the backlog left at the window's end, how fast it drained and
+//! fencegate's CPU per message accepted and delivered.
+//!
+//! `--queue-backlog [N]` (default 100,000; 1,000 under `--smoke`): a separate
+//! mode, `load/backlog.rs` — N messages accepted while the destination is
+//! unreachable, RSS every 10,000, then the drain rate against direct routes at
+//! c=1 and c=64 in the same run; `--leases 1,16`, `--perf` (`perf stat` over the
+//! drain; `BENCH_PERF_RECORD=1`: a `perf record` report too), `--restart`
+//! (restarts fencegate with the backlog queued before the drain).
+//!
 //! `dedup-pg` ("fencegate, durable dedup, PostgreSQL"): the same binary and route
 //! as `dedup` with `[state] kind = "postgres"` (default pool size), on a private
 //! PostgreSQL the bench starts with the tests' harness (`tests/common/postgres.rs`:
@@ -53,9 +69,11 @@
 //! cargo bench --bench load -- --quick      # a few seconds: one round, c=64
 //! cargo bench --bench load -- --scaling    # leases, 1M dedup records, 10k idle
 //!                                          # connections, epoch changes under load
+//! cargo bench --bench load -- --queue-backlog [N]   # queued delivery: backlog, RSS, drain
+//! cargo bench --bench load -- --smoke      # what `cargo test --benches` runs
 //! ```
 //! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
-//! `--only passthrough,fencing,dedup,dedup-pg,nginx`, `--cpu N` (pin to CPU N, default 0),
+//! `--only passthrough,fencing,dedup,queued,dedup-pg,nginx`, `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
 //! figures, with a table of A ÷ B ratios paired round by round; `BENCH_B_LOG=warn`
@@ -65,7 +83,8 @@
 //!
 //! Under `cargo test --all-targets` (no `--bench` in argv) it runs a smoke instead:
 //! one short round at c=8, asserting only that every target answered, with zero
-//! errors. No timing is asserted.
+//! errors, then the backlog mode with 1,000 messages (1 and 4 leases), asserting
+//! that every message arrived. No timing is asserted.
 
 // Tests and benches may read the wall clock and sleep (clippy.toml bans both in
 // the library, where time is injected).
@@ -123,6 +142,8 @@ pub struct Args {
     pub backlog_leases: Vec<usize>,
     /// `--perf`: `perf stat` on fencegate while a backlog drains.
     pub perf: bool,
+    /// `--restart`: the backlog's fencegate is restarted before the drain.
+    pub backlog_restart: bool,
 }
 
 impl Args {
@@ -171,6 +192,7 @@ impl Args {
             }),
             backlog_leases: if smoke { vec![1, 4] } else { vec![1, 16] },
             perf: has("--perf"),
+            backlog_restart: has("--restart"),
         };
         if let Some(v) = val("--leases") {
             a.backlog_leases = v.split(',').filter_map(|c| c.trim().parse().ok()).collect();

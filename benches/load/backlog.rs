@@ -85,6 +85,8 @@ struct Run {
     /// Keyed by (target, concurrency): before and after the drain.
     direct: Vec<(&'static str, usize, Direct, Direct)>,
     arrivals: u64,
+    /// `--restart`: RSS KiB before and after, and the start-up's seconds.
+    restart: Option<(u64, u64, f64)>,
 }
 
 impl Run {
@@ -358,18 +360,20 @@ async fn one(
     }
     let name = format!("queued-{leases}");
     let data_dir = dir.join(format!("state-{name}"));
-    let fg = procs::spawn_fencegate(
-        Path::new(env!("CARGO_BIN_EXE_fencegate")),
-        &name,
-        dir,
-        &store,
-        &data_dir,
-        origin.addr,
-        &routes,
-        &format!("admin_token = {ADMIN_TOKEN:?}\n"),
-        &[],
-    )?;
-    let admin = fg.admin.ok_or("fencegate without an admin address")?;
+    let spawn = || {
+        procs::spawn_fencegate(
+            Path::new(env!("CARGO_BIN_EXE_fencegate")),
+            &name,
+            dir,
+            &store,
+            &data_dir,
+            origin.addr,
+            &routes,
+            &format!("admin_token = {ADMIN_TOKEN:?}\n"),
+            &[],
+        )
+    };
+    let mut fg = spawn()?;
     let rss_before_kib = procs::rss_kib(fg.pid).0;
     let tag = 7_000_000 + run_no;
 
@@ -487,7 +491,24 @@ async fn one(
     if depth as u64 != n {
         return Err(format!("{n} accepted but the queue depth is {depth}"));
     }
-
+    // `--restart`: the memory a fresh process needs for the same backlog
+    // (what the accepting one holds beyond it is cache).
+    let mut restart = None;
+    if args.backlog_restart {
+        let rss_before = procs::rss_kib(fg.pid).0;
+        drop(fg);
+        let t = Instant::now();
+        fg = spawn()?;
+        let startup = t.elapsed().as_secs_f64();
+        let rss = procs::rss_kib(fg.pid).0;
+        eprintln!(
+            "  restarted with {n} queued: RSS {} MiB before, {} MiB after a start of {startup:.2} s",
+            rss_before / 1024,
+            rss / 1024
+        );
+        restart = Some((rss_before, rss, startup));
+    }
+    let admin = fg.admin.ok_or("fencegate without an admin address")?;
     let mut dtag = 100 * run_no;
     let before = measure_direct(args, direct, origin, conc, &mut dtag).await;
 
@@ -568,6 +589,7 @@ async fn one(
     drop(late);
     drop(fg);
     Ok(Run {
+        restart,
         leases,
         messages: n,
         accept_secs,
@@ -592,14 +614,30 @@ async fn one(
     })
 }
 
-/// `perf stat` attached to fencegate (software counters: this VM has no PMU).
+/// `perf stat` attached to fencegate (software counters: this VM has no PMU);
+/// with `BENCH_PERF_RECORD` set, also `perf record` on the CPU clock, whose
+/// report goes to `target/bench-queue-backlog-perf-PID.txt`.
 struct Perf {
     child: std::process::Child,
     out: PathBuf,
+    record: Option<(std::process::Child, PathBuf, u32)>,
 }
 
 fn perf_start(pid: u32, dir: &Path) -> Option<Perf> {
     let out = dir.join(format!("perf-{pid}.csv"));
+    let record = std::env::var_os("BENCH_PERF_RECORD").and_then(|_| {
+        let data = dir.join(format!("perf-{pid}.data"));
+        std::process::Command::new("perf")
+            .args(["record", "-F", "1999", "-o"])
+            .arg(&data)
+            .args(["-p", &pid.to_string()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()
+            .map(|c| (c, data, pid))
+    });
     let child = std::process::Command::new("perf")
         .args([
             "stat",
@@ -619,7 +657,7 @@ fn perf_start(pid: u32, dir: &Path) -> Option<Perf> {
         .ok()?;
     // perf attaches asynchronously.
     std::thread::sleep(Duration::from_millis(200));
-    Some(Perf { child, out })
+    Some(Perf { child, out, record })
 }
 
 /// The counters per message.
@@ -629,6 +667,29 @@ fn perf_stop(mut p: Perf, n: u64) -> Vec<(String, f64)> {
         libc::kill(p.child.id() as libc::pid_t, libc::SIGINT);
     }
     let _ = p.child.wait();
+    if let Some((mut c, data, pid)) = p.record.take() {
+        // SAFETY: kill(2) on our own child.
+        unsafe {
+            libc::kill(c.id() as libc::pid_t, libc::SIGINT);
+        }
+        let _ = c.wait();
+        let report = target_dir().join(format!("bench-queue-backlog-perf-{pid}.txt"));
+        let out = std::process::Command::new("perf")
+            .args([
+                "report",
+                "--stdio",
+                "--no-children",
+                "--sort",
+                "dso,symbol",
+                "-i",
+            ])
+            .arg(&data)
+            .output();
+        if let Ok(o) = out {
+            let _ = std::fs::write(&report, o.stdout);
+            eprintln!("  perf report: {}", report.display());
+        }
+    }
     let text = std::fs::read_to_string(&p.out).unwrap_or_default();
     text.lines()
         .filter_map(|l| {
@@ -654,7 +715,7 @@ fn report(
         md.push_str(&format!(
             "\n### Queue backlog: {} messages, {} lease(s), destination unreachable while they were accepted\n\n\
              Accepted over {ACCEPT_CONNS} connections in {:.1} s ({:.0}/s, {:.1} µs of fencegate CPU each). \
-             fencegate RSS before the first: {:.1} MiB; after the drain: {:.1} MiB. One /metrics scrape at this depth: {:.1} ms.\n\n\
+             fencegate RSS before the first: {:.1} MiB; after the drain: {:.1} MiB. One /metrics scrape at this depth: {:.1} ms.{}\n\n\
              | accepted | fencegate RSS MiB | threads | data_dir MiB | accepted/s since the last reading |\n|---:|---:|---:|---:|---:|\n",
             r.messages,
             r.leases,
@@ -664,6 +725,11 @@ fn report(
             mib(r.rss_before_kib),
             mib(r.rss_after_drain_kib),
             r.metrics_scrape_ms,
+            r.restart.map_or(String::new(), |(b, a, secs)| format!(
+                " Restarted with the backlog queued (`--restart`): RSS {:.1} MiB before the stop, {:.1} MiB after a start of {secs:.2} s.",
+                mib(b),
+                mib(a)
+            )),
         ));
         let mut prev = (0u64, 0.0f64);
         for s in &r.rss {
@@ -764,6 +830,7 @@ fn report(
                 "drain_over_direct": r.drain_rate() / ((d.2.rps + d.3.rps) / 2.0),
             })).collect::<Vec<_>>(),
             "arrivals": r.arrivals,
+            "restart": r.restart.map(|(b, a, s)| json!({"rss_before_kib": b, "rss_after_start_kib": a, "startup_secs": s})),
         }));
     }
     md.push_str(&format!(

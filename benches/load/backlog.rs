@@ -28,7 +28,7 @@ use serde_json::{json, Value};
 
 use super::loadgen::{self, Creds, Plan};
 use super::procs::{self, Proc, RouteSpec};
-use super::{factory, fmt_ratio, nproc, queue_depth, scratch, target_dir, Args};
+use super::{factory, flush_stats, fmt_ratio, nproc, queue_depth, scratch, target_dir, Args};
 
 /// The queued routes' lines: the first message of each lease, refused by the
 /// unreachable origin, waits an hour for its next attempt — until the bench's
@@ -87,6 +87,8 @@ struct Run {
     arrivals: u64,
     /// `--restart`: RSS KiB before and after, and the start-up's seconds.
     restart: Option<(u64, u64, f64)>,
+    /// Over the drain: records per flush, flushes per message.
+    flushes: Option<(f64, f64)>,
 }
 
 impl Run {
@@ -515,6 +517,7 @@ async fn one(
     // The origin comes up on the dead port; each lease's first message is due now.
     let t0 = Instant::now();
     let cpu0 = procs::cpu_secs(fg.pid);
+    let flush0 = flush_stats(&fg).await;
     let late = procs::spawn_role(
         "origin-late",
         &["origin", "--port", &port.to_string()],
@@ -568,6 +571,11 @@ async fn one(
     let cpu_us_per_msg = (procs::cpu_secs(fg.pid) - cpu0) * 1e6 / n as f64;
     let origin_cpu_us_per_msg = (procs::cpu_secs(late.pid) - ocpu0) * 1e6 / n as f64;
     let perf = perf.map(|p| perf_stop(p, n));
+    // Durable writes over the drain: (records per flush, flushes per message).
+    let flushes = match (flush0, flush_stats(&fg).await) {
+        (Some(a), Some(b)) => Some(((b.0 - a.0) / (b.1 - a.1).max(1.0), (b.1 - a.1) / n as f64)),
+        _ => None,
+    };
     let arrivals = origin_count(&late).await?;
     let rss_after_drain_kib = procs::rss_kib(fg.pid).0;
     // Arrivals per second between 10% and 90% of the messages.
@@ -590,6 +598,7 @@ async fn one(
     drop(fg);
     Ok(Run {
         restart,
+        flushes,
         leases,
         messages: n,
         accept_secs,
@@ -760,6 +769,11 @@ fn report(
             r.cpu_us_per_msg,
             r.origin_cpu_us_per_msg,
         ));
+        if let Some((rpf, fpm)) = r.flushes {
+            md.push_str(&format!(
+                "Durable writes over the drain (fencegate_flush_records_total ÷ fencegate_flush_batches_total): {rpf:.2} records per flush, {fpm:.2} flushes per message.\n"
+            ));
+        }
         if let Some(p) = &r.perf {
             md.push_str(&format!(
                 "perf stat on fencegate over the drain, per message: {}.\n",
@@ -830,6 +844,7 @@ fn report(
                 "drain_over_direct": r.drain_rate() / ((d.2.rps + d.3.rps) / 2.0),
             })).collect::<Vec<_>>(),
             "arrivals": r.arrivals,
+            "flushes": r.flushes.map(|(rpf, fpm)| json!({"records_per_flush": rpf, "flushes_per_message": fpm})),
             "restart": r.restart.map(|(b, a, s)| json!({"rss_before_kib": b, "rss_after_start_kib": a, "startup_secs": s})),
         }));
     }

@@ -30,7 +30,7 @@
 //! `--queue-backlog [N]` (default 100,000; 1,000 under `--smoke`): a separate
 //! mode, `load/backlog.rs` — N messages accepted while the destination is
 //! unreachable, RSS every 10,000, then the drain rate against direct routes at
-//! c=1 and c=64 in the same run; `--leases 1,16`, `--perf` (`perf stat` over the
+//! c=1 and c=64 (c=8 in the smoke) in the same run; `--leases 1,16`, `--perf` (`perf stat` over the
 //! drain; `BENCH_PERF_RECORD=1`: a `perf record` report too), `--restart`
 //! (restarts fencegate with the backlog queued before the drain).
 //!

@@ -748,21 +748,8 @@ async fn the_queue_panel_lists_messages_and_retries_and_drops_them_from_the_page
     .await;
     follow(&r);
     assert_eq!(message_of(&fg, nasty).await["status"], "dropped");
-    let sent = origin.count();
-    let r = send(delivery_form(
-        &fg,
-        "m2",
-        "retry",
-        Some(&cookie),
-        Some(&csrf),
-        &me,
-    ))
-    .await;
-    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
-    assert!(html.contains("Retried hook / m2"), "{html}");
-    origin.wait_until("m2 again", |log| log.len() > sent).await;
-
-    // The JSON API, with the admin token, as before.
+    // The JSON API, with the admin token, as before — on m4 while it still
+    // waits behind m2 (m2's retry below fails for good, then m4 would go).
     let r = send(
         admin(&fg, "POST", "/v1/deliveries/hook/m4/drop")
             .header("authorization", format!("Bearer {TOKEN}"))
@@ -787,6 +774,20 @@ async fn the_queue_panel_lists_messages_and_retries_and_drops_them_from_the_page
     )
     .await
     .assert_error(401, "unauthorized");
+
+    let sent = origin.count();
+    let r = send(delivery_form(
+        &fg,
+        "m2",
+        "retry",
+        Some(&cookie),
+        Some(&csrf),
+        &me,
+    ))
+    .await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(html.contains("Retried hook / m2"), "{html}");
+    origin.wait_until("m2 again", |log| log.len() > sent).await;
 }
 
 /// No queued route: nothing of queues on the page.

@@ -35,6 +35,8 @@ enum Came {
     Delivered(Answer),
     /// A final refusal (4xx other than 408, 409, 425, 429).
     Refused(u16),
+    /// Its request could not be built from what was kept (nothing sent).
+    Unbuildable(String),
     /// Try again: the status (if it answered), why, whether anything may have
     /// been sent, and a `Retry-After` the destination asked for.
     Again {
@@ -265,7 +267,7 @@ async fn attempt(
         Ok(r) => r,
         Err(why) => {
             drop(ticket);
-            return finish(q, route, m, Came::Refused(0), Some(why)).await;
+            return finish(q, route, m, Came::Unbuildable(why)).await;
         }
     };
     // What cuts this attempt, taken before the last check: a cut after the
@@ -310,7 +312,7 @@ async fn attempt(
         result.is_failure().then_some("the attempt failed"),
     );
     crate::failpoint::hit("queue_attempt_answered");
-    finish(q, route, m, result, None).await
+    finish(q, route, m, result).await
 }
 
 impl Came {
@@ -318,7 +320,8 @@ impl Came {
     fn status(&self) -> Option<u16> {
         match self {
             Came::Delivered(a) => Some(a.status),
-            Came::Refused(s) => (*s != 0).then_some(*s),
+            Came::Refused(s) => Some(*s),
+            Came::Unbuildable(_) => None,
             Came::Again { status, .. } => *status,
         }
     }
@@ -332,6 +335,7 @@ impl Came {
         match self {
             Came::Delivered(_) => "delivered",
             Came::Refused(_) => "refused",
+            Came::Unbuildable(_) => "unbuildable",
             Came::Again { .. } => "again",
         }
     }
@@ -467,7 +471,6 @@ async fn finish(
     route: &Route,
     mut m: Message,
     result: Came,
-    unsendable: Option<String>,
 ) -> Result<(), crate::state::StateError> {
     let now = ms(q.ctx.clock.now());
     m.updated_ms = now;
@@ -477,19 +480,30 @@ async fn finish(
             m.last_status = Some(answer.status);
             m.last_error = None;
             m.answer = Some(answer);
-            q.store.settle(&m, true).await?;
+            q.store.settle(&m).await?;
             // Counted once durable: a scrape that sees it may rely on it.
             q.count(&m.route, "delivered");
             crate::failpoint::hit("queue_delivered");
         }
+        Came::Unbuildable(why) => {
+            m.status = Status::Failed;
+            m.last_error = Some(format!("could not be built: {why}"));
+            q.store.settle(&m).await?;
+            q.count(&m.route, "failed");
+            tracing::warn!(
+                route = m.route,
+                key = m.key,
+                why,
+                "a queued message could not be built"
+            );
+        }
         Came::Refused(status) => {
             m.status = Status::Failed;
-            m.last_status = (status != 0).then_some(status);
-            m.last_error = Some(match unsendable {
-                Some(why) => format!("could not be built: {why}"),
-                None => format!("the destination refused it ({status}): not retried"),
-            });
-            q.store.settle(&m, status != 0).await?;
+            m.last_status = Some(status);
+            m.last_error = Some(format!(
+                "the destination refused it ({status}): not retried"
+            ));
+            q.store.settle(&m).await?;
             q.count(&m.route, "failed");
             tracing::warn!(
                 route = m.route,
@@ -526,7 +540,7 @@ async fn finish(
                 }
                 None => {
                     m.status = Status::Failed;
-                    q.store.settle(&m, maybe_sent).await?;
+                    q.store.settle(&m).await?;
                     q.count(&m.route, "failed");
                     tracing::warn!(
                         route = m.route,

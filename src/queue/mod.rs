@@ -261,7 +261,7 @@ impl Queue {
         }
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
-        self.store.settle(&m, false).await?;
+        self.store.settle(&m).await?;
         self.wake(&m.lease);
         Ok(m)
     }

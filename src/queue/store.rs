@@ -534,20 +534,16 @@ impl QueueStore {
     }
 
     /// Writes a settled message and takes it out of its queue (the next one
-    /// may go); `sent`: an attempt of it went out, so its epoch is the newest
-    /// sent when newer than the one kept. Durable on return.
-    pub async fn settle(&self, msg: &Message, sent: bool) -> Result<(), StateError> {
+    /// may go). Durable on return. (Its epoch was made the newest sent when
+    /// an attempt of it started: [`QueueStore::start_attempt`].)
+    pub async fn settle(&self, msg: &Message) -> Result<(), StateError> {
         let mid = id(&msg.route, &msg.key);
         let meta = encode(msg);
         let okey = order_key(&msg.lease, msg.seq);
-        let newest = u64_of(self.sent.get(msg.lease.as_bytes()).map_err(db_err)?);
-        (&self.msgs, &self.order, &self.sent)
-            .transaction(|(msgs, order, sent_t)| {
+        (&self.msgs, &self.order)
+            .transaction(|(msgs, order)| {
                 msgs.insert(mid.as_slice(), meta.as_slice())?;
                 order.remove(okey.as_slice())?;
-                if sent && msg.epoch > newest {
-                    sent_t.insert(msg.lease.as_bytes(), &msg.epoch.to_be_bytes()[..])?;
-                }
                 Ok::<_, ConflictableTransactionError<()>>(())
             })
             .map_err(tx_err)?;
@@ -731,7 +727,7 @@ mod tests {
             panic!("accepted")
         };
         m.status = Status::Failed;
-        q.settle(&m, false).await.unwrap();
+        q.settle(&m).await.unwrap();
         m
     }
 
@@ -760,7 +756,7 @@ mod tests {
         };
         q.start_attempt(&m2).await.unwrap();
         m2.status = Status::Dropped;
-        q.settle(&m2, false).await.unwrap();
+        q.settle(&m2).await.unwrap();
         assert_eq!(q.newest_waiting("hook").unwrap(), 0);
         assert!(matches!(
             q.requeue("hook", "m1", 5).await.unwrap(),

@@ -32,6 +32,33 @@ async fn start(s3: &S3Server, upstream: &str, extra: &str) -> Fencegate {
     )
 }
 
+/// A fencegate with the queued route `hook` to a recording origin, and a
+/// worker holding lease `hook` at its first epoch.
+struct Queued {
+    s3: S3Server,
+    origin: Origin,
+    fg: Fencegate,
+    epochs: fencegate::lease::Epochs,
+    a: Holding,
+}
+
+impl Queued {
+    async fn start(extra: &str) -> Queued {
+        let s3 = S3Server::start();
+        let origin = Origin::start().await;
+        let fg = start(&s3, &origin.url("/v1/"), extra).await;
+        let epochs = s3.epochs().await;
+        let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+        Queued {
+            s3,
+            origin,
+            fg,
+            epochs,
+            a,
+        }
+    }
+}
+
 /// A keyed message; `status`: what the origin answers it (x-test-status).
 fn message(
     fg: &Fencegate,
@@ -90,16 +117,13 @@ fn accepted(r: &Reply) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_lease_order_is_acceptance_order_and_never_older_after_newer() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(
-        &s3,
-        &origin.url("/v1/"),
-        "retry = { schedule = [\"100ms\", \"100ms\", \"100ms\"] }",
-    )
-    .await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"100ms\", \"100ms\", \"100ms\"] }").await;
     // m1 fails every attempt; m2 waits behind it.
     accepted(&send(message(&fg, &a, "m1", "a-m1", 503)).await);
     accepted(&send(message(&fg, &a, "m2", "a-m2", 200)).await);
@@ -148,7 +172,7 @@ async fn per_lease_order_is_acceptance_order_and_never_older_after_newer() {
         )
     });
     fg.hup();
-    wait_for_reload(&fg).await;
+    wait_log(&fg, "config reloaded", 1).await;
     accepted(&send(message(&fg, &c, "m4", "c-m4", 503)).await);
     accepted(&send(message(&fg, &c, "m5", "c-m5", 200)).await);
     origin
@@ -178,16 +202,6 @@ async fn per_lease_order_is_acceptance_order_and_never_older_after_newer() {
     admin_post(&fg, "/v1/deliveries/hook/nope/retry")
         .await
         .assert_error(404, "delivery_not_found");
-}
-
-async fn wait_for_reload(fg: &Fencegate) {
-    for _ in 0..200 {
-        if fg.stderr().contains("config reloaded") {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("no reload: {}", fg.stderr());
 }
 
 /// This process has written `n` deliveries durably (the counter follows the
@@ -267,11 +281,13 @@ async fn a_receiver_down_then_back_gets_every_message_once_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_on_a_queued_route_is_refused_and_changes_nothing() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(&s3, &origin.url("/v1/"), "derive_key = \"none\"").await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs,
+        a,
+    } = Queued::start("derive_key = \"none\"").await;
     post(&fg, "/hook/events", &a, "no key")
         .await
         .assert_error(400, "dedup_key_missing");
@@ -375,16 +391,13 @@ fn queued_routes_refuse_what_they_cannot_keep() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_each_boundary_loses_nothing_and_repeats_only_the_unknown() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let mut fg = start(
-        &s3,
-        &origin.url("/v1/"),
-        "retry = { schedule = [\"100ms\"] }",
-    )
-    .await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        mut fg,
+        epochs: _epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"100ms\"] }").await;
     accepted(&send(message(&fg, &a, "warm", "warm", 200)).await);
     origin.wait_until("warm", |log| log.len() == 1).await;
     durably_delivered(&fg, 1).await;
@@ -444,21 +457,18 @@ async fn kill_9_at_each_boundary_loses_nothing_and_repeats_only_the_unknown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_switching_a_lease_between_queued_and_direct_is_refused() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(&s3, &origin.url("/v1/"), "").await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs: _epochs,
+        a,
+    } = Queued::start("").await;
     accepted(&send(message(&fg, &a, "k1", "one", 200)).await);
     durably_delivered(&fg, 1).await;
     fg.edit_config(|t| t.replace("delivery = \"queued\"\n", ""));
     fg.hup();
-    for _ in 0..200 {
-        if fg.stderr().contains("config reload refused") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    wait_log(&fg, "config reload refused", 1).await;
     assert!(
         fg.stderr()
             .contains("whether lease hook's requests are queued"),
@@ -536,11 +546,13 @@ async fn each_attempt_is_a_span_in_the_workers_trace() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_is_superseded_by_a_newer_attempt_even_one_dropped_since() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"1h\"] }").await;
     accepted(&send(message(&fg, &a, "m1", "a-m1", 400)).await);
     wait_status(&fg, "m1", |v| v["status"] == "failed").await;
     let b = force_next_epoch(&epochs, "hook", "worker-b", Duration::from_secs(60)).await;
@@ -566,11 +578,13 @@ async fn a_retry_is_superseded_by_a_newer_attempt_even_one_dropped_since() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_direct_route_on_a_lease_with_queued_messages_is_refused() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let mut fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        mut fg,
+        epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"1h\"] }").await;
     accepted(&send(message(&fg, &a, "m1", "a-m1", 500)).await);
     wait_status(&fg, "m1", |v| {
         v["status"] == "pending" && v["attempts"] == 1
@@ -663,16 +677,16 @@ async fn an_attempt_out_when_the_guard_lapses_is_cut() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordering_none_is_parallel_within_an_epoch_and_ordered_across() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(
-        &s3,
-        &origin.url("/v1/"),
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs,
+        a,
+    } = Queued::start(
         "ordering = \"none\"\nmax_in_flight = 3\nretry = { schedule = [\"100ms\", \"100ms\"] }",
     )
     .await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
     let slow = |h: &Holding, key: &str, payload: &str, status: u16| {
         let mut r = message(&fg, h, key, payload, status);
         r.headers_mut()
@@ -709,11 +723,13 @@ async fn ordering_none_is_parallel_within_an_epoch_and_ordered_across() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_holding_messages_cannot_move_to_another_lease() {
     skip_without_python!();
-    let s3 = S3Server::start();
-    let origin = Origin::start().await;
-    let fg = start(&s3, &origin.url("/v1/"), "retry = { schedule = [\"1h\"] }").await;
-    let epochs = s3.epochs().await;
-    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs: _epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"1h\"] }").await;
     accepted(&send(message(&fg, &a, "m1", "a-m1", 503)).await);
     wait_status(&fg, "m1", |v| {
         v["status"] == "pending" && v["attempts"] == 1

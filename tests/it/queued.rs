@@ -662,10 +662,16 @@ async fn an_attempt_out_when_the_guard_lapses_is_cut() {
         v["status"] == "pending" && v["unknown_outcomes"] == 1
     })
     .await;
-    relay.hold_requests(false);
+    // The cut attempt's bytes never leave the relay (fencegate closing its
+    // socket is asynchronous: released, they would reach the origin).
+    relay.cut_keeping_holds();
     s3.resume();
-    // Sent again once the instance holds its guard: the destination gets it
-    // from this attempt only (the cut one's bytes never left the relay).
+    // Sent again once the instance holds its guard again: held like the first.
+    eventually("the attempt after the guard is held again", || async {
+        relay.held_requests() > 0
+    })
+    .await;
+    relay.hold_requests(false);
     origin.wait_until("m1", |l| !l.is_empty()).await;
     durably_delivered(&fg, 1).await;
     assert_eq!(arrived(&origin), ["a-m1"]);

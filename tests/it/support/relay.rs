@@ -144,6 +144,15 @@ impl Relay {
         self.held_replies.store(0, Ordering::SeqCst);
     }
 
+    /// Ends every open connection at once, dropping what they hold, and keeps
+    /// the holds for the connections that come after (a cut attempt's bytes
+    /// never leave; its successor's wait like it did).
+    pub fn cut_keeping_holds(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+        self.held_requests.store(0, Ordering::SeqCst);
+        self.held_replies.store(0, Ordering::SeqCst);
+    }
+
     /// New connections are closed at once while `on` (the database is "down").
     pub fn refuse(&self, on: bool) {
         self.refuse.store(on, Ordering::SeqCst);

@@ -323,8 +323,8 @@ impl Admin {
                     self.resolve_form(req, &route, &key).await
                 }
             }
-            Endpoint::Deliveries => self.deliveries(&req)?,
-            Endpoint::DeliveryGet(route, key) => self.delivery(route, key)?,
+            Endpoint::Deliveries => self.deliveries(&req).await?,
+            Endpoint::DeliveryGet(route, key) => self.delivery(route, key).await?,
             Endpoint::DeliveryRetry(route, key) | Endpoint::DeliveryDrop(route, key) => {
                 let retry = matches!(ep, Endpoint::DeliveryRetry(..));
                 let (route, key) = (route.to_string(), key.to_string());

@@ -1389,12 +1389,6 @@ impl Config {
         if r.delivery != Delivery::Queued {
             return Ok(());
         }
-        if self.state.kind != StateKind::Sled || self.cluster.is_some() {
-            return Err(format!(
-                "route {:?}: delivery = \"queued\" needs a single instance on sled ([state] kind = \"sled\", no [cluster]); queues on PostgreSQL are not built yet",
-                r.name
-            ));
-        }
         if let Some(o) = self.routes.iter().find(|o| {
             o.lease == r.lease && o.delivery == Delivery::Queued && o.ordering != r.ordering
         }) {

@@ -253,6 +253,9 @@ impl AdminError {
                 crate::queue::Edit::State(_) => {
                     (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable")
                 }
+                crate::queue::Edit::NotServed => {
+                    (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable")
+                }
             },
         }
     }

@@ -24,7 +24,11 @@ const SHOWN: [Status; 3] = [Status::Failed, Status::Delivering, Status::Pending]
 /// figures, and rows `offset..offset + MESSAGES_PER_PAGE` of their messages not
 /// delivered. Each route's messages are read three times (once per status
 /// shown), keeping at most a page and what comes before it.
-fn panel(q: &Queue, routes: &[(String, String)], offset: usize) -> Result<QueuePanel, StateError> {
+async fn panel(
+    q: &Queue,
+    routes: &[(String, String)],
+    offset: usize,
+) -> Result<QueuePanel, StateError> {
     let need = offset + page::MESSAGES_PER_PAGE;
     let mut figures = Vec::with_capacity(routes.len());
     let mut rows: Vec<Message> = Vec::new();
@@ -32,12 +36,15 @@ fn panel(q: &Queue, routes: &[(String, String)], offset: usize) -> Result<QueueP
     for (route, lease) in routes {
         let mut counts = [0u64; 3];
         for (n, status) in SHOWN.into_iter().enumerate() {
-            let (found, count) = q.store.list(
-                Some(route),
-                None,
-                Some(status),
-                need.saturating_sub(rows.len()),
-            )?;
+            let (found, count) = q
+                .store
+                .list(
+                    Some(route),
+                    None,
+                    Some(status),
+                    need.saturating_sub(rows.len()),
+                )
+                .await?;
             counts[n] = count;
             rows.extend(found);
         }
@@ -45,7 +52,8 @@ fn panel(q: &Queue, routes: &[(String, String)], offset: usize) -> Result<QueueP
         // The metric's figure: the lease's head, if it is this route's.
         let oldest = q
             .store
-            .head(lease)?
+            .head(lease)
+            .await?
             .filter(|m| &m.route == route)
             .map(|m| ms_to_system(m.accepted_ms));
         figures.push(QueueRoute {
@@ -130,7 +138,7 @@ impl Admin {
     }
 
     /// `GET /v1/deliveries[?route=R][&lease=L][&status=S][&limit=N]`.
-    pub(super) fn deliveries<B>(
+    pub(super) async fn deliveries<B>(
         &self,
         req: &Request<B>,
     ) -> Result<Response<Full<Bytes>>, AdminError> {
@@ -166,9 +174,11 @@ impl Admin {
         }
         let (messages, total) = match &self.shared.queue {
             None => (Vec::new(), 0),
-            Some(q) => q
-                .store
-                .list(route.as_deref(), lease.as_deref(), status, limit)?,
+            Some(q) => {
+                q.store
+                    .list(route.as_deref(), lease.as_deref(), status, limit)
+                    .await?
+            }
         };
         let messages: Vec<_> = messages.iter().map(view).collect();
         Ok(json_response(
@@ -178,7 +188,7 @@ impl Admin {
     }
 
     /// `GET /v1/deliveries/{route}/{key}`.
-    pub(super) fn delivery(
+    pub(super) async fn delivery(
         &self,
         route: &str,
         key: &str,
@@ -187,7 +197,8 @@ impl Admin {
         let m = self
             .queue()?
             .store
-            .get(route, &key)?
+            .get(route, &key)
+            .await?
             .ok_or(AdminError::Delivery(Edit::NotFound))?;
         Ok(json_response(StatusCode::OK, view(&m)))
     }
@@ -288,7 +299,11 @@ impl Admin {
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0)
             .min(page::MESSAGES_PER_PAGE * (page::MESSAGE_PAGES - 1));
-        let read = tokio::task::spawn_blocking(move || panel(&queue, &routes, offset)).await;
+        // On sled the reads block: a blocking thread waits for them.
+        let runtime = tokio::runtime::Handle::current();
+        let read =
+            tokio::task::spawn_blocking(move || runtime.block_on(panel(&queue, &routes, offset)))
+                .await;
         let error = match read {
             Ok(Ok(p)) => return Some(p),
             Ok(Err(e)) => e.to_string(),

@@ -147,6 +147,8 @@ pub struct Cluster {
     /// Wakes the keeper for an early round (a request found no owner).
     nudged: tokio::sync::Notify,
     stopping: CancellationToken,
+    /// Work that follows each tenure here besides the fences (the queue).
+    work: std::sync::OnceLock<Arc<dyn TenureWork>>,
     /// Shards taken over from a dead owner.
     pub takeovers: AtomicU64,
     /// Shards handed over on a graceful leave.
@@ -162,6 +164,22 @@ pub struct Cluster {
     pub db_calls: AtomicU64,
     /// Anchor epochs created by this instance.
     pub anchor_creates: AtomicU64,
+}
+
+/// Work that follows a shard's tenure here besides its fences: the queue's
+/// deliverers (SPEC §11), which send a shard's messages only while it is
+/// served here, and whose attempts out are held to the tenure's abort deadline
+/// as forwarded requests are.
+pub trait TenureWork: Send + Sync {
+    /// A tenure of a shard whose leases are `leases` began here.
+    fn started(&self, leases: &[LeaseName]);
+    /// The tenure of `shard` ended here: nothing new starts on it, and what is
+    /// out may end until `deadline`, then is cut.
+    fn stop(
+        &self,
+        shard: u32,
+        deadline: Instant,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>>;
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -235,6 +253,7 @@ impl Cluster {
             members: Mutex::new(vec![cc.instance_id.clone()]),
             nudged: tokio::sync::Notify::new(),
             stopping: CancellationToken::new(),
+            work: std::sync::OnceLock::new(),
             takeovers: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             peer_forwards: AtomicU64::new(0),
@@ -245,6 +264,12 @@ impl Cluster {
         });
         cluster.check_set_up().await?;
         Ok(cluster)
+    }
+
+    /// Makes `work` follow every tenure here from now on (set once, before
+    /// the keeper runs).
+    pub fn follow(&self, work: Arc<dyn TenureWork>) {
+        let _ = self.work.set(work);
     }
 
     /// The live gate object of another set-up seen in the last keeper round.

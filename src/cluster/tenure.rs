@@ -137,6 +137,10 @@ impl Cluster {
             return;
         }
         g.serving.store(owner.generation, Ordering::SeqCst);
+        if let Some(w) = self.work.get() {
+            let leases: Vec<_> = g.leases.iter().map(|(l, _)| l.clone()).collect();
+            w.started(&leases);
+        }
         self.takeovers.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             shard,
@@ -242,6 +246,16 @@ impl Cluster {
         for (lease, drain) in &g.leases {
             let (fences, lease, at) = (self.fences.clone(), lease.clone(), deadline(*drain));
             stops.spawn(async move { fences.stop_owned(&lease, owner, at).await });
+        }
+        // The queue's attempts on the shard, held to the longest of its
+        // leases' bounds (the abort deadline, or a handover's drain).
+        if let Some(w) = self.work.get().cloned() {
+            let longest = g.leases.iter().map(|(_, d)| *d).max().unwrap_or_default();
+            let at = deadline(longest);
+            stops.spawn(async move {
+                w.stop(owner.shard, at).await;
+                true
+            });
         }
         stops
     }

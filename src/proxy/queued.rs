@@ -170,7 +170,12 @@ impl Proxy {
         let key = seen.key.insert(key);
         let fingerprint = hex::encode(dedup::fingerprint(&method, &path_query, &body));
         let line = RequestLine::new(&method, &path_query);
-        if let Some(m) = queue.store.get(&route.name, key.as_str()).map_err(state)? {
+        if let Some(m) = queue
+            .store
+            .get(&route.name, key.as_str())
+            .await
+            .map_err(state)?
+        {
             // Another request's acceptance may not be on disk yet: answer
             // from it only once it is.
             queue.store.durable().await.map_err(state)?;
@@ -230,7 +235,10 @@ impl Proxy {
         };
         let done = queue
             .store
-            .accept(msg, &envelope, || !pass.is_aborted())
+            .accept(fence.owner(), msg, &envelope, {
+                let abort = pass.abort_signal();
+                std::sync::Arc::new(move || !abort.is_aborted())
+            })
             .await
             .map_err(state);
         // Durable (or failed): a newer epoch's raise may go on.
@@ -296,6 +304,7 @@ impl Proxy {
         let m = queue
             .store
             .get(&route, &key)
+            .await
             .map_err(state)?
             .ok_or(ProxyError::DeliveryNotFound)?;
         if let Some(want) = &m.token_sha256 {

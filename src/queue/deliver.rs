@@ -17,6 +17,7 @@ use tokio::task::JoinSet;
 use super::{ms, Answer, Message, Queue, Status};
 use crate::forward::{self, UpstreamError};
 use crate::proxy::Route;
+use crate::state::Owner;
 use crate::streaming::UpBody;
 use crate::telemetry::{Kind, Spans};
 
@@ -57,13 +58,28 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             while running.join_next().await.is_some() {}
             return;
         }
-        let head = match q.store.head(&lease) {
+        let wakes = q.wakes(&lease);
+        let Some(owner) = (q.ctx.owner_of)(&lease) else {
+            if q.ctx.cluster {
+                // Not served here (a cluster): the shard's next tenure here
+                // starts this deliverer again. What it started ends first.
+                while running.join_next().await.is_some() {}
+                out.clear();
+                if q.retire(&lease, wakes) {
+                    return;
+                }
+            } else {
+                pause(&q, &notify, PAUSE).await;
+            }
+            continue;
+        };
+        let head = match q.store.head(&lease).await {
             Ok(Some(m)) => m,
             Ok(None) => {
                 // Attempts that settled the last messages end first.
                 while running.join_next().await.is_some() {}
                 out.clear();
-                if q.retire(&lease) {
+                if q.retire(&lease, wakes) {
                     return;
                 }
                 continue;
@@ -83,7 +99,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             .filter(|r| r.queued)
             .and_then(|r| r.parallel);
         if let Some(width) = parallel {
-            let wait = launch(&q, &lease, width, &mut running, &mut out);
+            let wait = launch(&q, &lease, owner, width, &mut running, &mut out).await;
             tokio::select! {
                 _ = q.ctx.stop.cancelled() => {}
                 _ = notify.notified() => {}
@@ -127,11 +143,14 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 continue;
             }
         };
-        if !may_send(&q) {
-            pause(&q, &notify, PAUSE).await;
-            continue;
-        }
-        if let Err(e) = attempt(&q, route, head, ticket).await {
+        if let Err(e) = attempt(&q, route, owner, head, ticket).await {
+            if let crate::state::StateError::OwnerLost { .. } = e {
+                // A newer owner holds the shard: this instance sends nothing
+                // more of it (and soon sees it is not served here).
+                tracing::info!(lease, error = %e, "the lease's queue is delivered by the shard's new owner");
+                pause(&q, &notify, PAUSE).await;
+                continue;
+            }
             tracing::warn!(lease, error = %e, "a delivery attempt could not be written; trying again");
             // Nothing after it goes before what it wrote is durable: a settle
             // that is in sled's memory but not on disk would otherwise let the
@@ -149,14 +168,15 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
 /// next epoch is at the front only once none of this epoch is left, so epoch
 /// order holds; within an epoch there is none. How long to wait at most
 /// before looking again.
-fn launch(
+async fn launch(
     q: &Arc<Queue>,
     lease: &str,
+    owner: Owner,
     width: usize,
     running: &mut JoinSet<(String, String)>,
     out: &mut HashSet<(String, String)>,
 ) -> Duration {
-    let front = match q.store.front(lease, width.saturating_mul(4).max(64)) {
+    let front = match q.store.front(lease, width.saturating_mul(4).max(64)).await {
         Ok(f) => f,
         Err(e) => {
             tracing::warn!(lease, error = %e, "cannot read the queue; trying again");
@@ -188,15 +208,12 @@ fn launch(
                 break;
             }
         };
-        if !may_send(q) {
-            return PAUSE;
-        }
         out.insert(key.clone());
         let q = q.clone();
         running.spawn(async move {
             let live = q.ctx.live.current();
             if let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) {
-                if let Err(e) = attempt(&q, route, m, ticket).await {
+                if let Err(e) = attempt(&q, route, owner, m, ticket).await {
                     tracing::warn!(error = %e, "a delivery attempt could not be written; trying again");
                     while q.store.durable().await.is_err() && !q.ctx.stop.is_cancelled() {
                         tokio::time::sleep(PAUSE).await;
@@ -209,10 +226,11 @@ fn launch(
     wait
 }
 
-/// SPEC §10 applied to the queue: this instance sends only while it holds its
-/// place (the instance guard) and the state is its set-up's.
-fn may_send(q: &Queue) -> bool {
-    (q.ctx.may_send)()
+/// SPEC §10 applied to the queue: this instance sends `lease`'s messages only
+/// while it holds its place under `owner` (the instance guard, the shard's
+/// tenure) and the state is its set-up's.
+fn may_send(q: &Queue, lease: &str, owner: Owner) -> bool {
+    (q.ctx.owner_of)(lease) == Some(owner)
 }
 
 /// Waits for `d`, a wake-up or shutdown.
@@ -227,10 +245,11 @@ async fn pause(q: &Queue, notify: &Notify, d: Duration) {
 async fn attempt(
     q: &Queue,
     route: &Route,
+    owner: Owner,
     mut m: Message,
     ticket: crate::protect::Ticket,
 ) -> Result<(), crate::state::StateError> {
-    let Some(envelope) = q.store.envelope(&m.route, &m.key)? else {
+    let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {
         return Err(crate::state::StateError::Write(format!(
             "the request of queued message {}/{} is gone",
             m.route, m.key
@@ -239,12 +258,12 @@ async fn attempt(
     // Counted out before shutdown is looked at: shutdown cancels `stop`, then
     // waits for what is out (SeqCst both sides), so an attempt either sees
     // the stop or is waited for.
-    let Some(_out) = Out::enter(q) else {
+    let Some(_out) = Out::enter(q, owner.shard) else {
         return Ok(());
     };
     let edit = q.edits.lock().await;
     // An operator may have changed it since it was read as the head.
-    match q.store.get(&m.route, &m.key)? {
+    match q.store.get(&m.route, &m.key).await? {
         Some(now)
             if now.status == m.status
                 && now.seq == m.seq
@@ -260,25 +279,26 @@ async fn attempt(
     m.status = Status::Delivering;
     m.attempts += 1;
     m.updated_ms = now;
-    q.store.start_attempt(&m).await?;
+    // Refused once a newer owner holds the shard: the attempt is not sent.
+    q.store.start_attempt(owner, &m).await?;
     drop(edit);
     crate::failpoint::hit("queue_attempt_started");
     let request = match build(q, route, &m, envelope) {
         Ok(r) => r,
         Err(why) => {
             drop(ticket);
-            return finish(q, route, m, Came::Unbuildable(why)).await;
+            return finish(q, route, owner, m, Came::Unbuildable(why)).await;
         }
     };
     // What cuts this attempt, taken before the last check: a cut after the
     // check reaches it (one before it, the check sees).
-    let cut = q.cut_token();
+    let cut = q.cut_token(owner.shard);
     // The last check, right before the send (nothing awaited between them).
-    if !may_send(q) {
+    if !may_send(q, &m.lease, owner) {
         drop(ticket);
         m.status = Status::Pending;
         m.attempts -= 1;
-        q.store.put(&m).await?;
+        q.store.put(owner, &m).await?;
         q.count(&m.route, "not_sent");
         return Ok(());
     }
@@ -312,7 +332,7 @@ async fn attempt(
         result.is_failure().then_some("the attempt failed"),
     );
     crate::failpoint::hit("queue_attempt_answered");
-    finish(q, route, m, result).await
+    finish(q, route, owner, m, result).await
 }
 
 impl Came {
@@ -342,21 +362,36 @@ impl Came {
 }
 
 /// An attempt counted as out ([`Queue::stop`] waits for it).
-struct Out<'q>(&'q Queue);
+/// An attempt counted as out ([`Queue::stop`] and [`Queue::stop_shard`] wait
+/// for it).
+struct Out<'q>(&'q Queue, u32);
 
 impl<'q> Out<'q> {
-    fn enter(q: &'q Queue) -> Option<Out<'q>> {
+    fn enter(q: &'q Queue, shard: u32) -> Option<Out<'q>> {
         q.out.fetch_add(1, Ordering::SeqCst);
-        let out = Out(q);
+        *q.out_by_shard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(shard)
+            .or_default() += 1;
+        let out = Out(q, shard);
         (!q.ctx.stop.is_cancelled()).then_some(out)
     }
 }
 
 impl Drop for Out<'_> {
     fn drop(&mut self) {
-        if self.0.out.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.idle.notify_waiters();
+        if let Some(n) = self
+            .0
+            .out_by_shard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(&self.1)
+        {
+            *n = n.saturating_sub(1);
         }
+        self.0.out.fetch_sub(1, Ordering::SeqCst);
+        self.0.idle.notify_waiters();
     }
 }
 
@@ -400,7 +435,7 @@ async fn send(
     let stop = async move {
         tokio::select! {
             _ = abandon.cancelled() => "shutdown gave up on it",
-            _ = cut.cancelled() => "this instance's guard lapsed: it may no longer send",
+            _ = cut.cancelled() => "this instance may no longer send (its guard lapsed, or the shard's tenure ended)",
         }
     };
     tokio::pin!(stop);
@@ -469,6 +504,7 @@ async fn send(
 async fn finish(
     q: &Queue,
     route: &Route,
+    owner: Owner,
     mut m: Message,
     result: Came,
 ) -> Result<(), crate::state::StateError> {
@@ -480,7 +516,7 @@ async fn finish(
             m.last_status = Some(answer.status);
             m.last_error = None;
             m.answer = Some(answer);
-            q.store.settle(&m).await?;
+            q.store.settle(owner, &m).await?;
             // Counted once durable: a scrape that sees it may rely on it.
             q.count(&m.route, "delivered");
             crate::failpoint::hit("queue_delivered");
@@ -488,7 +524,7 @@ async fn finish(
         Came::Unbuildable(why) => {
             m.status = Status::Failed;
             m.last_error = Some(format!("could not be built: {why}"));
-            q.store.settle(&m).await?;
+            q.store.settle(owner, &m).await?;
             q.count(&m.route, "failed");
             tracing::warn!(
                 route = m.route,
@@ -503,7 +539,7 @@ async fn finish(
             m.last_error = Some(format!(
                 "the destination refused it ({status}): not retried"
             ));
-            q.store.settle(&m).await?;
+            q.store.settle(owner, &m).await?;
             q.count(&m.route, "failed");
             tracing::warn!(
                 route = m.route,
@@ -535,12 +571,12 @@ async fn finish(
                     }
                     m.status = Status::Pending;
                     m.next_attempt_ms = now + wait.as_millis() as u64;
-                    q.store.put(&m).await?;
+                    q.store.put(owner, &m).await?;
                     q.count(&m.route, "retry");
                 }
                 None => {
                     m.status = Status::Failed;
-                    q.store.settle(&m).await?;
+                    q.store.settle(owner, &m).await?;
                     q.count(&m.route, "failed");
                     tracing::warn!(
                         route = m.route,

@@ -13,6 +13,8 @@
 //! overtakes the queue either.
 
 mod deliver;
+pub mod postgres;
+pub mod sled;
 pub mod store;
 
 use std::collections::HashMap;
@@ -31,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::live::LiveConfig;
 use crate::metrics::{emit, Metrics};
-use crate::state::StateError;
+use crate::state::{Owner, StateError};
 pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
 
 /// Why `routes` cannot serve beside the messages this queue holds (start-up
@@ -39,11 +41,11 @@ pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
 /// queue holds messages that may still be sent would overtake them, and a
 /// queued route moved to another lease would answer that lease's workers from
 /// them (and deliver them in the old lease's order).
-pub(crate) fn conflict(
+pub(crate) async fn conflict(
     store: &QueueStore,
     routes: &[crate::config::RouteConfig],
 ) -> Result<Option<String>, StateError> {
-    let holding = store.holding()?;
+    let holding = store.holding().await?;
     for r in routes {
         let queued = r.delivery == crate::config::Delivery::Queued;
         for (route, lease) in &holding {
@@ -85,14 +87,26 @@ pub enum Edit {
     #[error("the state store: {0}")]
     /// The state could not be read or written.
     State(#[from] StateError),
+    #[error("this instance does not serve the message's lease now (SPEC §10): act on the instance that owns its shard")]
+    /// Its lease is not served here now.
+    NotServed,
 }
+
+/// The owner under which a lease's messages may be written and sent now.
+pub(crate) type OwnerOf = Box<dyn Fn(&str) -> Option<Owner> + Send + Sync>;
 
 /// What the deliverers need of the rest of fencegate.
 pub(crate) struct Context {
     pub live: Arc<LiveConfig>,
-    /// SPEC §10 applied to the queue: whether this instance may send now (it
-    /// holds its instance guard, and its state is its set-up's).
-    pub may_send: Box<dyn Fn() -> bool + Send + Sync>,
+    /// SPEC §10 applied to the queue: the owner under which this instance may
+    /// write and send a lease's messages now — it holds its instance guard
+    /// (a single instance) or serves the lease's shard (a cluster), and its
+    /// state is its set-up's; `None` otherwise.
+    pub owner_of: OwnerOf,
+    /// A cluster: a deliverer whose lease is not served here stops, and the
+    /// shard's next tenure here starts it again ([`Queue::serve_shard`]); a
+    /// single instance's waits for its guard.
+    pub cluster: bool,
     pub clock: Arc<dyn Clock>,
     /// Shutdown: no new attempt starts.
     pub stop: CancellationToken,
@@ -106,14 +120,21 @@ struct Counts {
     attempts: HashMap<(String, &'static str), u64>,
 }
 
+/// A running deliverer: what wakes it, and how many times it was woken (it
+/// stops only if none came since it last looked at its queue).
+struct Running {
+    notify: Arc<Notify>,
+    wakes: u64,
+}
+
 /// The queue: its records, a deliverer task per lease with messages, and its
 /// figures.
 pub struct Queue {
-    /// The messages, on sled.
+    /// The messages, on sled or in PostgreSQL.
     pub store: QueueStore,
     /// Per lease whose deliverer runs, what wakes it (a new message, an
-    /// operator's action).
-    running: Mutex<HashMap<String, Arc<Notify>>>,
+    /// operator's action, a takeover).
+    running: Mutex<HashMap<String, Running>>,
     counts: Mutex<Counts>,
     unknown: AtomicU64,
     /// Held while a message is read and changed by the deliverer (its attempt
@@ -121,10 +142,16 @@ pub struct Queue {
     edits: tokio::sync::Mutex<()>,
     /// Attempts out now, and what wakes [`Queue::stop`] when one ends.
     out: AtomicU64,
+    /// Attempts out now per shard (a cluster's tenure waits for its own).
+    out_by_shard: Mutex<HashMap<u32, u64>>,
     idle: Notify,
-    /// Cancelled to cut every attempt out now (the instance guard lapsed or
-    /// was taken, SPEC §10.1), then replaced for the attempts after.
-    cut: Mutex<CancellationToken>,
+    /// Per shard, cancelled to cut every attempt out now on it (the instance
+    /// guard lapsed or was taken, SPEC §10.1; the shard's tenure ended,
+    /// §10.2), then replaced for the attempts after.
+    cut: Mutex<HashMap<u32, CancellationToken>>,
+    /// The PostgreSQL queue's figures, read in the background (a scrape
+    /// does not wait for the database).
+    depth: Mutex<HashMap<String, (u64, u64)>>,
     /// Trace export (`[telemetry]`): a span per attempt.
     telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
     ctx: Context,
@@ -139,9 +166,11 @@ impl Queue {
             unknown: AtomicU64::new(0),
             edits: tokio::sync::Mutex::new(()),
             out: AtomicU64::new(0),
+            out_by_shard: Mutex::new(HashMap::new()),
             idle: Notify::new(),
             telemetry: std::sync::OnceLock::new(),
-            cut: Mutex::new(CancellationToken::new()),
+            cut: Mutex::new(HashMap::new()),
+            depth: Mutex::new(HashMap::new()),
             ctx,
         })
     }
@@ -151,13 +180,72 @@ impl Queue {
     /// unknown; each is sent again once the instance may send.
     pub(crate) fn cut_attempts(&self) {
         let mut cut = self.cut.lock().unwrap_or_else(|p| p.into_inner());
-        cut.cancel();
-        *cut = CancellationToken::new();
+        for (_, t) in cut.drain() {
+            t.cancel();
+        }
     }
 
-    /// What cuts an attempt starting now ([`Queue::cut_attempts`]).
-    fn cut_token(&self) -> CancellationToken {
-        self.cut.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    /// Cuts the attempts out now on `shard` (its tenure here ended).
+    fn cut_shard(&self, shard: u32) {
+        if let Some(t) = self
+            .cut
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&shard)
+        {
+            t.cancel();
+        }
+    }
+
+    /// What cuts an attempt on `shard` starting now ([`Queue::cut_attempts`],
+    /// [`Queue::cut_shard`]).
+    fn cut_token(&self, shard: u32) -> CancellationToken {
+        self.cut
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(shard)
+            .or_default()
+            .clone()
+    }
+
+    /// A cluster's tenure of `owner.shard` began here: the deliverers of its
+    /// leases with messages start (a `delivering` message among them was cut
+    /// mid-attempt by the previous owner: its outcome is unknown, and it is
+    /// sent again first).
+    pub(crate) fn serve_shard(self: &Arc<Self>, leases: &[crate::epoch::LeaseName]) {
+        for l in leases {
+            self.wake(l.as_str());
+        }
+    }
+
+    /// A cluster's tenure of `shard` ended here: no attempt starts on it (its
+    /// deliverers find their lease not served), and those out may end until
+    /// `deadline`, then are cut — the bound a forwarded request of the shard
+    /// has (SPEC §10.2).
+    pub(crate) async fn stop_shard(&self, shard: u32, deadline: tokio::time::Instant) {
+        let ended = async {
+            loop {
+                let idle = self.idle.notified();
+                let out = self
+                    .out_by_shard
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&shard)
+                    .copied()
+                    .unwrap_or(0);
+                if out == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        if tokio::time::timeout_at(deadline, ended).await.is_err() {
+            tracing::warn!(
+                shard,
+                "delivery attempts still out when the shard's tenure ended are cut; their outcome is unknown and the shard's next owner sends them again"
+            );
+            self.cut_shard(shard);
+        }
     }
 
     /// Traces each attempt from now on (`[telemetry]`).
@@ -168,10 +256,13 @@ impl Queue {
     /// Starts a deliverer for every lease with messages left by an earlier run
     /// (a `delivering` one among them was cut mid-attempt: its outcome is
     /// unknown, and it is sent again first).
-    pub(crate) fn start(self: &Arc<Self>) -> Result<usize, StateError> {
-        let leases = self.store.leases_with_work()?;
+    pub(crate) async fn start(self: &Arc<Self>) -> Result<usize, StateError> {
+        let leases = self.store.leases_with_work().await?;
         for l in &leases {
             self.wake(l);
+        }
+        if matches!(self.store, QueueStore::Postgres(_)) {
+            tokio::spawn(self.clone().read_depth(Duration::from_secs(1)));
         }
         Ok(leases.len())
     }
@@ -179,26 +270,56 @@ impl Queue {
     /// Wakes `lease`'s deliverer, starting it if it is not running.
     pub(crate) fn wake(self: &Arc<Self>, lease: &str) {
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = running.get(lease) {
-            n.notify_one();
+        if let Some(r) = running.get_mut(lease) {
+            r.wakes += 1;
+            r.notify.notify_one();
             return;
         }
         let notify = Arc::new(Notify::new());
-        running.insert(lease.to_owned(), notify.clone());
+        running.insert(
+            lease.to_owned(),
+            Running {
+                notify: notify.clone(),
+                wakes: 0,
+            },
+        );
         tokio::spawn(deliver::run(self.clone(), lease.to_owned(), notify));
     }
 
-    /// `lease`'s deliverer found nothing to do: it stops, unless a message
-    /// came meanwhile (checked under the same lock [`Queue::wake`] takes, so a
-    /// message accepted now either is seen here or starts a new deliverer).
-    fn retire(&self, lease: &str) -> bool {
+    /// How many times `lease`'s deliverer was woken: read before it looks at
+    /// its queue, and given back to [`Queue::retire`].
+    fn wakes(&self, lease: &str) -> u64 {
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(lease)
+            .map_or(0, |r| r.wakes)
+    }
+
+    /// `lease`'s deliverer found nothing to do (or its lease is not served
+    /// here): it stops, unless it was woken since it looked (`wakes`, under
+    /// the lock [`Queue::wake`] takes: a message accepted meanwhile either
+    /// was seen or starts a new deliverer).
+    fn retire(&self, lease: &str, wakes: u64) -> bool {
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-        match self.store.head(lease) {
-            Ok(None) => {
-                running.remove(lease);
-                true
+        if running.get(lease).is_some_and(|r| r.wakes == wakes) {
+            running.remove(lease);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Reads the PostgreSQL queue's figures every `every` (metrics).
+    async fn read_depth(self: Arc<Self>, every: Duration) {
+        loop {
+            if let Ok(d) = self.store.depth().await {
+                *self.depth.lock().unwrap_or_else(|p| p.into_inner()) = d;
             }
-            _ => false,
+            tokio::select! {
+                _ = self.ctx.stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
         }
     }
 
@@ -226,16 +347,17 @@ impl Queue {
     /// (the order rule has no exemption, not even an operator's).
     pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
-        let mut m = self.store.get(route, key)?.ok_or(Edit::NotFound)?;
+        let mut m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
+        let owner = (self.ctx.owner_of)(&m.lease).ok_or(Edit::NotServed)?;
         let now = ms(self.ctx.clock.now());
         let m = match m.status {
             Status::Pending => {
                 m.next_attempt_ms = now;
                 m.updated_ms = now;
-                self.store.put(&m).await?;
+                self.store.put(owner, &m).await?;
                 m
             }
-            Status::Failed => match self.store.requeue(route, key, now).await? {
+            Status::Failed => match self.store.requeue(owner, route, key, now).await? {
                 store::Requeued::Done(m) => *m,
                 store::Requeued::Gone => return Err(Edit::NotFound),
                 store::Requeued::NotFailed(s) => return Err(Edit::Conflict(s)),
@@ -255,13 +377,14 @@ impl Queue {
         key: &str,
     ) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
-        let mut m = self.store.get(route, key)?.ok_or(Edit::NotFound)?;
+        let mut m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
+        let owner = (self.ctx.owner_of)(&m.lease).ok_or(Edit::NotServed)?;
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
-        self.store.settle(&m).await?;
+        self.store.settle(owner, &m).await?;
         self.wake(&m.lease);
         Ok(m)
     }
@@ -296,6 +419,24 @@ impl Queue {
     }
 }
 
+/// The queue following a cluster's tenures (SPEC §10.2): a shard's
+/// deliverers start with its tenure here, and its attempts out end with it.
+pub(crate) struct FollowTenures(pub Arc<Queue>);
+
+impl crate::cluster::TenureWork for FollowTenures {
+    fn started(&self, leases: &[crate::epoch::LeaseName]) {
+        self.0.serve_shard(leases);
+    }
+
+    fn stop(
+        &self,
+        shard: u32,
+        deadline: tokio::time::Instant,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
+        Box::pin(self.0.stop_shard(shard, deadline))
+    }
+}
+
 struct QueueCollector(Arc<Queue>);
 
 impl std::fmt::Debug for QueueCollector {
@@ -312,7 +453,11 @@ impl Collector for QueueCollector {
         for r in q.ctx.live.current().routes.iter().filter(|r| r.queued) {
             depth.insert(r.name.clone(), (0, now));
         }
-        for (route, (n, oldest)) in q.store.depth().unwrap_or_default() {
+        let found = match q.store.depth_now() {
+            Some(d) => d.unwrap_or_default(),
+            None => q.depth.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        };
+        for (route, (n, oldest)) in found {
             depth.insert(route, (n as i64, oldest.min(now)));
         }
         let mut rows: Vec<_> = depth.into_iter().collect();

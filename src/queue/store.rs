@@ -1,26 +1,16 @@
-//! The queue's records on sled (SPEC §11), beside the marks and dedup records
-//! of [`SledState`] and made durable by its group commit.
-//!
-//! Trees: `queue` (route \0 key → the message's [`Message`], JSON),
-//! `queue_requests` (route \0 key → the request as it will be sent; written
-//! once), `queue_order` (lease \0 seq → route \0 key, only for messages not
-//! settled: a lease's head is its first entry), `queue_seq` (lease → the next
-//! sequence number) and `queue_sent` (lease → the newest epoch of which a
-//! message was sent). An acceptance writes the first four in one sled
-//! transaction (all or nothing after a crash), under one lock that also orders
-//! the sequence numbers.
+//! The queue's records (SPEC §11): what a message is, and where it is kept —
+//! on sled beside the marks (a single instance, [`super::sled`]) or in
+//! PostgreSQL, every write under the shard owner's generation (a cluster, or
+//! a single instance on PostgreSQL, [`super::postgres`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use sled::transaction::{ConflictableTransactionError, TransactionError};
-use sled::Transactional;
 
-use crate::state::sled::SledState;
-use crate::state::{StateError, StoredResponse};
+use crate::state::{Owner, StateError, StoredResponse};
 
 /// Where a message stands (SPEC §11).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -183,7 +173,7 @@ struct EnvelopeHead {
 }
 
 impl Envelope {
-    fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let head = EnvelopeHead {
             method: self.method.clone(),
             rest: self.rest.clone(),
@@ -202,7 +192,7 @@ impl Envelope {
         out
     }
 
-    fn decode(raw: &[u8]) -> Option<Envelope> {
+    pub(crate) fn decode(raw: &[u8]) -> Option<Envelope> {
         let len = u32::from_be_bytes(raw.get(..4)?.try_into().ok()?) as usize;
         let head: EnvelopeHead = serde_json::from_slice(raw.get(4..4 + len)?).ok()?;
         Some(Envelope {
@@ -243,567 +233,198 @@ pub enum Accepted {
     Aborted,
 }
 
-fn db_err(e: sled::Error) -> StateError {
-    StateError::Write(e.to_string())
+/// Where the queue is kept: sled (a single instance) or PostgreSQL (a
+/// cluster, or a single instance on PostgreSQL). Writes name the [`Owner`]
+/// they are made under; sled has one owner and ignores it.
+pub enum QueueStore {
+    /// Trees beside the marks, on sled.
+    Sled(super::sled::SledQueue),
+    /// Tables beside the dedup records, in PostgreSQL.
+    Postgres(super::postgres::PgQueue),
 }
 
-fn id(route: &str, key: &str) -> Vec<u8> {
-    let mut v = Vec::with_capacity(route.len() + 1 + key.len());
-    v.extend_from_slice(route.as_bytes());
-    v.push(0);
-    v.extend_from_slice(key.as_bytes());
-    v
-}
+/// What a pass being admitted still looks like when its place is taken.
+pub type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
 
-fn order_key(lease: &str, seq: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(lease.len() + 9);
-    v.extend_from_slice(lease.as_bytes());
-    v.push(0);
-    v.extend_from_slice(&seq.to_be_bytes());
-    v
-}
-
-fn lease_prefix(lease: &str) -> Vec<u8> {
-    let mut v = lease.as_bytes().to_vec();
-    v.push(0);
-    v
-}
-
-fn u64_of(v: Option<sled::IVec>) -> u64 {
-    v.and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
-        .map(u64::from_be_bytes)
-        .unwrap_or(0)
-}
-
-fn decode(raw: &[u8]) -> Result<Message, StateError> {
-    serde_json::from_slice(raw).map_err(|e| StateError::Write(format!("a queued message: {e}")))
-}
-
-fn encode(m: &Message) -> Vec<u8> {
-    serde_json::to_vec(m).unwrap_or_default()
-}
-
-/// The queue's trees in sled.
-pub struct QueueStore {
-    sled: Arc<SledState>,
-    msgs: sled::Tree,
-    requests: sled::Tree,
-    order: sled::Tree,
-    seqs: sled::Tree,
-    sent: sled::Tree,
-    /// Orders acceptances: a sequence number is taken, and the pass checked,
-    /// under it (a leaf lock; nothing is awaited under it).
-    accepting: Mutex<()>,
-}
+/// Per route: messages not settled, and when the oldest lease head among
+/// them was accepted (ms).
+pub type Depth = std::collections::HashMap<String, (u64, u64)>;
 
 impl QueueStore {
-    /// Opens the queue's trees in `sled`'s database.
-    pub fn open(sled: Arc<SledState>) -> Result<QueueStore, StateError> {
-        let db = sled.db();
-        Ok(QueueStore {
-            msgs: db.open_tree("queue").map_err(db_err)?,
-            requests: db.open_tree("queue_requests").map_err(db_err)?,
-            order: db.open_tree("queue_order").map_err(db_err)?,
-            seqs: db.open_tree("queue_seq").map_err(db_err)?,
-            sent: db.open_tree("queue_sent").map_err(db_err)?,
-            sled,
-            accepting: Mutex::new(()),
-        })
-    }
-
     /// Accepts `msg` (its `seq` is assigned here) with its request, unless its
-    /// key has a message already; `admitted` is asked under the lock that
-    /// orders acceptances, right before the sequence number is taken (SPEC §11:
-    /// a pass aborted by a newer epoch's drain takes no place after it).
-    /// Durable on return.
+    /// key has a message already; `admitted` is asked once the lease's next
+    /// place is held and before it is taken (SPEC §11: a pass aborted by a
+    /// newer epoch's drain takes no place after it). Durable on return.
     pub async fn accept(
         &self,
-        mut msg: Message,
+        owner: Owner,
+        msg: Message,
         envelope: &Envelope,
-        admitted: impl Fn() -> bool,
+        admitted: Admitted,
     ) -> Result<Accepted, StateError> {
-        let mid = id(&msg.route, &msg.key);
-        {
-            let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(old) = self.msgs.get(&mid).map_err(db_err)? {
-                return Ok(Accepted::Exists(decode(&old)?));
-            }
-            if !admitted() {
-                return Ok(Accepted::Aborted);
-            }
-            msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
-            let meta = encode(&msg);
-            let request = envelope.encode();
-            let okey = order_key(&msg.lease, msg.seq);
-            (&self.msgs, &self.requests, &self.order, &self.seqs)
-                .transaction(|(msgs, reqs, order, seqs)| {
-                    msgs.insert(mid.as_slice(), meta.as_slice())?;
-                    reqs.insert(mid.as_slice(), request.as_slice())?;
-                    order.insert(okey.as_slice(), mid.as_slice())?;
-                    seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
-                    Ok::<_, ConflictableTransactionError<()>>(())
-                })
-                .map_err(tx_err)?;
+        match self {
+            QueueStore::Sled(s) => s.accept(msg, envelope, || admitted()).await,
+            QueueStore::Postgres(p) => p.accept(owner, msg, envelope, admitted).await,
         }
-        crate::failpoint::hit("queue_accept_written");
-        self.sled.commit().await?;
-        Ok(Accepted::New(msg))
     }
 
     /// The message of `route`, `key`, if there is one.
-    pub fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
-        self.msgs
-            .get(id(route, key))
-            .map_err(db_err)?
-            .map(|v| decode(&v))
-            .transpose()
+    pub async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.get(route, key),
+            QueueStore::Postgres(p) => p.get(route, key).await,
+        }
     }
 
     /// The request of `route`, `key`.
-    pub fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
-        match self.requests.get(id(route, key)).map_err(db_err)? {
-            None => Ok(None),
-            Some(v) => Envelope::decode(&v)
-                .map(Some)
-                .ok_or_else(|| StateError::Write("a queued request is unreadable".into())),
+    pub async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.envelope(route, key),
+            QueueStore::Postgres(p) => p.envelope(route, key).await,
         }
     }
 
     /// The first message of `lease` not settled, if any.
-    pub fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
-        let Some(entry) = self.order.scan_prefix(lease_prefix(lease)).next() else {
-            return Ok(None);
-        };
-        let (_, mid) = entry.map_err(db_err)?;
-        match self.msgs.get(&mid).map_err(db_err)? {
-            Some(v) => decode(&v).map(Some),
-            None => Err(StateError::Write(format!(
-                "lease {lease}'s queue names a message that is gone"
-            ))),
+    pub async fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.head(lease),
+            QueueStore::Postgres(p) => p.head(lease).await,
         }
-    }
-
-    /// Leases with messages not settled (start-up).
-    pub fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
-        let mut out: Vec<String> = Vec::new();
-        for item in self.order.iter() {
-            let (k, _) = item.map_err(db_err)?;
-            let Some(at) = k.iter().position(|b| *b == 0) else {
-                continue;
-            };
-            let lease = String::from_utf8_lossy(&k[..at]).into_owned();
-            if out.last() != Some(&lease) {
-                out.push(lease);
-            }
-        }
-        Ok(out)
     }
 
     /// Up to `max` messages at the front of `lease`'s queue that have the
     /// epoch of its head (in place order): what `ordering = "none"` may send
     /// at once.
-    pub fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
-        let mut out: Vec<Message> = Vec::new();
-        for item in self.order.scan_prefix(lease_prefix(lease)) {
-            let (_, mid) = item.map_err(db_err)?;
-            let Some(v) = self.msgs.get(&mid).map_err(db_err)? else {
-                break;
-            };
-            let m = decode(&v)?;
-            if out.first().is_some_and(|h| h.epoch != m.epoch) || out.len() >= max {
-                break;
-            }
-            out.push(m);
+    pub async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.front(lease, max),
+            QueueStore::Postgres(p) => p.front(lease, max).await,
         }
-        Ok(out)
     }
 
-    /// (route, lease) of every message that may still be sent: pending or
-    /// delivering, or failed (an operator may retry it). A direct route on
-    /// such a lease could overtake it, and a route moved to another lease
-    /// would answer that lease's workers from it (SPEC §11). One pass over
-    /// the messages: start-up and reload only.
-    pub fn holding(&self) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
-        let mut out = std::collections::BTreeSet::new();
-        for item in self.msgs.iter() {
-            let (_, v) = item.map_err(db_err)?;
-            let m = decode(&v)?;
-            if matches!(
-                m.status,
-                Status::Pending | Status::Delivering | Status::Failed
-            ) {
-                out.insert((m.route, m.lease));
-            }
+    /// Leases with messages not settled (start-up, a takeover).
+    pub async fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.leases_with_work(),
+            QueueStore::Postgres(p) => p.leases_with_work().await,
         }
-        Ok(out)
+    }
+
+    /// (route, lease) of every message that may still be sent (start-up and
+    /// reload: [`super::conflict`]).
+    pub async fn holding(
+        &self,
+    ) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.holding(),
+            QueueStore::Postgres(p) => p.holding().await,
+        }
     }
 
     /// Per route, how many messages are not settled and when the oldest
-    /// lease head among them was accepted (metrics). Reads the order index,
-    /// decoding only each lease's head: a scrape costs one pass over the keys,
-    /// not a decode per message.
-    pub fn depth(&self) -> Result<std::collections::HashMap<String, (u64, u64)>, StateError> {
-        use std::collections::{BTreeSet, HashMap};
-        // Per route: messages and the leases they wait in; per lease: its
-        // head's acceptance time (what holds everything behind it).
-        let mut routes: HashMap<String, (u64, BTreeSet<Vec<u8>>)> = HashMap::new();
-        let mut heads: HashMap<Vec<u8>, u64> = HashMap::new();
-        for item in self.order.iter() {
-            let (k, mid) = item.map_err(db_err)?;
-            let lease = k
-                .get(..k.len().saturating_sub(9))
-                .unwrap_or_default()
-                .to_vec();
-            let Some(at) = mid.iter().position(|b| *b == 0) else {
-                continue;
-            };
-            let route = String::from_utf8_lossy(&mid[..at]).into_owned();
-            if !heads.contains_key(&lease) {
-                let accepted = match self.msgs.get(&mid).map_err(db_err)? {
-                    Some(v) => decode(&v)?.accepted_ms,
-                    None => u64::MAX,
-                };
-                heads.insert(lease.clone(), accepted);
-            }
-            let r = routes.entry(route).or_default();
-            r.0 += 1;
-            r.1.insert(lease);
+    /// lease head among them was accepted (metrics).
+    pub async fn depth(&self) -> Result<Depth, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.depth(),
+            QueueStore::Postgres(p) => p.depth().await,
         }
-        Ok(routes
-            .into_iter()
-            .map(|(route, (n, leases))| {
-                let oldest = leases
-                    .iter()
-                    .filter_map(|l| heads.get(l))
-                    .copied()
-                    .min()
-                    .unwrap_or(u64::MAX);
-                (route, (n, oldest))
-            })
-            .collect())
     }
 
-    /// The epoch of the last message waiting in `lease`'s queue (0: none) —
-    /// the newest waiting, as places follow epoch order (an operator's retry
-    /// takes a place only when no newer epoch is sent or waiting).
-    pub fn newest_waiting(&self, lease: &str) -> Result<u64, StateError> {
-        let Some(entry) = self.order.scan_prefix(lease_prefix(lease)).next_back() else {
-            return Ok(0);
-        };
-        let (_, mid) = entry.map_err(db_err)?;
-        Ok(match self.msgs.get(&mid).map_err(db_err)? {
-            Some(v) => decode(&v)?.epoch,
-            None => 0,
-        })
+    /// [`QueueStore::depth`] without waiting, where the store can answer so
+    /// (sled); `None` for PostgreSQL, whose figures are read in the
+    /// background.
+    pub fn depth_now(&self) -> Option<Result<Depth, StateError>> {
+        match self {
+            QueueStore::Sled(s) => Some(s.depth()),
+            QueueStore::Postgres(_) => None,
+        }
     }
 
     /// Writes a message's attempt as started (`delivering`), with its epoch as
     /// the newest of its lease that may have been sent: from here on an
     /// operator's retry of an older message is superseded, whatever becomes of
-    /// this one (a drop, a final failure). Durable on return.
-    pub async fn start_attempt(&self, msg: &Message) -> Result<(), StateError> {
-        let mid = id(&msg.route, &msg.key);
-        let meta = encode(msg);
-        let newest = u64_of(self.sent.get(msg.lease.as_bytes()).map_err(db_err)?);
-        (&self.msgs, &self.sent)
-            .transaction(|(msgs, sent)| {
-                msgs.insert(mid.as_slice(), meta.as_slice())?;
-                if msg.epoch > newest {
-                    sent.insert(msg.lease.as_bytes(), &msg.epoch.to_be_bytes()[..])?;
-                }
-                Ok::<_, ConflictableTransactionError<()>>(())
-            })
-            .map_err(tx_err)?;
-        self.sled.commit().await
+    /// this one. Durable on return; in PostgreSQL refused
+    /// ([`StateError::OwnerLost`]) once a newer owner holds the shard — the
+    /// attempt is then not sent.
+    pub async fn start_attempt(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        match self {
+            QueueStore::Sled(s) => s.start_attempt(msg).await,
+            QueueStore::Postgres(p) => p.start_attempt(owner, msg).await,
+        }
     }
 
     /// Waits until every write made so far is durable: what is answered from
-    /// a message read now is then on disk (another request's acceptance may
-    /// have written it and not yet committed).
+    /// a message read now is then on disk (PostgreSQL: every write read was
+    /// committed).
     pub async fn durable(&self) -> Result<(), StateError> {
-        self.sled.commit().await
+        match self {
+            QueueStore::Sled(s) => s.durable().await,
+            QueueStore::Postgres(_) => Ok(()),
+        }
     }
 
     /// Writes a message that stays in its queue (a retry scheduled). Durable
     /// on return.
-    pub async fn put(&self, msg: &Message) -> Result<(), StateError> {
-        self.msgs
-            .insert(id(&msg.route, &msg.key), encode(msg))
-            .map_err(db_err)?;
-        self.sled.commit().await
+    pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        match self {
+            QueueStore::Sled(s) => s.put(msg).await,
+            QueueStore::Postgres(p) => p.put(owner, msg).await,
+        }
     }
 
     /// Writes a settled message and takes it out of its queue (the next one
-    /// may go). Durable on return. (Its epoch was made the newest sent when
-    /// an attempt of it started: [`QueueStore::start_attempt`].)
-    pub async fn settle(&self, msg: &Message) -> Result<(), StateError> {
-        let mid = id(&msg.route, &msg.key);
-        let meta = encode(msg);
-        let okey = order_key(&msg.lease, msg.seq);
-        (&self.msgs, &self.order)
-            .transaction(|(msgs, order)| {
-                msgs.insert(mid.as_slice(), meta.as_slice())?;
-                order.remove(okey.as_slice())?;
-                Ok::<_, ConflictableTransactionError<()>>(())
-            })
-            .map_err(tx_err)?;
-        self.sled.commit().await
+    /// may go). Durable on return.
+    pub async fn settle(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        match self {
+            QueueStore::Sled(s) => s.settle(msg).await,
+            QueueStore::Postgres(p) => p.settle(owner, msg).await,
+        }
     }
 
     /// Puts a failed message back at the end of its lease's queue, pending
-    /// now, with a new place — checked and written under the lock that orders
-    /// acceptances, so that no newer epoch's message is placed or sent between
-    /// the check and the write. Durable on return.
+    /// now, unless a newer epoch's message of its lease was sent or waits.
+    /// Durable on return.
     pub async fn requeue(
         &self,
+        owner: Owner,
         route: &str,
         key: &str,
         now_ms: u64,
     ) -> Result<Requeued, StateError> {
-        let mid = id(route, key);
-        let msg = {
-            let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(raw) = self.msgs.get(&mid).map_err(db_err)? else {
-                return Ok(Requeued::Gone);
-            };
-            let mut msg = decode(&raw)?;
-            if msg.status != Status::Failed {
-                return Ok(Requeued::NotFailed(msg.status));
-            }
-            let newest = self
-                .sent_epoch(&msg.lease)?
-                .max(self.newest_waiting(&msg.lease)?);
-            if newest > msg.epoch {
-                return Ok(Requeued::Superseded(newest));
-            }
-            msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
-            msg.status = Status::Pending;
-            msg.next_attempt_ms = now_ms;
-            msg.updated_ms = now_ms;
-            msg.last_error = None;
-            let meta = encode(&msg);
-            let okey = order_key(&msg.lease, msg.seq);
-            let written =
-                (&self.msgs, &self.order, &self.seqs).transaction(|(msgs, order, seqs)| {
-                    // Unchanged since read (the sweeper takes what it removes
-                    // in a transaction too).
-                    if msgs.get(mid.as_slice())?.as_deref() != Some(&raw[..]) {
-                        return Err(ConflictableTransactionError::Abort(()));
-                    }
-                    msgs.insert(mid.as_slice(), meta.as_slice())?;
-                    order.insert(okey.as_slice(), mid.as_slice())?;
-                    seqs.insert(msg.lease.as_bytes(), &(msg.seq + 1).to_be_bytes()[..])?;
-                    Ok::<_, ConflictableTransactionError<()>>(())
-                });
-            match written {
-                Ok(()) => {}
-                Err(TransactionError::Abort(())) => return Ok(Requeued::Gone),
-                Err(TransactionError::Storage(e)) => return Err(db_err(e)),
-            }
-            msg
-        };
-        self.sled.commit().await?;
-        Ok(Requeued::Done(Box::new(msg)))
+        match self {
+            QueueStore::Sled(s) => s.requeue(route, key, now_ms).await,
+            QueueStore::Postgres(p) => p.requeue(owner, route, key, now_ms).await,
+        }
     }
 
     /// The newest epoch of `lease` of which a message was sent (0: none).
-    pub fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
-        Ok(u64_of(self.sent.get(lease.as_bytes()).map_err(db_err)?))
+    pub async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.sent_epoch(lease),
+            QueueStore::Postgres(p) => p.sent_epoch(lease).await,
+        }
     }
 
-    /// Up to `limit` messages matching, in key order (route, then key).
-    pub fn list(
+    /// Up to `limit` messages matching, in key order (route, then key); and
+    /// how many match.
+    pub async fn list(
         &self,
         route: Option<&str>,
         lease: Option<&str>,
         status: Option<Status>,
         limit: usize,
     ) -> Result<(Vec<Message>, u64), StateError> {
-        let iter = match route {
-            Some(r) => self.msgs.scan_prefix(id(r, "")),
-            None => self.msgs.iter(),
-        };
-        let mut out = Vec::new();
-        let mut total = 0;
-        for item in iter {
-            let (_, v) = item.map_err(db_err)?;
-            let m = decode(&v)?;
-            if lease.is_some_and(|l| l != m.lease) || status.is_some_and(|s| s != m.status) {
-                continue;
-            }
-            total += 1;
-            if out.len() < limit {
-                out.push(m);
-            }
+        match self {
+            QueueStore::Sled(s) => s.list(route, lease, status, limit),
+            QueueStore::Postgres(p) => p.list(route, lease, status, limit).await,
         }
-        Ok((out, total))
     }
 
     /// Removes settled messages last changed before `before_ms`; how many.
     pub async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
-        let mut gone = 0;
-        for item in self.msgs.iter() {
-            let (k, v) = item.map_err(db_err)?;
-            let m = decode(&v)?;
-            if m.status.is_settled() && m.updated_ms < before_ms {
-                // Message and request together, and only if unchanged since
-                // read (an operator's retry wins).
-                let removed = (&self.msgs, &self.requests)
-                    .transaction(|(msgs, reqs)| {
-                        if msgs.get(&k)?.as_deref() != Some(&v[..]) {
-                            return Ok(false);
-                        }
-                        msgs.remove(&k)?;
-                        reqs.remove(&k)?;
-                        Ok::<_, ConflictableTransactionError<()>>(true)
-                    })
-                    .map_err(tx_err)?;
-                gone += usize::from(removed);
-            }
+        match self {
+            QueueStore::Sled(s) => s.sweep(before_ms).await,
+            QueueStore::Postgres(p) => p.sweep(before_ms).await,
         }
-        if gone > 0 {
-            self.sled.commit().await?;
-        }
-        Ok(gone)
-    }
-}
-
-fn tx_err(e: TransactionError<()>) -> StateError {
-    match e {
-        TransactionError::Storage(e) => db_err(e),
-        TransactionError::Abort(()) => StateError::Write("a queue transaction aborted".into()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn msg(key: &str, epoch: u64, status: Status) -> Message {
-        Message {
-            route: "hook".into(),
-            key: key.into(),
-            lease: "hook".into(),
-            epoch,
-            seq: 0,
-            fingerprint: String::new(),
-            method: "POST".into(),
-            path: "/hook/x".into(),
-            token_sha256: None,
-            status,
-            attempts: 0,
-            unknown_outcomes: 0,
-            accepted_ms: 1,
-            updated_ms: 1,
-            next_attempt_ms: 1,
-            last_status: None,
-            last_error: None,
-            answer: None,
-        }
-    }
-
-    fn envelope() -> Envelope {
-        Envelope {
-            method: "POST".into(),
-            rest: "x".into(),
-            query: None,
-            headers: vec![],
-            body: Bytes::from_static(b"b"),
-        }
-    }
-
-    async fn store() -> (tempfile::TempDir, QueueStore) {
-        let dir = tempfile::tempdir().unwrap();
-        let sled = SledState::open(&dir.path().join("state")).unwrap();
-        (dir, QueueStore::open(sled).unwrap())
-    }
-
-    async fn failed(q: &QueueStore, key: &str, epoch: u64) -> Message {
-        let Accepted::New(mut m) = q
-            .accept(msg(key, epoch, Status::Pending), &envelope(), || true)
-            .await
-            .unwrap()
-        else {
-            panic!("accepted")
-        };
-        m.status = Status::Failed;
-        q.settle(&m).await.unwrap();
-        m
-    }
-
-    /// The superseded check of an operator's retry is made where the place is
-    /// taken: a newer epoch's message accepted (not yet sent) before the
-    /// requeue supersedes it, as one attempted and then dropped does.
-    #[tokio::test]
-    async fn a_requeue_is_superseded_by_a_newer_message_waiting_or_attempted() {
-        let (_d, q) = store().await;
-        failed(&q, "m1", 1).await;
-        let Accepted::New(m2) = q
-            .accept(msg("m2", 2, Status::Pending), &envelope(), || true)
-            .await
-            .unwrap()
-        else {
-            panic!("accepted")
-        };
-        assert!(matches!(
-            q.requeue("hook", "m1", 5).await.unwrap(),
-            Requeued::Superseded(2)
-        ));
-        // m2 attempted, then dropped: still superseded.
-        let mut m2 = Message {
-            status: Status::Delivering,
-            ..m2
-        };
-        q.start_attempt(&m2).await.unwrap();
-        m2.status = Status::Dropped;
-        q.settle(&m2).await.unwrap();
-        assert_eq!(q.newest_waiting("hook").unwrap(), 0);
-        assert!(matches!(
-            q.requeue("hook", "m1", 5).await.unwrap(),
-            Requeued::Superseded(2)
-        ));
-        // Nothing newer: requeued at the end, pending, with a new place.
-        let (_d2, q2) = store().await;
-        let first = failed(&q2, "m1", 1).await;
-        let Requeued::Done(again) = q2.requeue("hook", "m1", 5).await.unwrap() else {
-            panic!("requeued")
-        };
-        assert_eq!(again.status, Status::Pending);
-        assert!(again.seq > first.seq);
-        assert_eq!(q2.head("hook").unwrap().map(|m| m.key), Some("m1".into()));
-    }
-
-    /// The oldest-pending figure of a route whose messages wait behind
-    /// another route's head (one lease, two routes) is that head's age, not
-    /// nothing.
-    #[tokio::test]
-    async fn a_route_behind_another_routes_head_reports_that_heads_age() {
-        let (_d, q) = store().await;
-        let at = |route: &str, key: &str, accepted_ms| Message {
-            route: route.into(),
-            accepted_ms,
-            ..msg(key, 1, Status::Pending)
-        };
-        for m in [at("a", "k1", 5), at("b", "k2", 9)] {
-            q.accept(m, &envelope(), || true).await.unwrap();
-        }
-        let depth = q.depth().unwrap();
-        assert_eq!(depth["a"], (1, 5));
-        assert_eq!(depth["b"], (1, 5));
-    }
-
-    /// A message the sweeper removed is not brought back by a retry without
-    /// its request (the lease's queue would stall on it).
-    #[tokio::test]
-    async fn a_swept_message_is_not_requeued() {
-        let (_d, q) = store().await;
-        failed(&q, "m1", 1).await;
-        assert_eq!(q.sweep(u64::MAX).await.unwrap(), 1);
-        assert!(q.envelope("hook", "m1").unwrap().is_none());
-        assert!(matches!(
-            q.requeue("hook", "m1", 5).await.unwrap(),
-            Requeued::Gone
-        ));
-        assert!(q.head("hook").unwrap().is_none());
     }
 }

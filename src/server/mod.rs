@@ -248,29 +248,47 @@ async fn build_on(
     let metrics = Metrics::new();
     let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics).await?);
     let stop = CancellationToken::new();
-    // SPEC §11: the queue keeps its trees beside the marks, on sled.
-    let queue = match on_sled {
-        None => None,
-        Some(sled) => Some(crate::queue::Queue::new(
-            crate::queue::QueueStore::open(sled).map_err(StartError::State)?,
+    // SPEC §11: the queue is kept beside the marks — trees on sled, or
+    // tables in PostgreSQL (migrated by now).
+    let queue_store = match (on_sled, &database) {
+        (Some(sled), _) => Some(crate::queue::QueueStore::Sled(
+            crate::queue::sled::SledQueue::open(sled).map_err(StartError::State)?,
+        )),
+        (None, Some(pg)) => Some(crate::queue::QueueStore::Postgres(
+            crate::queue::postgres::PgQueue::new(pg.clone()),
+        )),
+        (None, None) => None,
+    };
+    let queue = queue_store.map(|store| {
+        crate::queue::Queue::new(
+            store,
             crate::queue::Context {
                 live: live.clone(),
-                may_send: {
-                    let (mode, state) = (mode.clone(), durable.clone());
-                    Box::new(move || {
-                        mode.may_forward(Owner::SINGLE) && state.set_up_conflict().is_none()
+                owner_of: {
+                    let (mode, state, fences) = (mode.clone(), durable.clone(), fences.clone());
+                    Box::new(move |lease| {
+                        if state.set_up_conflict().is_some() {
+                            return None;
+                        }
+                        let lease = crate::epoch::LeaseName::parse(lease).ok()?;
+                        let owner = fences.get(&lease)?.owner();
+                        mode.may_forward(owner).then_some(owner)
                     })
                 },
+                cluster: matches!(mode, Mode::Cluster(_)),
                 clock: clock.clone(),
                 stop: stop.clone(),
                 abandon: CancellationToken::new(),
             },
-        )),
-    };
+        )
+    });
     if let Some(q) = &queue {
+        if let Mode::Cluster(c) = &mode {
+            c.follow(Arc::new(crate::queue::FollowTenures(q.clone())));
+        }
         // SPEC §11: a direct route must not overtake messages still queued
         // for its lease (a config that changed since they were accepted).
-        if let Some(detail) = crate::queue::conflict(&q.store, &cfg.routes)? {
+        if let Some(detail) = crate::queue::conflict(&q.store, &cfg.routes).await? {
             return Err(StartError::State(StateError::Open {
                 path: cfg.server.data_dir.clone(),
                 detail,
@@ -352,7 +370,7 @@ async fn build_on(
     }
     if let Some(q) = &queue {
         q.register(&metrics);
-        let resumed = q.start().map_err(StartError::State)?;
+        let resumed = q.start().await.map_err(StartError::State)?;
         if resumed > 0 {
             tracing::info!(
                 leases = resumed,

@@ -361,13 +361,6 @@ fn queued_routes_refuse_what_they_cannot_keep() {
         ),
         (
             format!(
-                "{store}[state]\nkind = \"postgres\"\nurl = \"postgres://x@127.0.0.1:9/db\"\n{}",
-                route("q", "l", "delivery = \"queued\"")
-            ),
-            "needs a single instance on sled",
-        ),
-        (
-            format!(
                 "{store}{}",
                 route(
                     "q",

@@ -300,7 +300,7 @@ impl PostgresState {
     }
 
     /// Runs `f` with a pooled connection, bounded by the timeout; records health.
-    async fn with<T, F, Fut>(&self, what: &'static str, f: F) -> Result<T, StateError>
+    pub(crate) async fn with<T, F, Fut>(&self, what: &'static str, f: F) -> Result<T, StateError>
     where
         F: FnOnce(deadpool_postgres::Object) -> Fut,
         Fut: Future<Output = Result<T, tokio_postgres::Error>>,
@@ -328,7 +328,7 @@ impl PostgresState {
     /// Every write starts here: none while the database's set-up record
     /// names another set-up (SPEC §10) — not a mark, a claim, an outcome, a
     /// sweep, an operator's resolution nor a shard row.
-    fn writable(&self) -> Result<(), StateError> {
+    pub(crate) fn writable(&self) -> Result<(), StateError> {
         match self.set_up_problem() {
             None => Ok(()),
             Some(p) => Err(StateError::Write(format!("not written: {p}"))),

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::state::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 8;
+pub const VERSION: i32 = 9;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -129,6 +129,33 @@ const MIGRATIONS: &[&str] = &[
         recorded_by text NOT NULL,
         recorded_at timestamptz NOT NULL DEFAULT now(),
         mac text
+    );",
+    // 8 → 9: queued delivery (SPEC §11, issue 38). A message per (route,
+    // key), its request kept once; `(lease, seq)` of the messages not settled
+    // is each lease's queue in order. Every write is conditioned on the
+    // shard's owner generation ([`crate::queue::postgres`]).
+    "CREATE TABLE fencegate_queue (
+        route text NOT NULL,
+        key text NOT NULL,
+        lease text NOT NULL,
+        shard integer NOT NULL,
+        seq bigint NOT NULL,
+        epoch bigint NOT NULL,
+        status text NOT NULL,
+        settled boolean NOT NULL,
+        accepted_ms bigint NOT NULL,
+        updated_ms bigint NOT NULL,
+        owner_generation bigint NOT NULL,
+        message text NOT NULL,
+        request bytea NOT NULL,
+        PRIMARY KEY (route, key)
+    );
+    CREATE UNIQUE INDEX fencegate_queue_order ON fencegate_queue (lease, seq) WHERE NOT settled;
+    CREATE INDEX fencegate_queue_settled_by_age ON fencegate_queue (updated_ms) WHERE settled;
+    CREATE TABLE fencegate_queue_leases (
+        lease text PRIMARY KEY,
+        next_seq bigint NOT NULL,
+        sent_epoch bigint
     );",
 ];
 

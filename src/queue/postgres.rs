@@ -1,0 +1,548 @@
+//! The queue's records in PostgreSQL (SPEC §11 in a cluster, or a single
+//! instance on PostgreSQL): `fencegate_queue` (a row per message, its request
+//! kept once) and `fencegate_queue_leases` (per lease, the next place and the
+//! newest epoch of which a message was sent).
+//!
+//! Every write is one transaction that first share-locks the shard's owner row
+//! and checks that no newer generation holds it (as dedup writes do,
+//! [`crate::state::postgres`]): a takeover's `claim_shard` updates that row, so
+//! a write of the deposed owner either commits before the takeover — and the
+//! successor reads it — or fails with [`StateError::OwnerLost`]; its attempt
+//! is then never started. Acceptances and an operator's requeue lock the
+//! lease's row of `fencegate_queue_leases` while they take a place: places of
+//! one lease are taken one at a time, in the order the rows are locked.
+//!
+//! A write runs in a task of its own: a request that goes away (a client
+//! disconnecting, a pass aborted) does not cut a transaction halfway, whose
+//! outcome would then be unknown.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use deadpool_postgres::Object;
+use tokio_postgres::Transaction;
+
+use super::store::{Accepted, Envelope, Message, Requeued, Status};
+use crate::state::postgres::schema::{epoch_from_sql, epoch_to_sql};
+use crate::state::postgres::PostgresState;
+use crate::state::{Owner, StateError};
+
+/// The queue in PostgreSQL.
+pub struct PgQueue {
+    db: Arc<PostgresState>,
+}
+
+fn i64_of(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn decode(raw: &str) -> Result<Message, StateError> {
+    serde_json::from_str(raw).map_err(|e| StateError::Write(format!("a queued message: {e}")))
+}
+
+fn encode(m: &Message) -> String {
+    serde_json::to_string(m).unwrap_or_default()
+}
+
+/// Why a write did not go: not an error of the database.
+enum Refused {
+    /// A newer generation holds the shard.
+    Lost(u64),
+    /// The message's row is unreadable, or gone.
+    Unreadable(&'static str),
+}
+
+type TxResult<T> = Result<Result<T, Refused>, tokio_postgres::Error>;
+
+/// Share-locks the shard's owner row until the transaction ends and checks
+/// that no newer generation holds it (no row: a single instance, or a shard
+/// never taken).
+async fn owner_holds(tx: &Transaction<'_>, owner: Owner) -> TxResult<()> {
+    let stored: i64 = tx
+        .query_one(
+            "SELECT COALESCE((SELECT o.generation FROM fencegate_owners o \
+             WHERE o.shard = $1 FOR SHARE), 0)",
+            &[&i32::try_from(owner.shard).unwrap_or(i32::MAX)],
+        )
+        .await?
+        .get(0);
+    let stored = u64::try_from(stored).unwrap_or(0);
+    Ok(if stored > owner.generation {
+        Err(Refused::Lost(stored))
+    } else {
+        Ok(())
+    })
+}
+
+/// Writes `m`'s row (its status, place and record) under `owner`.
+async fn update(
+    tx: &Transaction<'_>,
+    owner: Owner,
+    m: &Message,
+    settled: bool,
+) -> Result<u64, tokio_postgres::Error> {
+    let n = tx
+        .execute(
+            "UPDATE fencegate_queue SET seq = $3, status = $4, settled = $5, updated_ms = $6, \
+             owner_generation = $7, message = $8 WHERE route = $1 AND key = $2",
+            &[
+                &m.route,
+                &m.key,
+                &i64_of(m.seq),
+                &m.status.as_str(),
+                &settled,
+                &i64_of(m.updated_ms),
+                &i64_of(owner.generation),
+                &encode(m),
+            ],
+        )
+        .await?;
+    Ok(n)
+}
+
+/// Takes the lease's next place, its row locked until the transaction ends.
+async fn next_place(tx: &Transaction<'_>, lease: &str) -> Result<u64, tokio_postgres::Error> {
+    let row = tx
+        .query_one(
+            "INSERT INTO fencegate_queue_leases AS l (lease, next_seq) VALUES ($1, 1) \
+             ON CONFLICT (lease) DO UPDATE SET next_seq = l.next_seq + 1 \
+             RETURNING next_seq - 1",
+            &[&lease],
+        )
+        .await?;
+    Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+}
+
+impl PgQueue {
+    /// The queue in `db`'s database (its tables are created by the schema
+    /// migration).
+    pub fn new(db: Arc<PostgresState>) -> PgQueue {
+        PgQueue { db }
+    }
+
+    /// Runs `f` in one transaction of its own task, under `owner`'s check.
+    async fn write<T, F>(&self, what: &'static str, owner: Owner, f: F) -> Result<T, StateError>
+    where
+        T: Send + 'static,
+        F: for<'a> FnOnce(
+                &'a Transaction<'a>,
+            ) -> std::pin::Pin<
+                Box<dyn std::future::Future<Output = TxResult<T>> + Send + 'a>,
+            > + Send
+            + 'static,
+    {
+        self.db.writable()?;
+        let db = self.db.clone();
+        let task = tokio::spawn(async move {
+            db.with(what, move |mut c: Object| async move {
+                let tx = c.transaction().await?;
+                if let Err(r) = owner_holds(&tx, owner).await? {
+                    return Ok(Err(r));
+                }
+                let out = f(&tx).await?;
+                if out.is_ok() {
+                    tx.commit().await?;
+                }
+                Ok(out)
+            })
+            .await
+        });
+        let out = task
+            .await
+            .map_err(|e| StateError::Write(format!("{what}: {e}")))??;
+        out.map_err(|r| match r {
+            Refused::Lost(stored) => StateError::OwnerLost {
+                ours: owner,
+                stored,
+            },
+            Refused::Unreadable(what) => StateError::Write(format!(
+                "{what}: {}",
+                "a queued message is unreadable or gone"
+            )),
+        })
+    }
+
+    /// See [`super::store::QueueStore::accept`]: the place is taken with the
+    /// lease's row locked, and `admitted` asked once it is.
+    pub async fn accept(
+        &self,
+        owner: Owner,
+        msg: Message,
+        envelope: &Envelope,
+        admitted: Arc<dyn Fn() -> bool + Send + Sync>,
+    ) -> Result<Accepted, StateError> {
+        let request = envelope.encode();
+        self.write("queue accept", owner, move |tx| {
+            Box::pin(async move {
+                let mut msg = msg;
+                let place = next_place(tx, &msg.lease).await?;
+                if let Some(row) = tx
+                    .query_opt(
+                        "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2",
+                        &[&msg.route, &msg.key],
+                    )
+                    .await?
+                {
+                    let old: String = row.get(0);
+                    return Ok(match decode(&old) {
+                        Ok(m) => Ok(Accepted::Exists(m)),
+                        Err(_) => Err(Refused::Unreadable("queue accept")),
+                    });
+                }
+                if !admitted() {
+                    return Ok(Ok(Accepted::Aborted));
+                }
+                msg.seq = place;
+                tx.execute(
+                    "INSERT INTO fencegate_queue (route, key, lease, shard, seq, epoch, status, \
+                     settled, accepted_ms, updated_ms, owner_generation, message, request) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, false, $8, $9, $10, $11, $12)",
+                    &[
+                        &msg.route,
+                        &msg.key,
+                        &msg.lease,
+                        &i32::try_from(owner.shard).unwrap_or(i32::MAX),
+                        &i64_of(msg.seq),
+                        &epoch_to_sql(msg.epoch),
+                        &msg.status.as_str(),
+                        &i64_of(msg.accepted_ms),
+                        &i64_of(msg.updated_ms),
+                        &i64_of(owner.generation),
+                        &encode(&msg),
+                        &request,
+                    ],
+                )
+                .await?;
+                Ok(Ok(Accepted::New(msg)))
+            })
+        })
+        .await
+    }
+
+    /// The message of `route`, `key`, if there is one.
+    pub async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
+        let (route, key) = (route.to_owned(), key.to_owned());
+        let raw = self
+            .db
+            .with("queue read", |c| async move {
+                c.query_opt(
+                    "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2",
+                    &[&route, &key],
+                )
+                .await
+                .map(|r| r.map(|r| r.get::<_, String>(0)))
+            })
+            .await?;
+        raw.map(|r| decode(&r)).transpose()
+    }
+
+    /// The request of `route`, `key`.
+    pub async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
+        let (route, key) = (route.to_owned(), key.to_owned());
+        let raw = self
+            .db
+            .with("queue read", |c| async move {
+                c.query_opt(
+                    "SELECT request FROM fencegate_queue WHERE route = $1 AND key = $2",
+                    &[&route, &key],
+                )
+                .await
+                .map(|r| r.map(|r| r.get::<_, Vec<u8>>(0)))
+            })
+            .await?;
+        match raw {
+            None => Ok(None),
+            Some(v) => Envelope::decode(&v)
+                .map(Some)
+                .ok_or_else(|| StateError::Write("a queued request is unreadable".into())),
+        }
+    }
+
+    /// Up to `max` messages of `lease` not settled, in place order.
+    async fn first(&self, lease: &str, max: i64) -> Result<Vec<Message>, StateError> {
+        let lease = lease.to_owned();
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query(
+                    "SELECT message FROM fencegate_queue WHERE lease = $1 AND NOT settled \
+                     ORDER BY seq LIMIT $2",
+                    &[&lease, &max],
+                )
+                .await
+            })
+            .await?;
+        rows.iter().map(|r| decode(r.get(0))).collect()
+    }
+
+    /// The first message of `lease` not settled, if any.
+    pub async fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
+        Ok(self.first(lease, 1).await?.into_iter().next())
+    }
+
+    /// Up to `max` messages at the front of `lease`'s queue with its head's
+    /// epoch.
+    pub async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
+        let all = self.first(lease, i64_of(max as u64)).await?;
+        let epoch = all.first().map(|m| m.epoch);
+        Ok(all
+            .into_iter()
+            .take_while(|m| Some(m.epoch) == epoch)
+            .collect())
+    }
+
+    /// Leases with messages not settled.
+    pub async fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query(
+                    "SELECT DISTINCT lease FROM fencegate_queue WHERE NOT settled ORDER BY lease",
+                    &[],
+                )
+                .await
+            })
+            .await?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// (route, lease) of every message that may still be sent.
+    pub async fn holding(&self) -> Result<BTreeSet<(String, String)>, StateError> {
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query(
+                    "SELECT DISTINCT route, lease FROM fencegate_queue \
+                     WHERE status IN ('pending', 'delivering', 'failed')",
+                    &[],
+                )
+                .await
+            })
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Per route, messages not settled and the acceptance time of the oldest
+    /// lease head among them.
+    pub async fn depth(&self) -> Result<HashMap<String, (u64, u64)>, StateError> {
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query(
+                    "WITH heads AS (SELECT DISTINCT ON (lease) lease, accepted_ms \
+                     FROM fencegate_queue WHERE NOT settled ORDER BY lease, seq) \
+                     SELECT q.route, count(*), min(h.accepted_ms) \
+                     FROM fencegate_queue q JOIN heads h ON h.lease = q.lease \
+                     WHERE NOT q.settled GROUP BY q.route",
+                    &[],
+                )
+                .await
+            })
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let n: i64 = r.get(1);
+                let oldest: i64 = r.get(2);
+                (
+                    r.get(0),
+                    (
+                        u64::try_from(n).unwrap_or(0),
+                        u64::try_from(oldest).unwrap_or(0),
+                    ),
+                )
+            })
+            .collect())
+    }
+
+    /// Writes a message's attempt as started, its epoch the newest of its
+    /// lease that may have been sent. Committed on return; refused
+    /// ([`StateError::OwnerLost`]) when a newer owner holds the shard.
+    pub async fn start_attempt(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        let m = msg.clone();
+        self.write("queue attempt", owner, move |tx| {
+            Box::pin(async move {
+                if update(tx, owner, &m, false).await? != 1 {
+                    // Swept meanwhile: not sent.
+                    return Ok(Err(Refused::Unreadable("queue attempt")));
+                }
+                tx.execute(
+                    "INSERT INTO fencegate_queue_leases AS l (lease, next_seq, sent_epoch) \
+                     VALUES ($1, 0, $2) ON CONFLICT (lease) DO UPDATE \
+                     SET sent_epoch = GREATEST(COALESCE(l.sent_epoch, $2), $2)",
+                    &[&m.lease, &epoch_to_sql(m.epoch)],
+                )
+                .await?;
+                Ok(Ok(()))
+            })
+        })
+        .await
+    }
+
+    /// Writes a message that stays in its queue (a retry scheduled).
+    pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        let m = msg.clone();
+        self.write("queue write", owner, move |tx| {
+            Box::pin(async move {
+                update(tx, owner, &m, false).await?;
+                Ok(Ok(()))
+            })
+        })
+        .await
+    }
+
+    /// Writes a settled message: out of its queue.
+    pub async fn settle(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        let m = msg.clone();
+        self.write("queue settle", owner, move |tx| {
+            Box::pin(async move {
+                update(tx, owner, &m, true).await?;
+                Ok(Ok(()))
+            })
+        })
+        .await
+    }
+
+    /// Puts a failed message back at the end of its lease's queue unless a
+    /// newer epoch's message of its lease was sent or waits — checked with the
+    /// lease's row locked, as acceptances take places.
+    pub async fn requeue(
+        &self,
+        owner: Owner,
+        route: &str,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<Requeued, StateError> {
+        let (route, key) = (route.to_owned(), key.to_owned());
+        self.write("queue requeue", owner, move |tx| {
+            Box::pin(async move {
+                let Some(row) = tx
+                    .query_opt(
+                        "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2 \
+                         FOR UPDATE",
+                        &[&route, &key],
+                    )
+                    .await?
+                else {
+                    return Ok(Ok(Requeued::Gone));
+                };
+                let Ok(mut msg) = decode(row.get(0)) else {
+                    return Ok(Err(Refused::Unreadable("queue requeue")));
+                };
+                if msg.status != Status::Failed {
+                    return Ok(Ok(Requeued::NotFailed(msg.status)));
+                }
+                let place = next_place(tx, &msg.lease).await?;
+                let sent: Option<i64> = tx
+                    .query_one(
+                        "SELECT sent_epoch FROM fencegate_queue_leases WHERE lease = $1",
+                        &[&msg.lease],
+                    )
+                    .await?
+                    .get(0);
+                let waiting: Option<i64> = tx
+                    .query_opt(
+                        "SELECT epoch FROM fencegate_queue WHERE lease = $1 AND NOT settled \
+                         ORDER BY seq DESC LIMIT 1",
+                        &[&msg.lease],
+                    )
+                    .await?
+                    .map(|r| r.get(0));
+                let newest = sent
+                    .map(epoch_from_sql)
+                    .unwrap_or(0)
+                    .max(waiting.map(epoch_from_sql).unwrap_or(0));
+                if newest > msg.epoch {
+                    // The place taken is given back with the rollback.
+                    return Ok(Ok(Requeued::Superseded(newest)));
+                }
+                msg.seq = place;
+                msg.status = Status::Pending;
+                msg.next_attempt_ms = now_ms;
+                msg.updated_ms = now_ms;
+                msg.last_error = None;
+                update(tx, owner, &msg, false).await?;
+                Ok(Ok(Requeued::Done(Box::new(msg))))
+            })
+        })
+        .await
+    }
+
+    /// The newest epoch of `lease` of which a message was sent (0: none).
+    pub async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
+        let lease = lease.to_owned();
+        let v = self
+            .db
+            .with("queue read", |c| async move {
+                c.query_opt(
+                    "SELECT sent_epoch FROM fencegate_queue_leases WHERE lease = $1",
+                    &[&lease],
+                )
+                .await
+                .map(|r| r.and_then(|r| r.get::<_, Option<i64>>(0)))
+            })
+            .await?;
+        Ok(v.map(epoch_from_sql).unwrap_or(0))
+    }
+
+    /// Up to `limit` messages matching, in key order; and how many match.
+    pub async fn list(
+        &self,
+        route: Option<&str>,
+        lease: Option<&str>,
+        status: Option<Status>,
+        limit: usize,
+    ) -> Result<(Vec<Message>, u64), StateError> {
+        let (route, lease) = (route.map(str::to_owned), lease.map(str::to_owned));
+        let status = status.map(|s| s.as_str().to_owned());
+        let limit = i64_of(limit as u64);
+        let (rows, total) = self
+            .db
+            .with("queue list", |c| async move {
+                let cond = "($1::text IS NULL OR route = $1) AND ($2::text IS NULL OR lease = $2) \
+                            AND ($3::text IS NULL OR status = $3)";
+                let rows = c
+                    .query(
+                        &format!(
+                            "SELECT message FROM fencegate_queue WHERE {cond} \
+                             ORDER BY route, key LIMIT $4"
+                        ),
+                        &[&route, &lease, &status, &limit],
+                    )
+                    .await?;
+                let total: i64 = c
+                    .query_one(
+                        &format!("SELECT count(*) FROM fencegate_queue WHERE {cond}"),
+                        &[&route, &lease, &status],
+                    )
+                    .await?
+                    .get(0);
+                Ok((rows, total))
+            })
+            .await?;
+        let out = rows
+            .iter()
+            .map(|r| decode(r.get(0)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((out, u64::try_from(total).unwrap_or(0)))
+    }
+
+    /// Removes settled messages last changed before `before_ms`; how many.
+    /// Not a write of any shard's state (what it removes no attempt reads),
+    /// so not conditioned on an owner.
+    pub async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
+        self.db.writable()?;
+        let before = i64_of(before_ms);
+        let n = self
+            .db
+            .with("queue sweep", |c| async move {
+                c.execute(
+                    "DELETE FROM fencegate_queue WHERE settled AND updated_ms < $1",
+                    &[&before],
+                )
+                .await
+            })
+            .await?;
+        Ok(usize::try_from(n).unwrap_or(usize::MAX))
+    }
+}

@@ -453,7 +453,8 @@ impl PgQueue {
                     .unwrap_or(0)
                     .max(waiting.map(epoch_from_sql).unwrap_or(0));
                 if newest > msg.epoch {
-                    // The place taken is given back with the rollback.
+                    // Committed with a gap in the places: harmless, places
+                    // only order.
                     return Ok(Ok(Requeued::Superseded(newest)));
                 }
                 msg.seq = place;

@@ -332,6 +332,31 @@ async fn bad_input_on_a_queued_route_is_refused_and_changes_nothing() {
     )
     .await;
     assert_eq!(listed.json()["total"], 1, "only k1 was queued");
+    // The admin listing's own refusals (SPEC §7, §11): each a clear error.
+    let admin = |path: &str, token: Option<&str>| {
+        let mut b = Request::get(fg.admin_url(path));
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        send(b.body(Full::default()).unwrap())
+    };
+    for (path, status, code) in [
+        ("/v1/deliveries?route=nope", 404, "route_not_found"),
+        ("/v1/deliveries?status=lost", 400, "bad_request"),
+        ("/v1/deliveries?limit=0", 400, "bad_request"),
+        ("/v1/deliveries?limit=1001", 400, "bad_request"),
+        ("/v1/deliveries?limit=x", 400, "bad_request"),
+        ("/v1/deliveries?colour=red", 400, "bad_request"),
+        ("/v1/deliveries/hook/unknown", 404, "delivery_not_found"),
+    ] {
+        admin(path, Some(ADMIN)).await.assert_error(status, code);
+    }
+    admin("/v1/deliveries", None)
+        .await
+        .assert_error(401, "unauthorized");
+    admin("/v1/deliveries", Some("wrong"))
+        .await
+        .assert_error(401, "unauthorized");
     assert_eq!(origin.count(), 1);
 }
 

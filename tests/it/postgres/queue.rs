@@ -1,0 +1,200 @@
+//! SPEC §11 on PostgreSQL, at the store: every queue write is conditioned on
+//! the shard's owner generation. A deposed owner's attempt is never written as
+//! started — not one sent before the takeover and held on the way to the
+//! database — so it is never sent; its outcome writes fail the same way; the
+//! successor reads the queue where the deposed owner left it.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fencegate::queue::postgres::PgQueue;
+use fencegate::queue::{Accepted, Envelope, Message, Status};
+use fencegate::state::{Owner, StateError, StateStore};
+
+use super::pg_config;
+use crate::support::postgres::PgServer;
+use crate::support::relay::Relay;
+use crate::support::*;
+use fencegate::config::StateConfig;
+use fencegate::state::postgres::PostgresState;
+
+fn message(key: &str, epoch: u64) -> Message {
+    Message {
+        route: "hook".into(),
+        key: key.into(),
+        lease: "hook".into(),
+        epoch,
+        seq: 0,
+        fingerprint: String::new(),
+        method: "POST".into(),
+        path: "/hook/x".into(),
+        token_sha256: None,
+        status: Status::Pending,
+        attempts: 0,
+        unknown_outcomes: 0,
+        accepted_ms: 1,
+        updated_ms: 1,
+        next_attempt_ms: 1,
+        last_status: None,
+        last_error: None,
+        answer: None,
+    }
+}
+
+fn envelope() -> Envelope {
+    Envelope {
+        method: "POST".into(),
+        rest: "x".into(),
+        query: None,
+        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        body: Bytes::from_static(b"body"),
+    }
+}
+
+async fn accept(q: &PgQueue, owner: Owner, key: &str, epoch: u64) -> Message {
+    match q
+        .accept(owner, message(key, epoch), &envelope(), Arc::new(|| true))
+        .await
+        .unwrap()
+    {
+        Accepted::New(m) => m,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_owners_queue_writes_are_refused_even_in_flight_at_the_takeover() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let old_db = PostgresState::connect(&StateConfig {
+        timeout_ms: 30_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let new_db = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let gen = |generation| Owner {
+        shard: 3,
+        generation,
+    };
+    old_db.claim_shard(gen(1)).await.unwrap();
+    let (old, new) = (PgQueue::new(old_db.clone()), PgQueue::new(new_db.clone()));
+
+    // Places follow acceptance, and a key accepted twice is one message.
+    let m1 = accept(&old, gen(1), "m1", 1).await;
+    let m2 = accept(&old, gen(1), "m2", 1).await;
+    assert!(m1.seq < m2.seq);
+    match old
+        .accept(gen(1), message("m1", 1), &envelope(), Arc::new(|| true))
+        .await
+        .unwrap()
+    {
+        Accepted::Exists(m) => assert_eq!(m.seq, m1.seq),
+        other => panic!("{other:?}"),
+    }
+    // An aborted pass takes no place.
+    assert!(matches!(
+        old.accept(gen(1), message("m3", 1), &envelope(), Arc::new(|| false))
+            .await
+            .unwrap(),
+        Accepted::Aborted
+    ));
+    assert!(new.get("hook", "m3").await.unwrap().is_none());
+    assert_eq!(
+        new.envelope("hook", "m1").await.unwrap().map(|e| e.body),
+        Some(Bytes::from_static(b"body"))
+    );
+
+    // The old owner's "attempt started" for m1, held in the relay across the
+    // takeover: refused, so m1 is never sent by it.
+    let mut started = m1.clone();
+    started.status = Status::Delivering;
+    started.attempts = 1;
+    relay.hold_requests(true);
+    let attempt = {
+        let (old, started) = (PgQueue::new(old_db.clone()), started.clone());
+        tokio::spawn(async move { old.start_attempt(gen(1), &started).await })
+    };
+    eventually("the attempt's write is held in the relay", || async {
+        relay.held_requests() > 0
+    })
+    .await;
+    new_db.claim_shard(gen(2)).await.unwrap();
+    relay.hold_requests(false);
+    let r = attempt.await.unwrap();
+    assert!(
+        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        "an attempt written after the takeover: {r:?}"
+    );
+    assert_eq!(
+        new.head("hook").await.unwrap().map(|m| (m.key, m.status)),
+        Some(("m1".into(), Status::Pending)),
+        "the successor finds m1 as it was, not started"
+    );
+    // Every other write of the deposed owner fails the same way.
+    let mut done = m1.clone();
+    done.status = Status::Delivered;
+    assert!(matches!(
+        old.settle(gen(1), &done).await,
+        Err(StateError::OwnerLost { .. })
+    ));
+    assert!(matches!(
+        old.put(gen(1), &started).await,
+        Err(StateError::OwnerLost { .. })
+    ));
+    assert!(matches!(
+        old.accept(gen(1), message("m4", 1), &envelope(), Arc::new(|| true))
+            .await,
+        Err(StateError::OwnerLost { .. })
+    ));
+    // The successor goes on from the head: m1, then m2.
+    new.start_attempt(gen(2), &started).await.unwrap();
+    assert_eq!(new.sent_epoch("hook").await.unwrap(), 1);
+    new.settle(gen(2), &done).await.unwrap();
+    assert_eq!(
+        new.head("hook").await.unwrap().map(|m| m.key),
+        Some("m2".into())
+    );
+    let m5 = accept(&new, gen(2), "m5", 2).await;
+    assert!(m5.seq > m2.seq, "places go on across owners");
+    assert_eq!(new.leases_with_work().await.unwrap(), ["hook"]);
+    let depth = new.depth().await.unwrap();
+    assert_eq!(depth["hook"].0, 2);
+}
+
+/// An operator's retry of a failed message is superseded by a newer epoch's
+/// message waiting or attempted (checked with the lease's row locked), and
+/// otherwise goes to the end of the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_on_postgres_keeps_epoch_order() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (_db, url) = pg.new_database();
+    let db = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    let q = PgQueue::new(db);
+    let one = Owner::SINGLE;
+    let mut m1 = accept(&q, one, "m1", 1).await;
+    m1.status = Status::Failed;
+    q.settle(one, &m1).await.unwrap();
+    let again = match q.requeue(one, "hook", "m1", 5).await.unwrap() {
+        fencegate::queue::store::Requeued::Done(m) => *m,
+        other => panic!("{other:?}"),
+    };
+    assert!(again.seq > m1.seq);
+    assert_eq!(again.status, Status::Pending);
+    let mut again = again;
+    again.status = Status::Failed;
+    q.settle(one, &again).await.unwrap();
+    accept(&q, one, "m2", 2).await;
+    assert!(matches!(
+        q.requeue(one, "hook", "m1", 6).await.unwrap(),
+        fencegate::queue::store::Requeued::Superseded(2)
+    ));
+    assert_eq!(q.sweep(u64::MAX).await.unwrap(), 1, "failed m1 swept");
+    assert!(matches!(
+        q.requeue(one, "hook", "m1", 7).await.unwrap(),
+        fencegate::queue::store::Requeued::Gone
+    ));
+}

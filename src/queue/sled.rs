@@ -10,6 +10,7 @@
 //! transaction (all or nothing after a crash), under one lock that also orders
 //! the sequence numbers.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use sled::transaction::{ConflictableTransactionError, TransactionError};
@@ -70,21 +71,50 @@ pub struct SledQueue {
     /// Orders acceptances: a sequence number is taken, and the pass checked,
     /// under it (a leaf lock; nothing is awaited under it).
     accepting: Mutex<()>,
+    /// Messages not settled per (route, lease): what `queue_order` holds,
+    /// counted at open and kept with each change to it, so that a scrape
+    /// reads a lease's head per pair instead of walking the index. A leaf
+    /// lock.
+    waiting: Mutex<HashMap<(String, String), u64>>,
 }
 
 impl SledQueue {
     /// Opens the queue's trees in `sled`'s database.
     pub fn open(sled: Arc<SledState>) -> Result<SledQueue, StateError> {
         let db = sled.db();
+        let order = db.open_tree("queue_order").map_err(db_err)?;
+        let mut waiting: HashMap<(String, String), u64> = HashMap::new();
+        for item in order.iter() {
+            let (k, mid) = item.map_err(db_err)?;
+            let lease = k.get(..k.len().saturating_sub(9)).unwrap_or_default();
+            let route = mid.split(|b| *b == 0).next().unwrap_or_default();
+            *waiting
+                .entry((
+                    String::from_utf8_lossy(route).into_owned(),
+                    String::from_utf8_lossy(lease).into_owned(),
+                ))
+                .or_default() += 1;
+        }
         Ok(SledQueue {
             msgs: db.open_tree("queue").map_err(db_err)?,
             requests: db.open_tree("queue_requests").map_err(db_err)?,
-            order: db.open_tree("queue_order").map_err(db_err)?,
+            order,
             seqs: db.open_tree("queue_seq").map_err(db_err)?,
             sent: db.open_tree("queue_sent").map_err(db_err)?,
             sled,
             accepting: Mutex::new(()),
+            waiting: Mutex::new(waiting),
         })
+    }
+
+    /// Counts one message more (`up`) or less waiting in `m`'s pair.
+    fn count(&self, m: &Message, up: bool) {
+        let mut w = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        let n = w.entry((m.route.clone(), m.lease.clone())).or_default();
+        *n = if up { *n + 1 } else { n.saturating_sub(1) };
+        if *n == 0 {
+            w.remove(&(m.route.clone(), m.lease.clone()));
+        }
     }
 
     /// Accepts `msg` (its `seq` is assigned here) with its request, unless its
@@ -120,6 +150,7 @@ impl SledQueue {
                     Ok::<_, ConflictableTransactionError<()>>(())
                 })
                 .map_err(tx_err)?;
+            self.count(&msg, true);
         }
         crate::failpoint::hit("queue_accept_written");
         self.sled.commit().await?;
@@ -215,48 +246,32 @@ impl SledQueue {
     }
 
     /// Per route, how many messages are not settled and when the oldest
-    /// lease head among them was accepted (metrics). Reads the order index,
-    /// decoding only each lease's head: a scrape costs one pass over the keys,
-    /// not a decode per message.
-    pub fn depth(&self) -> Result<std::collections::HashMap<String, (u64, u64)>, StateError> {
-        use std::collections::{BTreeSet, HashMap};
-        // Per route: messages and the leases they wait in; per lease: its
-        // head's acceptance time (what holds everything behind it).
-        let mut routes: HashMap<String, (u64, BTreeSet<Vec<u8>>)> = HashMap::new();
-        let mut heads: HashMap<Vec<u8>, u64> = HashMap::new();
-        for item in self.order.iter() {
-            let (k, mid) = item.map_err(db_err)?;
-            let lease = k
-                .get(..k.len().saturating_sub(9))
-                .unwrap_or_default()
-                .to_vec();
-            let Some(at) = mid.iter().position(|b| *b == 0) else {
-                continue;
+    /// lease head among them was accepted (metrics): the counts kept with
+    /// the order index, and one read of each lease's head.
+    pub fn depth(&self) -> Result<HashMap<String, (u64, u64)>, StateError> {
+        let pairs: Vec<((String, String), u64)> = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
+        let mut heads: HashMap<String, u64> = HashMap::new();
+        let mut out: HashMap<String, (u64, u64)> = HashMap::new();
+        for ((route, lease), n) in pairs {
+            let head = match heads.get(&lease) {
+                Some(h) => *h,
+                None => {
+                    let h = self.head(&lease)?.map_or(u64::MAX, |m| m.accepted_ms);
+                    heads.insert(lease, h);
+                    h
+                }
             };
-            let route = String::from_utf8_lossy(&mid[..at]).into_owned();
-            if !heads.contains_key(&lease) {
-                let accepted = match self.msgs.get(&mid).map_err(db_err)? {
-                    Some(v) => decode(&v)?.accepted_ms,
-                    None => u64::MAX,
-                };
-                heads.insert(lease.clone(), accepted);
-            }
-            let r = routes.entry(route).or_default();
-            r.0 += 1;
-            r.1.insert(lease);
+            let r = out.entry(route).or_insert((0, u64::MAX));
+            r.0 += n;
+            r.1 = r.1.min(head);
         }
-        Ok(routes
-            .into_iter()
-            .map(|(route, (n, leases))| {
-                let oldest = leases
-                    .iter()
-                    .filter_map(|l| heads.get(l))
-                    .copied()
-                    .min()
-                    .unwrap_or(u64::MAX);
-                (route, (n, oldest))
-            })
-            .collect())
+        Ok(out)
     }
 
     /// The epoch of the last message waiting in `lease`'s queue (0: none) —
@@ -316,13 +331,15 @@ impl SledQueue {
         let mid = id(&msg.route, &msg.key);
         let meta = encode(msg);
         let okey = order_key(&msg.lease, msg.seq);
-        (&self.msgs, &self.order)
+        let removed = (&self.msgs, &self.order)
             .transaction(|(msgs, order)| {
                 msgs.insert(mid.as_slice(), meta.as_slice())?;
-                order.remove(okey.as_slice())?;
-                Ok::<_, ConflictableTransactionError<()>>(())
+                Ok::<_, ConflictableTransactionError<()>>(order.remove(okey.as_slice())?.is_some())
             })
             .map_err(tx_err)?;
+        if removed {
+            self.count(msg, false);
+        }
         self.sled.commit().await
     }
 
@@ -372,7 +389,7 @@ impl SledQueue {
                     Ok::<_, ConflictableTransactionError<()>>(())
                 });
             match written {
-                Ok(()) => {}
+                Ok(()) => self.count(&msg, true),
                 Err(TransactionError::Abort(())) => return Ok(Requeued::Gone),
                 Err(TransactionError::Storage(e)) => return Err(db_err(e)),
             }
@@ -567,6 +584,44 @@ mod tests {
         let depth = q.depth().unwrap();
         assert_eq!(depth["a"], (1, 5));
         assert_eq!(depth["b"], (1, 5));
+    }
+
+    /// The depth kept with the order index: a message settled twice (a
+    /// failed one dropped) counts out once, a requeue counts in again, and a
+    /// reopened store counts what its index holds.
+    #[tokio::test]
+    async fn the_depth_follows_the_order_index_and_survives_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state");
+        {
+            let state = SledState::open(&path).unwrap();
+            let q = SledQueue::open(state.clone()).unwrap();
+            let mut m1 = failed(&q, "m1", 1).await;
+            assert!(q.depth().unwrap().is_empty());
+            m1.status = Status::Dropped;
+            q.settle(&m1).await.unwrap();
+            assert!(
+                q.depth().unwrap().is_empty(),
+                "settled twice, counted out once"
+            );
+            q.accept(msg("m2", 1, Status::Pending), &envelope(), || true)
+                .await
+                .unwrap();
+            failed(&q, "m3", 1).await;
+            assert!(matches!(
+                q.requeue("hook", "m3", 5).await.unwrap(),
+                Requeued::Done(_)
+            ));
+            assert_eq!(q.depth().unwrap()["hook"], (2, 1));
+            crate::state::StateStore::close(state.as_ref())
+                .await
+                .unwrap();
+        }
+        let state = crate::state::sled::tests::open_when_free(&path)
+            .await
+            .unwrap();
+        let q = SledQueue::open(state).unwrap();
+        assert_eq!(q.depth().unwrap()["hook"], (2, 1));
     }
 
     /// A message the sweeper removed is not brought back by a retry without

@@ -586,7 +586,7 @@ impl StateStore for SledState {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::state::witness;
 
@@ -594,7 +594,7 @@ mod tests {
     /// directory's lock: sled's own background flusher keeps it for up to its
     /// flush interval after the last handle is dropped. (A restarted process never
     /// waits: the old one's exit released it.) Reopening at once failed under load.
-    async fn open_when_free(dir: &Path) -> Result<Arc<SledState>, StateError> {
+    pub(crate) async fn open_when_free(dir: &Path) -> Result<Arc<SledState>, StateError> {
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
         loop {
             match SledState::open(dir) {

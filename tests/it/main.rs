@@ -28,6 +28,7 @@ mod ops;
 mod postgres;
 mod protect;
 mod queued;
+mod queued_cluster;
 mod quickstart;
 mod reload;
 mod startup;

@@ -213,6 +213,9 @@ impl PgQueue {
                     ],
                 )
                 .await?;
+                // Written, not committed: a crash here loses the message
+                // before its 202, never after.
+                crate::failpoint::hit("queue_accept_written");
                 Ok(Ok(Accepted::New(msg)))
             })
         })

@@ -671,10 +671,10 @@ async fn kill_9_at_each_boundary_on_postgres_loses_nothing() {
     accepted(&send(message(&s.fg, &w, "warm", "warm")).await, "warm");
     wait_status(&s.fg, "warm", |v| v["status"] == "delivered").await;
     // (failpoint, does the worker get its 202, arrivals of this message in all,
-    // unknown outcomes counted after the restart). Not `queue_accept_written`:
-    // on sled that is between the write and its group commit; on PostgreSQL
-    // the acceptance is one transaction, and no such point is marked.
+    // unknown outcomes counted after the restart). `queue_accept_written` is
+    // inside the acceptance's transaction, before its COMMIT.
     let cases = [
+        ("queue_accept_written", false, 1, 0),
         ("queue_accepted", false, 1, 0),
         ("queue_attempt_started", true, 1, 1),
         ("queue_attempt_answered", true, 2, 1),

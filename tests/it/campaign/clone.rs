@@ -255,7 +255,7 @@ impl Nemesis<'_> {
         self.write_addr();
         // The copy's messages that reached the destination since the fork.
         let fork = self.fork.take().map(|(from, addr)| {
-            let messages = queued_messages(fg.admin, &queued_keys(&self.dir, from));
+            let messages = QUEUED.messages(fg.admin, &QUEUED.keys(&self.dir, from));
             (from, addr, messages)
         });
         fg.kill9();

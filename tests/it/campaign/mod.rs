@@ -61,7 +61,9 @@
 //! judges `r4`'s arrivals by Q1–Q4 ([`checker::queued`]): acceptance order,
 //! epoch order without exemption, every `202` delivered unless failed, repeats
 //! only after an unknown outcome or a retried answer — and not by R1, R2, R4 or
-//! R6, which SPEC §11 does not ask of a queue.
+//! R6, which SPEC §11 does not ask of a queue. The route, its workers, the
+//! final wait and the report lines are [`queue`]'s, shared with the cluster
+//! campaign's queued route (`r36`, [`cluster`]).
 //!
 //! At the end every fault is healed, the workers finish, and [`checker::check`]
 //! verifies the history (origin log, every worker's log, the epoch objects in the
@@ -115,6 +117,7 @@
 mod checker;
 mod clone;
 mod cluster;
+mod queue;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -130,6 +133,7 @@ use crate::support::{
     repo_root, skip_without_python, test_python, Fencegate, S3Server, BUCKET, PREFIX,
 };
 use checker::{Arrival, Attempt, History, Outcome, StoredEpoch};
+use queue::{QueueRun, Queued, QUEUED_WORKERS};
 
 const LEASES: [&str; 4] = ["l0", "l1", "l2", "l3"];
 
@@ -196,36 +200,19 @@ const FAILPOINTS: [&str; 11] = [
     "queue_delivered",
 ];
 
-/// The queued route (SPEC §11): `r4` on its own lease `l4`, signing (every
-/// attempt carries `webhook-id`), with a short retry schedule so that a
-/// message retried across the faults settles within the run. Its timeout is
-/// the origin's slowest common answer: 3% of the attempts time out (unknown
-/// outcomes), more in the slow windows.
-const QUEUED_LEASE: &str = "l4";
-const QUEUED_ROUTE: &str = "r4";
-const QUEUED_TIMEOUT_MS: u64 = 1000;
-const QUEUED_SCHEDULE: &str = r#"["200ms", "400ms", "800ms", "1600ms", "3s"]"#;
-const WEBHOOK_SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
-/// The admin token of the campaign's fencegate (and of its copies): the
+/// The queued route (SPEC §11): `r4` on its own lease `l4` ([`queue`]).
+const QUEUED: Queued = Queued {
+    route: "r4",
+    lease: "l4",
+};
+/// The admin token of the campaigns' fencegates (and of the copies): the
 /// queue's listing needs it.
 const ADMIN_TOKEN: &str = "campaign-admin";
-/// Workers on the queued lease alone (besides the others, which do not send
-/// to it), and their mean pause before each operation (s).
-const QUEUED_WORKERS: usize = 2;
-const QUEUED_THINK_S: f64 = 0.3;
-/// How long the campaign waits, after healing, for the queue to drain.
-const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
 fn admin_server_toml() -> String {
     format!("admin_token = \"{ADMIN_TOKEN}\"")
 }
 
-/// The queued route's TOML.
-fn queued_route_toml(origin_addr: &str) -> String {
-    format!(
-        "\n[[route]]\nname = \"{QUEUED_ROUTE}\"\npath_prefix = \"/{QUEUED_ROUTE}/\"\nupstream = \"http://{origin_addr}/{QUEUED_ROUTE}/\"\nlease = \"{QUEUED_LEASE}\"\ntimeout_ms = {QUEUED_TIMEOUT_MS}\ndrain_timeout_ms = 1000\ndelivery = \"queued\"\nretry = {{ schedule = {QUEUED_SCHEDULE} }}\nsigning_secrets = [\"{WEBHOOK_SECRET}\"]\n"
-    )
-}
 /// The workers' contenders wait this long past an expiry (SPEC §2), as fencegate's
 /// `[store] grace_ms` in [`S3Server::store_toml`].
 const GRACE_MS: u64 = 500;
@@ -281,76 +268,6 @@ fn admin_json(admin: std::net::SocketAddr, path: &str) -> Result<serde_json::Val
         return Err(status.to_owned());
     }
     serde_json::from_str(body).map_err(|e| format!("{e}: {body}"))
-}
-
-/// The queued messages of `keys` as fencegate's admin API shows them (a key
-/// it does not hold is left out); `None` if it stopped answering.
-fn queued_messages(
-    admin: std::net::SocketAddr,
-    keys: &std::collections::BTreeSet<String>,
-) -> Option<BTreeMap<(String, String), checker::Message>> {
-    let mut out = BTreeMap::new();
-    for key in keys {
-        let path = format!("/v1/deliveries/{QUEUED_ROUTE}/{key}");
-        let mut tries = 0;
-        let v = loop {
-            match admin_json(admin, &path) {
-                Ok(v) => break Some(v),
-                Err(e) if e == "404" => break None,
-                Err(_) if tries < 10 => {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-                Err(_) => return None,
-            }
-        };
-        let Some(v) = v else { continue };
-        let n = |f: &str| v[f].as_u64().unwrap_or_default();
-        out.insert(
-            (QUEUED_ROUTE.to_owned(), key.clone()),
-            checker::Message {
-                seq: n("seq"),
-                epoch: n("epoch"),
-                status: s(&v["status"]).unwrap_or_default(),
-                attempts: n("attempts"),
-                unknown_outcomes: n("unknown_outcomes"),
-            },
-        );
-    }
-    Some(out)
-}
-
-/// The queued route's keys seen so far: what the workers sent it, and what
-/// reached the destination on it (at or after `since`, mono ns).
-fn queued_keys(dir: &Path, since: u64) -> std::collections::BTreeSet<String> {
-    let mut keys = std::collections::BTreeSet::new();
-    let prefix = format!("/{QUEUED_ROUTE}/");
-    // Read while the origin may be writing: a line cut short is skipped.
-    let text = fs::read_to_string(dir.join("origin.jsonl")).unwrap_or_default();
-    let lines = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok());
-    for v in lines {
-        if v["ev"] == "arrive"
-            && v["arrive"].as_u64().unwrap_or_default() >= since
-            && v["path"].as_str().is_some_and(|p| p.starts_with(&prefix))
-        {
-            keys.extend(s(&v["key"]));
-        }
-    }
-    if since == 0 {
-        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('w') && name.ends_with(".jsonl") {
-                for v in json_lines(&entry.path()) {
-                    if v["ev"] == "attempt" && v["route"] == QUEUED_ROUTE {
-                        keys.extend(s(&v["key"]).filter(|k| !k.is_empty()));
-                    }
-                }
-            }
-        }
-    }
-    keys
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -888,49 +805,20 @@ impl Nemesis<'_> {
                 .push("fencegate exited while the workers finished".into());
         } else {
             self.scrape();
-            failures.extend(self.drain_queue());
+            match QUEUED.wait_drained(&[self.fg.admin]) {
+                Ok(took) => self.note("queue drained", format!("in {} ms", took.as_millis())),
+                Err(e) => failures.push(e),
+            }
         }
         // Let the origin write its last answers (slow ones take up to 4.5 s).
         wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
         if !self.fg.exited() {
-            match queued_messages(self.fg.admin, &queued_keys(&self.dir, 0)) {
+            match QUEUED.messages(self.fg.admin, &QUEUED.keys(&self.dir, 0)) {
                 Some(m) => self.messages = m,
                 None => failures.push("fencegate's admin API stopped answering".into()),
             }
         }
         failures
-    }
-
-    /// Waits (bounded) until no queued message is pending or being delivered
-    /// (SPEC §11: every accepted message is delivered, or fails, by the end).
-    fn drain_queue(&mut self) -> Vec<String> {
-        let started = Instant::now();
-        let mut left = String::new();
-        while started.elapsed() < DRAIN_WAIT {
-            let total = |status: &str| {
-                admin_json(
-                    self.fg.admin,
-                    &format!("/v1/deliveries?route={QUEUED_ROUTE}&status={status}&limit=1"),
-                )
-                .ok()
-                .and_then(|v| v["total"].as_u64())
-            };
-            match (total("pending"), total("delivering")) {
-                (Some(0), Some(0)) => {
-                    self.note(
-                        "queue drained",
-                        format!("in {} ms", started.elapsed().as_millis()),
-                    );
-                    return Vec::new();
-                }
-                (p, d) => left = format!("pending {p:?}, delivering {d:?}"),
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        vec![format!(
-            "the queue did not drain in {} s after the faults healed: {left}",
-            DRAIN_WAIT.as_secs()
-        )]
     }
 }
 
@@ -1334,7 +1222,7 @@ async fn fault_campaign() {
     // (e.g. `in_doubt = "resend"` must produce R4 violations).
     let extra = std::env::var("FENCEGATE_CAMPAIGN_ROUTE_EXTRA").unwrap_or_default();
     let base_config =
-        s3.store_toml(200) + &routes_toml(&origin_addr, &extra) + &queued_route_toml(&origin_addr);
+        s3.store_toml(200) + &routes_toml(&origin_addr, &extra) + &QUEUED.toml(&origin_addr);
     // The instance reaches the store through its own relay: the clone step cuts
     // it while the instance is frozen, so that the single-threaded S3 server is
     // not held by a request the frozen process was in the middle of (a copy
@@ -1398,26 +1286,9 @@ async fn fault_campaign() {
         .collect();
     // The queued route's workers (the last ids): they contend for its lease
     // alone, at a pace its deliverer keeps up with between the faults.
-    let think = QUEUED_THINK_S.to_string();
     nemesis
         .workers
-        .extend((n_workers..n_workers + QUEUED_WORKERS).map(|i| {
-            start_worker(
-                &dir,
-                i,
-                &s3,
-                secs,
-                seed * 100 + i as u64,
-                &[
-                    "--leases",
-                    QUEUED_LEASE,
-                    "--short-ttl",
-                    "0",
-                    "--think",
-                    &think,
-                ],
-            )
-        }));
+        .extend(QUEUED.workers(&dir, &s3, (secs, seed), n_workers, &[]));
     let worker_failures = tokio::task::block_in_place(|| {
         nemesis.run(secs);
         nemesis.heal()
@@ -1463,17 +1334,14 @@ async fn fault_campaign() {
             begun,
             extra_leases: Vec::new(),
             extra_violations: Vec::new(),
-            queue: Some(QueueRun { messages, forks }),
+            queue: Some(QueueRun {
+                queued: QUEUED,
+                messages,
+                forks,
+            }),
         },
     )
     .await;
-}
-
-/// The queued route's part of a run: its messages at the end, and the forks
-/// of its state (the clone step's takeover).
-struct QueueRun {
-    messages: BTreeMap<(String, String), checker::Message>,
-    forks: Vec<checker::Fork>,
 }
 
 /// What a campaign run leaves for [`judge`].
@@ -1496,8 +1364,7 @@ struct Run {
     /// campaign's requests relayed to a forged gate object's `advertise`):
     /// printed and counted with the checker's.
     extra_violations: Vec<checker::Violation>,
-    /// The queued route `QUEUED_ROUTE` on `QUEUED_LEASE` (the single-instance
-    /// campaign; a cluster cannot queue).
+    /// The queued route ([`queue`]).
     queue: Option<QueueRun>,
 }
 
@@ -1536,9 +1403,10 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         routes.insert(route.clone(), lease.to_string());
         drain_timeout_ns.insert(route, r.drain_timeout_ms * 1_000_000);
     }
-    if queue.is_some() {
-        leases.push(QUEUED_LEASE);
-        routes.insert(QUEUED_ROUTE.into(), QUEUED_LEASE.into());
+    let queued = queue.as_ref().map(|q| q.queued);
+    if let Some(q) = queued {
+        leases.push(q.lease);
+        routes.insert(q.route.into(), q.lease.into());
     }
     fs::write(
         dir.join("nemesis.log"),
@@ -1575,7 +1443,7 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
         ..History::default()
     };
     if let Some(q) = queue {
-        history.queued.insert(QUEUED_ROUTE.into());
+        history.queued.insert(q.queued.route.into());
         history.messages = q.messages;
         history.forks = q.forks;
     }
@@ -1613,22 +1481,8 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
     for (k, n) in &report.exempt {
         println!("  {n:>6}  {k}");
     }
-    let q = &report.queued;
-    if !history.queued.is_empty() {
-        println!(
-            "queued route {QUEUED_ROUTE} (Q1-Q4): {} arrivals of {} messages, {} epochs, {} first arrivals compared in seq order, {} epoch changes; repeats after a retried answer {}, after an unknown outcome {} ({} unknown outcomes counted); {} segments, {} messages accepted by a copy whose state was thrown away",
-            q.arrivals,
-            q.messages_at_destination,
-            q.epochs_at_destination,
-            q.ordered_firsts,
-            q.epoch_changes,
-            q.again_after_answer,
-            q.again_after_unknown,
-            q.unknown_outcomes,
-            q.segments,
-            q.accepted_by_copy,
-        );
-        print_counts("  messages answered 202, by status at the end", &q.accepted);
+    if let Some(q) = queued {
+        q.print(&report.queued);
     }
     println!(
         "violations: {} (times in seconds since CLOCK_MONOTONIC {} ns; add {:.3} s for nemesis.log)",
@@ -1656,12 +1510,8 @@ async fn judge(tmp: tempfile::TempDir, s3: &S3Server, run: Run) {
     // arrivals, or too few epoch-ordered pairs among them, checked nothing. (Not the
     // answered attempts: on a slow machine most answers are lost to the kills and
     // timeouts the campaign is made of, while the arrivals stay.)
-    let accepted: usize = q.accepted.values().sum();
-    if !history.queued.is_empty() && (accepted < 10 || q.epoch_changes < 2) {
-        problems.push(format!(
-            "only {accepted} messages accepted on the queued route and {} epoch changes among its arrivals: the campaign did not exercise the queue",
-            q.epoch_changes
-        ));
+    if let Some(why) = queued.and_then(|q| q.unexercised(&report.queued)) {
+        problems.push(why);
     }
     if history.arrivals.len() < 20 || report.ordered_pairs < 10 {
         problems.push(format!(

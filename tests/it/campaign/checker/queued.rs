@@ -42,6 +42,17 @@
 //! are exempt from Q3 (its state was thrown away). The original must not send
 //! while the copy holds the guard: its arrivals would fall in the copy's
 //! segment and break the rules there.
+//!
+//! **In a cluster** there is no fork: the shard's owners share one database,
+//! and a takeover resumes the same queue from its head. The history is one
+//! segment, and every `202` must be delivered (or fail, or be dropped)
+//! whichever owner accepted it and whichever delivers it. An attempt that a
+//! tenure's end cut (the owner frozen, killed, or cut from the store or the
+//! database with the attempt out) is an unknown outcome: the next owner finds
+//! the message `delivering`, counts it in `unknown_outcomes` and sends it
+//! again first, so Q4 holds with no allowance of its own; an attempt a
+//! deposed owner sends after its successor's (the cluster's honest limit) is
+//! not exempted.
 
 use super::*;
 
@@ -55,8 +66,11 @@ pub const NOT_QUEUED: [&str; 4] = [
     "drain_aborted",
 ];
 
-/// A queued route's answers after which the message may or may not be queued.
-pub const INDETERMINATE: [&str; 1] = ["state_unavailable"];
+/// A queued route's answers after which the message may or may not be queued:
+/// a state write that failed, and in a cluster a request relayed to the
+/// lease's shard owner that did not answer (SPEC §10.2: the owner may have
+/// accepted it).
+pub const INDETERMINATE: [&str; 2] = ["state_unavailable", "upstream_timeout"];
 
 /// Statuses after which fencegate tries a message again (SPEC §11).
 pub fn retried(status: u16) -> bool {
@@ -532,6 +546,35 @@ mod tests {
         let r = check_all(&h);
         assert_eq!(rules(&r), vec!["Q3 delivery"], "{:#?}", r.violations);
         assert!(r.violations[0].what.contains("accepted again"));
+    }
+
+    #[test]
+    fn a_relayed_acceptance_whose_owner_did_not_answer_may_be_queued() {
+        // In a cluster (SPEC §10.2) the instance that relayed m2's request
+        // answered 504 upstream_timeout: the owner queued it anyway, and the
+        // worker's retry was answered 202. m2 arrives under the first request.
+        let mut h = good();
+        let mut first = accept("a2", "m2", 1, 1, 2);
+        first.accepted = None;
+        first.outcome = Outcome::Response {
+            status: 504,
+            error: Some("upstream_timeout".into()),
+            replayed: false,
+            body: String::new(),
+        };
+        h.attempts[1] = first;
+        let mut retry = accept("a2r", "m2", 1, 1, 3);
+        retry.kind = "retry".into();
+        h.attempts.push(retry);
+        let r = check_all(&h);
+        assert!(r.violations.is_empty(), "{:#?}", r.violations);
+        // Refused as not sent to the owner (503 shard_unavailable), it must
+        // not arrive.
+        let Outcome::Response { error, status, .. } = &mut h.attempts[1].outcome else {
+            unreachable!()
+        };
+        (*status, *error) = (503, Some("shard_unavailable".into()));
+        assert_eq!(rules(&check_all(&h)), vec!["R5 outcome"]);
     }
 
     #[test]

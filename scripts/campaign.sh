@@ -25,9 +25,12 @@
 # are logged. FENCEGATE_TEST_BIN=<path> runs another fencegate binary (an older
 # build) under the same campaign.
 #
-# The single-instance campaign also has a queued route (SPEC §11: r4 on lease l4,
-# its own two workers, the queue's failpoints), judged by Q1-Q4 after the queue
-# drained (tests/it/campaign/checker/queued.rs).
+# Both campaigns also have a queued route (SPEC §11, tests/it/campaign/queue.rs)
+# with its own two workers, judged by Q1-Q4 after the queue drained
+# (tests/it/campaign/checker/queued.rs): the single instance's r4 on lease l4
+# (the queue's failpoints armed by its kills, the clone step's fork of the
+# queue), the cluster's r36 on lease l36 (in the directed step's shard: a
+# takeover of the queue in every run; one database, no fork).
 #
 # Prints the histories checked, operations by outcome, nemesis events by kind and
 # every violation (the test fails on any). Re-run a failing seed to reproduce the

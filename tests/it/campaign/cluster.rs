@@ -40,8 +40,9 @@
 //! 5; routes with a 30 s route timeout and a 300 ms drain timeout, nothing
 //! recorded, so bodies are streamed) and sends O one 32 MiB upload per lease
 //! whose body the origin does not read (`X-Campaign-Hold`,
-//! scripts/campaign/origin.py): shard 5 then has up to six busy leases (`l1`,
-//! `l4` and these four), four of them with a long request in flight. Once their
+//! scripts/campaign/origin.py): shard 5 then has up to seven busy leases (`l1`,
+//! `l4`, the queued route's `l36` and these four), four of them with a long
+//! request in flight. Once their
 //! heads are at the origin, the nemesis waits for O's next renewal of shard 5's
 //! ownership row (its `renewals` in `/v1/cluster`, at most 2.5 s) and cuts O
 //! from the store and the database right after it: O's
@@ -86,6 +87,37 @@
 //! generation cannot stop; and half the renewals are followed by a poll with the
 //! superseded epoch (the late worker inside one worker), which only an owner that
 //! saw the newer epoch, or one that fenced itself, refuses.
+//!
+//! **The queued route** (SPEC §11, [`queue`](super::queue), as in the
+//! single-instance campaign): `r36` on its own lease `l36`, `delivery =
+//! "queued"`, signing, the retry schedule 200 ms … 3 s, a 1 s timeout, and two
+//! workers of its own on `l36` alone (no polls; requests to a random instance,
+//! relayed to the owner like any). `l36` is in shard 5 with `l1`, `l4` and the
+//! upload leases: the directed step's cut of the shard's owner is a takeover
+//! of the queue in every run, and the nemesis, which prefers the owners of busy
+//! shards, hits the queue's owner with kills, long SIGSTOPs (takeovers), store
+//! and database cuts and peer cuts. After healing, the campaign waits (30 s at
+//! most) until no message is pending or being delivered, then reads every
+//! message from the admin API of any instance (they all read the database),
+//! and the checker judges `r36` by Q1–Q4 ([`checker::queued`]). One database:
+//! no fork of the queue's state, so the history is one segment and no `202` is
+//! exempt from delivery; an attempt cut at a tenure's end is an unknown outcome
+//! (the next owner finds it `delivering`, counts it and sends it again first).
+//! A relayed request whose owner did not answer (504 `upstream_timeout`) may
+//! or may not have been queued. The queue's failpoints are not armed here
+//! (every restart is clean).
+//!
+//! Its runs (2 shared cores, the correct build): seed 7, 30 s of faults (the
+//! CI smoke): 44 messages answered 202 (43 delivered, 1 failed), 15 epoch
+//! changes among the arrivals, 2 unknown outcomes, 18 takeovers, 0
+//! violations, 41 s in all (no longer than without the route); seeds 5, 11,
+//! 13 and 23, 60 s: 71–89 messages, 20–28 epoch changes, 2–11 unknown
+//! outcomes, 26–33 takeovers, 0 violations, 71–73 s; seed 31, 90 s: 136
+//! messages (4 failed), 40 epoch changes, 12 unknown outcomes, 42 takeovers,
+//! 0 violations. The weakened build below (15 s, seed 7) shows no Q
+//! violation (25 messages, 6 epoch changes): each queue write is conditioned
+//! on the shard's owner generation in the database, which it keeps, and the
+//! directed step cuts its owner from the database too.
 //!
 //! The checker's rules and exemptions are exactly the single-instance ones. The
 //! cluster's honest limit (an owner stalled for longer than `self_fence_margin +
@@ -183,6 +215,15 @@ const UPLOAD_LEASES: [&str; 4] = ["l6", "l7", "l15", "l21"];
 const UPLOAD_ROUTE: RouteConf = RouteConf {
     timeout_ms: 30_000,
     drain_timeout_ms: 300,
+};
+/// The queued route (SPEC §11, [`queue`](super::queue)): `r36` on its own
+/// lease `l36`, in the directed step's shard 5 (with `l1`, `l4` and the upload
+/// leases), so that the step's cut of its owner is a certain takeover of the
+/// queue in every run; its own two workers hold `l36` nearly all the time, so
+/// the nemesis takes shard 5 for a busy one and hits its owner most.
+const CLUSTER_QUEUED: Queued = Queued {
+    route: "r36",
+    lease: "l36",
 };
 /// Each held upload's body: well above what can be in transit between fencegate
 /// and the origin (scripts/campaign/origin.py: ~8.5 MiB here).
@@ -310,6 +351,8 @@ struct ClusterNemesis<'a> {
     released: u32,
     /// Every hold token released so far (`origin.hold`).
     holds: Vec<String>,
+    /// The queued route's messages at the end, after the queue drained.
+    messages: BTreeMap<(String, String), checker::Message>,
     /// The proxy address of each instance (the workers' `proxy.addr`, with a
     /// foreign process's while one may serve).
     addrs: Vec<String>,
@@ -1024,7 +1067,21 @@ impl ClusterNemesis<'_> {
                 self.scrape(i);
             }
         }
+        // Every instance reads the queue from the database: any one answers.
+        let admins: Vec<std::net::SocketAddr> = self.instances.iter().map(|m| m.fg.admin).collect();
+        match CLUSTER_QUEUED.wait_drained(&admins) {
+            Ok(took) => self.note("queue drained", format!("in {} ms", took.as_millis())),
+            Err(e) => failures.push(e),
+        }
         wait_for_origin(&self.dir.join("origin.jsonl"), Duration::from_secs(6));
+        let keys = CLUSTER_QUEUED.keys(&self.dir, 0);
+        match admins
+            .iter()
+            .find_map(|&admin| CLUSTER_QUEUED.messages(admin, &keys))
+        {
+            Some(m) => self.messages = m,
+            None => failures.push("no instance's admin API answered".into()),
+        }
         failures
     }
 }
@@ -1095,7 +1152,10 @@ async fn cluster_fault_campaign() {
         .and_then(|p| p.parse().ok())
         .expect("the database's port");
     let (origin, origin_addr) = start_origin(&dir, seed * 100 + 99);
-    for lease in UPLOAD_LEASES.iter().chain([&DIRECTED_LEASE]) {
+    for lease in UPLOAD_LEASES
+        .iter()
+        .chain([&DIRECTED_LEASE, &CLUSTER_QUEUED.lease])
+    {
         let name = LeaseName::parse(lease).unwrap();
         assert_eq!(shard_of(&name, SHARDS), DIRECTED_SHARD, "{lease}'s shard");
     }
@@ -1118,6 +1178,7 @@ async fn cluster_fault_campaign() {
             SPLIT_ROUTE.timeout_ms, SPLIT_ROUTE.drain_timeout_ms
         ));
     }
+    routes.push_str(&CLUSTER_QUEUED.toml(&origin_addr));
     for lease in UPLOAD_LEASES {
         let route = format!("r{}", &lease[1..]);
         routes.push_str(&format!(
@@ -1156,7 +1217,12 @@ async fn cluster_fault_campaign() {
             &format!("http://127.0.0.1:{s3_port}"),
             &format!("http://127.0.0.1:{}", store.addr.port()),
         );
-        let fg = Fencegate::start_listening(&format!("127.0.0.1:{port}"), "", &config, &[]);
+        let fg = Fencegate::start_listening(
+            &format!("127.0.0.1:{port}"),
+            &admin_server_toml(),
+            &config,
+            &[],
+        );
         instances.push(Instance {
             id,
             fg,
@@ -1181,7 +1247,7 @@ async fn cluster_fault_campaign() {
         instances,
         workers: Vec::new(),
         directed_worker: Vec::new(),
-        worker_resume: vec![None; n_workers],
+        worker_resume: vec![None; n_workers + QUEUED_WORKERS],
         origin,
         long_pauses: Vec::new(),
         quiet_until: Instant::now(),
@@ -1193,6 +1259,7 @@ async fn cluster_fault_campaign() {
         uploads: Vec::new(),
         released: 0,
         holds: Vec::new(),
+        messages: BTreeMap::new(),
         addrs,
         routes,
         store_toml: direct_store,
@@ -1238,14 +1305,24 @@ async fn cluster_fault_campaign() {
             )
         })
         .collect();
-    // The directed late worker: id `n_workers`, so the checker reads its log too.
+    // The queued route's workers (ids after the others: a worker's index is
+    // its id), paused like the others.
+    nemesis.workers.extend(CLUSTER_QUEUED.workers(
+        &dir,
+        &s3,
+        (secs, seed),
+        n_workers,
+        &["--client-timeout", "3"],
+    ));
+    // The directed late worker: the last id, so the checker reads its log too.
     let ctl = dir.join("directed");
+    let directed_id = n_workers + QUEUED_WORKERS;
     nemesis.directed_worker = vec![start_worker(
         &dir,
-        n_workers,
+        directed_id,
         &s3,
         secs + 180,
-        seed * 100 + n_workers as u64,
+        seed * 100 + directed_id as u64,
         &[
             "--leases",
             DIRECTED_LEASE,
@@ -1276,6 +1353,7 @@ async fn cluster_fault_campaign() {
         instances,
         long_pauses,
         takeovers,
+        messages,
         ..
     } = nemesis;
     drop(workers);
@@ -1330,11 +1408,11 @@ async fn cluster_fault_campaign() {
         tmp,
         &s3,
         Run {
-            // The directed worker's log is `w{n_workers}.jsonl`.
-            n_workers: n_workers + 1,
+            // The directed worker's log is the last, `w{directed_id}.jsonl`.
+            n_workers: directed_id + 1,
             title: format!(
-                "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers and a directed one, {} leases",
-                LEASES.len() + 1 + SPLIT_LEASES.len() + UPLOAD_LEASES.len()
+                "cluster fault campaign: seed {seed}, {secs} s of faults, 3 instances, {SHARDS} shards, {n_workers} workers, {QUEUED_WORKERS} on the queued lease and a directed one, {} leases",
+                LEASES.len() + 2 + SPLIT_LEASES.len() + UPLOAD_LEASES.len()
             ),
             events,
             timeline,
@@ -1347,7 +1425,12 @@ async fn cluster_fault_campaign() {
                 .chain(UPLOAD_LEASES.iter().map(|l| (l.to_string(), UPLOAD_ROUTE)))
                 .collect(),
             extra_violations,
-            queue: None,
+            // One database: no fork of the queue's state.
+            queue: Some(QueueRun {
+                queued: CLUSTER_QUEUED,
+                messages,
+                forks: Vec::new(),
+            }),
         },
     )
     .await;

@@ -117,7 +117,13 @@
 //! 0 violations. The weakened build below (15 s, seed 7) shows no Q
 //! violation (25 messages, 6 epoch changes): each queue write is conditioned
 //! on the shard's owner generation in the database, which it keeps, and the
-//! directed step cuts its owner from the database too.
+//! directed step cuts its owner from the database too. A build weakened in the
+//! queue instead (a scratch copy of 7bd9897 whose deliverer sends a message
+//! found `delivering` again without counting an unknown outcome, run with
+//! `FENCEGATE_TEST_BIN`): seed 7, 30 s: 1 `[Q4 duplicates]`, the message whose
+//! attempt the directed step's cut caught (it arrived 43 ms before the cut,
+//! its answer came after it, so the owner could not write it delivered), sent
+//! again by the successor 6.8 s later.
 //!
 //! The checker's rules and exemptions are exactly the single-instance ones. The
 //! cluster's honest limit (an owner stalled for longer than `self_fence_margin +

@@ -93,7 +93,7 @@ async fn panel(
 /// What the page says after a retry or drop from its queue panel:
 /// `delivery=retried|dropped|refused` with `route`, `key`, and for a refusal
 /// `action` and `why` (`superseded` with `epoch`, `conflict` with `status`,
-/// `not_found`). The words are the program's; only route and key come from
+/// `not_found`, `not_served`). The words are the program's; only route and key come from
 /// the query.
 fn notice_of(q: &[(String, String)]) -> Option<Notice> {
     let (what, route, key) = (
@@ -113,6 +113,7 @@ fn notice_of(q: &[(String, String)]) -> Option<Notice> {
                 "superseded" => Edit::Superseded(form_field(q, "epoch")?.parse().ok()?),
                 "conflict" => Edit::Conflict(Status::parse(&form_field(q, "status")?)?),
                 "not_found" => Edit::NotFound,
+                "not_served" => Edit::NotServed,
                 _ => return None,
             };
             let action = match form_field(q, "action")?.as_str() {
@@ -263,6 +264,7 @@ impl Admin {
                 let why = match refused {
                     Edit::Superseded(epoch) => format!("superseded&epoch={epoch}"),
                     Edit::Conflict(status) => format!("conflict&status={}", status.as_str()),
+                    Edit::NotServed => "not_served".to_owned(),
                     _ => "not_found".to_owned(),
                 };
                 let key = String::from_utf8_lossy(&form::decode_segment(key)).into_owned();

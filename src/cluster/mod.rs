@@ -171,6 +171,13 @@ pub struct Cluster {
 /// served here, and whose attempts out are held to the tenure's abort deadline
 /// as forwarded requests are.
 pub trait TenureWork: Send + Sync {
+    /// Whether a tenure of a shard whose leases are `leases` may begin here
+    /// (checked before its fences start; `Err` says why not, and the shard is
+    /// handed back).
+    fn check(
+        &self,
+        leases: &[LeaseName],
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send + '_>>;
     /// A tenure of a shard whose leases are `leases` began here.
     fn started(&self, leases: &[LeaseName]);
     /// The tenure of `shard` ended here: nothing new starts on it, and what is

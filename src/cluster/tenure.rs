@@ -164,6 +164,10 @@ impl Cluster {
         g: &super::shard::Shard,
         owner: Owner,
     ) -> Result<(), String> {
+        if let Some(w) = self.work.get() {
+            let leases: Vec<_> = g.leases.iter().map(|(l, _)| l.clone()).collect();
+            w.check(&leases).await?;
+        }
         self.state
             .claim_shard(owner)
             .await

@@ -14,7 +14,7 @@ use http::{HeaderName, HeaderValue, Request, StatusCode};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use super::{ms, Answer, Message, Queue, Status};
+use super::{ms, Answer, Message, Queue, Sender, Status};
 use crate::forward::{self, UpstreamError};
 use crate::proxy::Route;
 use crate::state::Owner;
@@ -59,19 +59,23 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             return;
         }
         let wakes = q.wakes(&lease);
-        let Some(owner) = (q.ctx.owner_of)(&lease) else {
-            if q.ctx.cluster {
-                // Not served here (a cluster): the shard's next tenure here
-                // starts this deliverer again. What it started ends first.
+        let owner = match (q.ctx.owner_of)(&lease) {
+            Sender::Here(owner) => owner,
+            Sender::Later => {
+                pause(&q, &notify, PAUSE).await;
+                continue;
+            }
+            Sender::Elsewhere => {
+                // Served by another instance (a cluster): the shard's next
+                // tenure here starts this deliverer again. What it started
+                // ends first.
                 while running.join_next().await.is_some() {}
                 out.clear();
                 if q.retire(&lease, wakes) {
                     return;
                 }
-            } else {
-                pause(&q, &notify, PAUSE).await;
+                continue;
             }
-            continue;
         };
         let head = match q.store.head(&lease).await {
             Ok(Some(m)) => m,
@@ -230,7 +234,7 @@ async fn launch(
 /// while it holds its place under `owner` (the instance guard, the shard's
 /// tenure) and the state is its set-up's.
 fn may_send(q: &Queue, lease: &str, owner: Owner) -> bool {
-    (q.ctx.owner_of)(lease) == Some(owner)
+    (q.ctx.owner_of)(lease) == Sender::Here(owner)
 }
 
 /// Waits for `d`, a wake-up or shutdown.

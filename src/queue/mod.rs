@@ -45,20 +45,35 @@ pub(crate) async fn conflict(
     store: &QueueStore,
     routes: &[crate::config::RouteConfig],
 ) -> Result<Option<String>, StateError> {
+    let routes: Vec<(&str, &str, bool)> = routes
+        .iter()
+        .map(|r| {
+            (
+                r.name.as_str(),
+                r.lease.as_str(),
+                r.delivery == crate::config::Delivery::Queued,
+            )
+        })
+        .collect();
+    conflict_of(store, &routes).await
+}
+
+/// [`conflict`] for routes given as (name, lease, queued).
+async fn conflict_of(
+    store: &QueueStore,
+    routes: &[(&str, &str, bool)],
+) -> Result<Option<String>, StateError> {
     let holding = store.holding().await?;
-    for r in routes {
-        let queued = r.delivery == crate::config::Delivery::Queued;
+    for &(name, r_lease, queued) in routes {
         for (route, lease) in &holding {
-            if !queued && lease == r.lease.as_str() {
+            if !queued && lease == r_lease {
                 return Ok(Some(format!(
-                    "route {:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)",
-                    r.name
+                    "route {name:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
                 )));
             }
-            if queued && *route == r.name && lease != r.lease.as_str() {
+            if queued && route == name && lease != r_lease {
                 return Ok(Some(format!(
-                    "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name",
-                    r.lease
+                    "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {r_lease}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name"
                 )));
             }
         }
@@ -92,21 +107,40 @@ pub enum Edit {
     NotServed,
 }
 
-/// The owner under which a lease's messages may be written and sent now.
-pub(crate) type OwnerOf = Box<dyn Fn(&str) -> Option<Owner> + Send + Sync>;
+/// Where a lease's messages may be sent from now, as this instance sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sender {
+    /// From here, written under this owner.
+    Here(Owner),
+    /// From here once it may send again (its guard or its shard's window
+    /// lapsed, the state is another set-up's for now): its deliverer waits.
+    Later,
+    /// Not from here: the lease's shard is served by another instance (a
+    /// cluster); its deliverer stops until a tenure here starts it again.
+    Elsewhere,
+}
+
+impl Sender {
+    /// The owner to write under, if the messages may be sent from here now.
+    pub(crate) fn owner(self) -> Option<Owner> {
+        match self {
+            Sender::Here(o) => Some(o),
+            _ => None,
+        }
+    }
+}
+
+/// Where a lease's messages may be sent from now ([`Sender`]).
+pub(crate) type OwnerOf = Box<dyn Fn(&str) -> Sender + Send + Sync>;
 
 /// What the deliverers need of the rest of fencegate.
 pub(crate) struct Context {
     pub live: Arc<LiveConfig>,
-    /// SPEC §10 applied to the queue: the owner under which this instance may
-    /// write and send a lease's messages now — it holds its instance guard
-    /// (a single instance) or serves the lease's shard (a cluster), and its
-    /// state is its set-up's; `None` otherwise.
+    /// SPEC §10 applied to the queue: whether this instance may write and
+    /// send a lease's messages now, and under which owner — it holds its
+    /// instance guard (a single instance) or serves the lease's shard (a
+    /// cluster), and its state is its set-up's.
     pub owner_of: OwnerOf,
-    /// A cluster: a deliverer whose lease is not served here stops, and the
-    /// shard's next tenure here starts it again ([`Queue::serve_shard`]); a
-    /// single instance's waits for its guard.
-    pub cluster: bool,
     pub clock: Arc<dyn Clock>,
     /// Shutdown: no new attempt starts.
     pub stop: CancellationToken,
@@ -348,7 +382,12 @@ impl Queue {
     pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
         let mut m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
-        let owner = (self.ctx.owner_of)(&m.lease).ok_or(Edit::NotServed)?;
+        if !matches!(m.status, Status::Pending | Status::Failed) {
+            return Err(Edit::Conflict(m.status));
+        }
+        let owner = (self.ctx.owner_of)(&m.lease)
+            .owner()
+            .ok_or(Edit::NotServed)?;
         let now = ms(self.ctx.clock.now());
         let m = match m.status {
             Status::Pending => {
@@ -381,7 +420,9 @@ impl Queue {
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
-        let owner = (self.ctx.owner_of)(&m.lease).ok_or(Edit::NotServed)?;
+        let owner = (self.ctx.owner_of)(&m.lease)
+            .owner()
+            .ok_or(Edit::NotServed)?;
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
         self.store.settle(owner, &m).await?;
@@ -424,6 +465,34 @@ impl Queue {
 pub(crate) struct FollowTenures(pub Arc<Queue>);
 
 impl crate::cluster::TenureWork for FollowTenures {
+    fn check(
+        &self,
+        leases: &[crate::epoch::LeaseName],
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send + '_>> {
+        // SPEC §11 at a takeover: members of one cluster share their routes,
+        // but a member whose config differs (a route direct here, queued on
+        // the others) must not forward the shard's leases directly past
+        // messages another member queued.
+        let live = self.0.ctx.live.current();
+        let routes: Vec<(String, String, bool)> = live
+            .routes
+            .iter()
+            .filter(|r| leases.contains(&r.lease))
+            .map(|r| (r.name.clone(), r.lease.as_str().to_owned(), r.queued))
+            .collect();
+        Box::pin(async move {
+            let routes: Vec<(&str, &str, bool)> = routes
+                .iter()
+                .map(|(n, l, q)| (n.as_str(), l.as_str(), *q))
+                .collect();
+            match conflict_of(&self.0.store, &routes).await {
+                Ok(None) => Ok(()),
+                Ok(Some(why)) => Err(why),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+
     fn started(&self, leases: &[crate::epoch::LeaseName]) {
         self.0.serve_shard(leases);
     }

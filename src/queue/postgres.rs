@@ -3,14 +3,26 @@
 //! kept once) and `fencegate_queue_leases` (per lease, the next place and the
 //! newest epoch of which a message was sent).
 //!
-//! Every write is one transaction that first share-locks the shard's owner row
-//! and checks that no newer generation holds it (as dedup writes do,
-//! [`crate::state::postgres`]): a takeover's `claim_shard` updates that row, so
-//! a write of the deposed owner either commits before the takeover — and the
-//! successor reads it — or fails with [`StateError::OwnerLost`]; its attempt
-//! is then never started. Acceptances and an operator's requeue lock the
-//! lease's row of `fencegate_queue_leases` while they take a place: places of
-//! one lease are taken one at a time, in the order the rows are locked.
+//! Every write is one transaction that, last before its COMMIT, share-locks the
+//! shard's owner row and checks that no newer generation holds it (as dedup
+//! writes do, [`crate::state::postgres`]): a takeover's `claim_shard` updates
+//! that row, so a write of the deposed owner either commits before the
+//! takeover — and the successor reads it — or fails with
+//! [`StateError::OwnerLost`]; its attempt is then never started. Acceptances,
+//! attempts and an operator's requeue lock the lease's row of
+//! `fencegate_queue_leases` first: places of one lease are taken one at a
+//! time, in the order the rows are locked.
+//!
+//! Why the owner row last, and why a transaction may not idle: a renewal
+//! updates that row and must never wait long behind queue writes. Taken first,
+//! every acceptance waiting for its lease's row would hold the share lock
+//! meanwhile, and a busy lease would starve the owner's renewals until it
+//! self-fenced; and an owner stalled mid-transaction (paused, cut off) would
+//! keep the row from its successor for as long as its session lived. So locks
+//! are taken lease row → message row → owner row, the owner row held only for
+//! the last statement and the COMMIT, and each transaction sets
+//! `idle_in_transaction_session_timeout` (half of `[state] timeout_ms`): a
+//! stalled writer's session is ended, and its locks released, by the server.
 //!
 //! A write runs in a task of its own: a request that goes away (a client
 //! disconnecting, a pass aborted) does not cut a transaction halfway, whose
@@ -120,7 +132,9 @@ impl PgQueue {
         PgQueue { db }
     }
 
-    /// Runs `f` in one transaction of its own task, under `owner`'s check.
+    /// Runs `f` in one transaction of its own task; if it comes to a value,
+    /// `owner`'s check (the owner row share-locked until the COMMIT) and the
+    /// COMMIT follow.
     async fn write<T, F>(&self, what: &'static str, owner: Owner, f: F) -> Result<T, StateError>
     where
         T: Send + 'static,
@@ -133,16 +147,22 @@ impl PgQueue {
     {
         self.db.writable()?;
         let db = self.db.clone();
+        let idle = format!(
+            "SET LOCAL idle_in_transaction_session_timeout = {}",
+            (self.db.timeout().as_millis() / 2).max(100)
+        );
         let task = tokio::spawn(async move {
             db.with(what, move |mut c: Object| async move {
                 let tx = c.transaction().await?;
+                tx.batch_execute(&idle).await?;
+                let out = f(&tx).await?;
+                if out.is_err() {
+                    return Ok(out);
+                }
                 if let Err(r) = owner_holds(&tx, owner).await? {
                     return Ok(Err(r));
                 }
-                let out = f(&tx).await?;
-                if out.is_ok() {
-                    tx.commit().await?;
-                }
+                tx.commit().await?;
                 Ok(out)
             })
             .await
@@ -365,10 +385,6 @@ impl PgQueue {
         let m = msg.clone();
         self.write("queue attempt", owner, move |tx| {
             Box::pin(async move {
-                if update(tx, owner, &m, false).await? != 1 {
-                    // Swept meanwhile: not sent.
-                    return Ok(Err(Refused::Unreadable("queue attempt")));
-                }
                 tx.execute(
                     "INSERT INTO fencegate_queue_leases AS l (lease, next_seq, sent_epoch) \
                      VALUES ($1, 0, $2) ON CONFLICT (lease) DO UPDATE \
@@ -376,6 +392,10 @@ impl PgQueue {
                     &[&m.lease, &epoch_to_sql(m.epoch)],
                 )
                 .await?;
+                if update(tx, owner, &m, false).await? != 1 {
+                    // Swept meanwhile: not sent.
+                    return Ok(Err(Refused::Unreadable("queue attempt")));
+                }
                 Ok(Ok(()))
             })
         })
@@ -419,6 +439,19 @@ impl PgQueue {
         let (route, key) = (route.to_owned(), key.to_owned());
         self.write("queue requeue", owner, move |tx| {
             Box::pin(async move {
+                // Its lease first (the lock order), then the message, locked
+                // and read again.
+                let Some(lease) = tx
+                    .query_opt(
+                        "SELECT lease FROM fencegate_queue WHERE route = $1 AND key = $2",
+                        &[&route, &key],
+                    )
+                    .await?
+                    .map(|r| r.get::<_, String>(0))
+                else {
+                    return Ok(Ok(Requeued::Gone));
+                };
+                let place = next_place(tx, &lease).await?;
                 let Some(row) = tx
                     .query_opt(
                         "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2 \
@@ -435,7 +468,6 @@ impl PgQueue {
                 if msg.status != Status::Failed {
                     return Ok(Ok(Requeued::NotFailed(msg.status)));
                 }
-                let place = next_place(tx, &msg.lease).await?;
                 let sent: Option<i64> = tx
                     .query_one(
                         "SELECT sent_epoch FROM fencegate_queue_leases WHERE lease = $1",

@@ -265,17 +265,28 @@ async fn build_on(
             crate::queue::Context {
                 live: live.clone(),
                 owner_of: {
+                    use crate::queue::Sender;
                     let (mode, state, fences) = (mode.clone(), durable.clone(), fences.clone());
                     Box::new(move |lease| {
-                        if state.set_up_conflict().is_some() {
-                            return None;
+                        // A lease's fence runs where its messages may be sent
+                        // from: every lease's on a single instance, the
+                        // leases of the shards served here in a cluster.
+                        let fence = crate::epoch::LeaseName::parse(lease)
+                            .ok()
+                            .and_then(|l| fences.get(&l));
+                        let Some(owner) = fence.map(|f| f.owner()) else {
+                            return match mode {
+                                Mode::Cluster(_) => Sender::Elsewhere,
+                                Mode::Single(_) => Sender::Later,
+                            };
+                        };
+                        if state.set_up_conflict().is_none() && mode.may_forward(owner) {
+                            Sender::Here(owner)
+                        } else {
+                            Sender::Later
                         }
-                        let lease = crate::epoch::LeaseName::parse(lease).ok()?;
-                        let owner = fences.get(&lease)?.owner();
-                        mode.may_forward(owner).then_some(owner)
                     })
                 },
-                cluster: matches!(mode, Mode::Cluster(_)),
                 clock: clock.clone(),
                 stop: stop.clone(),
                 abandon: CancellationToken::new(),

@@ -83,16 +83,29 @@ impl Cluster {
     /// Member `id`: its route to `upstream`, naming it in `x-via`, with
     /// `headers` more (TOML inline-table entries, each followed by ", ").
     fn member(&self, id: &str, upstream: &str, headers: &str, route_extra: &str) -> Fencegate {
+        self.member_with(
+            id,
+            &hook_route(upstream, &format!("{headers}x-via = \"{id}\""), route_extra),
+        )
+    }
+
+    /// Member `id` with `routes` (TOML).
+    fn member_with(&self, id: &str, routes: &str) -> Fencegate {
+        self.member_gated(id, routes, GATE)
+    }
+
+    /// Member `id` with `routes` and (`gate_ttl`, `self_fence_margin`).
+    fn member_gated(&self, id: &str, routes: &str, gate: (&str, &str)) -> Fencegate {
         let port = free_port();
         let toml = format!(
             "{}gate_ttl = \"{}\"\nself_fence_margin = \"{}\"\n{}[cluster]\ninstance_id = \"{id}\"\nadvertise = \"http://127.0.0.1:{port}\"\nshards = 1\npeer_token = \"{PEER_TOKEN}\"\n\n{}",
             self.s3
                 .store_toml(200)
                 .replace("timeout_ms = 1500", "timeout_ms = 1000"),
-            GATE.0,
-            GATE.1,
+            gate.0,
+            gate.1,
             state_toml(&self.db, ""),
-            hook_route(upstream, &format!("{headers}x-via = \"{id}\""), route_extra),
+            routes,
         );
         Fencegate::start_listening(
             &format!("127.0.0.1:{port}"),
@@ -710,4 +723,137 @@ async fn kill_9_at_each_boundary_on_postgres_loses_nothing() {
         assert!(got.iter().all(|i| *i == format!("hook:{key}")), "{got:?}");
         assert_eq!(v["unknown_outcomes"], unknown, "{failpoint}: {v}");
     }
+}
+
+/// SPEC §11 across members whose configs differ (a mistake: a cluster's
+/// members share their routes): fg-b forwards lease `hook` directly while
+/// fg-a queues it. When fg-a dies with m1 waiting, fg-b must not serve the
+/// shard — a direct request of a newer epoch would reach the destination
+/// before m1 — so it refuses the tenure, saying why, and forwards nothing.
+/// (Reviewed: fg-b served it, and m1 reached the origin after the epoch-2
+/// request once fg-a was back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_forwarding_a_queued_lease_directly_refuses_its_shard() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let c = Cluster::start().await;
+    let up = c.origin.url("/v1/");
+    let mut fa = c.member(
+        "fg-a",
+        &up,
+        "x-test-status = \"503\", ",
+        "retry = { schedule = [\"60s\"] }",
+    );
+    assert!(
+        wait_serves(&fa, 0, TAKEOVER).await.is_some(),
+        "{}",
+        fa.stderr()
+    );
+    let fb = c.member_with(
+        "fg-b",
+        &format!(
+            "[[route]]\nname = \"hook\"\npath_prefix = \"/hook/\"\nupstream = \"{up}\"\nlease = \"hook\"\ntimeout_ms = 30000\n"
+        ),
+    );
+    eventually("fg-b sees fg-a own the shard", || async {
+        owner_seen_by(&fb).await.as_deref() == Some("fg-a")
+    })
+    .await;
+    let w = c.worker().await;
+    accepted(&send(message(&fa, &w, "m1", "e1-queued")).await, "m1");
+    c.origin
+        .wait_until("m1's first attempt", |l| !l.is_empty())
+        .await;
+    fa.kill9();
+    let refused = "would forward lease hook's requests directly";
+    let deadline = Instant::now() + TAKEOVER;
+    while logged(&fb, refused) == 0 {
+        assert!(Instant::now() < deadline, "{}", fb.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!serves(&fb, 0).await, "fg-b serves the shard");
+    let w2 = force_next_epoch(
+        &c.s3.epochs().await,
+        "hook",
+        "worker-2",
+        Duration::from_secs(120),
+    )
+    .await;
+    send(
+        worker_req(&fb.url("/hook/direct"), w2.epoch.get(), &w2.token)
+            .body(Full::new(Bytes::from_static(b"e2-direct")))
+            .unwrap(),
+    )
+    .await
+    .assert_error(503, "shard_unavailable");
+    assert_eq!(bodies(&c.origin), ["e1-queued"]);
+}
+
+/// A member whose database's set-up record is briefly not its own (SPEC §10:
+/// it forwards and sends nothing meanwhile) without its shard's tenure
+/// ending: the lease's deliverer waits and goes on once the record is back.
+/// (Reviewed: it stopped for good, and m1 stayed pending.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_goes_on_after_a_short_set_up_conflict() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let c = Cluster::start().await;
+    // A long gate_ttl: the member renews nothing while the record is not its
+    // own, and its tenure must outlast the conflict (a new tenure would start
+    // the deliverer again whatever it did).
+    let fa = c.member_gated(
+        "fg-a",
+        &hook_route(
+            &c.origin.url("/v1/"),
+            "x-test-status = \"503\", x-via = \"fg-a\"",
+            "retry = { schedule = [\"1s\", \"1s\", \"1s\", \"1s\", \"1s\", \"1s\", \"1s\", \"1s\", \"1s\", \"1s\"] }",
+        ),
+        ("30s", "2s"),
+    );
+    assert!(
+        wait_serves(&fa, 0, TAKEOVER).await.is_some(),
+        "{}",
+        fa.stderr()
+    );
+    let generation = |v: serde_json::Value| v["shard_map"][0]["generation"].clone();
+    let tenure = generation(fa.admin_json("/v1/cluster").await);
+    let w = c.worker().await;
+    accepted(&send(message(&fa, &w, "m1", "m1")).await, "m1");
+    c.origin
+        .wait_until("m1's first attempt", |l| !l.is_empty())
+        .await;
+    let pg = PgServer::shared();
+    let id = pg.psql(&c.db_name, "SELECT id FROM fencegate_set_up");
+    pg.psql(
+        &c.db_name,
+        "UPDATE fencegate_set_up SET id = 'ffffffffffffffffffffffffffffffff'",
+    );
+    let deadline = Instant::now() + TAKEOVER;
+    while logged(&fa, "forwarding stopped") == 0 {
+        assert!(Instant::now() < deadline, "{}", fa.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Past m1's next attempt while the record is another set-up's: pending,
+    // not sent, and its deliverer has looked.
+    wait_status(&fa, "m1", |v| {
+        v["status"] == "pending"
+            && v["next_attempt_at"]
+                .as_str()
+                .and_then(|t| humantime::parse_rfc3339(t).ok())
+                .is_some_and(|t| t + Duration::from_millis(500) < std::time::SystemTime::now())
+    })
+    .await;
+    let stopped = c.origin.count();
+    pg.psql(
+        &c.db_name,
+        &format!("UPDATE fencegate_set_up SET id = '{}'", id.trim()),
+    );
+    c.origin
+        .wait_until("m1 attempted again", |l| l.len() > stopped)
+        .await;
+    assert_eq!(
+        generation(fa.admin_json("/v1/cluster").await),
+        tenure,
+        "the tenure went on: no takeover restarted the deliverer"
+    );
 }

@@ -188,6 +188,11 @@ impl PostgresState {
         &self.schema
     }
 
+    /// `[state] timeout_ms`: every call's bound.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Connects and checks `synchronous_commit`, writing nothing: the schema
     /// is migrated by [`PostgresState::migrate`] (at start-up, once the
     /// database is known to be this set-up's: [`PostgresState::hold_for`]).

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::{Accepted, Envelope, Message, Status};
-use fencegate::state::{Owner, StateError, StateStore};
+use fencegate::state::{Owner, OwnershipStore, StateError, StateStore};
 
 use super::pg_config;
 use crate::support::postgres::PgServer;
@@ -197,4 +197,167 @@ async fn a_requeue_on_postgres_keeps_epoch_order() {
         q.requeue(one, "hook", "m1", 7).await.unwrap(),
         fencegate::queue::store::Requeued::Gone
     ));
+}
+
+const TTL: std::time::Duration = std::time::Duration::from_secs(6);
+
+/// SPEC §10.2: a row unchanged for `gate_ttl + grace` is free. An owner
+/// stopped in the middle of a queue acceptance (paused, cut off) must not
+/// keep it from its successor: the acceptance holds no lock on the owner row
+/// while it waits or stalls (that lock is taken last, before the COMMIT), and
+/// the server ends a transaction left idle, releasing the lease's row too.
+/// (Reviewed: the successor's take waited for as long as the owner was
+/// stopped.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    let relay = Relay::start(pg.port).await;
+    let a_db = PostgresState::connect(&StateConfig {
+        timeout_ms: 2_000,
+        ..pg_config(&relay.url(&db))
+    })
+    .await
+    .unwrap();
+    let b_db = PostgresState::connect(&StateConfig {
+        timeout_ms: 5_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let gen1 = a_db
+        .take_shard(3, None, "fg-a", "http://a", TTL)
+        .await
+        .unwrap()
+        .unwrap();
+    let a_owner = Owner {
+        shard: 3,
+        generation: gen1,
+    };
+    a_db.claim_shard(a_owner).await.unwrap();
+    let (a, b) = (PgQueue::new(a_db.clone()), PgQueue::new(b_db.clone()));
+    accept(&a, a_owner, "m0", 1).await;
+    // Another acceptance of the lease holds its row: A's waits behind it.
+    let (other, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    other
+        .batch_execute(
+            "BEGIN; SELECT 1 FROM fencegate_queue_leases WHERE lease = 'hook' FOR UPDATE",
+        )
+        .await
+        .unwrap();
+    let accepting = {
+        let a = PgQueue::new(a_db.clone());
+        tokio::spawn(async move {
+            a.accept(a_owner, message("m1", 1), &envelope(), Arc::new(|| true))
+                .await
+        })
+    };
+    eventually("A's acceptance waits for the lease's row", || async {
+        pg.psql(
+            &db,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock'",
+        ) == "1"
+    })
+    .await;
+    // A stops: nothing more of it goes either way. The lease's row goes to
+    // A's transaction, which then idles, holding it.
+    relay.hold_requests(true);
+    relay.hold_replies(true);
+    other.batch_execute("COMMIT").await.unwrap();
+    // B takes the row at once: A holds no lock on it.
+    let row = b_db
+        .owner_rows()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.shard == 3)
+        .unwrap();
+    let gen2 = b_db
+        .take_shard(
+            3,
+            Some((row.generation, row.renewals)),
+            "fg-b",
+            "http://b",
+            TTL,
+        )
+        .await
+        .expect("the take does not wait for the stopped owner")
+        .expect("taken");
+    let b_owner = Owner {
+        shard: 3,
+        generation: gen2,
+    };
+    b_db.claim_shard(b_owner).await.unwrap();
+    // B accepts on the same lease once the server has ended A's idle
+    // transaction (half of A's timeout_ms), long before A wakes.
+    let m2 = accept(&b, b_owner, "m2", 2).await;
+    relay.hold_requests(false);
+    relay.hold_replies(false);
+    assert!(accepting.await.unwrap().is_err(), "A's acceptance failed");
+    assert!(b.get("hook", "m1").await.unwrap().is_none());
+    assert!(m2.seq > 0);
+    assert_eq!(
+        b.head("hook").await.unwrap().map(|m| m.key),
+        Some("m0".into())
+    );
+}
+
+/// The owner's renewals go through while a queued lease is busy: acceptances
+/// waiting for the lease's row hold no lock on the owner row, so they cannot
+/// starve the renewal that updates it (SPEC §10.2: an owner that cannot renew
+/// self-fences). (Reviewed: with four or more acceptances at once on one
+/// lease, renewals timed out.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_go_through_while_a_queued_lease_is_busy() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (_db, url) = pg.new_database();
+    let db = PostgresState::connect(&StateConfig {
+        timeout_ms: 2_000,
+        ..pg_config(&url)
+    })
+    .await
+    .unwrap();
+    let generation = db
+        .take_shard(0, None, "fg-a", "http://a", TTL)
+        .await
+        .unwrap()
+        .unwrap();
+    let owner = Owner {
+        shard: 0,
+        generation,
+    };
+    db.claim_shard(owner).await.unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workers = tokio::task::JoinSet::new();
+    for w in 0..8 {
+        let (q, stop) = (PgQueue::new(db.clone()), stop.clone());
+        workers.spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                n += 1;
+                let m = message(&format!("w{w}-{n}"), 1);
+                q.accept(owner, m, &envelope(), Arc::new(|| true))
+                    .await
+                    .unwrap();
+            }
+            n
+        });
+    }
+    // Renewals for a while under that load: each must go through within the
+    // state's timeout.
+    for _ in 0..20 {
+        db.renew_shards("fg-a", &[(0, generation)], TTL)
+            .await
+            .expect("a renewal under a busy queued lease");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let accepted: u64 = workers.join_all().await.into_iter().sum();
+    assert!(accepted > 8, "the lease was busy: {accepted} acceptances");
 }

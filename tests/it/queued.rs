@@ -769,3 +769,60 @@ async fn a_route_holding_messages_cannot_move_to_another_lease() {
     );
     assert_eq!(arrived(&origin), ["a-m1"]);
 }
+
+/// SPEC §11's attempt rules, at the origin: a 4xx other than 408, 409, 425
+/// and 429 fails the message at once; those four are retried; a
+/// `Retry-After` lengthens the wait (never shortens it), up to the
+/// schedule's last step. `ordering = "none"` lets the three first attempts go
+/// together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_refusal_fails_at_once_and_retry_after_lengthens_the_wait() {
+    skip_without_python!();
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs: _epochs,
+        a,
+    } = Queued::start("ordering = \"none\"\nretry = { schedule = [\"100ms\", \"60s\"] }").await;
+    accepted(&send(message(&fg, &a, "gone", "gone", 410)).await);
+    accepted(&send(message(&fg, &a, "conflict", "conflict", 409)).await);
+    let mut slow = message(&fg, &a, "busy", "busy", 429);
+    slow.headers_mut()
+        .insert("x-test-retry-after", "2".parse().unwrap());
+    accepted(&send(slow).await);
+    let at = |v: &serde_json::Value, field: &str| {
+        humantime::parse_rfc3339(v[field].as_str().unwrap_or_default()).unwrap()
+    };
+    // 429 with Retry-After: 2 → the next attempt 2 s after, not 100 ms
+    // (read at once: it is due 2 s after its answer).
+    wait_status(&fg, "busy", |v| v["last_status"] == 429).await;
+    let busy = status_of(&fg, "busy").await;
+    assert_eq!(
+        (busy["status"].as_str(), busy["attempts"].as_u64()),
+        (Some("pending"), Some(1))
+    );
+    let wait = at(&busy, "next_attempt_at")
+        .duration_since(at(&busy, "updated_at"))
+        .unwrap();
+    assert!(wait >= Duration::from_millis(1990), "{busy}");
+    assert!(wait < Duration::from_secs(60), "{busy}");
+    wait_status(&fg, "gone", |v| v["status"] == "failed").await;
+    let gone = status_of(&fg, "gone").await;
+    assert_eq!(
+        (gone["attempts"].as_u64(), gone["last_status"].as_u64()),
+        (Some(1), Some(410))
+    );
+    // 409: retried after the schedule's first step (100 ms ± 20%).
+    wait_status(&fg, "conflict", |v| {
+        v["attempts"].as_u64() >= Some(2) && v["status"] == "pending"
+    })
+    .await;
+    assert_eq!(status_of(&fg, "conflict").await["last_status"], 409);
+    let gone_arrivals = origin
+        .log()
+        .iter()
+        .filter(|x| x.body.as_ref() == b"gone")
+        .count();
+    assert_eq!(gone_arrivals, 1, "a final refusal is not retried");
+}

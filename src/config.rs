@@ -262,6 +262,9 @@ pub struct StateConfig {
     /// explicitly could move an existing set-up off tables its role's
     /// `search_path` found elsewhere.
     pub schema: Option<String>,
+    /// sled's page cache in MiB: how much of the marks, dedup records and
+    /// queued messages stays resident (sled only).
+    pub cache_mb: u64,
 }
 
 impl Default for StateConfig {
@@ -273,6 +276,7 @@ impl Default for StateConfig {
             ca_file: None,
             timeout_ms: 2000,
             schema: None,
+            cache_mb: 64,
         }
     }
 }
@@ -1184,6 +1188,9 @@ impl Config {
 
     fn validate_state(&self) -> Result<(), String> {
         let s = &self.state;
+        if s.cache_mb == 0 {
+            return Err("[state] cache_mb must be at least 1".into());
+        }
         if s.kind == StateKind::Postgres {
             s.resolved_url()?;
             if s.pool_size == 0 {
@@ -1644,6 +1651,19 @@ fn check_schema_name(name: &str) -> Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+
+    /// `[state] cache_mb`: 64 unless set; 0 is refused, by name.
+    #[test]
+    fn the_sled_cache_is_64_mib_unless_set_and_never_zero() {
+        let base = "[[route]]\nname = \"r\"\npath_prefix = \"/r/\"\nupstream = \"http://u/\"\nlease = \"l\"\n";
+        assert_eq!(Config::parse(base).unwrap().state.cache_mb, 64);
+        let set = Config::parse(&format!("[state]\ncache_mb = 256\n{base}")).unwrap();
+        set.validate().unwrap();
+        assert_eq!(set.state.cache_mb, 256);
+        let zero = Config::parse(&format!("[state]\ncache_mb = 0\n{base}")).unwrap();
+        let e = zero.validate().unwrap_err();
+        assert!(e.contains("[state] cache_mb must be at least 1"), "{e}");
+    }
 
     #[test]
     fn protection_keys_parse_and_bad_values_are_named() {

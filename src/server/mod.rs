@@ -164,7 +164,10 @@ async fn build_on(
     let mut on_sled = None;
     let durable: Arc<dyn StateStore> = match cfg.state.kind {
         StateKind::Sled => {
-            let sled = SledState::open(&cfg.server.data_dir)?;
+            let sled = SledState::open_with(
+                &cfg.server.data_dir,
+                cfg.state.cache_mb.saturating_mul(1 << 20),
+            )?;
             on_sled = Some(sled.clone());
             sled
         }

@@ -25,6 +25,11 @@ const SENTINEL: &[u8] = b"fencegate-state-v1";
 /// In sled's `meta` tree, per shard: the newest owner generation that wrote.
 const OWNER_PREFIX: &[u8] = b"owner/";
 
+/// sled's page cache unless `[state] cache_mb` says otherwise: what stays
+/// resident of marks, dedup records and queued messages once read or written
+/// (benches/README.md, "Queued delivery").
+const CACHE_BYTES: u64 = 64 << 20;
+
 /// The state in an embedded sled database under `data_dir` (one instance), with group
 /// commit.
 pub struct SledState {
@@ -89,6 +94,11 @@ fn raise_to(tree: &sled::Tree, lease: &LeaseName, epoch: Epoch) -> Result<(), St
 impl SledState {
     /// Opens (or creates) the state under `dir` and starts the flusher.
     pub fn open(dir: &Path) -> Result<Arc<SledState>, StateError> {
+        SledState::open_with(dir, CACHE_BYTES)
+    }
+
+    /// [`SledState::open`] with a page cache of `cache_bytes`.
+    pub fn open_with(dir: &Path, cache_bytes: u64) -> Result<Arc<SledState>, StateError> {
         let path = dir.to_owned();
         let open_err = |detail: String| StateError::Open {
             path: path.clone(),
@@ -126,6 +136,9 @@ impl SledState {
         let db = sled::Config::new()
             .path(dir)
             .flush_every_ms(Some(1000))
+            // sled's default page cache is 1 GiB: a queue's backlog stayed
+            // resident in it (~2.2 KiB per message).
+            .cache_capacity(cache_bytes)
             .open()
             .map_err(sled_err)?;
         let meta = db.open_tree("meta").map_err(sled_err)?;

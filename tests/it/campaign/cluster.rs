@@ -241,17 +241,20 @@ const UPLOAD_BYTES: usize = 32 << 20;
 enum Directed {
     /// The next step starts at this instant (when the cluster is healthy and quiet).
     Idle(Instant),
-    /// The worker acquires an epoch and polls `owner`, the shard's owner, with it.
+    /// The worker acquires an epoch and polls `owner`, the shard's owner, with
+    /// it. `tenure`: the shard's generation at `owner` when the step began.
     Acquiring {
         n: u32,
         owner: usize,
         since: Instant,
+        tenure: Option<u64>,
     },
     /// The worker sends `owner` one held upload per upload lease (the busy shard).
     Uploading {
         n: u32,
         owner: usize,
         since: Instant,
+        tenure: Option<u64>,
     },
     /// The uploads are in flight at `owner`: waiting for its next renewal of the
     /// shard's row (its `renewals` in `/v1/cluster`), to cut it from the store
@@ -262,6 +265,7 @@ enum Directed {
         owner: usize,
         since: Instant,
         gate: Option<u64>,
+        tenure: Option<u64>,
     },
     /// `owner` is cut from the store; waiting for another instance to serve the shard.
     Cut {
@@ -662,9 +666,15 @@ impl ClusterNemesis<'_> {
                     n,
                     owner,
                     since: now,
+                    tenure: self.renewals(owner, DIRECTED_SHARD).map(|g| g >> 32),
                 };
             }
-            Directed::Acquiring { n, owner, since } => match self.answer(n) {
+            Directed::Acquiring {
+                n,
+                owner,
+                since,
+                tenure,
+            } => match self.answer(n) {
                 Some(w) if w.first().is_some_and(|v| v == "acquired") => {
                     self.directed_epoch = w.get(1).cloned().unwrap_or_default();
                     self.command(format!("{n} uploads {}", self.instances[owner].fg.proxy));
@@ -672,6 +682,7 @@ impl ClusterNemesis<'_> {
                         n,
                         owner,
                         since: now,
+                        tenure,
                     };
                 }
                 Some(w) => {
@@ -684,7 +695,12 @@ impl ClusterNemesis<'_> {
                 }
                 None => {}
             },
-            Directed::Uploading { n, owner, since } => {
+            Directed::Uploading {
+                n,
+                owner,
+                since,
+                tenure,
+            } => {
                 let answer = self.answer(n).unwrap_or_default();
                 let arm = |me: &mut Self| {
                     let gate = me.renewals(owner, DIRECTED_SHARD);
@@ -693,6 +709,7 @@ impl ClusterNemesis<'_> {
                         owner,
                         since: Instant::now(),
                         gate,
+                        tenure,
                     };
                 };
                 match answer.first().map(String::as_str) {
@@ -735,6 +752,7 @@ impl ClusterNemesis<'_> {
                 owner,
                 since,
                 gate,
+                tenure,
             } => {
                 // Look often: the cut should follow the renewal closely.
                 self.directed_look = now + Duration::from_millis(50);
@@ -747,6 +765,14 @@ impl ClusterNemesis<'_> {
                 let id = self.instances[owner].id.clone();
                 if !self.serves_directed(owner) {
                     let detail = format!("{n}: {id} no longer serves the shard");
+                    return self.end_directed(n, None, "directed step given up", detail);
+                }
+                // A new tenure at the same owner since the poll (a balancing
+                // handover and a take back): its fence started afresh, without
+                // the polled epoch's object, and the late poll would be refused
+                // 503 store_unavailable rather than judged.
+                if self.renewals(owner, DIRECTED_SHARD).map(|g| g >> 32) != tenure {
+                    let detail = format!("{n}: {id} serves the shard under a new tenure");
                     return self.end_directed(n, None, "directed step given up", detail);
                 }
                 // Cut from the store and from the database: it can renew

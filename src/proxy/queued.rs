@@ -244,6 +244,12 @@ impl Proxy {
         // Durable (or failed): a newer epoch's raise may go on.
         let newer = pass.newer_epoch();
         drop(pass);
+        if done.is_err() {
+            // The outcome may be unknown (a COMMIT whose answer was lost): a
+            // message committed anyway must not wait for the lease's next
+            // acceptance. A wake with nothing to send is harmless.
+            queue.wake(route.lease.as_str());
+        }
         match done? {
             Accepted::New(m) => {
                 crate::failpoint::hit("queue_accepted");

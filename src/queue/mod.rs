@@ -375,19 +375,27 @@ impl Queue {
         }
     }
 
-    /// An operator's retry (SPEC §11): a pending message is due now; a failed
-    /// one goes back to the end of its lease's queue — unless a message of a
-    /// newer epoch of its lease was sent or waits, which it would then follow
-    /// (the order rule has no exemption, not even an operator's).
-    pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
-        let _edit = self.edits.lock().await;
-        let mut m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
+    /// The message an operator acts on, and the owner to write it under:
+    /// pending or failed, and its lease served here (SPEC §11). Called with
+    /// `edits` held.
+    async fn editable(&self, route: &str, key: &str) -> Result<(Message, Owner), Edit> {
+        let m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
         let owner = (self.ctx.owner_of)(&m.lease)
             .owner()
             .ok_or(Edit::NotServed)?;
+        Ok((m, owner))
+    }
+
+    /// An operator's retry (SPEC §11): a pending message is due now; a failed
+    /// one goes back to the end of its lease's queue — unless a message of a
+    /// newer epoch of its lease was sent or waits, which it would then follow
+    /// (the order rule has no exemption, not even an operator's).
+    pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
+        let _edit = self.edits.lock().await;
+        let (mut m, owner) = self.editable(route, key).await?;
         let now = ms(self.ctx.clock.now());
         let m = match m.status {
             Status::Pending => {
@@ -416,13 +424,7 @@ impl Queue {
         key: &str,
     ) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
-        let mut m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
-        if !matches!(m.status, Status::Pending | Status::Failed) {
-            return Err(Edit::Conflict(m.status));
-        }
-        let owner = (self.ctx.owner_of)(&m.lease)
-            .owner()
-            .ok_or(Edit::NotServed)?;
+        let (mut m, owner) = self.editable(route, key).await?;
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
         self.store.settle(owner, &m).await?;

@@ -243,6 +243,15 @@ fn logged(fg: &Fencegate, line: &str) -> usize {
     fg.stderr().matches(line).count()
 }
 
+/// Waits (up to a takeover's bound) until `fg` has logged `line`.
+async fn wait_logged(fg: &Fencegate, line: &str) {
+    let deadline = Instant::now() + TAKEOVER;
+    while logged(fg, line) == 0 {
+        assert!(Instant::now() < deadline, "{line:?}: {}", fg.stderr());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn cont(fg: &Fencegate) {
     assert!(std::process::Command::new("kill")
         .args(["-CONT", &fg.pid().to_string()])
@@ -765,12 +774,7 @@ async fn a_member_forwarding_a_queued_lease_directly_refuses_its_shard() {
         .wait_until("m1's first attempt", |l| !l.is_empty())
         .await;
     fa.kill9();
-    let refused = "would forward lease hook's requests directly";
-    let deadline = Instant::now() + TAKEOVER;
-    while logged(&fb, refused) == 0 {
-        assert!(Instant::now() < deadline, "{}", fb.stderr());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_logged(&fb, "would forward lease hook's requests directly").await;
     assert!(!serves(&fb, 0).await, "fg-b serves the shard");
     let w2 = force_next_epoch(
         &c.s3.epochs().await,
@@ -828,11 +832,7 @@ async fn a_queue_goes_on_after_a_short_set_up_conflict() {
         &c.db_name,
         "UPDATE fencegate_set_up SET id = 'ffffffffffffffffffffffffffffffff'",
     );
-    let deadline = Instant::now() + TAKEOVER;
-    while logged(&fa, "forwarding stopped") == 0 {
-        assert!(Instant::now() < deadline, "{}", fa.stderr());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_logged(&fa, "forwarding stopped").await;
     // Past m1's next attempt while the record is another set-up's: pending,
     // not sent, and its deliverer has looked.
     wait_status(&fa, "m1", |v| {

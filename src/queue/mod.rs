@@ -13,6 +13,7 @@
 //! overtakes the queue either.
 
 mod deliver;
+pub mod message;
 pub mod postgres;
 pub mod sled;
 pub mod store;
@@ -34,7 +35,8 @@ use crate::clock::Clock;
 use crate::live::LiveConfig;
 use crate::metrics::{emit, Metrics};
 use crate::state::{Owner, StateError};
-pub use store::{Accepted, Answer, Envelope, Message, QueueStore, Status};
+pub use message::{Accepted, Answer, Envelope, Message, Requeued, Status};
+pub use store::QueueStore;
 
 /// Why `routes` cannot serve beside the messages this queue holds (start-up
 /// and reload, SPEC §11), if they cannot: a direct route on a lease whose
@@ -405,10 +407,10 @@ impl Queue {
                 m
             }
             Status::Failed => match self.store.requeue(owner, route, key, now).await? {
-                store::Requeued::Done(m) => *m,
-                store::Requeued::Gone => return Err(Edit::NotFound),
-                store::Requeued::NotFailed(s) => return Err(Edit::Conflict(s)),
-                store::Requeued::Superseded(e) => return Err(Edit::Superseded(e)),
+                Requeued::Done(m) => *m,
+                Requeued::Gone => return Err(Edit::NotFound),
+                Requeued::NotFailed(s) => return Err(Edit::Conflict(s)),
+                Requeued::Superseded(e) => return Err(Edit::Superseded(e)),
             },
             other => return Err(Edit::Conflict(other)),
         };

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use deadpool_postgres::Object;
 use tokio_postgres::Transaction;
 
-use super::store::{Accepted, Envelope, Message, Requeued, Status};
+use super::message::{Accepted, Envelope, Message, Requeued, Status};
 use crate::state::postgres::schema::{epoch_from_sql, epoch_to_sql};
 use crate::state::postgres::PostgresState;
 use crate::state::{Owner, StateError};

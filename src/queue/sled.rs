@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::Transactional;
 
-use super::store::{Accepted, Envelope, Message, Requeued, Status};
+use super::message::{Accepted, Envelope, Message, Requeued, Status};
 use crate::state::sled::SledState;
 use crate::state::StateError;
 

@@ -179,7 +179,7 @@ async fn a_requeue_on_postgres_keeps_epoch_order() {
     m1.status = Status::Failed;
     q.settle(one, &m1).await.unwrap();
     let again = match q.requeue(one, "hook", "m1", 5).await.unwrap() {
-        fencegate::queue::store::Requeued::Done(m) => *m,
+        fencegate::queue::Requeued::Done(m) => *m,
         other => panic!("{other:?}"),
     };
     assert!(again.seq > m1.seq);
@@ -190,12 +190,12 @@ async fn a_requeue_on_postgres_keeps_epoch_order() {
     accept(&q, one, "m2", 2).await;
     assert!(matches!(
         q.requeue(one, "hook", "m1", 6).await.unwrap(),
-        fencegate::queue::store::Requeued::Superseded(2)
+        fencegate::queue::Requeued::Superseded(2)
     ));
     assert_eq!(q.sweep(u64::MAX).await.unwrap(), 1, "failed m1 swept");
     assert!(matches!(
         q.requeue(one, "hook", "m1", 7).await.unwrap(),
-        fencegate::queue::store::Requeued::Gone
+        fencegate::queue::Requeued::Gone
     ));
 }
 

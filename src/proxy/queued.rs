@@ -179,6 +179,12 @@ impl Proxy {
             // Another request's acceptance may not be on disk yet: answer
             // from it only once it is.
             queue.store.durable().await.map_err(state)?;
+            if !m.status.is_settled() {
+                // A worker's retry of a message whose acceptance it was not
+                // told of (a 503 on a COMMIT that landed later): its
+                // deliverer may not know of it either.
+                queue.wake(&m.lease);
+            }
             return answer_from(m, &fingerprint, &line);
         }
         if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
@@ -245,10 +251,11 @@ impl Proxy {
         let newer = pass.newer_epoch();
         drop(pass);
         if done.is_err() {
-            // The outcome may be unknown (a COMMIT whose answer was lost): a
-            // message committed anyway must not wait for the lease's next
-            // acceptance. A wake with nothing to send is harmless.
-            queue.wake(route.lease.as_str());
+            // The outcome may be unknown (a COMMIT whose answer was lost, or
+            // that lands after the timeout): a message committed anyway must
+            // not wait for the lease's next acceptance. A wake with nothing
+            // to send is harmless.
+            queue.wake_after_failure(route.lease.as_str());
         }
         match done? {
             Accepted::New(m) => {
@@ -258,6 +265,9 @@ impl Proxy {
             }
             Accepted::Exists(m) => {
                 queue.store.durable().await.map_err(state)?;
+                if !m.status.is_settled() {
+                    queue.wake(&m.lease);
+                }
                 answer_from(m, &fingerprint, &line)
             }
             Accepted::Aborted => Err(ProxyError::DrainAborted {

@@ -3,6 +3,11 @@
 //! before it is sent; a crash while it is out leaves it `delivering`, which
 //! the next run counts as an unknown outcome and sends again, with the same
 //! `webhook-id`.
+//!
+//! On sled a settlement is made durable with the next attempt's start — one
+//! flush per message instead of two — and counted once it is ([`Owed`]): the
+//! next message is still sent only after the one before it is settled on
+//! disk, and a deliverer that waits or stops first makes it durable.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -14,6 +19,7 @@ use http::{HeaderName, HeaderValue, Request, StatusCode};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
+use super::store::Written;
 use super::{ms, Answer, Message, Queue, Sender, Status};
 use crate::forward::{self, UpstreamError};
 use crate::proxy::Route;
@@ -52,17 +58,19 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
     // `ordering = "none"`: the attempts out, by key.
     let mut running: JoinSet<(String, String)> = JoinSet::new();
     let mut out: HashSet<(String, String)> = HashSet::new();
+    let mut owed = Owed::default();
     loop {
         if q.ctx.stop.is_cancelled() {
             // Attempts out finish (shutdown waits for them, then cuts them).
             while running.join_next().await.is_some() {}
+            owed.pay(&q).await;
             return;
         }
         let wakes = q.wakes(&lease);
         let owner = match (q.ctx.owner_of)(&lease) {
             Sender::Here(owner) => owner,
             Sender::Later => {
-                pause(&q, &notify, PAUSE).await;
+                pause(&q, &notify, &mut owed, PAUSE).await;
                 continue;
             }
             Sender::Elsewhere => {
@@ -71,6 +79,10 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 // ends first.
                 while running.join_next().await.is_some() {}
                 out.clear();
+                if !owed.pay(&q).await {
+                    pause(&q, &notify, &mut owed, PAUSE).await;
+                    continue;
+                }
                 if q.retire(&lease, wakes) {
                     return;
                 }
@@ -83,6 +95,10 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 // Attempts that settled the last messages end first.
                 while running.join_next().await.is_some() {}
                 out.clear();
+                if !owed.pay(&q).await {
+                    pause(&q, &notify, &mut owed, PAUSE).await;
+                    continue;
+                }
                 if q.retire(&lease, wakes) {
                     return;
                 }
@@ -90,7 +106,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             }
             Err(e) => {
                 tracing::warn!(lease, error = %e, "cannot read the queue; trying again");
-                pause(&q, &notify, PAUSE).await;
+                pause(&q, &notify, &mut owed, PAUSE).await;
                 continue;
             }
         };
@@ -103,6 +119,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             .filter(|r| r.queued)
             .and_then(|r| r.parallel);
         if let Some(width) = parallel {
+            owed.pay(&q).await;
             let wait = launch(&q, &lease, owner, width, &mut running, &mut out).await;
             tokio::select! {
                 _ = q.ctx.stop.cancelled() => {}
@@ -127,6 +144,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             pause(
                 &q,
                 &notify,
+                &mut owed,
                 Duration::from_millis(head.next_attempt_ms - now),
             )
             .await;
@@ -136,31 +154,41 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
         let Some(route) = live.routes.get(&head.route).filter(|r| r.queued) else {
             // Removed by a reload: kept, not delivered, until it is back or an
             // operator drops the message.
-            pause(&q, &notify, PAUSE * 4).await;
+            pause(&q, &notify, &mut owed, PAUSE * 4).await;
             continue;
         };
         let ticket = match route.protect.enter(&route.protect_cfg) {
             Ok(t) => t,
             Err(refused) => {
                 // A held route delays the attempt; it spends none.
-                pause(&q, &notify, Duration::from_secs(refused.retry_after_secs)).await;
+                pause(
+                    &q,
+                    &notify,
+                    &mut owed,
+                    Duration::from_secs(refused.retry_after_secs),
+                )
+                .await;
                 continue;
             }
         };
-        if let Err(e) = attempt(&q, route, owner, head, ticket).await {
+        if let Err(e) = attempt(&q, route, owner, head, ticket, Some(&mut owed)).await {
             if let crate::state::StateError::OwnerLost { .. } = e {
                 // A newer owner holds the shard: this instance sends nothing
                 // more of it (and soon sees it is not served here).
                 tracing::info!(lease, error = %e, "the lease's queue is delivered by the shard's new owner");
-                pause(&q, &notify, PAUSE).await;
+                pause(&q, &notify, &mut owed, PAUSE).await;
                 continue;
             }
             tracing::warn!(lease, error = %e, "a delivery attempt could not be written; trying again");
             // Nothing after it goes before what it wrote is durable: a settle
             // that is in sled's memory but not on disk would otherwise let the
             // next message go first, and come back after a crash.
-            while q.store.durable().await.is_err() && !q.ctx.stop.is_cancelled() {
-                pause(&q, &notify, PAUSE).await;
+            while !q.ctx.stop.is_cancelled() {
+                if q.store.durable().await.is_ok() {
+                    owed.paid(&q);
+                    break;
+                }
+                pause(&q, &notify, &mut owed, PAUSE).await;
             }
         }
     }
@@ -217,7 +245,7 @@ async fn launch(
         running.spawn(async move {
             let live = q.ctx.live.current();
             if let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) {
-                if let Err(e) = attempt(&q, route, owner, m, ticket).await {
+                if let Err(e) = attempt(&q, route, owner, m, ticket, None).await {
                     tracing::warn!(error = %e, "a delivery attempt could not be written; trying again");
                     while q.store.durable().await.is_err() && !q.ctx.stop.is_cancelled() {
                         tokio::time::sleep(PAUSE).await;
@@ -237,8 +265,50 @@ fn may_send(q: &Queue, lease: &str, owner: Owner) -> bool {
     (q.ctx.owner_of)(lease) == Sender::Here(owner)
 }
 
-/// Waits for `d`, a wake-up or shutdown.
-async fn pause(q: &Queue, notify: &Notify, d: Duration) {
+/// Settlements written but not yet durable, and what is said of each once it
+/// is (its count, which a scrape may rely on; the `queue_delivered`
+/// failpoint). Paid by the next attempt's start, whose flush covers them, or
+/// by [`Owed::pay`] before the deliverer waits or stops.
+#[derive(Default)]
+pub(super) struct Owed(Vec<(String, &'static str)>);
+
+impl Owed {
+    /// Says what was settled: everything written is durable now.
+    fn paid(&mut self, q: &Queue) {
+        for (route, outcome) in self.0.drain(..) {
+            said(q, &route, outcome);
+        }
+    }
+
+    /// Makes what is owed durable; false (logged) if the store cannot.
+    async fn pay(&mut self, q: &Queue) -> bool {
+        if self.0.is_empty() {
+            return true;
+        }
+        match q.store.durable().await {
+            Ok(()) => {
+                self.paid(q);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "a settled message could not be made durable; trying again");
+                false
+            }
+        }
+    }
+}
+
+/// Counts a settlement once it is durable.
+fn said(q: &Queue, route: &str, outcome: &'static str) {
+    q.count(route, outcome);
+    if outcome == "delivered" {
+        crate::failpoint::hit("queue_delivered");
+    }
+}
+
+/// Waits for `d`, a wake-up or shutdown — what is owed made durable first.
+async fn pause(q: &Queue, notify: &Notify, owed: &mut Owed, d: Duration) {
+    owed.pay(q).await;
     tokio::select! {
         _ = q.ctx.stop.cancelled() => {}
         _ = notify.notified() => {}
@@ -252,6 +322,7 @@ async fn attempt(
     owner: Owner,
     mut m: Message,
     ticket: crate::protect::Ticket,
+    mut owed: Option<&mut Owed>,
 ) -> Result<(), crate::state::StateError> {
     let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {
         return Err(crate::state::StateError::Write(format!(
@@ -286,12 +357,16 @@ async fn attempt(
     // Refused once a newer owner holds the shard: the attempt is not sent.
     q.store.start_attempt(owner, &m).await?;
     drop(edit);
+    // Its flush made the settlements before it durable.
+    if let Some(o) = owed.as_deref_mut() {
+        o.paid(q);
+    }
     crate::failpoint::hit("queue_attempt_started");
     let request = match build(q, route, &m, envelope) {
         Ok(r) => r,
         Err(why) => {
             drop(ticket);
-            return finish(q, route, owner, m, Came::Unbuildable(why)).await;
+            return finish(q, route, owner, m, Came::Unbuildable(why), owed).await;
         }
     };
     // What cuts this attempt, taken before the last check: a cut after the
@@ -336,7 +411,7 @@ async fn attempt(
         result.is_failure().then_some("the attempt failed"),
     );
     crate::failpoint::hit("queue_attempt_answered");
-    finish(q, route, owner, m, result).await
+    finish(q, route, owner, m, result, owed).await
 }
 
 impl Came {
@@ -511,6 +586,7 @@ async fn finish(
     owner: Owner,
     mut m: Message,
     result: Came,
+    owed: Option<&mut Owed>,
 ) -> Result<(), crate::state::StateError> {
     let now = ms(q.ctx.clock.now());
     m.updated_ms = now;
@@ -520,16 +596,12 @@ async fn finish(
             m.last_status = Some(answer.status);
             m.last_error = None;
             m.answer = Some(answer);
-            q.store.settle(owner, &m).await?;
-            // Counted once durable: a scrape that sees it may rely on it.
-            q.count(&m.route, "delivered");
-            crate::failpoint::hit("queue_delivered");
+            settle(q, owner, &m, "delivered", owed).await?;
         }
         Came::Unbuildable(why) => {
             m.status = Status::Failed;
             m.last_error = Some(format!("could not be built: {why}"));
-            q.store.settle(owner, &m).await?;
-            q.count(&m.route, "failed");
+            settle(q, owner, &m, "failed", owed).await?;
             tracing::warn!(
                 route = m.route,
                 key = m.key,
@@ -543,8 +615,7 @@ async fn finish(
             m.last_error = Some(format!(
                 "the destination refused it ({status}): not retried"
             ));
-            q.store.settle(owner, &m).await?;
-            q.count(&m.route, "failed");
+            settle(q, owner, &m, "failed", owed).await?;
             tracing::warn!(
                 route = m.route,
                 key = m.key,
@@ -580,8 +651,7 @@ async fn finish(
                 }
                 None => {
                     m.status = Status::Failed;
-                    q.store.settle(owner, &m).await?;
-                    q.count(&m.route, "failed");
+                    settle(q, owner, &m, "failed", owed).await?;
                     tracing::warn!(
                         route = m.route,
                         key = m.key,
@@ -592,6 +662,28 @@ async fn finish(
             }
         }
     }
+    Ok(())
+}
+
+/// Writes a settled message: counted once durable — at once, or (a lease's
+/// deliverer passing `owed`) with the next durable write.
+async fn settle(
+    q: &Queue,
+    owner: Owner,
+    m: &Message,
+    outcome: &'static str,
+    owed: Option<&mut Owed>,
+) -> Result<(), crate::state::StateError> {
+    match owed {
+        Some(o) => {
+            if q.store.settle_unflushed(owner, m).await? == Written::Unflushed {
+                o.0.push((m.route.clone(), outcome));
+                return Ok(());
+            }
+        }
+        None => q.store.settle(owner, m).await?,
+    }
+    said(q, &m.route, outcome);
     Ok(())
 }
 

@@ -65,7 +65,7 @@ async fn conflict_of(
     store: &QueueStore,
     routes: &[(&str, &str, bool)],
 ) -> Result<Option<String>, StateError> {
-    let holding = store.holding().await?;
+    let holding = store.holding_for(routes).await?;
     for &(name, r_lease, queued) in routes {
         for (route, lease) in &holding {
             if !queued && lease == r_lease {
@@ -320,6 +320,27 @@ impl Queue {
             },
         );
         tokio::spawn(deliver::run(self.clone(), lease.to_owned(), notify));
+    }
+
+    /// Wakes `lease`'s deliverer after an acceptance that failed, now and
+    /// again once such a write can no longer be in progress where the queue
+    /// is kept: a COMMIT whose answer was lost, or that PostgreSQL finishes
+    /// after `[state] timeout_ms` (a slow disk, a synchronous standby), is a
+    /// message the worker was told was not accepted. Later than that, its
+    /// deliverer learns of it with the lease's next request (or a restart).
+    pub(crate) fn wake_after_failure(self: &Arc<Self>, lease: &str) {
+        self.wake(lease);
+        if let Some(within) = self.store.uncertain_for() {
+            let (q, lease) = (self.clone(), lease.to_owned());
+            tokio::spawn(async move {
+                for wait in [within, within * 4] {
+                    tokio::select! {
+                        _ = q.ctx.stop.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => q.wake(&lease),
+                    }
+                }
+            });
+        }
     }
 
     /// How many times `lease`'s deliverer was woken: read before it looks at

@@ -182,6 +182,11 @@ impl PgQueue {
         })
     }
 
+    /// `[state] timeout_ms`: how long a write is waited for.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.db.timeout()
+    }
+
     /// See [`super::store::QueueStore::accept`]: the place is taken with the
     /// lease's row locked, and `admitted` asked once it is.
     pub async fn accept(
@@ -329,17 +334,52 @@ impl PgQueue {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
-    /// (route, lease) of every message that may still be sent.
-    pub async fn holding(&self) -> Result<BTreeSet<(String, String)>, StateError> {
+    /// Among `routes` (name, lease, queued), the (route, lease) pairs of
+    /// messages that may still be sent which [`crate::queue::conflict`] looks
+    /// for: any on the lease of a direct route, and any of a queued route
+    /// under another lease. A few index reads per route (schema 10's partial
+    /// indexes), not a pass over the table: a takeover waits for it.
+    pub async fn holding_for(
+        &self,
+        routes: &[(&str, &str, bool)],
+    ) -> Result<BTreeSet<(String, String)>, StateError> {
+        let routes: Vec<(String, String, bool)> = routes
+            .iter()
+            .map(|&(n, l, q)| (n.to_owned(), l.to_owned(), q))
+            .collect();
         let rows = self
             .db
             .with("queue read", |c| async move {
-                c.query(
-                    "SELECT DISTINCT route, lease FROM fencegate_queue \
-                     WHERE status IN ('pending', 'delivering', 'failed')",
-                    &[],
-                )
-                .await
+                let mut out = Vec::new();
+                for (name, lease, queued) in &routes {
+                    let rows = if *queued {
+                        // Another lease, on either side of this one: two
+                        // ranges of the (route, lease) index.
+                        c.query(
+                            "(SELECT route, lease FROM fencegate_queue WHERE route = $1 \
+                             AND lease < $2 AND status IN ('pending', 'delivering', 'failed') \
+                             ORDER BY lease DESC LIMIT 1) UNION ALL \
+                             (SELECT route, lease FROM fencegate_queue WHERE route = $1 \
+                             AND lease > $2 AND status IN ('pending', 'delivering', 'failed') \
+                             ORDER BY lease LIMIT 1)",
+                            &[name, lease],
+                        )
+                        .await?
+                    } else {
+                        // `ORDER BY` as the index is: without it the planner
+                        // may scan the table expecting a match early, and
+                        // read every row when there is none.
+                        c.query(
+                            "SELECT route, lease FROM fencegate_queue WHERE lease = $1 \
+                             AND status IN ('pending', 'delivering', 'failed') \
+                             ORDER BY route LIMIT 1",
+                            &[lease],
+                        )
+                        .await?
+                    };
+                    out.extend(rows);
+                }
+                Ok(out)
             })
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())

@@ -328,6 +328,13 @@ impl SledQueue {
     /// may go). Durable on return. (Its epoch was made the newest sent when
     /// an attempt of it started: [`SledQueue::start_attempt`].)
     pub async fn settle(&self, msg: &Message) -> Result<(), StateError> {
+        self.settle_unflushed(msg)?;
+        self.sled.commit().await
+    }
+
+    /// [`SledQueue::settle`] without waiting for the disk: durable with the
+    /// next commit (the next attempt's start, or [`SledQueue::durable`]).
+    pub fn settle_unflushed(&self, msg: &Message) -> Result<(), StateError> {
         let mid = id(&msg.route, &msg.key);
         let meta = encode(msg);
         let okey = order_key(&msg.lease, msg.seq);
@@ -340,7 +347,7 @@ impl SledQueue {
         if removed {
             self.count(msg, false);
         }
-        self.sled.commit().await
+        Ok(())
     }
 
     /// Puts a failed message back at the end of its lease's queue, pending

@@ -18,6 +18,15 @@ pub enum QueueStore {
     Postgres(super::postgres::PgQueue),
 }
 
+/// Whether a write is on disk already or waits for the next durable one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// Durable.
+    Durable,
+    /// Durable with the store's next durable write.
+    Unflushed,
+}
+
 /// What a pass being admitted still looks like when its place is taken.
 pub type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
 
@@ -85,14 +94,16 @@ impl QueueStore {
         }
     }
 
-    /// (route, lease) of every message that may still be sent (start-up and
-    /// reload: [`super::conflict`]).
-    pub async fn holding(
+    /// (route, lease) of messages that may still be sent, at least those
+    /// [`super::conflict`] looks for among `routes` (name, lease, queued):
+    /// on sled every one (one pass), on PostgreSQL only those (index reads).
+    pub async fn holding_for(
         &self,
+        routes: &[(&str, &str, bool)],
     ) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
         match self {
             QueueStore::Sled(s) => s.holding(),
-            QueueStore::Postgres(p) => p.holding().await,
+            QueueStore::Postgres(p) => p.holding_for(routes).await,
         }
     }
 
@@ -138,6 +149,16 @@ impl QueueStore {
         }
     }
 
+    /// How long after a write failed it may still land (PostgreSQL: a
+    /// COMMIT sent, its answer not waited for past `[state] timeout_ms`).
+    /// None on sled: a write that failed is in sled's memory already.
+    pub fn uncertain_for(&self) -> Option<std::time::Duration> {
+        match self {
+            QueueStore::Sled(_) => None,
+            QueueStore::Postgres(p) => Some(p.timeout()),
+        }
+    }
+
     /// Writes a message that stays in its queue (a retry scheduled). Durable
     /// on return.
     pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
@@ -153,6 +174,22 @@ impl QueueStore {
         match self {
             QueueStore::Sled(s) => s.settle(msg).await,
             QueueStore::Postgres(p) => p.settle(owner, msg).await,
+        }
+    }
+
+    /// [`QueueStore::settle`], durable only with the store's next durable
+    /// write — the next attempt's start, or [`QueueStore::durable`] — so that
+    /// one flush serves a message's settlement and the next one's start. A
+    /// reader answered from it waits for [`QueueStore::durable`] first, as
+    /// for any write. On PostgreSQL the same as `settle` (a transaction).
+    pub async fn settle_unflushed(
+        &self,
+        owner: Owner,
+        msg: &Message,
+    ) -> Result<Written, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.settle_unflushed(msg).map(|()| Written::Unflushed),
+            QueueStore::Postgres(p) => p.settle(owner, msg).await.map(|()| Written::Durable),
         }
     }
 

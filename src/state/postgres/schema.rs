@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::state::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 9;
+pub const VERSION: i32 = 10;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -157,6 +157,14 @@ const MIGRATIONS: &[&str] = &[
         next_seq bigint NOT NULL,
         sent_epoch bigint
     );",
+    // 9 → 10: the messages that may still be sent (pending, delivering,
+    // failed), by lease and by route, so that a takeover's and a reload's
+    // check (SPEC §11: no direct route past them, no route moved off them)
+    // reads a few index entries instead of every message kept for the TTL.
+    "CREATE INDEX fencegate_queue_held_by_lease ON fencegate_queue (lease, route)
+        WHERE status IN ('pending', 'delivering', 'failed');
+    CREATE INDEX fencegate_queue_held_by_route ON fencegate_queue (route, lease)
+        WHERE status IN ('pending', 'delivering', 'failed');",
 ];
 
 /// Creates or migrates the schema — in `schema` when set (`[state] schema`,

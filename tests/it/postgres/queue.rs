@@ -208,6 +208,67 @@ const TTL: std::time::Duration = std::time::Duration::from_secs(6);
 /// the server ends a transaction left idle, releasing the lease's row too.
 /// (Reviewed: the successor's take waited for as long as the owner was
 /// stopped.)
+/// The check a takeover and a reload make (SPEC §11): a direct route on a
+/// lease with messages that may still be sent (pending, delivering, failed),
+/// or a queued route holding such messages under another lease, on either
+/// side of its own in the index; delivered messages do not count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_takeover_check_finds_only_messages_that_may_still_be_sent() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (_db, url) = pg.new_database();
+    let q = PgQueue::new(PostgresState::connect(&pg_config(&url)).await.unwrap());
+    let one = Owner::SINGLE;
+    let on = |key: &str, lease: &str| Message {
+        lease: lease.into(),
+        ..message(key, 1)
+    };
+    let put = |m: Message| {
+        let q = &q;
+        async move {
+            match q
+                .accept(one, m, &envelope(), Arc::new(|| true))
+                .await
+                .unwrap()
+            {
+                Accepted::New(m) => m,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    put(on("m-hook", "hook")).await;
+    let mut failed = put(on("m-a", "a")).await;
+    failed.status = Status::Failed;
+    q.settle(one, &failed).await.unwrap();
+    put(on("m-z", "z")).await;
+    let mut done = put(on("m-d", "d")).await;
+    done.status = Status::Delivered;
+    q.settle(one, &done).await.unwrap();
+
+    let found = |v: &[(&str, &str)]| {
+        v.iter()
+            .map(|(r, l)| (r.to_string(), l.to_string()))
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(
+        q.holding_for(&[("hook", "hook", true)]).await.unwrap(),
+        found(&[("hook", "a"), ("hook", "z")]),
+        "the route's messages under other leases, below and above its own"
+    );
+    assert_eq!(
+        q.holding_for(&[("direct", "d", false)]).await.unwrap(),
+        found(&[]),
+        "a delivered message holds nothing back"
+    );
+    assert_eq!(
+        q.holding_for(&[("direct", "a", false), ("other", "hook", true)])
+            .await
+            .unwrap(),
+        found(&[("hook", "a")]),
+        "a failed message may be retried by an operator"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease() {
     skip_without_postgres!();
@@ -360,4 +421,63 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let accepted: u64 = workers.join_all().await.into_iter().sum();
     assert!(accepted > 8, "the lease was busy: {accepted} acceptances");
+}
+
+/// An acceptance whose COMMIT lands after `[state] timeout_ms` (a slow disk,
+/// a synchronous standby; here a deferred trigger that sleeps at COMMIT):
+/// the worker is answered 503, the message is committed anyway — and its
+/// lease's deliverer, which looked before the COMMIT landed, is woken again
+/// once the write can no longer be in progress: the message is delivered
+/// without another request of its lease (second review, F1: before, it
+/// waited for the lease's next acceptance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_committed_after_its_503_is_delivered_without_another_request() {
+    skip_without_postgres!();
+    let leases = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let (db_name, db) = PgServer::shared().new_database();
+    let route = format!(
+        "[[route]]\nname = \"hook\"\npath_prefix = \"/hook/\"\nupstream = \"{}\"\n\
+         lease = \"hook\"\ntimeout_ms = 3000\ndelivery = \"queued\"\n",
+        origin.url("/v1/")
+    );
+    let fg = Fencegate::start_with_server(
+        "",
+        &format!(
+            "{}{}{route}",
+            dir_store_toml(leases.path()),
+            state_toml(&db, "timeout_ms = 1000")
+        ),
+        &[],
+    );
+    let epochs = dir_epochs(leases.path());
+    let w = acquire(
+        &epochs,
+        "hook",
+        "worker-1",
+        std::time::Duration::from_secs(120),
+    )
+    .await;
+    let first = send(keyed(&fg, "/hook/events", &w, "m1", "one")).await;
+    assert_eq!(
+        first.status,
+        202,
+        "{}",
+        String::from_utf8_lossy(&first.body)
+    );
+    origin.wait_until("m1", |log| log.len() == 1).await;
+    PgServer::shared().psql(
+        &db_name,
+        "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.key = 'late' THEN PERFORM pg_sleep(1.5); END IF; RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON fencegate_queue \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();",
+    );
+    let late = send(keyed(&fg, "/hook/events", &w, "late", "two")).await;
+    assert_eq!(late.status, 503, "{}", String::from_utf8_lossy(&late.body));
+    origin
+        .wait_until("the late message", |log| log.len() == 2)
+        .await;
+    let log = origin.log();
+    assert_eq!(&log[1].body[..], b"two");
 }

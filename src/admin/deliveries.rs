@@ -176,9 +176,12 @@ impl Admin {
         let (messages, total) = match &self.shared.queue {
             None => (Vec::new(), 0),
             Some(q) => {
-                q.store
+                let listed = q
+                    .store
                     .list(route.as_deref(), lease.as_deref(), status, limit)
-                    .await?
+                    .await?;
+                q.store.durable().await?;
+                listed
             }
         };
         let messages: Vec<_> = messages.iter().map(view).collect();
@@ -201,6 +204,10 @@ impl Admin {
             .get(route, &key)
             .await?
             .ok_or(AdminError::Delivery(Edit::NotFound))?;
+        // What is shown is on disk: a settlement written and not yet
+        // flushed (the deliverer's next start flushes it) is not shown
+        // before it could no longer revert.
+        self.queue()?.store.durable().await?;
         Ok(json_response(StatusCode::OK, view(&m)))
     }
 

@@ -13,7 +13,9 @@
 //! it is compared with — fencing only (`derive_key = "none"`) and durable dedup
 //! (`derive_key = "content"`), each a fencegate of its own — are measured at
 //! c=1 and c=64 just before and just after each drain (their mean is the
-//! reference), in the same run, on the same CPU.
+//! reference), in the same run, on the same CPU. `--fencegate-b PATH` runs
+//! the queued fencegate from another build (the direct ones stay this one's):
+//! an A/B is two runs, each drain read against its own run's direct routes.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -362,9 +364,12 @@ async fn one(
     }
     let name = format!("queued-{leases}");
     let data_dir = dir.join(format!("state-{name}"));
+    // `--fencegate-b PATH`: the queued fencegate is that build (A/B against
+    // another run of this bench; the direct routes stay this build's).
+    let exe = super::scaling::fencegate_exe();
     let spawn = || {
         procs::spawn_fencegate(
-            Path::new(env!("CARGO_BIN_EXE_fencegate")),
+            &exe,
             &name,
             dir,
             &store,

@@ -111,8 +111,9 @@ fn signal(pid: u32, sig: libc::c_int) {
     }
 }
 
-/// This build's fencegate, or `--fencegate-b PATH`'s when given (scaling runs one build).
-fn fencegate_exe() -> std::path::PathBuf {
+/// This build's fencegate, or `--fencegate-b PATH`'s when given (scaling and
+/// the backlog's queued fencegate run one build).
+pub(super) fn fencegate_exe() -> std::path::PathBuf {
     std::env::args()
         .skip_while(|a| a != "--fencegate-b")
         .nth(1)

@@ -355,8 +355,13 @@ async fn attempt(
     m.attempts += 1;
     m.updated_ms = now;
     // Refused once a newer owner holds the shard: the attempt is not sent.
-    q.store.start_attempt(owner, &m).await?;
+    let written = q.store.start_attempt_unflushed(owner, &m).await?;
     drop(edit);
+    if written == Written::Unflushed {
+        // Outside the edits lock: other leases' deliverers' starts share
+        // this flush. Nothing is sent before it.
+        q.store.durable().await?;
+    }
     // Its flush made the settlements before it durable.
     if let Some(o) = owed.as_deref_mut() {
         o.paid(q);

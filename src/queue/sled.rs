@@ -293,6 +293,12 @@ impl SledQueue {
     /// operator's retry of an older message is superseded, whatever becomes of
     /// this one (a drop, a final failure). Durable on return.
     pub async fn start_attempt(&self, msg: &Message) -> Result<(), StateError> {
+        self.start_attempt_unflushed(msg)?;
+        self.sled.commit().await
+    }
+
+    /// [`SledQueue::start_attempt`] without waiting for the disk.
+    pub fn start_attempt_unflushed(&self, msg: &Message) -> Result<(), StateError> {
         let mid = id(&msg.route, &msg.key);
         let meta = encode(msg);
         let newest = u64_of(self.sent.get(msg.lease.as_bytes()).map_err(db_err)?);
@@ -304,8 +310,7 @@ impl SledQueue {
                 }
                 Ok::<_, ConflictableTransactionError<()>>(())
             })
-            .map_err(tx_err)?;
-        self.sled.commit().await
+            .map_err(tx_err)
     }
 
     /// Waits until every write made so far is durable: what is answered from

@@ -126,16 +126,22 @@ impl QueueStore {
         }
     }
 
-    /// Writes a message's attempt as started (`delivering`), with its epoch as
-    /// the newest of its lease that may have been sent: from here on an
-    /// operator's retry of an older message is superseded, whatever becomes of
-    /// this one. Durable on return; in PostgreSQL refused
-    /// ([`StateError::OwnerLost`]) once a newer owner holds the shard — the
-    /// attempt is then not sent.
-    pub async fn start_attempt(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+    /// Writes a message's attempt as started (`delivering`), with its epoch
+    /// as the newest of its lease that may have been sent: from here on an
+    /// operator's retry of an older message is superseded. On sled durable
+    /// only with the next [`QueueStore::durable`], so that the deliverer
+    /// waits for the disk outside the lock that orders edits and other
+    /// leases' starts share the flush. On PostgreSQL committed on return, or
+    /// refused ([`StateError::OwnerLost`]) once a newer owner holds the
+    /// shard — the attempt is then not sent.
+    pub async fn start_attempt_unflushed(
+        &self,
+        owner: Owner,
+        msg: &Message,
+    ) -> Result<Written, StateError> {
         match self {
-            QueueStore::Sled(s) => s.start_attempt(msg).await,
-            QueueStore::Postgres(p) => p.start_attempt(owner, msg).await,
+            QueueStore::Sled(s) => s.start_attempt_unflushed(msg).map(|()| Written::Unflushed),
+            QueueStore::Postgres(p) => p.start_attempt(owner, msg).await.map(|()| Written::Durable),
         }
     }
 

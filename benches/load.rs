@@ -34,6 +34,10 @@
 //! drain; `BENCH_PERF_RECORD=1`: a `perf record` report too), `--restart`
 //! (restarts fencegate with the backlog queued before the drain).
 //!
+//! `queued-pg` ("fencegate, queued delivery, PostgreSQL"): `queued` on the
+//! same PostgreSQL as `dedup-pg`, with its own table: ratios to `dedup-pg`
+//! and its drain after each window.
+//!
 //! `dedup-pg` ("fencegate, durable dedup, PostgreSQL"): the same binary and route
 //! as `dedup` with `[state] kind = "postgres"` (default pool size), on a private
 //! PostgreSQL the bench starts with the tests' harness (`tests/common/postgres.rs`:
@@ -540,7 +544,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
 
     let origin = procs::spawn_role("origin", &["origin"], dir.path(), false)?;
     // Declared before the targets, so dropped after them: fencegate goes first.
-    let postgres = if args.wants("dedup-pg") {
+    let postgres = if args.wants("dedup-pg") || args.wants("queued-pg") {
         start_postgres(args).await?
     } else {
         None
@@ -585,12 +589,17 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 "fencegate, durable dedup, PostgreSQL",
                 "content",
             ),
+            (
+                "queued-pg",
+                "fencegate, queued delivery, PostgreSQL",
+                "content",
+            ),
         ] {
             let key = format!("{kind}{suffix}");
             // PostgreSQL: this build only (build B may not know `[state]`).
             let db = match (kind, suffix.is_empty(), &postgres) {
-                ("dedup-pg", true, Some((_, url, db))) => Some((url, db)),
-                ("dedup-pg", _, _) => continue,
+                ("dedup-pg" | "queued-pg", true, Some((_, url, db))) => Some((url, db)),
+                ("dedup-pg" | "queued-pg", _, _) => continue,
                 // This build only (build B may not know `[telemetry]` or
                 // queued delivery).
                 ("fencing-traced" | "queued", false, _) => continue,
@@ -600,7 +609,14 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 continue;
             }
             let mut extra = db.map_or(String::new(), |(url, _)| {
-                format!("[state]\nkind = \"postgres\"\nurl = {url:?}\n")
+                // A set-up per database schema (SPEC §10): `queued-pg` is a
+                // set-up of its own beside `dedup-pg`.
+                let schema = if kind == "queued-pg" {
+                    "schema = \"bench_queued\"\n"
+                } else {
+                    ""
+                };
+                format!("[state]\nkind = \"postgres\"\nurl = {url:?}\n{schema}")
             });
             if kind == "fencing-traced" {
                 // The origin answers any POST 200: a sink for the spans, whose
@@ -653,7 +669,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                         derive_key,
                         // Queued (SPEC §11): answered 202 once durable; the
                         // deliverer sends each message to the same origin.
-                        extra: if kind == "queued" {
+                        extra: if kind.starts_with("queued") {
                             QUEUED_ROUTE.into()
                         } else {
                             String::new()
@@ -719,7 +735,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
         for t in &targets {
             let c = args.conc.iter().copied().max().unwrap_or(64);
             loadgen::run(&plan_for(t, c, Duration::ZERO, Duration::from_millis(700))).await;
-            if t.key == "queued" {
+            if t.key.starts_with("queued") {
                 drain_queue(&t.proc_, &origin, "bench", (0.0, 0.0), 0).await?;
             }
         }
@@ -729,7 +745,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
     for round in 0..args.rounds {
         for &c in &args.conc {
             for (ti, t) in targets.iter().enumerate() {
-                let before = if t.key.starts_with("dedup") || t.key == "queued" {
+                let before = if t.key.starts_with("dedup") || t.key.starts_with("queued") {
                     flush_stats(&t.proc_).await
                 } else {
                     None
@@ -740,7 +756,7 @@ async fn main_run(args: &Args) -> Result<(), String> {
                     (Some(b), Some(a)) => Some((a.0 - b.0, a.1 - b.1)),
                     _ => None,
                 };
-                let queue = if t.key == "queued" {
+                let queue = if t.key.starts_with("queued") {
                     Some(drain_queue(&t.proc_, &origin, "bench", cpu0, out.counts.ok_total).await?)
                 } else {
                     None
@@ -1316,6 +1332,59 @@ fn report(
         );
         queued_json = Value::Object(per_c);
     }
+    // Queued delivery on PostgreSQL against durable dedup on PostgreSQL.
+    let mut queued_pg_json = Value::Null;
+    if let Some(q) = idx("queued-pg") {
+        let dedup = idx("dedup-pg");
+        md.push_str(
+            "\nQueued delivery on PostgreSQL (the `dedup-pg` route plus `delivery = \"queued\"`; one \
+             transaction per acceptance, per attempt's start and per settlement):\n\n\
+             | conns | accepted req/s | p50 ms | p99 ms | fencegate CPU µs/req | req/s ÷ dedup-pg | CPU ÷ dedup-pg | \
+             drained after the window, msg/s | fencegate CPU µs/msg, accepted + delivered |\n\
+             |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        );
+        let mut per_c = serde_json::Map::new();
+        for &c in &args.conc {
+            let Some(ss) = samples.get(&(q, c)) else {
+                continue;
+            };
+            let r = row(ss);
+            let vs = |f: &dyn Fn(&Sample) -> f64| {
+                dedup
+                    .and_then(|o| samples.get(&(o, c)))
+                    .map_or(f64::NAN, |os| paired(ss, os, f))
+            };
+            let (dr, dc) = (vs(&|s| s.rps), vs(&|s| s.cpu_us()));
+            let runs: Vec<QueueRun> = ss.iter().filter_map(|s| s.queue).collect();
+            let accepted: u64 = runs.iter().map(|q| q.accepted).sum();
+            let left: f64 = runs.iter().map(|q| q.left).sum();
+            let drain_secs: f64 = runs.iter().map(|q| q.drain_secs).sum();
+            let cpu_all: f64 = runs.iter().map(|q| q.cpu_all).sum();
+            let per_msg = cpu_all * 1e6 / accepted.max(1) as f64;
+            let drain_rate = left / drain_secs.max(1e-9);
+            md.push_str(&format!(
+                "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} | {:.0} | {:.1} |\n",
+                r.rps,
+                r.p50 / 1e3,
+                r.p99 / 1e3,
+                r.cpu_us,
+                fmt_ratio(dr),
+                fmt_ratio(dc),
+                drain_rate,
+                per_msg,
+            ));
+            per_c.insert(
+                c.to_string(),
+                json!({
+                    "rps": r.rps, "p50_us": r.p50, "p99_us": r.p99, "cpu_us_per_request": r.cpu_us,
+                    "vs_dedup_pg": {"rps": dr, "cpu": dc},
+                    "drain_after_window_msgs_per_sec": drain_rate,
+                    "cpu_us_per_message_accepted_and_delivered": per_msg,
+                }),
+            );
+        }
+        queued_pg_json = Value::Object(per_c);
+    }
 
     // Records per flush for the dedup target(s), summed over each one's windows.
     let per_flush = |d: usize| -> Vec<(usize, f64)> {
@@ -1581,6 +1650,7 @@ fn report(
         "results": rows_json,
         "records_per_flush": flush_json,
         "queued": queued_json,
+        "queued_pg": queued_pg_json,
         "postgres": pg_json,
         "a_b": ab_json,
         "epoch_change_idle": idle_json,

@@ -27,9 +27,17 @@
 //! A write runs in a task of its own: a request that goes away (a client
 //! disconnecting, a pass aborted) does not cut a transaction halfway, whose
 //! outcome would then be unknown.
+//!
+//! Acceptances of one lease are combined: the lease's row is held from the
+//! place taken to the COMMIT, so one transaction at a time could accept only
+//! one message per commit. Requests that arrive while their lease's
+//! transaction runs wait and go together in the next one (up to
+//! [`BATCH`]), each asked whether it is still admitted once the row is held,
+//! in the order they arrived: the rules above apply to every message of the
+//! batch as they did to one.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::Object;
 use tokio_postgres::Transaction;
@@ -42,6 +50,26 @@ use crate::state::{Owner, StateError};
 /// The queue in PostgreSQL.
 pub struct PgQueue {
     db: Arc<PostgresState>,
+    /// Per lease and owner, the acceptances waiting for the lease's next
+    /// transaction; present while one runs (its task takes the next batch).
+    accepting: Waiters,
+}
+
+/// Acceptances waiting, per lease and owner.
+type Waiters = Arc<Mutex<HashMap<(String, Owner), Vec<Waiting>>>>;
+
+/// Whether a pass is still admitted (asked once its lease's row is held).
+type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// At most this many acceptances of a lease share a transaction.
+pub const BATCH: usize = 64;
+
+/// An acceptance waiting for its lease's transaction.
+struct Waiting {
+    msg: Message,
+    request: Vec<u8>,
+    admitted: Admitted,
+    answer: tokio::sync::oneshot::Sender<Result<Accepted, StateError>>,
 }
 
 fn i64_of(v: u64) -> i64 {
@@ -114,12 +142,20 @@ async fn update(
 
 /// Takes the lease's next place, its row locked until the transaction ends.
 async fn next_place(tx: &Transaction<'_>, lease: &str) -> Result<u64, tokio_postgres::Error> {
+    places(tx, lease, 1).await
+}
+
+/// Takes the lease's next `n` places (the first returned), its row locked
+/// until the transaction ends. Places left unused are gaps: harmless, the
+/// order is the places'.
+async fn places(tx: &Transaction<'_>, lease: &str, n: usize) -> Result<u64, tokio_postgres::Error> {
+    let n = i64::try_from(n).unwrap_or(i64::MAX);
     let row = tx
         .query_one(
-            "INSERT INTO fencegate_queue_leases AS l (lease, next_seq) VALUES ($1, 1) \
-             ON CONFLICT (lease) DO UPDATE SET next_seq = l.next_seq + 1 \
-             RETURNING next_seq - 1",
-            &[&lease],
+            "INSERT INTO fencegate_queue_leases AS l (lease, next_seq) VALUES ($1, $2) \
+             ON CONFLICT (lease) DO UPDATE SET next_seq = l.next_seq + $2 \
+             RETURNING next_seq - $2",
+            &[&lease, &n],
         )
         .await?;
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
@@ -129,7 +165,10 @@ impl PgQueue {
     /// The queue in `db`'s database (its tables are created by the schema
     /// migration).
     pub fn new(db: Arc<PostgresState>) -> PgQueue {
-        PgQueue { db }
+        PgQueue {
+            db,
+            accepting: Arc::default(),
+        }
     }
 
     /// Runs `f` in one transaction of its own task; if it comes to a value,
@@ -188,60 +227,152 @@ impl PgQueue {
     }
 
     /// See [`super::store::QueueStore::accept`]: the place is taken with the
-    /// lease's row locked, and `admitted` asked once it is.
+    /// lease's row locked, and `admitted` asked once it is. Goes with the
+    /// acceptances of its lease that wait beside it (the module's doc).
     pub async fn accept(
         &self,
         owner: Owner,
         msg: Message,
         envelope: &Envelope,
-        admitted: Arc<dyn Fn() -> bool + Send + Sync>,
+        admitted: Admitted,
     ) -> Result<Accepted, StateError> {
-        let request = envelope.encode();
+        self.db.writable()?;
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let key = (msg.lease.clone(), owner);
+        let waiting = Waiting {
+            msg,
+            request: envelope.encode(),
+            admitted,
+            answer,
+        };
+        let lead = {
+            let mut accepting = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+            match accepting.get_mut(&key) {
+                Some(q) => {
+                    q.push(waiting);
+                    false
+                }
+                None => {
+                    accepting.insert(key.clone(), vec![waiting]);
+                    true
+                }
+            }
+        };
+        if lead {
+            // Its own task: no request's going away cuts what others wait on.
+            let q = PgQueue {
+                db: self.db.clone(),
+                accepting: self.accepting.clone(),
+            };
+            tokio::spawn(async move { q.accept_waiting(key).await });
+        }
+        answered.await.map_err(|_| {
+            StateError::Write("queue accept: its transaction ended unanswered".into())
+        })?
+    }
+
+    /// Runs `key`'s acceptances, a batch per transaction, until none waits.
+    async fn accept_waiting(&self, key: (String, Owner)) {
+        loop {
+            let batch: Vec<Waiting> = {
+                let mut accepting = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(q) = accepting.get_mut(&key) else {
+                    return;
+                };
+                if q.is_empty() {
+                    accepting.remove(&key);
+                    return;
+                }
+                let n = q.len().min(BATCH);
+                q.drain(..n).collect()
+            };
+            let mut answers = Vec::with_capacity(batch.len());
+            let mut items = Vec::with_capacity(batch.len());
+            for w in batch {
+                answers.push(w.answer);
+                items.push((w.msg, w.request, w.admitted));
+            }
+            match self.accept_batch(key.1, items).await {
+                Ok(outcomes) => {
+                    for (answer, outcome) in answers.into_iter().zip(outcomes) {
+                        let _ = answer.send(outcome);
+                    }
+                }
+                Err(e) => {
+                    for answer in answers {
+                        let _ = answer.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One transaction for acceptances of one lease, in arrival order: each
+    /// message is new (placed), found (its key has one: a worker's retry, or
+    /// an earlier one of the batch), or aborted (no place taken).
+    async fn accept_batch(
+        &self,
+        owner: Owner,
+        items: Vec<(Message, Vec<u8>, Admitted)>,
+    ) -> Result<Vec<Result<Accepted, StateError>>, StateError> {
         self.write("queue accept", owner, move |tx| {
             Box::pin(async move {
-                let mut msg = msg;
-                let place = next_place(tx, &msg.lease).await?;
-                if let Some(row) = tx
-                    .query_opt(
-                        "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2",
-                        &[&msg.route, &msg.key],
+                let Some(lease) = items.first().map(|i| i.0.lease.clone()) else {
+                    return Ok(Ok(Vec::new()));
+                };
+                let mut place = places(tx, &lease, items.len()).await?;
+                let mut placed: HashMap<(String, String), Message> = HashMap::new();
+                let mut out = Vec::with_capacity(items.len());
+                for (mut msg, request, admitted) in items {
+                    let id = (msg.route.clone(), msg.key.clone());
+                    if let Some(m) = placed.get(&id) {
+                        out.push(Ok(Accepted::Exists(m.clone())));
+                        continue;
+                    }
+                    if let Some(row) = tx
+                        .query_opt(
+                            "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2",
+                            &[&msg.route, &msg.key],
+                        )
+                        .await?
+                    {
+                        let old: String = row.get(0);
+                        out.push(decode(&old).map(Accepted::Exists));
+                        continue;
+                    }
+                    if !admitted() {
+                        out.push(Ok(Accepted::Aborted));
+                        continue;
+                    }
+                    msg.seq = place;
+                    place += 1;
+                    tx.execute(
+                        "INSERT INTO fencegate_queue (route, key, lease, shard, seq, epoch, status, \
+                         settled, accepted_ms, updated_ms, owner_generation, message, request) \
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, false, $8, $9, $10, $11, $12)",
+                        &[
+                            &msg.route,
+                            &msg.key,
+                            &msg.lease,
+                            &i32::try_from(owner.shard).unwrap_or(i32::MAX),
+                            &i64_of(msg.seq),
+                            &epoch_to_sql(msg.epoch),
+                            &msg.status.as_str(),
+                            &i64_of(msg.accepted_ms),
+                            &i64_of(msg.updated_ms),
+                            &i64_of(owner.generation),
+                            &encode(&msg),
+                            &request,
+                        ],
                     )
-                    .await?
-                {
-                    let old: String = row.get(0);
-                    return Ok(match decode(&old) {
-                        Ok(m) => Ok(Accepted::Exists(m)),
-                        Err(_) => Err(Refused::Unreadable("queue accept")),
-                    });
+                    .await?;
+                    placed.insert(id, msg.clone());
+                    out.push(Ok(Accepted::New(msg)));
                 }
-                if !admitted() {
-                    return Ok(Ok(Accepted::Aborted));
-                }
-                msg.seq = place;
-                tx.execute(
-                    "INSERT INTO fencegate_queue (route, key, lease, shard, seq, epoch, status, \
-                     settled, accepted_ms, updated_ms, owner_generation, message, request) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, false, $8, $9, $10, $11, $12)",
-                    &[
-                        &msg.route,
-                        &msg.key,
-                        &msg.lease,
-                        &i32::try_from(owner.shard).unwrap_or(i32::MAX),
-                        &i64_of(msg.seq),
-                        &epoch_to_sql(msg.epoch),
-                        &msg.status.as_str(),
-                        &i64_of(msg.accepted_ms),
-                        &i64_of(msg.updated_ms),
-                        &i64_of(owner.generation),
-                        &encode(&msg),
-                        &request,
-                    ],
-                )
-                .await?;
-                // Written, not committed: a crash here loses the message
-                // before its 202, never after.
+                // Written, not committed: a crash here loses the messages
+                // before their 202, never after.
                 crate::failpoint::hit("queue_accept_written");
-                Ok(Ok(Accepted::New(msg)))
+                Ok(Ok(out))
             })
         })
         .await

@@ -208,6 +208,68 @@ const TTL: std::time::Duration = std::time::Duration::from_secs(6);
 /// the server ends a transaction left idle, releasing the lease's row too.
 /// (Reviewed: the successor's take waited for as long as the owner was
 /// stopped.)
+/// Acceptances of one lease arriving together share transactions (the
+/// lease's row is held to the COMMIT): each still gets a place of its own in
+/// arrival order, a key sent twice is one message (the second finds the
+/// first, in the same transaction or not), and a pass no longer admitted
+/// takes no place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acceptances_of_one_lease_arriving_together_each_get_their_own_place() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (_db, url) = pg.new_database();
+    let q = Arc::new(PgQueue::new(
+        PostgresState::connect(&pg_config(&url)).await.unwrap(),
+    ));
+    let one = Owner::SINGLE;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..(3 * fencegate::queue::postgres::BATCH) {
+        let q = q.clone();
+        // Every 7th is sent twice; every 10th is aborted before its place.
+        let key = format!("k{}", if i % 7 == 6 { i - 1 } else { i });
+        let admitted = i % 10 != 9;
+        tasks.spawn(async move {
+            let r = q
+                .accept(
+                    one,
+                    message(&key, 1),
+                    &envelope(),
+                    Arc::new(move || admitted),
+                )
+                .await
+                .unwrap();
+            (key, admitted, r)
+        });
+    }
+    let mut new = std::collections::BTreeMap::new();
+    let mut found = Vec::new();
+    let mut aborted = 0;
+    while let Some(r) = tasks.join_next().await {
+        match r.unwrap() {
+            (key, true, Accepted::New(m)) => assert!(new.insert(key, m.seq).is_none()),
+            (key, _, Accepted::Exists(m)) => found.push((key, m.seq)),
+            (_, false, Accepted::Aborted) => aborted += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut places: Vec<u64> = new.values().copied().collect();
+    places.sort_unstable();
+    places.dedup();
+    assert_eq!(places.len(), new.len(), "one place per message");
+    for (key, seq) in &found {
+        assert_eq!(
+            new.get(key),
+            Some(seq),
+            "{key}: the message its first sending made"
+        );
+    }
+    assert!(aborted > 0);
+    // The queue holds exactly the placed messages, in place order.
+    let front = q.front("hook", 10_000).await.unwrap();
+    assert_eq!(front.len(), new.len());
+    assert!(front.windows(2).all(|w| w[0].seq < w[1].seq));
+}
+
 /// The check a takeover and a reload make (SPEC §11): a direct route on a
 /// lease with messages that may still be sent (pending, delivering, failed),
 /// or a queued route holding such messages under another lease, on either

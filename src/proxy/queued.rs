@@ -251,11 +251,12 @@ impl Proxy {
         let newer = pass.newer_epoch();
         drop(pass);
         if done.is_err() {
-            // The outcome may be unknown (a COMMIT whose answer was lost, or
-            // that lands after the timeout): a message committed anyway must
-            // not wait for the lease's next acceptance. A wake with nothing
-            // to send is harmless.
-            queue.wake_after_failure(route.lease.as_str());
+            // The outcome may be unknown (a COMMIT whose answer was lost): a
+            // message committed anyway must not wait for the lease's next
+            // acceptance. A wake with nothing to send is harmless. (One that
+            // lands later still is found by the queue's once-a-second look
+            // on PostgreSQL, `Queue::read_depth`.)
+            queue.wake(route.lease.as_str());
         }
         match done? {
             Accepted::New(m) => {

@@ -322,27 +322,6 @@ impl Queue {
         tokio::spawn(deliver::run(self.clone(), lease.to_owned(), notify));
     }
 
-    /// Wakes `lease`'s deliverer after an acceptance that failed, now and
-    /// again once such a write can no longer be in progress where the queue
-    /// is kept: a COMMIT whose answer was lost, or that PostgreSQL finishes
-    /// after `[state] timeout_ms` (a slow disk, a synchronous standby), is a
-    /// message the worker was told was not accepted. Later than that, its
-    /// deliverer learns of it with the lease's next request (or a restart).
-    pub(crate) fn wake_after_failure(self: &Arc<Self>, lease: &str) {
-        self.wake(lease);
-        if let Some(within) = self.store.uncertain_for() {
-            let (q, lease) = (self.clone(), lease.to_owned());
-            tokio::spawn(async move {
-                for wait in [within, within * 4] {
-                    tokio::select! {
-                        _ = q.ctx.stop.cancelled() => return,
-                        _ = tokio::time::sleep(wait) => q.wake(&lease),
-                    }
-                }
-            });
-        }
-    }
-
     /// How many times `lease`'s deliverer was woken: read before it looks at
     /// its queue, and given back to [`Queue::retire`].
     fn wakes(&self, lease: &str) -> u64 {
@@ -368,10 +347,26 @@ impl Queue {
     }
 
     /// Reads the PostgreSQL queue's figures every `every` (metrics).
+    /// And wakes the deliverer of every lease served here whose queue holds
+    /// messages but whose deliverer is not running: a message committed
+    /// after its request was answered 503 (a COMMIT that outlasted `[state]
+    /// timeout_ms`, for as long as it took) is found within `every`.
     async fn read_depth(self: Arc<Self>, every: Duration) {
         loop {
             if let Ok(d) = self.store.depth().await {
                 *self.depth.lock().unwrap_or_else(|p| p.into_inner()) = d;
+            }
+            if let Ok(leases) = self.store.leases_with_work().await {
+                for lease in leases {
+                    let idle = !self
+                        .running
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .contains_key(&lease);
+                    if idle && matches!((self.ctx.owner_of)(&lease), Sender::Here(_)) {
+                        self.wake(&lease);
+                    }
+                }
             }
             tokio::select! {
                 _ = self.ctx.stop.cancelled() => return,

@@ -221,11 +221,6 @@ impl PgQueue {
         })
     }
 
-    /// `[state] timeout_ms`: how long a write is waited for.
-    pub fn timeout(&self) -> std::time::Duration {
-        self.db.timeout()
-    }
-
     /// See [`super::store::QueueStore::accept`]: the place is taken with the
     /// lease's row locked, and `admitted` asked once it is. Goes with the
     /// acceptances of its lease that wait beside it (the module's doc).
@@ -455,8 +450,15 @@ impl PgQueue {
         let rows = self
             .db
             .with("queue read", |c| async move {
+                // A skip over the order index, a probe per lease: read once a
+                // second, whatever the backlog.
                 c.query(
-                    "SELECT DISTINCT lease FROM fencegate_queue WHERE NOT settled ORDER BY lease",
+                    "WITH RECURSIVE l AS ( \
+                     (SELECT lease FROM fencegate_queue WHERE NOT settled ORDER BY lease LIMIT 1) \
+                     UNION ALL \
+                     SELECT (SELECT q.lease FROM fencegate_queue q WHERE NOT q.settled \
+                     AND q.lease > l.lease ORDER BY q.lease LIMIT 1) FROM l WHERE l.lease IS NOT NULL) \
+                     SELECT lease FROM l WHERE lease IS NOT NULL",
                     &[],
                 )
                 .await
@@ -468,48 +470,56 @@ impl PgQueue {
     /// Among `routes` (name, lease, queued), the (route, lease) pairs of
     /// messages that may still be sent which [`crate::queue::conflict`] looks
     /// for: any on the lease of a direct route, and any of a queued route
-    /// under another lease. A few index reads per route (schema 10's partial
-    /// indexes), not a pass over the table: a takeover waits for it.
+    /// under another lease. Two statements whatever the number of routes,
+    /// each a few index reads per route (schema 10's partial indexes), not a
+    /// pass over the table: a takeover waits for it.
     pub async fn holding_for(
         &self,
         routes: &[(&str, &str, bool)],
     ) -> Result<BTreeSet<(String, String)>, StateError> {
-        let routes: Vec<(String, String, bool)> = routes
+        let direct: Vec<String> = routes
             .iter()
-            .map(|&(n, l, q)| (n.to_owned(), l.to_owned(), q))
+            .filter(|r| !r.2)
+            .map(|r| r.1.to_owned())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
             .collect();
+        let (names, leases): (Vec<String>, Vec<String>) = routes
+            .iter()
+            .filter(|r| r.2)
+            .map(|r| (r.0.to_owned(), r.1.to_owned()))
+            .unzip();
         let rows = self
             .db
             .with("queue read", |c| async move {
-                let mut out = Vec::new();
-                for (name, lease, queued) in &routes {
-                    let rows = if *queued {
-                        // Another lease, on either side of this one: two
-                        // ranges of the (route, lease) index.
-                        c.query(
-                            "(SELECT route, lease FROM fencegate_queue WHERE route = $1 \
-                             AND lease < $2 AND status IN ('pending', 'delivering', 'failed') \
-                             ORDER BY lease DESC LIMIT 1) UNION ALL \
-                             (SELECT route, lease FROM fencegate_queue WHERE route = $1 \
-                             AND lease > $2 AND status IN ('pending', 'delivering', 'failed') \
-                             ORDER BY lease LIMIT 1)",
-                            &[name, lease],
-                        )
-                        .await?
-                    } else {
-                        // `ORDER BY` as the index is: without it the planner
-                        // may scan the table expecting a match early, and
-                        // read every row when there is none.
-                        c.query(
-                            "SELECT route, lease FROM fencegate_queue WHERE lease = $1 \
-                             AND status IN ('pending', 'delivering', 'failed') \
-                             ORDER BY route LIMIT 1",
-                            &[lease],
-                        )
-                        .await?
-                    };
-                    out.extend(rows);
-                }
+                // `ORDER BY` as the indexes are: without it the planner may
+                // scan the table expecting a match early, and read every row
+                // when there is none.
+                let mut out = c
+                    .query(
+                        "SELECT h.route, h.lease FROM unnest($1::text[]) AS d(lease) \
+                         CROSS JOIN LATERAL (SELECT route, lease FROM fencegate_queue q \
+                         WHERE q.lease = d.lease AND q.status IN ('pending', 'delivering', 'failed') \
+                         ORDER BY q.route LIMIT 1) h",
+                        &[&direct],
+                    )
+                    .await?;
+                // Another lease, on either side of the route's own: two
+                // ranges of the (route, lease) index.
+                out.extend(
+                    c.query(
+                        "SELECT h.route, h.lease FROM unnest($1::text[], $2::text[]) AS r(route, lease) \
+                         CROSS JOIN LATERAL ( \
+                         (SELECT route, lease FROM fencegate_queue q WHERE q.route = r.route \
+                         AND q.lease < r.lease AND q.status IN ('pending', 'delivering', 'failed') \
+                         ORDER BY q.lease DESC LIMIT 1) UNION ALL \
+                         (SELECT route, lease FROM fencegate_queue q WHERE q.route = r.route \
+                         AND q.lease > r.lease AND q.status IN ('pending', 'delivering', 'failed') \
+                         ORDER BY q.lease LIMIT 1)) h",
+                        &[&names, &leases],
+                    )
+                    .await?,
+                );
                 Ok(out)
             })
             .await?;

@@ -155,16 +155,6 @@ impl QueueStore {
         }
     }
 
-    /// How long after a write failed it may still land (PostgreSQL: a
-    /// COMMIT sent, its answer not waited for past `[state] timeout_ms`).
-    /// None on sled: a write that failed is in sled's memory already.
-    pub fn uncertain_for(&self) -> Option<std::time::Duration> {
-        match self {
-            QueueStore::Sled(_) => None,
-            QueueStore::Postgres(p) => Some(p.timeout()),
-        }
-    }
-
     /// Writes a message that stays in its queue (a retry scheduled). Durable
     /// on return.
     pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {

@@ -470,6 +470,45 @@ async fn kill_9_at_each_boundary_loses_nothing_and_repeats_only_the_unknown() {
     }
 }
 
+/// kill -9 once a delivered message's settlement is on disk together with
+/// the next message's attempt start (sled: one flush for both, SPEC §11):
+/// the destination gets the first once, then the next — found `delivering`
+/// at the restart, so counted unknown, but sent once: it had not gone out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_after_a_settlement_flushed_with_the_next_start_repeats_nothing() {
+    skip_without_python!();
+    let Queued {
+        s3: _s3,
+        origin,
+        mut fg,
+        epochs: _epochs,
+        a,
+    } = Queued::start("retry = { schedule = [\"100ms\"] }").await;
+    accepted(&send(message(&fg, &a, "warm", "warm", 200)).await);
+    origin.wait_until("warm", |log| log.len() == 1).await;
+    durably_delivered(&fg, 1).await;
+    fg.kill9();
+    fg.spawn(Some("queue_delivered")).unwrap();
+    let mut first = message(&fg, &a, "n1", "n1", 200);
+    first
+        .headers_mut()
+        .insert("x-test-hold", "n1".parse().unwrap());
+    accepted(&send(first).await);
+    origin.wait_until("n1 held", |log| log.len() == 2).await;
+    accepted(&send(message(&fg, &a, "n2", "n2", 200)).await);
+    origin.release("n1");
+    assert!(!fg.wait_exit().success(), "aborted at queue_delivered");
+    fg.spawn(None).unwrap();
+    wait_status(&fg, "n2", |v| v["status"] == "delivered").await;
+    let got: Vec<_> = origin.log()[1..]
+        .iter()
+        .map(|x| x.header("webhook-id").unwrap())
+        .collect();
+    assert_eq!(got, ["hook:n1", "hook:n2"]);
+    assert_eq!(status_of(&fg, "n1").await["unknown_outcomes"], 0);
+    assert_eq!(status_of(&fg, "n2").await["unknown_outcomes"], 1);
+}
+
 /// A reload that would forward a queued lease's requests directly is refused
 /// whole (a key delivered from the queue would be forwarded again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

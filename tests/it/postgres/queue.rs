@@ -201,13 +201,6 @@ async fn a_requeue_on_postgres_keeps_epoch_order() {
 
 const TTL: std::time::Duration = std::time::Duration::from_secs(6);
 
-/// SPEC §10.2: a row unchanged for `gate_ttl + grace` is free. An owner
-/// stopped in the middle of a queue acceptance (paused, cut off) must not
-/// keep it from its successor: the acceptance holds no lock on the owner row
-/// while it waits or stalls (that lock is taken last, before the COMMIT), and
-/// the server ends a transaction left idle, releasing the lease's row too.
-/// (Reviewed: the successor's take waited for as long as the owner was
-/// stopped.)
 /// Acceptances of one lease arriving together share transactions (the
 /// lease's row is held to the COMMIT): each still gets a place of its own in
 /// arrival order, a key sent twice is one message (the second finds the
@@ -329,8 +322,32 @@ async fn the_takeover_check_finds_only_messages_that_may_still_be_sent() {
         found(&[("hook", "a")]),
         "a failed message may be retried by an operator"
     );
+    // Thousands of routes: one statement per kind, not one per route (third
+    // review: 6,000 routes outlasted `[state] timeout_ms` and fencegate did
+    // not start).
+    let names: Vec<(String, String)> = (0..6000)
+        .map(|i| (format!("r{i}"), format!("l{i}")))
+        .collect();
+    let mut many: Vec<(&str, &str, bool)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, (r, l))| (r.as_str(), l.as_str(), i % 2 == 0))
+        .collect();
+    many.push(("direct", "z", false));
+    many.push(("hook", "hook", true));
+    assert_eq!(
+        q.holding_for(&many).await.unwrap(),
+        found(&[("hook", "z"), ("hook", "a")]),
+    );
 }
 
+/// SPEC §10.2: a row unchanged for `gate_ttl + grace` is free. An owner
+/// stopped in the middle of a queue acceptance (paused, cut off) must not
+/// keep it from its successor: the acceptance holds no lock on the owner row
+/// while it waits or stalls (that lock is taken last, before the COMMIT), and
+/// the server ends a transaction left idle, releasing the lease's row too.
+/// (Reviewed: the successor's take waited for as long as the owner was
+/// stopped.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease() {
     skip_without_postgres!();
@@ -486,12 +503,14 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
 }
 
 /// An acceptance whose COMMIT lands after `[state] timeout_ms` (a slow disk,
-/// a synchronous standby; here a deferred trigger that sleeps at COMMIT):
-/// the worker is answered 503, the message is committed anyway — and its
-/// lease's deliverer, which looked before the COMMIT landed, is woken again
-/// once the write can no longer be in progress: the message is delivered
-/// without another request of its lease (second review, F1: before, it
-/// waited for the lease's next acceptance).
+/// a synchronous standby; here a deferred trigger that sleeps at COMMIT, 8×
+/// the timeout): the worker is answered 503, the message is committed anyway
+/// — and its lease's deliverer, which looked before the COMMIT landed and
+/// retired, is started by the queue's once-a-second look for leases with
+/// messages and no deliverer: the message is delivered without another
+/// request of its lease (second review, F1: before, it waited for the lease's
+/// next acceptance; third review: wakes at fixed delays after the 503 missed
+/// a COMMIT later than them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acceptance_committed_after_its_503_is_delivered_without_another_request() {
     skip_without_postgres!();
@@ -508,7 +527,7 @@ async fn an_acceptance_committed_after_its_503_is_delivered_without_another_requ
         &format!(
             "{}{}{route}",
             dir_store_toml(leases.path()),
-            state_toml(&db, "timeout_ms = 1000")
+            state_toml(&db, "timeout_ms = 500")
         ),
         &[],
     );
@@ -531,7 +550,7 @@ async fn an_acceptance_committed_after_its_503_is_delivered_without_another_requ
     PgServer::shared().psql(
         &db_name,
         "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
-         BEGIN IF NEW.key = 'late' THEN PERFORM pg_sleep(1.5); END IF; RETURN NULL; END $$; \
+         BEGIN IF NEW.key = 'late' THEN PERFORM pg_sleep(4); END IF; RETURN NULL; END $$; \
          CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON fencegate_queue \
          DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();",
     );

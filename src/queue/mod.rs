@@ -73,6 +73,14 @@ async fn conflict_of(
                     "route {name:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
                 )));
             }
+            if !queued && route == name {
+                // Its messages would wait for a queued route of that name,
+                // and a worker's retry of one of their keys would be
+                // forwarded directly meanwhile: both could arrive.
+                return Ok(Some(format!(
+                    "route {route:?} holds messages of lease {lease} that may still be sent, and would forward requests directly: a worker's retry of one of their keys would reach the destination beside the queued message. Deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the direct route a new name"
+                )));
+            }
             if queued && route == name && lease != r_lease {
                 return Ok(Some(format!(
                     "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {r_lease}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name"

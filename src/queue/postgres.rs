@@ -469,10 +469,10 @@ impl PgQueue {
 
     /// Among `routes` (name, lease, queued), the (route, lease) pairs of
     /// messages that may still be sent which [`crate::queue::conflict`] looks
-    /// for: any on the lease of a direct route, and any of a queued route
-    /// under another lease. Two statements whatever the number of routes,
-    /// each a few index reads per route (schema 10's partial indexes), not a
-    /// pass over the table: a takeover waits for it.
+    /// for: any on the lease of a direct route or under its name, and any of
+    /// a queued route under another lease. Three statements whatever the
+    /// number of routes, each a few index reads per route (schema 10's
+    /// partial indexes), not a pass over the table: a takeover waits for it.
     pub async fn holding_for(
         &self,
         routes: &[(&str, &str, bool)],
@@ -483,6 +483,11 @@ impl PgQueue {
             .map(|r| r.1.to_owned())
             .collect::<BTreeSet<_>>()
             .into_iter()
+            .collect();
+        let direct_names: Vec<String> = routes
+            .iter()
+            .filter(|r| !r.2)
+            .map(|r| r.0.to_owned())
             .collect();
         let (names, leases): (Vec<String>, Vec<String>) = routes
             .iter()
@@ -504,6 +509,17 @@ impl PgQueue {
                         &[&direct],
                     )
                     .await?;
+                // A direct route's own name, under any lease.
+                out.extend(
+                    c.query(
+                        "SELECT h.route, h.lease FROM unnest($1::text[]) AS d(route) \
+                         CROSS JOIN LATERAL (SELECT route, lease FROM fencegate_queue q \
+                         WHERE q.route = d.route AND q.status IN ('pending', 'delivering', 'failed') \
+                         ORDER BY q.lease LIMIT 1) h",
+                        &[&direct_names],
+                    )
+                    .await?,
+                );
                 // Another lease, on either side of the route's own: two
                 // ranges of the (route, lease) index.
                 out.extend(

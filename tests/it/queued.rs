@@ -678,6 +678,23 @@ async fn a_direct_route_on_a_lease_with_queued_messages_is_refused() {
     assert!(fg
         .stderr()
         .contains("would forward lease hook's requests directly"));
+    // A direct route under the queued route's name, on another lease: refused
+    // too (a worker's retry of one of its keys would be forwarded beside the
+    // queued message).
+    let renamed = format!(
+        "[[route]]\nname = \"hook\"\npath_prefix = \"/h2/\"\nupstream = \"{}\"\nlease = \"h2\"\n",
+        origin.url("/v1/")
+    );
+    fg.edit_config(|t| format!("{}{renamed}", t.replace(&direct, "")));
+    assert!(fg.spawn(None).is_err(), "{}", fg.stderr());
+    assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
+    assert!(
+        fg.stderr().contains(
+            "route \"hook\" holds messages of lease hook that may still be sent, and would forward requests directly"
+        ),
+        "{}",
+        fg.stderr()
+    );
     assert_eq!(arrived(&origin), ["a-m1"]);
 }
 

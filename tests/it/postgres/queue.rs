@@ -322,6 +322,13 @@ async fn the_takeover_check_finds_only_messages_that_may_still_be_sent() {
         found(&[("hook", "a")]),
         "a failed message may be retried by an operator"
     );
+    assert_eq!(
+        q.holding_for(&[("hook", "elsewhere", false)])
+            .await
+            .unwrap(),
+        found(&[("hook", "a")]),
+        "a direct route under the name of a route holding messages, on any lease"
+    );
     // Thousands of routes: one statement per kind, not one per route (third
     // review: 6,000 routes outlasted `[state] timeout_ms` and fencegate did
     // not start).

@@ -32,7 +32,8 @@
 //! place taken to the COMMIT, so one transaction at a time could accept only
 //! one message per commit. Requests that arrive while their lease's
 //! transaction runs wait and go together in the next one (up to
-//! [`BATCH`]), each asked whether it is still admitted once the row is held,
+//! [`BATCH`], and 4 MiB of requests: a batch shares one `[state]
+//! timeout_ms`), each asked whether it is still admitted once the row is held,
 //! in the order they arrived: the rules above apply to every message of the
 //! batch as they did to one.
 
@@ -63,6 +64,9 @@ type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// At most this many acceptances of a lease share a transaction.
 pub const BATCH: usize = 64;
+
+/// At most this many bytes of requests share a transaction (past its first).
+const BATCH_BYTES: usize = 4 << 20;
 
 /// An acceptance waiting for its lease's transaction.
 struct Waiting {
@@ -278,7 +282,18 @@ impl PgQueue {
                     accepting.remove(&key);
                     return;
                 }
-                let n = q.len().min(BATCH);
+                // Up to BATCH, and past the first at most BATCH_BYTES of
+                // requests: a batch shares one `[state] timeout_ms`.
+                let mut bytes = 0;
+                let n = q
+                    .iter()
+                    .take(BATCH)
+                    .take_while(|w| {
+                        bytes += w.request.len();
+                        bytes <= BATCH_BYTES
+                    })
+                    .count()
+                    .max(1);
                 q.drain(..n).collect()
             };
             let mut answers = Vec::with_capacity(batch.len());

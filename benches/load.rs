@@ -457,7 +457,7 @@ struct Sample {
 /// A queued target's window, and the drain of its queue that follows it (no
 /// other target runs until the queue is empty, so its deliverer's work never
 /// lands in another target's window).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct QueueRun {
     /// Messages not settled when the window ended (the warm-up's included).
     left: f64,
@@ -470,6 +470,36 @@ struct QueueRun {
     origin_cpu_all: f64,
     /// Messages accepted over the plan (warm-up included).
     accepted: u64,
+}
+
+impl QueueRun {
+    /// A queued target's runs at one concurrency, summed, and how many.
+    fn total(ss: &[Sample]) -> (QueueRun, usize) {
+        ss.iter()
+            .filter_map(|s| s.queue)
+            .fold((QueueRun::default(), 0), |(t, n), q| {
+                (
+                    QueueRun {
+                        left: t.left + q.left,
+                        drain_secs: t.drain_secs + q.drain_secs,
+                        cpu_all: t.cpu_all + q.cpu_all,
+                        origin_cpu_all: t.origin_cpu_all + q.origin_cpu_all,
+                        accepted: t.accepted + q.accepted,
+                    },
+                    n + 1,
+                )
+            })
+    }
+
+    /// CPU seconds `cpu` as µs per message accepted.
+    fn per_msg(&self, cpu: f64) -> f64 {
+        cpu * 1e6 / self.accepted.max(1) as f64
+    }
+
+    /// Messages left at the windows' ends per second of their drains.
+    fn drain_rate(&self) -> f64 {
+        self.left / self.drain_secs.max(1e-9)
+    }
 }
 
 /// `fencegate_queue_depth{route}` from the admin listener's /metrics.
@@ -795,8 +825,8 @@ async fn main_run(args: &Args) -> Result<(), String> {
                             q.left,
                             q.accepted,
                             q.drain_secs,
-                            q.left / q.drain_secs.max(1e-9),
-                            q.cpu_all * 1e6 / q.accepted.max(1) as f64
+                            q.drain_rate(),
+                            q.per_msg(q.cpu_all)
                         )
                     } else {
                         String::new()
@@ -1283,15 +1313,10 @@ fn report(
             );
             let pr = vs(pass, &|s| s.rps);
             queued_vs_dedup.insert(c, dr);
-            let runs: Vec<QueueRun> = ss.iter().filter_map(|s| s.queue).collect();
-            let accepted: u64 = runs.iter().map(|q| q.accepted).sum();
-            let left: f64 = runs.iter().map(|q| q.left).sum();
-            let drain_secs: f64 = runs.iter().map(|q| q.drain_secs).sum();
-            let cpu_all: f64 = runs.iter().map(|q| q.cpu_all).sum();
-            let origin_all: f64 = runs.iter().map(|q| q.origin_cpu_all).sum();
-            let per_msg = |cpu: f64| cpu * 1e6 / accepted.max(1) as f64;
+            let (t, runs) = QueueRun::total(ss);
+            let (accepted, left, drain_secs) = (t.accepted, t.left, t.drain_secs);
             let delivered_share = 1.0 - left / accepted.max(1) as f64;
-            let drain_rate = left / drain_secs.max(1e-9);
+            let drain_rate = t.drain_rate();
             md.push_str(&format!(
                 "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} | {} | {} | {:.0}% | {:.0} | {:.0} | {:.1} | {:.1} |\n",
                 r.rps,
@@ -1303,10 +1328,10 @@ fn report(
                 fmt_ratio(dp),
                 fmt_ratio(pr),
                 delivered_share * 100.0,
-                left / runs.len().max(1) as f64,
+                left / runs.max(1) as f64,
                 drain_rate,
-                per_msg(cpu_all),
-                per_msg(origin_all),
+                t.per_msg(t.cpu_all),
+                t.per_msg(t.origin_cpu_all),
             ));
             per_c.insert(
                 c.to_string(),
@@ -1319,8 +1344,8 @@ fn report(
                     "left_at_window_end_total": left,
                     "drain_secs_total": drain_secs,
                     "drain_after_window_msgs_per_sec": drain_rate,
-                    "cpu_us_per_message_accepted_and_delivered": per_msg(cpu_all),
-                    "origin_cpu_us_per_message": per_msg(origin_all),
+                    "cpu_us_per_message_accepted_and_delivered": t.per_msg(t.cpu_all),
+                    "origin_cpu_us_per_message": t.per_msg(t.origin_cpu_all),
                 }),
             );
         }
@@ -1337,8 +1362,8 @@ fn report(
     if let Some(q) = idx("queued-pg") {
         let dedup = idx("dedup-pg");
         md.push_str(
-            "\nQueued delivery on PostgreSQL (the `dedup-pg` route plus `delivery = \"queued\"`; one \
-             transaction per acceptance, per attempt's start and per settlement):\n\n\
+            "\nQueued delivery on PostgreSQL (the `dedup-pg` route plus `delivery = \"queued\"`; a \
+             lease's acceptances arriving together share a transaction; one per attempt's start and per settlement):\n\n\
              | conns | accepted req/s | p50 ms | p99 ms | fencegate CPU µs/req | req/s ÷ dedup-pg | CPU ÷ dedup-pg | \
              drained after the window, msg/s | fencegate CPU µs/msg, accepted + delivered |\n\
              |---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
@@ -1355,13 +1380,8 @@ fn report(
                     .map_or(f64::NAN, |os| paired(ss, os, f))
             };
             let (dr, dc) = (vs(&|s| s.rps), vs(&|s| s.cpu_us()));
-            let runs: Vec<QueueRun> = ss.iter().filter_map(|s| s.queue).collect();
-            let accepted: u64 = runs.iter().map(|q| q.accepted).sum();
-            let left: f64 = runs.iter().map(|q| q.left).sum();
-            let drain_secs: f64 = runs.iter().map(|q| q.drain_secs).sum();
-            let cpu_all: f64 = runs.iter().map(|q| q.cpu_all).sum();
-            let per_msg = cpu_all * 1e6 / accepted.max(1) as f64;
-            let drain_rate = left / drain_secs.max(1e-9);
+            let (t, _) = QueueRun::total(ss);
+            let (per_msg, drain_rate) = (t.per_msg(t.cpu_all), t.drain_rate());
             md.push_str(&format!(
                 "| {c} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} | {:.0} | {:.1} |\n",
                 r.rps,

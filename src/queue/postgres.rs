@@ -492,23 +492,18 @@ impl PgQueue {
         &self,
         routes: &[(&str, &str, bool)],
     ) -> Result<BTreeSet<(String, String)>, StateError> {
-        let direct: Vec<String> = routes
-            .iter()
-            .filter(|r| !r.2)
-            .map(|r| r.1.to_owned())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let direct_names: Vec<String> = routes
-            .iter()
-            .filter(|r| !r.2)
-            .map(|r| r.0.to_owned())
-            .collect();
-        let (names, leases): (Vec<String>, Vec<String>) = routes
-            .iter()
-            .filter(|r| r.2)
-            .map(|r| (r.0.to_owned(), r.1.to_owned()))
-            .unzip();
+        // Direct routes: their leases and names; queued: (name, lease).
+        let (mut direct, mut direct_names) = (Vec::new(), Vec::new());
+        let (mut names, mut leases) = (Vec::new(), Vec::new());
+        for &(name, lease, queued) in routes {
+            let (n, l) = if queued {
+                (&mut names, &mut leases)
+            } else {
+                (&mut direct_names, &mut direct)
+            };
+            n.push(name.to_owned());
+            l.push(lease.to_owned());
+        }
         let rows = self
             .db
             .with("queue read", |c| async move {

@@ -202,10 +202,10 @@ async fn a_requeue_on_postgres_keeps_epoch_order() {
 const TTL: std::time::Duration = std::time::Duration::from_secs(6);
 
 /// Acceptances of one lease arriving together share transactions (the
-/// lease's row is held to the COMMIT): each still gets a place of its own in
-/// arrival order, a key sent twice is one message (the second finds the
-/// first, in the same transaction or not), and a pass no longer admitted
-/// takes no place.
+/// lease's row is held to the COMMIT): each still gets a place of its own, a
+/// key sent twice is one message (the second finds the first, in the same
+/// transaction or not), and a pass no longer admitted takes no place. (That
+/// they share transactions is measured by the `queued-pg` bench, not here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acceptances_of_one_lease_arriving_together_each_get_their_own_place() {
     skip_without_postgres!();

@@ -336,6 +336,77 @@ fn canonical(rec: &EpochRecord) -> Vec<u8> {
     out
 }
 
+/// A fresh id: 128 random bits, hex (a set-up's, a database's).
+pub(crate) fn new_id() -> String {
+    format!(
+        "{:016x}{:016x}",
+        crate::entropy::u64(),
+        crate::entropy::u64()
+    )
+}
+
+/// The key of the set-up's id in the lease store: beside the gate objects,
+/// outside any lease's folder (lease names do not start with a dot).
+pub(crate) fn set_up_key(prefix: &str) -> String {
+    format!("{prefix}.set-up")
+}
+
+/// The object at [`set_up_key`].
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoreObject {
+    v: u32,
+    set_up: String,
+    created_by: String,
+}
+
+pub(crate) fn store_error(e: crate::lease::StoreError) -> crate::state::StateError {
+    crate::state::StateError::Write(format!("the lease store's set-up object: {e}"))
+}
+
+/// The set-up id the lease store keeps, if any.
+pub(crate) async fn store_id(
+    store: &std::sync::Arc<dyn crate::lease::LeaseStore>,
+    prefix: &str,
+) -> Result<Option<String>, crate::state::StateError> {
+    let Some(o) = store.get(&set_up_key(prefix)).await.map_err(store_error)? else {
+        return Ok(None);
+    };
+    serde_json::from_slice::<StoreObject>(&o.body)
+        .map(|o| Some(o.set_up))
+        .map_err(|e| {
+            crate::state::StateError::Write(format!(
+                "the lease store's {} does not parse ({e}): it is fencegate's, written once; restore it or, with every instance stopped, delete it and the database's fencegate_set_up row",
+                set_up_key(prefix)
+            ))
+        })
+}
+
+/// Creates the store's set-up id (conditionally: of two creates, one wins
+/// and both read its id back).
+pub(crate) async fn create_store_id(
+    store: &std::sync::Arc<dyn crate::lease::LeaseStore>,
+    prefix: &str,
+    created_by: &str,
+) -> Result<String, crate::state::StateError> {
+    let body = StoreObject {
+        v: 1,
+        set_up: new_id(),
+        created_by: created_by.to_owned(),
+    };
+    let bytes =
+        serde_json::to_vec(&body).map_err(|e| crate::state::StateError::Write(e.to_string()))?;
+    store
+        .create_if_absent(&set_up_key(prefix), bytes.into())
+        .await
+        .map_err(store_error)?;
+    store_id(store, prefix).await?.ok_or_else(|| {
+        crate::state::StateError::Write(format!(
+            "the lease store's {} was created but cannot be read back",
+            set_up_key(prefix)
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,7 +57,35 @@ pub(crate) async fn conflict(
             )
         })
         .collect();
-    conflict_of(store, &routes).await
+    if let Some(why) = conflict_of(store, &routes).await? {
+        return Ok(Some(why));
+    }
+    history_conflict(store, &routes).await
+}
+
+/// A route's history follows its name (SPEC §11): a direct route whose name
+/// keeps queued messages (any status: a settled one answers its key until
+/// `[dedup] ttl` after it settled), or a queued route whose name keeps dedup
+/// records of a direct route, would answer a worker's retry of one of those
+/// keys by delivering it again. Read from the state, so that no way of
+/// getting the config there — one reload, two, a restart — slips past it.
+async fn history_conflict(
+    store: &QueueStore,
+    routes: &[(&str, &str, bool)],
+) -> Result<Option<String>, StateError> {
+    let names: Vec<(&str, bool)> = routes.iter().map(|&(n, _, q)| (n, q)).collect();
+    let Some((name, queued)) = store.other_kind(&names).await? else {
+        return Ok(None);
+    };
+    Ok(Some(if queued {
+        format!(
+            "route {name:?} is queued, and the state keeps dedup records of a direct route of that name (done ones for [dedup] ttl after they were done, in-doubt ones until an operator resolves them): a worker's retry of one of their keys would be queued and delivered again. Keep the route direct, give the queued route a new name, or wait until those records expire (GET /v1/dedup/{name}/KEY on the admin listener)"
+        )
+    } else {
+        format!(
+            "route {name:?} is direct, and the state keeps queued messages under its name (settled ones for [dedup] ttl after they settled): a worker's retry of one of their keys would be forwarded again. Keep the route queued, give the direct route a new name, or wait until they expire (GET /v1/deliveries?route={name} on the admin listener)"
+        )
+    }))
 }
 
 /// [`conflict`] for routes given as (name, lease, queued).

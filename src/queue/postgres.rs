@@ -552,6 +552,33 @@ impl PgQueue {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
+    /// [`super::store::QueueStore::other_kind`]: one statement, an index
+    /// probe per route (both tables' keys start with the route).
+    pub async fn other_kind(
+        &self,
+        routes: &[(&str, bool)],
+    ) -> Result<Option<(String, bool)>, StateError> {
+        let (queued, direct): (Vec<_>, Vec<_>) = routes.iter().partition(|(_, q)| *q);
+        let queued: Vec<String> = queued.iter().map(|(n, _)| (*n).to_owned()).collect();
+        let direct: Vec<String> = direct.iter().map(|(n, _)| (*n).to_owned()).collect();
+        let row = self
+            .db
+            .with("queue read", |c| async move {
+                c.query_opt(
+                    "(SELECT d.route, false FROM unnest($1::text[]) AS d(route) \
+                     WHERE EXISTS (SELECT 1 FROM fencegate_queue q WHERE q.route = d.route) LIMIT 1) \
+                     UNION ALL \
+                     (SELECT d.route, true FROM unnest($2::text[]) AS d(route) \
+                     WHERE EXISTS (SELECT 1 FROM fencegate_dedup x WHERE x.route = d.route) LIMIT 1) \
+                     LIMIT 1",
+                    &[&direct, &queued],
+                )
+                .await
+            })
+            .await?;
+        Ok(row.map(|r| (r.get(0), r.get(1))))
+    }
+
     /// Per route, messages not settled and the acceptance time of the oldest
     /// lease head among them.
     pub async fn depth(&self) -> Result<HashMap<String, (u64, u64)>, StateError> {

@@ -245,6 +245,31 @@ impl SledQueue {
         Ok(out)
     }
 
+    /// [`super::store::QueueStore::other_kind`]: a prefix probe per route.
+    pub fn other_kind(
+        &self,
+        routes: &[(&str, bool)],
+    ) -> Result<Option<(String, bool)>, StateError> {
+        for &(name, queued) in routes {
+            let mut prefix = name.as_bytes().to_vec();
+            prefix.push(0);
+            let kept = if queued {
+                self.sled.holds_records_of(name)?
+            } else {
+                self.msgs
+                    .scan_prefix(&prefix)
+                    .next()
+                    .transpose()
+                    .map_err(db_err)?
+                    .is_some()
+            };
+            if kept {
+                return Ok(Some((name.to_owned(), queued)));
+            }
+        }
+        Ok(None)
+    }
+
     /// Per route, how many messages are not settled and when the oldest
     /// lease head among them was accepted (metrics): the counts kept with
     /// the order index, and one read of each lease's head.

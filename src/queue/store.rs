@@ -107,6 +107,20 @@ impl QueueStore {
         }
     }
 
+    /// The first of `routes` (name, queued) whose name keeps state of the
+    /// other kind ([`super::history_conflict`]): a direct route's name with
+    /// messages kept, a queued route's name with dedup records. Index probes
+    /// by route on either store.
+    pub async fn other_kind(
+        &self,
+        routes: &[(&str, bool)],
+    ) -> Result<Option<(String, bool)>, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.other_kind(routes),
+            QueueStore::Postgres(p) => p.other_kind(routes).await,
+        }
+    }
+
     /// Per route, how many messages are not settled and when the oldest
     /// lease head among them was accepted (metrics).
     pub async fn depth(&self) -> Result<Depth, StateError> {

@@ -17,6 +17,7 @@
 //! only makes a restart settle longer.
 
 pub mod codec;
+pub mod identity;
 pub mod ownership;
 pub mod postgres;
 pub mod record;

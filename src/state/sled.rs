@@ -241,6 +241,19 @@ impl SledState {
         }))
     }
 
+    /// Whether any dedup record of `route` is kept (route history, SPEC §11).
+    pub fn holds_records_of(&self, route: &str) -> Result<bool, StateError> {
+        let mut prefix = route.as_bytes().to_vec();
+        prefix.push(0);
+        Ok(self
+            .dedup
+            .scan_prefix(prefix)
+            .next()
+            .transpose()
+            .map_err(write_err)?
+            .is_some())
+    }
+
     /// The sled database, for the queue's trees (made durable by the same
     /// group commit, [`SledState::commit`]).
     pub fn db(&self) -> &sled::Db {
@@ -295,6 +308,82 @@ impl SledState {
         self.commit.commit().await?;
         crate::failpoint::hit("dedup_in_flight_flushed");
         Ok(Begun::Claimed)
+    }
+}
+
+/// In sled's `meta` tree: the state's generation (u64, big-endian), whether a
+/// restored state still needs its fence (one byte), and the set-up the
+/// `data_dir` belongs to (JSON) — [`super::identity`], SPEC §10.
+const GENERATION: &[u8] = b"state_generation";
+const RESTORED: &[u8] = b"state_restored";
+const SET_UP: &[u8] = b"set_up";
+
+#[async_trait]
+impl super::identity::Generations for SledState {
+    async fn recorded(&self) -> Result<super::identity::Recorded, StateError> {
+        let generation = self
+            .meta
+            .get(GENERATION)
+            .map_err(write_err)?
+            .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
+            .map_or(0, u64::from_be_bytes);
+        let restored = self.meta.get(RESTORED).map_err(write_err)?.is_some();
+        Ok(super::identity::Recorded {
+            generation,
+            restored,
+        })
+    }
+
+    async fn advance(&self, at_least: u64, restored: bool) -> Result<u64, StateError> {
+        let mut new = 0;
+        self.meta
+            .fetch_and_update(GENERATION, |old| {
+                let old = old
+                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
+                    .map_or(0, u64::from_be_bytes);
+                new = old.max(at_least).saturating_add(1);
+                Some(new.to_be_bytes().to_vec())
+            })
+            .map_err(write_err)?;
+        if restored {
+            self.meta.insert(RESTORED, &[1u8][..]).map_err(write_err)?;
+        }
+        self.commit().await?;
+        Ok(new)
+    }
+
+    async fn fenced(&self) -> Result<(), StateError> {
+        self.meta.remove(RESTORED).map_err(write_err)?;
+        self.commit().await
+    }
+}
+
+impl SledState {
+    /// The set-up this `data_dir` was recorded under (SPEC §10), as JSON.
+    pub fn set_up_record(&self) -> Result<Option<Vec<u8>>, StateError> {
+        Ok(self
+            .meta
+            .get(SET_UP)
+            .map_err(write_err)?
+            .map(|v| v.to_vec()))
+    }
+
+    /// Records the set-up this `data_dir` belongs to; durable on return.
+    pub async fn record_set_up(&self, json: &[u8]) -> Result<(), StateError> {
+        self.meta.insert(SET_UP, json).map_err(write_err)?;
+        self.commit().await
+    }
+
+    /// Whether any mark, dedup record or queued message is kept: state that
+    /// some set-up wrote.
+    pub fn holds_records(&self) -> Result<bool, StateError> {
+        for tree in ["marks", "dedup", "queue"] {
+            let t = self.db.open_tree(tree).map_err(write_err)?;
+            if t.first().map_err(write_err)?.is_some() {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 

@@ -27,6 +27,7 @@
 
 mod batch;
 mod error;
+mod identity;
 mod ownership;
 mod record;
 pub mod schema;

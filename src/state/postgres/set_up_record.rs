@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::{PostgresState, StateError};
 use crate::config::{Config, StoreKind};
 use crate::lease::LeaseStore;
-use crate::set_up::{push_field, GateKey};
+use crate::set_up::{create_store_id, push_field, set_up_key, store_error, store_id, GateKey};
 
 /// This instance's set-up, as a record names it.
 #[derive(Clone, Debug)]
@@ -207,15 +207,6 @@ fn record_of(row: &tokio_postgres::Row) -> SetUpRecord {
     }
 }
 
-/// A fresh record id: 128 random bits, hex.
-fn new_id() -> String {
-    format!(
-        "{:016x}{:016x}",
-        crate::entropy::u64(),
-        crate::entropy::u64()
-    )
-}
-
 impl PostgresState {
     /// The record in the database, if any.
     async fn read_set_up(&self) -> Result<Option<SetUpRecord>, StateError> {
@@ -277,7 +268,7 @@ impl PostgresState {
             let Some(rec) = self.read_set_up().await? else {
                 let id = match &in_store {
                     Some(id) => id.clone(),
-                    None => create_store_id(store, &ours).await?,
+                    None => create_store_id(store, &ours.prefix, &ours.recorded_by).await?,
                 };
                 self.record(&ours, &id).await?;
                 in_store = Some(id);
@@ -491,63 +482,6 @@ impl PostgresState {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
-}
-
-/// The key of the set-up's id in the lease store: beside the gate objects,
-/// outside any lease's folder (lease names do not start with a dot).
-fn set_up_key(prefix: &str) -> String {
-    format!("{prefix}.set-up")
-}
-
-/// The object at [`set_up_key`].
-#[derive(serde::Serialize, serde::Deserialize)]
-struct StoreObject {
-    v: u32,
-    set_up: String,
-    created_by: String,
-}
-
-fn store_error(e: crate::lease::StoreError) -> StateError {
-    StateError::Write(format!("the lease store's set-up object: {e}"))
-}
-
-/// The set-up id the lease store keeps, if any.
-async fn store_id(store: &Arc<dyn LeaseStore>, prefix: &str) -> Result<Option<String>, StateError> {
-    let Some(o) = store.get(&set_up_key(prefix)).await.map_err(store_error)? else {
-        return Ok(None);
-    };
-    serde_json::from_slice::<StoreObject>(&o.body)
-        .map(|o| Some(o.set_up))
-        .map_err(|e| {
-            StateError::Write(format!(
-                "the lease store's {} does not parse ({e}): it is fencegate's, written once; restore it or, with every instance stopped, delete it and the database's fencegate_set_up row",
-                set_up_key(prefix)
-            ))
-        })
-}
-
-/// Creates the store's set-up id (conditionally: of two creates, one wins
-/// and both read its id back).
-async fn create_store_id(
-    store: &Arc<dyn LeaseStore>,
-    ours: &OurSetUp,
-) -> Result<String, StateError> {
-    let body = StoreObject {
-        v: 1,
-        set_up: new_id(),
-        created_by: ours.recorded_by.clone(),
-    };
-    let bytes = serde_json::to_vec(&body).map_err(|e| StateError::Write(e.to_string()))?;
-    store
-        .create_if_absent(&set_up_key(&ours.prefix), bytes.into())
-        .await
-        .map_err(store_error)?;
-    store_id(store, &ours.prefix).await?.ok_or_else(|| {
-        StateError::Write(format!(
-            "the lease store's {} was created but cannot be read back",
-            set_up_key(&ours.prefix)
-        ))
-    })
 }
 
 /// How many gate epochs below the latest are read for the state they name.

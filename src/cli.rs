@@ -45,6 +45,13 @@ enum Command {
         /// cluster): retries of keys it delivered WILL be forwarded again.
         #[arg(long)]
         takeover_may_duplicate: bool,
+        /// This start only: a database or data_dir that holds fencegate's
+        /// records but no set-up record, and that no gate object of this
+        /// set-up names (a database from before set-up records, a row
+        /// deleted after an upgrade), is claimed for this set-up. Say it only
+        /// when those records are this set-up's.
+        #[arg(long)]
+        claim_state: bool,
     },
     /// Validate a config file and print what was understood.
     CheckConfig {
@@ -182,6 +189,7 @@ pub fn main(commit: &'static str) -> ExitCode {
             config,
             log_format,
             takeover_may_duplicate,
+            claim_state,
         } => {
             // Until the config is read, only --log-format says how to log: a file
             // that does not load is reported in that format (stderr is one format).
@@ -195,6 +203,7 @@ pub fn main(commit: &'static str) -> ExitCode {
                 Ok((c, at)) => (
                     Config {
                         takeover_may_duplicate,
+                        claim_state,
                         ..c
                     },
                     at,

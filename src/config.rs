@@ -82,6 +82,12 @@ pub struct Config {
     /// instance guard over from an instance whose deliveries are kept elsewhere.
     #[serde(skip)]
     pub takeover_may_duplicate: bool,
+    /// `fencegate serve --claim-state` (never a config key): a database or
+    /// `data_dir` holding fencegate's records that nothing attributes to this
+    /// set-up (no set-up record, no gate object naming it) is claimed for it
+    /// (SPEC §10, "One database, one set-up").
+    #[serde(skip)]
+    pub claim_state: bool,
 }
 
 /// `[server]`: the listeners and their limits, logging (SPEC §8–§9).

@@ -181,6 +181,12 @@ pub struct EpochRecord {
     /// proof.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<crate::process::ProcessId>,
+    /// Gate objects only (SPEC §10, "Identity and generations"): the
+    /// generation its writer's state had recorded, durably, before the
+    /// object was written; a state that finds a higher one of its own is a
+    /// copy or a restored backup ([`crate::state::identity`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_generation: Option<u64>,
     /// A cluster's gate objects only: HMAC-SHA256 over the fields above, keyed
     /// by the peer token ([`crate::set_up::GateKey`]), hex.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -209,6 +215,7 @@ impl EpochRecord {
             shards: None,
             state: None,
             process: None,
+            state_generation: None,
             mac: None,
         }
     }
@@ -228,6 +235,7 @@ impl EpochRecord {
             shards: None,
             state: None,
             process: None,
+            state_generation: None,
             mac: None,
         }
     }

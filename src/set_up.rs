@@ -177,12 +177,18 @@ pub async fn shards_in_use(epochs: &Epochs) -> Result<u32, StoreError> {
 
 /// Where an instance keeps marks and dedup records, as its gate objects name it:
 /// `sled:{instance id}` (sled lives in `data_dir`, beside the id), or the
-/// database as `postgres://host:port/db`, with `?schema=NAME` when its tables
+/// database as `postgres://host:port/db`, with `schema=NAME` when its tables
 /// are in a schema other than `public` (`schema`: the one in use, as the
-/// database says; never credentials). Instances that
+/// database says) and `database_id=ID` (the id written into it,
+/// [`crate::state::identity`]) as query parameters; never credentials. Instances that
 /// name the same state share deliveries; a takeover between two that do not may
 /// repeat a delivery.
-pub fn state_of(cfg: &StateConfig, instance_id: &str, schema: Option<&str>) -> String {
+pub fn state_of(
+    cfg: &StateConfig,
+    instance_id: &str,
+    schema: Option<&str>,
+    database_id: Option<&str>,
+) -> String {
     match cfg.kind {
         StateKind::Sled => format!("sled:{instance_id}"),
         StateKind::Postgres => {
@@ -206,10 +212,21 @@ pub fn state_of(cfg: &StateConfig, instance_id: &str, schema: Option<&str>) -> S
                     // however the schema was chosen (`[state] schema`, the
                     // url's `search_path`, the role's); `public` is named as
                     // before schemas were (no suffix).
-                    let schema = schema
-                        .filter(|s| *s != "public")
-                        .map_or(String::new(), |s| format!("?schema={s}"));
-                    format!("postgres://{}/{db}{schema}", hosts.join(","))
+                    let mut query: Vec<String> = Vec::new();
+                    if let Some(s) = schema.filter(|s| *s != "public") {
+                        query.push(format!("schema={s}"));
+                    }
+                    // What the database is, not how it is reached: two
+                    // environments reach their own by one host:port/db.
+                    if let Some(id) = database_id {
+                        query.push(format!("database_id={id}"));
+                    }
+                    let query = if query.is_empty() {
+                        String::new()
+                    } else {
+                        format!("?{}", query.join("&"))
+                    };
+                    format!("postgres://{}/{db}{query}", hosts.join(","))
                 }
                 Err(_) => "postgres".into(),
             }
@@ -333,6 +350,11 @@ fn canonical(rec: &EpochRecord) -> Vec<u8> {
     field(rec.mode.as_deref());
     field(rec.shards.map(|s| s.to_string()).as_deref());
     field(rec.state.as_deref());
+    // Sealed only when present, so objects written before it verify as
+    // they did.
+    if let Some(g) = rec.state_generation {
+        field(Some(&g.to_string()));
+    }
     out
 }
 
@@ -405,6 +427,43 @@ pub(crate) async fn create_store_id(
             set_up_key(prefix)
         ))
     })
+}
+
+/// How many gate epochs below the latest are read for the state they name.
+const GATE_OBJECTS_READ: u64 = 16;
+
+/// Whether the gate lease of shard 0 (a single instance's guard or a cluster's
+/// anchor) names `state` in one of its latest objects: the records
+/// already in an unrecorded database were written by this set-up.
+pub(crate) async fn named_by_gate_objects(
+    store: &std::sync::Arc<dyn crate::lease::LeaseStore>,
+    prefix: &str,
+    state: &str,
+) -> Result<bool, crate::state::StateError> {
+    let prefix = format!("{prefix}.gate/");
+    let shard = crate::set_up::shard_name(0);
+    let epochs = crate::lease::Epochs::new(store.clone(), prefix.clone());
+    let latest = epochs
+        .latest_after(&shard, crate::epoch::Epoch::NONE)
+        .await
+        .map_err(store_error)?
+        .get();
+    for e in (latest.saturating_sub(GATE_OBJECTS_READ - 1)..=latest).rev() {
+        if e == 0 {
+            break;
+        }
+        let key = crate::epoch::object_key(&prefix, &shard, crate::epoch::Epoch::new(e));
+        let Some(o) = store.get(&key).await.map_err(store_error)? else {
+            continue;
+        };
+        let named = serde_json::from_slice::<crate::epoch::EpochRecord>(&o.body)
+            .ok()
+            .and_then(|r| r.state);
+        if named.as_deref() == Some(state) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@
 //!   release, so it waits `gate_ttl + grace_ms` after the object (SPEC §10).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +45,7 @@ use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::process::ProcessId;
 use crate::set_up::SetUp;
+use crate::state::identity::Generations;
 
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
@@ -84,6 +85,9 @@ pub enum GuardError {
     /// Acquiring the gate lease failed.
     #[error("the instance guard: {0}")]
     Acquire(#[from] AcquireError),
+    /// The state's generation could not be read or raised.
+    #[error("the instance guard: the state's generation: {0}")]
+    State(#[from] crate::state::StateError),
     /// The lease store failed.
     #[error("the instance guard: {0}")]
     Store(#[from] StoreError),
@@ -137,7 +141,20 @@ pub struct InstanceGuard {
     shared_id: AtomicBool,
     /// Told when a renewal finds the tenure taken: what is in flight is aborted.
     lost: tokio::sync::Notify,
+    /// The state's generation ([`crate::state::identity`]), raised before
+    /// each gate object is written, which carries it.
+    gens: Arc<dyn Generations>,
+    /// The generation the latest raise reached.
+    generation: AtomicU64,
+    /// The state was found older than a gate object written from it (or
+    /// its fence was not finished): its queue is fenced before anything is
+    /// sent ([`InstanceGuard::restored`]).
+    restored: AtomicBool,
 }
+
+/// How many gate epochs below the latest are read for the highest generation
+/// an object of this state names.
+const GENERATIONS_READ: u64 = 16;
 
 /// This instance's id, created once in `data_dir`.
 pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
@@ -194,10 +211,16 @@ impl InstanceGuard {
         cfg: &Config,
         store: Arc<dyn LeaseStore>,
         advertise: String,
-        schema: Option<&str>,
+        database: Option<(&str, &str)>,
+        gens: Arc<dyn Generations>,
     ) -> Result<Arc<InstanceGuard>, GuardError> {
         let id = instance_id(&cfg.server.data_dir)?;
-        let state_id = crate::set_up::state_of(&cfg.state, &id, schema);
+        let state_id = crate::set_up::state_of(
+            &cfg.state,
+            &id,
+            database.map(|d| d.0),
+            database.map(|d| d.1),
+        );
         let key = crate::set_up::GateKey::from_secret(
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),
@@ -221,8 +244,31 @@ impl InstanceGuard {
             me: this_process(),
             shared_id: AtomicBool::new(false),
             lost: tokio::sync::Notify::new(),
+            gens,
+            generation: AtomicU64::new(0),
+            restored: AtomicBool::new(false),
         });
         let before = acquire::status(&guard.epochs, &guard.shard).await?;
+        // SPEC §10, identity and generations: a gate object of this state
+        // naming a generation above the state's own was written after the
+        // state was copied — it is a copy or a restored backup. Recorded
+        // (durably, with the raise) before anything else is written, so that
+        // a crash before its fence finds it again.
+        let recorded = guard.gens.recorded().await?;
+        let seen = guard.generation_seen(before.latest).await?;
+        if seen > recorded.generation {
+            tracing::error!(
+                state = %guard.state_id,
+                recorded = recorded.generation,
+                gate_objects = seen,
+                "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: its queued messages are fenced before anything is sent (SPEC §10, identity and generations)"
+            );
+        }
+        let restored = recorded.restored || seen > recorded.generation;
+        guard
+            .generation
+            .store(guard.gens.advance(seen, restored).await?, Ordering::SeqCst);
+        guard.restored.store(restored, Ordering::SeqCst);
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
@@ -338,6 +384,57 @@ impl InstanceGuard {
         })
     }
 
+    /// The highest `state_generation` among the latest gate objects of shard 0
+    /// that this state's writer sealed (its key) and that name this state: a
+    /// forged object cannot make a state fence itself.
+    async fn generation_seen(&self, latest: crate::epoch::Epoch) -> Result<u64, StoreError> {
+        let mut seen = 0;
+        let top = latest.get();
+        for e in (top.saturating_sub(GENERATIONS_READ - 1)..=top).rev() {
+            if e == 0 {
+                break;
+            }
+            if let Some(r) = self.latest_record(crate::epoch::Epoch::new(e)).await? {
+                if r.epoch == e
+                    && r.lease == self.shard.as_str()
+                    && r.state.as_deref() == Some(self.state_id.as_str())
+                    && self.key.verifies(&r)
+                {
+                    seen = seen.max(r.state_generation.unwrap_or(0));
+                }
+            }
+        }
+        Ok(seen)
+    }
+
+    /// Whether this state was found older than its own gate objects at
+    /// start-up (or its fence was not finished): its queue must be fenced
+    /// before anything is sent, then [`InstanceGuard::fenced`].
+    pub fn restored(&self) -> bool {
+        self.restored.load(Ordering::SeqCst)
+    }
+
+    /// The fence of a restored state is durable.
+    pub async fn fenced(&self) -> Result<(), crate::state::StateError> {
+        self.gens.fenced().await?;
+        self.restored.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Raises the state's generation before a gate object is written. A
+    /// failed raise keeps the last one: the object then names a generation
+    /// the state has (never one above it), and the guard is not lost to a
+    /// slow disk or database.
+    async fn raise_generation(&self) {
+        let last = self.generation.load(Ordering::SeqCst);
+        match self.gens.advance(last, false).await {
+            Ok(g) => self.generation.store(g, Ordering::SeqCst),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not raise the state's generation; this gate object names the last one")
+            }
+        }
+    }
+
     /// The latest gate object of shard 0 that parses (garbage written over it
     /// says nothing of who held the guard), from `st`'s own read and a few
     /// epochs back at most.
@@ -395,6 +492,7 @@ impl InstanceGuard {
     /// when free). Forwarding is then allowed until `gate_ttl − self_fence_margin`
     /// after the create was sent.
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
+        self.raise_generation().await;
         let sent = Instant::now();
         let decorate = self.decorate();
         let reclaim = |r: &EpochRecord| self.may_reclaim(r);
@@ -450,6 +548,7 @@ impl InstanceGuard {
             SetUp::Single.stamp(r);
             r.state = Some(self.state_id.clone());
             r.process = self.me.clone();
+            r.state_generation = Some(self.generation.load(Ordering::SeqCst));
             self.key.seal(r);
         }
     }
@@ -629,6 +728,7 @@ impl InstanceGuard {
             return;
         };
         self.window.close();
+        self.raise_generation().await;
         let decorate = self.decorate();
         match acquire::release_with(
             &self.epochs,

@@ -442,9 +442,18 @@ impl World {
             self.clock.clone(),
             Duration::from_secs(60),
         ));
-        let c = Cluster::new(&cfg, store, fences, state, db.clone(), dedup, "public")
-            .await
-            .unwrap();
+        let c = Cluster::new(
+            &cfg,
+            store,
+            fences,
+            state,
+            db.clone(),
+            dedup,
+            "public",
+            None,
+        )
+        .await
+        .unwrap();
         Member { c, db }
     }
 

@@ -204,6 +204,7 @@ impl Cluster {
         owners: Arc<dyn OwnershipStore>,
         dedup: Arc<Dedup>,
         schema: &str,
+        database_id: Option<&str>,
     ) -> Result<Arc<Cluster>, ClusterError> {
         let Some(cc) = &cfg.cluster else {
             unreachable!("Cluster::new without [cluster]: checked by the caller")
@@ -244,7 +245,12 @@ impl Cluster {
                 &cc.resolved_peer_token().unwrap_or_default(),
                 &format!("{}.gate/", cfg.store.prefix),
             ),
-            state_id: crate::set_up::state_of(&cfg.state, &cc.instance_id, Some(schema)),
+            state_id: crate::set_up::state_of(
+                &cfg.state,
+                &cc.instance_id,
+                Some(schema),
+                database_id,
+            ),
             conflict: Mutex::new(None),
             anchor: anchor::Anchor::new(),
             beats: Mutex::new(HashMap::new()),

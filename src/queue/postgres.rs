@@ -636,6 +636,29 @@ impl PgQueue {
         .await
     }
 
+    /// [`super::store::QueueStore::raise_sent`].
+    pub async fn raise_sent(
+        &self,
+        owner: Owner,
+        lease: &str,
+        epoch: u64,
+    ) -> Result<(), StateError> {
+        let lease = lease.to_owned();
+        self.write("queue fence", owner, move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    "INSERT INTO fencegate_queue_leases AS l (lease, next_seq, sent_epoch) \
+                     VALUES ($1, 0, $2) ON CONFLICT (lease) DO UPDATE \
+                     SET sent_epoch = GREATEST(COALESCE(l.sent_epoch, $2), $2)",
+                    &[&lease, &epoch_to_sql(epoch)],
+                )
+                .await?;
+                Ok(Ok(()))
+            })
+        })
+        .await
+    }
+
     /// Writes a message that stays in its queue (a retry scheduled).
     pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
         let m = msg.clone();

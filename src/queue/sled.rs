@@ -436,6 +436,19 @@ impl SledQueue {
         Ok(Requeued::Done(Box::new(msg)))
     }
 
+    /// [`super::store::QueueStore::raise_sent`].
+    pub async fn raise_sent(&self, lease: &str, epoch: u64) -> Result<(), StateError> {
+        self.sent
+            .fetch_and_update(lease.as_bytes(), |old| {
+                let old = old
+                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
+                    .map_or(0, u64::from_be_bytes);
+                Some(old.max(epoch).to_be_bytes().to_vec())
+            })
+            .map_err(db_err)?;
+        self.sled.commit().await
+    }
+
     /// The newest epoch of `lease` of which a message was sent (0: none).
     pub fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
         Ok(u64_of(self.sent.get(lease.as_bytes()).map_err(db_err)?))

@@ -219,6 +219,21 @@ impl QueueStore {
         }
     }
 
+    /// Records that a message of `lease` at `epoch` may have been sent (a
+    /// restored state's fence): an operator's retry of an older one is then
+    /// superseded. Durable on return.
+    pub async fn raise_sent(
+        &self,
+        owner: Owner,
+        lease: &str,
+        epoch: u64,
+    ) -> Result<(), StateError> {
+        match self {
+            QueueStore::Sled(s) => s.raise_sent(lease, epoch).await,
+            QueueStore::Postgres(p) => p.raise_sent(owner, lease, epoch).await,
+        }
+    }
+
     /// The newest epoch of `lease` of which a message was sent (0: none).
     pub async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
         match self {

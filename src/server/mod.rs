@@ -39,6 +39,7 @@ use crate::live::{Live, LiveConfig};
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route, RouteTable};
 use crate::shared::{Mode, Shared};
+use crate::state::identity::Generations;
 use crate::state::postgres::set_up_record::OurSetUp;
 use crate::state::postgres::PostgresState;
 use crate::state::sled::SledState;
@@ -162,14 +163,14 @@ async fn build_on(
     lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
     let mut database = None;
     let mut on_sled = None;
-    let durable: Arc<dyn StateStore> = match cfg.state.kind {
+    let (durable, generations): (Arc<dyn StateStore>, Arc<dyn Generations>) = match cfg.state.kind {
         StateKind::Sled => {
             let sled = SledState::open_with(
                 &cfg.server.data_dir,
                 cfg.state.cache_mb.saturating_mul(1 << 20),
             )?;
             on_sled = Some(sled.clone());
-            sled
+            (sled.clone(), sled)
         }
         StateKind::Postgres => {
             // Opened, not yet migrated nor written: the database is claimed
@@ -177,17 +178,41 @@ async fn build_on(
             // — the guard, or the cluster's checks — below.
             let pg = PostgresState::open(&cfg.state).await?;
             database = Some(pg.clone());
-            pg
+            (pg.clone(), pg)
         }
     };
     let schema = database.as_ref().map(|pg| pg.schema().to_owned());
     // SPEC §10, one database, one set-up: checked before this instance writes
     // its own gate object (whose state would vouch for any database), held —
     // migrated and recorded — once it holds its place in the store.
-    let may_hold = match &database {
+    // The database's id is read before the check (gate objects name it) and
+    // made after it, before this instance's first gate object names it.
+    let (may_hold, database_id) = match &database {
         Some(pg) => {
-            let state = crate::set_up::state_of(&cfg.state, "", schema.as_deref());
-            Some(pg.check_set_up(OurSetUp::of(cfg, &state), &store).await?)
+            let known = pg.database_id().await?;
+            let state =
+                crate::set_up::state_of(&cfg.state, "", schema.as_deref(), known.as_deref());
+            let may = pg
+                .check_set_up(
+                    OurSetUp::of(cfg, &state),
+                    &store,
+                    known.as_deref(),
+                    cfg.claim_state,
+                )
+                .await?;
+            (Some(may), Some(pg.ensure_database_id().await?))
+        }
+        None => (None, None),
+    };
+    let place = schema.as_deref().zip(database_id.as_deref());
+    // The same rule for a data_dir: a copy under another set-up refuses.
+    let data_dir_may = match &on_sled {
+        Some(sled) => {
+            let id = crate::cluster::guard::instance_id(&cfg.server.data_dir)?;
+            Some((
+                crate::state::data_dir::check(sled, &store, cfg, &id).await?,
+                id,
+            ))
         }
         None => None,
     };
@@ -212,10 +237,14 @@ async fn build_on(
                 cfg,
                 store.clone(),
                 format!("http://{}", cfg.server.listen),
-                schema.as_deref(),
+                place,
+                generations.clone(),
             )
             .await?;
             claim_database().await?;
+            if let (Some(sled), Some((may, id))) = (&on_sled, data_dir_may) {
+                crate::state::data_dir::hold(may, sled, &store, cfg, &id).await?;
+            }
             let recovered = dedup.recover(Owner::SINGLE).await?;
             if recovered > 0 {
                 tracing::warn!(
@@ -242,6 +271,7 @@ async fn build_on(
                 owners,
                 dedup.clone(),
                 schema.as_deref().unwrap_or("public"),
+                database_id.as_deref(),
             )
             .await?;
             claim_database().await?;
@@ -262,6 +292,25 @@ async fn build_on(
         )),
         (None, None) => None,
     };
+    // SPEC §10, identity and generations: a copied or restored state sends
+    // nothing its copy may have overtaken; fenced before any deliverer runs.
+    if let (Mode::Single(guard), Some(qs)) = (&mode, &queue_store) {
+        if guard.restored() {
+            let done = crate::queue::fence_restored(
+                qs,
+                &epochs,
+                Owner::SINGLE,
+                crate::queue::ms(clock.now()),
+            )
+            .await?;
+            tracing::error!(
+                failed_unsent = done.failed,
+                resent_as_unknown = done.unknown,
+                "restored or copied state fenced: queued messages of an epoch below their lease's latest are failed unsent (retry refused as superseded), those of the latest epoch are sent again as unknown outcomes; dedup records of keys done after the copy are not in this state, and a retry of such a key is forwarded again"
+            );
+            guard.fenced().await.map_err(StartError::State)?;
+        }
+    }
     let queue = queue_store.map(|store| {
         crate::queue::Queue::new(
             store,

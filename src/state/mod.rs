@@ -17,6 +17,7 @@
 //! only makes a restart settle longer.
 
 pub mod codec;
+pub mod data_dir;
 pub mod identity;
 pub mod ownership;
 pub mod postgres;

@@ -681,7 +681,7 @@ async fn a_changed_record_stops_every_write() {
     .unwrap();
     let store = dir_epochs(leases.path()).store().clone();
     let db = PostgresState::connect(&cfg.state).await.unwrap();
-    let state = fencegate::set_up::state_of(&cfg.state, "", Some(db.schema()));
+    let state = fencegate::set_up::state_of(&cfg.state, "", Some(db.schema()), None);
     db.hold_for(OurSetUp::of(&cfg, &state), &store)
         .await
         .unwrap();

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::{PostgresState, StateError};
 use crate::config::{Config, StoreKind};
 use crate::lease::LeaseStore;
-use crate::set_up::{create_store_id, push_field, set_up_key, store_error, store_id, GateKey};
+use crate::set_up::{create_store_id, push_field, set_up_key, store_id, GateKey};
 
 /// This instance's set-up, as a record names it.
 #[derive(Clone, Debug)]
@@ -226,10 +226,19 @@ impl PostgresState {
     /// no record another set-up may have written — or the refusal that names
     /// the set-up that holds it ([`StateError::OtherSetUp`], exit 2). Its gate
     /// objects are read before this start writes one of its own.
+    ///
+    /// `database_id`: the id the database holds, if any (read before this
+    /// check; made after it). A database holding records and no set-up
+    /// record is claimed only when a gate object of this set-up names *its
+    /// id* — a connection string names no database, and one without an id
+    /// (from before ids) can be named by nothing — or with `claim` (the
+    /// operator's `--claim-state`).
     pub async fn check_set_up(
         &self,
         ours: OurSetUp,
         store: &Arc<dyn LeaseStore>,
+        database_id: Option<&str>,
+        claim: bool,
     ) -> Result<MayHold, StateError> {
         // The row first, the store's id after: a record is written only once
         // the store keeps its id (`hold_set_up`), so a record read here has
@@ -241,11 +250,27 @@ impl PostgresState {
         match rec {
             Some(rec) => self.verify(&ours, &rec, in_store.as_deref())?,
             None => {
-                if self.holds_records().await? && !named_by_gate_objects(store, &ours).await? {
-                    return Err(self.refusal(format!(
-                        "it holds marks, dedup records or shard rows but no set-up record (written by a build before schema 8, or the record was deleted), and no recent gate object of this lease store ({}, prefix {:?}) names it as its state ({}): they may be another set-up's. Start the set-up that wrote them first (it records itself)",
-                        ours.store, ours.prefix, ours.state
-                    )));
+                let named = match database_id {
+                    Some(_) => {
+                        crate::set_up::named_by_gate_objects(store, &ours.prefix, &ours.state)
+                            .await?
+                    }
+                    None => false,
+                };
+                if self.holds_records().await? && !named {
+                    if claim {
+                        tracing::warn!(
+                            state = %ours.state,
+                            "--claim-state: this database's records, which no set-up record or gate object attributes to this set-up, are claimed for it"
+                        );
+                    } else {
+                        return Err(self.refusal(format!(
+                            "it holds marks, dedup records or shard rows but no set-up record (written by a build before schema 8, or the record was deleted), and no recent gate object of this lease store ({}, prefix {:?}) names this database's id ({}): they may be another set-up's, reached by the same connection string. Start the set-up that wrote them first (it records itself); if they are this set-up's (an upgrade from a build before database ids), start once with `fencegate serve --claim-state`",
+                            ours.store,
+                            ours.prefix,
+                            database_id.unwrap_or("none: the database predates ids")
+                        )));
+                    }
                 }
             }
         }
@@ -302,7 +327,9 @@ impl PostgresState {
         ours: OurSetUp,
         store: &Arc<dyn LeaseStore>,
     ) -> Result<(), StateError> {
-        let may = self.check_set_up(ours, store).await?;
+        let id = self.database_id().await?;
+        let may = self.check_set_up(ours, store, id.as_deref(), false).await?;
+        self.ensure_database_id().await?;
         self.hold_set_up(may, store).await
     }
 
@@ -482,42 +509,6 @@ impl PostgresState {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
-}
-
-/// How many gate epochs below the latest are read for the state they name.
-const GATE_OBJECTS_READ: u64 = 16;
-
-/// Whether the gate lease of shard 0 (a single instance's guard or a cluster's
-/// anchor) names `ours.state` in one of its latest objects: the records
-/// already in an unrecorded database were written by this set-up.
-async fn named_by_gate_objects(
-    store: &Arc<dyn LeaseStore>,
-    ours: &OurSetUp,
-) -> Result<bool, StateError> {
-    let prefix = format!("{}.gate/", ours.prefix);
-    let shard = crate::set_up::shard_name(0);
-    let epochs = crate::lease::Epochs::new(store.clone(), prefix.clone());
-    let latest = epochs
-        .latest_after(&shard, crate::epoch::Epoch::NONE)
-        .await
-        .map_err(store_error)?
-        .get();
-    for e in (latest.saturating_sub(GATE_OBJECTS_READ - 1)..=latest).rev() {
-        if e == 0 {
-            break;
-        }
-        let key = crate::epoch::object_key(&prefix, &shard, crate::epoch::Epoch::new(e));
-        let Some(o) = store.get(&key).await.map_err(store_error)? else {
-            continue;
-        };
-        let named = serde_json::from_slice::<crate::epoch::EpochRecord>(&o.body)
-            .ok()
-            .and_then(|r| r.state);
-        if named.as_deref() == Some(ours.state.as_str()) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
 }
 
 #[cfg(test)]

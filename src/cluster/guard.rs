@@ -141,6 +141,8 @@ pub struct InstanceGuard {
     shared_id: AtomicBool,
     /// Told when a renewal finds the tenure taken: what is in flight is aborted.
     lost: tokio::sync::Notify,
+    /// One renewal at a time: the loop's, or a checkpoint's out of turn.
+    renewing: tokio::sync::Mutex<()>,
     /// The state's generation ([`crate::state::identity`]), raised before
     /// each gate object is written, which carries it.
     gens: Arc<dyn Generations>,
@@ -204,6 +206,19 @@ fn this_process() -> Option<ProcessId> {
     me
 }
 
+#[async_trait::async_trait]
+impl crate::state::identity::Checkpoint for InstanceGuard {
+    /// A renewal out of turn (it raises the generation first). One that
+    /// finds the tenure lost leaves it to the loop to notice.
+    async fn checkpoint(&self) -> bool {
+        let _one = self.renewing.lock().await;
+        let Some(current) = self.holding.lock().await.clone() else {
+            return false;
+        };
+        self.take(Some(&current)).await.is_ok()
+    }
+}
+
 impl InstanceGuard {
     /// Takes the instance guard at start-up, or says who holds it. `schema`:
     /// the PostgreSQL schema the state is in, if it is in PostgreSQL.
@@ -244,6 +259,7 @@ impl InstanceGuard {
             me: this_process(),
             shared_id: AtomicBool::new(false),
             lost: tokio::sync::Notify::new(),
+            renewing: tokio::sync::Mutex::new(()),
             gens,
             generation: AtomicU64::new(0),
             restored: AtomicBool::new(false),
@@ -639,6 +655,7 @@ impl InstanceGuard {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
             }
+            let one = self.renewing.lock().await;
             let current = self.holding.lock().await.clone();
             let renewed = match self.take(current.as_ref()).await {
                 // Our tenure ended or was taken: acquire afresh (taken under our
@@ -658,6 +675,7 @@ impl InstanceGuard {
                 }
                 other => other,
             };
+            drop(one);
             wait = match renewed {
                 Ok(()) => self.ttl / 3,
                 Err(e) => {

@@ -324,6 +324,18 @@ async fn attempt(
     ticket: crate::protect::Ticket,
     mut owed: Option<&mut Owed>,
 ) -> Result<(), crate::state::StateError> {
+    if let Some(c) = &q.ctx.checkpoint {
+        // SPEC §10, identity and generations: a copy of the state taken
+        // before this send must find itself older than the gate objects.
+        if m.epoch > q.store.sent_epoch(&m.lease).await? && !c.checkpoint().await {
+            tracing::warn!(lease = %m.lease, epoch = m.epoch, "the gate object before a newer epoch's first message could not be written; not sent yet");
+            tokio::select! {
+                _ = q.ctx.stop.cancelled() => {}
+                _ = tokio::time::sleep(PAUSE) => {}
+            }
+            return Ok(());
+        }
+    }
     let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {
         return Err(crate::state::StateError::Write(format!(
             "the request of queued message {}/{} is gone",

@@ -252,6 +252,9 @@ pub(crate) struct Context {
     pub stop: CancellationToken,
     /// Shutdown's last resort: an attempt still out is cut (its outcome unknown).
     pub abandon: CancellationToken,
+    /// Written before a lease's first message of a newer epoch is sent (a
+    /// single instance's guard; [`crate::state::identity::Checkpoint`]).
+    pub checkpoint: Option<Arc<dyn crate::state::identity::Checkpoint>>,
 }
 
 /// Attempts by outcome, per route.

@@ -342,6 +342,12 @@ async fn build_on(
                 clock: clock.clone(),
                 stop: stop.clone(),
                 abandon: CancellationToken::new(),
+                checkpoint: match &mode {
+                    Mode::Single(guard) => {
+                        Some(guard.clone() as Arc<dyn crate::state::identity::Checkpoint>)
+                    }
+                    Mode::Cluster(_) => None,
+                },
             },
         )
     });

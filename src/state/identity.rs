@@ -53,3 +53,14 @@ pub trait Generations: Send + Sync + 'static {
     /// The fence of a restored state is durable: the mark can go.
     async fn fenced(&self) -> Result<(), StateError>;
 }
+
+/// Before the first message of a newer epoch of a lease is sent, the state's
+/// generation is raised and a gate object naming it written: a copy taken
+/// before that send then finds itself older and fences its queue, however
+/// soon after the send its original stopped. Epoch changes are rare; a
+/// renewal out of turn costs a few store calls.
+#[async_trait]
+pub trait Checkpoint: Send + Sync + 'static {
+    /// Whether the raise and the gate object were both written.
+    async fn checkpoint(&self) -> bool;
+}

@@ -19,6 +19,7 @@ mod edges;
 mod failover;
 mod fencing;
 mod guard;
+mod identity;
 mod kubernetes;
 mod lease_cli;
 mod logs;

@@ -1,0 +1,412 @@
+//! SPEC §10 "Identity and generations" and §11 "A route's history": a name or
+//! an old copy of state is never taken for identity. The audit's repros
+//! (issue 49), as a careful operator and an unlucky one would meet them, each
+//! asserted at the recording destination:
+//!
+//! - a route's history follows its name across two reloads and a restart, in
+//!   both directions (direct → queued, queued → direct);
+//! - a copied `data_dir` that takes the guard over, and a restored backup of
+//!   one, never send a queued message of an older epoch after a newer one, and
+//!   repeat a message only as a counted unknown outcome;
+//! - a copy of a `data_dir` started under another prefix refuses to start;
+//! - (PostgreSQL) a database reached by another environment's connection
+//!   string is not claimed by it, whether its set-up row was deleted or it
+//!   predates set-up rows; a database restored from a dump is fenced as a
+//!   restored `data_dir` is.
+//!
+//! Failing on 434a540 (before this rule): the two reloads were accepted and a
+//! retry was delivered again (both directions); the copy and the restore sent
+//! their epoch-1 messages after the epoch-2 one; the other prefix started and
+//! delivered the copy's message; staging started on production's database.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::support::relay::Relay;
+use crate::support::*;
+use fencegate::lease::acquire::Holding;
+
+const ADMIN: &str = "identity-admin";
+
+/// `[store]` on a `dir` lease store with a short gate lease (a copy takes the
+/// guard over soon after its original stops), under `prefix`.
+fn store_toml(path: &Path, prefix: &str) -> String {
+    format!(
+        "{}gate_ttl = \"6s\"\nself_fence_margin = \"2s\"\n",
+        dir_store_toml(path).replace(
+            &format!("prefix = \"{PREFIX}\""),
+            &format!("prefix = \"{prefix}\"")
+        )
+    )
+}
+
+fn server_toml() -> String {
+    format!("admin_token = \"{ADMIN}\"")
+}
+
+/// A route `name` on lease `lease` to `upstream`, queued or direct.
+fn route(name: &str, lease: &str, upstream: &str, queued: bool) -> String {
+    let queue = if queued {
+        "delivery = \"queued\"\nretry = { schedule = [\"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\"] }\n"
+    } else {
+        ""
+    };
+    format!(
+        "[[route]]\nname = \"{name}\"\npath_prefix = \"/{name}/\"\nupstream = \"{upstream}\"\nlease = \"{lease}\"\ntimeout_ms = 3000\n{queue}\n"
+    )
+}
+
+async fn wait_log(fg: &Fencegate, line: &str, n: usize) {
+    for _ in 0..800 {
+        if fg.stderr().matches(line).count() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{n} × {line:?}: {}", fg.stderr());
+}
+
+async fn delivery(fg: &Fencegate, route: &str, key: &str) -> serde_json::Value {
+    send(
+        http::Request::get(fg.admin_url(&format!("/v1/deliveries/{route}/{key}")))
+            .body(http_body_util::Full::default())
+            .unwrap(),
+    )
+    .await
+    .json()
+}
+
+async fn wait_status(fg: &Fencegate, route: &str, key: &str, want: &str) -> serde_json::Value {
+    for _ in 0..800 {
+        let v = delivery(fg, route, key).await;
+        if v["status"] == want {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!(
+        "{route}/{key} never {want}: {}\n{}",
+        delivery(fg, route, key).await,
+        fg.stderr()
+    );
+}
+
+/// The bodies the origin received, in arrival order.
+fn arrived(origin: &Origin) -> Vec<String> {
+    origin
+        .log()
+        .iter()
+        .map(|a| String::from_utf8_lossy(&a.body).into_owned())
+        .collect()
+}
+
+fn accepted(r: &Reply) {
+    assert_eq!(r.status, 202, "body: {}", String::from_utf8_lossy(&r.body));
+}
+
+/// A consistent copy of a running instance's `data_dir`: the process frozen
+/// (SIGSTOP: what it wrote is in the page cache, as a volume snapshot or a
+/// crash would find it), copied, resumed.
+fn snapshot(fg: &Fencegate, to: &Path) {
+    freeze(fg.pid());
+    copy_dir(&state_dir(fg), to);
+    let ok = std::process::Command::new("kill")
+        .args(["-CONT", &fg.pid().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    let ok = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "cp -a {} {}", from.display(), to.display());
+}
+
+/// Direct → removed → queued (two reloads), and a restart with the queued
+/// config: refused while the name keeps dedup records, and a worker's retry
+/// of a delivered key never reaches the destination twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_routes_history_keeps_it_from_becoming_queued() {
+    let leases = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let direct = route("pay", "pay", &up, false);
+    let queued = route("pay", "pay", &up, true);
+    let filler = route("z", "other", &up, false);
+    let mut fg = Fencegate::start_with_server(
+        &server_toml(),
+        &format!("{}{direct}{filler}", store_toml(leases.path(), PREFIX)),
+        &[],
+    );
+    let epochs = dir_epochs(leases.path());
+    let w = acquire(&epochs, "pay", "worker", Duration::from_secs(120)).await;
+    assert_eq!(
+        send(keyed(&fg, "/pay/charge", &w, "order-1", "one")).await.status,
+        200
+    );
+    // Reload 1: the route goes. Reload 2: it comes back queued — refused.
+    fg.edit_config(|t| t.replace(&direct, ""));
+    fg.hup();
+    wait_log(&fg, "config reloaded", 1).await;
+    fg.edit_config(|t| format!("{t}{queued}"));
+    fg.hup();
+    wait_log(&fg, "config reload refused", 1).await;
+    let why = "route \"pay\" is queued, and the state keeps dedup records of a direct route of that name";
+    assert!(fg.stderr().contains(why), "{}", fg.stderr());
+    send(keyed(&fg, "/pay/charge", &w, "order-1", "one"))
+        .await
+        .assert_error(404, "route_not_found");
+    // A restart with the queued config: exit 2, saying why.
+    fg.kill9();
+    assert!(fg.spawn(None).is_err());
+    assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
+    assert!(fg.stderr().matches(why).count() >= 2, "{}", fg.stderr());
+    // Back to direct: the retry is answered from the record.
+    fg.edit_config(|t| t.replace(&queued, &direct));
+    fg.spawn(None).expect("the direct config starts");
+    let replay = send(keyed(&fg, "/pay/charge", &w, "order-1", "one")).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(arrived(&origin), ["one"]);
+}
+
+/// Queued → removed → direct (two reloads), and a restart with the direct
+/// config: refused while the name keeps messages (a delivered one is kept
+/// for `[dedup] ttl`), and the retry of a delivered key is not forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_routes_history_keeps_it_from_becoming_direct() {
+    let leases = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let queued = route("hook", "hook", &up, true);
+    let direct = route("hook", "hook", &up, false);
+    let filler = route("z", "other", &up, false);
+    let mut fg = Fencegate::start_with_server(
+        &server_toml(),
+        &format!("{}{queued}{filler}", store_toml(leases.path(), PREFIX)),
+        &[],
+    );
+    let epochs = dir_epochs(leases.path());
+    let w = acquire(&epochs, "hook", "worker", Duration::from_secs(120)).await;
+    accepted(&send(keyed(&fg, "/hook/e", &w, "m1", "one")).await);
+    wait_status(&fg, "hook", "m1", "delivered").await;
+    fg.edit_config(|t| t.replace(&queued, ""));
+    fg.hup();
+    wait_log(&fg, "config reloaded", 1).await;
+    fg.edit_config(|t| format!("{t}{direct}"));
+    fg.hup();
+    wait_log(&fg, "config reload refused", 1).await;
+    let why = "route \"hook\" is direct, and the state keeps queued messages under its name";
+    assert!(fg.stderr().contains(why), "{}", fg.stderr());
+    send(keyed(&fg, "/hook/e", &w, "m1", "one"))
+        .await
+        .assert_error(404, "route_not_found");
+    fg.kill9();
+    assert!(fg.spawn(None).is_err());
+    assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
+    assert!(fg.stderr().matches(why).count() >= 2, "{}", fg.stderr());
+    fg.edit_config(|t| t.replace(&direct, &queued));
+    fg.spawn(None).expect("the queued config starts");
+    let replay = send(keyed(&fg, "/hook/e", &w, "m1", "one")).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(arrived(&origin), ["one"]);
+}
+
+/// A sled instance with queued route `hook` (lease `hook`) and `tick` (lease
+/// `tick`), both through `relay` (refusing: the receiver is down), and a
+/// worker on each lease.
+struct Down {
+    leases: tempfile::TempDir,
+    origin: Origin,
+    relay: Relay,
+    fg: Fencegate,
+    epochs: fencegate::lease::Epochs,
+    hook: Holding,
+    tick: Holding,
+}
+
+impl Down {
+    async fn start() -> Down {
+        let leases = tempfile::tempdir().unwrap();
+        let origin = Origin::start().await;
+        let relay = Relay::start(origin.addr.port()).await;
+        relay.refuse(true);
+        let up = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+        let fg = Fencegate::start_with_server(
+            &server_toml(),
+            &format!(
+                "{}{}{}",
+                store_toml(leases.path(), PREFIX),
+                route("hook", "hook", &up, true),
+                route("tick", "tick", &up, true)
+            ),
+            &[],
+        );
+        let epochs = dir_epochs(leases.path());
+        let hook = acquire(&epochs, "hook", "worker-a", Duration::from_secs(120)).await;
+        let tick = acquire(&epochs, "tick", "worker-t", Duration::from_secs(120)).await;
+        Down {
+            leases,
+            origin,
+            relay,
+            fg,
+            epochs,
+            hook,
+            tick,
+        }
+    }
+
+    /// Accepts m1, m2 on `hook` and t1 on `tick` at their first epochs while
+    /// the receiver is down; snapshots the data_dir into `copy`; brings the
+    /// receiver back (m1, m2, t1 delivered); then a new epoch of `hook` sends
+    /// m3. Returns the new holder.
+    async fn run_past(&mut self, copy: &Path) -> Holding {
+        let fg = &self.fg;
+        accepted(&send(keyed(fg, "/hook/e", &self.hook, "m1", "m1")).await);
+        accepted(&send(keyed(fg, "/hook/e", &self.hook, "m2", "m2")).await);
+        accepted(&send(keyed(fg, "/tick/e", &self.tick, "t1", "t1")).await);
+        for (route, k) in [("hook", "m1"), ("tick", "t1")] {
+            for _ in 0..800 {
+                if delivery(fg, route, k).await["attempts"].as_u64() >= Some(1) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        }
+        snapshot(fg, copy);
+        self.relay.refuse(false);
+        wait_status(fg, "hook", "m2", "delivered").await;
+        wait_status(fg, "tick", "t1", "delivered").await;
+        let b = force_next_epoch(&self.epochs, "hook", "worker-b", Duration::from_secs(120)).await;
+        accepted(&send(keyed(fg, "/hook/e", &b, "m3", "m3")).await);
+        wait_status(fg, "hook", "m3", "delivered").await;
+        let got = arrived(&self.origin);
+        let hook: Vec<&String> = got.iter().filter(|b| b.starts_with('m')).collect();
+        assert_eq!(hook, ["m1", "m2", "m3"], "before the copy is used");
+        assert_eq!(got.iter().filter(|b| *b == "t1").count(), 1, "{got:?}");
+        b
+    }
+}
+
+/// What a fenced copy must show: m1 and m2 (epoch 1 of `hook`, whose epoch 2
+/// was sent since the copy) failed unsent, a retry of them refused as
+/// superseded; t1 (its lease's latest epoch) sent again counted as an unknown
+/// outcome; nothing of an older epoch after a newer one at the destination.
+async fn fenced_copy_holds(fg: &Fencegate, origin: &Origin) {
+    for k in ["m1", "m2"] {
+        let v = wait_status(fg, "hook", k, "failed").await;
+        assert!(
+            v["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("restored from an older copy")),
+            "{v}"
+        );
+    }
+    let retry = send(
+        http::Request::post(fg.admin_url("/v1/deliveries/hook/m1/retry"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(http_body_util::Full::default())
+            .unwrap(),
+    )
+    .await;
+    retry.assert_error(409, "delivery_superseded");
+    let t1 = wait_status(fg, "tick", "t1", "delivered").await;
+    assert!(t1["unknown_outcomes"].as_u64() >= Some(1), "{t1}");
+    let got = arrived(origin);
+    let m3 = got.iter().position(|b| b == "m3").unwrap();
+    assert!(
+        !got[m3..].iter().any(|b| b == "m1" || b == "m2"),
+        "an epoch-1 message after the epoch-2 one: {got:?}"
+    );
+    assert_eq!(got.iter().filter(|b| *b == "m1").count(), 1, "{got:?}");
+    assert!(fg.stderr().contains("restored or copied state fenced"));
+}
+
+/// Issue 49, repro 2: a copy of the data_dir taken while A ran takes the
+/// guard over once A is gone (kill -9: A's process is provably gone, so the
+/// copy — same instance id, same gate key — takes it at once, as a restart
+/// in place would). It is a copy all the same: its gate objects' generation
+/// is behind theirs, and it sends nothing A's later deliveries overtook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copied_data_dir_that_takes_the_guard_over_is_fenced() {
+    let mut d = Down::start().await;
+    let copies = tempfile::tempdir().unwrap();
+    let copy = copies.path().join("state");
+    d.run_past(&copy).await;
+    d.fg.kill9();
+    let mut b = Fencegate::unstarted(
+        "127.0.0.1:0",
+        &server_toml(),
+        &std::fs::read_to_string(&d.fg.config)
+            .unwrap()
+            .split_once("\n\n")
+            .unwrap()
+            .1
+            .to_owned(),
+        &[],
+    );
+    copy_dir(&copy, &state_dir(&b));
+    b.spawn(None).expect("the copy starts");
+    fenced_copy_holds(&b, &d.origin).await;
+    // A second start of the copy, fenced already, changes nothing more.
+    b.kill9();
+    b.spawn(None).expect("the copy starts again");
+    assert_eq!(b.stderr().matches("restored or copied state fenced").count(), 1);
+    drop(d.leases);
+}
+
+/// Issue 49, repro 4 (sled): the instance's own backup, restored in place
+/// after a graceful stop — it takes its released guard back at once — is
+/// older than its gate objects and is fenced before it sends anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_backup_of_a_data_dir_is_fenced() {
+    let mut d = Down::start().await;
+    let backups = tempfile::tempdir().unwrap();
+    let backup = backups.path().join("state");
+    d.run_past(&backup).await;
+    assert!(d.fg.terminate().success());
+    copy_dir(&backup, &state_dir(&d.fg));
+    d.fg.spawn(None).expect("the restored instance starts");
+    fenced_copy_holds(&d.fg, &d.origin).await;
+}
+
+/// Issue 49, repro 5: a copy of production's data_dir started by staging,
+/// under its own prefix (its guard free), refuses to start: the data_dir
+/// belongs to production's set-up. Nothing of production's is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_a_data_dir_under_another_prefix_refuses_to_start() {
+    let d = Down::start().await;
+    let copies = tempfile::tempdir().unwrap();
+    let copy = copies.path().join("state");
+    accepted(&send(keyed(&d.fg, "/hook/e", &d.hook, "m1", "m1")).await);
+    snapshot(&d.fg, &copy);
+    let staging = std::fs::read_to_string(&d.fg.config)
+        .unwrap()
+        .split_once("\n\n")
+        .unwrap()
+        .1
+        .replace(
+            &format!("prefix = \"{PREFIX}\""),
+            "prefix = \"staging/\"",
+        );
+    let mut s = Fencegate::unstarted("127.0.0.1:0", &server_toml(), &staging, &[]);
+    copy_dir(&copy, &state_dir(&s));
+    d.relay.refuse(false);
+    let err = s.spawn(None).expect_err("staging started on production's data_dir");
+    assert_eq!(s.last_exit.and_then(|c| c.code()), Some(2));
+    assert!(
+        err.contains("belongs to another fencegate set-up") && err.contains("\"fencegate/\""),
+        "{err}"
+    );
+    wait_status(&d.fg, "hook", "m1", "delivered").await;
+    assert_eq!(arrived(&d.origin), ["m1"]);
+}

@@ -414,6 +414,50 @@ impl PgServer {
 }
 
 impl PgServer {
+    /// `pg_dump` of `db` (plain SQL, one consistent snapshot: what a nightly
+    /// backup of a running database holds).
+    pub fn dump(&self, db: &str) -> Vec<u8> {
+        let out = Command::new(self.bin.join("pg_dump"))
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "fg",
+                "-d",
+                db,
+            ])
+            .output()
+            .expect("running pg_dump");
+        assert!(
+            out.status.success(),
+            "pg_dump: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    }
+
+    /// Drops `db` (no one connected) and restores `dump` into a new one of
+    /// the same name: a database restored from a backup.
+    pub fn restore(&self, db: &str, dump: &[u8]) {
+        self.psql("postgres", &format!("DROP DATABASE {db} WITH (FORCE)"));
+        self.psql("postgres", &format!("CREATE DATABASE {db}"));
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), dump).unwrap();
+        let out = Command::new(self.bin.join("psql"))
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1"])
+            .args(["-p", &self.port.to_string(), "-U", "fg", "-d", db, "-f"])
+            .arg(file.path())
+            .output()
+            .expect("running psql");
+        assert!(
+            out.status.success(),
+            "restore: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Whether a backend of `db` waits on a lock in a statement that starts with
     /// `sql` (`pg_stat_activity`).
     /// Whether a statement starting with `sql` is still running on `db`

@@ -149,7 +149,9 @@ async fn a_direct_routes_history_keeps_it_from_becoming_queued() {
     let epochs = dir_epochs(leases.path());
     let w = acquire(&epochs, "pay", "worker", Duration::from_secs(120)).await;
     assert_eq!(
-        send(keyed(&fg, "/pay/charge", &w, "order-1", "one")).await.status,
+        send(keyed(&fg, "/pay/charge", &w, "order-1", "one"))
+            .await
+            .status,
         200
     );
     // Reload 1: the route goes. Reload 2: it comes back queued — refused.
@@ -159,7 +161,8 @@ async fn a_direct_routes_history_keeps_it_from_becoming_queued() {
     fg.edit_config(|t| format!("{t}{queued}"));
     fg.hup();
     wait_log(&fg, "config reload refused", 1).await;
-    let why = "route \"pay\" is queued, and the state keeps dedup records of a direct route of that name";
+    let why =
+        "route \"pay\" is queued, and the state keeps dedup records of a direct route of that name";
     assert!(fg.stderr().contains(why), "{}", fg.stderr());
     send(keyed(&fg, "/pay/charge", &w, "order-1", "one"))
         .await
@@ -236,6 +239,11 @@ struct Down {
 
 impl Down {
     async fn start() -> Down {
+        Down::start_on("").await
+    }
+
+    /// [`Down::start`] with a `[state]` section.
+    async fn start_on(state: &str) -> Down {
         let leases = tempfile::tempdir().unwrap();
         let origin = Origin::start().await;
         let relay = Relay::start(origin.addr.port()).await;
@@ -244,7 +252,7 @@ impl Down {
         let fg = Fencegate::start_with_server(
             &server_toml(),
             &format!(
-                "{}{}{}",
+                "{}{state}{}{}",
                 store_toml(leases.path(), PREFIX),
                 route("hook", "hook", &up, true),
                 route("tick", "tick", &up, true)
@@ -270,6 +278,11 @@ impl Down {
     /// receiver back (m1, m2, t1 delivered); then a new epoch of `hook` sends
     /// m3. Returns the new holder.
     async fn run_past(&mut self, copy: &Path) -> Holding {
+        self.run_past_with(|fg| snapshot(fg, copy)).await
+    }
+
+    /// [`Down::run_past`], the backup taken by `backup`.
+    async fn run_past_with(&mut self, backup: impl FnOnce(&Fencegate)) -> Holding {
         let fg = &self.fg;
         accepted(&send(keyed(fg, "/hook/e", &self.hook, "m1", "m1")).await);
         accepted(&send(keyed(fg, "/hook/e", &self.hook, "m2", "m2")).await);
@@ -282,7 +295,7 @@ impl Down {
                 tokio::time::sleep(Duration::from_millis(25)).await;
             }
         }
-        snapshot(fg, copy);
+        backup(fg);
         self.relay.refuse(false);
         wait_status(fg, "hook", "m2", "delivered").await;
         wait_status(fg, "tick", "t1", "delivered").await;
@@ -360,7 +373,12 @@ async fn a_copied_data_dir_that_takes_the_guard_over_is_fenced() {
     // A second start of the copy, fenced already, changes nothing more.
     b.kill9();
     b.spawn(None).expect("the copy starts again");
-    assert_eq!(b.stderr().matches("restored or copied state fenced").count(), 1);
+    assert_eq!(
+        b.stderr()
+            .matches("restored or copied state fenced")
+            .count(),
+        1
+    );
     drop(d.leases);
 }
 
@@ -394,14 +412,13 @@ async fn a_copy_of_a_data_dir_under_another_prefix_refuses_to_start() {
         .split_once("\n\n")
         .unwrap()
         .1
-        .replace(
-            &format!("prefix = \"{PREFIX}\""),
-            "prefix = \"staging/\"",
-        );
+        .replace(&format!("prefix = \"{PREFIX}\""), "prefix = \"staging/\"");
     let mut s = Fencegate::unstarted("127.0.0.1:0", &server_toml(), &staging, &[]);
     copy_dir(&copy, &state_dir(&s));
     d.relay.refuse(false);
-    let err = s.spawn(None).expect_err("staging started on production's data_dir");
+    let err = s
+        .spawn(None)
+        .expect_err("staging started on production's data_dir");
     assert_eq!(s.last_exit.and_then(|c| c.code()), Some(2));
     assert!(
         err.contains("belongs to another fencegate set-up") && err.contains("\"fencegate/\""),
@@ -409,4 +426,130 @@ async fn a_copy_of_a_data_dir_under_another_prefix_refuses_to_start() {
     );
     wait_status(&d.fg, "hook", "m1", "delivered").await;
     assert_eq!(arrived(&d.origin), ["m1"]);
+}
+
+macro_rules! skip_without_postgres {
+    () => {
+        if !$crate::support::postgres::available_or_skip() {
+            return;
+        }
+    };
+}
+
+/// Issue 49, repro 1: staging and production reach *their own* database by
+/// one connection string (here: a database renamed away, another created
+/// under its name — as two networks' DNS would do). Production's set-up row
+/// is deleted (the documented step before a peer-token change), then its
+/// database is taken back to a schema from before set-up rows and ids. Staging,
+/// restarted unchanged, is refused both times: its gate objects name its own
+/// database's id, and a database without one is named by none. Production
+/// takes its own back — by its gate objects after the deleted row, by
+/// `--claim-state` after the older schema — and a retry of its key is
+/// answered from its record, never delivered twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_environments_connection_string_does_not_claim_a_database() {
+    skip_without_postgres!();
+    let pg = postgres::PgServer::shared();
+    let (name, url) = pg.new_database();
+    let leases = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let env = |prefix: &str| {
+        format!(
+            "{}{}{}",
+            store_toml(leases.path(), prefix),
+            state_toml(&url, ""),
+            route("pay", "pay", &up, false)
+        )
+    };
+    let store = dir_epochs(leases.path()).store().clone();
+    let epochs = |prefix: &str| fencegate::lease::Epochs::new(store.clone(), prefix);
+    let mut staging = Fencegate::start_with_server(&server_toml(), &env("staging/"), &[]);
+    let ws = acquire(
+        &epochs("staging/"),
+        "pay",
+        "staging-worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        send(keyed(&staging, "/pay/c", &ws, "s-1", "staging"))
+            .await
+            .status,
+        200
+    );
+    assert!(staging.terminate().success());
+    pg.psql(
+        "postgres",
+        &format!("ALTER DATABASE {name} RENAME TO {name}_staging"),
+    );
+    pg.psql("postgres", &format!("CREATE DATABASE {name}"));
+
+    let mut prod = Fencegate::start_with_server(&server_toml(), &env("prod/"), &[]);
+    let wp = acquire(
+        &epochs("prod/"),
+        "pay",
+        "prod-worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(
+        send(keyed(&prod, "/pay/c", &wp, "order-1", "prod"))
+            .await
+            .status,
+        200
+    );
+    assert!(prod.terminate().success());
+    pg.psql(&name, "DELETE FROM fencegate_set_up");
+    let err = staging
+        .spawn(None)
+        .expect_err("staging claimed production's database");
+    assert_eq!(staging.last_exit.and_then(|c| c.code()), Some(2));
+    assert!(err.contains("names this database's id"), "{err}");
+    prod.spawn(None)
+        .expect("production takes its own database back");
+    let replay = send(keyed(&prod, "/pay/c", &wp, "order-1", "prod")).await;
+    assert_eq!(replay.status, 200);
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert!(prod.terminate().success());
+
+    // An older schema: no set-up row, no id.
+    pg.psql(
+        &name,
+        "DROP TABLE fencegate_set_up; DROP TABLE fencegate_identity; \
+         DROP TABLE fencegate_queue; DROP TABLE fencegate_queue_leases; \
+         UPDATE fencegate_schema SET version = 7",
+    );
+    staging
+        .spawn(None)
+        .expect_err("staging claimed an older production database");
+    assert_eq!(staging.last_exit.and_then(|c| c.code()), Some(2));
+    let err = prod
+        .spawn(None)
+        .expect_err("nothing names a database without an id");
+    assert_eq!(prod.last_exit.and_then(|c| c.code()), Some(2));
+    assert!(err.contains("--claim-state"), "says the way out: {err}");
+    prod.set_args(&["--claim-state"]);
+    prod.spawn(None).expect("--claim-state");
+    let replay = send(keyed(&prod, "/pay/c", &wp, "order-1", "prod")).await;
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(arrived(&origin), ["staging", "prod"]);
+}
+
+/// Issue 49, repro 4 on PostgreSQL: the database of a single instance is
+/// dumped while it runs (a nightly backup), more is delivered across an epoch
+/// raise, the instance stops and the dump is restored. The restored state is
+/// older than its gate objects: fenced as a restored data_dir is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restored_from_a_dump_is_fenced() {
+    skip_without_postgres!();
+    let pg = postgres::PgServer::shared();
+    let (name, url) = pg.new_database();
+    let mut d = Down::start_on(&state_toml(&url, "")).await;
+    let mut dump = Vec::new();
+    d.run_past_with(|_| dump = pg.dump(&name)).await;
+    assert!(d.fg.terminate().success());
+    pg.restore(&name, &dump);
+    d.fg.spawn(None).expect("the restored instance starts");
+    fenced_copy_holds(&d.fg, &d.origin).await;
 }

@@ -438,6 +438,11 @@ impl Fencegate {
         std::fs::write(&self.config, edit(text)).unwrap();
     }
 
+    /// The `serve` arguments of the next [`Fencegate::spawn`].
+    pub fn set_args(&mut self, args: &[&str]) {
+        self.args = args.iter().map(|a| a.to_string()).collect();
+    }
+
     pub fn restart(&mut self) {
         self.kill9();
         self.spawn(None).expect("fencegate did not restart");

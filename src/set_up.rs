@@ -466,6 +466,45 @@ pub(crate) async fn named_by_gate_objects(
     Ok(false)
 }
 
+/// How many gate epochs below the latest are read for the highest
+/// generation an object of a state names.
+const GENERATIONS_READ: u64 = 16;
+
+/// The highest `state_generation` among the latest gate objects of `shard`
+/// (up to `latest`) that name `state` and that `sealed` verifies as this
+/// set-up's own: a forged object cannot make a state fence itself
+/// ([`crate::state::identity`]).
+pub async fn generation_seen(
+    epochs: &Epochs,
+    shard: &LeaseName,
+    latest: crate::epoch::Epoch,
+    state: &str,
+    sealed: impl Fn(&EpochRecord) -> bool,
+) -> Result<u64, StoreError> {
+    let mut seen = 0;
+    let top = latest.get();
+    for e in (top.saturating_sub(GENERATIONS_READ - 1)..=top).rev() {
+        if e == 0 {
+            break;
+        }
+        let key = crate::epoch::object_key(epochs.prefix(), shard, crate::epoch::Epoch::new(e));
+        let Some(o) = epochs.store().get(&key).await? else {
+            continue;
+        };
+        let Ok(r) = serde_json::from_slice::<EpochRecord>(&o.body) else {
+            continue;
+        };
+        if r.epoch == e
+            && r.lease == shard.as_str()
+            && r.state.as_deref() == Some(state)
+            && sealed(&r)
+        {
+            seen = seen.max(r.state_generation.unwrap_or(0));
+        }
+    }
+    Ok(seen)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

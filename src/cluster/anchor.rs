@@ -73,6 +73,13 @@ impl Anchor {
     }
 }
 
+#[async_trait::async_trait]
+impl crate::state::identity::Checkpoint for Cluster {
+    async fn checkpoint(&self) -> bool {
+        self.checkpoint_anchor().await
+    }
+}
+
 impl Cluster {
     /// Whether this instance may keep its shards: its window of the anchor is
     /// open and the lease store answered within a third of `gate_ttl` (a member
@@ -99,6 +106,7 @@ impl Cluster {
             }
             .stamp(r);
             r.state = Some(self.state_id.clone());
+            r.state_generation = Some(self.generation.load(Ordering::SeqCst));
             self.key.seal(r);
         }
     }
@@ -258,7 +266,7 @@ impl Cluster {
     }
 
     /// Creates the anchor's next epoch over one of this set-up's.
-    async fn renew_anchor(&self, latest: Epoch) {
+    async fn renew_anchor(&self, latest: Epoch) -> bool {
         let current = Holding {
             lease: super::shard_name(0),
             epoch: latest,
@@ -266,14 +274,33 @@ impl Cluster {
             holder: self.id.clone(),
             expires_at: std::time::UNIX_EPOCH,
         };
+        self.raise_generation().await;
         let sent = Instant::now();
         let decorate = self.decorate();
         match acquire::renew_direct(&self.epochs, &current, self.anchor_ttl(), &decorate).await {
-            Ok(h) => self.created_anchor(h, sent),
+            Ok(h) => {
+                self.created_anchor(h, sent);
+                true
+            }
             // Someone created it first: the next read finds it.
-            Err(AcquireError::NotHolder { .. }) => {}
-            Err(e) => tracing::warn!(error = %e, "could not renew the prefix's anchor"),
+            Err(AcquireError::NotHolder { .. }) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not renew the prefix's anchor");
+                false
+            }
         }
+    }
+
+    /// A create out of turn over this set-up's latest anchor object (a
+    /// checkpoint, [`crate::state::identity::Checkpoint`]): whether it was
+    /// written. Refused while the latest is not this set-up's.
+    pub(super) async fn checkpoint_anchor(&self) -> bool {
+        let _op = self.anchor.op.lock().await;
+        let seen = lock(&self.anchor.seen).clone();
+        if seen.verdict != Some(Verdict::Ours) || seen.epoch == Epoch::NONE {
+            return false;
+        }
+        self.renew_anchor(seen.epoch).await
     }
 
     /// Takes the anchor over a free object of another set-up (or none): then,
@@ -288,6 +315,7 @@ impl Cluster {
             free: &free,
             reclaim: None,
         };
+        self.raise_generation().await;
         let sent = Instant::now();
         let decorate = self.decorate();
         let taken = acquire::acquire_with(

@@ -148,15 +148,10 @@ pub struct InstanceGuard {
     gens: Arc<dyn Generations>,
     /// The generation the latest raise reached.
     generation: AtomicU64,
-    /// The state was found older than a gate object written from it (or
-    /// its fence was not finished): its queue is fenced before anything is
-    /// sent ([`InstanceGuard::restored`]).
-    restored: AtomicBool,
+    /// The generation at which the state was last found restored or copied
+    /// (0: never; [`InstanceGuard::restored`]).
+    restored: AtomicU64,
 }
-
-/// How many gate epochs below the latest are read for the highest generation
-/// an object of this state names.
-const GENERATIONS_READ: u64 = 16;
 
 /// This instance's id, created once in `data_dir`.
 pub fn instance_id(data_dir: &Path) -> Result<String, GuardError> {
@@ -262,7 +257,7 @@ impl InstanceGuard {
             renewing: tokio::sync::Mutex::new(()),
             gens,
             generation: AtomicU64::new(0),
-            restored: AtomicBool::new(false),
+            restored: AtomicU64::new(0),
         });
         let before = acquire::status(&guard.epochs, &guard.shard).await?;
         // SPEC §10, identity and generations: a gate object of this state
@@ -270,21 +265,17 @@ impl InstanceGuard {
         // state was copied — it is a copy or a restored backup. Recorded
         // (durably, with the raise) before anything else is written, so that
         // a crash before its fence finds it again.
-        let recorded = guard.gens.recorded().await?;
-        let seen = guard.generation_seen(before.latest).await?;
-        if seen > recorded.generation {
-            tracing::error!(
-                state = %guard.state_id,
-                recorded = recorded.generation,
-                gate_objects = seen,
-                "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: its queued messages are fenced before anything is sent (SPEC §10, identity and generations)"
-            );
-        }
-        let restored = recorded.restored || seen > recorded.generation;
-        guard
-            .generation
-            .store(guard.gens.advance(seen, restored).await?, Ordering::SeqCst);
-        guard.restored.store(restored, Ordering::SeqCst);
+        let seen = crate::set_up::generation_seen(
+            &guard.epochs,
+            &guard.shard,
+            before.latest,
+            &guard.state_id,
+            |r| guard.key.verifies(r),
+        )
+        .await?;
+        let rec = crate::state::identity::start(guard.gens.as_ref(), &guard.state_id, seen).await?;
+        guard.generation.store(rec.generation, Ordering::SeqCst);
+        guard.restored.store(rec.restored, Ordering::SeqCst);
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
@@ -400,41 +391,11 @@ impl InstanceGuard {
         })
     }
 
-    /// The highest `state_generation` among the latest gate objects of shard 0
-    /// that this state's writer sealed (its key) and that name this state: a
-    /// forged object cannot make a state fence itself.
-    async fn generation_seen(&self, latest: crate::epoch::Epoch) -> Result<u64, StoreError> {
-        let mut seen = 0;
-        let top = latest.get();
-        for e in (top.saturating_sub(GENERATIONS_READ - 1)..=top).rev() {
-            if e == 0 {
-                break;
-            }
-            if let Some(r) = self.latest_record(crate::epoch::Epoch::new(e)).await? {
-                if r.epoch == e
-                    && r.lease == self.shard.as_str()
-                    && r.state.as_deref() == Some(self.state_id.as_str())
-                    && self.key.verifies(&r)
-                {
-                    seen = seen.max(r.state_generation.unwrap_or(0));
-                }
-            }
-        }
-        Ok(seen)
-    }
-
-    /// Whether this state was found older than its own gate objects at
-    /// start-up (or its fence was not finished): its queue must be fenced
-    /// before anything is sent, then [`InstanceGuard::fenced`].
-    pub fn restored(&self) -> bool {
+    /// The generation at which this state was last found restored or copied
+    /// (0: never): each lease's queue is fenced for it before its messages
+    /// are sent ([`crate::queue::Queue::fence_if_restored`]).
+    pub fn restored(&self) -> u64 {
         self.restored.load(Ordering::SeqCst)
-    }
-
-    /// The fence of a restored state is durable.
-    pub async fn fenced(&self) -> Result<(), crate::state::StateError> {
-        self.gens.fenced().await?;
-        self.restored.store(false, Ordering::SeqCst);
-        Ok(())
     }
 
     /// Raises the state's generation before a gate object is written. A
@@ -444,7 +405,7 @@ impl InstanceGuard {
     async fn raise_generation(&self) {
         let last = self.generation.load(Ordering::SeqCst);
         match self.gens.advance(last, false).await {
-            Ok(g) => self.generation.store(g, Ordering::SeqCst),
+            Ok(r) => self.generation.store(r.generation, Ordering::SeqCst),
             Err(e) => {
                 tracing::warn!(error = %e, "could not raise the state's generation; this gate object names the last one")
             }

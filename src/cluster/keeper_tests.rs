@@ -451,6 +451,7 @@ impl World {
             dedup,
             "public",
             None,
+            Arc::new(crate::state::identity::InMemory::default()),
         )
         .await
         .unwrap();

@@ -164,6 +164,13 @@ pub struct Cluster {
     pub db_calls: AtomicU64,
     /// Anchor epochs created by this instance.
     pub anchor_creates: AtomicU64,
+    /// The database's generation ([`crate::state::identity`]), raised before
+    /// each anchor create, which carries it.
+    gens: Arc<dyn crate::state::identity::Generations>,
+    /// The generation the latest raise reached.
+    generation: AtomicU64,
+    /// The generation at which the database was last found restored (0: never).
+    restored: AtomicU64,
 }
 
 /// Work that follows a shard's tenure here besides its fences: the queue's
@@ -205,6 +212,7 @@ impl Cluster {
         dedup: Arc<Dedup>,
         schema: &str,
         database_id: Option<&str>,
+        gens: Arc<dyn crate::state::identity::Generations>,
     ) -> Result<Arc<Cluster>, ClusterError> {
         let Some(cc) = &cfg.cluster else {
             unreachable!("Cluster::new without [cluster]: checked by the caller")
@@ -274,9 +282,50 @@ impl Cluster {
             gate_calls,
             db_calls: AtomicU64::new(0),
             anchor_creates: AtomicU64::new(0),
+            gens,
+            generation: AtomicU64::new(0),
+            restored: AtomicU64::new(0),
         });
         cluster.check_set_up().await?;
+        // SPEC §10, identity and generations: the anchor's objects carry the
+        // database's generation, as a single instance's guard objects do.
+        let shard0 = shard_name(0);
+        let latest = cluster
+            .epochs
+            .latest_after(&shard0, crate::epoch::Epoch::NONE)
+            .await?;
+        let seen = crate::set_up::generation_seen(
+            &cluster.epochs,
+            &shard0,
+            latest,
+            &cluster.state_id,
+            |r| cluster.key.verifies(r),
+        )
+        .await?;
+        let rec =
+            crate::state::identity::start(cluster.gens.as_ref(), &cluster.state_id, seen).await?;
+        cluster.generation.store(rec.generation, Ordering::SeqCst);
+        cluster.restored.store(rec.restored, Ordering::SeqCst);
         Ok(cluster)
+    }
+
+    /// The generation at which the database was found restored or copied,
+    /// as read at start-up (0: never): each lease's queue is fenced for it
+    /// before its messages are sent.
+    pub fn restored(&self) -> u64 {
+        self.restored.load(Ordering::SeqCst)
+    }
+
+    /// Raises the database's generation before an anchor create; a failed
+    /// raise keeps the last one (the object names one the database has).
+    pub(super) async fn raise_generation(&self) {
+        let last = self.generation.load(Ordering::SeqCst);
+        match self.gens.advance(last, false).await {
+            Ok(r) => self.generation.store(r.generation, Ordering::SeqCst),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not raise the database's generation; this anchor object names the last one")
+            }
+        }
     }
 
     /// Makes `work` follow every tenure here from now on (set once, before

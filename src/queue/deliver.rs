@@ -89,6 +89,11 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 continue;
             }
         };
+        if let Err(e) = q.fence_if_restored(&lease, owner).await {
+            tracing::warn!(lease, error = %e, "cannot fence the queue of a restored state; nothing is sent until it is");
+            pause(&q, &notify, &mut owed, PAUSE).await;
+            continue;
+        }
         let head = match q.store.head(&lease).await {
             Ok(Some(m)) => m,
             Ok(None) => {

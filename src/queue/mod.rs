@@ -130,60 +130,54 @@ pub struct Fenced {
 
 /// SPEC §10, identity and generations: a state found older than its own gate
 /// objects (a copy, a restored backup) does not know what was sent from it
-/// after the copy — a message of a newer epoch of a lease, or this very
-/// message. Before anything is sent, per lease: each message that may still
-/// be sent and is of an epoch below the lease's latest listed epoch is failed
+/// after the copy — a message of a newer epoch of `lease`, or this very
+/// message. Before anything of it is sent: each message that may still be
+/// sent and is of an epoch below the lease's latest listed epoch is failed
 /// unsent (a newer one may have reached the destination; an operator's retry
 /// of it is refused as superseded, for `sent` is raised to that epoch); each
-/// one of the latest epoch is marked `delivering`, so that its next attempt
-/// is counted as an unknown outcome, as after a crash. Idempotent: a crash
-/// in the middle runs it again at the next start.
+/// one of the latest epoch accepted before this process started is marked
+/// `delivering`, so that its next attempt is counted as an unknown outcome,
+/// as after a crash. Idempotent: a crash in the middle runs it again.
 pub(crate) async fn fence_restored(
     store: &QueueStore,
     epochs: &crate::lease::Epochs,
     owner: Owner,
+    lease: &str,
     now_ms: u64,
+    started_ms: u64,
 ) -> Result<Fenced, StateError> {
-    use std::collections::BTreeSet;
     const ALL: usize = 1 << 40;
-    let mut leases: BTreeSet<String> = store.leases_with_work().await?.into_iter().collect();
-    let (failed, _) = store.list(None, None, Some(Status::Failed), ALL).await?;
-    leases.extend(failed.into_iter().map(|m| m.lease));
     let mut out = Fenced::default();
-    for lease in leases {
-        let Ok(name) = crate::epoch::LeaseName::parse(&lease) else {
-            continue;
-        };
-        let latest = epochs
-            .latest_after(&name, crate::epoch::Epoch::NONE)
-            .await
-            .map_err(|e| {
-                StateError::Write(format!("the lease store, fencing a restored state: {e}"))
-            })?
-            .get();
-        for status in [Status::Pending, Status::Delivering] {
-            let (msgs, _) = store.list(None, Some(&lease), Some(status), ALL).await?;
-            for mut m in msgs {
-                if m.epoch < latest {
-                    m.status = Status::Failed;
-                    m.updated_ms = now_ms;
-                    m.last_error = Some(format!(
-                        "not sent: this state was restored from an older copy, and lease {lease} is at epoch {latest} — a message of that epoch may have reached the destination since the copy (SPEC §10, identity and generations)"
-                    ));
-                    store.settle(owner, &m).await?;
-                    out.failed += 1;
-                } else if m.status == Status::Pending {
-                    m.status = Status::Delivering;
-                    m.updated_ms = now_ms;
-                    store.put(owner, &m).await?;
-                    out.unknown += 1;
-                } else {
-                    out.unknown += 1;
-                }
+    let Ok(name) = crate::epoch::LeaseName::parse(lease) else {
+        return Ok(out);
+    };
+    let latest = epochs
+        .latest_after(&name, crate::epoch::Epoch::NONE)
+        .await
+        .map_err(|e| StateError::Write(format!("the lease store, fencing a restored state: {e}")))?
+        .get();
+    for status in [Status::Pending, Status::Delivering] {
+        let (msgs, _) = store.list(None, Some(lease), Some(status), ALL).await?;
+        for mut m in msgs {
+            if m.epoch < latest {
+                m.status = Status::Failed;
+                m.updated_ms = now_ms;
+                m.last_error = Some(format!(
+                    "not sent: this state was restored from an older copy, and lease {lease} is at epoch {latest} — a message of that epoch may have reached the destination since the copy (SPEC §10, identity and generations)"
+                ));
+                store.settle(owner, &m).await?;
+                out.failed += 1;
+            } else if m.status == Status::Pending && m.accepted_ms < started_ms {
+                m.status = Status::Delivering;
+                m.updated_ms = now_ms;
+                store.put(owner, &m).await?;
+                out.unknown += 1;
+            } else if m.status == Status::Delivering {
+                out.unknown += 1;
             }
         }
-        store.raise_sent(owner, &lease, latest).await?;
     }
+    store.raise_sent(owner, lease, latest).await?;
     Ok(out)
 }
 
@@ -253,8 +247,15 @@ pub(crate) struct Context {
     /// Shutdown's last resort: an attempt still out is cut (its outcome unknown).
     pub abandon: CancellationToken,
     /// Written before a lease's first message of a newer epoch is sent (a
-    /// single instance's guard; [`crate::state::identity::Checkpoint`]).
+    /// single instance's guard, a cluster's anchor;
+    /// [`crate::state::identity::Checkpoint`]).
     pub checkpoint: Option<Arc<dyn crate::state::identity::Checkpoint>>,
+    /// The generation at which the state was last found restored or copied
+    /// (0: never): each lease's queue is fenced once for it before any of its
+    /// messages is sent ([`Queue::fence_if_restored`]).
+    pub restored: u64,
+    /// The leases' epochs, for a restored state's fence.
+    pub epochs: crate::lease::Epochs,
 }
 
 /// Attempts by outcome, per route.
@@ -297,6 +298,11 @@ pub struct Queue {
     depth: Mutex<HashMap<String, (u64, u64)>>,
     /// Trace export (`[telemetry]`): a span per attempt.
     telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
+    /// Leases whose queue was found fenced for [`Context::restored`].
+    fenced: Mutex<std::collections::HashSet<String>>,
+    /// When this process started (ms): a message it accepted was sent by
+    /// no copy, so a restored state's fence need not count it unknown.
+    started_ms: u64,
     ctx: Context,
 }
 
@@ -314,8 +320,54 @@ impl Queue {
             telemetry: std::sync::OnceLock::new(),
             cut: Mutex::new(HashMap::new()),
             depth: Mutex::new(HashMap::new()),
+            fenced: Mutex::new(Default::default()),
+            started_ms: ms(ctx.clock.now()),
             ctx,
         })
+    }
+
+    /// SPEC §10, identity and generations: before `lease`'s messages are
+    /// sent from a state found restored or copied, its queue is fenced
+    /// ([`fence_restored`]) — once per restore, whoever sends them (the
+    /// lease's mark of it is written under `owner`, after the fence).
+    pub(crate) async fn fence_if_restored(
+        &self,
+        lease: &str,
+        owner: Owner,
+    ) -> Result<(), StateError> {
+        let r = self.ctx.restored;
+        if r == 0
+            || self
+                .fenced
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(lease)
+        {
+            return Ok(());
+        }
+        if self.store.restore_fenced(lease).await? < r {
+            let done = fence_restored(
+                &self.store,
+                &self.ctx.epochs,
+                owner,
+                lease,
+                ms(self.ctx.clock.now()),
+                self.started_ms,
+            )
+            .await?;
+            self.store.mark_restore_fenced(owner, lease, r).await?;
+            tracing::error!(
+                lease,
+                failed_unsent = done.failed,
+                resent_as_unknown = done.unknown,
+                "restored or copied state fenced: queued messages of an epoch below the lease's latest are failed unsent (a retry is refused as superseded), those of the latest epoch are sent again as unknown outcomes"
+            );
+        }
+        self.fenced
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(lease.to_owned());
+        Ok(())
     }
 
     /// Cuts every attempt out now: this instance may no longer send (its

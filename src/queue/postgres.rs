@@ -636,6 +636,46 @@ impl PgQueue {
         .await
     }
 
+    /// [`super::store::QueueStore::restore_fenced`].
+    pub async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
+        let lease = lease.to_owned();
+        let row = self
+            .db
+            .with("queue read", |c| async move {
+                c.query_opt(
+                    "SELECT restore_fenced FROM fencegate_queue_leases WHERE lease = $1",
+                    &[&lease],
+                )
+                .await
+            })
+            .await?;
+        Ok(row.map_or(0, |r| u64::try_from(r.get::<_, i64>(0)).unwrap_or(0)))
+    }
+
+    /// [`super::store::QueueStore::mark_restore_fenced`].
+    pub async fn mark_restore_fenced(
+        &self,
+        owner: Owner,
+        lease: &str,
+        r: u64,
+    ) -> Result<(), StateError> {
+        let lease = lease.to_owned();
+        let r = i64::try_from(r).unwrap_or(i64::MAX);
+        self.write("queue fence", owner, move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    "INSERT INTO fencegate_queue_leases AS l (lease, next_seq, restore_fenced) \
+                     VALUES ($1, 0, $2) ON CONFLICT (lease) DO UPDATE \
+                     SET restore_fenced = GREATEST(l.restore_fenced, $2)",
+                    &[&lease, &r],
+                )
+                .await?;
+                Ok(Ok(()))
+            })
+        })
+        .await
+    }
+
     /// [`super::store::QueueStore::raise_sent`].
     pub async fn raise_sent(
         &self,

@@ -68,6 +68,8 @@ pub struct SledQueue {
     order: sled::Tree,
     seqs: sled::Tree,
     sent: sled::Tree,
+    /// Per lease, the restore its queue was last fenced for.
+    restore_fences: sled::Tree,
     /// Orders acceptances: a sequence number is taken, and the pass checked,
     /// under it (a leaf lock; nothing is awaited under it).
     accepting: Mutex<()>,
@@ -101,6 +103,7 @@ impl SledQueue {
             order,
             seqs: db.open_tree("queue_seq").map_err(db_err)?,
             sent: db.open_tree("queue_sent").map_err(db_err)?,
+            restore_fences: db.open_tree("queue_restore_fenced").map_err(db_err)?,
             sled,
             accepting: Mutex::new(()),
             waiting: Mutex::new(waiting),
@@ -434,6 +437,21 @@ impl SledQueue {
         };
         self.sled.commit().await?;
         Ok(Requeued::Done(Box::new(msg)))
+    }
+
+    /// [`super::store::QueueStore::restore_fenced`].
+    pub fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
+        Ok(u64_of(
+            self.restore_fences.get(lease.as_bytes()).map_err(db_err)?,
+        ))
+    }
+
+    /// [`super::store::QueueStore::mark_restore_fenced`].
+    pub async fn mark_restore_fenced(&self, lease: &str, r: u64) -> Result<(), StateError> {
+        self.restore_fences
+            .insert(lease.as_bytes(), &r.to_be_bytes()[..])
+            .map_err(db_err)?;
+        self.sled.commit().await
     }
 
     /// [`super::store::QueueStore::raise_sent`].

@@ -234,6 +234,29 @@ impl QueueStore {
         }
     }
 
+    /// The restore (a state generation) `lease`'s queue was last fenced for
+    /// (0: none; [`super::Queue::fence_if_restored`]).
+    pub async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
+        match self {
+            QueueStore::Sled(s) => s.restore_fenced(lease),
+            QueueStore::Postgres(p) => p.restore_fenced(lease).await,
+        }
+    }
+
+    /// Records that `lease`'s queue was fenced for restore `r`, written
+    /// under `owner` after the fence's own writes. Durable on return.
+    pub async fn mark_restore_fenced(
+        &self,
+        owner: Owner,
+        lease: &str,
+        r: u64,
+    ) -> Result<(), StateError> {
+        match self {
+            QueueStore::Sled(s) => s.mark_restore_fenced(lease, r).await,
+            QueueStore::Postgres(p) => p.mark_restore_fenced(owner, lease, r).await,
+        }
+    }
+
     /// The newest epoch of `lease` of which a message was sent (0: none).
     pub async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
         match self {

@@ -272,6 +272,7 @@ async fn build_on(
                 dedup.clone(),
                 schema.as_deref().unwrap_or("public"),
                 database_id.as_deref(),
+                generations.clone(),
             )
             .await?;
             claim_database().await?;
@@ -292,25 +293,6 @@ async fn build_on(
         )),
         (None, None) => None,
     };
-    // SPEC §10, identity and generations: a copied or restored state sends
-    // nothing its copy may have overtaken; fenced before any deliverer runs.
-    if let (Mode::Single(guard), Some(qs)) = (&mode, &queue_store) {
-        if guard.restored() {
-            let done = crate::queue::fence_restored(
-                qs,
-                &epochs,
-                Owner::SINGLE,
-                crate::queue::ms(clock.now()),
-            )
-            .await?;
-            tracing::error!(
-                failed_unsent = done.failed,
-                resent_as_unknown = done.unknown,
-                "restored or copied state fenced: queued messages of an epoch below their lease's latest are failed unsent (retry refused as superseded), those of the latest epoch are sent again as unknown outcomes; dedup records of keys done after the copy are not in this state, and a retry of such a key is forwarded again"
-            );
-            guard.fenced().await.map_err(StartError::State)?;
-        }
-    }
     let queue = queue_store.map(|store| {
         crate::queue::Queue::new(
             store,
@@ -342,12 +324,17 @@ async fn build_on(
                 clock: clock.clone(),
                 stop: stop.clone(),
                 abandon: CancellationToken::new(),
-                checkpoint: match &mode {
+                checkpoint: Some(match &mode {
                     Mode::Single(guard) => {
-                        Some(guard.clone() as Arc<dyn crate::state::identity::Checkpoint>)
+                        guard.clone() as Arc<dyn crate::state::identity::Checkpoint>
                     }
-                    Mode::Cluster(_) => None,
+                    Mode::Cluster(c) => c.clone() as Arc<dyn crate::state::identity::Checkpoint>,
+                }),
+                restored: match &mode {
+                    Mode::Single(guard) => guard.restored(),
+                    Mode::Cluster(c) => c.restored(),
                 },
+                epochs: epochs.clone(),
             },
         )
     });

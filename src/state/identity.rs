@@ -27,16 +27,15 @@ use async_trait::async_trait;
 
 use super::StateError;
 
-/// The generation a state has recorded, and whether it was found older than
-/// its gate objects and is not yet fenced.
+/// The generation a state has recorded, and the latest restore found in it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Recorded {
     /// Raised before each gate object written from this state (0: never).
     pub generation: u64,
-    /// Found older than a gate object written from it (a copy, a restore),
-    /// and its queue not yet fenced: kept until [`Generations::fenced`], so
-    /// that a crash between the finding and the fence finds it again.
-    pub restored: bool,
+    /// The generation at which a copy or restore of this state was last
+    /// found (0: never): each lease's queue is fenced once for it
+    /// ([`crate::queue::fence_restored`]), by whoever sends its messages next.
+    pub restored: u64,
 }
 
 /// The state's generation ([module docs](self)).
@@ -45,13 +44,29 @@ pub trait Generations: Send + Sync + 'static {
     /// What the state has recorded.
     async fn recorded(&self) -> Result<Recorded, StateError>;
 
-    /// Raises the generation to `max(recorded, at_least) + 1` and, with
-    /// `restored`, records that the state must be fenced; durable on return.
-    /// The new generation.
-    async fn advance(&self, at_least: u64, restored: bool) -> Result<u64, StateError>;
+    /// Raises the generation to `max(recorded, seen) + 1`, durably. With
+    /// `found`, `seen` is a gate object's generation above the state's own —
+    /// the state is a copy — and the restore is recorded at the new
+    /// generation, unless one was recorded since `seen` already (another
+    /// instance found the same copy first). What is recorded then.
+    async fn advance(&self, seen: u64, found: bool) -> Result<Recorded, StateError>;
+}
 
-    /// The fence of a restored state is durable: the mark can go.
-    async fn fenced(&self) -> Result<(), StateError>;
+/// At start-up: the highest generation a gate object of this state names,
+/// `seen`, against the state's own. Raises the generation past both and
+/// records a restore if the state is older; logs it.
+pub async fn start(gens: &dyn Generations, state: &str, seen: u64) -> Result<Recorded, StateError> {
+    let before = gens.recorded().await?;
+    let found = seen > before.generation;
+    if found {
+        tracing::error!(
+            state,
+            recorded = before.generation,
+            gate_objects = seen,
+            "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: each lease's queued messages are fenced before any is sent (SPEC §10, identity and generations)"
+        );
+    }
+    gens.advance(seen, found).await
 }
 
 /// Before the first message of a newer epoch of a lease is sent, the state's
@@ -63,4 +78,26 @@ pub trait Generations: Send + Sync + 'static {
 pub trait Checkpoint: Send + Sync + 'static {
     /// Whether the raise and the gate object were both written.
     async fn checkpoint(&self) -> bool;
+}
+
+/// Generations kept in memory: for tests of what keeps them (a state that
+/// is never copied).
+#[derive(Debug, Default)]
+pub struct InMemory(std::sync::Mutex<Recorded>);
+
+#[async_trait]
+impl Generations for InMemory {
+    async fn recorded(&self) -> Result<Recorded, StateError> {
+        Ok(*self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    async fn advance(&self, seen: u64, found: bool) -> Result<Recorded, StateError> {
+        let mut r = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let generation = r.generation.max(seen).saturating_add(1);
+        if found && r.restored < seen {
+            r.restored = generation;
+        }
+        r.generation = generation;
+        Ok(*r)
+    }
 }

@@ -311,50 +311,53 @@ impl SledState {
     }
 }
 
-/// In sled's `meta` tree: the state's generation (u64, big-endian), whether a
-/// restored state still needs its fence (one byte), and the set-up the
+/// In sled's `meta` tree: the state's generation and the generation at which
+/// a restore of it was last found (each u64, big-endian), and the set-up the
 /// `data_dir` belongs to (JSON) — [`super::identity`], SPEC §10.
 const GENERATION: &[u8] = b"state_generation";
 const RESTORED: &[u8] = b"state_restored";
 const SET_UP: &[u8] = b"set_up";
 
+fn u64_at(meta: &sled::Tree, key: &[u8]) -> Result<u64, StateError> {
+    Ok(meta
+        .get(key)
+        .map_err(write_err)?
+        .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
+        .map_or(0, u64::from_be_bytes))
+}
+
 #[async_trait]
 impl super::identity::Generations for SledState {
     async fn recorded(&self) -> Result<super::identity::Recorded, StateError> {
-        let generation = self
-            .meta
-            .get(GENERATION)
-            .map_err(write_err)?
-            .and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
-            .map_or(0, u64::from_be_bytes);
-        let restored = self.meta.get(RESTORED).map_err(write_err)?.is_some();
+        Ok(super::identity::Recorded {
+            generation: u64_at(&self.meta, GENERATION)?,
+            restored: u64_at(&self.meta, RESTORED)?,
+        })
+    }
+
+    async fn advance(
+        &self,
+        seen: u64,
+        found: bool,
+    ) -> Result<super::identity::Recorded, StateError> {
+        // One instance writes its data_dir: read, then write.
+        let old = self.recorded().await?;
+        let generation = old.generation.max(seen).saturating_add(1);
+        self.meta
+            .insert(GENERATION, &generation.to_be_bytes()[..])
+            .map_err(write_err)?;
+        let mut restored = old.restored;
+        if found && restored < seen {
+            restored = generation;
+            self.meta
+                .insert(RESTORED, &restored.to_be_bytes()[..])
+                .map_err(write_err)?;
+        }
+        self.commit().await?;
         Ok(super::identity::Recorded {
             generation,
             restored,
         })
-    }
-
-    async fn advance(&self, at_least: u64, restored: bool) -> Result<u64, StateError> {
-        let mut new = 0;
-        self.meta
-            .fetch_and_update(GENERATION, |old| {
-                let old = old
-                    .and_then(|v| <[u8; 8]>::try_from(v).ok())
-                    .map_or(0, u64::from_be_bytes);
-                new = old.max(at_least).saturating_add(1);
-                Some(new.to_be_bytes().to_vec())
-            })
-            .map_err(write_err)?;
-        if restored {
-            self.meta.insert(RESTORED, &[1u8][..]).map_err(write_err)?;
-        }
-        self.commit().await?;
-        Ok(new)
-    }
-
-    async fn fenced(&self) -> Result<(), StateError> {
-        self.meta.remove(RESTORED).map_err(write_err)?;
-        self.commit().await
     }
 }
 

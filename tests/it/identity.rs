@@ -417,15 +417,22 @@ async fn a_copied_data_dir_that_takes_the_guard_over_is_fenced() {
     copy_dir(&copy, &state_dir(&b));
     b.spawn(None).expect("the copy starts");
     fenced_copy_holds(&b, &d.origin).await;
-    // A second start of the copy, fenced already, changes nothing more.
+    // A second start of the copy, fenced already, fences nothing again.
+    let fenced = b
+        .stderr()
+        .matches("restored or copied state fenced")
+        .count();
     b.kill9();
     b.spawn(None).expect("the copy starts again");
+    accepted(&send(keyed(&b, "/tick/e", &d.tick, "t2", "t2")).await);
+    wait_status(&b, "tick", "t2", "delivered").await;
     assert_eq!(
         b.stderr()
             .matches("restored or copied state fenced")
             .count(),
-        1
+        fenced
     );
+    assert_eq!(delivery(&b, "tick", "t2").await["unknown_outcomes"], 0);
     drop(d.leases);
 }
 

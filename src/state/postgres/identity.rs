@@ -69,7 +69,7 @@ impl PostgresState {
                 one boolean PRIMARY KEY DEFAULT true CHECK (one),
                 database_id text NOT NULL,
                 generation bigint NOT NULL DEFAULT 0,
-                restored boolean NOT NULL DEFAULT false,
+                restored bigint NOT NULL DEFAULT 0,
                 created_at timestamptz NOT NULL DEFAULT now()
             )",
         )
@@ -101,33 +101,32 @@ impl Generations for PostgresState {
                     .await
             })
             .await?;
-        Ok(row.map_or(Recorded::default(), |r| Recorded {
-            generation: u64::try_from(r.get::<_, i64>(0)).unwrap_or(0),
-            restored: r.get(1),
-        }))
+        Ok(row.map_or(Recorded::default(), |r| recorded_of(&r)))
     }
 
-    async fn advance(&self, at_least: u64, restored: bool) -> Result<u64, StateError> {
-        let at_least = i64::try_from(at_least).unwrap_or(i64::MAX - 1);
+    async fn advance(&self, seen: u64, found: bool) -> Result<Recorded, StateError> {
+        let seen = i64::try_from(seen).unwrap_or(i64::MAX - 1);
+        // One statement: members starting together each raise it, and a
+        // restore two of them found is recorded once.
         let row = self
             .with("raising the state's generation", |c| async move {
                 c.query_one(
                     "UPDATE fencegate_identity SET generation = GREATEST(generation, $1) + 1, \
-                     restored = restored OR $2 RETURNING generation",
-                    &[&at_least, &restored],
+                     restored = CASE WHEN $2 AND restored < $1 \
+                     THEN GREATEST(generation, $1) + 1 ELSE restored END \
+                     RETURNING generation, restored",
+                    &[&seen, &found],
                 )
                 .await
             })
             .await?;
-        Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+        Ok(recorded_of(&row))
     }
+}
 
-    async fn fenced(&self) -> Result<(), StateError> {
-        self.with("recording the fence of a restored state", |c| async move {
-            c.execute("UPDATE fencegate_identity SET restored = false", &[])
-                .await
-        })
-        .await
-        .map(drop)
+fn recorded_of(r: &tokio_postgres::Row) -> Recorded {
+    Recorded {
+        generation: u64::try_from(r.get::<_, i64>(0)).unwrap_or(0),
+        restored: u64::try_from(r.get::<_, i64>(1)).unwrap_or(0),
     }
 }

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::state::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 10;
+pub const VERSION: i32 = 11;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -165,6 +165,10 @@ const MIGRATIONS: &[&str] = &[
         WHERE status IN ('pending', 'delivering', 'failed');
     CREATE INDEX fencegate_queue_held_by_route ON fencegate_queue (route, lease)
         WHERE status IN ('pending', 'delivering', 'failed');",
+    // 10 → 11: per lease, the restore of the state (a generation,
+    // `fencegate_identity.restored`) its queue was last fenced for (SPEC §10,
+    // identity and generations; [`crate::queue::Queue::fence_if_restored`]).
+    "ALTER TABLE fencegate_queue_leases ADD COLUMN restore_fenced bigint NOT NULL DEFAULT 0;",
 ];
 
 /// Creates or migrates the schema — in `schema` when set (`[state] schema`,

@@ -345,6 +345,8 @@ impl Queue {
         {
             return Ok(());
         }
+        // Beside attempts and operators' edits, never across them.
+        let _edit = self.edits.lock().await;
         if self.store.restore_fenced(lease).await? < r {
             let done = fence_restored(
                 &self.store,
@@ -571,6 +573,13 @@ impl Queue {
     /// newer epoch of its lease was sent or waits, which it would then follow
     /// (the order rule has no exemption, not even an operator's).
     pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
+        // A restored state's lease is fenced first: its retry of an older
+        // epoch's message is then refused as superseded.
+        if let Some(m) = self.store.get(route, key).await? {
+            if let Some(owner) = (self.ctx.owner_of)(&m.lease).owner() {
+                self.fence_if_restored(&m.lease, owner).await?;
+            }
+        }
         let _edit = self.edits.lock().await;
         let (mut m, owner) = self.editable(route, key).await?;
         let now = ms(self.ctx.clock.now());

@@ -449,9 +449,11 @@ impl World {
             state,
             db.clone(),
             dedup,
-            "public",
-            None,
-            Arc::new(crate::state::identity::InMemory::default()),
+            crate::cluster::Database {
+                schema: "public",
+                id: None,
+                generations: Arc::new(crate::state::identity::InMemory::default()),
+            },
         )
         .await
         .unwrap();

@@ -115,6 +115,17 @@ pub enum Placement {
     Unavailable,
 }
 
+/// The database a cluster keeps its state in, by what it is (SPEC §10): the
+/// schema its tables are in, the id written into it, and its generations.
+pub struct Database<'a> {
+    /// The schema in use.
+    pub schema: &'a str,
+    /// The database's id (`fencegate_identity`).
+    pub id: Option<&'a str>,
+    /// Its generation, raised before each anchor create.
+    pub generations: Arc<dyn crate::state::identity::Generations>,
+}
+
 /// This instance's membership of a cluster (SPEC §10.2): the shards it owns and
 /// sees owned, the prefix's anchor, where each request is served, and the
 /// keeper that balances and takes over shards.
@@ -210,10 +221,13 @@ impl Cluster {
         state: Arc<dyn StateStore>,
         owners: Arc<dyn OwnershipStore>,
         dedup: Arc<Dedup>,
-        schema: &str,
-        database_id: Option<&str>,
-        gens: Arc<dyn crate::state::identity::Generations>,
+        db: Database<'_>,
     ) -> Result<Arc<Cluster>, ClusterError> {
+        let Database {
+            schema,
+            id: database_id,
+            generations: gens,
+        } = db;
         let Some(cc) = &cfg.cluster else {
             unreachable!("Cluster::new without [cluster]: checked by the caller")
         };

@@ -270,9 +270,11 @@ async fn build_on(
                 durable.clone(),
                 owners,
                 dedup.clone(),
-                schema.as_deref().unwrap_or("public"),
-                database_id.as_deref(),
-                generations.clone(),
+                crate::cluster::Database {
+                    schema: schema.as_deref().unwrap_or("public"),
+                    id: database_id.as_deref(),
+                    generations: generations.clone(),
+                },
             )
             .await?;
             claim_database().await?;

@@ -146,6 +146,12 @@ fn snapshot(fg: &Fencegate, to: &Path) {
     assert!(ok);
 }
 
+/// `fg`'s config after its `[server]` section: another instance's, alike.
+fn after_server(fg: &Fencegate) -> String {
+    let text = std::fs::read_to_string(&fg.config).unwrap();
+    text.split_once("\n\n").unwrap().1.to_owned()
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     let _ = std::fs::remove_dir_all(to);
     let ok = std::process::Command::new("cp")
@@ -403,17 +409,7 @@ async fn a_copied_data_dir_that_takes_the_guard_over_is_fenced() {
     let copy = copies.path().join("state");
     d.run_past(&copy).await;
     d.fg.kill9();
-    let mut b = Fencegate::unstarted(
-        "127.0.0.1:0",
-        &server_toml(),
-        &std::fs::read_to_string(&d.fg.config)
-            .unwrap()
-            .split_once("\n\n")
-            .unwrap()
-            .1
-            .to_owned(),
-        &[],
-    );
+    let mut b = Fencegate::unstarted("127.0.0.1:0", &server_toml(), &after_server(&d.fg), &[]);
     copy_dir(&copy, &state_dir(&b));
     b.spawn(None).expect("the copy starts");
     fenced_copy_holds(&b, &d.origin).await;
@@ -461,12 +457,8 @@ async fn a_copy_of_a_data_dir_under_another_prefix_refuses_to_start() {
     let copy = copies.path().join("state");
     accepted(&send(keyed(&d.fg, "/hook/e", &d.hook, "m1", "m1")).await);
     snapshot(&d.fg, &copy);
-    let staging = std::fs::read_to_string(&d.fg.config)
-        .unwrap()
-        .split_once("\n\n")
-        .unwrap()
-        .1
-        .replace(&format!("prefix = \"{PREFIX}\""), "prefix = \"staging/\"");
+    let staging =
+        after_server(&d.fg).replace(&format!("prefix = \"{PREFIX}\""), "prefix = \"staging/\"");
     let mut s = Fencegate::unstarted("127.0.0.1:0", &server_toml(), &staging, &[]);
     copy_dir(&copy, &state_dir(&s));
     d.relay.refuse(false);

@@ -472,16 +472,16 @@ const GENERATIONS_READ: u64 = 16;
 
 /// The highest `state_generation` among the latest gate objects of `shard`
 /// (up to `latest`) that name `state` and that `sealed` verifies as this
-/// set-up's own: a forged object cannot make a state fence itself
-/// ([`crate::state::identity`]).
+/// set-up's own (none: no such object carries one): a forged object cannot
+/// make a state fence itself ([`crate::state::identity`]).
 pub async fn generation_seen(
     epochs: &Epochs,
     shard: &LeaseName,
     latest: crate::epoch::Epoch,
     state: &str,
     sealed: impl Fn(&EpochRecord) -> bool,
-) -> Result<u64, StoreError> {
-    let mut seen = 0;
+) -> Result<Option<u64>, StoreError> {
+    let mut seen = None;
     let top = latest.get();
     for e in (top.saturating_sub(GENERATIONS_READ - 1)..=top).rev() {
         if e == 0 {
@@ -499,7 +499,7 @@ pub async fn generation_seen(
             && r.state.as_deref() == Some(state)
             && sealed(&r)
         {
-            seen = seen.max(r.state_generation.unwrap_or(0));
+            seen = seen.max(r.state_generation);
         }
     }
     Ok(seen)

@@ -98,7 +98,7 @@ impl Cluster {
     }
 
     /// Seals an anchor gate object as this set-up's (SPEC §10).
-    pub(super) fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
+    pub(super) fn decorate(&self, stamped: Option<u64>) -> impl Fn(&mut EpochRecord) + Sync + '_ {
         move |r: &mut EpochRecord| {
             r.advertise = Some(self.advertise.clone());
             crate::set_up::SetUp::Cluster {
@@ -106,7 +106,7 @@ impl Cluster {
             }
             .stamp(r);
             r.state = Some(self.state_id.clone());
-            r.state_generation = Some(self.generation.load(Ordering::SeqCst));
+            r.state_generation = stamped;
             self.key.seal(r);
         }
     }
@@ -274,13 +274,13 @@ impl Cluster {
             holder: self.id.clone(),
             expires_at: std::time::UNIX_EPOCH,
         };
-        self.raise_generation().await;
+        let stamped = self.stamp.next();
         let sent = Instant::now();
-        let decorate = self.decorate();
+        let decorate = self.decorate(stamped);
         match acquire::renew_direct(&self.epochs, &current, self.anchor_ttl(), &decorate).await {
             Ok(h) => {
-                self.created_anchor(h, sent);
-                true
+                self.created_anchor(h, sent, stamped);
+                self.stamp.written(stamped).await
             }
             // Someone created it first: the next read finds it.
             Err(AcquireError::NotHolder { .. }) => false,
@@ -315,9 +315,9 @@ impl Cluster {
             free: &free,
             reclaim: None,
         };
-        self.raise_generation().await;
+        let stamped = self.stamp.next();
         let sent = Instant::now();
-        let decorate = self.decorate();
+        let decorate = self.decorate(stamped);
         let taken = acquire::acquire_with(
             &self.epochs,
             &name,
@@ -337,10 +337,12 @@ impl Cluster {
                 return None;
             }
         };
+        // Raised past the object once it exists, whatever the check finds.
+        self.stamp.written(stamped).await;
         let epoch = h.epoch;
         match self.check_anchor(epoch).await {
             Ok(()) => {
-                self.created_anchor(h, sent);
+                self.created_anchor(h, sent, stamped);
                 None
             }
             Err(AnchorError::Conflict(c)) => Some(c),
@@ -351,7 +353,7 @@ impl Cluster {
         }
     }
 
-    fn created_anchor(&self, h: Holding, sent: Instant) {
+    fn created_anchor(&self, h: Holding, sent: Instant, stamped: Option<u64>) {
         self.anchor
             .window
             .extend(sent, self.anchor_ttl(), self.margin);
@@ -362,7 +364,7 @@ impl Cluster {
             h.token.as_bytes(),
             self.anchor_ttl(),
         );
-        (self.decorate())(&mut rec);
+        (self.decorate(stamped))(&mut rec);
         let st = acquire::LeaseStatus {
             latest: h.epoch,
             object: Some(EpochObject::Acquire {

@@ -31,7 +31,7 @@
 //!   release, so it waits `gate_ttl + grace_ms` after the object (SPEC §10).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,7 +45,7 @@ use crate::lease::acquire::{self, AcquireError, Holding};
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::process::ProcessId;
 use crate::set_up::SetUp;
-use crate::state::identity::Generations;
+use crate::state::identity::{Generations, Stamp};
 
 /// The file in `data_dir` that keeps this instance's id.
 pub const ID_FILE: &str = "instance-id";
@@ -143,14 +143,9 @@ pub struct InstanceGuard {
     lost: tokio::sync::Notify,
     /// One renewal at a time: the loop's, or a checkpoint's out of turn.
     renewing: tokio::sync::Mutex<()>,
-    /// The state's generation ([`crate::state::identity`]), raised before
-    /// each gate object is written, which carries it.
-    gens: Arc<dyn Generations>,
-    /// The generation the latest raise reached.
-    generation: AtomicU64,
-    /// The generation at which the state was last found restored or copied
-    /// (0: never; [`InstanceGuard::restored`]).
-    restored: AtomicU64,
+    /// The state's generation ([`crate::state::identity`]): carried by each
+    /// gate object, raised past it once the object is written.
+    stamp: Stamp,
 }
 
 /// This instance's id, created once in `data_dir`.
@@ -203,14 +198,14 @@ fn this_process() -> Option<ProcessId> {
 
 #[async_trait::async_trait]
 impl crate::state::identity::Checkpoint for InstanceGuard {
-    /// A renewal out of turn (it raises the generation first). One that
-    /// finds the tenure lost leaves it to the loop to notice.
+    /// A renewal out of turn, and the raise after it. One that finds the
+    /// tenure lost leaves it to the loop to notice.
     async fn checkpoint(&self) -> bool {
         let _one = self.renewing.lock().await;
         let Some(current) = self.holding.lock().await.clone() else {
             return false;
         };
-        self.take(Some(&current)).await.is_ok()
+        matches!(self.take_raised(Some(&current)).await, Ok(true))
     }
 }
 
@@ -235,12 +230,24 @@ impl InstanceGuard {
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),
         );
+        let epochs = Epochs::new(store, format!("{}.gate/", cfg.store.prefix));
+        let shard = crate::set_up::shard_name(0);
+        let before = acquire::status(&epochs, &shard).await?;
+        // SPEC §10, identity and generations: a gate object of this state
+        // naming a generation at or above the state's own was written after
+        // the state was copied — a copy, or a restored backup. Recorded
+        // (durably, with the raise) before anything else is written, so that
+        // a crash before its fence finds it again. No other writer of this
+        // state's objects can be between an object and its raise (the guard
+        // keeps one instance per prefix; a copy beside it is a copy).
+        let seen = crate::set_up::generation_seen(&epochs, &shard, before.latest, &state_id, |r| {
+            key.verifies(r)
+        })
+        .await?;
+        let stamp = Stamp::start(gens, &state_id, seen, None).await?;
         let guard = Arc::new(InstanceGuard {
-            epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
-            shard: LeaseName::parse("0000").map_err(|e| GuardError::Id {
-                path: "shard".into(),
-                detail: e,
-            })?,
+            epochs,
+            shard,
             id,
             advertise,
             ttl: cfg.store.gate_ttl,
@@ -255,27 +262,8 @@ impl InstanceGuard {
             shared_id: AtomicBool::new(false),
             lost: tokio::sync::Notify::new(),
             renewing: tokio::sync::Mutex::new(()),
-            gens,
-            generation: AtomicU64::new(0),
-            restored: AtomicU64::new(0),
+            stamp,
         });
-        let before = acquire::status(&guard.epochs, &guard.shard).await?;
-        // SPEC §10, identity and generations: a gate object of this state
-        // naming a generation above the state's own was written after the
-        // state was copied — it is a copy or a restored backup. Recorded
-        // (durably, with the raise) before anything else is written, so that
-        // a crash before its fence finds it again.
-        let seen = crate::set_up::generation_seen(
-            &guard.epochs,
-            &guard.shard,
-            before.latest,
-            &guard.state_id,
-            |r| guard.key.verifies(r),
-        )
-        .await?;
-        let rec = crate::state::identity::start(guard.gens.as_ref(), &guard.state_id, seen).await?;
-        guard.generation.store(rec.generation, Ordering::SeqCst);
-        guard.restored.store(rec.restored, Ordering::SeqCst);
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
@@ -395,21 +383,7 @@ impl InstanceGuard {
     /// (0: never): each lease's queue is fenced for it before its messages
     /// are sent ([`crate::queue::Queue::fence_if_restored`]).
     pub fn restored(&self) -> u64 {
-        self.restored.load(Ordering::SeqCst)
-    }
-
-    /// Raises the state's generation before a gate object is written. A
-    /// failed raise keeps the last one: the object then names a generation
-    /// the state has (never one above it), and the guard is not lost to a
-    /// slow disk or database.
-    async fn raise_generation(&self) {
-        let last = self.generation.load(Ordering::SeqCst);
-        match self.gens.advance(last, false).await {
-            Ok(r) => self.generation.store(r.generation, Ordering::SeqCst),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not raise the state's generation; this gate object names the last one")
-            }
-        }
+        self.stamp.restored()
     }
 
     /// The latest gate object of shard 0 that parses (garbage written over it
@@ -469,9 +443,16 @@ impl InstanceGuard {
     /// when free). Forwarding is then allowed until `gate_ttl − self_fence_margin`
     /// after the create was sent.
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
-        self.raise_generation().await;
+        self.take_raised(current).await.map(drop)
+    }
+
+    /// [`InstanceGuard::take`], and the state's generation raised past the
+    /// object once it is written: whether the object is a checkpoint
+    /// ([`Stamp::written`]).
+    async fn take_raised(&self, current: Option<&Holding>) -> Result<bool, GuardError> {
+        let stamped = self.stamp.next();
         let sent = Instant::now();
-        let decorate = self.decorate();
+        let decorate = self.decorate(stamped);
         let reclaim = |r: &EpochRecord| self.may_reclaim(r);
         let free = |st: &acquire::LeaseStatus| self.is_free(st);
         let rules = acquire::GateRules {
@@ -514,18 +495,18 @@ impl InstanceGuard {
         };
         self.window.extend(sent, self.ttl, self.margin);
         *self.holding.lock().await = Some(held);
-        Ok(())
+        Ok(self.stamp.written(stamped).await)
     }
 
     /// What this instance writes into each of its gate objects: its set-up,
     /// where it keeps deliveries, the process, and its seal (last: over the rest).
-    fn decorate(&self) -> impl Fn(&mut EpochRecord) + Sync + '_ {
+    fn decorate(&self, stamped: Option<u64>) -> impl Fn(&mut EpochRecord) + Sync + '_ {
         move |r: &mut EpochRecord| {
             r.advertise = Some(self.advertise.clone());
             SetUp::Single.stamp(r);
             r.state = Some(self.state_id.clone());
             r.process = self.me.clone();
-            r.state_generation = Some(self.generation.load(Ordering::SeqCst));
+            r.state_generation = stamped;
             self.key.seal(r);
         }
     }
@@ -707,8 +688,8 @@ impl InstanceGuard {
             return;
         };
         self.window.close();
-        self.raise_generation().await;
-        let decorate = self.decorate();
+        let stamped = self.stamp.next();
+        let decorate = self.decorate(stamped);
         match acquire::release_with(
             &self.epochs,
             &self.shard,
@@ -719,7 +700,10 @@ impl InstanceGuard {
         )
         .await
         {
-            Ok(e) => tracing::info!(gate_epoch = %e, "released the instance guard"),
+            Ok(e) => {
+                self.stamp.written(stamped).await;
+                tracing::info!(gate_epoch = %e, "released the instance guard")
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "could not release the instance guard; a successor waits for its expiry")
             }

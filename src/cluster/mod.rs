@@ -62,6 +62,7 @@ use crate::fence::Fences;
 
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::set_up::GateKey;
+use crate::state::identity::Stamp;
 use crate::state::{Owner, OwnerRow, OwnershipStore, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
@@ -175,13 +176,9 @@ pub struct Cluster {
     pub db_calls: AtomicU64,
     /// Anchor epochs created by this instance.
     pub anchor_creates: AtomicU64,
-    /// The database's generation ([`crate::state::identity`]), raised before
-    /// each anchor create, which carries it.
-    gens: Arc<dyn crate::state::identity::Generations>,
-    /// The generation the latest raise reached.
-    generation: AtomicU64,
-    /// The generation at which the database was last found restored (0: never).
-    restored: AtomicU64,
+    /// The database's generation ([`crate::state::identity`]): carried by
+    /// each anchor create, raised past it once the object is written.
+    pub(super) stamp: Stamp,
 }
 
 /// Work that follows a shard's tenure here besides its fences: the queue's
@@ -258,25 +255,37 @@ impl Cluster {
             inner: store,
             calls: gate_calls.clone(),
         });
+        let key = GateKey::from_peer_token(
+            &cc.resolved_peer_token().unwrap_or_default(),
+            &format!("{}.gate/", cfg.store.prefix),
+        );
+        let state_id =
+            crate::set_up::state_of(&cfg.state, &cc.instance_id, Some(schema), database_id);
+        let epochs = Epochs::new(counted, format!("{}.gate/", cfg.store.prefix));
+        // SPEC §10, identity and generations: the anchor's objects carry the
+        // database's generation, as a single instance's guard objects do.
+        // Another member may be between its anchor create and the raise
+        // after it: a finding is confirmed after two database timeouts.
+        let shard0 = shard_name(0);
+        let latest = epochs
+            .latest_after(&shard0, crate::epoch::Epoch::NONE)
+            .await?;
+        let seen = crate::set_up::generation_seen(&epochs, &shard0, latest, &state_id, |r| {
+            key.verifies(r)
+        })
+        .await?;
+        let stamp = Stamp::start(gens, &state_id, seen, Some(cfg.state.timeout() * 2)).await?;
         let cluster = Arc::new(Cluster {
             id: cc.instance_id.clone(),
             advertise: cc.advertise.trim_end_matches('/').to_owned(),
             shards,
             peer_token: cc.resolved_peer_token().unwrap_or_default(),
-            key: GateKey::from_peer_token(
-                &cc.resolved_peer_token().unwrap_or_default(),
-                &format!("{}.gate/", cfg.store.prefix),
-            ),
-            state_id: crate::set_up::state_of(
-                &cfg.state,
-                &cc.instance_id,
-                Some(schema),
-                database_id,
-            ),
+            key,
+            state_id,
             conflict: Mutex::new(None),
             anchor: anchor::Anchor::new(),
             beats: Mutex::new(HashMap::new()),
-            epochs: Epochs::new(counted, format!("{}.gate/", cfg.store.prefix)),
+            epochs,
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
             grace: Duration::from_millis(cfg.store.grace_ms),
@@ -296,30 +305,9 @@ impl Cluster {
             gate_calls,
             db_calls: AtomicU64::new(0),
             anchor_creates: AtomicU64::new(0),
-            gens,
-            generation: AtomicU64::new(0),
-            restored: AtomicU64::new(0),
+            stamp,
         });
         cluster.check_set_up().await?;
-        // SPEC §10, identity and generations: the anchor's objects carry the
-        // database's generation, as a single instance's guard objects do.
-        let shard0 = shard_name(0);
-        let latest = cluster
-            .epochs
-            .latest_after(&shard0, crate::epoch::Epoch::NONE)
-            .await?;
-        let seen = crate::set_up::generation_seen(
-            &cluster.epochs,
-            &shard0,
-            latest,
-            &cluster.state_id,
-            |r| cluster.key.verifies(r),
-        )
-        .await?;
-        let rec =
-            crate::state::identity::start(cluster.gens.as_ref(), &cluster.state_id, seen).await?;
-        cluster.generation.store(rec.generation, Ordering::SeqCst);
-        cluster.restored.store(rec.restored, Ordering::SeqCst);
         Ok(cluster)
     }
 
@@ -327,19 +315,7 @@ impl Cluster {
     /// as read at start-up (0: never): each lease's queue is fenced for it
     /// before its messages are sent.
     pub fn restored(&self) -> u64 {
-        self.restored.load(Ordering::SeqCst)
-    }
-
-    /// Raises the database's generation before an anchor create; a failed
-    /// raise keeps the last one (the object names one the database has).
-    pub(super) async fn raise_generation(&self) {
-        let last = self.generation.load(Ordering::SeqCst);
-        match self.gens.advance(last, false).await {
-            Ok(r) => self.generation.store(r.generation, Ordering::SeqCst),
-            Err(e) => {
-                tracing::warn!(error = %e, "could not raise the database's generation; this anchor object names the last one")
-            }
-        }
+        self.stamp.restored()
     }
 
     /// Makes `work` follow every tenure here from now on (set once, before

@@ -12,16 +12,22 @@
 //!   their `state` (`…?database_id=ID`). Two databases made apart never share
 //!   one; a physical copy or a dump carries it, and is then told apart by —
 //! - **the state's generation**, a counter kept in the state (sled's `meta`
-//!   tree, or `fencegate_identity`) and raised, durably, before every gate
-//!   object its instance writes, which carries it (`state_generation`). So
-//!   while nothing is copied, no gate object of this state names a generation
-//!   above the state's own; a state that finds one is older than what was
-//!   sent from it — a copy or a restored backup — and is *fenced* before it
-//!   sends anything ([`crate::queue::fence_restored`]).
+//!   tree, or `fencegate_identity`). Each gate object its instance writes on
+//!   shard 0 carries the generation the state had (`state_generation`), and
+//!   the state is raised past it, durably, once the object is written. So
+//!   while nothing is copied, every gate object of this state names a
+//!   generation below the state's own; a state that finds one at or above
+//!   its own is older than something sent from it — a copy or a restored
+//!   backup — and each lease's queue is *fenced* before any of its messages
+//!   is sent ([`crate::queue::fence_restored`]).
 //!
 //! The neon pageserver's generation numbers and Kafka's producer epochs are
 //! the same shape: a counter kept outside the copied state, compared with what
 //! the state recorded.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 
@@ -45,28 +51,99 @@ pub trait Generations: Send + Sync + 'static {
     async fn recorded(&self) -> Result<Recorded, StateError>;
 
     /// Raises the generation to `max(recorded, seen) + 1`, durably. With
-    /// `found`, `seen` is a gate object's generation above the state's own —
-    /// the state is a copy — and the restore is recorded at the new
-    /// generation, unless one was recorded since `seen` already (another
+    /// `found`, `seen` is a gate object's generation at or above the state's
+    /// own — the state is a copy — and the restore is recorded at the new
+    /// generation, unless one was recorded above `seen` already (another
     /// instance found the same copy first). What is recorded then.
     async fn advance(&self, seen: u64, found: bool) -> Result<Recorded, StateError>;
 }
 
-/// At start-up: the highest generation a gate object of this state names,
-/// `seen`, against the state's own. Raises the generation past both and
-/// records a restore if the state is older; logs it.
-pub async fn start(gens: &dyn Generations, state: &str, seen: u64) -> Result<Recorded, StateError> {
-    let before = gens.recorded().await?;
-    let found = seen > before.generation;
-    if found {
-        tracing::error!(
-            state,
-            recorded = before.generation,
-            gate_objects = seen,
-            "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: each lease's queued messages are fenced before any is sent (SPEC §10, identity and generations)"
-        );
+/// What a writer of gate objects keeps of its state's generation: what the
+/// next object carries, and the raise after it.
+pub struct Stamp {
+    gens: Arc<dyn Generations>,
+    /// The state's generation as last raised here.
+    generation: AtomicU64,
+    /// No object carries `generation` yet (the last raise succeeded): the
+    /// next one may. After a failed raise objects carry none until a raise
+    /// succeeds — never one the state has not been raised past.
+    fresh: AtomicBool,
+    /// [`Recorded::restored`], as found at start-up.
+    restored: u64,
+}
+
+impl Stamp {
+    /// At start-up: `seen`, the highest generation among this state's own
+    /// latest gate objects, against the state's. One at or above it was
+    /// written after the state was copied: the restore is recorded (and
+    /// logged). `settle`: writers other than this one may be between an
+    /// object and its raise (a cluster's members): a finding is confirmed by
+    /// reading the state again after that long. The state is raised past
+    /// `seen` either way.
+    pub async fn start(
+        gens: Arc<dyn Generations>,
+        state: &str,
+        seen: Option<u64>,
+        settle: Option<Duration>,
+    ) -> Result<Stamp, StateError> {
+        let mut recorded = gens.recorded().await?;
+        let older = |r: &Recorded| seen.is_some_and(|s| s >= r.generation);
+        if older(&recorded) {
+            if let Some(d) = settle {
+                tokio::time::sleep(d).await;
+                recorded = gens.recorded().await?;
+            }
+        }
+        let found = older(&recorded);
+        if found {
+            tracing::error!(
+                state,
+                recorded = recorded.generation,
+                gate_objects = seen.unwrap_or(0),
+                "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: each lease's queued messages are fenced before any is sent (SPEC §10, identity and generations)"
+            );
+        }
+        let now = gens.advance(seen.unwrap_or(0), found).await?;
+        Ok(Stamp {
+            gens,
+            generation: AtomicU64::new(now.generation),
+            fresh: AtomicBool::new(true),
+            restored: now.restored,
+        })
     }
-    gens.advance(seen, found).await
+
+    /// What the next gate object carries as `state_generation`.
+    pub fn next(&self) -> Option<u64> {
+        self.fresh
+            .load(Ordering::SeqCst)
+            .then(|| self.generation.load(Ordering::SeqCst))
+    }
+
+    /// After a gate object carrying `stamped` was written: the state raised
+    /// past it, durably. Whether the object is a checkpoint — it carried a
+    /// generation and nobody raised the state between that and this raise,
+    /// so every copy taken before this raise is at or below it.
+    pub async fn written(&self, stamped: Option<u64>) -> bool {
+        let base = self.generation.load(Ordering::SeqCst);
+        match self.gens.advance(base, false).await {
+            Ok(r) => {
+                self.generation.store(r.generation, Ordering::SeqCst);
+                self.fresh.store(true, Ordering::SeqCst);
+                stamped.is_some_and(|g| r.generation == g + 1)
+            }
+            Err(e) => {
+                self.fresh.store(false, Ordering::SeqCst);
+                tracing::warn!(error = %e, "could not raise the state's generation after a gate object; the next ones carry none until it is");
+                false
+            }
+        }
+    }
+
+    /// The generation at which the state was last found restored or copied
+    /// (0: never).
+    pub fn restored(&self) -> u64 {
+        self.restored
+    }
 }
 
 /// Before the first message of a newer epoch of a lease is sent, the state's
@@ -94,7 +171,7 @@ impl Generations for InMemory {
     async fn advance(&self, seen: u64, found: bool) -> Result<Recorded, StateError> {
         let mut r = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let generation = r.generation.max(seen).saturating_add(1);
-        if found && r.restored < seen {
+        if found && r.restored <= seen {
             r.restored = generation;
         }
         r.generation = generation;

@@ -347,7 +347,7 @@ impl super::identity::Generations for SledState {
             .insert(GENERATION, &generation.to_be_bytes()[..])
             .map_err(write_err)?;
         let mut restored = old.restored;
-        if found && restored < seen {
+        if found && restored <= seen {
             restored = generation;
             self.meta
                 .insert(RESTORED, &restored.to_be_bytes()[..])

@@ -112,7 +112,7 @@ impl Generations for PostgresState {
             .with("raising the state's generation", |c| async move {
                 c.query_one(
                     "UPDATE fencegate_identity SET generation = GREATEST(generation, $1) + 1, \
-                     restored = CASE WHEN $2 AND restored < $1 \
+                     restored = CASE WHEN $2 AND restored <= $1 \
                      THEN GREATEST(generation, $1) + 1 ELSE restored END \
                      RETURNING generation, restored",
                     &[&seen, &found],

@@ -512,7 +512,11 @@ pub fn serve_expecting_exit_prepared(
     while child.try_wait().unwrap().is_none() {
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("fencegate kept running: a second instance was let in");
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "fencegate kept running: a second instance was let in, or it hung: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -234,6 +234,23 @@ pub fn state_of(
     }
 }
 
+/// Whether two `state` names, as gate objects carry them, name one state: by
+/// the database's id when both carry one — a database restored under another
+/// name, or moved to another host, is still itself — else by the whole name
+/// (`sled:{instance id}`: the id travels with its `data_dir`).
+pub fn same_state(a: &str, b: &str) -> bool {
+    fn database_id(state: &str) -> Option<&str> {
+        let query = state.strip_prefix("postgres://")?.split_once('?')?.1;
+        query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("database_id="))
+    }
+    match (database_id(a), database_id(b)) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
 /// The key of a cluster's gate-object MACs, derived from the peer token (which
 /// every member has and workers do not): whoever can write under `.gate/` but
 /// lacks the token cannot make members relay to an address of its choosing or
@@ -459,7 +476,7 @@ pub(crate) async fn named_by_gate_objects(
         let named = serde_json::from_slice::<crate::epoch::EpochRecord>(&o.body)
             .ok()
             .and_then(|r| r.state);
-        if named.as_deref() == Some(state) {
+        if named.is_some_and(|n| same_state(&n, state)) {
             return Ok(true);
         }
     }
@@ -496,7 +513,7 @@ pub async fn generation_seen(
         };
         if r.epoch == e
             && r.lease == shard.as_str()
-            && r.state.as_deref() == Some(state)
+            && r.state.as_deref().is_some_and(|n| same_state(n, state))
             && sealed(&r)
         {
             seen = seen.max(r.state_generation);
@@ -529,7 +546,8 @@ mod tests {
         assert!(key.verifies(&r));
         assert!(!GateKey::from_peer_token("0123456789abcdeX", "p/.gate/").verifies(&r));
         assert!(!GateKey::from_peer_token("0123456789abcdef", "staging/.gate/").verifies(&r));
-        let edits: [fn(&mut EpochRecord); 7] = [
+        let edits: [fn(&mut EpochRecord); 8] = [
+            |r| r.state_generation = Some(9),
             |r| r.advertise = Some("http://evil:80".into()),
             |r| r.holder = "fg-z".into(),
             |r| r.epoch += 1,
@@ -549,6 +567,67 @@ mod tests {
         // Serialized and read back: still verifies.
         let back: EpochRecord = serde_json::from_slice(&r.to_json()).unwrap();
         assert!(key.verifies(&back));
+    }
+
+    /// A state generation is sealed when present; an object without one
+    /// is sealed as before generations existed (older objects verify).
+    #[test]
+    fn a_state_generation_is_sealed_when_present() {
+        let key = GateKey::from_peer_token("0123456789abcdef", "p/.gate/");
+        let mut r = record();
+        let before = canonical(&r);
+        r.state_generation = Some(7);
+        assert_ne!(canonical(&r), before);
+        key.seal(&mut r);
+        assert!(key.verifies(&r));
+        let mut stripped = r.clone();
+        stripped.state_generation = None;
+        assert!(!key.verifies(&stripped), "a generation cannot be stripped");
+        let mut lowered = r.clone();
+        lowered.state_generation = Some(6);
+        assert!(!key.verifies(&lowered));
+    }
+
+    #[test]
+    fn one_database_under_two_addresses_is_one_state() {
+        let a = "postgres://db-a:5432/fg?database_id=ab12";
+        assert!(same_state(
+            a,
+            "postgres://db-b:6432/restored?database_id=ab12"
+        ));
+        assert!(same_state(
+            a,
+            "postgres://db-a:5432/fg?schema=x&database_id=ab12"
+        ));
+        assert!(!same_state(a, "postgres://db-a:5432/fg?database_id=cd34"));
+        assert!(
+            !same_state(a, "postgres://db-a:5432/fg"),
+            "an object from before ids"
+        );
+        assert!(same_state("sled:fg-1", "sled:fg-1"));
+        assert!(!same_state("sled:fg-1", "sled:fg-2"));
+    }
+
+    /// A database is named by its id, never by the connection string alone.
+    #[test]
+    fn a_database_is_named_by_its_id() {
+        let cfg = crate::config::Config::parse(
+            "[state]\nkind = \"postgres\"\nurl = \"postgres://fg@db:5432/fencegate\"\n[[route]]\nname = \"r\"\npath_prefix = \"/r/\"\nupstream = \"http://127.0.0.1:1/\"\nlease = \"l\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            state_of(&cfg.state, "", Some("public"), Some("ab12")),
+            "postgres://db:5432/fencegate?database_id=ab12"
+        );
+        assert_eq!(
+            state_of(&cfg.state, "", Some("fg_prod"), Some("ab12")),
+            "postgres://db:5432/fencegate?schema=fg_prod&database_id=ab12"
+        );
+        assert_ne!(
+            state_of(&cfg.state, "", None, Some("ab12")),
+            state_of(&cfg.state, "", None, Some("cd34")),
+            "two databases at one address are two states"
+        );
     }
 
     #[test]

@@ -226,10 +226,21 @@ impl InstanceGuard {
             database.map(|d| d.0),
             database.map(|d| d.1),
         );
+        let key_lost = !cfg.server.data_dir.join(KEY_FILE).exists();
         let key = crate::set_up::GateKey::from_secret(
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),
         );
+        // A state written before whose key is gone (a backup restored without
+        // it) cannot tell its own objects from forged ones: it compares every
+        // object naming it — fencing too much rather than too little.
+        let unsealed = key_lost && gens.recorded().await?.generation > 0;
+        if unsealed {
+            tracing::warn!(
+                state = %state_id,
+                "this data_dir's gate-key is gone, though its state was written before: its own gate objects are compared with it unsealed (keep gate-key with the data_dir)"
+            );
+        }
         let epochs = Epochs::new(store, format!("{}.gate/", cfg.store.prefix));
         let shard = crate::set_up::shard_name(0);
         let before = acquire::status(&epochs, &shard).await?;
@@ -241,7 +252,7 @@ impl InstanceGuard {
         // state's objects can be between an object and its raise (the guard
         // keeps one instance per prefix; a copy beside it is a copy).
         let seen = crate::set_up::generation_seen(&epochs, &shard, before.latest, &state_id, |r| {
-            key.verifies(r)
+            unsealed || key.verifies(r)
         })
         .await?;
         let stamp = Stamp::start(gens, &state_id, seen, None).await?;
@@ -293,7 +304,11 @@ impl InstanceGuard {
             // SPEC §10.1: an instance whose deliveries are elsewhere is not
             // taken over from without the operator's word.
             // (A live holder is refused below, by name and with its expiry.)
-            let shares = rec.holder == guard.id || rec.state.as_deref() == Some(&guard.state_id);
+            let shares = rec.holder == guard.id
+                || rec
+                    .state
+                    .as_deref()
+                    .is_some_and(|s| crate::set_up::same_state(s, &guard.state_id));
             if free && !shares && !cfg.takeover_may_duplicate {
                 return Err(GuardError::OtherState {
                     holder: rec.holder,

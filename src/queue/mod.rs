@@ -673,7 +673,14 @@ impl crate::cluster::TenureWork for FollowTenures {
                 .iter()
                 .map(|(n, l, q)| (n.as_str(), l.as_str(), *q))
                 .collect();
-            match conflict_of(&self.0.store, &routes).await {
+            // And a route's history: a member that would serve a route of
+            // the other kind than its records (members with different
+            // configs) does not take the shard either.
+            let found = match conflict_of(&self.0.store, &routes).await {
+                Ok(None) => history_conflict(&self.0.store, &routes).await,
+                other => other,
+            };
+            match found {
                 Ok(None) => Ok(()),
                 Ok(Some(why)) => Err(why),
                 Err(e) => Err(e.to_string()),

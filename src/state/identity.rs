@@ -178,3 +178,43 @@ impl Generations for InMemory {
         Ok(*r)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh state, and one whose objects all lie below it, is no copy; an
+    /// object at or above it makes it one, recorded once; a raise after an
+    /// object is a checkpoint only when nobody raised in between.
+    #[tokio::test]
+    async fn a_state_at_or_below_its_own_objects_is_a_copy() {
+        let gens = Arc::new(InMemory::default());
+        let fresh = Stamp::start(gens.clone(), "s", None, None).await.unwrap();
+        assert_eq!(fresh.restored(), 0);
+        let g = fresh.next();
+        assert_eq!(g, Some(1));
+        assert!(fresh.written(g).await, "one writer: a checkpoint");
+        assert_eq!(fresh.next(), Some(2));
+        // Restarted, the objects below the state: no copy.
+        let again = Stamp::start(gens.clone(), "s", Some(1), None)
+            .await
+            .unwrap();
+        assert_eq!(again.restored(), 0);
+        // A copy taken at generation 3 meets an object that carried 3.
+        let copy = Arc::new(InMemory::default());
+        copy.advance(2, false).await.unwrap();
+        let found = Stamp::start(copy.clone(), "s", Some(3), None)
+            .await
+            .unwrap();
+        assert_eq!(found.restored(), 4, "recorded at the raise past it");
+        // Another start finding the same copy again records nothing new.
+        let second = Stamp::start(copy.clone(), "s", Some(3), None)
+            .await
+            .unwrap();
+        assert_eq!(second.restored(), 4);
+        // Someone else raised between the object and its raise: no checkpoint.
+        let stamped = second.next();
+        copy.advance(0, false).await.unwrap();
+        assert!(!second.written(stamped).await);
+    }
+}

@@ -599,3 +599,100 @@ async fn a_database_restored_from_a_dump_is_fenced() {
     d.fg.spawn(None).expect("the restored instance starts");
     fenced_copy_holds(&d.fg, &d.origin).await;
 }
+
+/// Found by review (F1): a dump restored into a database of another name —
+/// as a managed service's snapshot restore gives a new endpoint — is the same
+/// database by its id, and fenced as one restored in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_restored_under_another_name_is_fenced() {
+    skip_without_postgres!();
+    let pg = postgres::PgServer::shared();
+    let (name, url) = pg.new_database();
+    let mut d = Down::start_on(&state_toml(&url, "")).await;
+    let mut dump = Vec::new();
+    d.run_past_with(|_| dump = pg.dump(&name)).await;
+    assert!(d.fg.terminate().success());
+    let restored = format!("{name}_restored");
+    pg.psql("postgres", &format!("CREATE DATABASE {restored}"));
+    pg.restore(&restored, &dump);
+    let moved = pg.url(&restored);
+    d.fg.edit_config(|t| t.replace(&url, &moved));
+    d.fg.spawn(None).expect("the restored instance starts");
+    fenced_copy_holds(&d.fg, &d.origin).await;
+}
+
+/// Found by review (F2): a backup restored without its `gate-key` cannot
+/// tell its own gate objects from forged ones; once its old gate lease has
+/// ended it takes the guard (its instance id is the same), and compares
+/// every object naming its state — still found to be a copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_data_dir_without_its_gate_key_is_fenced() {
+    let mut d = Down::start().await;
+    let backups = tempfile::tempdir().unwrap();
+    let backup = backups.path().join("state");
+    d.run_past(&backup).await;
+    assert!(d.fg.terminate().success());
+    copy_dir(&backup, &state_dir(&d.fg));
+    std::fs::remove_file(state_dir(&d.fg).join("gate-key")).unwrap();
+    let t0 = std::time::Instant::now();
+    while let Err(e) = d.fg.spawn(None) {
+        assert_eq!(d.fg.last_exit.and_then(|c| c.code()), Some(2), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(60), "never started: {e}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    fenced_copy_holds(&d.fg, &d.origin).await;
+    assert!(d.fg.stderr().contains("gate-key is gone"));
+}
+
+/// Found by review (F3): while the state's generation cannot be raised, a
+/// lease's first message of a newer epoch is not sent (the checkpoint before
+/// it needs the raise after its gate object); once it can, it is — and a
+/// dump taken meanwhile, restored after the original dies, is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_epoch_waits_for_a_raised_generation() {
+    skip_without_postgres!();
+    let pg = postgres::PgServer::shared();
+    let (name, url) = pg.new_database();
+    let mut d = Down::start_on(&state_toml(&url, "")).await;
+    let fg = &d.fg;
+    accepted(&send(keyed(fg, "/hook/e", &d.hook, "m1", "m1")).await);
+    accepted(&send(keyed(fg, "/hook/e", &d.hook, "m2", "m2")).await);
+    for _ in 0..800 {
+        if delivery(fg, "hook", "m1").await["attempts"].as_u64() >= Some(1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    pg.psql(
+        &name,
+        "CREATE FUNCTION no_raise() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'injected: no raise'; END $$; \
+         CREATE TRIGGER no_raise BEFORE UPDATE ON fencegate_identity \
+         FOR EACH ROW EXECUTE FUNCTION no_raise()",
+    );
+    let dump = pg.dump(&name);
+    d.relay.refuse(false);
+    wait_status(fg, "hook", "m2", "delivered").await;
+    let b = force_next_epoch(&d.epochs, "hook", "worker-b", Duration::from_secs(120)).await;
+    accepted(&send(keyed(fg, "/hook/e", &b, "m3", "m3")).await);
+    wait_log(
+        fg,
+        "the gate object before a newer epoch's first message could not be written",
+        2,
+    )
+    .await;
+    assert_eq!(arrived(&d.origin), ["m1", "m2"], "m3 waits for the raise");
+    pg.psql(&name, "DROP TRIGGER no_raise ON fencegate_identity");
+    wait_status(fg, "hook", "m3", "delivered").await;
+    d.fg.kill9();
+    pg.restore(&name, &dump);
+    pg.psql(&name, "DROP TRIGGER no_raise ON fencegate_identity");
+    d.fg.spawn(None).expect("the restored instance starts");
+    for k in ["m1", "m2"] {
+        settled(&d.fg, "hook", k).await;
+    }
+    assert_eq!(arrived(&d.origin), ["m1", "m2", "m3"]);
+    for k in ["m1", "m2"] {
+        wait_status(&d.fg, "hook", k, "failed").await;
+    }
+}

@@ -917,3 +917,44 @@ async fn a_clusters_database_restored_from_a_dump_is_fenced() {
         + logged(&b, "restored or copied state fenced");
     assert_eq!(fenced, 1, "one member fenced lease hook, once");
 }
+
+/// Found by review (F4): members that disagree on a route's kind (fg-a
+/// direct, fg-b queued: a config mistake) both start while the route has no
+/// records. A key is done directly on fg-a; fg-a dies; fg-b, whose route
+/// would queue a retry of that key, does not take the shard (a route's
+/// history follows its name at a takeover too): the retry is refused, never
+/// delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_route_kind_contradicts_its_history_does_not_take_the_shard() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let c = Cluster::start().await;
+    let up = c.origin.url("/v1/");
+    let route = |queued: bool| {
+        let q = if queued {
+            "delivery = \"queued\"\n"
+        } else {
+            ""
+        };
+        format!(
+            "[[route]]\nname = \"hook\"\npath_prefix = \"/hook/\"\nupstream = \"{up}\"\nlease = \"hook\"\ntimeout_ms = 3000\n{q}\n"
+        )
+    };
+    let mut a = c.member_with("fg-a", &route(false));
+    assert!(
+        wait_serves(&a, 0, TAKEOVER).await.is_some(),
+        "{}",
+        a.stderr()
+    );
+    let b = c.member_with("fg-b", &route(true));
+    let w = c.worker().await;
+    assert_eq!(send(message(&a, &w, "k1", "one")).await.status, 200);
+    a.kill9();
+    eventually("fg-b refuses the shard for the route's history", || async {
+        logged(&b, "dedup records of a direct route of that name") > 0
+    })
+    .await;
+    let retry = send(message(&b, &w, "k1", "one")).await;
+    retry.assert_error(503, "shard_unavailable");
+    assert_eq!(bodies(&c.origin), ["one"]);
+}

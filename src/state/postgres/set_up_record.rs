@@ -413,20 +413,24 @@ impl PostgresState {
         .map(drop)
     }
 
-    /// Whether any mark, dedup record or shard row is stored (none in a
-    /// database fencegate never migrated).
+    /// Whether any mark, dedup record, shard row or queued message is stored
+    /// (none in a database fencegate never migrated).
     async fn holds_records(&self) -> Result<bool, StateError> {
         if !self.table_exists("fencegate_marks").await? {
             return Ok(false);
         }
+        let queue = if self.table_exists("fencegate_queue").await? {
+            " OR EXISTS (SELECT 1 FROM fencegate_queue)"
+        } else {
+            ""
+        };
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM fencegate_marks) \
+             OR EXISTS (SELECT 1 FROM fencegate_dedup) \
+             OR EXISTS (SELECT 1 FROM fencegate_owners){queue}"
+        );
         self.with("looking for records", |c| async move {
-            c.query_one(
-                "SELECT EXISTS (SELECT 1 FROM fencegate_marks) \
-                 OR EXISTS (SELECT 1 FROM fencegate_dedup) \
-                 OR EXISTS (SELECT 1 FROM fencegate_owners)",
-                &[],
-            )
-            .await
+            c.query_one(sql.as_str(), &[]).await
         })
         .await
         .map(|r| r.get(0))

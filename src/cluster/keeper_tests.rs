@@ -374,6 +374,8 @@ struct World {
     clock: Arc<dyn Clock>,
     objects: Arc<Mutex<BTreeMap<String, StoredObject>>>,
     tables: Arc<Mutex<Tables>>,
+    /// The database's generations, shared by the members as its tables are.
+    generations: Arc<crate::state::identity::InMemory>,
 }
 
 /// A member, and its own handles on the store and the database.
@@ -395,6 +397,7 @@ impl World {
             clock: TokioClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)),
             objects: Arc::default(),
             tables: Arc::default(),
+            generations: Arc::default(),
         }
     }
 
@@ -452,7 +455,7 @@ impl World {
             crate::cluster::Database {
                 schema: "public",
                 id: None,
-                generations: Arc::new(crate::state::identity::InMemory::default()),
+                generations: self.generations.clone(),
             },
         )
         .await

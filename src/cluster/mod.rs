@@ -123,7 +123,7 @@ pub struct Database<'a> {
     pub schema: &'a str,
     /// The database's id (`fencegate_identity`).
     pub id: Option<&'a str>,
-    /// Its generation, raised before each anchor create.
+    /// Its generation, carried by each anchor create and raised past it.
     pub generations: Arc<dyn crate::state::identity::Generations>,
 }
 

@@ -36,7 +36,8 @@ use super::StateError;
 /// The generation a state has recorded, and the latest restore found in it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Recorded {
-    /// Raised before each gate object written from this state (0: never).
+    /// Carried by each gate object written from this state, and raised past
+    /// it once the object is written (0: never raised).
     pub generation: u64,
     /// The generation at which a copy or restore of this state was last
     /// found (0: never): each lease's queue is fenced once for it

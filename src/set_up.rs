@@ -375,6 +375,24 @@ fn canonical(rec: &EpochRecord) -> Vec<u8> {
     out
 }
 
+/// The lease store a set-up names (SPEC §10): `s3://{bucket}`, or
+/// `dir:{path}` — one directory however the config spells it (relative, `./`,
+/// a symlink). The S3 endpoint is not part of it: one bucket is reached
+/// through several (regional, VPC, path-style) ones.
+pub fn store_name(cfg: &crate::config::Config) -> String {
+    match cfg.store.kind {
+        crate::config::StoreKind::S3 => {
+            format!("s3://{}", cfg.store.bucket.as_deref().unwrap_or_default())
+        }
+        crate::config::StoreKind::Dir => format!(
+            "dir:{}",
+            std::fs::canonicalize(&cfg.store.path)
+                .unwrap_or_else(|_| cfg.store.path.clone())
+                .display()
+        ),
+    }
+}
+
 /// A fresh id: 128 random bits, hex (a set-up's, a database's).
 pub(crate) fn new_id() -> String {
     format!(

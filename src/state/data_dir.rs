@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use super::sled::SledState;
 use super::StateError;
-use crate::config::{Config, StoreKind};
+use crate::config::Config;
 use crate::lease::LeaseStore;
-use crate::set_up::{create_store_id, named_by_gate_objects, store_id};
+use crate::set_up::{create_store_id, named_by_gate_objects, store_id, store_name};
 
 /// What a `data_dir` records of its set-up.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -31,18 +31,6 @@ struct Recorded {
 pub struct MayHold {
     recorded: bool,
     in_store: Option<String>,
-}
-
-fn store_name(cfg: &Config) -> String {
-    match cfg.store.kind {
-        StoreKind::S3 => format!("s3://{}", cfg.store.bucket.as_deref().unwrap_or_default()),
-        StoreKind::Dir => format!(
-            "dir:{}",
-            std::fs::canonicalize(&cfg.store.path)
-                .unwrap_or_else(|_| cfg.store.path.clone())
-                .display()
-        ),
-    }
 }
 
 fn refusal(cfg: &Config, why: String) -> StateError {

@@ -164,98 +164,75 @@ fn copy_dir(from: &Path, to: &Path) {
     assert!(ok, "cp -a {} {}", from.display(), to.display());
 }
 
-/// Direct → removed → queued (two reloads), and a restart with the queued
-/// config: refused while the name keeps dedup records, and a worker's retry
-/// of a delivered key never reaches the destination twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_direct_routes_history_keeps_it_from_becoming_queued() {
+/// A route's history through two reloads and a restart: route `r` starts
+/// as `was_queued` says, delivers key k1, is removed by a reload, comes back
+/// as the other kind by a second reload (refused, saying `why`), and by a
+/// restart (exit 2, saying it again); back as it was, the worker's retry of
+/// k1 is answered from its record. The destination gets k1 once.
+async fn history_follows_the_name(was_queued: bool, why: &str) {
     let leases = tempfile::tempdir().unwrap();
     let origin = Origin::start().await;
     let up = origin.url("/v1/");
-    let direct = route("pay", "pay", &up, false);
-    let queued = route("pay", "pay", &up, true);
+    let was = route("r", "r", &up, was_queued);
+    let other = route("r", "r", &up, !was_queued);
     let filler = route("z", "other", &up, false);
     let mut fg = Fencegate::start_with_server(
         &server_toml(),
-        &format!("{}{direct}{filler}", store_toml(leases.path(), PREFIX)),
+        &format!("{}{was}{filler}", store_toml(leases.path(), PREFIX)),
         &[],
     );
     let epochs = dir_epochs(leases.path());
-    let w = acquire(&epochs, "pay", "worker", Duration::from_secs(120)).await;
-    assert_eq!(
-        send(keyed(&fg, "/pay/charge", &w, "order-1", "one"))
-            .await
-            .status,
-        200
-    );
-    // Reload 1: the route goes. Reload 2: it comes back queued — refused.
-    fg.edit_config(|t| t.replace(&direct, ""));
+    let w = acquire(&epochs, "r", "worker", Duration::from_secs(120)).await;
+    let k1 = |fg: &Fencegate| keyed(fg, "/r/charge", &w, "k1", "one");
+    let first = send(k1(&fg)).await;
+    if was_queued {
+        accepted(&first);
+        wait_status(&fg, "r", "k1", "delivered").await;
+    } else {
+        assert_eq!(first.status, 200);
+    }
+    // Reload 1: the route goes. Reload 2: it comes back as the other kind.
+    fg.edit_config(|t| t.replace(&was, ""));
     fg.hup();
     wait_log(&fg, "config reloaded", 1).await;
-    fg.edit_config(|t| format!("{t}{queued}"));
+    fg.edit_config(|t| format!("{t}{other}"));
     fg.hup();
     wait_log(&fg, "config reload refused", 1).await;
-    let why =
-        "route \"pay\" is queued, and the state keeps dedup records of a direct route of that name";
     assert!(fg.stderr().contains(why), "{}", fg.stderr());
-    send(keyed(&fg, "/pay/charge", &w, "order-1", "one"))
-        .await
-        .assert_error(404, "route_not_found");
-    // A restart with the queued config: exit 2, saying why.
+    send(k1(&fg)).await.assert_error(404, "route_not_found");
+    // A restart with that config: exit 2, saying why.
     fg.kill9();
     assert!(fg.spawn(None).is_err());
     assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
     assert!(fg.stderr().matches(why).count() >= 2, "{}", fg.stderr());
-    // Back to direct: the retry is answered from the record.
-    fg.edit_config(|t| t.replace(&queued, &direct));
-    fg.spawn(None).expect("the direct config starts");
-    let replay = send(keyed(&fg, "/pay/charge", &w, "order-1", "one")).await;
+    // Back as it was: the retry is answered from the record.
+    fg.edit_config(|t| t.replace(&other, &was));
+    fg.spawn(None).expect("the first config starts again");
+    let replay = send(k1(&fg)).await;
     assert_eq!(replay.status, 200);
     assert_eq!(replay.headers["x-fencegate-replayed"], "true");
     assert_eq!(arrived(&origin), ["one"]);
 }
 
-/// Queued → removed → direct (two reloads), and a restart with the direct
-/// config: refused while the name keeps messages (a delivered one is kept
-/// for `[dedup] ttl`), and the retry of a delivered key is not forwarded.
+/// Direct → removed → queued: refused while the name keeps dedup records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_routes_history_keeps_it_from_becoming_queued() {
+    history_follows_the_name(
+        false,
+        "route \"r\" is queued, and the state keeps dedup records of a direct route of that name",
+    )
+    .await;
+}
+
+/// Queued → removed → direct: refused while the name keeps messages (a
+/// delivered one is kept for `[dedup] ttl`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_routes_history_keeps_it_from_becoming_direct() {
-    let leases = tempfile::tempdir().unwrap();
-    let origin = Origin::start().await;
-    let up = origin.url("/v1/");
-    let queued = route("hook", "hook", &up, true);
-    let direct = route("hook", "hook", &up, false);
-    let filler = route("z", "other", &up, false);
-    let mut fg = Fencegate::start_with_server(
-        &server_toml(),
-        &format!("{}{queued}{filler}", store_toml(leases.path(), PREFIX)),
-        &[],
-    );
-    let epochs = dir_epochs(leases.path());
-    let w = acquire(&epochs, "hook", "worker", Duration::from_secs(120)).await;
-    accepted(&send(keyed(&fg, "/hook/e", &w, "m1", "one")).await);
-    wait_status(&fg, "hook", "m1", "delivered").await;
-    fg.edit_config(|t| t.replace(&queued, ""));
-    fg.hup();
-    wait_log(&fg, "config reloaded", 1).await;
-    fg.edit_config(|t| format!("{t}{direct}"));
-    fg.hup();
-    wait_log(&fg, "config reload refused", 1).await;
-    let why = "route \"hook\" is direct, and the state keeps queued messages under its name";
-    assert!(fg.stderr().contains(why), "{}", fg.stderr());
-    send(keyed(&fg, "/hook/e", &w, "m1", "one"))
-        .await
-        .assert_error(404, "route_not_found");
-    fg.kill9();
-    assert!(fg.spawn(None).is_err());
-    assert_eq!(fg.last_exit.and_then(|s| s.code()), Some(2));
-    assert!(fg.stderr().matches(why).count() >= 2, "{}", fg.stderr());
-    fg.edit_config(|t| t.replace(&direct, &queued));
-    fg.spawn(None).expect("the queued config starts");
-    let replay = send(keyed(&fg, "/hook/e", &w, "m1", "one")).await;
-    assert_eq!(replay.status, 200);
-    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
-    assert_eq!(arrived(&origin), ["one"]);
+    history_follows_the_name(
+        true,
+        "route \"r\" is direct, and the state keeps queued messages under its name",
+    )
+    .await;
 }
 
 /// A sled instance with queued route `hook` (lease `hook`) and `tick` (lease

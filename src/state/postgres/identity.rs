@@ -53,16 +53,9 @@ impl PostgresState {
             .await
             .map_err(err)?;
         if let Some(schema) = &self.config_schema {
-            let exists = tx
-                .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[schema])
+            super::schema::ensure_schema(&tx, schema)
                 .await
-                .map_err(err)?
-                .is_some();
-            if !exists {
-                tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                    .await
-                    .map_err(err)?;
-            }
+                .map_err(err)?;
         }
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS fencegate_identity (

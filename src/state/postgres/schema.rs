@@ -171,6 +171,25 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE fencegate_queue_leases ADD COLUMN restore_fenced bigint NOT NULL DEFAULT 0;",
 ];
 
+/// Creates `schema` when missing. Looked up first: `CREATE SCHEMA IF NOT
+/// EXISTS` needs the CREATE privilege on the database even when the schema
+/// exists, and a role given a schema by its administrator may lack it. The
+/// name is an unquoted identifier (checked with the config).
+pub(super) async fn ensure_schema(
+    tx: &tokio_postgres::Transaction<'_>,
+    schema: &str,
+) -> Result<(), tokio_postgres::Error> {
+    let exists = tx
+        .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[&schema])
+        .await?
+        .is_some();
+    if !exists {
+        tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+            .await?;
+    }
+    Ok(())
+}
+
 /// Creates or migrates the schema — in `schema` when set (`[state] schema`,
 /// created if missing; the connection's `search_path` names it), else where
 /// the connection's `search_path` creates tables; returns the version found
@@ -184,20 +203,7 @@ pub async fn migrate(client: &mut Client, schema: Option<&str>) -> Result<i32, S
         .await
         .map_err(err)?;
     if let Some(schema) = schema {
-        // Looked up first: `CREATE SCHEMA IF NOT EXISTS` needs the CREATE
-        // privilege on the database even when the schema exists, and a role
-        // given a schema by its administrator may lack it. The name is an
-        // unquoted identifier (checked with the config).
-        let exists = tx
-            .query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[&schema])
-            .await
-            .map_err(err)?
-            .is_some();
-        if !exists {
-            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                .await
-                .map_err(err)?;
-        }
+        ensure_schema(&tx, schema).await.map_err(err)?;
     }
     tx.batch_execute("CREATE TABLE IF NOT EXISTS fencegate_schema (version integer NOT NULL)")
         .await

@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::{PostgresState, StateError};
-use crate::config::{Config, StoreKind};
+use crate::config::Config;
 use crate::lease::LeaseStore;
 use crate::set_up::{create_store_id, push_field, set_up_key, store_id, GateKey};
 
@@ -49,20 +49,9 @@ pub struct OurSetUp {
 }
 
 impl OurSetUp {
-    /// The set-up `cfg` describes. The S3 endpoint is not part of it: one
-    /// bucket is reached through several (regional, VPC, path-style) ones.
+    /// The set-up `cfg` describes ([`crate::set_up::store_name`]).
     pub fn of(cfg: &Config, state: &str) -> OurSetUp {
-        let store = match cfg.store.kind {
-            StoreKind::S3 => format!("s3://{}", cfg.store.bucket.as_deref().unwrap_or_default()),
-            StoreKind::Dir => format!(
-                "dir:{}",
-                // One directory, however the config spells it (relative,
-                // `./`, a symlink): the store is open, so it exists.
-                std::fs::canonicalize(&cfg.store.path)
-                    .unwrap_or_else(|_| cfg.store.path.clone())
-                    .display()
-            ),
-        };
+        let store = crate::set_up::store_name(cfg);
         let (mode, recorded_by, key) = match &cfg.cluster {
             Some(c) => (
                 "cluster",

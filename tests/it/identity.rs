@@ -459,6 +459,21 @@ macro_rules! skip_without_postgres {
     };
 }
 
+/// One environment's instance on `toml` forwards `key` on lease `pay` for a
+/// worker of `epochs`, then stops (SIGTERM): the instance and the worker.
+async fn serve_once(
+    toml: &str,
+    epochs: &fencegate::lease::Epochs,
+    key: &str,
+    body: &str,
+) -> (Fencegate, Holding) {
+    let mut fg = Fencegate::start_with_server(&server_toml(), toml, &[]);
+    let w = acquire(epochs, "pay", "worker", Duration::from_secs(120)).await;
+    assert_eq!(send(keyed(&fg, "/pay/c", &w, key, body)).await.status, 200);
+    assert!(fg.terminate().success());
+    (fg, w)
+}
+
 /// Issue 49, repro 1: staging and production reach *their own* database by
 /// one connection string (here: a database renamed away, another created
 /// under its name — as two networks' DNS would do). Production's set-up row
@@ -487,42 +502,15 @@ async fn another_environments_connection_string_does_not_claim_a_database() {
     };
     let store = dir_epochs(leases.path()).store().clone();
     let epochs = |prefix: &str| fencegate::lease::Epochs::new(store.clone(), prefix);
-    let mut staging = Fencegate::start_with_server(&server_toml(), &env("staging/"), &[]);
-    let ws = acquire(
-        &epochs("staging/"),
-        "pay",
-        "staging-worker",
-        Duration::from_secs(120),
-    )
-    .await;
-    assert_eq!(
-        send(keyed(&staging, "/pay/c", &ws, "s-1", "staging"))
-            .await
-            .status,
-        200
-    );
-    assert!(staging.terminate().success());
+    let (mut staging, _) =
+        serve_once(&env("staging/"), &epochs("staging/"), "s-1", "staging").await;
     pg.psql(
         "postgres",
         &format!("ALTER DATABASE {name} RENAME TO {name}_staging"),
     );
     pg.psql("postgres", &format!("CREATE DATABASE {name}"));
 
-    let mut prod = Fencegate::start_with_server(&server_toml(), &env("prod/"), &[]);
-    let wp = acquire(
-        &epochs("prod/"),
-        "pay",
-        "prod-worker",
-        Duration::from_secs(120),
-    )
-    .await;
-    assert_eq!(
-        send(keyed(&prod, "/pay/c", &wp, "order-1", "prod"))
-            .await
-            .status,
-        200
-    );
-    assert!(prod.terminate().success());
+    let (mut prod, wp) = serve_once(&env("prod/"), &epochs("prod/"), "order-1", "prod").await;
     pg.psql(&name, "DELETE FROM fencegate_set_up");
     let err = staging
         .spawn(None)

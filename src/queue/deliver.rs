@@ -332,13 +332,18 @@ async fn attempt(
     if let Some(c) = &q.ctx.checkpoint {
         // SPEC §10, identity and generations: a copy of the state taken
         // before this send must find itself older than the gate objects.
-        if m.epoch > q.store.sent_epoch(&m.lease).await? && !c.checkpoint().await {
-            tracing::warn!(lease = %m.lease, epoch = m.epoch, "the gate object before a newer epoch's first message could not be written; not sent yet");
-            tokio::select! {
-                _ = q.ctx.stop.cancelled() => {}
-                _ = tokio::time::sleep(PAUSE) => {}
+        // Looked up in the store once per lease and newer epoch: the epoch
+        // known sent here only rises (a restored state is a new process).
+        if m.epoch > q.known_sent(&m.lease) {
+            if m.epoch > q.store.sent_epoch(&m.lease).await? && !c.checkpoint().await {
+                tracing::warn!(lease = %m.lease, epoch = m.epoch, "the gate object before a newer epoch's first message could not be written; not sent yet");
+                tokio::select! {
+                    _ = q.ctx.stop.cancelled() => {}
+                    _ = tokio::time::sleep(PAUSE) => {}
+                }
+                return Ok(());
             }
-            return Ok(());
+            q.note_sent(&m.lease, m.epoch);
         }
     }
     let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {

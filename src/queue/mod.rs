@@ -300,6 +300,9 @@ pub struct Queue {
     telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
     /// Leases whose queue was found fenced for [`Context::restored`].
     fenced: Mutex<std::collections::HashSet<String>>,
+    /// Per lease, an epoch known to be at most its newest sent one: no
+    /// checkpoint is needed to send a message of it or below.
+    sent: Mutex<HashMap<String, u64>>,
     /// When this process started (ms): a message it accepted was sent by
     /// no copy, so a restored state's fence need not count it unknown.
     started_ms: u64,
@@ -321,9 +324,27 @@ impl Queue {
             cut: Mutex::new(HashMap::new()),
             depth: Mutex::new(HashMap::new()),
             fenced: Mutex::new(Default::default()),
+            sent: Mutex::new(HashMap::new()),
             started_ms: ms(ctx.clock.now()),
             ctx,
         })
+    }
+
+    /// The epoch known here to be at most `lease`'s newest sent one (0).
+    pub(crate) fn known_sent(&self, lease: &str) -> u64 {
+        self.sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(lease)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// A message of `lease` at `epoch` is cleared to be sent.
+    pub(crate) fn note_sent(&self, lease: &str, epoch: u64) {
+        let mut sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
+        let e = sent.entry(lease.to_owned()).or_default();
+        *e = (*e).max(epoch);
     }
 
     /// SPEC §10, identity and generations: before `lease`'s messages are

@@ -506,15 +506,16 @@ pub(crate) async fn named_by_gate_objects(
 const GENERATIONS_READ: u64 = 16;
 
 /// The highest `state_generation` among the latest gate objects of `shard`
-/// (up to `latest`) that name `state` and that `sealed` verifies as this
-/// set-up's own (none: no such object carries one): a forged object cannot
-/// make a state fence itself ([`crate::state::identity`]).
+/// (up to `latest`) that name `state` (none: no such object carries one),
+/// sealed or not: another `data_dir` on the same database, or a member under
+/// an older peer token, wrote them as truly as this one. A forged object can
+/// make a state fence itself (availability); none can make it skip a fence
+/// ([`crate::state::identity`]).
 pub async fn generation_seen(
     epochs: &Epochs,
     shard: &LeaseName,
     latest: crate::epoch::Epoch,
     state: &str,
-    sealed: impl Fn(&EpochRecord) -> bool,
 ) -> Result<Option<u64>, StoreError> {
     let mut seen = None;
     let top = latest.get();
@@ -532,7 +533,6 @@ pub async fn generation_seen(
         if r.epoch == e
             && r.lease == shard.as_str()
             && r.state.as_deref().is_some_and(|n| same_state(n, state))
-            && sealed(&r)
         {
             seen = seen.max(r.state_generation);
         }

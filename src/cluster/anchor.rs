@@ -286,6 +286,8 @@ impl Cluster {
             Err(AcquireError::NotHolder { .. }) => false,
             Err(e) => {
                 tracing::warn!(error = %e, "could not renew the prefix's anchor");
+                // Its object may have landed all the same: raise past it.
+                self.stamp.written(stamped).await;
                 false
             }
         }
@@ -334,6 +336,7 @@ impl Cluster {
             Err(AcquireError::Held { .. } | AcquireError::NotHolder { .. }) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "could not take the prefix's anchor");
+                self.stamp.written(stamped).await;
                 return None;
             }
         };

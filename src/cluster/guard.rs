@@ -226,39 +226,16 @@ impl InstanceGuard {
             database.map(|d| d.0),
             database.map(|d| d.1),
         );
-        let key_lost = !cfg.server.data_dir.join(KEY_FILE).exists();
         let key = crate::set_up::GateKey::from_secret(
             gate_secret(&cfg.server.data_dir)?.as_bytes(),
             &format!("{}.gate/", cfg.store.prefix),
         );
-        // A state written before whose key is gone (a backup restored without
-        // it) cannot tell its own objects from forged ones: it compares every
-        // object naming it — fencing too much rather than too little.
-        let unsealed = key_lost && gens.recorded().await?.generation > 0;
-        if unsealed {
-            tracing::warn!(
-                state = %state_id,
-                "this data_dir's gate-key is gone, though its state was written before: its own gate objects are compared with it unsealed (keep gate-key with the data_dir)"
-            );
-        }
-        let epochs = Epochs::new(store, format!("{}.gate/", cfg.store.prefix));
-        let shard = crate::set_up::shard_name(0);
-        let before = acquire::status(&epochs, &shard).await?;
-        // SPEC §10, identity and generations: a gate object of this state
-        // naming a generation at or above the state's own was written after
-        // the state was copied — a copy, or a restored backup. Recorded
-        // (durably, with the raise) before anything else is written, so that
-        // a crash before its fence finds it again. No other writer of this
-        // state's objects can be between an object and its raise (the guard
-        // keeps one instance per prefix; a copy beside it is a copy).
-        let seen = crate::set_up::generation_seen(&epochs, &shard, before.latest, &state_id, |r| {
-            unsealed || key.verifies(r)
-        })
-        .await?;
-        let stamp = Stamp::start(gens, &state_id, seen, None).await?;
+        // The state's generation before anything of this start is written:
+        // compared, once the guard is held, with the gate objects naming it.
+        let generation = gens.recorded().await?;
         let guard = Arc::new(InstanceGuard {
-            epochs,
-            shard,
+            epochs: Epochs::new(store, format!("{}.gate/", cfg.store.prefix)),
+            shard: crate::set_up::shard_name(0),
             id,
             advertise,
             ttl: cfg.store.gate_ttl,
@@ -273,8 +250,9 @@ impl InstanceGuard {
             shared_id: AtomicBool::new(false),
             lost: tokio::sync::Notify::new(),
             renewing: tokio::sync::Mutex::new(()),
-            stamp,
+            stamp: Stamp::new(gens),
         });
+        let before = acquire::status(&guard.epochs, &guard.shard).await?;
         let free = guard.is_free(&before);
         // Garbage at the latest epoch hides nothing: the checks read the latest
         // gate object that parses.
@@ -330,6 +308,24 @@ impl InstanceGuard {
             Err(e) => return Err(e),
         }
         guard.after_take().await?;
+        // SPEC §10, identity and generations: a gate object naming this
+        // state at or above its generation was written after the state was
+        // copied — a copy, or a restored backup. Looked at only once the
+        // guard is held (an instance refused records nothing), and recorded
+        // (durably, with the raise) before anything is sent, so that a crash
+        // before a lease's fence finds it again. No other writer of this
+        // state's objects runs now: the guard keeps one instance per prefix.
+        let latest = guard
+            .epochs
+            .latest_after(&guard.shard, crate::epoch::Epoch::NONE)
+            .await?;
+        let seen =
+            crate::set_up::generation_seen(&guard.epochs, &guard.shard, latest, &guard.state_id)
+                .await?;
+        guard
+            .stamp
+            .find(&guard.state_id, generation, seen, None)
+            .await?;
         match previous.as_deref() {
             Some(h) if h != guard.id => tracing::warn!(
                 previous = h,
@@ -506,7 +502,11 @@ impl InstanceGuard {
                     until: expires_at,
                 });
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                // Its object may have landed all the same: raise past it.
+                self.stamp.written(stamped).await;
+                return Err(e.into());
+            }
         };
         self.window.extend(sent, self.ttl, self.margin);
         *self.holding.lock().await = Some(held);

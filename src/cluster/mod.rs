@@ -270,11 +270,16 @@ impl Cluster {
         let latest = epochs
             .latest_after(&shard0, crate::epoch::Epoch::NONE)
             .await?;
-        let seen = crate::set_up::generation_seen(&epochs, &shard0, latest, &state_id, |r| {
-            key.verifies(r)
-        })
-        .await?;
-        let stamp = Stamp::start(gens, &state_id, seen, Some(cfg.state.timeout() * 2)).await?;
+        let seen = crate::set_up::generation_seen(&epochs, &shard0, latest, &state_id).await?;
+        let stamp = Stamp::new(gens.clone());
+        stamp
+            .find(
+                &state_id,
+                gens.recorded().await?,
+                seen,
+                Some(cfg.state.timeout() * 2),
+            )
+            .await?;
         let cluster = Arc::new(Cluster {
             id: cc.instance_id.clone(),
             advertise: cc.advertise.trim_end_matches('/').to_owned(),

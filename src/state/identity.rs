@@ -62,37 +62,68 @@ pub trait Generations: Send + Sync + 'static {
 /// What a writer of gate objects keeps of its state's generation: what the
 /// next object carries, and the raise after it.
 pub struct Stamp {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     gens: Arc<dyn Generations>,
     /// The state's generation as last raised here.
     generation: AtomicU64,
-    /// No object carries `generation` yet (the last raise succeeded): the
-    /// next one may. After a failed raise objects carry none until a raise
-    /// succeeds — never one the state has not been raised past.
+    /// The next object may carry `generation`: the state's generation is
+    /// known ([`Stamp::find`]) and no object carries it yet (the last raise
+    /// succeeded). Otherwise objects carry none — never one the state has
+    /// not been raised past — and [`Stamp::written`] raises nothing until
+    /// the state's generation is known.
     fresh: AtomicBool,
+    /// Whether the generation is known ([`Stamp::find`] ran).
+    found: AtomicBool,
+    /// A raise that failed is being retried in the background.
+    retrying: AtomicBool,
     /// [`Recorded::restored`], as found at start-up.
-    restored: u64,
+    restored: AtomicU64,
 }
 
+/// How often a raise that failed is tried again: well within the time a
+/// starting cluster member waits before it concludes (`settle`).
+const RETRY: Duration = Duration::from_millis(250);
+
 impl Stamp {
-    /// At start-up: `seen`, the highest generation among this state's own
-    /// latest gate objects, against the state's. One at or above it was
-    /// written after the state was copied: the restore is recorded (and
-    /// logged). `settle`: writers other than this one may be between an
-    /// object and its raise (a cluster's members): a finding is confirmed by
-    /// reading the state again after that long. The state is raised past
-    /// `seen` either way.
-    pub async fn start(
-        gens: Arc<dyn Generations>,
+    /// A stamp that stamps and raises nothing until [`Stamp::find`].
+    pub fn new(gens: Arc<dyn Generations>) -> Stamp {
+        Stamp {
+            inner: Arc::new(Inner {
+                gens,
+                generation: AtomicU64::new(0),
+                fresh: AtomicBool::new(false),
+                found: AtomicBool::new(false),
+                retrying: AtomicBool::new(false),
+                restored: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// At start-up: `seen`, the highest generation among the state's latest
+    /// gate objects, against `before`, the state's generation as read before
+    /// anything of this start was written. One at or above it was written
+    /// after the state was copied: the restore is recorded (and logged).
+    /// `settle`: writers other than this one may be between an object and
+    /// its raise (a cluster's members), so a finding is confirmed by reading
+    /// the state again after that long. The state is raised past `seen`
+    /// either way; from then on objects carry its generation.
+    pub async fn find(
+        &self,
         state: &str,
+        before: Recorded,
         seen: Option<u64>,
         settle: Option<Duration>,
-    ) -> Result<Stamp, StateError> {
-        let mut recorded = gens.recorded().await?;
+    ) -> Result<(), StateError> {
+        let inner = &self.inner;
         let older = |r: &Recorded| seen.is_some_and(|s| s >= r.generation);
+        let mut recorded = before;
         if older(&recorded) {
             if let Some(d) = settle {
                 tokio::time::sleep(d).await;
-                recorded = gens.recorded().await?;
+                recorded = inner.gens.recorded().await?;
             }
         }
         let found = older(&recorded);
@@ -104,37 +135,53 @@ impl Stamp {
                 "this state is older than its own gate objects: a copy of it, or a restored backup. What was sent from it after the copy is not in it: each lease's queued messages are fenced before any is sent (SPEC §10, identity and generations)"
             );
         }
-        let now = gens.advance(seen.unwrap_or(0), found).await?;
-        Ok(Stamp {
-            gens,
-            generation: AtomicU64::new(now.generation),
-            fresh: AtomicBool::new(true),
-            restored: now.restored,
-        })
+        let now = inner.gens.advance(seen.unwrap_or(0), found).await?;
+        inner.generation.store(now.generation, Ordering::SeqCst);
+        inner.restored.store(now.restored, Ordering::SeqCst);
+        inner.found.store(true, Ordering::SeqCst);
+        inner.fresh.store(true, Ordering::SeqCst);
+        Ok(())
     }
 
     /// What the next gate object carries as `state_generation`.
     pub fn next(&self) -> Option<u64> {
-        self.fresh
+        let inner = &self.inner;
+        inner
+            .fresh
             .load(Ordering::SeqCst)
-            .then(|| self.generation.load(Ordering::SeqCst))
+            .then(|| inner.generation.load(Ordering::SeqCst))
     }
 
-    /// After a gate object carrying `stamped` was written: the state raised
-    /// past it, durably. Whether the object is a checkpoint — it carried a
+    /// After a gate object carrying `stamped` was created — or a create
+    /// whose outcome is not known: raising is harmless — the state raised
+    /// past it, durably. Whether the object is a checkpoint: it carried a
     /// generation and nobody raised the state between that and this raise,
-    /// so every copy taken before this raise is at or below it.
+    /// so every copy taken before this raise is at or below it. A raise that
+    /// fails is tried again in the background until it succeeds: until then
+    /// the latest object may name the state's own generation, which a
+    /// starting cluster member would take for a copy.
     pub async fn written(&self, stamped: Option<u64>) -> bool {
-        let base = self.generation.load(Ordering::SeqCst);
-        match self.gens.advance(base, false).await {
-            Ok(r) => {
-                self.generation.store(r.generation, Ordering::SeqCst);
-                self.fresh.store(true, Ordering::SeqCst);
-                stamped.is_some_and(|g| r.generation == g + 1)
-            }
+        let inner = &self.inner;
+        if !inner.found.load(Ordering::SeqCst) {
+            return false;
+        }
+        match Inner::raise(inner).await {
+            Ok(now) => stamped.is_some_and(|g| now == g + 1),
             Err(e) => {
-                self.fresh.store(false, Ordering::SeqCst);
-                tracing::warn!(error = %e, "could not raise the state's generation after a gate object; the next ones carry none until it is");
+                inner.fresh.store(false, Ordering::SeqCst);
+                tracing::warn!(error = %e, "could not raise the state's generation after a gate object; trying again");
+                if !inner.retrying.swap(true, Ordering::SeqCst) {
+                    let inner = self.inner.clone();
+                    tokio::spawn(async move {
+                        loop {
+                            tokio::time::sleep(RETRY).await;
+                            if Inner::raise(&inner).await.is_ok() {
+                                break;
+                            }
+                        }
+                        inner.retrying.store(false, Ordering::SeqCst);
+                    });
+                }
                 false
             }
         }
@@ -143,7 +190,18 @@ impl Stamp {
     /// The generation at which the state was last found restored or copied
     /// (0: never).
     pub fn restored(&self) -> u64 {
-        self.restored
+        self.inner.restored.load(Ordering::SeqCst)
+    }
+}
+
+impl Inner {
+    /// Raises the state past the generation last raised here; the new one.
+    async fn raise(inner: &Inner) -> Result<u64, StateError> {
+        let base = inner.generation.load(Ordering::SeqCst);
+        let r = inner.gens.advance(base, false).await?;
+        inner.generation.store(r.generation, Ordering::SeqCst);
+        inner.fresh.store(true, Ordering::SeqCst);
+        Ok(r.generation)
     }
 }
 
@@ -187,31 +245,39 @@ mod tests {
     /// A fresh state, and one whose objects all lie below it, is no copy; an
     /// object at or above it makes it one, recorded once; a raise after an
     /// object is a checkpoint only when nobody raised in between.
+    async fn started(gens: Arc<InMemory>, seen: Option<u64>) -> Stamp {
+        let stamp = Stamp::new(gens.clone());
+        let before = gens.recorded().await.unwrap();
+        stamp.find("s", before, seen, None).await.unwrap();
+        stamp
+    }
+
+    /// A fresh state, and one whose objects all lie below it, is no copy; an
+    /// object at or above it makes it one, recorded once; a raise after an
+    /// object is a checkpoint only when nobody raised in between.
     #[tokio::test]
     async fn a_state_at_or_below_its_own_objects_is_a_copy() {
         let gens = Arc::new(InMemory::default());
-        let fresh = Stamp::start(gens.clone(), "s", None, None).await.unwrap();
+        let idle = Stamp::new(gens.clone());
+        assert_eq!(idle.next(), None, "nothing stamped before the finding");
+        assert!(!idle.written(None).await);
+        assert_eq!(gens.recorded().await.unwrap().generation, 0, "nor raised");
+        let fresh = started(gens.clone(), None).await;
         assert_eq!(fresh.restored(), 0);
         let g = fresh.next();
         assert_eq!(g, Some(1));
         assert!(fresh.written(g).await, "one writer: a checkpoint");
         assert_eq!(fresh.next(), Some(2));
         // Restarted, the objects below the state: no copy.
-        let again = Stamp::start(gens.clone(), "s", Some(1), None)
-            .await
-            .unwrap();
+        let again = started(gens.clone(), Some(1)).await;
         assert_eq!(again.restored(), 0);
         // A copy taken at generation 3 meets an object that carried 3.
         let copy = Arc::new(InMemory::default());
         copy.advance(2, false).await.unwrap();
-        let found = Stamp::start(copy.clone(), "s", Some(3), None)
-            .await
-            .unwrap();
+        let found = started(copy.clone(), Some(3)).await;
         assert_eq!(found.restored(), 4, "recorded at the raise past it");
         // Another start finding the same copy again records nothing new.
-        let second = Stamp::start(copy.clone(), "s", Some(3), None)
-            .await
-            .unwrap();
+        let second = started(copy.clone(), Some(3)).await;
         assert_eq!(second.restored(), 4);
         // Someone else raised between the object and its raise: no checkpoint.
         let stamped = second.next();

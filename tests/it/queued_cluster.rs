@@ -958,3 +958,72 @@ async fn a_member_whose_route_kind_contradicts_its_history_does_not_take_the_sha
     retry.assert_error(503, "shard_unavailable");
     assert_eq!(bodies(&c.origin), ["one"]);
 }
+
+/// Found by the second review (R2-3): one raise of the database's generation
+/// fails (a trigger refuses exactly one UPDATE) after fg-a's anchor create,
+/// so for a while the anchor's latest object names the database's own
+/// generation. fg-b, started then, must not take the healthy database for a
+/// restored one: the failed raise is tried again within a quarter second,
+/// and a starting member confirms a finding after two `[state]` timeouts.
+/// m1 (epoch 1, behind a down receiver while epoch 2 is the latest) is
+/// delivered by fg-b, never failed unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failed_raise_does_not_make_a_starting_member_fence_a_healthy_queue() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let c = Cluster::start().await;
+    let relay = Relay::start(c.origin.addr.port()).await;
+    relay.refuse(true);
+    let up = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let retry = format!(
+        "retry = {{ schedule = [\"200ms\"{}] }}",
+        ", \"5s\"".repeat(19)
+    );
+    let member = |id: &str| {
+        c.member_gated(
+            id,
+            &hook_route(&up, &format!("x-via = \"{id}\""), &retry),
+            ("20s", "4s"),
+        )
+    };
+    let mut a = member("fg-a");
+    assert!(
+        wait_serves(&a, 0, TAKEOVER).await.is_some(),
+        "{}",
+        a.stderr()
+    );
+    let w = c.worker().await;
+    accepted(&send(message(&a, &w, "m1", "m1")).await, "m1");
+    let epochs = c.s3.epochs().await;
+    force_next_epoch(&epochs, "hook", "worker-2", Duration::from_secs(300)).await;
+    PgServer::shared().psql(
+        &c.db_name,
+        "CREATE SEQUENCE fail_once; \
+         CREATE FUNCTION fail_once() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN IF nextval('fail_once') = 1 THEN \
+         RAISE EXCEPTION 'injected: one failed raise'; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER fail_once BEFORE UPDATE ON fencegate_identity \
+         FOR EACH ROW EXECUTE FUNCTION fail_once()",
+    );
+    eventually("fg-a's raise after an anchor create fails once", || async {
+        logged(&a, "could not raise the state's generation") > 0
+    })
+    .await;
+    let b = member("fg-b");
+    assert!(a.terminate().success());
+    assert!(
+        wait_serves(&b, 0, TAKEOVER).await.is_some(),
+        "{}",
+        b.stderr()
+    );
+    relay.refuse(false);
+    let m1 = wait_status_for(&b, "m1", TAKEOVER, |v| {
+        matches!(v["status"].as_str(), Some("delivered" | "failed"))
+    })
+    .await;
+    assert_eq!(m1["status"], "delivered", "a healthy queue fenced: {m1}");
+    assert_eq!(
+        logged(&b, "this state is older than its own gate objects"),
+        0
+    );
+}

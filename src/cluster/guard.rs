@@ -258,14 +258,19 @@ impl InstanceGuard {
         // gate object that parses.
         let last = guard.last_record(&before).await?;
         let previous = last.as_ref().map(|r| r.holder.clone());
+        // SPEC §10.1: an instance whose deliveries are elsewhere is not taken
+        // over from without the operator's word. Decided on the holder read
+        // before the take, whether or not its lease was over then: one that
+        // ends between that read and the take is taken over from all the
+        // same, and the take is undone.
+        let mut other_state = None;
         if last.is_none()
             && before.latest != crate::epoch::Epoch::NONE
-            && free
             && !cfg.takeover_may_duplicate
         {
             // Garbage all the way down: whoever held the guard is unknown, and
             // so is where it kept its deliveries.
-            return Err(GuardError::OtherState {
+            other_state = Some(GuardError::OtherState {
                 holder: "an instance no readable gate object names".into(),
                 theirs: None,
                 ours: guard.state_id.clone(),
@@ -279,22 +284,25 @@ impl InstanceGuard {
                     holder: rec.holder,
                 });
             }
-            // SPEC §10.1: an instance whose deliveries are elsewhere is not
-            // taken over from without the operator's word.
-            // (A live holder is refused below, by name and with its expiry.)
             let shares = rec.holder == guard.id
                 || rec
                     .state
                     .as_deref()
                     .is_some_and(|s| crate::set_up::same_state(s, &guard.state_id));
-            if free && !shares && !cfg.takeover_may_duplicate {
-                return Err(GuardError::OtherState {
+            if !shares && !cfg.takeover_may_duplicate {
+                other_state = Some(GuardError::OtherState {
                     holder: rec.holder,
                     theirs: rec.state,
                     ours: guard.state_id.clone(),
                 });
             }
         }
+        if free {
+            if let Some(refused) = other_state.take() {
+                return Err(refused);
+            }
+        }
+        // (A live holder is refused here, by name and with its expiry.)
         match guard.take(None).await {
             Ok(()) => {}
             Err(GuardError::Acquire(AcquireError::Held {
@@ -306,6 +314,11 @@ impl InstanceGuard {
                 })
             }
             Err(e) => return Err(e),
+        }
+        if let Some(refused) = other_state {
+            // Its lease ended between the read and the take.
+            guard.release().await;
+            return Err(refused);
         }
         guard.after_take().await?;
         // SPEC §10, identity and generations: a gate object naming this

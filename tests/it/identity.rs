@@ -371,7 +371,7 @@ async fn fenced_copy_holds(fg: &Fencegate, origin: &Origin) {
     // hour away): sent again at once, and counted.
     let t1 = wait_status(fg, "tick", "t1", "delivered").await;
     assert_eq!(t1["unknown_outcomes"].as_u64(), Some(2), "{t1}");
-    assert!(fg.stderr().contains("restored or copied state fenced"));
+    wait_log(fg, "restored or copied state fenced", 1).await;
 }
 
 /// Issue 49, repro 2: a copy of the data_dir taken while A ran takes the

@@ -913,9 +913,13 @@ async fn a_clusters_database_restored_from_a_dump_is_fenced() {
             "{v}"
         );
     }
-    let fenced = logged(&a, "restored or copied state fenced")
-        + logged(&b, "restored or copied state fenced");
-    assert_eq!(fenced, 1, "one member fenced lease hook, once");
+    // The fence is logged once its mark is written, after its messages.
+    let fenced = || {
+        logged(&a, "restored or copied state fenced")
+            + logged(&b, "restored or copied state fenced")
+    };
+    eventually("the fence logged", || async { fenced() > 0 }).await;
+    assert_eq!(fenced(), 1, "one member fenced lease hook, once");
 }
 
 /// Found by review (F4): members that disagree on a route's kind (fg-a

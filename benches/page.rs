@@ -150,6 +150,9 @@ fn start(leases: usize, keys: usize) -> (Running, Duration) {
     let child = Command::new(env!("CARGO_BIN_EXE_fencegate"))
         .args(["serve", "--config"])
         .arg(&file)
+        // Its records were written by `prepopulate`, not by a set-up whose
+        // gate objects name them (SPEC §10, one data_dir, one set-up).
+        .arg("--claim-state")
         .env("FENCEGATE_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())

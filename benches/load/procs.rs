@@ -205,6 +205,35 @@ pub fn spawn_fencegate(
     extra: &str,
     envs: &[(&str, &str)],
 ) -> Result<Proc, String> {
+    spawn_fencegate_with(
+        exe,
+        name,
+        dir,
+        store,
+        data_dir,
+        origin,
+        routes,
+        extra,
+        envs,
+        &[],
+    )
+}
+
+/// [`spawn_fencegate`] with more `serve` arguments (`--claim-state` for a
+/// data_dir the bench filled itself: records no gate object names).
+#[allow(clippy::too_many_arguments)]
+pub fn spawn_fencegate_with(
+    exe: &Path,
+    name: &str,
+    dir: &Path,
+    store: &Path,
+    data_dir: &Path,
+    origin: SocketAddr,
+    routes: &[RouteSpec],
+    extra: &str,
+    envs: &[(&str, &str)],
+    more_args: &[&str],
+) -> Result<Proc, String> {
     let mut cfg = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ndata_dir = {data:?}\n\
          {extra}\n[store]\nkind = \"dir\"\npath = {store:?}\nprefix = \"fencegate/\"\n",
@@ -227,11 +256,12 @@ pub fn spawn_fencegate(
     std::fs::File::create(&path)
         .and_then(|mut f| f.write_all(cfg.as_bytes()))
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    let args = vec![
+    let mut args = vec![
         "serve".to_string(),
         "--config".into(),
         path.display().to_string(),
     ];
+    args.extend(more_args.iter().map(|a| a.to_string()));
     // Default logging (info) unless `envs` says otherwise: the per-request span is
     // part of what is measured. The access line is off, as nginx's `access_log
     // off` is in this bench (a filter, so an older build B takes it too).

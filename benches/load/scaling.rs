@@ -700,7 +700,9 @@ async fn dedup_records(
         let lease = format!("bench-dedup-{name}");
         let (e, t) = procs::acquire(&epochs, &lease).await?;
         let t0 = std::time::Instant::now();
-        let p = procs::spawn_fencegate(
+        // The filled data_dir's records were written here, not by a set-up:
+        // claimed (SPEC §10, one data_dir, one set-up).
+        let p = procs::spawn_fencegate_with(
             &fencegate_exe(),
             &format!("dedup-{name}"),
             dir,
@@ -713,6 +715,7 @@ async fn dedup_records(
             }],
             "",
             &[],
+            &["--claim-state"],
         )?;
         let startup = t0.elapsed().as_secs_f64();
         let rss = procs::rss_kib(p.pid).0;

@@ -501,15 +501,18 @@ pub(crate) async fn named_by_gate_objects(
     Ok(false)
 }
 
-/// How many gate epochs below the latest are read for the highest
-/// generation an object of a state names.
-const GENERATIONS_READ: u64 = 16;
+/// How many of a state's own latest gate objects are read for the highest
+/// generation they name, and how far back at most they are looked for (other
+/// states' objects — a takeover's — in between).
+const GENERATIONS_READ: usize = 16;
+const GENERATIONS_DEPTH: u64 = 1024;
 
 /// The highest `state_generation` among the latest gate objects of `shard`
-/// (up to `latest`) that name `state` (none: no such object carries one),
-/// sealed or not: another `data_dir` on the same database, or a member under
-/// an older peer token, wrote them as truly as this one. A forged object can
-/// make a state fence itself (availability); none can make it skip a fence
+/// (up to `latest`) that name `state` (none: no such object carries one):
+/// the latest 16 of them, looked for up to 1,024 epochs back. Sealed or not:
+/// another `data_dir` on the same database, or a member under an older peer
+/// token, wrote them as truly as this one. A forged object can make a state
+/// fence itself (availability); none can make it skip a fence
 /// ([`crate::state::identity`]).
 pub async fn generation_seen(
     epochs: &Epochs,
@@ -517,10 +520,10 @@ pub async fn generation_seen(
     latest: crate::epoch::Epoch,
     state: &str,
 ) -> Result<Option<u64>, StoreError> {
-    let mut seen = None;
+    let (mut seen, mut ours) = (None, 0);
     let top = latest.get();
-    for e in (top.saturating_sub(GENERATIONS_READ - 1)..=top).rev() {
-        if e == 0 {
+    for e in (top.saturating_sub(GENERATIONS_DEPTH - 1)..=top).rev() {
+        if e == 0 || ours >= GENERATIONS_READ {
             break;
         }
         let key = crate::epoch::object_key(epochs.prefix(), shard, crate::epoch::Epoch::new(e));
@@ -534,10 +537,28 @@ pub async fn generation_seen(
             && r.lease == shard.as_str()
             && r.state.as_deref().is_some_and(|n| same_state(n, state))
         {
+            ours += 1;
             seen = seen.max(r.state_generation);
         }
     }
     Ok(seen)
+}
+
+/// `state` without its `database_id` (how gate objects from before database
+/// ids named the same database).
+pub fn without_database_id(state: &str) -> String {
+    let Some((base, query)) = state.split_once('?') else {
+        return state.to_owned();
+    };
+    let rest: Vec<&str> = query
+        .split('&')
+        .filter(|kv| !kv.starts_with("database_id="))
+        .collect();
+    if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    }
 }
 
 #[cfg(test)]
@@ -623,6 +644,12 @@ mod tests {
             "an object from before ids"
         );
         assert!(same_state("sled:fg-1", "sled:fg-1"));
+        assert_eq!(without_database_id(a), "postgres://db-a:5432/fg");
+        assert_eq!(
+            without_database_id("postgres://h:1/fg?schema=x&database_id=ab12"),
+            "postgres://h:1/fg?schema=x"
+        );
+        assert_eq!(without_database_id("sled:fg-1"), "sled:fg-1");
         assert!(!same_state("sled:fg-1", "sled:fg-2"));
     }
 

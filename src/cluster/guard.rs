@@ -284,11 +284,21 @@ impl InstanceGuard {
                     holder: rec.holder,
                 });
             }
-            let shares = rec.holder == guard.id
-                || rec
-                    .state
-                    .as_deref()
-                    .is_some_and(|s| crate::set_up::same_state(s, &guard.state_id));
+            // The same state, not the same instance id: a data_dir moved
+            // to another database (or schema) is another state. An object
+            // from before database ids names the database by its address
+            // only: the same instance at that address is the same state.
+            // With `--claim-state` the operator says the records here are
+            // this set-up's: the same instance's earlier objects named them
+            // under the id the claim replaced.
+            let shares = match rec.state.as_deref() {
+                Some(s) if s == crate::set_up::without_database_id(&guard.state_id) => {
+                    rec.holder == guard.id
+                }
+                Some(_) if cfg.claim_state && rec.holder == guard.id => true,
+                Some(s) => crate::set_up::same_state(s, &guard.state_id),
+                None => rec.holder == guard.id,
+            };
             if !shares && !cfg.takeover_may_duplicate {
                 other_state = Some(GuardError::OtherState {
                     holder: rec.holder,
@@ -316,8 +326,14 @@ impl InstanceGuard {
             Err(e) => return Err(e),
         }
         if let Some(refused) = other_state {
-            // Its lease ended between the read and the take.
-            guard.release().await;
+            // Its lease ended between the read and the take. The release
+            // names the refused holder's state, not ours: nothing was served
+            // here, and the holder coming back finds its own state last.
+            let theirs = match &refused {
+                GuardError::OtherState { theirs, .. } => theirs.clone(),
+                _ => None,
+            };
+            guard.release_as(theirs).await;
             return Err(refused);
         }
         guard.after_take().await?;
@@ -332,9 +348,14 @@ impl InstanceGuard {
             .epochs
             .latest_after(&guard.shard, crate::epoch::Epoch::NONE)
             .await?;
-        let seen =
-            crate::set_up::generation_seen(&guard.epochs, &guard.shard, latest, &guard.state_id)
-                .await?;
+        // A state never raised has sent nothing a fence would hold back.
+        let seen = match generation.generation {
+            0 => None,
+            _ => {
+                crate::set_up::generation_seen(&guard.epochs, &guard.shard, latest, &guard.state_id)
+                    .await?
+            }
+        };
         guard
             .stamp
             .find(&guard.state_id, generation, seen, None)
@@ -712,12 +733,25 @@ impl InstanceGuard {
 
     /// Graceful stop: a `release` gate object, so that a successor starts at once.
     pub async fn release(&self) {
+        self.release_as(None).await
+    }
+
+    /// [`InstanceGuard::release`], its object naming `state` instead of this
+    /// instance's (an undone take: see `acquire`).
+    async fn release_as(&self, state: Option<String>) {
         let Some(h) = self.holding.lock().await.take() else {
             return;
         };
         self.window.close();
         let stamped = self.stamp.next();
-        let decorate = self.decorate(stamped);
+        let ours = self.decorate(stamped);
+        let decorate = |r: &mut EpochRecord| {
+            ours(r);
+            if let Some(s) = &state {
+                r.state = Some(s.clone());
+                self.key.seal(r);
+            }
+        };
         match acquire::release_with(
             &self.epochs,
             &self.shard,

@@ -270,15 +270,15 @@ impl Cluster {
         let latest = epochs
             .latest_after(&shard0, crate::epoch::Epoch::NONE)
             .await?;
-        let seen = crate::set_up::generation_seen(&epochs, &shard0, latest, &state_id).await?;
+        let before = gens.recorded().await?;
+        // A database never raised has sent nothing a fence would hold back.
+        let seen = match before.generation {
+            0 => None,
+            _ => crate::set_up::generation_seen(&epochs, &shard0, latest, &state_id).await?,
+        };
         let stamp = Stamp::new(gens.clone());
         stamp
-            .find(
-                &state_id,
-                gens.recorded().await?,
-                seen,
-                Some(cfg.state.timeout() * 2),
-            )
+            .find(&state_id, before, seen, Some(cfg.state.timeout() * 2))
             .await?;
         let cluster = Arc::new(Cluster {
             id: cc.instance_id.clone(),

@@ -747,3 +747,80 @@ async fn a_refused_instance_records_no_restore() {
     wait_status(&d.fg, "hook", "m1", "delivered").await;
     assert!(!d.fg.stderr().contains("restored or copied state fenced"));
 }
+
+/// Found by the third review (R3-A): the same data_dir (the same instance
+/// id) started on another state — a sled instance moved onto PostgreSQL, or
+/// a mistyped url — is another state: its guard refuses to take over from
+/// itself without `--takeover-may-duplicate`, and the retry of a key done on
+/// the old state is never forwarded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_instance_on_another_state_takes_over_only_when_told() {
+    skip_without_postgres!();
+    let (_, url) = postgres::PgServer::shared().new_database();
+    let leases = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let mut fg = Fencegate::start_with_server(
+        &server_toml(),
+        &format!(
+            "{}{}",
+            store_toml(leases.path(), PREFIX),
+            route("pay", "pay", &up, false)
+        ),
+        &[],
+    );
+    let w = acquire(
+        &dir_epochs(leases.path()),
+        "pay",
+        "worker",
+        Duration::from_secs(120),
+    )
+    .await;
+    let k = |fg: &Fencegate| keyed(fg, "/pay/c", &w, "order-1", "one");
+    assert_eq!(send(k(&fg)).await.status, 200);
+    assert!(fg.terminate().success());
+    fg.edit_config(|t| t.replace("[store]", &format!("{}[store]", state_toml(&url, ""))));
+    let err = fg
+        .spawn(None)
+        .expect_err("another state taken over without the flag");
+    assert_eq!(fg.last_exit.and_then(|c| c.code()), Some(2));
+    assert!(
+        err.contains("--takeover-may-duplicate") && err.contains("sled:"),
+        "{err}"
+    );
+    fg.edit_config(|t| t.replace(&state_toml(&url, ""), ""));
+    fg.spawn(None).expect("back on its own state");
+    let replay = send(k(&fg)).await;
+    assert_eq!(replay.headers["x-fencegate-replayed"], "true");
+    assert_eq!(arrived(&origin), ["one"]);
+}
+
+/// Found by the third review (R3-C): a data_dir's backup is restored after
+/// another instance (a fresh data_dir, let in with `--takeover-may-duplicate`)
+/// wrote more than 16 gate objects on top of the original's: the restored
+/// state's own objects are looked for further back, and it is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_is_found_behind_another_states_gate_objects() {
+    let mut d = Down::start().await;
+    let backups = tempfile::tempdir().unwrap();
+    let backup = backups.path().join("state");
+    d.run_past(&backup).await;
+    assert!(d.fg.terminate().success());
+    let mut b = Fencegate::unstarted_with_args(
+        "127.0.0.1:0",
+        &server_toml(),
+        &after_server(&d.fg),
+        &[],
+        &["--takeover-may-duplicate"],
+    );
+    spawn_when_free(&mut b).await;
+    for _ in 0..9 {
+        assert!(b.terminate().success());
+        spawn_when_free(&mut b).await;
+    }
+    assert!(b.terminate().success());
+    copy_dir(&backup, &state_dir(&d.fg));
+    d.fg.set_args(&["--takeover-may-duplicate"]);
+    spawn_when_free(&mut d.fg).await;
+    fenced_copy_holds(&d.fg, &d.origin).await;
+}

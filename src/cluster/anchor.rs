@@ -177,7 +177,7 @@ impl Cluster {
             return None;
         }
         if ours || (seen.verdict == Some(Verdict::Ours) && seen.epoch != Epoch::NONE) {
-            self.renew_anchor(seen.epoch).await;
+            self.renew_anchor(seen.epoch, false).await;
             None
         } else if seen.free || seen.verdict.is_none() {
             self.take_anchor().await
@@ -266,7 +266,7 @@ impl Cluster {
     }
 
     /// Creates the anchor's next epoch over one of this set-up's.
-    async fn renew_anchor(&self, latest: Epoch) -> bool {
+    async fn renew_anchor(&self, latest: Epoch, checkpoint: bool) -> bool {
         let current = Holding {
             lease: super::shard_name(0),
             epoch: latest,
@@ -280,14 +280,18 @@ impl Cluster {
         match acquire::renew_direct(&self.epochs, &current, self.anchor_ttl(), &decorate).await {
             Ok(h) => {
                 self.created_anchor(h, sent, stamped);
-                self.stamp.written(stamped).await
+                if checkpoint {
+                    return self.stamp.written(stamped).await;
+                }
+                self.stamp.written_soon();
+                false
             }
             // Someone created it first: the next read finds it.
             Err(AcquireError::NotHolder { .. }) => false,
             Err(e) => {
                 tracing::warn!(error = %e, "could not renew the prefix's anchor");
                 // Its object may have landed all the same: raise past it.
-                self.stamp.written(stamped).await;
+                self.stamp.written_soon();
                 false
             }
         }
@@ -302,7 +306,7 @@ impl Cluster {
         if seen.verdict != Some(Verdict::Ours) || seen.epoch == Epoch::NONE {
             return false;
         }
-        self.renew_anchor(seen.epoch).await
+        self.renew_anchor(seen.epoch, true).await
     }
 
     /// Takes the anchor over a free object of another set-up (or none): then,
@@ -336,12 +340,12 @@ impl Cluster {
             Err(AcquireError::Held { .. } | AcquireError::NotHolder { .. }) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "could not take the prefix's anchor");
-                self.stamp.written(stamped).await;
+                self.stamp.written_soon();
                 return None;
             }
         };
         // Raised past the object once it exists, whatever the check finds.
-        self.stamp.written(stamped).await;
+        self.stamp.written_soon();
         let epoch = h.epoch;
         match self.check_anchor(epoch).await {
             Ok(()) => {

@@ -205,7 +205,7 @@ impl crate::state::identity::Checkpoint for InstanceGuard {
         let Some(current) = self.holding.lock().await.clone() else {
             return false;
         };
-        matches!(self.take_raised(Some(&current)).await, Ok(true))
+        matches!(self.take_raised(Some(&current), true).await, Ok(true))
     }
 }
 
@@ -488,13 +488,18 @@ impl InstanceGuard {
     /// when free). Forwarding is then allowed until `gate_ttl − self_fence_margin`
     /// after the create was sent.
     async fn take(&self, current: Option<&Holding>) -> Result<(), GuardError> {
-        self.take_raised(current).await.map(drop)
+        self.take_raised(current, false).await.map(drop)
     }
 
     /// [`InstanceGuard::take`], and the state's generation raised past the
-    /// object once it is written: whether the object is a checkpoint
-    /// ([`Stamp::written`]).
-    async fn take_raised(&self, current: Option<&Holding>) -> Result<bool, GuardError> {
+    /// object once it is written — waited for when `checkpoint` (then
+    /// whether the object is one, [`Stamp::written`]), in the background
+    /// otherwise ([`Stamp::written_soon`]).
+    async fn take_raised(
+        &self,
+        current: Option<&Holding>,
+        checkpoint: bool,
+    ) -> Result<bool, GuardError> {
         let stamped = self.stamp.next();
         let sent = Instant::now();
         let decorate = self.decorate(stamped);
@@ -538,13 +543,17 @@ impl InstanceGuard {
             }
             Err(e) => {
                 // Its object may have landed all the same: raise past it.
-                self.stamp.written(stamped).await;
+                self.stamp.written_soon();
                 return Err(e.into());
             }
         };
         self.window.extend(sent, self.ttl, self.margin);
         *self.holding.lock().await = Some(held);
-        Ok(self.stamp.written(stamped).await)
+        if checkpoint {
+            return Ok(self.stamp.written(stamped).await);
+        }
+        self.stamp.written_soon();
+        Ok(false)
     }
 
     /// What this instance writes into each of its gate objects: its set-up,

@@ -154,12 +154,11 @@ impl Stamp {
 
     /// After a gate object carrying `stamped` was created — or a create
     /// whose outcome is not known: raising is harmless — the state raised
-    /// past it, durably. Whether the object is a checkpoint: it carried a
-    /// generation and nobody raised the state between that and this raise,
-    /// so every copy taken before this raise is at or below it. A raise that
-    /// fails is tried again in the background until it succeeds: until then
-    /// the latest object may name the state's own generation, which a
-    /// starting cluster member would take for a copy.
+    /// past it, durably, waiting for it. Whether the object is a checkpoint:
+    /// it carried a generation and nobody raised the state between that and
+    /// this raise, so every copy taken before this raise is at or below it.
+    /// A raise that fails is tried again in the background
+    /// ([`Stamp::written_soon`]).
     pub async fn written(&self, stamped: Option<u64>) -> bool {
         let inner = &self.inner;
         if !inner.found.load(Ordering::SeqCst) {
@@ -168,23 +167,44 @@ impl Stamp {
         match Inner::raise(inner).await {
             Ok(now) => stamped.is_some_and(|g| now == g + 1),
             Err(e) => {
-                inner.fresh.store(false, Ordering::SeqCst);
                 tracing::warn!(error = %e, "could not raise the state's generation after a gate object; trying again");
-                if !inner.retrying.swap(true, Ordering::SeqCst) {
-                    let inner = self.inner.clone();
-                    tokio::spawn(async move {
-                        loop {
-                            tokio::time::sleep(RETRY).await;
-                            if Inner::raise(&inner).await.is_ok() {
-                                break;
-                            }
-                        }
-                        inner.retrying.store(false, Ordering::SeqCst);
-                    });
-                }
+                self.written_soon();
                 false
             }
         }
+    }
+
+    /// [`Stamp::written`] without waiting: a renewal must not wait on the
+    /// state (a slow database would hold the next renewal back past the
+    /// self-fence). Until the raise lands, objects carry no generation; one
+    /// that fails is tried again every 250 ms until it succeeds — until then
+    /// the latest object may name the state's own generation, which a
+    /// starting cluster member would take for a copy.
+    pub fn written_soon(&self) {
+        let inner = &self.inner;
+        if !inner.found.load(Ordering::SeqCst) {
+            return;
+        }
+        inner.fresh.store(false, Ordering::SeqCst);
+        if inner.retrying.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let mut said = false;
+            loop {
+                match Inner::raise(&inner).await {
+                    Ok(_) => break,
+                    Err(e) if !said => {
+                        said = true;
+                        tracing::warn!(error = %e, "could not raise the state's generation after a gate object; trying again");
+                    }
+                    Err(_) => {}
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+            inner.retrying.store(false, Ordering::SeqCst);
+        });
     }
 
     /// The generation at which the state was last found restored or copied

@@ -1905,3 +1905,35 @@ fn a_url_line_that_does_not_parse_is_not_quoted() {
         "the password leaked: {out}{err}"
     );
 }
+
+/// SPEC §10.1 beside "Identity and generations": the state's generation is
+/// raised after each renewal of the instance guard, but never waited for by
+/// it. The database frozen for longer than `gate_ttl` (its `timeout_ms` 10 s,
+/// the guard's window 8 s): fencing-only requests at a raised mark keep being
+/// forwarded the whole time. (A renewal that waited for its raise was held
+/// back a whole `timeout_ms`, and the instance fenced itself: 503
+/// `shard_unavailable`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_database_never_holds_the_guards_renewals_back() {
+    skip_without_postgres!();
+    let pg = PgServer::start();
+    let (_db, url) = pg.new_database();
+    let r = rig(&url, "timeout_ms = 10000").await;
+    let feed = r.hold("feed").await;
+    assert_eq!(post(&r.fg, "/feed/warm", &feed, "warm").await.status, 200);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stream = fencing_stream(&r.fg, &feed, stop.clone());
+    pg.pause();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    pg.resume();
+    stop.store(true, Ordering::SeqCst);
+    let ticks = stream.await.unwrap();
+    let answers: Vec<&Answer> = ticks.iter().map(|(_, _, a)| a).collect();
+    assert!(ticks.len() > 10, "{}", ticks.len());
+    assert!(
+        answers.iter().all(|a| **a == Answer::Forwarded(200)),
+        "{:?}\n{}",
+        tally(answers.iter().copied()),
+        r.fg.stderr()
+    );
+}

@@ -101,6 +101,20 @@ async fn admin_post(fg: &Fencegate, path: &str) -> Reply {
     .await
 }
 
+/// Waits until `route`/`key` has had an attempt.
+async fn attempted(fg: &Fencegate, route: &str, key: &str) {
+    for _ in 0..800 {
+        if delivery(fg, route, key).await["attempts"].as_u64() >= Some(1) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!(
+        "{route}/{key} never attempted: {}",
+        delivery(fg, route, key).await
+    );
+}
+
 /// Waits until `route`/`key` is settled (delivered, failed or dropped).
 async fn settled(fg: &Fencegate, route: &str, key: &str) {
     for _ in 0..800 {
@@ -299,12 +313,7 @@ impl Down {
         accepted(&send(keyed(fg, "/hook/e", &self.hook, "m1", "m1")).await);
         accepted(&send(keyed(fg, "/hook/e", &self.hook, "m2", "m2")).await);
         accepted(&send(keyed(fg, "/tick/e", &self.tick, "t1", "t1")).await);
-        for _ in 0..800 {
-            if delivery(fg, "hook", "m1").await["attempts"].as_u64() >= Some(1) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
+        attempted(fg, "hook", "m1").await;
         // t1's one attempt (cut by the relay: an unknown outcome) is over;
         // its next is an hour away.
         let mut t1 = delivery(fg, "tick", "t1").await;
@@ -621,12 +630,7 @@ async fn a_newer_epoch_waits_for_a_raised_generation() {
     let fg = &d.fg;
     accepted(&send(keyed(fg, "/hook/e", &d.hook, "m1", "m1")).await);
     accepted(&send(keyed(fg, "/hook/e", &d.hook, "m2", "m2")).await);
-    for _ in 0..800 {
-        if delivery(fg, "hook", "m1").await["attempts"].as_u64() >= Some(1) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    attempted(fg, "hook", "m1").await;
     pg.psql(
         &name,
         "CREATE FUNCTION no_raise() RETURNS trigger LANGUAGE plpgsql AS \
@@ -714,12 +718,7 @@ async fn a_refused_instance_records_no_restore() {
     let (name, url) = pg.new_database();
     let mut d = Down::start_on(&state_toml(&url, "")).await;
     accepted(&send(keyed(&d.fg, "/hook/e", &d.hook, "m1", "m1")).await);
-    for _ in 0..800 {
-        if delivery(&d.fg, "hook", "m1").await["attempts"].as_u64() >= Some(1) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    attempted(&d.fg, "hook", "m1").await;
     force_next_epoch(&d.epochs, "hook", "worker-b", Duration::from_secs(120)).await;
     pg.psql(
         &name,

@@ -340,19 +340,25 @@ impl super::identity::Generations for SledState {
         seen: u64,
         found: bool,
     ) -> Result<super::identity::Recorded, StateError> {
-        // One instance writes its data_dir: read, then write.
-        let old = self.recorded().await?;
-        let generation = old.generation.max(seen).saturating_add(1);
-        self.meta
-            .insert(GENERATION, &generation.to_be_bytes()[..])
-            .map_err(write_err)?;
-        let mut restored = old.restored;
-        if found && restored <= seen {
-            restored = generation;
-            self.meta
-                .insert(RESTORED, &restored.to_be_bytes()[..])
-                .map_err(write_err)?;
-        }
+        // One transaction: a renewal's raise in the background and a
+        // checkpoint's may run at once.
+        let read = |v: Option<sled::IVec>| {
+            v.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok())
+                .map_or(0, u64::from_be_bytes)
+        };
+        let (generation, restored) = self
+            .meta
+            .transaction(|tx| {
+                let generation = read(tx.get(GENERATION)?).max(seen).saturating_add(1);
+                tx.insert(GENERATION, &generation.to_be_bytes()[..])?;
+                let mut restored = read(tx.get(RESTORED)?);
+                if found && restored <= seen {
+                    restored = generation;
+                    tx.insert(RESTORED, &restored.to_be_bytes()[..])?;
+                }
+                Ok::<_, sled::transaction::ConflictableTransactionError<()>>((generation, restored))
+            })
+            .map_err(|e| StateError::Write(format!("the state's generation: {e:?}")))?;
         self.commit().await?;
         Ok(super::identity::Recorded {
             generation,

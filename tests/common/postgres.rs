@@ -458,6 +458,29 @@ impl PgServer {
         );
     }
 
+    /// Makes every UPDATE of `db`'s `fencegate_identity` (a raise of the
+    /// state's generation) fail while `when` (a PL/pgSQL condition over
+    /// `NEW`, `OLD`) holds, until [`PgServer::allow_raises`]: a raise lost at
+    /// the worst moment.
+    pub fn refuse_raises(&self, db: &str, when: &str) {
+        self.psql(
+            db,
+            &format!(
+                "CREATE SEQUENCE IF NOT EXISTS refused_raises; \
+                 CREATE FUNCTION refuse_raise() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN IF {when} THEN RAISE EXCEPTION 'injected: no raise'; END IF; \
+                 RETURN NEW; END $$; \
+                 CREATE TRIGGER refuse_raise BEFORE UPDATE ON fencegate_identity \
+                 FOR EACH ROW EXECUTE FUNCTION refuse_raise()"
+            ),
+        );
+    }
+
+    /// Undoes [`PgServer::refuse_raises`].
+    pub fn allow_raises(&self, db: &str) {
+        self.psql(db, "DROP TRIGGER refuse_raise ON fencegate_identity");
+    }
+
     /// Whether a backend of `db` waits on a lock in a statement that starts with
     /// `sql` (`pg_stat_activity`).
     /// Whether a statement starting with `sql` is still running on `db`

@@ -608,12 +608,7 @@ async fn a_restored_data_dir_without_its_gate_key_is_fenced() {
     assert!(d.fg.terminate().success());
     copy_dir(&backup, &state_dir(&d.fg));
     std::fs::remove_file(state_dir(&d.fg).join("gate-key")).unwrap();
-    let t0 = std::time::Instant::now();
-    while let Err(e) = d.fg.spawn(None) {
-        assert_eq!(d.fg.last_exit.and_then(|c| c.code()), Some(2), "{e}");
-        assert!(t0.elapsed() < Duration::from_secs(60), "never started: {e}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    spawn_when_free(&mut d.fg).await;
     fenced_copy_holds(&d.fg, &d.origin).await;
 }
 
@@ -631,13 +626,7 @@ async fn a_newer_epoch_waits_for_a_raised_generation() {
     accepted(&send(keyed(fg, "/hook/e", &d.hook, "m1", "m1")).await);
     accepted(&send(keyed(fg, "/hook/e", &d.hook, "m2", "m2")).await);
     attempted(fg, "hook", "m1").await;
-    pg.psql(
-        &name,
-        "CREATE FUNCTION no_raise() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN RAISE EXCEPTION 'injected: no raise'; END $$; \
-         CREATE TRIGGER no_raise BEFORE UPDATE ON fencegate_identity \
-         FOR EACH ROW EXECUTE FUNCTION no_raise()",
-    );
+    pg.refuse_raises(&name, "true");
     let dump = pg.dump(&name);
     d.relay.refuse(false);
     wait_status(fg, "hook", "m2", "delivered").await;
@@ -650,11 +639,11 @@ async fn a_newer_epoch_waits_for_a_raised_generation() {
     )
     .await;
     assert_eq!(arrived(&d.origin), ["m1", "m2"], "m3 waits for the raise");
-    pg.psql(&name, "DROP TRIGGER no_raise ON fencegate_identity");
+    pg.allow_raises(&name);
     wait_status(fg, "hook", "m3", "delivered").await;
     d.fg.kill9();
     pg.restore(&name, &dump);
-    pg.psql(&name, "DROP TRIGGER no_raise ON fencegate_identity");
+    pg.allow_raises(&name);
     d.fg.spawn(None).expect("the restored instance starts");
     for k in ["m1", "m2"] {
         settled(&d.fg, "hook", k).await;
@@ -720,14 +709,8 @@ async fn a_refused_instance_records_no_restore() {
     accepted(&send(keyed(&d.fg, "/hook/e", &d.hook, "m1", "m1")).await);
     attempted(&d.fg, "hook", "m1").await;
     force_next_epoch(&d.epochs, "hook", "worker-b", Duration::from_secs(120)).await;
-    pg.psql(
-        &name,
-        "CREATE FUNCTION no_raise() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN IF NEW.restored = OLD.restored THEN \
-         RAISE EXCEPTION 'injected: no raise'; END IF; RETURN NEW; END $$; \
-         CREATE TRIGGER no_raise BEFORE UPDATE ON fencegate_identity \
-         FOR EACH ROW EXECUTE FUNCTION no_raise()",
-    );
+    // Raises fail; recording a restore (a second instance's) would not.
+    pg.refuse_raises(&name, "NEW.restored = OLD.restored");
     wait_log(&d.fg, "could not raise the state's generation", 1).await;
     let mut b = Fencegate::unstarted("127.0.0.1:0", &server_toml(), &after_server(&d.fg), &[]);
     b.spawn(None)
@@ -739,7 +722,7 @@ async fn a_refused_instance_records_no_restore() {
         "{}",
         b.stderr()
     );
-    pg.psql(&name, "DROP TRIGGER no_raise ON fencegate_identity");
+    pg.allow_raises(&name);
     assert!(d.fg.terminate().success());
     d.relay.refuse(false);
     d.fg.spawn(None).expect("the holder starts again");

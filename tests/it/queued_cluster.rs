@@ -1000,15 +1000,8 @@ async fn one_failed_raise_does_not_make_a_starting_member_fence_a_healthy_queue(
     accepted(&send(message(&a, &w, "m1", "m1")).await, "m1");
     let epochs = c.s3.epochs().await;
     force_next_epoch(&epochs, "hook", "worker-2", Duration::from_secs(300)).await;
-    PgServer::shared().psql(
-        &c.db_name,
-        "CREATE SEQUENCE fail_once; \
-         CREATE FUNCTION fail_once() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN IF nextval('fail_once') = 1 THEN \
-         RAISE EXCEPTION 'injected: one failed raise'; END IF; RETURN NEW; END $$; \
-         CREATE TRIGGER fail_once BEFORE UPDATE ON fencegate_identity \
-         FOR EACH ROW EXECUTE FUNCTION fail_once()",
-    );
+    // Exactly one raise fails.
+    PgServer::shared().refuse_raises(&c.db_name, "nextval('refused_raises') = 1");
     eventually("fg-a's raise after an anchor create fails once", || async {
         logged(&a, "could not raise the state's generation") > 0
     })

@@ -176,6 +176,16 @@ pub fn main(commit: &'static str) -> ExitCode {
                         eprintln!("fencegate: warning: {w}");
                     }
                     print!("{}", cfg.summary());
+                    // What `serve` would split here: it raises the soft limit
+                    // to the hard one first (SPEC §9 "Limits").
+                    let limit = crate::budget::Nofile::read().hard;
+                    match crate::budget::Budget::derive(&cfg, limit) {
+                        Ok(b) => println!("descriptors   {}", b.summary()),
+                        Err(e) => {
+                            eprintln!("fencegate: {e}");
+                            return ExitCode::from(EXIT_CONFIG);
+                        }
+                    }
                     println!("config {} ({}) is valid", at.path.display(), at.via);
                     ExitCode::SUCCESS
                 }
@@ -311,10 +321,11 @@ fn report(format: LogFormat, r: anyhow::Result<()>) -> ExitCode {
                             | GuardError::OtherMode { .. }
                             | GuardError::OtherState { .. }
                             | GuardError::SharedId { .. },
-                    ) | StartError::Cluster(
-                        crate::cluster::ClusterError::OtherSetUp { .. }
-                            | crate::cluster::ClusterError::OlderBuild { .. }
-                    )
+                    ) | StartError::Budget(_)
+                        | StartError::Cluster(
+                            crate::cluster::ClusterError::OtherSetUp { .. }
+                                | crate::cluster::ClusterError::OlderBuild { .. }
+                        )
                 )
             );
             ExitCode::from(if config_like { EXIT_CONFIG } else { EXIT_ERROR })
@@ -447,6 +458,15 @@ async fn serve(
     // exits at once too, and a first one is kept for when serving begins.
     let stop_requested = watch_signals(term, int);
     let mut hup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    // The descriptor budget is split from the hard limit (SPEC §9 "Limits").
+    let nofile = crate::budget::Nofile::raise();
+    if let Some(from) = nofile.raised_from {
+        tracing::info!(
+            from,
+            to = nofile.soft,
+            "raised the descriptor limit (RLIMIT_NOFILE) to its hard limit"
+        );
+    }
     let app = crate::server::build(&cfg, Arc::new(SystemClock)).await?;
     let reloader = app.reloader(path, set_log);
     tokio::spawn(async move {

@@ -112,8 +112,12 @@ pub struct ServerConfig {
     /// endpoints take a while to stop sending (SPEC §8).
     #[serde(alias = "shutdown_delay", deserialize_with = "duration::ms")]
     pub shutdown_delay_ms: u64,
-    /// Open connections beyond this are closed at accept.
+    /// Open connections beyond this are closed at accept; the descriptor
+    /// budget may lower it ([`crate::budget`]).
     pub max_connections: usize,
+    /// The admin listener's connections at once; past it, an idle one is
+    /// closed to make room, so that `/livez` is answered (SPEC §8).
+    pub admin_max_connections: usize,
     /// Time allowed to receive a request head (slowloris).
     #[serde(alias = "header_read_timeout", deserialize_with = "duration::ms")]
     pub header_read_timeout_ms: u64,
@@ -148,6 +152,7 @@ impl Default for ServerConfig {
             shutdown_timeout_ms: 10_000,
             shutdown_delay_ms: 0,
             max_connections: 20_000,
+            admin_max_connections: 256,
             header_read_timeout_ms: 10_000,
             log_format: LogFormat::Human,
             access_log: true,
@@ -1254,9 +1259,12 @@ impl Config {
                 self.server.log_level
             )
         })?;
-        if self.server.max_connections == 0 || self.server.header_read_timeout_ms == 0 {
+        if self.server.max_connections == 0
+            || self.server.admin_max_connections == 0
+            || self.server.header_read_timeout_ms == 0
+        {
             return Err(
-                "[server] max_connections and header_read_timeout_ms must be positive".into(),
+                "[server] max_connections, admin_max_connections and header_read_timeout_ms must be positive".into(),
             );
         }
         Ok(())

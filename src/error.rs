@@ -109,6 +109,9 @@ fn held_text(route: &str, reason: HeldReason) -> String {
         HeldReason::RetryAfter => format!(
             "route {route} is held: its upstream answered 429 or 503 with a Retry-After that has not passed"
         ),
+        HeldReason::ConnectionBudget => format!(
+            "route {route}: every upstream request this instance's descriptor budget allows is out"
+        ),
         HeldReason::BreakerOpen => format!(
             "route {route}'s circuit breaker is open: its upstream failed repeatedly and is let rest"
         ),

@@ -56,6 +56,7 @@
 pub(crate) mod access;
 pub mod admin;
 pub mod admission;
+pub mod budget;
 pub mod cli;
 pub mod clock;
 pub mod cluster;

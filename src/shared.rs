@@ -36,6 +36,9 @@ pub struct Shared {
     /// Set by the first SIGTERM: `/readyz` fails from then on, while the
     /// listeners still serve for `shutdown_delay_ms` (SPEC §8).
     pub stopping: AtomicBool,
+    /// The upstream share of the descriptor budget (SPEC §9 "Limits"): every
+    /// route's, and a reload's new routes'.
+    pub upstreams: Arc<crate::budget::Upstreams>,
 }
 
 /// SPEC §10: a single instance behind its instance guard, or one of a cluster.

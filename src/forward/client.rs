@@ -56,8 +56,14 @@ pub fn tls_config(
     }
 }
 
-/// A pooled client for one upstream (or a set of upstreams sharing TLS roots).
-pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClient {
+/// A pooled client for one upstream (or a set of upstreams sharing TLS roots),
+/// keeping at most `idle_per_host` idle connections to each host (the
+/// descriptor budget's share, [`crate::budget`]).
+pub fn client(
+    tls: rustls::ClientConfig,
+    connect_timeout: Duration,
+    idle_per_host: usize,
+) -> HttpsClient {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -73,5 +79,6 @@ pub fn client(tls: rustls::ClientConfig, connect_timeout: Duration) -> HttpsClie
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(idle_per_host)
         .build(https)
 }

@@ -283,7 +283,7 @@ fn route_protection(enc: &mut DescriptorEncoder, shared: &Shared) -> Result<(), 
     emit(
         enc,
         "fencegate_upstream_held",
-        "Requests refused 503 upstream_held, by route and reason (in_flight_limit, retry_after, breaker_open)",
+        "Requests refused 503 upstream_held, by route and reason (in_flight_limit, retry_after, breaker_open, connection_budget)",
         MetricType::Counter,
         refused,
     )

@@ -87,6 +87,8 @@ pub struct Metrics {
     last_reload_ok: Gauge,
     /// The proxy listener's open and parked connections.
     pub connections: ConnGauges,
+    /// The admin listener's.
+    pub admin_connections: ConnGauges,
 }
 
 impl Metrics {
@@ -142,6 +144,22 @@ impl Metrics {
             "Of those, connections waiting for their next request without HTTP buffers (idle HTTP/1 keep-alive, or no request yet)",
             connections.parked.clone(),
         );
+        registry.register(
+            "fencegate_connections_refused",
+            "Client connections closed at accept: max_connections (or the descriptor budget) reached",
+            connections.refused.clone(),
+        );
+        let admin_connections = ConnGauges::default();
+        registry.register(
+            "fencegate_admin_connections_open",
+            "Connections open on the admin listener",
+            admin_connections.open.clone(),
+        );
+        registry.register(
+            "fencegate_admin_connections_evicted",
+            "Idle admin connections closed to make room for a new one (admin_max_connections reached)",
+            admin_connections.evicted.clone(),
+        );
         Arc::new(Metrics {
             registry: std::sync::Mutex::new(registry),
             requests,
@@ -150,6 +168,7 @@ impl Metrics {
             reloads,
             last_reload_ok,
             connections,
+            admin_connections,
         })
     }
 
@@ -202,14 +221,18 @@ impl Metrics {
     }
 }
 
-/// Counts of the proxy listener's connections (`fencegate_connections_open`,
-/// `fencegate_connections_parked`).
+/// Counts of a listener's connections (`fencegate_connections_*` for the
+/// proxy listener, `fencegate_admin_connections_*` for the admin one).
 #[derive(Clone, Default)]
 pub struct ConnGauges {
     /// Connections open now.
     pub open: Gauge,
     /// Idle HTTP/1 connections parked now.
     pub parked: Gauge,
+    /// Connections closed at accept: the listener's cap was reached.
+    pub refused: Counter,
+    /// Idle connections closed to make room for a new one (the admin listener).
+    pub evicted: Counter,
 }
 
 pub(crate) fn emit<M: EncodeMetric>(

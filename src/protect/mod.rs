@@ -70,6 +70,9 @@ pub enum Reason {
     RetryAfter,
     /// The breaker is open, or half-open with its probe out.
     BreakerOpen,
+    /// Every upstream request the instance's descriptor budget allows is out
+    /// (SPEC §9 "Limits", [`crate::budget`]): not the route's doing.
+    ConnectionBudget,
 }
 
 impl Reason {
@@ -79,6 +82,7 @@ impl Reason {
             Reason::InFlightLimit { .. } => "in_flight_limit",
             Reason::RetryAfter => "retry_after",
             Reason::BreakerOpen => "breaker_open",
+            Reason::ConnectionBudget => "connection_budget",
         }
     }
 
@@ -87,11 +91,17 @@ impl Reason {
             Reason::InFlightLimit { .. } => 0,
             Reason::RetryAfter => 1,
             Reason::BreakerOpen => 2,
+            Reason::ConnectionBudget => 3,
         }
     }
 
     /// Every reason, for the metrics.
-    pub const ALL: [&'static str; 3] = ["in_flight_limit", "retry_after", "breaker_open"];
+    pub const ALL: [&'static str; 4] = [
+        "in_flight_limit",
+        "retry_after",
+        "breaker_open",
+        "connection_budget",
+    ];
 }
 
 /// A refusal: why, and when a retry may go (the answer's `Retry-After`).
@@ -137,7 +147,7 @@ struct BreakerCell {
 /// reload (even one changing the upstream) never makes one go down.
 #[derive(Debug, Default)]
 struct Counts {
-    refused: [AtomicU64; 3],
+    refused: [AtomicU64; 4],
     opened: AtomicU64,
 }
 
@@ -232,6 +242,16 @@ impl Guard {
         })
     }
 
+    /// Counts a refusal for the instance's upstream budget and says so: taken
+    /// before the route's own checks, nothing of the route's state is touched.
+    pub fn refuse_for_budget(&self) -> Refused {
+        self.counts.refused[Reason::ConnectionBudget.index()].fetch_add(1, Ordering::Relaxed);
+        Refused {
+            reason: Reason::ConnectionBudget,
+            retry_after_secs: 1,
+        }
+    }
+
     fn take_slot(self: &Arc<Self>, limit: Option<usize>) -> Option<Slot> {
         let Some(max) = limit else {
             return Some(self.counted());
@@ -241,13 +261,19 @@ impl Guard {
                 (n < max).then_some(n + 1)
             })
             .ok()?;
-        Some(Slot(self.clone()))
+        Some(Slot {
+            guard: self.clone(),
+            budget: None,
+        })
     }
 
     /// A slot counted now, whatever the limit.
     fn counted(self: &Arc<Self>) -> Slot {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
-        Slot(self.clone())
+        Slot {
+            guard: self.clone(),
+            budget: None,
+        }
     }
 
     fn lock_breaker(&self) -> crate::lock_order::Ordered<'_, BreakerCell> {
@@ -333,9 +359,13 @@ impl Guard {
     }
 }
 
-/// A request's place in flight at the upstream: released when dropped.
+/// A request's place in flight at the upstream, and its share of the
+/// instance's upstream budget: both released when dropped.
 #[derive(Debug)]
-pub struct Slot(Arc<Guard>);
+pub struct Slot {
+    guard: Arc<Guard>,
+    budget: Option<crate::budget::UpstreamSlot>,
+}
 
 impl Slot {
     /// Keeps counting for `d` (the route's drain timeout), then is released: a
@@ -353,7 +383,7 @@ impl Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.guard.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -369,6 +399,14 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// Holds `budget` (the instance's upstream share) with this request's slot,
+    /// for as long as the slot is held.
+    pub fn hold(&mut self, budget: crate::budget::UpstreamSlot) {
+        if let Some(slot) = self.slot.as_mut() {
+            slot.budget = Some(budget);
+        }
+    }
+
     /// The upstream answered `status`: a 5xx is a failure for the breaker, a
     /// 429 or 503 with `Retry-After` holds the route (when honoured; `wall` is
     /// read only for a date). The slot is returned: in flight until the
@@ -451,7 +489,7 @@ pub struct View {
     /// The breaker, if the route has one.
     pub breaker: Option<BreakerView>,
     /// Refusals since start-up, by [`Reason::ALL`].
-    pub refused: [u64; 3],
+    pub refused: [u64; 4],
 }
 
 /// A breaker as shown.
@@ -495,7 +533,7 @@ mod tests {
         drop(slot);
         drop(b);
         assert_eq!(g.view(&settings(), now).in_flight, 0);
-        assert_eq!(g.view(&settings(), now).refused, [2, 0, 0]);
+        assert_eq!(g.view(&settings(), now).refused, [2, 0, 0, 0]);
     }
 
     #[test]
@@ -592,11 +630,11 @@ mod tests {
         let b = v.breaker.unwrap();
         assert_eq!(
             (b.state, b.opened, v.refused),
-            (BreakerState::Closed, 1, [0, 0, 1])
+            (BreakerState::Closed, 1, [0, 0, 1, 0])
         );
         let fresh = Guard::continuing(&g, &longer);
         let v = fresh.view(&longer, Instant::now());
-        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1]));
+        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1, 0]));
     }
 
     #[test]

@@ -63,12 +63,19 @@ pub(super) fn drained(route: &Route, claim: Claim<'_>, pass: &Pass, spans: &mut 
 /// stale worker learns it is stale) and before the dedup claim, so that a
 /// refusal records nothing and the worker's key stays free (§6 unchanged). A
 /// replay is refused too while the route is held: it is served on the retry.
+///
+/// The instance's upstream budget (SPEC §9 "Limits") is asked first: a
+/// request it has no place for touches none of the route's state.
 pub(super) fn protect(route: &Route) -> Result<protect::Ticket, ProxyError> {
-    route
-        .protect
-        .enter(&route.protect_cfg)
-        .map_err(|refused| ProxyError::UpstreamHeld {
-            route: route.name.clone(),
-            refused,
-        })
+    let held = |refused| ProxyError::UpstreamHeld {
+        route: route.name.clone(),
+        refused,
+    };
+    let budget = route
+        .upstreams
+        .try_slot()
+        .ok_or_else(|| held(route.protect.refuse_for_budget()))?;
+    let mut ticket = route.protect.enter(&route.protect_cfg).map_err(held)?;
+    ticket.hold(budget);
+    Ok(ticket)
 }

@@ -75,6 +75,13 @@ impl Proxy {
         hop: &ClientHop,
         spans: &mut Spans,
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        // A relay holds an upstream socket as a forward does (SPEC §9 "Limits").
+        let Some(_budget) = route.upstreams.try_slot() else {
+            return Err(ProxyError::UpstreamHeld {
+                route: route.name.clone(),
+                refused: route.protect.refuse_for_budget(),
+            });
+        };
         let (body, _) = body.upload(route.max_body_bytes);
         let onward = spans.onward(&mut parts.headers);
         let relayed = pin!(self.send_to_owner(route, &peer, parts, body, hop)).await;

@@ -28,6 +28,9 @@ pub struct Route {
     /// looked up per request.
     pub fence: Option<Arc<Fence>>,
     pub client: HttpsClient,
+    /// The instance's upstream share of its descriptor budget, shared by
+    /// every route (SPEC §9 "Limits").
+    pub upstreams: Arc<crate::budget::Upstreams>,
     pub timeout: Duration,
     pub drain_timeout: Duration,
     pub require_token: bool,
@@ -60,6 +63,7 @@ impl Route {
         fence: Option<Arc<Fence>>,
         shard: u32,
         client: HttpsClient,
+        upstreams: Arc<crate::budget::Upstreams>,
         metrics: &Metrics,
     ) -> Result<Route, String> {
         let headers = cfg.resolve_upstream_headers()?;
@@ -70,6 +74,7 @@ impl Route {
             shard,
             fence,
             client,
+            upstreams,
             timeout: cfg.timeout(),
             drain_timeout: cfg.drain_timeout(),
             require_token: cfg.require_token,

@@ -326,9 +326,18 @@ async fn attempt(
     route: &Route,
     owner: Owner,
     mut m: Message,
-    ticket: crate::protect::Ticket,
+    mut ticket: crate::protect::Ticket,
     mut owed: Option<&mut Owed>,
 ) -> Result<(), crate::state::StateError> {
+    // The instance's upstream budget (SPEC §9 "Limits"): an attempt waits its
+    // turn behind workers' requests and other leases' attempts; order holds.
+    let slot = tokio::select! {
+        s = route.upstreams.slot() => s,
+        _ = q.ctx.stop.cancelled() => return Ok(()),
+    };
+    if let Some(s) = slot {
+        ticket.hold(s);
+    }
     if let Some(c) = &q.ctx.checkpoint {
         // SPEC §10, identity and generations: a copy of the state taken
         // before this send must find itself older than the gate objects.

@@ -4,6 +4,7 @@
 //! loop. Plain HTTP/1 connections are served by [`park`](super::park), which
 //! gives an idle connection's buffers back.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -361,6 +362,9 @@ pub(super) struct Listener {
     pub idle_limit: Duration,
     /// Open and parked connections, counted for the metrics.
     pub gauges: ConnGauges,
+    /// At the cap, close the connection idle longest to make room instead of
+    /// the new one (the admin listener: a liveness probe is always answered).
+    pub evict_idle: bool,
 }
 
 /// Accepts connections until `l.stop`, serving each request with `handler`;
@@ -380,7 +384,9 @@ where
         tls,
         idle_limit,
         gauges,
+        evict_idle,
     } = l;
+    let open_conns = Arc::new(Registry::default());
     loop {
         let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => return,
@@ -394,9 +400,27 @@ where
                 }
             },
         };
-        let Ok(permit) = limit.clone().try_acquire_owned() else {
-            tracing::warn!(%peer, "connection limit reached; closing the new connection");
-            continue;
+        let permit = match limit.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) if evict_idle && open_conns.close_idle() => {
+                gauges.evicted.inc();
+                // The evicted connection gives its place back once its task
+                // has seen the signal: wait for it, briefly.
+                match tokio::time::timeout(Duration::from_secs(1), limit.clone().acquire_owned())
+                    .await
+                {
+                    Ok(Ok(p)) => p,
+                    _ => {
+                        gauges.refused.inc();
+                        continue;
+                    }
+                }
+            }
+            Err(_) => {
+                gauges.refused.inc();
+                tracing::warn!(%peer, "connection limit reached; closing the new connection");
+                continue;
+            }
         };
         let _ = stream.set_nodelay(true);
         let tls = tls.as_ref().and_then(|l| l.current().tls.clone());
@@ -411,7 +435,9 @@ where
         let watcher = shutdown.watcher();
         let open = Open::new(&gauges.open, permit);
         let parked = gauges.parked.clone();
-        tokio::spawn(async move {
+        let evicted = evict_idle.then(|| open_conns.add(activity.clone()));
+        let at_rest = activity.clone();
+        tokio::spawn(Evictable::new(evicted, at_rest, async move {
             let _open = open;
             let (io, svc, watcher) = match tls {
                 None => {
@@ -459,7 +485,111 @@ where
             if let Err(e) = close_when_idle(conn, &activity, idle_limit).await {
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
-        });
+        }));
+    }
+}
+
+/// A listener's open connections, for eviction: each one's activity and the
+/// signal that asks it to close.
+#[derive(Default)]
+struct Registry {
+    inner: std::sync::Mutex<(u64, HashMap<u64, (Arc<Activity>, CancellationToken)>)>,
+}
+
+/// A connection's place in its [`Registry`]: removed when dropped.
+struct Registered {
+    registry: Arc<Registry>,
+    id: u64,
+    evict: CancellationToken,
+}
+
+impl Registry {
+    fn add(self: &Arc<Self>, activity: Arc<Activity>) -> Registered {
+        let evict = CancellationToken::new();
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        let id = g.0;
+        g.1.insert(id, (activity, evict.clone()));
+        Registered {
+            registry: self.clone(),
+            id,
+            evict,
+        }
+    }
+
+    /// Asks the connection idle longest (nothing of an exchange in it) to
+    /// close; false when every one is busy.
+    fn close_idle(&self) -> bool {
+        let g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let idlest =
+            g.1.values()
+                .filter(|(a, t)| a.at_rest() && !t.is_cancelled())
+                .max_by_key(|(a, _)| a.idle_for().unwrap_or_default());
+        match idlest {
+            Some((_, t)) => {
+                t.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let mut g = self
+            .registry
+            .inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        g.1.remove(&self.id);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A connection's task that ends when asked to (eviction) once the
+    /// connection is at rest between its polls: hyper has handed every complete
+    /// request head to the service by then, so no request is cut.
+    struct Evictable<F> {
+        #[pin]
+        fut: F,
+        // Only an evicting listener's connections have one.
+        asked: Option<Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>>,
+        registered: Option<Registered>,
+        activity: Arc<Activity>,
+    }
+}
+
+impl<F: Future<Output = ()>> Evictable<F> {
+    fn new(registered: Option<Registered>, activity: Arc<Activity>, fut: F) -> Self {
+        Evictable {
+            fut,
+            asked: registered
+                .as_ref()
+                .map(|r| Box::pin(r.evict.clone().cancelled_owned())),
+            registered,
+            activity,
+        }
+    }
+}
+
+impl<F: Future<Output = ()>> Future for Evictable<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        if this.fut.poll(cx).is_ready() {
+            return Poll::Ready(());
+        }
+        let asked = this
+            .asked
+            .as_mut()
+            .is_some_and(|a| a.as_mut().poll(cx).is_ready());
+        if asked && this.activity.at_rest() {
+            tracing::debug!("admin connection limit reached: closing an idle connection");
+            return Poll::Ready(());
+        }
+        Poll::Pending
     }
 }
 

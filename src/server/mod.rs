@@ -77,6 +77,9 @@ pub enum StartError {
     /// Trace export could not be set up (`[telemetry]`).
     #[error("telemetry: {0}")]
     Telemetry(String),
+    /// The descriptor limit leaves too little for connections (SPEC §9 "Limits").
+    #[error(transparent)]
+    Budget(#[from] crate::budget::TooFew),
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -104,7 +107,10 @@ pub struct App {
     shutdown_timeout: Duration,
     /// How long to go on serving, not ready, after the shutdown signal.
     shutdown_delay: Duration,
+    /// The proxy listener's connections at once, within the descriptor budget.
     max_connections: usize,
+    /// The admin listener's.
+    admin_max_connections: usize,
     header_read_timeout: Duration,
 }
 
@@ -153,6 +159,17 @@ async fn build_on(
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
+    let budget = crate::budget::Budget::derive(cfg, crate::budget::Nofile::read().soft)?;
+    tracing::info!(
+        limit = budget.limit,
+        reserved = budget.reserved,
+        client_connections = budget.client_connections,
+        upstream_requests = budget.upstream_requests,
+        admin_connections = budget.admin_connections,
+        "descriptor budget: {}",
+        budget.summary()
+    );
+    let upstreams = crate::budget::Upstreams::new(&budget);
     // On PostgreSQL the database is this set-up's, or nothing is written to
     // it (SPEC §10: one database, one set-up); the record is looked at again
     // while running.
@@ -282,7 +299,7 @@ async fn build_on(
         }
     };
     let metrics = Metrics::new();
-    let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics).await?);
+    let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics, &upstreams).await?);
     let stop = CancellationToken::new();
     // SPEC §11: the queue is kept beside the marks — trees on sled, or
     // tables in PostgreSQL (migrated by now).
@@ -363,6 +380,7 @@ async fn build_on(
         mode: mode.clone(),
         live: live.clone(),
         stopping: Default::default(),
+        upstreams: upstreams.clone(),
     });
     crate::metrics::collect::register(&metrics, shared.clone());
     // Peers are reached over plain HTTP or TLS with the system's roots.
@@ -370,7 +388,11 @@ async fn build_on(
         Mode::Single(_) => None,
         Mode::Cluster(_) => {
             let tls = crate::forward::tls_config(None, None).map_err(StartError::Tls)?;
-            Some(crate::forward::client(tls, Duration::from_secs(1)))
+            Some(crate::forward::client(
+                tls,
+                Duration::from_secs(1),
+                upstreams.idle_per_host,
+            ))
         }
     };
     // Trace export: its own pooled client (system roots), its own task.
@@ -382,7 +404,7 @@ async fn build_on(
                 &cfg.telemetry,
                 cfg.cluster.as_ref().map(|c| c.instance_id.as_str()),
                 &metrics,
-                crate::forward::client(tls, Duration::from_secs(1)),
+                crate::forward::client(tls, Duration::from_secs(1), 4),
                 stop.clone(),
             )
             .map_err(StartError::Telemetry)?
@@ -463,7 +485,8 @@ async fn build_on(
         exporter,
         shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
         shutdown_delay: Duration::from_millis(cfg.server.shutdown_delay_ms),
-        max_connections: cfg.server.max_connections,
+        max_connections: budget.client_connections,
+        admin_max_connections: budget.admin_connections,
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
     })
 }
@@ -488,6 +511,7 @@ async fn build_live(
     fences: &Fences,
     mode: &Mode,
     metrics: &Metrics,
+    upstreams: &Arc<crate::budget::Upstreams>,
 ) -> Result<Live, StartError> {
     let settle = drain_timeouts(cfg);
     type TlsFiles = (
@@ -527,13 +551,19 @@ async fn build_live(
                 let identity = rc.client_identity().map_err(route_err)?;
                 let tls = crate::forward::tls_config(rc.ca_file.as_deref(), identity.as_ref())
                     .map_err(route_err)?;
-                let c = crate::forward::client(tls, (rc.timeout() / 2).min(Duration::from_secs(5)));
+                let c = crate::forward::client(
+                    tls,
+                    (rc.timeout() / 2).min(Duration::from_secs(5)),
+                    upstreams.idle_per_host,
+                );
                 clients.insert(tls_files, c.clone());
                 c
             }
         };
         let shard = crate::cluster::shard_of(&rc.lease, shards);
-        routes.push(Route::new(rc, fence, shard, client, metrics).map_err(route_err)?);
+        routes.push(
+            Route::new(rc, fence, shard, client, upstreams.clone(), metrics).map_err(route_err)?,
+        );
     }
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")
         .ok()
@@ -612,6 +642,7 @@ impl App {
             tls,
             idle_limit: self.header_read_timeout,
             gauges,
+            evict_idle: false,
         };
         let serve = async {
             tokio::join!(
@@ -627,13 +658,16 @@ impl App {
                     &graceful,
                 ),
                 accept_loop(
-                    listener(
-                        admin_l,
-                        Arc::new(Semaphore::new(256)),
-                        None,
-                        Default::default(),
-                        &admin_stop,
-                    ),
+                    Listener {
+                        evict_idle: true,
+                        ..listener(
+                            admin_l,
+                            Arc::new(Semaphore::new(self.admin_max_connections)),
+                            None,
+                            self.metrics.admin_connections.clone(),
+                            &admin_stop,
+                        )
+                    },
                     admin_handler,
                     &admin_graceful,
                 ),

@@ -187,25 +187,30 @@ impl Reloader {
             .iter()
             .map(|f| f.lease().clone())
             .collect();
-        let mut new =
-            match super::build_live(&cfg, &self.shared.fences, &self.shared.mode, &self.metrics)
-                .await
-            {
-                Ok(n) => n,
-                Err(e) => {
-                    // Fences started for the refused file's new leases admitted
-                    // nothing: stop them, or they would be refreshed for nothing.
-                    for f in self.shared.fences.all() {
-                        if !running.contains(f.lease()) {
-                            self.shared
-                                .fences
-                                .stop(f.lease(), std::time::Duration::ZERO)
-                                .await;
-                        }
+        let mut new = match super::build_live(
+            &cfg,
+            &self.shared.fences,
+            &self.shared.mode,
+            &self.metrics,
+            &self.shared.upstreams,
+        )
+        .await
+        {
+            Ok(n) => n,
+            Err(e) => {
+                // Fences started for the refused file's new leases admitted
+                // nothing: stop them, or they would be refreshed for nothing.
+                for f in self.shared.fences.all() {
+                    if !running.contains(f.lease()) {
+                        self.shared
+                            .fences
+                            .stop(f.lease(), std::time::Duration::ZERO)
+                            .await;
                     }
-                    return Err(e.into());
                 }
-            };
+                return Err(e.into());
+            }
+        };
         let names = |l: &crate::live::Live| -> HashSet<String> {
             l.routes.iter().map(|r| r.name.clone()).collect()
         };

@@ -461,7 +461,7 @@ mod tests {
             &cfg,
             None,
             &metrics,
-            crate::forward::client(tls, std::time::Duration::from_secs(1)),
+            crate::forward::client(tls, std::time::Duration::from_secs(1), 4),
             stop,
         )
         .unwrap()

@@ -32,6 +32,7 @@ mod queued;
 mod queued_cluster;
 mod quickstart;
 mod reload;
+mod siege;
 mod startup;
 mod traces;
 mod webhooks;

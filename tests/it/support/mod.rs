@@ -252,6 +252,8 @@ pub struct Fencegate {
     pub stderr_path: PathBuf,
     /// How the last [`Fencegate::spawn`] that failed ended (e.g. exit 2: refused).
     pub last_exit: Option<std::process::ExitStatus>,
+    /// `RLIMIT_NOFILE` (soft and hard) the process starts under, if set.
+    pub nofile: Option<u64>,
 }
 
 /// The fencegate binary under test: this build's, or `FENCEGATE_TEST_BIN` (to
@@ -347,6 +349,7 @@ impl Fencegate {
                 .collect(),
             args: args.iter().map(|a| a.to_string()).collect(),
             last_exit: None,
+            nofile: None,
         }
     }
 
@@ -375,6 +378,13 @@ impl Fencegate {
         if let Some(fp) = failpoint {
             cmd.env("FENCEGATE_FAILPOINT", fp);
         }
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs here.
+            unsafe {
+                cmd.pre_exec(move || rlimit::setrlimit(rlimit::Resource::NOFILE, n, n));
+            }
+        }
         let mut child = cmd.spawn().expect("spawning fencegate");
         let stdout = child.stdout.take().unwrap();
         let mut line = String::new();
@@ -393,6 +403,13 @@ impl Fencegate {
 
     pub fn stderr(&self) -> String {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Descriptors the process holds open now.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
     }
 
     pub fn pid(&self) -> u32 {

@@ -32,9 +32,19 @@ impl Epoch {
         self.0.checked_add(1).map(Epoch)
     }
 
-    /// Parses an `X-Lease-Epoch` value: a plain decimal u64 — ASCII digits only, no
-    /// sign, no spaces, no empty value. Leading zeros are accepted (`007` is 7).
+    /// Parses an `X-Lease-Epoch` value: a plain decimal u64 in its one
+    /// spelling — ASCII digits only, no sign, no spaces, no empty value, no
+    /// leading zero (SPEC §3: `007` is refused, not read as 7: the header goes
+    /// on to the destination as sent, and one epoch has one spelling there).
     pub fn parse_header(raw: &[u8]) -> Option<Epoch> {
+        if raw.len() > 1 && raw[0] == b'0' {
+            return None;
+        }
+        Epoch::parse_digits(raw)
+    }
+
+    /// Up to 20 ASCII digits as a u64, leading zeros allowed (object keys).
+    fn parse_digits(raw: &[u8]) -> Option<Epoch> {
         if raw.is_empty() || raw.len() > 20 || !raw.iter().all(u8::is_ascii_digit) {
             return None;
         }
@@ -347,7 +357,7 @@ pub fn epoch_of_key(lease_prefix: &str, key: &str) -> Option<Epoch> {
     if digits.len() != 20 {
         return None;
     }
-    Epoch::parse_header(digits.as_bytes()).filter(|e| *e != Epoch::NONE)
+    Epoch::parse_digits(digits.as_bytes()).filter(|e| *e != Epoch::NONE)
 }
 
 #[cfg(test)]
@@ -357,7 +367,7 @@ mod tests {
     #[test]
     fn epoch_header_accepts_plain_decimal_only() {
         assert_eq!(Epoch::parse_header(b"7"), Some(Epoch(7)));
-        assert_eq!(Epoch::parse_header(b"0007"), Some(Epoch(7)));
+        assert_eq!(Epoch::parse_header(b"0"), Some(Epoch(0)));
         assert_eq!(
             Epoch::parse_header(b"18446744073709551615"),
             Some(Epoch(u64::MAX))
@@ -373,6 +383,9 @@ mod tests {
             b"7.0",
             b"1e3",
             b"\xd9\xa7",
+            b"0007",
+            b"01",
+            b"00",
         ] {
             assert_eq!(Epoch::parse_header(bad), None, "{bad:?}");
         }

@@ -308,6 +308,51 @@ fn error_response(
     resp
 }
 
+/// A request hyper refuses before fencegate sees it (SPEC §7, §9 "Limits"):
+/// the head broke HTTP/1.1's grammar or a head limit. hyper writes such an
+/// answer itself; [`crate::server`] replaces it with this one, whole, in
+/// fencegate's format (`X-Fencegate-Error` and a JSON body), and the
+/// connection closes after it.
+pub(crate) fn unparsable_head(status: u16) -> Vec<u8> {
+    let (status, code, message) = match status {
+        414 => (
+            StatusCode::URI_TOO_LONG,
+            "uri_too_long",
+            "The request target is longer than 65534 bytes",
+        ),
+        431 => (
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers_too_large",
+            "The request head has more than 100 header fields or more than 128 KiB",
+        ),
+        505 => (
+            StatusCode::HTTP_VERSION_NOT_SUPPORTED,
+            "request_malformed",
+            "The request's HTTP version is not supported",
+        ),
+        _ => (
+            StatusCode::BAD_REQUEST,
+            "request_malformed",
+            "The request head is not valid HTTP/1.1",
+        ),
+    };
+    let body = serde_json::to_vec(&json!({
+        "error": code,
+        "message": format!("{message}; nothing was forwarded and the connection is closed"),
+    }))
+    .unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncache-control: no-store\r\n\
+         {ERROR_HEADER}: {code}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
 impl From<Refusal> for ProxyError {
     fn from(r: Refusal) -> Self {
         ProxyError::Refused(r)

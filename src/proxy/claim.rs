@@ -65,7 +65,7 @@ impl Proxy {
                 token: route.require_token,
             })?;
         let epoch = Epoch::parse_header(epoch.as_bytes()).ok_or(ProxyError::EpochMalformed(
-            "must be a plain decimal u64: digits only, no sign, no spaces",
+            "must be a plain decimal u64: digits only, no sign, no spaces, no leading zero",
         ))?;
         seen.epoch = Some(epoch.get());
         let worker_key = match single_header(&parts.headers, &IDEMPOTENCY_KEY_NAME) {

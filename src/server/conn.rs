@@ -100,6 +100,7 @@ pub(super) struct Watched<B> {
 impl<B> Watched<B> {
     fn new(body: B, activity: Arc<Activity>) -> Watched<B> {
         activity.open_answers.fetch_add(1, Ordering::SeqCst);
+        activity.answers.fetch_add(1, Ordering::SeqCst);
         Watched {
             body,
             activity,
@@ -474,11 +475,7 @@ where
                     }
                 }
             };
-            let io = TokioIo::new(Tracked {
-                io,
-                ahead: Bytes::new(),
-                activity: activity.clone(),
-            });
+            let io = TokioIo::new(Tracked::new(io, Bytes::new(), activity.clone()));
             // Boxed: the task of a parked plain connection does not carry its size.
             let conn = Box::pin(builders.auto.serve_connection(io, svc).into_owned());
             let conn = until_shutdown(conn, watcher, |c| c.get_mut().as_mut().graceful_shutdown());

@@ -141,11 +141,7 @@ where
     }
     let (mut stream, mut svc, mut ahead) = (stream, svc, Bytes::new());
     loop {
-        let io = TokioIo::new(Tracked {
-            io: stream,
-            ahead,
-            activity: activity.clone(),
-        });
+        let io = TokioIo::new(Tracked::new(stream, ahead, activity.clone()));
         // Boxed: a parked connection's task does not carry hyper's state.
         let conn = Box::new(builder.serve_connection(io, svc));
         let parts = match segment(conn, activity, limits, &mut shutdown).await {
@@ -321,11 +317,7 @@ mod tests {
         let (a, mut b) = tokio::io::duplex(64);
         b.write_all(b" world").await.unwrap();
         drop(b);
-        let mut r = Tracked {
-            io: a,
-            ahead: Bytes::from_static(b"hello"),
-            activity: Activity::new(),
-        };
+        let mut r = Tracked::new(a, Bytes::from_static(b"hello"), Activity::new());
         let mut out = String::new();
         r.read_to_string(&mut out).await.unwrap();
         assert_eq!(out, "hello world");

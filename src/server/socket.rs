@@ -33,6 +33,11 @@ pub(super) struct Activity {
     /// Milliseconds after `started` of the last write that moved bytes: a large
     /// answer still going out to a slow reader is not idleness.
     pub(super) wrote_ms: AtomicU64,
+    /// Answers (final, not 1xx) handed to hyper, and those whose head hyper has
+    /// written: while they differ, the next status line written is an
+    /// answer's, never one hyper made itself ([`Tracked::own_answer`]).
+    pub(super) answers: AtomicU64,
+    pub(super) heads: AtomicU64,
 }
 
 impl Activity {
@@ -45,6 +50,8 @@ impl Activity {
             write_blocked: AtomicBool::new(false),
             idle_since_ms: AtomicU64::new(0),
             wrote_ms: AtomicU64::new(0),
+            answers: AtomicU64::new(0),
+            heads: AtomicU64::new(0),
         })
     }
 
@@ -84,9 +91,75 @@ pub(super) struct Tracked<S> {
     pub io: S,
     pub ahead: Bytes,
     pub activity: Arc<Activity>,
+    /// fencegate's answer being written in place of one hyper wrote itself
+    /// ([`Tracked::own_answer`]).
+    pub own: Bytes,
 }
 
 impl<S> Tracked<S> {
+    pub(super) fn new(io: S, ahead: Bytes, activity: Arc<Activity>) -> Tracked<S> {
+        Tracked {
+            io,
+            ahead,
+            activity,
+            own: Bytes::new(),
+        }
+    }
+
+    /// hyper answers a head it cannot parse (400, 414, 431, 505) by itself,
+    /// with an empty body, then closes: `connection: close` is its first
+    /// header. Such a write is replaced whole by fencegate's answer in its own
+    /// format (SPEC §7). It is told from an answer's head by the count of
+    /// answers handed to hyper (each one's head is written before anything
+    /// else of it), and from an answer's body by the connection being at rest
+    /// (no request served, no answer open) and by hyper's exact first line and
+    /// header. HTTP/2 frames never start with a status line.
+    fn own_answer(&self, first: &[u8]) -> Option<Bytes> {
+        let line = first.strip_prefix(b"HTTP/1.")?.get(2..)?;
+        let status = line.get(..3)?;
+        let a = &self.activity;
+        if status.first() != Some(&b'1') && a.heads.load(Ordering::SeqCst) < a.answers.load(Ordering::SeqCst) {
+            // An answer's head.
+            a.heads.fetch_add(1, Ordering::SeqCst);
+            return None;
+        }
+        let at_rest = a.in_flight.load(Ordering::SeqCst) == 0 && a.open_answers.load(Ordering::SeqCst) == 0;
+        let hypers = line
+            .iter()
+            .position(|b| *b == b'\n')
+            .and_then(|n| line.get(n + 1..))
+            .is_some_and(|rest| rest.starts_with(b"connection: close\r\n"));
+        if !matches!(status.first(), Some(b'4' | b'5')) || !at_rest || !hypers {
+            return None;
+        }
+        let code = std::str::from_utf8(status).ok()?.parse().ok()?;
+        Some(Bytes::from(crate::error::unparsable_head(code)))
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Tracked<S> {
+    /// Writes what is left of [`Tracked::own`].
+    fn write_own(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        while !self.own.is_empty() {
+            let r = Pin::new(&mut self.io).poll_write(cx, &self.own);
+            self.wrote(&r);
+            match std::task::ready!(r)? {
+                0 => return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into())),
+                n => bytes::Buf::advance(&mut self.own, n),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// Takes hyper's `len` bytes as written, and starts writing `own` instead.
+    fn replace(&mut self, cx: &mut Context<'_>, own: Bytes, len: usize) -> Poll<std::io::Result<usize>> {
+        self.own = own;
+        match self.write_own(cx) {
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            // The rest goes out with the flush hyper makes next.
+            _ => Poll::Ready(Ok(len)),
+        }
+    }
     fn wrote(&self, r: &Poll<std::io::Result<usize>>) {
         let blocked = r.is_pending();
         if self.activity.write_blocked.load(Ordering::Relaxed) != blocked {
@@ -126,6 +199,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
+        std::task::ready!(this.write_own(cx))?;
+        if let Some(own) = this.own_answer(buf) {
+            return this.replace(cx, own, buf.len());
+        }
         let r = Pin::new(&mut this.io).poll_write(cx, buf);
         this.wrote(&r);
         r
@@ -137,6 +214,12 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
+        std::task::ready!(this.write_own(cx))?;
+        let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| &b[..]);
+        if let Some(own) = this.own_answer(first) {
+            let len = bufs.iter().map(|b| b.len()).sum();
+            return this.replace(cx, own, len);
+        }
         let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         this.wrote(&r);
         r
@@ -147,10 +230,14 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+        let this = self.get_mut();
+        std::task::ready!(this.write_own(cx))?;
+        Pin::new(&mut this.io).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+        let this = self.get_mut();
+        std::task::ready!(this.write_own(cx))?;
+        Pin::new(&mut this.io).poll_shutdown(cx)
     }
 }

@@ -53,6 +53,8 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "18446744073709551616",
         "1.0",
         "٧",
+        "01",
+        "007",
     ] {
         let r = send(
             Request::post(&url)
@@ -65,7 +67,8 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         r.assert_error(400, "epoch_malformed");
         let message = r.json()["message"].as_str().unwrap().to_owned();
         assert_eq!(
-            message, "X-Lease-Epoch must be a plain decimal u64: digits only, no sign, no spaces",
+            message,
+            "X-Lease-Epoch must be a plain decimal u64: digits only, no sign, no spaces, no leading zero",
             "says what is wrong once"
         );
     }

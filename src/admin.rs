@@ -10,6 +10,7 @@
 
 mod deliveries;
 mod form;
+mod guesses;
 pub mod markup;
 pub mod page;
 pub(crate) mod session;
@@ -47,7 +48,13 @@ pub struct Admin {
     /// Every cluster member this instance has seen alive, and when it last did:
     /// a member that stops (killed, or gone from the heartbeat) is shown gone.
     members_seen: std::sync::Mutex<std::collections::BTreeMap<String, std::time::SystemTime>>,
+    /// Wrong admin tokens per client address: guessing is slowed.
+    guesses: guesses::Guesses,
 }
+
+/// The admin request's client address (a request extension).
+#[derive(Clone, Copy)]
+struct Client(std::net::IpAddr);
 
 /// The admin endpoints, for routing and for the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +256,7 @@ impl Admin {
             session_secret: crate::lease::acquire::fresh_token(),
             store_timeout,
             members_seen: std::sync::Mutex::default(),
+            guesses: guesses::Guesses::default(),
         }
     }
 
@@ -264,8 +272,13 @@ impl Admin {
     }
 
     /// Answers one admin request; every failure becomes its SPEC §7 response.
-    pub async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    pub async fn handle(
+        &self,
+        mut req: Request<Incoming>,
+        client: std::net::IpAddr,
+    ) -> Response<Full<Bytes>> {
         let head = req.method() == Method::HEAD;
+        req.extensions_mut().insert(Client(client));
         let mut resp = self.route(req).await.unwrap_or_else(|e| e.to_response());
         if head {
             // What GET would send, without the body.
@@ -346,8 +359,24 @@ impl Admin {
         })
     }
 
+    /// Whether `req`'s client may present a token now ([`guesses`]).
+    fn may_guess<B>(&self, req: &Request<B>) -> Result<(), AdminError> {
+        match req.extensions().get::<Client>() {
+            Some(c) => self.guesses.allow(c.0).map_err(AdminError::TooManyAttempts),
+            None => Ok(()),
+        }
+    }
+
+    /// `req`'s client presented a wrong token.
+    fn guessed_wrong<B>(&self, req: &Request<B>) {
+        if let Some(c) = req.extensions().get::<Client>() {
+            self.guesses.failed(c.0);
+        }
+    }
+
     fn authorize<B>(&self, req: &Request<B>) -> Result<(), AdminError> {
         let expected = self.token().ok_or(AdminError::Disabled)?;
+        self.may_guess(req)?;
         let presented = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -355,7 +384,11 @@ impl Admin {
             .and_then(|v| v.strip_prefix("Bearer "));
         match presented {
             Some(t) if expected.matches(&TokenHash::of(t.as_bytes())) => Ok(()),
-            _ => Err(AdminError::Unauthorized),
+            Some(_) => {
+                self.guessed_wrong(req);
+                Err(AdminError::Unauthorized)
+            }
+            None => Err(AdminError::Unauthorized),
         }
     }
 
@@ -741,11 +774,16 @@ impl Admin {
         if !session::same_origin(req.headers()) {
             return Err(AdminError::CrossSite);
         }
+        self.may_guess(&req)?;
+        let client = req.extensions().get::<Client>().copied();
         let body = read_body(req).await?;
         let fields = form::form_pairs(&body);
         let presented = form_field(&fields, "token").unwrap_or_default();
         if !expected.matches(&TokenHash::of(presented.as_bytes())) {
             tracing::warn!("operator page: a login with a wrong admin token was refused");
+            if let Some(c) = client {
+                self.guesses.failed(c.0);
+            }
             return Ok(html(
                 StatusCode::FORBIDDEN,
                 page::render_login(Some("That is not the admin token.")),

@@ -231,6 +231,8 @@ pub(crate) enum AdminError {
     CrossSite,
     #[error("{0}")]
     Delivery(#[from] crate::queue::Edit),
+    #[error("too many wrong admin tokens from this address: try again after Retry-After ({0} s)")]
+    TooManyAttempts(u64),
 }
 
 impl AdminError {
@@ -249,6 +251,7 @@ impl AdminError {
             E::ShardUnavailable => (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable"),
             E::MethodNotAllowed(_) => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             E::CrossSite => (StatusCode::FORBIDDEN, "cross_site_refused"),
+            E::TooManyAttempts(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_attempts"),
             E::Delivery(e) => match e {
                 crate::queue::Edit::NotFound => (StatusCode::NOT_FOUND, "delivery_not_found"),
                 crate::queue::Edit::Conflict(_) => (StatusCode::CONFLICT, "delivery_conflict"),
@@ -271,6 +274,10 @@ impl AdminError {
                 http::header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer"),
             );
+        }
+        if let AdminError::TooManyAttempts(secs) = self {
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from(*secs));
         }
         if let AdminError::MethodNotAllowed(allow) = self {
             resp.headers_mut()

@@ -198,7 +198,7 @@ impl hyper::body::Body for Made {
 
 async fn passthrough(upstream: SocketAddr) -> Result<(), String> {
     let tls = fencegate::forward::tls_config(None, None)?;
-    let client = fencegate::forward::client(tls, Duration::from_secs(5));
+    let client = fencegate::forward::client(tls, Duration::from_secs(5), usize::MAX);
     let authority: http::uri::Authority = upstream
         .to_string()
         .parse()

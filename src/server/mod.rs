@@ -630,9 +630,9 @@ impl App {
             FinishOnDrop::new(proxy.clone().handle(req, hop))
         };
         let admin = self.admin.clone();
-        let admin_handler = move |req: Request<Incoming>, _hop: Arc<ClientHop>| {
+        let admin_handler = move |req: Request<Incoming>, hop: Arc<ClientHop>| {
             let a = admin.clone();
-            Box::pin(async move { a.handle(req).await })
+            Box::pin(async move { a.handle(req, hop.addr.ip()).await })
         };
         let listener = |listener, limit, tls, gauges, stop: &CancellationToken| Listener {
             listener,

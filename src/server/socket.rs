@@ -118,12 +118,15 @@ impl<S> Tracked<S> {
         let line = first.strip_prefix(b"HTTP/1.")?.get(2..)?;
         let status = line.get(..3)?;
         let a = &self.activity;
-        if status.first() != Some(&b'1') && a.heads.load(Ordering::SeqCst) < a.answers.load(Ordering::SeqCst) {
+        if status.first() != Some(&b'1')
+            && a.heads.load(Ordering::SeqCst) < a.answers.load(Ordering::SeqCst)
+        {
             // An answer's head.
             a.heads.fetch_add(1, Ordering::SeqCst);
             return None;
         }
-        let at_rest = a.in_flight.load(Ordering::SeqCst) == 0 && a.open_answers.load(Ordering::SeqCst) == 0;
+        let at_rest =
+            a.in_flight.load(Ordering::SeqCst) == 0 && a.open_answers.load(Ordering::SeqCst) == 0;
         let hypers = line
             .iter()
             .position(|b| *b == b'\n')
@@ -152,7 +155,12 @@ impl<S: AsyncWrite + Unpin> Tracked<S> {
     }
 
     /// Takes hyper's `len` bytes as written, and starts writing `own` instead.
-    fn replace(&mut self, cx: &mut Context<'_>, own: Bytes, len: usize) -> Poll<std::io::Result<usize>> {
+    fn replace(
+        &mut self,
+        cx: &mut Context<'_>,
+        own: Bytes,
+        len: usize,
+    ) -> Poll<std::io::Result<usize>> {
         self.own = own;
         match self.write_own(cx) {
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
@@ -215,7 +223,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Tracked<S> {
     ) -> Poll<std::io::Result<usize>> {
         let this = self.get_mut();
         std::task::ready!(this.write_own(cx))?;
-        let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| &b[..]);
+        let first = bufs
+            .iter()
+            .find(|b| !b.is_empty())
+            .map_or(&[][..], |b| &b[..]);
         if let Some(own) = this.own_answer(first) {
             let len = bufs.iter().map(|b| b.len()).sum();
             return this.replace(cx, own, len);

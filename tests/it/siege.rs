@@ -243,3 +243,113 @@ async fn livez_answers_past_the_admin_listeners_cap() {
     assert!(fg.series("fencegate_admin_connections_evicted_total").await >= 30.0);
     drop(held);
 }
+
+/// What a raw socket gets back for `request` (the connection is closed after it).
+async fn raw(addr: std::net::SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Issue 50, repro 4: the refusals hyper makes of a head it cannot take are in
+/// fencegate's format (SPEC §7), forward nothing, and an upstream's own answer
+/// of the same shape is passed on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_of_a_head_are_in_fencegates_format() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(&single_config(&s3, &origin));
+    let many: String = (0..101).map(|i| format!("X-H{i}: v\r\n")).collect();
+    let cases = [
+        (
+            format!("GET /billing/x HTTP/1.1\r\nHost: a\r\n{many}\r\n"),
+            431,
+            "headers_too_large",
+        ),
+        (
+            format!(
+                "GET /billing/{} HTTP/1.1\r\nHost: a\r\n\r\n",
+                "a".repeat(70_000)
+            ),
+            414,
+            "uri_too_long",
+        ),
+        ("NOT HTTP\r\n\r\n".to_owned(), 400, "request_malformed"),
+    ];
+    for (request, status, code) in cases {
+        for addr in [fg.proxy, fg.admin] {
+            let answer = raw(addr, request.as_bytes()).await;
+            let (head, body) = answer
+                .split_once("\r\n\r\n")
+                .unwrap_or_else(|| panic!("{answer:?}"));
+            assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{head}");
+            assert!(
+                head.contains(&format!("\r\nx-fencegate-error: {code}\r\n")),
+                "{head}"
+            );
+            let v: serde_json::Value = serde_json::from_str(body).unwrap();
+            assert_eq!(v["error"], code, "{v}");
+        }
+    }
+    assert_eq!(origin.count(), 0, "nothing was forwarded");
+    // A destination's own empty 404, with the connection closed, goes through as it came.
+    let h = acquire(&s3.epochs().await, "billing", "w", Duration::from_secs(60)).await;
+    let answer = raw(
+        fg.proxy,
+        format!(
+            "POST /billing/nf HTTP/1.1\r\nHost: a\r\nX-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\n\
+             x-test-status: 404\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            h.epoch.get(),
+            h.token
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 404 "), "{answer}");
+    assert!(!answer.contains("x-fencegate-error"), "{answer}");
+}
+
+/// Issue 50: wrong admin tokens are slowed per client address — ten, then
+/// `429 too_many_attempts` with `Retry-After`, the token not even looked at.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_admin_tokens_are_slowed_down() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start_with_server(
+        "admin_token = \"right-token\"",
+        &single_config(&s3, &origin),
+        &[],
+    );
+    let login = |token: &str| {
+        http::Request::post(fg.admin_url("/login"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Full::new(Bytes::from(format!("token={token}"))))
+            .unwrap()
+    };
+    for i in 0..10 {
+        assert_eq!(send(login(&format!("guess-{i}"))).await.status, 403);
+    }
+    let slowed = send(login("guess-10")).await;
+    slowed.assert_error(429, "too_many_attempts");
+    assert!(slowed.retry_after_secs() >= 1);
+    // Not even the right one, until a guess is back.
+    send(login("right-token"))
+        .await
+        .assert_error(429, "too_many_attempts");
+    let bearer = send(
+        http::Request::get(fg.admin_url("/v1/dedup?state=in_doubt"))
+            .header("authorization", "Bearer wrong")
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    bearer.assert_error(429, "too_many_attempts");
+    // A guess comes back each second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(send(login("right-token")).await.status, 303);
+}

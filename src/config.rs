@@ -276,6 +276,12 @@ pub struct StateConfig {
     /// sled's page cache in MiB: how much of the marks, dedup records and
     /// queued messages stays resident (sled only).
     pub cache_mb: u64,
+    /// Queued messages whose request is kept (not yet delivered nor dropped),
+    /// over every route; past it a new one is refused (503 `queue_full`, SPEC
+    /// §11). sled only: sled keeps what it writes in memory.
+    pub queue_max_messages: u64,
+    /// And their bytes as stored.
+    pub queue_max_bytes: u64,
 }
 
 impl Default for StateConfig {
@@ -288,6 +294,8 @@ impl Default for StateConfig {
             timeout_ms: 2000,
             schema: None,
             cache_mb: 64,
+            queue_max_messages: 100_000,
+            queue_max_bytes: 256 << 20,
         }
     }
 }
@@ -678,6 +686,12 @@ pub struct RouteConfig {
     /// Larger responses are not kept for replay; a repeat gets 409 `dedup_done`.
     #[serde(default = "d_mib")]
     pub max_replay_bytes: usize,
+    /// A queued route's messages whose request is kept, and their bytes: past
+    /// either a new message is refused (503 `queue_full`, SPEC §11); none: only
+    /// `[state]`'s bound over every route.
+    pub queue_max_messages: Option<u64>,
+    /// See `queue_max_messages`.
+    pub queue_max_bytes: Option<u64>,
     /// How long a raise waits for lower epochs in flight before aborting them (SPEC
     /// §5); absent: `timeout_ms`.
     #[serde(

@@ -98,6 +98,12 @@ pub(crate) enum ProxyError {
     PeerUnauthorized,
     #[error("{}", held_text(.route, .refused.reason))]
     UpstreamHeld { route: String, refused: Refused },
+    #[error("route {route}'s queue is full ({bound}: {limit})")]
+    QueueFull {
+        route: String,
+        bound: &'static str,
+        limit: u64,
+    },
 }
 
 /// Why route `route` forwards nothing now (SPEC §9, protecting the destination).
@@ -453,6 +459,7 @@ impl ProxyError {
             E::UpstreamTimeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout"),
             E::DrainAborted { .. } => (StatusCode::GATEWAY_TIMEOUT, "drain_aborted"),
             E::UpstreamHeld { .. } => (StatusCode::SERVICE_UNAVAILABLE, "upstream_held"),
+            E::QueueFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "queue_full"),
         }
     }
 
@@ -534,6 +541,10 @@ impl ProxyError {
             E::ShuttingDown { doubt } => doubt.context(ctx),
             E::UpstreamHeld { refused, .. } => {
                 ctx.insert("detail".into(), json!(refused.reason.as_str()));
+            }
+            E::QueueFull { bound, limit, .. } => {
+                ctx.insert("detail".into(), json!(bound));
+                ctx.insert("limit".into(), json!(limit));
             }
             E::ShardUnavailable { lease: l } | E::EpochMissing { lease: l, .. } => lease(ctx, l),
             E::RouteNotFound
@@ -634,6 +645,10 @@ impl ProxyError {
                 "This worker's epoch is superseded: stop sending with it. {}",
                 doubt.next_step()
             ),
+            E::QueueFull { .. } => "Nothing was accepted and nothing recorded for this \
+                 request (its idempotency key, if any, is free): send it again after \
+                 Retry-After, once deliveries have drained the queue"
+                .to_owned(),
             E::UpstreamHeld { refused, .. } => format!(
                 "Nothing was forwarded and nothing recorded for this request (its idempotency \
                  key, if any, is as it was before it): send it again after Retry-After ({} s)",

@@ -194,6 +194,21 @@ impl Proxy {
                 lease: route.lease.clone(),
             });
         }
+        // SPEC §11: the queue's bound — refused before anything is written,
+        // the key left free (a retry of an accepted message was answered above).
+        if let Some((of_route, total)) = queue.store.held(&route.name) {
+            if let Some((bound, limit)) =
+                route
+                    .queue_bound
+                    .refuses(of_route, total, body.len() as u64)
+            {
+                return Err(ProxyError::QueueFull {
+                    route: route.name.clone(),
+                    bound,
+                    limit,
+                });
+            }
+        }
         let (parts, rest, query) = {
             let mut parts = parts;
             forward::end_to_end(&mut parts.headers, hop)

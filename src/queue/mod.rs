@@ -770,6 +770,19 @@ impl Collector for QueueCollector {
                 })
                 .collect(),
         )?;
+        if let QueueStore::Sled(sled) = &q.store {
+            let mut held = sled.held_by_route();
+            held.sort_by(|a, b| a.0.cmp(&b.0));
+            emit(
+                &mut enc,
+                "fencegate_queue_held_bytes",
+                "Bytes of the requests kept for queued messages not delivered nor dropped, per route (sled: held in memory; bounded by queue_max_bytes)",
+                MetricType::Gauge,
+                held.iter()
+                    .map(|(r, h)| (vec![("route", r.clone())], ConstGauge::new(h.bytes as i64)))
+                    .collect(),
+            )?;
+        }
         let mut attempts: Vec<_> = q
             .counts
             .lock()

@@ -78,6 +78,20 @@ pub struct SledQueue {
     /// reads a lease's head per pair instead of walking the index. A leaf
     /// lock.
     waiting: Mutex<HashMap<(String, String), u64>>,
+    /// Requests kept per route — messages and body bytes: what a message not
+    /// delivered nor dropped holds (sled keeps written values in memory, so
+    /// this is memory too). Counted at open and kept with each change to the
+    /// `queue_requests` tree, for the queue's bound (SPEC §11). A leaf lock.
+    held: Mutex<HashMap<String, Held>>,
+}
+
+/// A route's (or the queue's) requests kept: how many, and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Messages whose request is kept.
+    pub messages: u64,
+    /// The bytes of those requests as stored.
+    pub bytes: u64,
 }
 
 impl SledQueue {
@@ -97,9 +111,20 @@ impl SledQueue {
                 ))
                 .or_default() += 1;
         }
+        let requests = db.open_tree("queue_requests").map_err(db_err)?;
+        let mut held: HashMap<String, Held> = HashMap::new();
+        for item in requests.iter() {
+            let (k, v) = item.map_err(db_err)?;
+            let route = k.split(|b| *b == 0).next().unwrap_or_default();
+            let h = held
+                .entry(String::from_utf8_lossy(route).into_owned())
+                .or_default();
+            h.messages += 1;
+            h.bytes += v.len() as u64;
+        }
         Ok(SledQueue {
             msgs: db.open_tree("queue").map_err(db_err)?,
-            requests: db.open_tree("queue_requests").map_err(db_err)?,
+            requests,
             order,
             seqs: db.open_tree("queue_seq").map_err(db_err)?,
             sent: db.open_tree("queue_sent").map_err(db_err)?,
@@ -107,7 +132,37 @@ impl SledQueue {
             sled,
             accepting: Mutex::new(()),
             waiting: Mutex::new(waiting),
+            held: Mutex::new(held),
         })
+    }
+
+    /// A request of `route` stored (`Some(len)` up) or removed (down).
+    fn hold(&self, route: &str, bytes: usize, up: bool) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let e = h.entry(route.to_owned()).or_default();
+        if up {
+            e.messages += 1;
+            e.bytes += bytes as u64;
+        } else {
+            e.messages = e.messages.saturating_sub(1);
+            e.bytes = e.bytes.saturating_sub(bytes as u64);
+        }
+    }
+
+    /// Requests kept: `route`'s, and all routes'.
+    pub fn held(&self, route: &str) -> (Held, Held) {
+        let h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let total = h.values().fold(Held::default(), |a, b| Held {
+            messages: a.messages + b.messages,
+            bytes: a.bytes + b.bytes,
+        });
+        (h.get(route).copied().unwrap_or_default(), total)
+    }
+
+    /// Every route's requests kept (metrics).
+    pub fn held_by_route(&self) -> Vec<(String, Held)> {
+        let h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        h.iter().map(|(r, v)| (r.clone(), *v)).collect()
     }
 
     /// Counts one message more (`up`) or less waiting in `m`'s pair.
@@ -154,6 +209,7 @@ impl SledQueue {
                 })
                 .map_err(tx_err)?;
             self.count(&msg, true);
+            self.hold(&msg.route, request.len(), true);
         }
         crate::failpoint::hit("queue_accept_written");
         self.sled.commit().await?;
@@ -371,14 +427,27 @@ impl SledQueue {
         let mid = id(&msg.route, &msg.key);
         let meta = encode(msg);
         let okey = order_key(&msg.lease, msg.seq);
-        let removed = (&self.msgs, &self.order)
-            .transaction(|(msgs, order)| {
+        // A delivered or dropped message is never sent again (only a failed
+        // one may be retried): its request, the body's bytes, goes with it.
+        let done = matches!(msg.status, Status::Delivered | Status::Dropped);
+        let removed = (&self.msgs, &self.order, &self.requests)
+            .transaction(|(msgs, order, reqs)| {
                 msgs.insert(mid.as_slice(), meta.as_slice())?;
-                Ok::<_, ConflictableTransactionError<()>>(order.remove(okey.as_slice())?.is_some())
+                let request = if done {
+                    reqs.remove(mid.as_slice())?.map(|v| v.len())
+                } else {
+                    None
+                };
+                let removed = order.remove(okey.as_slice())?.is_some();
+                Ok::<_, ConflictableTransactionError<()>>((removed, request))
             })
             .map_err(tx_err)?;
+        let (removed, request) = removed;
         if removed {
             self.count(msg, false);
+        }
+        if let Some(len) = request {
+            self.hold(&msg.route, len, false);
         }
         Ok(())
     }
@@ -512,14 +581,19 @@ impl SledQueue {
                 let removed = (&self.msgs, &self.requests)
                     .transaction(|(msgs, reqs)| {
                         if msgs.get(&k)?.as_deref() != Some(&v[..]) {
-                            return Ok(false);
+                            return Ok(None);
                         }
                         msgs.remove(&k)?;
-                        reqs.remove(&k)?;
-                        Ok::<_, ConflictableTransactionError<()>>(true)
+                        let request = reqs.remove(&k)?.map(|r| r.len());
+                        Ok::<_, ConflictableTransactionError<()>>(Some(request))
                     })
                     .map_err(tx_err)?;
-                gone += usize::from(removed);
+                if let Some(request) = removed {
+                    gone += 1;
+                    if let Some(len) = request {
+                        self.hold(&m.route, len, false);
+                    }
+                }
             }
         }
         if gone > 0 {

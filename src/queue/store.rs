@@ -130,6 +130,15 @@ impl QueueStore {
         }
     }
 
+    /// Requests kept — `route`'s and every route's — where fencegate's memory
+    /// holds them (sled); `None` for PostgreSQL, whose database does.
+    pub fn held(&self, route: &str) -> Option<(super::sled::Held, super::sled::Held)> {
+        match self {
+            QueueStore::Sled(s) => Some(s.held(route)),
+            QueueStore::Postgres(_) => None,
+        }
+    }
+
     /// [`QueueStore::depth`] without waiting, where the store can answer so
     /// (sled); `None` for PostgreSQL, whose figures are read in the
     /// background.

@@ -562,7 +562,16 @@ async fn build_live(
         };
         let shard = crate::cluster::shard_of(&rc.lease, shards);
         routes.push(
-            Route::new(rc, fence, shard, client, upstreams.clone(), metrics).map_err(route_err)?,
+            Route::new(
+                rc,
+                fence,
+                shard,
+                client,
+                upstreams.clone(),
+                &cfg.state,
+                metrics,
+            )
+            .map_err(route_err)?,
         );
     }
     let admin_token = std::env::var("FENCEGATE_ADMIN_TOKEN")

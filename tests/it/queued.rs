@@ -882,3 +882,116 @@ async fn a_final_refusal_fails_at_once_and_retry_after_lengthens_the_wait() {
         .count();
     assert_eq!(gone_arrivals, 1, "a final refusal is not retried");
 }
+
+/// The resident memory of process `pid`, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// Issue 50, repro 2: with the receiver down, large bodies fill the queue up
+/// to its bound and no further (503 `queue_full` with `Retry-After`, the key
+/// left free, nothing recorded); once the receiver drains the queue, the
+/// memory the bodies took is given back and the refused message is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_is_bounded_and_its_memory_comes_back_after_a_drain() {
+    skip_without_python!();
+    const MIB: usize = 1 << 20;
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let relay = Relay::start(origin.addr.port()).await;
+    relay.refuse(true);
+    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let fg = Fencegate::start_with_server(
+        "access_log = false",
+        &format!(
+            "{}[state]\nqueue_max_bytes = {}\n\n{}",
+            s3.store_toml(200),
+            100 * MIB + 100 * 4096,
+            queued_route(
+                &upstream,
+                "max_body_bytes = 2097152\nretry = { schedule = [\"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\"] }"
+            )
+        ),
+        &[],
+    );
+    let a = acquire(
+        &s3.epochs().await,
+        "hook",
+        "worker-a",
+        Duration::from_secs(120),
+    )
+    .await;
+    let before = rss(fg.pid());
+    let big = "x".repeat(MIB);
+    for i in 0..100 {
+        accepted(&send(message(&fg, &a, &format!("k{i}"), &big, 200)).await);
+    }
+    let full = send(message(&fg, &a, "k100", &big, 200)).await;
+    full.assert_error(503, "queue_full");
+    assert!(full.retry_after_secs() >= 1);
+    assert_eq!(full.json()["detail"], "total_bytes", "{}", full.json());
+    assert_eq!(status_of(&fg, "k100").await["error"], "delivery_not_found");
+    let queued = rss(fg.pid());
+    relay.refuse(false);
+    wait_status(&fg, "k99", |v| v["status"] == "delivered").await;
+    assert_eq!(origin.count(), 100);
+    let drained = rss(fg.pid());
+    // The bodies' memory comes back: within half of what passed through.
+    assert!(
+        drained < before + 50 * MIB as u64 && drained < queued,
+        "RSS {} MiB before, {} MiB queued, {} MiB drained",
+        before >> 20,
+        queued >> 20,
+        drained >> 20
+    );
+    eprintln!(
+        "RSS {} MiB before, {} MiB with 100 MiB queued, {} MiB drained",
+        before >> 20,
+        queued >> 20,
+        drained >> 20
+    );
+    // The key was left free: the same message is accepted now.
+    accepted(&send(message(&fg, &a, "k100", &big, 200)).await);
+    assert_eq!(
+        fg.series(
+            "fencegate_requests_total{route=\"hook\",outcome=\"refused\",code=\"queue_full\"}"
+        )
+        .await,
+        1.0
+    );
+}
+
+/// A route's own bound on messages: past it, `queue_full` (`route_messages`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routes_message_bound_refuses_past_it() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let relay = Relay::start(origin.addr.port()).await;
+    relay.refuse(true);
+    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let fg = start(&s3, &upstream, "queue_max_messages = 3").await;
+    let a = acquire(
+        &s3.epochs().await,
+        "hook",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    for i in 0..3 {
+        accepted(&send(message(&fg, &a, &format!("k{i}"), "e", 200)).await);
+    }
+    // A retry of an accepted message is still answered from its record.
+    accepted(&send(message(&fg, &a, "k1", "e", 200)).await);
+    let full = send(message(&fg, &a, "k3", "e", 200)).await;
+    full.assert_error(503, "queue_full");
+    assert_eq!(full.json()["detail"], "route_messages");
+    assert_eq!(full.json()["limit"], 3);
+    assert_eq!(origin.count(), 0);
+}

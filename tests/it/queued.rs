@@ -941,17 +941,26 @@ async fn the_queue_is_bounded_and_its_memory_comes_back_after_a_drain() {
     relay.refuse(false);
     wait_status(&fg, "k99", |v| v["status"] == "delivered").await;
     assert_eq!(origin.count(), 100);
-    let drained = rss(fg.pid());
-    // The bodies' memory comes back: within half of what passed through.
-    assert!(
-        drained < before + 50 * MIB as u64 && drained < queued,
-        "RSS {} MiB before, {} MiB queued, {} MiB drained",
+    // The bodies' memory comes back (sled frees what a removal replaced once
+    // its readers have moved on: looked at between reads, bounded).
+    let mut drained = rss(fg.pid());
+    for _ in 0..150 {
+        if drained < before + 50 * MIB as u64 {
+            break;
+        }
+        let _ = status_of(&fg, "k0").await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drained = rss(fg.pid());
+    }
+    eprintln!(
+        "RSS {} MiB before, {} MiB with 100 MiB queued, {} MiB drained",
         before >> 20,
         queued >> 20,
         drained >> 20
     );
-    eprintln!(
-        "RSS {} MiB before, {} MiB with 100 MiB queued, {} MiB drained",
+    assert!(
+        drained < before + 50 * MIB as u64,
+        "RSS {} MiB before, {} MiB queued, {} MiB drained",
         before >> 20,
         queued >> 20,
         drained >> 20

@@ -6,7 +6,9 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// Wrong tokens an address may present at once.
 const BURST: f64 = 10.0;

@@ -490,8 +490,12 @@ where
 /// signal that asks it to close.
 #[derive(Default)]
 struct Registry {
-    inner: std::sync::Mutex<(u64, HashMap<u64, (Arc<Activity>, CancellationToken)>)>,
+    /// The last id given, and each open connection by id.
+    inner: std::sync::Mutex<(u64, HashMap<u64, Entry>)>,
 }
+
+/// A registered connection: what it is doing, and how to ask it to close.
+type Entry = (Arc<Activity>, CancellationToken);
 
 /// A connection's place in its [`Registry`]: removed when dropped.
 struct Registered {

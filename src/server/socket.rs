@@ -33,11 +33,9 @@ pub(super) struct Activity {
     /// Milliseconds after `started` of the last write that moved bytes: a large
     /// answer still going out to a slow reader is not idleness.
     pub(super) wrote_ms: AtomicU64,
-    /// Answers (final, not 1xx) handed to hyper, and those whose head hyper has
-    /// written: while they differ, the next status line written is an
-    /// answer's, never one hyper made itself ([`Tracked::own_answer`]).
+    /// Answers handed to hyper: after the first, nothing hyper writes is
+    /// replaced ([`Tracked::own_answer`]).
     pub(super) answers: AtomicU64,
-    pub(super) heads: AtomicU64,
 }
 
 impl Activity {
@@ -51,7 +49,6 @@ impl Activity {
             idle_since_ms: AtomicU64::new(0),
             wrote_ms: AtomicU64::new(0),
             answers: AtomicU64::new(0),
-            heads: AtomicU64::new(0),
         })
     }
 
@@ -107,32 +104,26 @@ impl<S> Tracked<S> {
     }
 
     /// hyper answers a head it cannot parse (400, 414, 431, 505) by itself,
-    /// with an empty body, then closes: `connection: close` is its first
-    /// header. Such a write is replaced whole by fencegate's answer in its own
-    /// format (SPEC §7). It is told from an answer's head by the count of
-    /// answers handed to hyper (each one's head is written before anything
-    /// else of it), and from an answer's body by the connection being at rest
-    /// (no request served, no answer open) and by hyper's exact first line and
-    /// header. HTTP/2 frames never start with a status line.
+    /// with an empty body, then closes. Such a write is replaced whole by
+    /// fencegate's answer in its own format (SPEC §7) only on a connection
+    /// that has had no answer yet: once one was handed to hyper, a later
+    /// write may be the tail of its body (hyper drops a body before its last
+    /// bytes are written), which must never be touched — a malformed head
+    /// after a first exchange gets hyper's plain answer. HTTP/2 frames never
+    /// start with a status line.
     fn own_answer(&self, first: &[u8]) -> Option<Bytes> {
         let line = first.strip_prefix(b"HTTP/1.")?.get(2..)?;
         let status = line.get(..3)?;
         let a = &self.activity;
-        if status.first() != Some(&b'1')
-            && a.heads.load(Ordering::SeqCst) < a.answers.load(Ordering::SeqCst)
-        {
-            // An answer's head.
-            a.heads.fetch_add(1, Ordering::SeqCst);
-            return None;
-        }
-        let at_rest =
-            a.in_flight.load(Ordering::SeqCst) == 0 && a.open_answers.load(Ordering::SeqCst) == 0;
+        let untouched = a.answers.load(Ordering::SeqCst) == 0
+            && a.in_flight.load(Ordering::SeqCst) == 0
+            && a.open_answers.load(Ordering::SeqCst) == 0;
         let hypers = line
             .iter()
             .position(|b| *b == b'\n')
             .and_then(|n| line.get(n + 1..))
             .is_some_and(|rest| rest.starts_with(b"connection: close\r\n"));
-        if !matches!(status.first(), Some(b'4' | b'5')) || !at_rest || !hypers {
+        if !matches!(status.first(), Some(b'4' | b'5')) || !untouched || !hypers {
             return None;
         }
         let code = std::str::from_utf8(status).ok()?.parse().ok()?;

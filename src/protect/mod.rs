@@ -370,8 +370,12 @@ pub struct Slot {
 impl Slot {
     /// Keeps counting for `d` (the route's drain timeout), then is released: a
     /// request whose outcome is unknown may still be running at the destination
-    /// (SPEC §5). Released at once outside a runtime.
-    fn linger(self, d: Duration) {
+    /// (SPEC §5). Released at once outside a runtime. Its share of the
+    /// instance's upstream budget is given back now: an unknown outcome's
+    /// connection was cut, and the budget counts sockets, not the
+    /// destination's work.
+    fn linger(mut self, d: Duration) {
+        self.budget = None;
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
                 tokio::time::sleep(d).await;
@@ -602,6 +606,30 @@ mod tests {
         // A failure known to have left nothing running gives its slot back at once.
         g.enter(&s).unwrap().failed(true, None);
         assert!(g.enter(&s).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unknown_outcome_gives_its_budget_place_back_at_once() {
+        let mut s = settings();
+        s.max_in_flight = Some(1);
+        let g = Arc::new(Guard::new(&s));
+        let budget = crate::budget::Upstreams::new(&crate::budget::Budget {
+            limit: 1024,
+            reserved: 0,
+            admin_connections: 8,
+            client_connections: 8,
+            upstream_requests: 1,
+            idle_per_host: 1,
+            clients_lowered: false,
+        });
+        let mut t = g.enter(&s).unwrap();
+        t.hold(budget.try_slot().unwrap());
+        assert!(budget.try_slot().is_none());
+        t.failed(true, Some(Duration::from_secs(5)));
+        // The route's slot lingers (the destination may still run it); the
+        // socket was cut, so the instance's place does not.
+        assert!(g.enter(&s).is_err());
+        assert!(budget.try_slot().is_some());
     }
 
     #[test]

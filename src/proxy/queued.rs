@@ -196,6 +196,8 @@ impl Proxy {
         }
         // SPEC §11: the queue's bound — refused before anything is written,
         // the key left free (a retry of an accepted message was answered above).
+        // A first look, by the body alone; the store decides under its
+        // acceptance lock, by the request as stored.
         if let Some((of_route, total)) = queue.store.held(&route.name) {
             if let Some((bound, limit)) =
                 route
@@ -256,7 +258,7 @@ impl Proxy {
         };
         let done = queue
             .store
-            .accept(fence.owner(), msg, &envelope, {
+            .accept(fence.owner(), msg, &envelope, &route.queue_bound, {
                 let abort = pass.abort_signal();
                 std::sync::Arc::new(move || !abort.is_aborted())
             })
@@ -286,6 +288,11 @@ impl Proxy {
                 }
                 answer_from(m, &fingerprint, &line)
             }
+            Accepted::Full { bound, limit } => Err(ProxyError::QueueFull {
+                route: route.name.clone(),
+                bound,
+                limit,
+            }),
             Accepted::Aborted => Err(ProxyError::DrainAborted {
                 lease: route.lease.clone(),
                 epoch: claim.epoch,

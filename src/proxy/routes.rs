@@ -50,7 +50,7 @@ pub struct Route {
     pub queued: bool,
     /// A queued route's bound on the requests it keeps, and the bound over
     /// every route (SPEC §11 `queue_full`).
-    pub queue_bound: QueueBound,
+    pub queue_bound: crate::queue::message::QueueBound,
     /// A queued route's waits between attempts.
     pub retry: Vec<Duration>,
     /// `ordering = "none"`: this many of an epoch's messages at once (the
@@ -92,7 +92,7 @@ impl Route {
             signer: cfg.signer()?,
             queued: cfg.delivery == Delivery::Queued,
             retry: cfg.retry.schedule.clone(),
-            queue_bound: QueueBound {
+            queue_bound: crate::queue::message::QueueBound {
                 route_messages: cfg.queue_max_messages,
                 route_bytes: cfg.queue_max_bytes,
                 total_messages: state.queue_max_messages,
@@ -102,44 +102,6 @@ impl Route {
                 .then(|| cfg.max_in_flight.unwrap_or(16)),
             metrics: metrics.for_route(&cfg.name),
         })
-    }
-}
-
-/// How much a queued route may keep (SPEC §11 `queue_full`).
-#[derive(Debug, Clone, Copy)]
-pub struct QueueBound {
-    /// `[[route]] queue_max_messages`.
-    pub route_messages: Option<u64>,
-    /// `[[route]] queue_max_bytes`.
-    pub route_bytes: Option<u64>,
-    /// `[state] queue_max_messages`.
-    pub total_messages: u64,
-    /// `[state] queue_max_bytes`.
-    pub total_bytes: u64,
-}
-
-impl QueueBound {
-    /// Why a message of `bytes` more does not fit, with the bound, if it does not.
-    pub fn refuses(
-        &self,
-        route: crate::queue::sled::Held,
-        total: crate::queue::sled::Held,
-        bytes: u64,
-    ) -> Option<(&'static str, u64)> {
-        let over = |held: u64, add: u64, max: u64| held + add > max;
-        if let Some(max) = self.route_messages.filter(|m| over(route.messages, 1, *m)) {
-            return Some(("route_messages", max));
-        }
-        if let Some(max) = self.route_bytes.filter(|m| over(route.bytes, bytes, *m)) {
-            return Some(("route_bytes", max));
-        }
-        if over(total.messages, 1, self.total_messages) {
-            return Some(("total_messages", self.total_messages));
-        }
-        if over(total.bytes, bytes, self.total_bytes) {
-            return Some(("total_bytes", self.total_bytes));
-        }
-        None
     }
 }
 

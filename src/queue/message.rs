@@ -228,4 +228,61 @@ pub enum Accepted {
     Exists(Message),
     /// The request's pass was aborted before its place in the queue was taken.
     Aborted,
+    /// Past a bound of the queue (SPEC §11 `queue_full`): nothing written.
+    Full {
+        /// Which: `route_messages`, `route_bytes`, `total_messages`, `total_bytes`.
+        bound: &'static str,
+        /// Its value.
+        limit: u64,
+    },
+}
+
+/// A route's (or the queue's) requests kept: how many, and their bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Messages whose request is kept.
+    pub messages: u64,
+    /// The bytes of those requests as stored.
+    pub bytes: u64,
+}
+
+/// How much a queued route may keep (SPEC §11 `queue_full`).
+#[derive(Debug, Clone, Copy)]
+pub struct QueueBound {
+    /// `[[route]] queue_max_messages`.
+    pub route_messages: Option<u64>,
+    /// `[[route]] queue_max_bytes`.
+    pub route_bytes: Option<u64>,
+    /// `[state] queue_max_messages`.
+    pub total_messages: u64,
+    /// `[state] queue_max_bytes`.
+    pub total_bytes: u64,
+}
+
+impl QueueBound {
+    /// No bound (tests and tools).
+    pub const NONE: QueueBound = QueueBound {
+        route_messages: None,
+        route_bytes: None,
+        total_messages: u64::MAX,
+        total_bytes: u64::MAX,
+    };
+
+    /// Why a message of `bytes` more does not fit, with the bound, if it does not.
+    pub fn refuses(&self, route: Held, total: Held, bytes: u64) -> Option<(&'static str, u64)> {
+        let over = |held: u64, add: u64, max: u64| held.saturating_add(add) > max;
+        if let Some(max) = self.route_messages.filter(|m| over(route.messages, 1, *m)) {
+            return Some(("route_messages", max));
+        }
+        if let Some(max) = self.route_bytes.filter(|m| over(route.bytes, bytes, *m)) {
+            return Some(("route_bytes", max));
+        }
+        if over(total.messages, 1, self.total_messages) {
+            return Some(("total_messages", self.total_messages));
+        }
+        if over(total.bytes, bytes, self.total_bytes) {
+            return Some(("total_bytes", self.total_bytes));
+        }
+        None
+    }
 }

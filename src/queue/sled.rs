@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::Transactional;
 
-use super::message::{Accepted, Envelope, Message, Requeued, Status};
+use super::message::{Accepted, Envelope, Held, Message, QueueBound, Requeued, Status};
 use crate::state::sled::SledState;
 use crate::state::StateError;
 
@@ -83,15 +83,6 @@ pub struct SledQueue {
     /// this is memory too). Counted at open and kept with each change to the
     /// `queue_requests` tree, for the queue's bound (SPEC §11). A leaf lock.
     held: Mutex<HashMap<String, Held>>,
-}
-
-/// A route's (or the queue's) requests kept: how many, and their bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Held {
-    /// Messages whose request is kept.
-    pub messages: u64,
-    /// The bytes of those requests as stored.
-    pub bytes: u64,
 }
 
 impl SledQueue {
@@ -184,20 +175,27 @@ impl SledQueue {
         &self,
         mut msg: Message,
         envelope: &Envelope,
+        bound: &QueueBound,
         admitted: impl Fn() -> bool,
     ) -> Result<Accepted, StateError> {
         let mid = id(&msg.route, &msg.key);
+        let request = envelope.encode();
         {
             let _order = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(old) = self.msgs.get(&mid).map_err(db_err)? {
                 return Ok(Accepted::Exists(decode(&old)?));
+            }
+            // Under the lock that orders acceptances: two at once cannot both
+            // take the last room.
+            let (of_route, total) = self.held(&msg.route);
+            if let Some((bound, limit)) = bound.refuses(of_route, total, request.len() as u64) {
+                return Ok(Accepted::Full { bound, limit });
             }
             if !admitted() {
                 return Ok(Accepted::Aborted);
             }
             msg.seq = u64_of(self.seqs.get(msg.lease.as_bytes()).map_err(db_err)?);
             let meta = encode(&msg);
-            let request = envelope.encode();
             let okey = order_key(&msg.lease, msg.seq);
             (&self.msgs, &self.requests, &self.order, &self.seqs)
                 .transaction(|(msgs, reqs, order, seqs)| {
@@ -656,7 +654,12 @@ mod tests {
 
     async fn failed(q: &SledQueue, key: &str, epoch: u64) -> Message {
         let Accepted::New(mut m) = q
-            .accept(msg(key, epoch, Status::Pending), &envelope(), || true)
+            .accept(
+                msg(key, epoch, Status::Pending),
+                &envelope(),
+                &QueueBound::NONE,
+                || true,
+            )
             .await
             .unwrap()
         else {
@@ -667,6 +670,88 @@ mod tests {
         m
     }
 
+    /// What a message keeps is counted from acceptance until it is delivered
+    /// or dropped (a failed one keeps its request for a retry), across a
+    /// reopen; the bound refuses past it, and a retry of a message already
+    /// accepted is answered from its record even then.
+    #[tokio::test]
+    async fn requests_kept_are_counted_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let sled = SledState::open(&dir.path().join("state")).unwrap();
+        let q = SledQueue::open(sled.clone()).unwrap();
+        let one = envelope().encode().len() as u64;
+        let bound = QueueBound {
+            route_messages: Some(2),
+            ..QueueBound::NONE
+        };
+        let mut kept = Vec::new();
+        for key in ["m1", "m2"] {
+            let Accepted::New(m) = q
+                .accept(msg(key, 1, Status::Pending), &envelope(), &bound, || true)
+                .await
+                .unwrap()
+            else {
+                panic!("accepted")
+            };
+            kept.push(m);
+        }
+        assert_eq!(
+            q.held("hook").0,
+            Held {
+                messages: 2,
+                bytes: 2 * one
+            }
+        );
+        let full = q
+            .accept(msg("m3", 1, Status::Pending), &envelope(), &bound, || true)
+            .await
+            .unwrap();
+        assert!(matches!(
+            full,
+            Accepted::Full {
+                bound: "route_messages",
+                limit: 2
+            }
+        ));
+        assert!(q.get("hook", "m3").unwrap().is_none(), "nothing written");
+        let again = q
+            .accept(msg("m1", 1, Status::Pending), &envelope(), &bound, || true)
+            .await
+            .unwrap();
+        assert!(matches!(again, Accepted::Exists(_)), "a retry is answered");
+        kept[0].status = Status::Delivered;
+        q.settle(&kept[0]).await.unwrap();
+        kept[1].status = Status::Failed;
+        q.settle(&kept[1]).await.unwrap();
+        assert!(
+            q.envelope("hook", "m1").unwrap().is_none(),
+            "delivered: gone"
+        );
+        assert!(q.envelope("hook", "m2").unwrap().is_some(), "failed: kept");
+        assert_eq!(
+            q.held("hook").0,
+            Held {
+                messages: 1,
+                bytes: one
+            }
+        );
+        drop(q);
+        let q = SledQueue::open(sled).unwrap();
+        assert_eq!(
+            q.held("hook"),
+            (
+                Held {
+                    messages: 1,
+                    bytes: one
+                },
+                Held {
+                    messages: 1,
+                    bytes: one
+                }
+            )
+        );
+    }
+
     /// The superseded check of an operator's retry is made where the place is
     /// taken: a newer epoch's message accepted (not yet sent) before the
     /// requeue supersedes it, as one attempted and then dropped does.
@@ -675,7 +760,12 @@ mod tests {
         let (_d, q) = store().await;
         failed(&q, "m1", 1).await;
         let Accepted::New(m2) = q
-            .accept(msg("m2", 2, Status::Pending), &envelope(), || true)
+            .accept(
+                msg("m2", 2, Status::Pending),
+                &envelope(),
+                &QueueBound::NONE,
+                || true,
+            )
             .await
             .unwrap()
         else {
@@ -721,7 +811,9 @@ mod tests {
             ..msg(key, 1, Status::Pending)
         };
         for m in [at("a", "k1", 5), at("b", "k2", 9)] {
-            q.accept(m, &envelope(), || true).await.unwrap();
+            q.accept(m, &envelope(), &QueueBound::NONE, || true)
+                .await
+                .unwrap();
         }
         let depth = q.depth().unwrap();
         assert_eq!(depth["a"], (1, 5));
@@ -746,9 +838,14 @@ mod tests {
                 q.depth().unwrap().is_empty(),
                 "settled twice, counted out once"
             );
-            q.accept(msg("m2", 1, Status::Pending), &envelope(), || true)
-                .await
-                .unwrap();
+            q.accept(
+                msg("m2", 1, Status::Pending),
+                &envelope(),
+                &QueueBound::NONE,
+                || true,
+            )
+            .await
+            .unwrap();
             failed(&q, "m3", 1).await;
             assert!(matches!(
                 q.requeue("hook", "m3", 5).await.unwrap(),

@@ -44,10 +44,12 @@ impl QueueStore {
         owner: Owner,
         msg: Message,
         envelope: &Envelope,
+        bound: &super::message::QueueBound,
         admitted: Admitted,
     ) -> Result<Accepted, StateError> {
         match self {
-            QueueStore::Sled(s) => s.accept(msg, envelope, || admitted()).await,
+            // The bound is sled's: there fencegate's memory holds the requests.
+            QueueStore::Sled(s) => s.accept(msg, envelope, bound, || admitted()).await,
             QueueStore::Postgres(p) => p.accept(owner, msg, envelope, admitted).await,
         }
     }
@@ -132,7 +134,7 @@ impl QueueStore {
 
     /// Requests kept — `route`'s and every route's — where fencegate's memory
     /// holds them (sled); `None` for PostgreSQL, whose database does.
-    pub fn held(&self, route: &str) -> Option<(super::sled::Held, super::sled::Held)> {
+    pub fn held(&self, route: &str) -> Option<(super::message::Held, super::message::Held)> {
         match self {
             QueueStore::Sled(s) => Some(s.held(route)),
             QueueStore::Postgres(_) => None,

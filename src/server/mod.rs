@@ -111,6 +111,8 @@ pub struct App {
     max_connections: usize,
     /// The admin listener's.
     admin_max_connections: usize,
+    /// How the descriptor limit is split (logged when serving begins).
+    budget: crate::budget::Budget,
     header_read_timeout: Duration,
 }
 
@@ -159,16 +161,8 @@ async fn build_on(
     for w in cfg.warnings() {
         tracing::warn!("{w}");
     }
+    // Logged once serving begins (a refused start says why first).
     let budget = crate::budget::Budget::derive(cfg, crate::budget::Nofile::read().soft)?;
-    tracing::info!(
-        limit = budget.limit,
-        reserved = budget.reserved,
-        client_connections = budget.client_connections,
-        upstream_requests = budget.upstream_requests,
-        admin_connections = budget.admin_connections,
-        "descriptor budget: {}",
-        budget.summary()
-    );
     let upstreams = crate::budget::Upstreams::new(&budget);
     // On PostgreSQL the database is this set-up's, or nothing is written to
     // it (SPEC §10: one database, one set-up); the record is looked at again
@@ -487,6 +481,7 @@ async fn build_on(
         shutdown_delay: Duration::from_millis(cfg.server.shutdown_delay_ms),
         max_connections: budget.client_connections,
         admin_max_connections: budget.admin_connections,
+        budget,
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
     })
 }
@@ -626,6 +621,16 @@ impl App {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), StartError> {
         let exporter = self.exporter.take();
+        let b = &self.budget;
+        tracing::info!(
+            limit = b.limit,
+            reserved = b.reserved,
+            client_connections = b.client_connections,
+            upstream_requests = b.upstream_requests,
+            admin_connections = b.admin_connections,
+            "descriptor budget: {}",
+            b.summary()
+        );
         let builders = Arc::new(http_builder(self.header_read_timeout));
         let graceful = Shutdown::new();
         let admin_graceful = Shutdown::new();

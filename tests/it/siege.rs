@@ -358,3 +358,67 @@ async fn wrong_admin_tokens_are_slowed_down() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(send(login("right-token")).await.status, 303);
 }
+
+/// The review's case: an upstream answer whose last bytes, written apart,
+/// look exactly like hyper's own refusal. hyper drops a body before writing
+/// its last bytes, so the connection looks at rest: nothing of an answer may
+/// ever be rewritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answers_tail_shaped_like_a_refusal_reaches_the_worker_untouched() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let tail = "HTTP/1.1 400 Bad Request\r\nconnection: close\r\n\r\n";
+    let body = format!("hello-world-{tail}");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = body.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let body = served.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let split = "hello-world-".len();
+                let _ = s
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{}",
+                            body.len(),
+                            &body[..split]
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+                let _ = s.flush().await;
+                // Apart: the proxy has sent the first part before this comes.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = s.write_all(body[split..].as_bytes()).await;
+            });
+        }
+    });
+    let route = format!(
+        "[[route]]\nname = \"raw\"\npath_prefix = \"/raw/\"\nupstream = \"http://127.0.0.1:{port}/\"\nlease = \"raw\"\n"
+    );
+    let fg = Fencegate::start(&format!("{}{route}", s3.store_toml(200)));
+    let h = acquire(&s3.epochs().await, "raw", "w", Duration::from_secs(60)).await;
+    let answer = raw(
+        fg.proxy,
+        format!(
+            "GET /raw/split HTTP/1.1\r\nHost: a\r\nX-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\nConnection: close\r\n\r\n",
+            h.epoch.get(),
+            h.token,
+        )
+        .as_bytes(),
+    )
+    .await;
+    let (head, got) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 "), "{head}");
+    assert_eq!(got, body, "the answer's body, byte for byte");
+}

@@ -355,12 +355,6 @@ async fn attempt(
             q.note_sent(&m.lease, m.epoch);
         }
     }
-    let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {
-        return Err(crate::state::StateError::Write(format!(
-            "the request of queued message {}/{} is gone",
-            m.route, m.key
-        )));
-    };
     // Counted out before shutdown is looked at: shutdown cancels `stop`, then
     // waits for what is out (SeqCst both sides), so an attempt either sees
     // the stop or is waited for.
@@ -376,6 +370,14 @@ async fn attempt(
                 && now.next_attempt_ms == m.next_attempt_ms => {}
         _ => return Ok(()),
     }
+    // Read once the message is known unchanged: an operator's drop since the
+    // head was read removed it (and the attempt ended above).
+    let Some(envelope) = q.store.envelope(&m.route, &m.key).await? else {
+        return Err(crate::state::StateError::Write(format!(
+            "the request of queued message {}/{} is gone",
+            m.route, m.key
+        )));
+    };
     if m.status == Status::Delivering {
         // Out when the last run stopped: it may have arrived.
         m.unknown_outcomes += 1;

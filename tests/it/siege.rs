@@ -399,7 +399,7 @@ async fn an_answers_tail_shaped_like_a_refusal_reaches_the_worker_untouched() {
                 let _ = s.flush().await;
                 // Apart: the proxy has sent the first part before this comes.
                 tokio::time::sleep(Duration::from_millis(300)).await;
-                let _ = s.write_all(body[split..].as_bytes()).await;
+                let _ = s.write_all(&body.as_bytes()[split..]).await;
             });
         }
     });

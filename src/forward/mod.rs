@@ -483,7 +483,9 @@ pub async fn read_up_to(
                 }
             }
         }
-        Ok(head.body.is_end_stream())
+        // Whole only within `max`: one frame may have brought more than it
+        // (a small answer arriving in one read), which is over the limit too.
+        Ok(head.body.is_end_stream() && buf.len() <= max)
     };
     let result = tokio::select! {
         r = tokio::time::timeout_at(deadline, read) => r.unwrap_or_else(|_| {

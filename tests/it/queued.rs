@@ -4,6 +4,7 @@
 //! back gets every message once, kill -9 at each durable boundary, and the
 //! §7 refusals.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -1011,4 +1012,100 @@ async fn a_routes_message_bound_refuses_past_it() {
     assert_eq!(full.json()["detail"], "route_messages");
     assert_eq!(full.json()["limit"], 3);
     assert_eq!(origin.count(), 0);
+}
+
+/// Issue 44's defect: a queued route's `max_replay_bytes` holds for an answer
+/// that arrives in one read, as a direct route's does (SPEC §6, §11): the same
+/// key again gets 409 `dedup_done`, not the whole answer replayed.
+async fn max_replay_bytes_holds_for_an_answer_in_one_read(backend: Backend) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s3 = S3Server::start();
+    // A destination that writes its whole answer, head and 5,000 bytes, at once.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let arrivals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = arrivals.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut got = Vec::new();
+                loop {
+                    let Ok(n) = s.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&got[..end]).to_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap_or(0));
+                    if got.len() < end + 4 + len {
+                        continue;
+                    }
+                    got.drain(..end + 4 + len);
+                    seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 5000\r\n\r\n{}",
+                        "z".repeat(5000)
+                    );
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let origin_url = |p: &str| format!("http://127.0.0.1:{port}{p}");
+    let routes = format!(
+        "{}[[route]]\nname = \"direct\"\npath_prefix = \"/direct/\"\nupstream = \"{}\"\nlease = \"direct\"\nmax_replay_bytes = 1000\n",
+        queued_route(&origin_url("/v1/"), "max_replay_bytes = 1000"),
+        origin_url("/v1/")
+    );
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!("{}{}\n{routes}", s3.store_toml(200), backend.state_toml()),
+        &[],
+    );
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
+    let d = acquire(&epochs, "direct", "worker-d", Duration::from_secs(60)).await;
+    let big = |fg: &Fencegate, path: &str, h: &Holding, key: &str| keyed(fg, path, h, key, "{}");
+    accepted(&send(big(&fg, "/hook/events", &a, "q1")).await);
+    wait_status(&fg, "q1", |v| v["status"] == "delivered").await;
+    send(big(&fg, "/hook/events", &a, "q1"))
+        .await
+        .assert_error(409, "dedup_done");
+    let first = send(big(&fg, "/direct/x", &d, "d1")).await;
+    assert_eq!((first.status.as_u16(), first.body.len()), (200, 5000));
+    send(big(&fg, "/direct/x", &d, "d1"))
+        .await
+        .assert_error(409, "dedup_done");
+    assert_eq!(
+        arrivals.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "neither was sent twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_replay_bytes_holds_for_an_answer_in_one_read_on_sled() {
+    skip_without_python!();
+    max_replay_bytes_holds_for_an_answer_in_one_read(Backend::Sled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_replay_bytes_holds_for_an_answer_in_one_read_on_postgres() {
+    skip_without_python!();
+    if !crate::support::postgres::available_or_skip() {
+        return;
+    }
+    max_replay_bytes_holds_for_an_answer_in_one_read(Backend::Postgres).await;
 }

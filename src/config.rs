@@ -1625,6 +1625,32 @@ impl Config {
                     humantime::format_duration(b.cool_down)
                 ))
             );
+            match r.delivery {
+                Delivery::Direct => {
+                    let _ = writeln!(out, "  delivery direct");
+                }
+                Delivery::Queued => {
+                    let steps: Vec<String> = r
+                        .retry
+                        .schedule
+                        .iter()
+                        .map(|d| humantime::format_duration(*d).to_string())
+                        .collect();
+                    let _ = writeln!(
+                        out,
+                        "  delivery queued (ordering {}), retries after {}; keeps at most {} messages and {} bytes (all routes: {} and {})",
+                        match r.ordering {
+                            Ordering::Lease => "lease",
+                            Ordering::None => "none",
+                        },
+                        steps.join(", "),
+                        r.queue_max_messages.map_or("any".into(), |n| n.to_string()),
+                        r.queue_max_bytes.map_or("any".into(), |n| n.to_string()),
+                        self.state.queue_max_messages,
+                        self.state.queue_max_bytes,
+                    );
+                }
+            }
             if !r.upstream_headers.is_empty() {
                 let names: Vec<_> = r.upstream_headers.keys().map(String::as_str).collect();
                 let _ = writeln!(out, "  sets headers {} (values hidden)", names.join(", "));

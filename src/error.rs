@@ -24,6 +24,10 @@ pub(crate) const ERROR_HEADER: &str = "x-fencegate-error";
 pub(crate) enum ProxyError {
     #[error("no route matches this path")]
     RouteNotFound,
+    /// A path no route takes whatever the routes are (SPEC §3): a dot segment
+    /// or an encoded slash could escape a route's prefix at the upstream.
+    #[error("this path has a dot segment (`.`, `..`, or `%2e`) or an encoded slash (`%2F`), which could reach outside a route's prefix at the upstream: no route takes it")]
+    PathUnroutable,
     #[error("X-Lease-Epoch is required: this route is fenced by lease {lease}")]
     EpochMissing {
         lease: LeaseName,
@@ -422,7 +426,7 @@ impl ProxyError {
     pub(crate) fn status_and_code(&self) -> (StatusCode, &'static str) {
         use ProxyError as E;
         match self {
-            E::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
+            E::RouteNotFound | E::PathUnroutable => (StatusCode::NOT_FOUND, "route_not_found"),
             E::EpochMissing { .. } => (StatusCode::PRECONDITION_REQUIRED, "epoch_missing"),
             E::EpochMalformed(_) => (StatusCode::BAD_REQUEST, "epoch_malformed"),
             E::TokenRepeated => (StatusCode::FORBIDDEN, "token_invalid"),
@@ -548,6 +552,7 @@ impl ProxyError {
             }
             E::ShardUnavailable { lease: l } | E::EpochMissing { lease: l, .. } => lease(ctx, l),
             E::RouteNotFound
+            | E::PathUnroutable
             | E::EpochMalformed(_)
             | E::TokenRepeated
             | E::DedupKeyMalformed(_)
@@ -567,6 +572,9 @@ impl ProxyError {
         Some(match self {
             E::RouteNotFound => "Send it under one of the path prefixes of fencegate's routes \
                 ([[route]] path_prefix in its config)"
+                .into(),
+            E::PathUnroutable => "Send the path in its plain form, without dot segments \
+                or an encoded slash"
                 .into(),
             E::EpochMissing { lease, token } => format!(
                 "Acquire an epoch of lease {lease} (`fencegate lease acquire --lease {lease} \

@@ -175,11 +175,14 @@ impl Proxy {
         let (mut resp, outcome) = match route {
             None => {
                 self.metrics.request("", "refused", "route_not_found");
-                refusal = Some(ProxyError::RouteNotFound);
-                (
-                    ProxyError::RouteNotFound.to_response().map(ProxyBody::from),
-                    "refused",
-                )
+                let e = if crate::forward::has_dot_segments(uri.path()) {
+                    ProxyError::PathUnroutable
+                } else {
+                    ProxyError::RouteNotFound
+                };
+                let resp = e.to_response().map(ProxyBody::from);
+                refusal = Some(e);
+                (resp, "refused")
             }
             Some(route) => match self
                 .serve(route, req, &hop, &mut seen, &request_id, &mut spans)

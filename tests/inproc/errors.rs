@@ -146,9 +146,18 @@ async fn bad_input_gets_a_clear_error_and_changes_nothing() {
         "/billingx",
         "/billing/../admin",
         "/billing/%2e%2e/admin",
+        "/billing/a%2Fb",
     ] {
         let r = send(worker_req(&fg.url(path), e, tok).body(body("x")).unwrap()).await;
         r.assert_error(404, "route_not_found");
+        // Says why when the path is the reason, not that no route matches.
+        let message = r.json()["message"].as_str().unwrap().to_owned();
+        let unroutable = path.contains("..") || path.contains('%');
+        assert_eq!(
+            message.contains("encoded slash"),
+            unroutable,
+            "{path}: {message}"
+        );
     }
 
     let big = send(

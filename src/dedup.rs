@@ -57,6 +57,21 @@ impl DedupKey {
         DedupKey(hex::encode(h.finalize()))
     }
 
+    /// A request's key (SPEC §6): the worker's, else derived from a request
+    /// whose body is `derived_from` (`derive_key = "content"` on a request
+    /// that keeps a record, or any queued one), else none — a direct request
+    /// then gets [`DedupKey::fresh`], a queued one is refused. The one place
+    /// both paths take their key from.
+    pub fn of_request(
+        worker: Option<DedupKey>,
+        route: &str,
+        method: &str,
+        path_query: &str,
+        derived_from: Option<&[u8]>,
+    ) -> Option<DedupKey> {
+        worker.or_else(|| derived_from.map(|b| DedupKey::derive(route, method, path_query, b)))
+    }
+
     /// A fresh unique key (`derive_key = "none"`): forwarded, never recorded.
     pub fn fresh() -> DedupKey {
         // `fg-` and 128 random bits in lowercase hex, built without formatting (it
@@ -103,6 +118,61 @@ impl Action {
             fingerprint: fingerprint(method, path_query, body),
             request: RequestLine::new(method, path_query),
         }
+    }
+
+    /// SPEC §6, "the same request": `Ok` when this is a repeat of the request
+    /// that first used the key (`first`: its fingerprint and, if kept, its
+    /// line), else 422 `dedup_key_reused` saying what differs. The one place a
+    /// key's reuse is judged: dedup records and queued messages (§11) alike.
+    pub fn repeats(
+        &self,
+        route: &str,
+        key: &str,
+        first: (&[u8; 32], Option<&RequestLine>),
+        frees: KeyFrees,
+    ) -> Result<(), DedupError> {
+        repeats(
+            route,
+            key,
+            first,
+            (&self.fingerprint, Some(&self.request)),
+            frees,
+        )
+    }
+}
+
+/// [`Action::repeats`] on the parts of two requests.
+fn repeats(
+    route: &str,
+    key: &str,
+    first: (&[u8; 32], Option<&RequestLine>),
+    this: (&[u8; 32], Option<&RequestLine>),
+    frees: KeyFrees,
+) -> Result<(), DedupError> {
+    if first.0 == this.0 {
+        return Ok(());
+    }
+    Err(DedupError::KeyReused {
+        route: route.to_owned(),
+        key: key.to_owned(),
+        differs: Differs::between(first.1, this.1),
+        frees,
+    })
+}
+
+/// SPEC §6: a repeat of a delivered (`done`) request gets its stored answer
+/// when its body was kept (within `max_replay_bytes`), else 409 `dedup_done`
+/// — never an empty 200. For dedup records and queued messages (§11) alike.
+pub fn replay_done(
+    key: &str,
+    response: Option<StoredResponse>,
+) -> Result<StoredResponse, DedupError> {
+    match response {
+        Some(resp) if resp.body.is_some() => Ok(resp),
+        other => Err(DedupError::Done {
+            key: key.to_owned(),
+            status: other.map(|r| r.status),
+        }),
     }
 }
 
@@ -340,34 +410,30 @@ impl Dedup {
             }
             Begun::Exists(rec) => rec,
         };
-        if rec.fingerprint != fp {
+        let frees = match rec.state {
+            State::Done => KeyFrees::At(
+                rec.updated_ms
+                    .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)),
+            ),
+            State::InFlight => KeyFrees::AfterFirstEnds,
+            State::InDoubt => KeyFrees::WhenResolved,
+        };
+        repeats(
+            &k.route,
+            &k.key,
+            (&rec.fingerprint, rec.request.as_ref()),
+            (&fresh.fingerprint, fresh.request.as_ref()),
+            frees,
+        )
+        .inspect_err(|_| {
             self.counters.conflicts.fetch_add(1, Relaxed);
-            let frees = match rec.state {
-                State::Done => KeyFrees::At(
-                    rec.updated_ms
-                        .saturating_add(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)),
-                ),
-                State::InFlight => KeyFrees::AfterFirstEnds,
-                State::InDoubt => KeyFrees::WhenResolved,
-            };
-            return Err(DedupError::KeyReused {
-                route: k.route,
-                key: k.key,
-                differs: Differs::between(rec.request.as_ref(), fresh.request.as_ref()),
-                frees,
-            });
-        }
+        })?;
         match rec.state {
-            State::Done => match rec.response {
-                Some(resp) if resp.body.is_some() => {
-                    self.counters.replays.fetch_add(1, Relaxed);
-                    Ok(Begin::Replay(resp))
-                }
-                other => Err(DedupError::Done {
-                    key: k.key,
-                    status: other.map(|r| r.status),
-                }),
-            },
+            State::Done => {
+                let resp = replay_done(&k.key, rec.response)?;
+                self.counters.replays.fetch_add(1, Relaxed);
+                Ok(Begin::Replay(resp))
+            }
             State::InFlight => {
                 self.counters.conflicts.fetch_add(1, Relaxed);
                 Err(DedupError::InFlight { key: k.key })

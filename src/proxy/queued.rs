@@ -14,7 +14,7 @@ use super::{Proxy, Route};
 use crate::access::Seen;
 use crate::admission::Claim;
 use crate::config::DeriveKey;
-use crate::dedup::{self, escape_segment, DedupKey, Differs, KeyFrees};
+use crate::dedup::{self, escape_segment, Action, DedupKey, KeyFrees};
 use crate::error::ProxyError;
 use crate::fence::Fence;
 use crate::forward::{self, ClientHop};
@@ -92,35 +92,26 @@ fn accepted(m: &Message) -> Response<ProxyBody> {
 }
 
 /// What a retry of a key with a message gets (SPEC §11, as §6 answers one).
-fn answer_from(
-    m: Message,
-    fingerprint: &str,
-    line: &RequestLine,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    if m.fingerprint != fingerprint {
-        let differs = if m.method != line.method {
-            Differs::Method(m.method)
-        } else if m.path != line.path {
-            Differs::Path(m.path)
-        } else {
-            Differs::QueryOrBody
-        };
-        return Err(ProxyError::DedupKeyReused {
-            route: m.route,
-            key: m.key,
-            differs,
-            frees: KeyFrees::AfterFirstEnds,
-        });
+fn answer_from(m: Message, this: &Action) -> Result<Response<ProxyBody>, ProxyError> {
+    // SPEC §11 "the same key again" is §6's judgment, made by dedup's code.
+    let mut first = [0u8; 32];
+    if hex::decode_to_slice(&m.fingerprint, &mut first).is_err() {
+        // Unreadable: no request is the same as it.
+        first = [0; 32];
     }
+    let line = RequestLine::new(&m.method, &m.path);
+    this.repeats(
+        &m.route,
+        &m.key,
+        (&first, Some(&line)),
+        KeyFrees::AfterFirstEnds,
+    )?;
     match m.status {
         Status::Pending | Status::Delivering => Ok(accepted(&m)),
-        Status::Delivered => match m.answer.as_ref().map(|a| a.stored()) {
-            Some(stored) if stored.body.is_some() => Ok(stored.to_response().map(ProxyBody::from)),
-            _ => Err(ProxyError::DedupDone {
-                key: m.key,
-                status: m.last_status,
-            }),
-        },
+        Status::Delivered => {
+            let stored = dedup::replay_done(&m.key, m.answer.as_ref().map(|a| a.stored()))?;
+            Ok(stored.to_response().map(ProxyBody::from))
+        }
         Status::Failed => Err(ProxyError::DeliveryFailed {
             key: m.key,
             status: m.last_status,
@@ -156,20 +147,14 @@ impl Proxy {
             .path_and_query()
             .map_or(parts.uri.path(), |pq| pq.as_str())
             .to_owned();
-        let key = match worker_key {
-            Some(k) => k,
-            None if route.derive_key == DeriveKey::Content => {
-                DedupKey::derive(&route.name, &method, &path_query, &body)
-            }
-            None => {
-                return Err(ProxyError::DedupKeyMissing {
-                    route: route.name.clone(),
-                })
-            }
-        };
+        let derived_from = (route.derive_key == DeriveKey::Content).then_some(&body[..]);
+        let key = DedupKey::of_request(worker_key, &route.name, &method, &path_query, derived_from)
+            .ok_or_else(|| ProxyError::DedupKeyMissing {
+                route: route.name.clone(),
+            })?;
         let key = seen.key.insert(key);
-        let fingerprint = hex::encode(dedup::fingerprint(&method, &path_query, &body));
-        let line = RequestLine::new(&method, &path_query);
+        let action = Action::new(&method, &path_query, &body);
+        let fingerprint = hex::encode(action.fingerprint);
         if let Some(m) = queue
             .store
             .get(&route.name, key.as_str())
@@ -185,7 +170,7 @@ impl Proxy {
                 // deliverer may not know of it either.
                 queue.wake(&m.lease);
             }
-            return answer_from(m, &fingerprint, &line);
+            return answer_from(m, &action);
         }
         if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
             // This instance cannot deliver now (SPEC §10): accept nothing it
@@ -243,8 +228,8 @@ impl Proxy {
             epoch: claim.epoch.get(),
             seq: 0,
             fingerprint: fingerprint.clone(),
-            method: line.method.clone(),
-            path: line.path.clone(),
+            method: action.request.method.clone(),
+            path: action.request.path.clone(),
             token_sha256: claim.token_sha256,
             status: Status::Pending,
             attempts: 0,
@@ -286,7 +271,7 @@ impl Proxy {
                 if !m.status.is_settled() {
                     queue.wake(&m.lease);
                 }
-                answer_from(m, &fingerprint, &line)
+                answer_from(m, &action)
             }
             Accepted::Full { bound, limit } => Err(ProxyError::QueueFull {
                 route: route.name.clone(),

@@ -51,11 +51,15 @@ impl<'a> Keyed<'a> {
     /// The request's dedup key: the worker's, else derived from a recorded
     /// request, else a fresh one (sent on, never recorded).
     pub(super) fn key(&self, route: &Route, worker_key: Option<DedupKey>) -> DedupKey {
-        match (worker_key, self.recorded) {
-            (Some(k), _) => k,
-            (None, Some(b)) => DedupKey::derive(&route.name, self.method, self.path_query, b),
-            (None, None) => DedupKey::fresh(),
-        }
+        let recorded = self.recorded.map(|b| &b[..]);
+        DedupKey::of_request(
+            worker_key,
+            &route.name,
+            self.method,
+            self.path_query,
+            recorded,
+        )
+        .unwrap_or_else(DedupKey::fresh)
     }
 }
 

@@ -162,6 +162,48 @@ impl Default for ServerConfig {
     }
 }
 
+/// A route as SPEC §11's one rule of kinds sees it: its name, its lease and
+/// whether it is queued — a configured route, a running one, or the messages
+/// a state holds for a name and lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteKind<'a> {
+    /// The route's name (its history: dedup records or messages).
+    pub name: &'a str,
+    /// The lease it is fenced by.
+    pub lease: &'a str,
+    /// Queued (SPEC §11), or direct.
+    pub queued: bool,
+}
+
+impl<'a> RouteKind<'a> {
+    /// What a configured route is.
+    pub fn of(r: &'a RouteConfig) -> RouteKind<'a> {
+        RouteKind {
+            name: &r.name,
+            lease: r.lease.as_str(),
+            queued: r.delivery == Delivery::Queued,
+        }
+    }
+}
+
+/// SPEC §11, the one rule of kinds: a lease's requests are all queued or all
+/// direct, and so is a route name's history — else a direct request could
+/// overtake a queued message, or a key done on one kind be delivered again by
+/// the other. The first queued and direct pair sharing a lease or a name, if
+/// any. Used on a config (its routes), a reload (the running routes with the
+/// new ones) and a state (the messages it holds, as queued routes, with the
+/// routes to run).
+pub fn mixed_delivery<'a>(
+    routes: impl IntoIterator<Item = RouteKind<'a>>,
+) -> Option<(RouteKind<'a>, RouteKind<'a>)> {
+    let all: Vec<RouteKind<'a>> = routes.into_iter().collect();
+    all.iter().filter(|q| q.queued).find_map(|q| {
+        all.iter()
+            .find(|d| !d.queued && (d.lease == q.lease || d.name == q.name))
+            .map(|d| (*q, *d))
+    })
+}
+
 /// `[server] log_format`: how log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -1421,6 +1463,14 @@ impl Config {
 
     /// SPEC §11: a queued route's keys, and what it may not share.
     fn validate_queued(&self, r: &RouteConfig) -> Result<(), String> {
+        // SPEC §11: the queue's order is the lease's epoch order only if no
+        // direct request of the lease can overtake a queued message.
+        if let Some((q, d)) = mixed_delivery(self.routes.iter().map(RouteKind::of)) {
+            return Err(format!(
+                "lease {}: route {:?} is queued and route {:?} is direct; a lease's routes are all queued or all direct (a direct request could reach a destination before an older queued message)",
+                q.lease, q.name, d.name
+            ));
+        }
         if r.delivery != Delivery::Queued {
             return Ok(());
         }
@@ -1430,18 +1480,6 @@ impl Config {
             return Err(format!(
                 "lease {}: queued routes {:?} and {:?} order it differently; a lease's queue has one ordering",
                 r.lease, r.name, o.name
-            ));
-        }
-        // SPEC §11: the queue's order is the lease's epoch order only if no
-        // direct request of the lease can overtake a queued message.
-        if let Some(d) = self
-            .routes
-            .iter()
-            .find(|o| o.lease == r.lease && o.delivery == Delivery::Direct)
-        {
-            return Err(format!(
-                "lease {}: route {:?} is queued and route {:?} is direct; a lease's routes are all queued or all direct (a direct request could reach a destination before an older queued message)",
-                r.lease, r.name, d.name
             ));
         }
         if r.retry.schedule.len() > 20 {
@@ -1782,6 +1820,30 @@ mod tests {
         assert!(e.contains("failurez"), "{e}");
     }
     use super::*;
+
+    #[test]
+    fn the_rule_of_kinds_finds_a_shared_lease_or_name() {
+        let k = |name, lease, queued| RouteKind {
+            name,
+            lease,
+            queued,
+        };
+        assert_eq!(
+            mixed_delivery([k("a", "l", true), k("b", "m", false)]),
+            None
+        );
+        assert_eq!(
+            mixed_delivery([k("a", "l", true), k("b", "l", false)]),
+            Some((k("a", "l", true), k("b", "l", false))),
+            "a lease's routes"
+        );
+        assert_eq!(
+            mixed_delivery([k("b", "m", false), k("b", "l", true)]),
+            Some((k("b", "l", true), k("b", "m", false))),
+            "a name's history"
+        );
+        assert_eq!(mixed_delivery([k("a", "l", true), k("b", "l", true)]), None);
+    }
 
     const MIN: &str = r#"
 [[route]]

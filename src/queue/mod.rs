@@ -94,21 +94,39 @@ async fn conflict_of(
     routes: &[(&str, &str, bool)],
 ) -> Result<Option<String>, StateError> {
     let holding = store.holding_for(routes).await?;
+    // The messages that may still be sent are queued routes as far as the
+    // rule of kinds goes (SPEC §11): the one rule, with the routes to run.
+    let held = holding
+        .iter()
+        .map(|(route, lease)| crate::config::RouteKind {
+            name: route,
+            lease,
+            queued: true,
+        });
+    let kinds = routes
+        .iter()
+        .map(|&(name, lease, queued)| crate::config::RouteKind {
+            name,
+            lease,
+            queued,
+        });
+    if let Some((q, d)) = crate::config::mixed_delivery(held.chain(kinds)) {
+        let (name, route, lease) = (d.name, q.name, q.lease);
+        return Ok(Some(if d.lease == q.lease {
+            format!(
+                "route {name:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
+            )
+        } else {
+            // Its messages would wait for a queued route of that name, and a
+            // worker's retry of one of their keys would be forwarded
+            // directly meanwhile: both could arrive.
+            format!(
+                "route {route:?} holds messages of lease {lease} that may still be sent, and would forward requests directly: a worker's retry of one of their keys would reach the destination beside the queued message. Deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the direct route a new name"
+            )
+        }));
+    }
     for &(name, r_lease, queued) in routes {
         for (route, lease) in &holding {
-            if !queued && lease == r_lease {
-                return Ok(Some(format!(
-                    "route {name:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
-                )));
-            }
-            if !queued && route == name {
-                // Its messages would wait for a queued route of that name,
-                // and a worker's retry of one of their keys would be
-                // forwarded directly meanwhile: both could arrive.
-                return Ok(Some(format!(
-                    "route {route:?} holds messages of lease {lease} that may still be sent, and would forward requests directly: a worker's retry of one of their keys would reach the destination beside the queued message. Deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the direct route a new name"
-                )));
-            }
             if queued && route == name && lease != r_lease {
                 return Ok(Some(format!(
                     "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {r_lease}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name"

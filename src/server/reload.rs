@@ -154,22 +154,27 @@ impl Reloader {
         // messages are kept apart, so a key done on one would be delivered
         // again by the other, and a direct request could overtake a message.
         let current = self.shared.live.current();
-        for r in &cfg.routes {
-            let queued = r.delivery == crate::config::Delivery::Queued;
-            if let Some(o) = current
+        let running = current.routes.iter().map(|o| crate::config::RouteKind {
+            name: &o.name,
+            lease: o.lease.as_str(),
+            queued: o.queued,
+        });
+        let next = cfg.routes.iter().map(crate::config::RouteKind::of);
+        if let Some((q, d)) = crate::config::mixed_delivery(running.chain(next)) {
+            // One of the pair runs now (the new config alone passed the rule).
+            let now = current
                 .routes
                 .iter()
-                .find(|o| (o.name == r.name || o.lease == r.lease) && o.queued != queued)
-            {
-                return Err(ReloadError::Fixed {
-                    key: format!(
-                        "whether lease {}'s requests are queued (route {:?} is {} now)",
-                        o.lease,
-                        o.name,
-                        if o.queued { "queued" } else { "direct" }
-                    ),
-                });
-            }
+                .find(|o| o.name == q.name || o.name == d.name)
+                .map_or(q, |o| if o.queued { q } else { d });
+            return Err(ReloadError::Fixed {
+                key: format!(
+                    "whether lease {}'s requests are queued (route {:?} is {} now)",
+                    now.lease,
+                    now.name,
+                    if now.queued { "queued" } else { "direct" }
+                ),
+            });
         }
         drop(current);
         if let Some(q) = &self.shared.queue {

@@ -103,7 +103,7 @@ export interface DeliveryDropped extends OutcomeBase {
 export interface KeyReused extends OutcomeBase {
     readonly kind: "key_reused";
 }
-/** 503 store_unavailable / shard_unavailable / upstream_held: nothing forwarded. Retried after Retry-After by `call`. */
+/** 503 store_unavailable / shard_unavailable / upstream_held / queue_full: nothing forwarded. Retried after Retry-After by `call`. */
 export interface Unavailable extends OutcomeBase {
     readonly kind: "unavailable";
     readonly retryAfterMs: number | undefined;
@@ -204,7 +204,7 @@ export interface WaitDeliveredOptions {
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held / queue_full (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

@@ -37,6 +37,10 @@ exports.ERROR_CODES = Object.freeze({
     store_unavailable: "unavailable",
     shard_unavailable: "unavailable",
     upstream_held: "unavailable",
+    queue_full: "unavailable",
+    request_malformed: "invalid",
+    uri_too_long: "invalid",
+    headers_too_large: "invalid",
     upstream_timeout: "in_doubt",
     drain_aborted: "in_doubt",
 });
@@ -141,7 +145,7 @@ const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held / queue_full (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

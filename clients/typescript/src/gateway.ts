@@ -88,7 +88,7 @@ export interface DeliveryFailed extends OutcomeBase {
 export interface DeliveryDropped extends OutcomeBase { readonly kind: "delivery_dropped" }
 /** 422 dedup_key_reused: the key was used for a different request. A bug. */
 export interface KeyReused extends OutcomeBase { readonly kind: "key_reused" }
-/** 503 store_unavailable / shard_unavailable / upstream_held: nothing forwarded. Retried after Retry-After by `call`. */
+/** 503 store_unavailable / shard_unavailable / upstream_held / queue_full: nothing forwarded. Retried after Retry-After by `call`. */
 export interface Unavailable extends OutcomeBase { readonly kind: "unavailable"; readonly retryAfterMs: number | undefined }
 /** 502 upstream_unreachable: nothing was sent to the destination. Retried by `call`. */
 export interface Unreachable extends OutcomeBase { readonly kind: "unreachable" }
@@ -143,6 +143,10 @@ export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze(
   store_unavailable: "unavailable",
   shard_unavailable: "unavailable",
   upstream_held: "unavailable",
+  queue_full: "unavailable",
+  request_malformed: "invalid",
+  uri_too_long: "invalid",
+  headers_too_large: "invalid",
   upstream_timeout: "in_doubt",
   drain_aborted: "in_doubt",
 });
@@ -310,7 +314,7 @@ const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve,
  *
  * Retries — always with the same Idempotency-Key, at most `maxAttempts`
  * requests per call, never past the tenure's stop — only what SPEC says is
- * safe: 503 store_unavailable / shard_unavailable / upstream_held (after Retry-After), 502
+ * safe: 503 store_unavailable / shard_unavailable / upstream_held / queue_full (after Retry-After), 502
  * upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
  * was sent, or when the request carried a key). Everything else is returned.
  */

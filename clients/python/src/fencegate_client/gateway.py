@@ -211,7 +211,7 @@ class KeyReused(Outcome):
 
 @dataclass(frozen=True)
 class Unavailable(Outcome):
-    """503 store_unavailable / shard_unavailable / upstream_held: nothing was
+    """503 store_unavailable / shard_unavailable / upstream_held / queue_full: nothing was
     forwarded (nor recorded). Retried by
     `call` after Retry-After (same key); returned when the attempts ran out."""
 
@@ -294,6 +294,10 @@ ERROR_CODES: Dict[str, Type[Outcome]] = {
     "store_unavailable": Unavailable,
     "shard_unavailable": Unavailable,
     "upstream_held": Unavailable,
+    "queue_full": Unavailable,
+    "request_malformed": Invalid,
+    "uri_too_long": Invalid,
+    "headers_too_large": Invalid,
     "upstream_timeout": InDoubt,
     "drain_aborted": InDoubt,
 }
@@ -362,7 +366,7 @@ class GatewayClient:
 
     Retries — always with the same Idempotency-Key, at most `max_attempts`
     requests per call, never past the tenure's stop — only what SPEC says is
-    safe: 503 store_unavailable / shard_unavailable / upstream_held (after
+    safe: 503 store_unavailable / shard_unavailable / upstream_held / queue_full (after
     Retry-After), 502
     upstream_unreachable, 409 dedup_in_flight, and no answer at all (when nothing
     was sent, or when the request carried a key). Everything else is returned.

@@ -7,7 +7,11 @@ Three packages, each read on its own:
   `self::y`, in `use` lines and in code), each resolved to the module file that
   defines it. Test modules (`#[cfg(test)] mod ... { ... }` at the end of a
   file) are left out: a unit test may use what it likes. The crate root
-  (lib.rs, main.rs) only declares modules and is no one's import.
+  (lib.rs, main.rs) only declares modules and is no one's import. A module's
+  use of its own children (`use child::X`, `child::f()`, a re-export) counts;
+  a child's use of its parent (`super::X`) does not: an import through a
+  re-export is an import of the re-exporting module, and of the file behind it
+  (issue 44: a 12-file circle closed through `queue/mod.rs` using `deliver`).
 - the Python client, `clients/python/src/`: every `import` and `from ... import`
   of the package's own modules, relative (`from .x import y`, `from . import x`)
   or absolute (`from fencegate_client.x import y`), wherever it stands: inside a
@@ -66,6 +70,9 @@ def rust_graph(root):
                 if segs[0] == "super":
                     base = base[:-1]
                 segs = segs[1:]
+        elif here + (segs[0],) in modules:
+            # A child module named without `self::` (`use routes::Route`).
+            base = here
         else:
             return None
         # The longest prefix that is a module file.
@@ -84,10 +91,21 @@ def rust_graph(root):
         for u in re.finditer(r"\buse\s+([^;]+);", text):
             paths.extend(rust_expand_use(u.group(1)))
         paths.extend(re.findall(r"\b((?:crate|super|self)(?:::\w+)+)", text))
+        # A child module named in code without `self::` (`deliver::run(…)`).
+        paths.extend(
+            p
+            for p in re.findall(r"(?<![:\w])([a-z_]\w*(?:::\w+)+)", text)
+            if m + (p.split("::")[0],) in modules
+        )
         for path in paths:
             t = resolve(m, path)
-            # A module's own children and itself are not imports of it.
-            if t is None or t == m or t[: len(m)] == m and m != ():
+            # Itself and its ancestors are not imports (a child using its
+            # parent's items is the parent's own code spread over files); its
+            # descendants are: a parent that uses or re-exports a child needs
+            # it, so an import of a name through a re-export (`proxy::Route`
+            # for `proxy::routes::Route`) reaches the defining file through the
+            # re-exporting one, and a circle closing that way is found.
+            if t is None or t == m or m[: len(t)] == t:
                 continue
             # The crate root (lib.rs) only declares modules.
             if t == ():

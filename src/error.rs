@@ -240,7 +240,7 @@ pub(crate) enum AdminError {
     #[error("refused: the request did not come from the operator page of this listener")]
     CrossSite,
     #[error("{0}")]
-    Delivery(#[from] crate::queue::Edit),
+    Delivery(#[from] crate::queue::message::Edit),
     #[error("too many wrong admin tokens from this address: try again after Retry-After ({0} s)")]
     TooManyAttempts(u64),
 }
@@ -263,13 +263,19 @@ impl AdminError {
             E::CrossSite => (StatusCode::FORBIDDEN, "cross_site_refused"),
             E::TooManyAttempts(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_attempts"),
             E::Delivery(e) => match e {
-                crate::queue::Edit::NotFound => (StatusCode::NOT_FOUND, "delivery_not_found"),
-                crate::queue::Edit::Conflict(_) => (StatusCode::CONFLICT, "delivery_conflict"),
-                crate::queue::Edit::Superseded(_) => (StatusCode::CONFLICT, "delivery_superseded"),
-                crate::queue::Edit::State(_) => {
+                crate::queue::message::Edit::NotFound => {
+                    (StatusCode::NOT_FOUND, "delivery_not_found")
+                }
+                crate::queue::message::Edit::Conflict(_) => {
+                    (StatusCode::CONFLICT, "delivery_conflict")
+                }
+                crate::queue::message::Edit::Superseded(_) => {
+                    (StatusCode::CONFLICT, "delivery_superseded")
+                }
+                crate::queue::message::Edit::State(_) => {
                     (StatusCode::SERVICE_UNAVAILABLE, "state_unavailable")
                 }
-                crate::queue::Edit::NotServed => {
+                crate::queue::message::Edit::NotServed => {
                     (StatusCode::SERVICE_UNAVAILABLE, "shard_unavailable")
                 }
             },

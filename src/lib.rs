@@ -26,7 +26,11 @@
 //!   protect, claim the key, forward, record); [`access`] — its access log
 //!   line and request id.
 //! - [`error`] — every fencegate-made response, mapped to SPEC §7 in one place.
-//! - [`live`] — what a reload (SIGHUP) replaces: routes, admin token, TLS.
+//! - [`live`] — what a reload (SIGHUP) replaces: routes, admin token, TLS;
+//!   `routes` — the configured routes and their index, below everything
+//!   that reads them (the proxy, the queue, the server).
+//! - [`budget`] — the descriptor budget: what the process may hold open,
+//!   split at start-up (SPEC §9 "Limits").
 //! - [`shared`] — the one value built at start-up and handed to the proxy, the
 //!   admin API and the metrics collector.
 //! - [`server`], [`admin`], [`metrics`] — listeners (idle HTTP/1 connections are
@@ -80,6 +84,7 @@ pub mod process;
 pub mod protect;
 pub(crate) mod proxy;
 pub mod queue;
+pub(crate) mod routes;
 pub mod server;
 pub mod set_up;
 pub(crate) mod shared;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::epoch::TokenHash;
-use crate::proxy::routes::RouteTable;
+use crate::routes::RouteTable;
 
 /// One consistent snapshot of what may change live.
 pub struct Live {

@@ -56,10 +56,9 @@ mod claim;
 mod place;
 pub(crate) mod queued;
 mod record;
-pub(crate) mod routes;
 mod upstream;
 
-pub(crate) use routes::{Route, RouteTable};
+pub(crate) use crate::routes::{Route, RouteTable};
 
 use crate::access::{self, Seen};
 use crate::clock::Clock;

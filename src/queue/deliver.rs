@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 use super::store::Written;
 use super::{ms, Answer, Message, Queue, Sender, Status};
 use crate::forward::{self, UpstreamError};
-use crate::proxy::Route;
+use crate::routes::Route;
 use crate::state::Owner;
 use crate::streaming::UpBody;
 use crate::telemetry::{Kind, Spans};

@@ -7,7 +7,7 @@ use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::state::StoredResponse;
+use crate::state::{StateError, StoredResponse};
 
 /// Where a message stands (SPEC §11).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -285,4 +285,24 @@ impl QueueBound {
         }
         None
     }
+}
+
+/// Why an operator's retry or drop was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Edit {
+    #[error("no queued message has this route and key")]
+    /// No such message.
+    NotFound,
+    #[error("the message is {}: retry takes a pending or failed one, drop a pending or failed one", .0.as_str())]
+    /// Its status allows neither.
+    Conflict(Status),
+    #[error("a message of epoch {0} of its lease was sent or waits: retrying this older one would deliver it after that one")]
+    /// A newer epoch's message of its lease was sent, or waits.
+    Superseded(u64),
+    #[error("the state store: {0}")]
+    /// The state could not be read or written.
+    State(#[from] StateError),
+    #[error("this instance does not serve the message's lease now (SPEC §10): act on the instance that owns its shard")]
+    /// Its lease is not served here now.
+    NotServed,
 }

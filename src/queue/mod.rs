@@ -35,7 +35,7 @@ use crate::clock::Clock;
 use crate::live::LiveConfig;
 use crate::metrics::{emit, Metrics};
 use crate::state::{Owner, StateError};
-pub use message::{Accepted, Answer, Envelope, Message, Requeued, Status};
+pub use message::{Accepted, Answer, Edit, Envelope, Message, Requeued, Status};
 pub use store::QueueStore;
 
 /// Why `routes` cannot serve beside the messages this queue holds (start-up
@@ -203,26 +203,6 @@ pub(crate) async fn fence_restored(
 pub(crate) fn ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-/// Why an operator's retry or drop was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum Edit {
-    #[error("no queued message has this route and key")]
-    /// No such message.
-    NotFound,
-    #[error("the message is {}: retry takes a pending or failed one, drop a pending or failed one", .0.as_str())]
-    /// Its status allows neither.
-    Conflict(Status),
-    #[error("a message of epoch {0} of its lease was sent or waits: retrying this older one would deliver it after that one")]
-    /// A newer epoch's message of its lease was sent, or waits.
-    Superseded(u64),
-    #[error("the state store: {0}")]
-    /// The state could not be read or written.
-    State(#[from] StateError),
-    #[error("this instance does not serve the message's lease now (SPEC §10): act on the instance that owns its shard")]
-    /// Its lease is not served here now.
-    NotServed,
 }
 
 /// Where a lease's messages may be sent from now, as this instance sees it.

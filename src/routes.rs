@@ -57,7 +57,7 @@ pub struct Route {
     /// route's `max_in_flight`, else 16); `None`: one at a time (`"lease"`).
     pub parallel: Option<usize>,
     /// This route's counter and histograms.
-    pub(super) metrics: RouteMetrics,
+    pub(crate) metrics: RouteMetrics,
 }
 
 impl Route {
@@ -132,7 +132,7 @@ impl RouteTable {
 
     /// The route a request goes to, if any (SPEC §3: never CONNECT, never a path
     /// that is not origin-form or has dot segments).
-    pub(super) fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+    pub(crate) fn find(&self, method: &Method, path: &str) -> Option<&Route> {
         if method == Method::CONNECT || !path.starts_with('/') || forward::has_dot_segments(path) {
             return None;
         }

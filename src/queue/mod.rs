@@ -17,6 +17,7 @@ pub mod message;
 pub mod postgres;
 pub mod sled;
 pub mod store;
+pub mod timed;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,7 +45,7 @@ pub use store::QueueStore;
 /// queued route moved to another lease would answer that lease's workers from
 /// them (and deliver them in the old lease's order).
 pub(crate) async fn conflict(
-    store: &QueueStore,
+    store: &dyn QueueStore,
     routes: &[crate::config::RouteConfig],
 ) -> Result<Option<String>, StateError> {
     let routes: Vec<(&str, &str, bool)> = routes
@@ -70,7 +71,7 @@ pub(crate) async fn conflict(
 /// keys by delivering it again. Read from the state, so that no way of
 /// getting the config there — one reload, two, a restart — slips past it.
 async fn history_conflict(
-    store: &QueueStore,
+    store: &dyn QueueStore,
     routes: &[(&str, &str, bool)],
 ) -> Result<Option<String>, StateError> {
     let names: Vec<(&str, bool)> = routes.iter().map(|&(n, _, q)| (n, q)).collect();
@@ -90,7 +91,7 @@ async fn history_conflict(
 
 /// [`conflict`] for routes given as (name, lease, queued).
 async fn conflict_of(
-    store: &QueueStore,
+    store: &dyn QueueStore,
     routes: &[(&str, &str, bool)],
 ) -> Result<Option<String>, StateError> {
     let holding = store.holding_for(routes).await?;
@@ -157,7 +158,7 @@ pub struct Fenced {
 /// `delivering`, so that its next attempt is counted as an unknown outcome,
 /// as after a crash. Idempotent: a crash in the middle runs it again.
 pub(crate) async fn fence_restored(
-    store: &QueueStore,
+    store: &dyn QueueStore,
     epochs: &crate::lease::Epochs,
     owner: Owner,
     lease: &str,
@@ -273,7 +274,7 @@ struct Running {
 /// figures.
 pub struct Queue {
     /// The messages, on sled or in PostgreSQL.
-    pub store: QueueStore,
+    pub store: Arc<dyn QueueStore>,
     /// Per lease whose deliverer runs, what wakes it (a new message, an
     /// operator's action, a takeover).
     running: Mutex<HashMap<String, Running>>,
@@ -308,7 +309,7 @@ pub struct Queue {
 }
 
 impl Queue {
-    pub(crate) fn new(store: QueueStore, ctx: Context) -> Arc<Queue> {
+    pub(crate) fn new(store: Arc<dyn QueueStore>, ctx: Context) -> Arc<Queue> {
         Arc::new(Queue {
             store,
             running: Mutex::new(HashMap::new()),
@@ -368,7 +369,7 @@ impl Queue {
         let _edit = self.edits.lock().await;
         if self.store.restore_fenced(lease).await? < r {
             let done = fence_restored(
-                &self.store,
+                self.store.as_ref(),
                 &self.ctx.epochs,
                 owner,
                 lease,
@@ -477,7 +478,7 @@ impl Queue {
         for l in &leases {
             self.wake(l);
         }
-        if matches!(self.store, QueueStore::Postgres(_)) {
+        if self.store.depth_now().is_none() {
             tokio::spawn(self.clone().read_depth(Duration::from_secs(1)));
         }
         Ok(leases.len())
@@ -695,8 +696,8 @@ impl crate::cluster::TenureWork for FollowTenures {
             // And a route's history: a member that would serve a route of
             // the other kind than its records (members with different
             // configs) does not take the shard either.
-            let found = match conflict_of(&self.0.store, &routes).await {
-                Ok(None) => history_conflict(&self.0.store, &routes).await,
+            let found = match conflict_of(self.0.store.as_ref(), &routes).await {
+                Ok(None) => history_conflict(self.0.store.as_ref(), &routes).await,
                 other => other,
             };
             match found {
@@ -768,8 +769,7 @@ impl Collector for QueueCollector {
                 })
                 .collect(),
         )?;
-        if let QueueStore::Sled(sled) = &q.store {
-            let mut held = sled.held_by_route();
+        if let Some(mut held) = q.store.held_by_route() {
             held.sort_by(|a, b| a.0.cmp(&b.0));
             emit(
                 &mut enc,

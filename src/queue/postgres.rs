@@ -127,8 +127,12 @@ async fn update(
 ) -> Result<u64, tokio_postgres::Error> {
     let n = tx
         .execute(
+            // A delivered or dropped message is never sent again (only a
+            // failed one may be retried): its request goes, as on sled.
             "UPDATE fencegate_queue SET seq = $3, status = $4, settled = $5, updated_ms = $6, \
-             owner_generation = $7, message = $8 WHERE route = $1 AND key = $2",
+             owner_generation = $7, message = $8, \
+             request = CASE WHEN $4 IN ('delivered', 'dropped') THEN ''::bytea ELSE request END \
+             WHERE route = $1 AND key = $2",
             &[
                 &m.route,
                 &m.key,
@@ -420,7 +424,9 @@ impl PgQueue {
             })
             .await?;
         match raw {
+            // None kept: delivered or dropped.
             None => Ok(None),
+            Some(v) if v.is_empty() => Ok(None),
             Some(v) => Envelope::decode(&v)
                 .map(Some)
                 .ok_or_else(|| StateError::Write("a queued request is unreadable".into())),

@@ -5,18 +5,12 @@
 
 use std::sync::Arc;
 
-use super::message::{Accepted, Envelope, Message, Requeued, Status};
-use crate::state::{Owner, StateError};
+use async_trait::async_trait;
 
-/// Where the queue is kept: sled (a single instance) or PostgreSQL (a
-/// cluster, or a single instance on PostgreSQL). Writes name the [`Owner`]
-/// they are made under; sled has one owner and ignores it.
-pub enum QueueStore {
-    /// Trees beside the marks, on sled.
-    Sled(super::sled::SledQueue),
-    /// Tables beside the dedup records, in PostgreSQL.
-    Postgres(super::postgres::PgQueue),
-}
+use super::message::{Accepted, Envelope, Held, Message, QueueBound, Requeued, Status};
+use super::postgres::PgQueue;
+use super::sled::SledQueue;
+use crate::state::{Owner, StateError};
 
 /// Whether a write is on disk already or waits for the next durable one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,121 +28,77 @@ pub type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
 /// them was accepted (ms).
 pub type Depth = std::collections::HashMap<String, (u64, u64)>;
 
-impl QueueStore {
+/// Where the queue is kept: sled (a single instance, [`SledQueue`]) or
+/// PostgreSQL (a cluster, or a single instance on PostgreSQL, [`PgQueue`]),
+/// and the wrappers over either ([`super::timed::TimedQueue`]; a test's fault
+/// injector). Writes name the [`Owner`] they are made under; sled has one
+/// owner and ignores it.
+#[async_trait]
+pub trait QueueStore: Send + Sync + 'static {
     /// Accepts `msg` (its `seq` is assigned here) with its request, unless its
     /// key has a message already; `admitted` is asked once the lease's next
     /// place is held and before it is taken (SPEC §11: a pass aborted by a
     /// newer epoch's drain takes no place after it). Durable on return.
-    pub async fn accept(
+    async fn accept(
         &self,
         owner: Owner,
         msg: Message,
         envelope: &Envelope,
-        bound: &super::message::QueueBound,
+        bound: &QueueBound,
         admitted: Admitted,
-    ) -> Result<Accepted, StateError> {
-        match self {
-            // The bound is sled's: there fencegate's memory holds the requests.
-            QueueStore::Sled(s) => s.accept(msg, envelope, bound, || admitted()).await,
-            QueueStore::Postgres(p) => p.accept(owner, msg, envelope, admitted).await,
-        }
-    }
+    ) -> Result<Accepted, StateError>;
 
     /// The message of `route`, `key`, if there is one.
-    pub async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.get(route, key),
-            QueueStore::Postgres(p) => p.get(route, key).await,
-        }
-    }
+    async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError>;
 
     /// The request of `route`, `key`.
-    pub async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.envelope(route, key),
-            QueueStore::Postgres(p) => p.envelope(route, key).await,
-        }
-    }
+    async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError>;
 
     /// The first message of `lease` not settled, if any.
-    pub async fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.head(lease),
-            QueueStore::Postgres(p) => p.head(lease).await,
-        }
-    }
+    async fn head(&self, lease: &str) -> Result<Option<Message>, StateError>;
 
     /// Up to `max` messages at the front of `lease`'s queue that have the
     /// epoch of its head (in place order): what `ordering = "none"` may send
     /// at once.
-    pub async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.front(lease, max),
-            QueueStore::Postgres(p) => p.front(lease, max).await,
-        }
-    }
+    async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError>;
 
     /// Leases with messages not settled (start-up, a takeover).
-    pub async fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.leases_with_work(),
-            QueueStore::Postgres(p) => p.leases_with_work().await,
-        }
-    }
+    async fn leases_with_work(&self) -> Result<Vec<String>, StateError>;
 
     /// (route, lease) of messages that may still be sent, at least those
     /// [`super::conflict`] looks for among `routes` (name, lease, queued):
     /// on sled every one (one pass), on PostgreSQL only those (index reads).
-    pub async fn holding_for(
+    async fn holding_for(
         &self,
         routes: &[(&str, &str, bool)],
-    ) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.holding(),
-            QueueStore::Postgres(p) => p.holding_for(routes).await,
-        }
-    }
+    ) -> Result<std::collections::BTreeSet<(String, String)>, StateError>;
 
     /// The first of `routes` (name, queued) whose name keeps state of the
     /// other kind ([`super::history_conflict`]): a direct route's name with
     /// messages kept, a queued route's name with dedup records. Index probes
     /// by route on either store.
-    pub async fn other_kind(
+    async fn other_kind(
         &self,
         routes: &[(&str, bool)],
-    ) -> Result<Option<(String, bool)>, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.other_kind(routes),
-            QueueStore::Postgres(p) => p.other_kind(routes).await,
-        }
-    }
+    ) -> Result<Option<(String, bool)>, StateError>;
 
     /// Per route, how many messages are not settled and when the oldest
     /// lease head among them was accepted (metrics).
-    pub async fn depth(&self) -> Result<Depth, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.depth(),
-            QueueStore::Postgres(p) => p.depth().await,
-        }
-    }
+    async fn depth(&self) -> Result<Depth, StateError>;
 
     /// Requests kept — `route`'s and every route's — where fencegate's memory
     /// holds them (sled); `None` for PostgreSQL, whose database does.
-    pub fn held(&self, route: &str) -> Option<(super::message::Held, super::message::Held)> {
-        match self {
-            QueueStore::Sled(s) => Some(s.held(route)),
-            QueueStore::Postgres(_) => None,
-        }
-    }
+    fn held(&self, route: &str) -> Option<(Held, Held)>;
 
     /// [`QueueStore::depth`] without waiting, where the store can answer so
     /// (sled); `None` for PostgreSQL, whose figures are read in the
     /// background.
-    pub fn depth_now(&self) -> Option<Result<Depth, StateError>> {
-        match self {
-            QueueStore::Sled(s) => Some(s.depth()),
-            QueueStore::Postgres(_) => None,
-        }
+    fn depth_now(&self) -> Option<Result<Depth, StateError>>;
+
+    /// Every route's requests kept (metrics), where fencegate's memory holds
+    /// them (sled); `None` elsewhere.
+    fn held_by_route(&self) -> Option<Vec<(String, Held)>> {
+        None
     }
 
     /// Writes a message's attempt as started (`delivering`), with its epoch
@@ -159,143 +109,341 @@ impl QueueStore {
     /// leases' starts share the flush. On PostgreSQL committed on return, or
     /// refused ([`StateError::OwnerLost`]) once a newer owner holds the
     /// shard — the attempt is then not sent.
-    pub async fn start_attempt_unflushed(
+    async fn start_attempt_unflushed(
         &self,
         owner: Owner,
         msg: &Message,
-    ) -> Result<Written, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.start_attempt_unflushed(msg).map(|()| Written::Unflushed),
-            QueueStore::Postgres(p) => p.start_attempt(owner, msg).await.map(|()| Written::Durable),
-        }
-    }
+    ) -> Result<Written, StateError>;
 
     /// Waits until every write made so far is durable: what is answered from
     /// a message read now is then on disk (PostgreSQL: every write read was
     /// committed).
-    pub async fn durable(&self) -> Result<(), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.durable().await,
-            QueueStore::Postgres(_) => Ok(()),
-        }
-    }
+    async fn durable(&self) -> Result<(), StateError>;
 
     /// Writes a message that stays in its queue (a retry scheduled). Durable
     /// on return.
-    pub async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.put(msg).await,
-            QueueStore::Postgres(p) => p.put(owner, msg).await,
-        }
-    }
+    async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError>;
 
     /// Writes a settled message and takes it out of its queue (the next one
     /// may go). Durable on return.
-    pub async fn settle(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.settle(msg).await,
-            QueueStore::Postgres(p) => p.settle(owner, msg).await,
-        }
-    }
+    async fn settle(&self, owner: Owner, msg: &Message) -> Result<(), StateError>;
 
     /// [`QueueStore::settle`], durable only with the store's next durable
     /// write — the next attempt's start, or [`QueueStore::durable`] — so that
     /// one flush serves a message's settlement and the next one's start. A
     /// reader answered from it waits for [`QueueStore::durable`] first, as
     /// for any write. On PostgreSQL the same as `settle` (a transaction).
-    pub async fn settle_unflushed(
-        &self,
-        owner: Owner,
-        msg: &Message,
-    ) -> Result<Written, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.settle_unflushed(msg).map(|()| Written::Unflushed),
-            QueueStore::Postgres(p) => p.settle(owner, msg).await.map(|()| Written::Durable),
-        }
-    }
+    async fn settle_unflushed(&self, owner: Owner, msg: &Message) -> Result<Written, StateError>;
 
     /// Puts a failed message back at the end of its lease's queue, pending
     /// now, unless a newer epoch's message of its lease was sent or waits.
     /// Durable on return.
-    pub async fn requeue(
+    async fn requeue(
         &self,
         owner: Owner,
         route: &str,
         key: &str,
         now_ms: u64,
-    ) -> Result<Requeued, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.requeue(route, key, now_ms).await,
-            QueueStore::Postgres(p) => p.requeue(owner, route, key, now_ms).await,
-        }
-    }
+    ) -> Result<Requeued, StateError>;
 
     /// Records that a message of `lease` at `epoch` may have been sent (a
     /// restored state's fence): an operator's retry of an older one is then
     /// superseded. Durable on return.
-    pub async fn raise_sent(
-        &self,
-        owner: Owner,
-        lease: &str,
-        epoch: u64,
-    ) -> Result<(), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.raise_sent(lease, epoch).await,
-            QueueStore::Postgres(p) => p.raise_sent(owner, lease, epoch).await,
-        }
-    }
+    async fn raise_sent(&self, owner: Owner, lease: &str, epoch: u64) -> Result<(), StateError>;
 
     /// The restore (a state generation) `lease`'s queue was last fenced for
     /// (0: none; [`super::Queue::fence_if_restored`]).
-    pub async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.restore_fenced(lease),
-            QueueStore::Postgres(p) => p.restore_fenced(lease).await,
-        }
-    }
+    async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError>;
 
     /// Records that `lease`'s queue was fenced for restore `r`, written
     /// under `owner` after the fence's own writes. Durable on return.
-    pub async fn mark_restore_fenced(
+    async fn mark_restore_fenced(
         &self,
         owner: Owner,
         lease: &str,
         r: u64,
-    ) -> Result<(), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.mark_restore_fenced(lease, r).await,
-            QueueStore::Postgres(p) => p.mark_restore_fenced(owner, lease, r).await,
-        }
-    }
+    ) -> Result<(), StateError>;
 
     /// The newest epoch of `lease` of which a message was sent (0: none).
-    pub async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.sent_epoch(lease),
-            QueueStore::Postgres(p) => p.sent_epoch(lease).await,
-        }
-    }
+    async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError>;
 
     /// Up to `limit` messages matching, in key order (route, then key); and
     /// how many match.
-    pub async fn list(
+    async fn list(
+        &self,
+        route: Option<&str>,
+        lease: Option<&str>,
+        status: Option<Status>,
+        limit: usize,
+    ) -> Result<(Vec<Message>, u64), StateError>;
+
+    /// Removes settled messages last changed before `before_ms`; how many.
+    async fn sweep(&self, before_ms: u64) -> Result<usize, StateError>;
+}
+
+#[async_trait]
+impl QueueStore for SledQueue {
+    fn held_by_route(&self) -> Option<Vec<(String, Held)>> {
+        Some(SledQueue::held_by_route(self))
+    }
+
+    async fn accept(
+        &self,
+        _owner: Owner,
+        msg: Message,
+        envelope: &Envelope,
+        bound: &QueueBound,
+        admitted: Admitted,
+    ) -> Result<Accepted, StateError> {
+        // The bound is sled's: there fencegate's memory holds the requests.
+        SledQueue::accept(self, msg, envelope, bound, || admitted()).await
+    }
+
+    async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
+        SledQueue::get(self, route, key)
+    }
+
+    async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
+        SledQueue::envelope(self, route, key)
+    }
+
+    async fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
+        SledQueue::head(self, lease)
+    }
+
+    async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
+        SledQueue::front(self, lease, max)
+    }
+
+    async fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
+        SledQueue::leases_with_work(self)
+    }
+
+    async fn holding_for(
+        &self,
+        _routes: &[(&str, &str, bool)],
+    ) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
+        SledQueue::holding(self)
+    }
+
+    async fn other_kind(
+        &self,
+        routes: &[(&str, bool)],
+    ) -> Result<Option<(String, bool)>, StateError> {
+        SledQueue::other_kind(self, routes)
+    }
+
+    async fn depth(&self) -> Result<Depth, StateError> {
+        SledQueue::depth(self)
+    }
+
+    fn held(&self, route: &str) -> Option<(Held, Held)> {
+        Some(SledQueue::held(self, route))
+    }
+
+    fn depth_now(&self) -> Option<Result<Depth, StateError>> {
+        Some(SledQueue::depth(self))
+    }
+
+    async fn start_attempt_unflushed(
+        &self,
+        _owner: Owner,
+        msg: &Message,
+    ) -> Result<Written, StateError> {
+        SledQueue::start_attempt_unflushed(self, msg).map(|()| Written::Unflushed)
+    }
+
+    async fn durable(&self) -> Result<(), StateError> {
+        SledQueue::durable(self).await
+    }
+
+    async fn put(&self, _owner: Owner, msg: &Message) -> Result<(), StateError> {
+        SledQueue::put(self, msg).await
+    }
+
+    async fn settle(&self, _owner: Owner, msg: &Message) -> Result<(), StateError> {
+        SledQueue::settle(self, msg).await
+    }
+
+    async fn settle_unflushed(&self, _owner: Owner, msg: &Message) -> Result<Written, StateError> {
+        SledQueue::settle_unflushed(self, msg).map(|()| Written::Unflushed)
+    }
+
+    async fn requeue(
+        &self,
+        _owner: Owner,
+        route: &str,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<Requeued, StateError> {
+        SledQueue::requeue(self, route, key, now_ms).await
+    }
+
+    async fn raise_sent(&self, _owner: Owner, lease: &str, epoch: u64) -> Result<(), StateError> {
+        SledQueue::raise_sent(self, lease, epoch).await
+    }
+
+    async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
+        SledQueue::restore_fenced(self, lease)
+    }
+
+    async fn mark_restore_fenced(
+        &self,
+        _owner: Owner,
+        lease: &str,
+        r: u64,
+    ) -> Result<(), StateError> {
+        SledQueue::mark_restore_fenced(self, lease, r).await
+    }
+
+    async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
+        SledQueue::sent_epoch(self, lease)
+    }
+
+    async fn list(
         &self,
         route: Option<&str>,
         lease: Option<&str>,
         status: Option<Status>,
         limit: usize,
     ) -> Result<(Vec<Message>, u64), StateError> {
-        match self {
-            QueueStore::Sled(s) => s.list(route, lease, status, limit),
-            QueueStore::Postgres(p) => p.list(route, lease, status, limit).await,
-        }
+        SledQueue::list(self, route, lease, status, limit)
     }
 
-    /// Removes settled messages last changed before `before_ms`; how many.
-    pub async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
-        match self {
-            QueueStore::Sled(s) => s.sweep(before_ms).await,
-            QueueStore::Postgres(p) => p.sweep(before_ms).await,
-        }
+    async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
+        SledQueue::sweep(self, before_ms).await
+    }
+}
+
+#[async_trait]
+impl QueueStore for PgQueue {
+    async fn accept(
+        &self,
+        owner: Owner,
+        msg: Message,
+        envelope: &Envelope,
+        _bound: &QueueBound,
+        admitted: Admitted,
+    ) -> Result<Accepted, StateError> {
+        PgQueue::accept(self, owner, msg, envelope, admitted).await
+    }
+
+    async fn get(&self, route: &str, key: &str) -> Result<Option<Message>, StateError> {
+        PgQueue::get(self, route, key).await
+    }
+
+    async fn envelope(&self, route: &str, key: &str) -> Result<Option<Envelope>, StateError> {
+        PgQueue::envelope(self, route, key).await
+    }
+
+    async fn head(&self, lease: &str) -> Result<Option<Message>, StateError> {
+        PgQueue::head(self, lease).await
+    }
+
+    async fn front(&self, lease: &str, max: usize) -> Result<Vec<Message>, StateError> {
+        PgQueue::front(self, lease, max).await
+    }
+
+    async fn leases_with_work(&self) -> Result<Vec<String>, StateError> {
+        PgQueue::leases_with_work(self).await
+    }
+
+    async fn holding_for(
+        &self,
+        routes: &[(&str, &str, bool)],
+    ) -> Result<std::collections::BTreeSet<(String, String)>, StateError> {
+        PgQueue::holding_for(self, routes).await
+    }
+
+    async fn other_kind(
+        &self,
+        routes: &[(&str, bool)],
+    ) -> Result<Option<(String, bool)>, StateError> {
+        PgQueue::other_kind(self, routes).await
+    }
+
+    async fn depth(&self) -> Result<Depth, StateError> {
+        PgQueue::depth(self).await
+    }
+
+    fn held(&self, _route: &str) -> Option<(Held, Held)> {
+        None
+    }
+
+    fn depth_now(&self) -> Option<Result<Depth, StateError>> {
+        None
+    }
+
+    async fn start_attempt_unflushed(
+        &self,
+        owner: Owner,
+        msg: &Message,
+    ) -> Result<Written, StateError> {
+        PgQueue::start_attempt(self, owner, msg)
+            .await
+            .map(|()| Written::Durable)
+    }
+
+    async fn durable(&self) -> Result<(), StateError> {
+        Ok(())
+    }
+
+    async fn put(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        PgQueue::put(self, owner, msg).await
+    }
+
+    async fn settle(&self, owner: Owner, msg: &Message) -> Result<(), StateError> {
+        PgQueue::settle(self, owner, msg).await
+    }
+
+    async fn settle_unflushed(&self, owner: Owner, msg: &Message) -> Result<Written, StateError> {
+        PgQueue::settle(self, owner, msg)
+            .await
+            .map(|()| Written::Durable)
+    }
+
+    async fn requeue(
+        &self,
+        owner: Owner,
+        route: &str,
+        key: &str,
+        now_ms: u64,
+    ) -> Result<Requeued, StateError> {
+        PgQueue::requeue(self, owner, route, key, now_ms).await
+    }
+
+    async fn raise_sent(&self, owner: Owner, lease: &str, epoch: u64) -> Result<(), StateError> {
+        PgQueue::raise_sent(self, owner, lease, epoch).await
+    }
+
+    async fn restore_fenced(&self, lease: &str) -> Result<u64, StateError> {
+        PgQueue::restore_fenced(self, lease).await
+    }
+
+    async fn mark_restore_fenced(
+        &self,
+        owner: Owner,
+        lease: &str,
+        r: u64,
+    ) -> Result<(), StateError> {
+        PgQueue::mark_restore_fenced(self, owner, lease, r).await
+    }
+
+    async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
+        PgQueue::sent_epoch(self, lease).await
+    }
+
+    async fn list(
+        &self,
+        route: Option<&str>,
+        lease: Option<&str>,
+        status: Option<Status>,
+        limit: usize,
+    ) -> Result<(Vec<Message>, u64), StateError> {
+        PgQueue::list(self, route, lease, status, limit).await
+    }
+
+    async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
+        PgQueue::sweep(self, before_ms).await
     }
 }

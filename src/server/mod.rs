@@ -298,14 +298,16 @@ async fn build_on(
     // SPEC §11: the queue is kept beside the marks — trees on sled, or
     // tables in PostgreSQL (migrated by now).
     let queue_store = match (on_sled, &database) {
-        (Some(sled), _) => Some(crate::queue::QueueStore::Sled(
+        (Some(sled), _) => Some(Arc::new(
             crate::queue::sled::SledQueue::open(sled).map_err(StartError::State)?,
-        )),
-        (None, Some(pg)) => Some(crate::queue::QueueStore::Postgres(
-            crate::queue::postgres::PgQueue::new(pg.clone()),
-        )),
+        ) as Arc<dyn crate::queue::QueueStore>),
+        (None, Some(pg)) => Some(Arc::new(crate::queue::postgres::PgQueue::new(pg.clone()))
+            as Arc<dyn crate::queue::QueueStore>),
         (None, None) => None,
     };
+    // Measured like every state call (`op` `queue_*`).
+    let queue_store =
+        queue_store.map(|s| crate::queue::timed::TimedQueue::wrap(s, state_metrics.clone()));
     let queue = queue_store.map(|store| {
         crate::queue::Queue::new(
             store,
@@ -357,7 +359,7 @@ async fn build_on(
         }
         // SPEC §11: a direct route must not overtake messages still queued
         // for its lease (a config that changed since they were accepted).
-        if let Some(detail) = crate::queue::conflict(&q.store, &cfg.routes).await? {
+        if let Some(detail) = crate::queue::conflict(q.store.as_ref(), &cfg.routes).await? {
             return Err(StartError::State(StateError::Open {
                 path: cfg.server.data_dir.clone(),
                 detail,

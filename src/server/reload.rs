@@ -178,7 +178,7 @@ impl Reloader {
         }
         drop(current);
         if let Some(q) = &self.shared.queue {
-            if let Some(why) = crate::queue::conflict(&q.store, &cfg.routes)
+            if let Some(why) = crate::queue::conflict(q.store.as_ref(), &cfg.routes)
                 .await
                 .map_err(|e| ReloadError::Invalid(e.to_string()))?
             {

@@ -22,9 +22,10 @@ use super::{
 };
 use crate::epoch::{Epoch, LeaseName};
 
-/// The state store's operations, as the `op` label names them.
+/// The state store's operations, as the `op` label names them — the queue's
+/// (SPEC §11) among them: it is kept in the same store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
+pub(crate) enum Op {
     Marks,
     RaiseMark,
     NoteDrained,
@@ -38,10 +39,17 @@ enum Op {
     ClaimShard,
     Check,
     Close,
+    QueueAccept,
+    QueueRead,
+    QueueAttempt,
+    QueueWrite,
+    QueueSettle,
+    QueueDurable,
+    QueueSweep,
 }
 
 impl Op {
-    const ALL: [Op; 13] = [
+    const ALL: [Op; 20] = [
         Op::Marks,
         Op::RaiseMark,
         Op::NoteDrained,
@@ -55,6 +63,13 @@ impl Op {
         Op::ClaimShard,
         Op::Check,
         Op::Close,
+        Op::QueueAccept,
+        Op::QueueRead,
+        Op::QueueAttempt,
+        Op::QueueWrite,
+        Op::QueueSettle,
+        Op::QueueDurable,
+        Op::QueueSweep,
     ];
 
     fn as_str(self) -> &'static str {
@@ -72,6 +87,13 @@ impl Op {
             Op::ClaimShard => "claim_shard",
             Op::Check => "check",
             Op::Close => "close",
+            Op::QueueAccept => "queue_accept",
+            Op::QueueRead => "queue_read",
+            Op::QueueAttempt => "queue_attempt",
+            Op::QueueWrite => "queue_write",
+            Op::QueueSettle => "queue_settle",
+            Op::QueueDurable => "queue_durable",
+            Op::QueueSweep => "queue_sweep",
         }
     }
 }
@@ -154,7 +176,8 @@ impl StateMetrics {
         );
     }
 
-    fn record<T>(&self, op: Op, took: Duration, r: &Result<T, StateError>) {
+    /// Counts one call of `op` that took `took` and ended `r`.
+    pub(crate) fn record<T>(&self, op: Op, took: Duration, r: &Result<T, StateError>) {
         let (h, errors) = &self.by_op[op as usize];
         h.observe(took.as_secs_f64());
         if let Err(e) = r {

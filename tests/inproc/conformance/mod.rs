@@ -25,6 +25,7 @@
 mod fault_state;
 mod faults;
 mod marks;
+mod queue;
 mod records;
 
 use std::path::Path;

@@ -1,0 +1,317 @@
+//! The `QueueStore` conformance suite (issue 44): SPEC §11's store rules,
+//! written once against `Arc<dyn QueueStore>` and run on sled and on
+//! PostgreSQL, each behind the `TimedQueue` wrapper the server puts in front
+//! of it (so the wrapper is shown to pass every call on as it came).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fencegate::config::{StateConfig, StateKind};
+use fencegate::queue::message::QueueBound;
+use fencegate::queue::postgres::PgQueue;
+use fencegate::queue::sled::SledQueue;
+use fencegate::queue::timed::TimedQueue;
+use fencegate::queue::{Accepted, Envelope, Message, QueueStore, Requeued, Status};
+use fencegate::state::postgres::PostgresState;
+use fencegate::state::sled::SledState;
+use fencegate::state::timed::Timed;
+use fencegate::state::{Owner, StateError, StateStore};
+
+use super::Backend;
+use crate::common::postgres::{available_or_skip, PgServer};
+
+/// A queue store to test, and what it runs under.
+pub struct QueueSubject {
+    pub backend: Backend,
+    pub store: Arc<dyn QueueStore>,
+    /// The owner its writes are made under (a claimed shard on PostgreSQL).
+    pub owner: Owner,
+    /// On PostgreSQL, the state, to claim the shard again (a takeover).
+    pg: Option<Arc<PostgresState>>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl QueueSubject {
+    async fn new(backend: Backend) -> Option<QueueSubject> {
+        match backend {
+            Backend::Sled => {
+                let dir = tempfile::tempdir().expect("tempdir");
+                let sled = SledState::open(&dir.path().join("state")).expect("sled");
+                let (_, metrics) = Timed::wrap(sled.clone() as Arc<dyn StateStore>);
+                let store =
+                    TimedQueue::wrap(Arc::new(SledQueue::open(sled).expect("queue")), metrics);
+                Some(QueueSubject {
+                    backend,
+                    store,
+                    owner: Owner::SINGLE,
+                    pg: None,
+                    _dir: Some(dir),
+                })
+            }
+            Backend::Postgres => {
+                if !available_or_skip() {
+                    return None;
+                }
+                let pg = PostgresState::connect(&StateConfig {
+                    kind: StateKind::Postgres,
+                    url: Some(PgServer::shared().database()),
+                    ..StateConfig::default()
+                })
+                .await
+                .expect("connecting to the test database");
+                let owner = Owner {
+                    shard: 0,
+                    generation: 1,
+                };
+                pg.claim_shard(owner).await.expect("claiming shard 0");
+                let (_, metrics) = Timed::wrap(pg.clone() as Arc<dyn StateStore>);
+                let store = TimedQueue::wrap(Arc::new(PgQueue::new(pg.clone())), metrics);
+                Some(QueueSubject {
+                    backend,
+                    store,
+                    owner,
+                    pg: Some(pg),
+                    _dir: None,
+                })
+            }
+        }
+    }
+}
+
+pub async fn run<F, Fut>(backend: Backend, rule: F)
+where
+    F: FnOnce(QueueSubject) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    if let Some(s) = QueueSubject::new(backend).await {
+        rule(s).await
+    }
+}
+
+macro_rules! queue_conformance {
+    ($(
+        $(#[differs(sled = $sled:literal)])?
+        $name:ident
+    ),* $(,)?) => {$(
+        mod $name {
+            use super::run;
+            use $crate::conformance::Backend;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            $(#[ignore = $sled])?
+            async fn sled() {
+                run(Backend::Sled, super::$name).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                run(Backend::Postgres, super::$name).await
+            }
+        }
+    )*};
+}
+
+queue_conformance!(
+    places_follow_acceptance_and_a_key_is_one_message,
+    a_settled_head_lets_the_next_go_and_only_a_failed_message_keeps_its_request,
+    a_retry_behind_a_newer_epoch_is_superseded,
+    #[differs(sled = "sled has one owner: its writes name none")]
+    a_deposed_owners_writes_fail,
+);
+
+fn message(key: &str, epoch: u64) -> Message {
+    Message {
+        route: "hook".into(),
+        key: key.into(),
+        lease: "hook".into(),
+        epoch,
+        seq: 0,
+        fingerprint: String::new(),
+        method: "POST".into(),
+        path: "/hook/x".into(),
+        token_sha256: None,
+        status: Status::Pending,
+        attempts: 0,
+        unknown_outcomes: 0,
+        accepted_ms: 1,
+        updated_ms: 1,
+        next_attempt_ms: 1,
+        last_status: None,
+        last_error: None,
+        answer: None,
+    }
+}
+
+fn envelope() -> Envelope {
+    Envelope {
+        method: "POST".into(),
+        rest: "x".into(),
+        query: None,
+        headers: vec![("content-type".into(), b"text/plain".to_vec())],
+        body: Bytes::from_static(b"body"),
+    }
+}
+
+async fn accept(s: &QueueSubject, key: &str, epoch: u64) -> Message {
+    match s
+        .store
+        .accept(
+            s.owner,
+            message(key, epoch),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| true),
+        )
+        .await
+        .expect("accept")
+    {
+        Accepted::New(m) => m,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// SPEC §11 "Accepting": places follow acceptance; the same key again is the
+/// message already kept; a pass aborted before its place is taken takes none.
+async fn places_follow_acceptance_and_a_key_is_one_message(s: QueueSubject) {
+    let m1 = accept(&s, "m1", 1).await;
+    let m2 = accept(&s, "m2", 1).await;
+    assert!(m1.seq < m2.seq);
+    let again = s
+        .store
+        .accept(
+            s.owner,
+            message("m1", 1),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| true),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again, Accepted::Exists(m) if m.seq == m1.seq));
+    let aborted = s
+        .store
+        .accept(
+            s.owner,
+            message("m3", 1),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| false),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(aborted, Accepted::Aborted));
+    assert!(s.store.get("hook", "m3").await.unwrap().is_none());
+    assert_eq!(
+        s.store.head("hook").await.unwrap().map(|m| m.key),
+        Some("m1".to_owned())
+    );
+    assert_eq!(
+        s.store.leases_with_work().await.unwrap(),
+        vec!["hook".to_owned()]
+    );
+}
+
+/// SPEC §11: settling the head lets the next one go; a delivered or dropped
+/// message's request is gone with its settlement, a failed one's is kept for
+/// an operator's retry.
+async fn a_settled_head_lets_the_next_go_and_only_a_failed_message_keeps_its_request(
+    s: QueueSubject,
+) {
+    let mut m1 = accept(&s, "m1", 1).await;
+    let mut m2 = accept(&s, "m2", 1).await;
+    let mut m3 = accept(&s, "m3", 1).await;
+    m1.status = Status::Delivered;
+    s.store.settle(s.owner, &m1).await.unwrap();
+    assert_eq!(
+        s.store.head("hook").await.unwrap().map(|m| m.key),
+        Some("m2".into())
+    );
+    m2.status = Status::Failed;
+    s.store.settle(s.owner, &m2).await.unwrap();
+    m3.status = Status::Dropped;
+    s.store.settle(s.owner, &m3).await.unwrap();
+    s.store.durable().await.unwrap();
+    assert!(s.store.head("hook").await.unwrap().is_none());
+    assert!(
+        s.store.envelope("hook", "m1").await.unwrap().is_none(),
+        "delivered"
+    );
+    assert!(
+        s.store.envelope("hook", "m3").await.unwrap().is_none(),
+        "dropped"
+    );
+    assert_eq!(
+        s.store
+            .envelope("hook", "m2")
+            .await
+            .unwrap()
+            .map(|e| e.body),
+        Some(Bytes::from_static(b"body")),
+        "failed: kept for a retry"
+    );
+    if s.backend == Backend::Sled {
+        let held = s.store.held("hook").map(|h| h.0.messages);
+        assert_eq!(held, Some(1), "what is kept is counted");
+    }
+}
+
+/// SPEC §11 "operator's actions": a failed message goes back to the end of
+/// its lease's queue, unless an attempt of a newer epoch's message was started
+/// — then it is superseded.
+async fn a_retry_behind_a_newer_epoch_is_superseded(s: QueueSubject) {
+    let mut m1 = accept(&s, "m1", 1).await;
+    m1.status = Status::Failed;
+    s.store.settle(s.owner, &m1).await.unwrap();
+    let back = s.store.requeue(s.owner, "hook", "m1", 5).await.unwrap();
+    assert!(matches!(back, Requeued::Done(_)), "{back:?}");
+    let mut again = s.store.head("hook").await.unwrap().expect("m1 is back");
+    again.status = Status::Failed;
+    s.store.settle(s.owner, &again).await.unwrap();
+    let mut m2 = accept(&s, "m2", 2).await;
+    m2.status = Status::Delivering;
+    m2.attempts = 1;
+    s.store.start_attempt_unflushed(s.owner, &m2).await.unwrap();
+    s.store.durable().await.unwrap();
+    assert_eq!(s.store.sent_epoch("hook").await.unwrap(), 2);
+    let superseded = s.store.requeue(s.owner, "hook", "m1", 6).await.unwrap();
+    assert!(
+        matches!(superseded, Requeued::Superseded(2)),
+        "{superseded:?}"
+    );
+}
+
+/// SPEC §10.2, §11: once a newer owner holds the shard, every queue write of
+/// the deposed one fails (`owner_lost`) and changes nothing.
+async fn a_deposed_owners_writes_fail(s: QueueSubject) {
+    let m1 = accept(&s, "m1", 1).await;
+    let pg = s.pg.clone().expect("PostgreSQL");
+    pg.claim_shard(Owner {
+        shard: 0,
+        generation: 2,
+    })
+    .await
+    .unwrap();
+    let mut started = m1.clone();
+    started.status = Status::Delivering;
+    let r = s.store.start_attempt_unflushed(s.owner, &started).await;
+    assert!(matches!(r, Err(StateError::OwnerLost { .. })), "{r:?}");
+    let r = s
+        .store
+        .accept(
+            s.owner,
+            message("m2", 1),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| true),
+        )
+        .await;
+    assert!(matches!(r, Err(StateError::OwnerLost { .. })), "{r:?}");
+    assert_eq!(
+        s.store
+            .head("hook")
+            .await
+            .unwrap()
+            .map(|m| (m.key, m.status)),
+        Some(("m1".into(), Status::Pending))
+    );
+}

@@ -98,24 +98,12 @@ enum Refused {
 
 type TxResult<T> = Result<Result<T, Refused>, tokio_postgres::Error>;
 
-/// Share-locks the shard's owner row until the transaction ends and checks
-/// that no newer generation holds it (no row: a single instance, or a shard
-/// never taken).
+/// The owner check ([`crate::state::postgres::fenced::owner_holds`]), as a
+/// refusal of this module's transactions.
 async fn owner_holds(tx: &Transaction<'_>, owner: Owner) -> TxResult<()> {
-    let stored: i64 = tx
-        .query_one(
-            "SELECT COALESCE((SELECT o.generation FROM fencegate_owners o \
-             WHERE o.shard = $1 FOR SHARE), 0)",
-            &[&i32::try_from(owner.shard).unwrap_or(i32::MAX)],
-        )
+    Ok(crate::state::postgres::fenced::owner_holds(tx, owner)
         .await?
-        .get(0);
-    let stored = u64::try_from(stored).unwrap_or(0);
-    Ok(if stored > owner.generation {
-        Err(Refused::Lost(stored))
-    } else {
-        Ok(())
-    })
+        .map_err(Refused::Lost))
 }
 
 /// Writes `m`'s row (its status, place and record) under `owner`.

@@ -38,6 +38,7 @@ use tokio::sync::oneshot;
 use tokio_postgres::Row;
 
 use super::error::describe;
+use super::fenced::owners_for_share;
 use crate::state::{Record, RecordKey};
 
 /// What the workers share with the backend.
@@ -161,9 +162,9 @@ macro_rules! write_batch {
         concat!(
             "/* fencegate: ",
             $what,
-            " */ WITH owners AS MATERIALIZED ( \
-       SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
-       ORDER BY shard FOR SHARE), \
+            " */ WITH owners AS MATERIALIZED (",
+            owners_for_share!(),
+            "), \
      claim_input AS ( \
        SELECT * FROM unnest($2::int4[], $3::text[], $4::text[], $5::int4[], $6::bytea[], \
          $7::int8[], $8::int8[], $9::int8[], $10::text[], $11::text[], $12::int8[]) \
@@ -223,9 +224,10 @@ const OUTCOMES_BATCH: &str = write_batch!("outcomes");
 /// that claim's record, while it is in flight, and — like every write of an
 /// owner — only while no newer generation holds its shard (a successor's
 /// recovery has made it in doubt: an operator's to resolve).
-const RELEASE_CLAIMS: &str = "/* fencegate: release */ WITH owners AS MATERIALIZED ( \
-       SELECT shard, generation FROM fencegate_owners WHERE shard = ANY($1::int4[]) \
-       ORDER BY shard FOR SHARE), \
+const RELEASE_CLAIMS: &str = concat!(
+    "/* fencegate: release */ WITH owners AS MATERIALIZED (",
+    owners_for_share!(),
+    "), \
      u AS ( \
        SELECT * FROM unnest($2::text[], $3::text[], $4::int4[], $5::int8[], $6::int8[]) \
          AS t(route, key, shard, gen, claim) \
@@ -233,7 +235,8 @@ const RELEASE_CLAIMS: &str = "/* fencegate: release */ WITH owners AS MATERIALIZ
      DELETE FROM fencegate_dedup d USING u \
      WHERE d.route = u.route AND d.key = u.key AND d.claim = u.claim AND d.state = 0 \
        AND d.owner_generation = u.gen \
-     RETURNING 1";
+     RETURNING 1"
+);
 
 /// How often, and for how long, a batch whose outcome was unknown is settled.
 const SETTLE_EVERY: Duration = Duration::from_secs(1);

@@ -9,7 +9,7 @@
 //! lost a shard cannot change its state ([`StateError::OwnerLost`]). The write
 //! share-locks the shard's owner row while it checks, and a takeover updates that
 //! row, so the two serialize: a write of the old generation commits before the
-//! takeover's [`StateStore::recover`] looks, or fails (see `OWNER_OK`).
+//! takeover's [`StateStore::recover`] looks, or fails (see [`fenced`]).
 //!
 //! Durability is PostgreSQL's commit: each statement commits on its own
 //! (autocommit), and `synchronous_commit` must be on (checked at start-up).
@@ -27,6 +27,7 @@
 
 mod batch;
 mod error;
+pub(crate) mod fenced;
 mod identity;
 mod ownership;
 mod record;
@@ -88,29 +89,7 @@ const BATCH_WORKERS: usize = 1;
 /// The most rows in one batch statement.
 const BATCH_MAX: usize = 256;
 
-/// No newer generation holds the shard (`$SHARD`, `$GEN` are the writer's), and
-/// the shard's owner row stays share-locked until the write commits.
-///
-/// The lock is what makes the check hold at commit and not only at the
-/// statement's start: under READ COMMITTED a check alone reads the statement's
-/// snapshot, so a deposed owner's claim could pass it, commit after the
-/// successor's [`StateStore::recover`] had looked, and leave its key in flight
-/// under the old generation — refused (409) until the next takeover, and not
-/// resolvable (issue 25). [`StateStore::claim_shard`] updates the row, which
-/// waits for every share lock: a write either commits before the takeover (and
-/// `recover` sees it) or waits for it and then sees the new generation. The
-/// locked read is a scalar subquery whose only condition is the shard, so the
-/// row is locked whatever its generation (a filter on the generation inside it
-/// would skip the lock exactly when the write goes ahead). No row (a single
-/// instance, or a shard never claimed): nothing to lock, nothing newer.
-const OWNER_OK: &str = "COALESCE((SELECT o.generation FROM fencegate_owners o \
-     WHERE o.shard = $SHARD FOR SHARE), 0) <= $GEN";
-
-fn owner_ok(shard: usize, generation: usize) -> String {
-    OWNER_OK
-        .replace("$SHARD", &format!("${shard}"))
-        .replace("$GEN", &format!("${generation}"))
-}
+use fenced::owner_ok;
 
 /// The `method` and `path` columns (NULL for a record without them).
 fn request_columns(r: &Record) -> (Option<String>, Option<String>) {
@@ -918,7 +897,7 @@ impl StateStore for PostgresState {
         self.writable()?;
         // The conflict's row is locked (FOR NO KEY UPDATE) before its WHERE is
         // looked at: this waits for every write holding the owner row share-locked
-        // (`OWNER_OK`), so none of the old generation commits after it.
+        // (`fenced::owner_ok`), so none of the old generation commits after it.
         let (sh, gen) = (shard(owner), generation(owner));
         let stored: i64 = self
             .with("claiming a shard", |c| async move {

@@ -88,7 +88,7 @@ impl OwnershipStore for PostgresState {
                     }
                     Some((generation, renewals)) => {
                         // The row lock taken here waits for every state write
-                        // share-locking it (`OWNER_OK`): none of the old
+                        // share-locking it (`fenced::owner_ok`): none of the old
                         // generation commits after this.
                         let st = c
                             .prepare_cached(

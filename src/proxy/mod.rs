@@ -13,6 +13,10 @@
 //! 3. **Admit** — [`admit()`] (`admit.rs`): the fence's decision and the
 //!    drain it may wait out (SPEC §4–§5; spans `admission` and `drain`:
 //!    [`admission`], [`drained`]).
+//!    **Queue** (a queued route, in place of 4–7): [`Proxy::accept`]
+//!    (`queued.rs`) answers a repeat of its key as dedup decides (§6), else
+//!    writes its message durably, within the queue's bound, and answers
+//!    `202` (SPEC §11); the deliverer (`queue/deliver.rs`) sends it later.
 //! 4. **Protect** — [`protect()`] (`admit.rs`): the route's in-flight limit,
 //!    hold and breaker, after admission and before the dedup claim (SPEC §7
 //!    `upstream_held`).
@@ -311,7 +315,7 @@ impl Proxy {
         if let (Some(queue), Payload::Whole(b)) =
             (self.queue.as_ref().filter(|_| route.queued), &body)
         {
-            // 5'. A queued route accepts into its lease's queue (SPEC §11).
+            // Queue: a queued route accepts into its lease's queue (SPEC §11).
             let b = b.clone();
             let claimed = queued::Claimed::of(claim);
             let resp = self

@@ -13,8 +13,13 @@
 //! overtakes the queue either.
 
 mod deliver;
+mod edits;
+mod follow;
 pub mod message;
+pub(crate) mod metrics;
 pub mod postgres;
+mod restore;
+mod rules;
 pub mod sled;
 pub mod store;
 pub mod timed;
@@ -24,181 +29,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use prometheus_client::collector::Collector;
-use prometheus_client::encoding::DescriptorEncoder;
-use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::MetricType;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::Clock;
 use crate::live::LiveConfig;
-use crate::metrics::{emit, Metrics};
+use crate::metrics::Metrics;
 use crate::state::{Owner, StateError};
+pub(crate) use follow::FollowTenures;
 pub use message::{Accepted, Answer, Edit, Envelope, Message, Requeued, Status};
+pub(crate) use restore::fence_restored;
+pub use restore::Fenced;
+pub(crate) use rules::conflict;
 pub use store::QueueStore;
-
-/// Why `routes` cannot serve beside the messages this queue holds (start-up
-/// and reload, SPEC §11), if they cannot: a direct route on a lease whose
-/// queue holds messages that may still be sent would overtake them, and a
-/// queued route moved to another lease would answer that lease's workers from
-/// them (and deliver them in the old lease's order).
-pub(crate) async fn conflict(
-    store: &dyn QueueStore,
-    routes: &[crate::config::RouteConfig],
-) -> Result<Option<String>, StateError> {
-    let routes: Vec<(&str, &str, bool)> = routes
-        .iter()
-        .map(|r| {
-            (
-                r.name.as_str(),
-                r.lease.as_str(),
-                r.delivery == crate::config::Delivery::Queued,
-            )
-        })
-        .collect();
-    if let Some(why) = conflict_of(store, &routes).await? {
-        return Ok(Some(why));
-    }
-    history_conflict(store, &routes).await
-}
-
-/// A route's history follows its name (SPEC §11): a direct route whose name
-/// keeps queued messages (any status: a settled one answers its key until
-/// `[dedup] ttl` after it settled), or a queued route whose name keeps dedup
-/// records of a direct route, would answer a worker's retry of one of those
-/// keys by delivering it again. Read from the state, so that no way of
-/// getting the config there — one reload, two, a restart — slips past it.
-async fn history_conflict(
-    store: &dyn QueueStore,
-    routes: &[(&str, &str, bool)],
-) -> Result<Option<String>, StateError> {
-    let names: Vec<(&str, bool)> = routes.iter().map(|&(n, _, q)| (n, q)).collect();
-    let Some((name, queued)) = store.other_kind(&names).await? else {
-        return Ok(None);
-    };
-    Ok(Some(if queued {
-        format!(
-            "route {name:?} is queued, and the state keeps dedup records of a direct route of that name (done ones for [dedup] ttl after they were done, in-doubt ones until an operator resolves them): a worker's retry of one of their keys would be queued and delivered again. Keep the route direct, give the queued route a new name, or wait until those records expire (GET /v1/dedup/{name}/KEY on the admin listener)"
-        )
-    } else {
-        format!(
-            "route {name:?} is direct, and the state keeps queued messages under its name (settled ones for [dedup] ttl after they settled): a worker's retry of one of their keys would be forwarded again. Keep the route queued, give the direct route a new name, or wait until they expire (GET /v1/deliveries?route={name} on the admin listener)"
-        )
-    }))
-}
-
-/// [`conflict`] for routes given as (name, lease, queued).
-async fn conflict_of(
-    store: &dyn QueueStore,
-    routes: &[(&str, &str, bool)],
-) -> Result<Option<String>, StateError> {
-    let holding = store.holding_for(routes).await?;
-    // The messages that may still be sent are queued routes as far as the
-    // rule of kinds goes (SPEC §11): the one rule, with the routes to run.
-    let held = holding
-        .iter()
-        .map(|(route, lease)| crate::config::RouteKind {
-            name: route,
-            lease,
-            queued: true,
-        });
-    let kinds = routes
-        .iter()
-        .map(|&(name, lease, queued)| crate::config::RouteKind {
-            name,
-            lease,
-            queued,
-        });
-    if let Some((q, d)) = crate::config::mixed_delivery(held.chain(kinds)) {
-        let (name, route, lease) = (d.name, q.name, q.lease);
-        return Ok(Some(if d.lease == q.lease {
-            format!(
-                "route {name:?} would forward lease {lease}'s requests directly, but its queue still holds messages that may be sent (pending, or failed and retriable): a direct request could reach the destination before an older one. Keep the lease's routes queued until those are delivered or dropped (GET /v1/deliveries?lease={lease} on the admin listener)"
-            )
-        } else {
-            // Its messages would wait for a queued route of that name, and a
-            // worker's retry of one of their keys would be forwarded
-            // directly meanwhile: both could arrive.
-            format!(
-                "route {route:?} holds messages of lease {lease} that may still be sent, and would forward requests directly: a worker's retry of one of their keys would reach the destination beside the queued message. Deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the direct route a new name"
-            )
-        }));
-    }
-    for &(name, r_lease, queued) in routes {
-        for (route, lease) in &holding {
-            if queued && route == name && lease != r_lease {
-                return Ok(Some(format!(
-                    "route {route:?} holds messages of lease {lease} that may still be sent, and would move to lease {r_lease}: deliver or drop them first (GET /v1/deliveries?route={route} on the admin listener), or give the route a new name"
-                )));
-            }
-        }
-    }
-    Ok(None)
-}
-
-/// What the fence of a restored state did ([`fence_restored`]).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Fenced {
-    /// Messages of an epoch below their lease's latest, failed unsent.
-    pub failed: u64,
-    /// Messages of the latest epoch, to be sent again as unknown outcomes.
-    pub unknown: u64,
-}
-
-/// SPEC §10, identity and generations: a state found older than its own gate
-/// objects (a copy, a restored backup) does not know what was sent from it
-/// after the copy — a message of a newer epoch of `lease`, or this very
-/// message. Before anything of it is sent: each message that may still be
-/// sent and is of an epoch below the lease's latest listed epoch is failed
-/// unsent (a newer one may have reached the destination; an operator's retry
-/// of it is refused as superseded, for `sent` is raised to that epoch); each
-/// one of the latest epoch accepted before this process started is marked
-/// `delivering`, so that its next attempt is counted as an unknown outcome,
-/// as after a crash. Idempotent: a crash in the middle runs it again.
-pub(crate) async fn fence_restored(
-    store: &dyn QueueStore,
-    epochs: &crate::lease::Epochs,
-    owner: Owner,
-    lease: &str,
-    now_ms: u64,
-    started_ms: u64,
-) -> Result<Fenced, StateError> {
-    const ALL: usize = 1 << 40;
-    let mut out = Fenced::default();
-    let Ok(name) = crate::epoch::LeaseName::parse(lease) else {
-        return Ok(out);
-    };
-    let latest = epochs
-        .latest_after(&name, crate::epoch::Epoch::NONE)
-        .await
-        .map_err(|e| StateError::Write(format!("the lease store, fencing a restored state: {e}")))?
-        .get();
-    for status in [Status::Pending, Status::Delivering] {
-        let (msgs, _) = store.list(None, Some(lease), Some(status), ALL).await?;
-        for mut m in msgs {
-            if m.epoch < latest {
-                m.status = Status::Failed;
-                m.updated_ms = now_ms;
-                m.last_error = Some(format!(
-                    "not sent: this state was restored from an older copy, and lease {lease} is at epoch {latest} — a message of that epoch may have reached the destination since the copy (SPEC §10, identity and generations)"
-                ));
-                store.settle(owner, &m).await?;
-                out.failed += 1;
-            } else if m.status == Status::Pending && m.accepted_ms < started_ms {
-                m.status = Status::Delivering;
-                m.updated_ms = now_ms;
-                store.put(owner, &m).await?;
-                out.unknown += 1;
-            } else if m.status == Status::Delivering {
-                out.unknown += 1;
-            }
-        }
-    }
-    store.raise_sent(owner, lease, latest).await?;
-    Ok(out)
-}
 
 /// Milliseconds since the Unix epoch.
 pub(crate) fn ms(t: SystemTime) -> u64 {
@@ -574,70 +417,6 @@ impl Queue {
         }
     }
 
-    /// The message an operator acts on, and the owner to write it under:
-    /// pending or failed, and its lease served here (SPEC §11). Called with
-    /// `edits` held.
-    async fn editable(&self, route: &str, key: &str) -> Result<(Message, Owner), Edit> {
-        let m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
-        if !matches!(m.status, Status::Pending | Status::Failed) {
-            return Err(Edit::Conflict(m.status));
-        }
-        let owner = (self.ctx.owner_of)(&m.lease)
-            .owner()
-            .ok_or(Edit::NotServed)?;
-        Ok((m, owner))
-    }
-
-    /// An operator's retry (SPEC §11): a pending message is due now; a failed
-    /// one goes back to the end of its lease's queue — unless a message of a
-    /// newer epoch of its lease was sent or waits, which it would then follow
-    /// (the order rule has no exemption, not even an operator's).
-    pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
-        // A restored state's lease is fenced first: its retry of an older
-        // epoch's message is then refused as superseded.
-        if let Some(m) = self.store.get(route, key).await? {
-            if let Some(owner) = (self.ctx.owner_of)(&m.lease).owner() {
-                self.fence_if_restored(&m.lease, owner).await?;
-            }
-        }
-        let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key).await?;
-        let now = ms(self.ctx.clock.now());
-        let m = match m.status {
-            Status::Pending => {
-                m.next_attempt_ms = now;
-                m.updated_ms = now;
-                self.store.put(owner, &m).await?;
-                m
-            }
-            Status::Failed => match self.store.requeue(owner, route, key, now).await? {
-                Requeued::Done(m) => *m,
-                Requeued::Gone => return Err(Edit::NotFound),
-                Requeued::NotFailed(s) => return Err(Edit::Conflict(s)),
-                Requeued::Superseded(e) => return Err(Edit::Superseded(e)),
-            },
-            other => return Err(Edit::Conflict(other)),
-        };
-        self.wake(&m.lease);
-        Ok(m)
-    }
-
-    /// An operator's drop (SPEC §11): a pending or failed message is settled
-    /// `dropped`; the messages behind it go on.
-    pub(crate) async fn drop_message(
-        self: &Arc<Self>,
-        route: &str,
-        key: &str,
-    ) -> Result<Message, Edit> {
-        let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key).await?;
-        m.status = Status::Dropped;
-        m.updated_ms = ms(self.ctx.clock.now());
-        self.store.settle(owner, &m).await?;
-        self.wake(&m.lease);
-        Ok(m)
-    }
-
     fn count(&self, route: &str, outcome: &'static str) {
         let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
         *c.attempts.entry((route.to_owned(), outcome)).or_default() += 1;
@@ -645,7 +424,9 @@ impl Queue {
 
     /// Registers the queue's metrics (SPEC §11).
     pub(crate) fn register(self: &Arc<Self>, metrics: &Metrics) {
-        metrics.with_registry(|r| r.register_collector(Box::new(QueueCollector(self.clone()))));
+        metrics.with_registry(|r| {
+            r.register_collector(Box::new(metrics::QueueCollector(self.clone())))
+        });
     }
 
     /// Removes settled messages older than `ttl`, every `every`.
@@ -665,152 +446,5 @@ impl Queue {
                 Err(e) => tracing::warn!(error = %e, "queue sweep failed"),
             }
         }
-    }
-}
-
-/// The queue following a cluster's tenures (SPEC §10.2): a shard's
-/// deliverers start with its tenure here, and its attempts out end with it.
-pub(crate) struct FollowTenures(pub Arc<Queue>);
-
-impl crate::cluster::TenureWork for FollowTenures {
-    fn check(
-        &self,
-        leases: &[crate::epoch::LeaseName],
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send + '_>> {
-        // SPEC §11 at a takeover: members of one cluster share their routes,
-        // but a member whose config differs (a route direct here, queued on
-        // the others) must not forward the shard's leases directly past
-        // messages another member queued.
-        let live = self.0.ctx.live.current();
-        let routes: Vec<(String, String, bool)> = live
-            .routes
-            .iter()
-            .filter(|r| leases.contains(&r.lease))
-            .map(|r| (r.name.clone(), r.lease.as_str().to_owned(), r.queued))
-            .collect();
-        Box::pin(async move {
-            let routes: Vec<(&str, &str, bool)> = routes
-                .iter()
-                .map(|(n, l, q)| (n.as_str(), l.as_str(), *q))
-                .collect();
-            // And a route's history: a member that would serve a route of
-            // the other kind than its records (members with different
-            // configs) does not take the shard either.
-            let found = match conflict_of(self.0.store.as_ref(), &routes).await {
-                Ok(None) => history_conflict(self.0.store.as_ref(), &routes).await,
-                other => other,
-            };
-            match found {
-                Ok(None) => Ok(()),
-                Ok(Some(why)) => Err(why),
-                Err(e) => Err(e.to_string()),
-            }
-        })
-    }
-
-    fn started(&self, leases: &[crate::epoch::LeaseName]) {
-        self.0.serve_shard(leases);
-    }
-
-    fn stop(
-        &self,
-        shard: u32,
-        deadline: tokio::time::Instant,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
-        Box::pin(self.0.stop_shard(shard, deadline))
-    }
-}
-
-struct QueueCollector(Arc<Queue>);
-
-impl std::fmt::Debug for QueueCollector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("QueueCollector")
-    }
-}
-
-impl Collector for QueueCollector {
-    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let q = &self.0;
-        let now = ms(q.ctx.clock.now());
-        let mut depth: HashMap<String, (i64, u64)> = HashMap::new();
-        for r in q.ctx.live.current().routes.iter().filter(|r| r.queued) {
-            depth.insert(r.name.clone(), (0, now));
-        }
-        let found = match q.store.depth_now() {
-            Some(d) => d.unwrap_or_default(),
-            None => q.depth.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-        };
-        for (route, (n, oldest)) in found {
-            depth.insert(route, (n as i64, oldest.min(now)));
-        }
-        let mut rows: Vec<_> = depth.into_iter().collect();
-        rows.sort();
-        emit(
-            &mut enc,
-            "fencegate_queue_depth",
-            "Queued messages not settled (pending or being delivered), per route",
-            MetricType::Gauge,
-            rows.iter()
-                .map(|(r, (n, _))| (vec![("route", r.clone())], ConstGauge::new(*n)))
-                .collect(),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_queue_oldest_pending_seconds",
-            "Age of the oldest message not settled, per route (0: none)",
-            MetricType::Gauge,
-            rows.iter()
-                .map(|(r, (_, oldest))| {
-                    (
-                        vec![("route", r.clone())],
-                        ConstGauge::new(now.saturating_sub(*oldest) as f64 / 1000.0),
-                    )
-                })
-                .collect(),
-        )?;
-        if let Some(mut held) = q.store.held_by_route() {
-            held.sort_by(|a, b| a.0.cmp(&b.0));
-            emit(
-                &mut enc,
-                "fencegate_queue_held_bytes",
-                "Bytes of the requests kept for queued messages not delivered nor dropped, per route (sled: held in memory; bounded by queue_max_bytes)",
-                MetricType::Gauge,
-                held.iter()
-                    .map(|(r, h)| (vec![("route", r.clone())], ConstGauge::new(h.bytes as i64)))
-                    .collect(),
-            )?;
-        }
-        let mut attempts: Vec<_> = q
-            .counts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .attempts
-            .iter()
-            .map(|((r, o), n)| ((r.clone(), *o), *n))
-            .collect();
-        attempts.sort();
-        emit(
-            &mut enc,
-            "fencegate_queue_attempts",
-            "Delivery attempts by route and outcome (delivered, retry, failed, not_sent)",
-            MetricType::Counter,
-            attempts
-                .into_iter()
-                .map(|((r, o), n)| {
-                    (
-                        vec![("route", r), ("outcome", o.to_owned())],
-                        ConstCounter::new(n),
-                    )
-                })
-                .collect(),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_queue_unknown_outcomes",
-            "Attempts whose outcome was unknown (timed out, reset, or out at a crash): the message is sent again with the same webhook-id",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(q.unknown.load(Ordering::Relaxed)))],
-        )
     }
 }

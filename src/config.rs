@@ -1458,19 +1458,20 @@ impl Config {
             }
             self.validate_queued(r)?;
         }
-        Ok(())
-    }
-
-    /// SPEC §11: a queued route's keys, and what it may not share.
-    fn validate_queued(&self, r: &RouteConfig) -> Result<(), String> {
         // SPEC §11: the queue's order is the lease's epoch order only if no
-        // direct request of the lease can overtake a queued message.
+        // direct request of the lease can overtake a queued message (once,
+        // over every route).
         if let Some((q, d)) = mixed_delivery(self.routes.iter().map(RouteKind::of)) {
             return Err(format!(
                 "lease {}: route {:?} is queued and route {:?} is direct; a lease's routes are all queued or all direct (a direct request could reach a destination before an older queued message)",
                 q.lease, q.name, d.name
             ));
         }
+        Ok(())
+    }
+
+    /// SPEC §11: a queued route's keys, and what it may not share.
+    fn validate_queued(&self, r: &RouteConfig) -> Result<(), String> {
         if r.delivery != Delivery::Queued {
             return Ok(());
         }

@@ -347,6 +347,12 @@ fn record_key(route: &str, key: &DedupKey) -> RecordKey {
 }
 
 impl Dedup {
+    /// `[dedup] ttl`: how long a `done` record (or a settled queued message)
+    /// keeps its key.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
     /// Dedup over `state`, keeping `done` records for `ttl` past their outcome.
     pub fn new(state: Arc<dyn StateStore>, clock: Arc<dyn Clock>, ttl: Duration) -> Dedup {
         Dedup {

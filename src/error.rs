@@ -102,6 +102,8 @@ pub(crate) enum ProxyError {
     PeerUnauthorized,
     #[error("{}", held_text(.route, .refused.reason))]
     UpstreamHeld { route: String, refused: Refused },
+    #[error("route {route} was changed by a reload while this request was read")]
+    RouteChanged { route: String },
     #[error("route {route}'s queue is full ({bound}: {limit})")]
     QueueFull {
         route: String,
@@ -470,6 +472,7 @@ impl ProxyError {
             E::DrainAborted { .. } => (StatusCode::GATEWAY_TIMEOUT, "drain_aborted"),
             E::UpstreamHeld { .. } => (StatusCode::SERVICE_UNAVAILABLE, "upstream_held"),
             E::QueueFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "queue_full"),
+            E::RouteChanged { .. } => (StatusCode::SERVICE_UNAVAILABLE, "route_changed"),
         }
     }
 
@@ -566,6 +569,7 @@ impl ProxyError {
             | E::UpgradeUnsupported
             | E::DedupKeyMissing { .. }
             | E::DeliveryNotFound
+            | E::RouteChanged { .. }
             | E::PeerUnauthorized => {}
         }
     }
@@ -659,6 +663,9 @@ impl ProxyError {
                 "This worker's epoch is superseded: stop sending with it. {}",
                 doubt.next_step()
             ),
+            E::RouteChanged { .. } => "Nothing was accepted or forwarded: send it again, and it \
+                 meets the routes as the reload left them"
+                .to_owned(),
             E::QueueFull { .. } => "Nothing was accepted and nothing recorded for this \
                  request (its idempotency key, if any, is free): send it again after \
                  Retry-After, once deliveries have drained the queue"

@@ -92,20 +92,25 @@ fn accepted(m: &Message) -> Response<ProxyBody> {
 }
 
 /// What a retry of a key with a message gets (SPEC §11, as §6 answers one).
-fn answer_from(m: Message, this: &Action) -> Result<Response<ProxyBody>, ProxyError> {
+fn answer_from(
+    m: Message,
+    this: &Action,
+    ttl: std::time::Duration,
+) -> Result<Response<ProxyBody>, ProxyError> {
     // SPEC §11 "the same key again" is §6's judgment, made by dedup's code.
     let mut first = [0u8; 32];
-    if hex::decode_to_slice(&m.fingerprint, &mut first).is_err() {
-        // Unreadable: no request is the same as it.
-        first = [0; 32];
-    }
-    let line = RequestLine::new(&m.method, &m.path);
-    this.repeats(
-        &m.route,
-        &m.key,
-        (&first, Some(&line)),
-        KeyFrees::AfterFirstEnds,
-    )?;
+    let readable = hex::decode_to_slice(&m.fingerprint, &mut first).is_ok();
+    // Unreadable: no request is the same as it, and what differs is unknown.
+    let line = readable.then(|| RequestLine::new(&m.method, &m.path));
+    // A settled message keeps its key until it is swept, `[dedup] ttl` after
+    // it settled (SPEC §11), as a done record does.
+    let frees = if m.status.is_settled() {
+        let ttl = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        KeyFrees::At(m.updated_ms.saturating_add(ttl))
+    } else {
+        KeyFrees::AfterFirstEnds
+    };
+    this.repeats(&m.route, &m.key, (&first, line.as_ref()), frees)?;
     match m.status {
         Status::Pending | Status::Delivering => Ok(accepted(&m)),
         Status::Delivered => {
@@ -170,7 +175,7 @@ impl Proxy {
                 // deliverer may not know of it either.
                 queue.wake(&m.lease);
             }
-            return answer_from(m, &action);
+            return answer_from(m, &action, self.dedup.ttl());
         }
         if !self.mode.may_forward(fence.owner()) || self.state.set_up_conflict().is_some() {
             // This instance cannot deliver now (SPEC §10): accept nothing it
@@ -241,6 +246,22 @@ impl Proxy {
             last_error: None,
             answer: None,
         };
+        // A reload since this request found its route (its body may have
+        // been slow) may have made the name direct, or moved it to another
+        // lease: the checks of the reload saw no message of it, so none is
+        // written now (SPEC §11, the rule of kinds). Sent again, it meets the
+        // routes as they are.
+        let unchanged = self
+            .live
+            .current()
+            .routes
+            .get(&route.name)
+            .is_some_and(|r| r.queued && r.lease == route.lease);
+        if !unchanged {
+            return Err(ProxyError::RouteChanged {
+                route: route.name.clone(),
+            });
+        }
         let done = queue
             .store
             .accept(fence.owner(), msg, &envelope, &route.queue_bound, {
@@ -271,7 +292,7 @@ impl Proxy {
                 if !m.status.is_settled() {
                     queue.wake(&m.lease);
                 }
-                answer_from(m, &action)
+                answer_from(m, &action, self.dedup.ttl())
             }
             Accepted::Full { bound, limit } => Err(ProxyError::QueueFull {
                 route: route.name.clone(),

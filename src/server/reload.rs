@@ -165,7 +165,11 @@ impl Reloader {
             let now = current
                 .routes
                 .iter()
-                .find(|o| o.name == q.name || o.name == d.name)
+                .find(|o| {
+                    [q, d]
+                        .iter()
+                        .any(|k| o.name == k.name && o.lease.as_str() == k.lease)
+                })
                 .map_or(q, |o| if o.queued { q } else { d });
             return Err(ReloadError::Fixed {
                 key: format!(

@@ -1109,3 +1109,79 @@ async fn max_replay_bytes_holds_for_an_answer_in_one_read_on_postgres() {
     }
     max_replay_bytes_holds_for_an_answer_in_one_read(Backend::Postgres).await;
 }
+
+/// The review's case (issue 44): a request of a queued route whose body is
+/// still coming while reloads rename the route and give its old name to a
+/// direct route. Nothing is written under the name that is direct now (its
+/// deliverer would never send it, and a retry of its key would go direct):
+/// `503 route_changed`, and the worker's retry meets the routes as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_route_a_reload_changed_queues_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let fg = start(&s3, &origin.url("/v1/"), "").await;
+    let a = acquire(
+        &s3.epochs().await,
+        "hook",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    let mut slow = tokio::net::TcpStream::connect(fg.proxy).await.unwrap();
+    slow.write_all(
+        format!(
+            "POST /hook/events HTTP/1.1\r\nHost: a\r\nX-Lease-Epoch: {}\r\nX-Lease-Token: {}\r\n\
+             Idempotency-Key: slow\r\nContent-Length: 10\r\nConnection: close\r\n\r\n01234",
+            a.epoch.get(),
+            a.token
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
+    let reload = |edit: Box<dyn FnOnce(String) -> String>| {
+        let fg = &fg;
+        async move {
+            let before = fg.series(applied).await;
+            fg.edit_config(edit);
+            fg.hup();
+            eventually("the reload to apply", || async {
+                fg.series(applied).await > before
+            })
+            .await;
+        }
+    };
+    // The route renamed (still queued, same lease), then its old name direct.
+    reload(Box::new(|t| {
+        t.replace("name = \"hook\"", "name = \"hook2\"")
+    }))
+    .await;
+    let direct = format!(
+        "\n[[route]]\nname = \"hook\"\npath_prefix = \"/other/\"\nupstream = \"{}\"\nlease = \"other\"\n",
+        origin.url("/v1/")
+    );
+    reload(Box::new(move |t| format!("{t}{direct}"))).await;
+    slow.write_all(b"56789").await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    assert!(
+        answer.contains("x-fencegate-error: route_changed"),
+        "{answer}"
+    );
+    let kept = send(
+        Request::get(fg.admin_url("/v1/deliveries?route=hook"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(kept.json()["total"], 0, "{}", kept.json());
+    assert_eq!(origin.count(), 0);
+    // Sent again, it is queued under the route's new name.
+    accepted(&send(message(&fg, &a, "slow", "0123456789", 200)).await);
+}

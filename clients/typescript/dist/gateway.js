@@ -38,6 +38,7 @@ exports.ERROR_CODES = Object.freeze({
     shard_unavailable: "unavailable",
     upstream_held: "unavailable",
     queue_full: "unavailable",
+    route_changed: "unavailable",
     request_malformed: "invalid",
     uri_too_long: "invalid",
     headers_too_large: "invalid",

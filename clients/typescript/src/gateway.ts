@@ -144,6 +144,7 @@ export const ERROR_CODES: Readonly<Record<string, OutcomeKind>> = Object.freeze(
   shard_unavailable: "unavailable",
   upstream_held: "unavailable",
   queue_full: "unavailable",
+  route_changed: "unavailable",
   request_malformed: "invalid",
   uri_too_long: "invalid",
   headers_too_large: "invalid",

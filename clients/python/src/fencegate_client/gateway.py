@@ -295,6 +295,7 @@ ERROR_CODES: Dict[str, Type[Outcome]] = {
     "shard_unavailable": Unavailable,
     "upstream_held": Unavailable,
     "queue_full": Unavailable,
+    "route_changed": Unavailable,
     "request_malformed": Invalid,
     "uri_too_long": Invalid,
     "headers_too_large": Invalid,

@@ -21,7 +21,10 @@
 //! - `marks.rs`: marks and drained notes, owner generations, durability across
 //!   a close and reopen, readiness and membership.
 //! - `faults.rs`: errors, unknown outcomes and latency.
+//! - `queue.rs`: the `QueueStore` suite (SPEC §11), through `TimedQueue` and
+//!   the fault-injecting `FaultQueue` (`fault_queue.rs`).
 
+mod fault_queue;
 mod fault_state;
 mod faults;
 mod marks;

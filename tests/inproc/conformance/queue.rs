@@ -1,7 +1,8 @@
 //! The `QueueStore` conformance suite (issue 44): SPEC §11's store rules,
 //! written once against `Arc<dyn QueueStore>` and run on sled and on
 //! PostgreSQL, each behind the `TimedQueue` wrapper the server puts in front
-//! of it (so the wrapper is shown to pass every call on as it came).
+//! of it (so the wrapper is shown to pass every call on as it came) and the
+//! test's [`FaultQueue`], through which the last rules fault writes.
 
 use std::sync::Arc;
 
@@ -17,13 +18,16 @@ use fencegate::state::sled::SledState;
 use fencegate::state::timed::Timed;
 use fencegate::state::{Owner, StateError, StateStore};
 
-use super::Backend;
+use super::fault_queue::{FaultQueue, QOp};
+use super::{Backend, Fault};
 use crate::common::postgres::{available_or_skip, PgServer};
 
 /// A queue store to test, and what it runs under.
 pub struct QueueSubject {
     pub backend: Backend,
     pub store: Arc<dyn QueueStore>,
+    /// The fault wrapper `store` is.
+    pub faults: Arc<FaultQueue>,
     /// The owner its writes are made under (a claimed shard on PostgreSQL).
     pub owner: Owner,
     /// On PostgreSQL, the state, to claim the shard again (a takeover).
@@ -38,11 +42,13 @@ impl QueueSubject {
                 let dir = tempfile::tempdir().expect("tempdir");
                 let sled = SledState::open(&dir.path().join("state")).expect("sled");
                 let (_, metrics) = Timed::wrap(sled.clone() as Arc<dyn StateStore>);
-                let store =
+                let timed =
                     TimedQueue::wrap(Arc::new(SledQueue::open(sled).expect("queue")), metrics);
+                let faults = FaultQueue::new(timed);
                 Some(QueueSubject {
                     backend,
-                    store,
+                    store: faults.clone(),
+                    faults,
                     owner: Owner::SINGLE,
                     pg: None,
                     _dir: Some(dir),
@@ -65,10 +71,12 @@ impl QueueSubject {
                 };
                 pg.claim_shard(owner).await.expect("claiming shard 0");
                 let (_, metrics) = Timed::wrap(pg.clone() as Arc<dyn StateStore>);
-                let store = TimedQueue::wrap(Arc::new(PgQueue::new(pg.clone())), metrics);
+                let timed = TimedQueue::wrap(Arc::new(PgQueue::new(pg.clone())), metrics);
+                let faults = FaultQueue::new(timed);
                 Some(QueueSubject {
                     backend,
-                    store,
+                    store: faults.clone(),
+                    faults,
                     owner,
                     pg: Some(pg),
                     _dir: None,
@@ -117,6 +125,9 @@ queue_conformance!(
     a_retry_behind_a_newer_epoch_is_superseded,
     #[differs(sled = "sled has one owner: its writes name none")]
     a_deposed_owners_writes_fail,
+    an_acceptance_whose_answer_was_lost_is_one_message,
+    an_attempt_start_refused_leaves_the_message_pending,
+    a_settlement_whose_answer_was_lost_has_settled,
 );
 
 fn message(key: &str, epoch: u64) -> Message {
@@ -314,4 +325,76 @@ async fn a_deposed_owners_writes_fail(s: QueueSubject) {
             .map(|m| (m.key, m.status)),
         Some(("m1".into(), Status::Pending))
     );
+}
+
+/// SPEC §11, "durable boundaries": an acceptance applied whose answer was lost
+/// (a COMMIT acknowledged to no one) leaves one message, found by the worker's
+/// retry of its key.
+async fn an_acceptance_whose_answer_was_lost_is_one_message(s: QueueSubject) {
+    s.faults.once(QOp::Accept, Fault::Unknown);
+    let lost = s
+        .store
+        .accept(
+            s.owner,
+            message("m1", 1),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| true),
+        )
+        .await;
+    assert!(lost.is_err());
+    s.store.durable().await.unwrap();
+    let again = s
+        .store
+        .accept(
+            s.owner,
+            message("m1", 1),
+            &envelope(),
+            &QueueBound::NONE,
+            Arc::new(|| true),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again, Accepted::Exists(_)), "{again:?}");
+    let (listed, total) = s.store.list(Some("hook"), None, None, 10).await.unwrap();
+    assert_eq!((listed.len(), total), (1, 1));
+}
+
+/// SPEC §11: an attempt whose start could not be written is not sent — the
+/// message stays pending, and no epoch counts as sent.
+async fn an_attempt_start_refused_leaves_the_message_pending(s: QueueSubject) {
+    let m1 = accept(&s, "m1", 3).await;
+    let mut started = m1.clone();
+    started.status = Status::Delivering;
+    started.attempts = 1;
+    s.faults.once(QOp::Attempt, Fault::Fail);
+    assert!(s
+        .store
+        .start_attempt_unflushed(s.owner, &started)
+        .await
+        .is_err());
+    s.store.durable().await.unwrap();
+    let now = s.store.get("hook", "m1").await.unwrap().expect("kept");
+    assert_eq!((now.status, now.attempts), (Status::Pending, 0));
+    assert_eq!(s.store.sent_epoch("hook").await.unwrap(), 0);
+}
+
+/// SPEC §11: a settlement applied whose answer was lost has settled: the next
+/// message is the head, and the delivered one's request is gone.
+async fn a_settlement_whose_answer_was_lost_has_settled(s: QueueSubject) {
+    let mut m1 = accept(&s, "m1", 1).await;
+    accept(&s, "m2", 1).await;
+    m1.status = Status::Delivered;
+    s.faults.once(QOp::Settle, Fault::Unknown);
+    assert!(s.store.settle(s.owner, &m1).await.is_err());
+    s.store.durable().await.unwrap();
+    assert_eq!(
+        s.store.get("hook", "m1").await.unwrap().map(|m| m.status),
+        Some(Status::Delivered)
+    );
+    assert_eq!(
+        s.store.head("hook").await.unwrap().map(|m| m.key),
+        Some("m2".into())
+    );
+    assert!(s.store.envelope("hook", "m1").await.unwrap().is_none());
 }

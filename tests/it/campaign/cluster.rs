@@ -104,8 +104,10 @@
 //! exempt from delivery; an attempt cut at a tenure's end is an unknown outcome
 //! (the next owner finds it `delivering`, counts it and sends it again first).
 //! A relayed request whose owner did not answer (504 `upstream_timeout`) may
-//! or may not have been queued. The queue's failpoints are not armed here
-//! (every restart is clean).
+//! or may not have been queued. Each restart after a kill -9 arms one of the
+//! queue's failpoints (`QUEUE_FAILPOINTS`): the instance aborts at that durable
+//! boundary when it next reaches it (if it serves the queue's shard by then),
+//! and is restarted clean.
 //!
 //! Its runs (2 shared cores, the correct build): seed 7, 30 s of faults (the
 //! CI smoke): 44 messages answered 202 (43 delivered, 1 failed), 15 epoch
@@ -190,6 +192,15 @@ mod forged;
 
 use foreign::{Foreign, ForeignKind, FOREIGN_FIRST, FOREIGN_SHARDS, SPLIT_LEASES, SPLIT_ROUTE};
 use forged::{Forged, Forger, FORGED_FIRST, FORGED_RULE};
+
+/// The queue's durable boundaries (SPEC §11) a restarted instance may abort at.
+const QUEUE_FAILPOINTS: [&str; 5] = [
+    "queue_accept_written",
+    "queue_accepted",
+    "queue_attempt_started",
+    "queue_attempt_answered",
+    "queue_delivered",
+];
 
 /// l0..l3 fall into shards 4, 5, 4, 2: three busy shards, two per instance.
 const SHARDS: u32 = 6;
@@ -291,6 +302,10 @@ struct Instance {
     fg: Fencegate,
     /// Down (killed or stopped gracefully) until restarted at this instant.
     down_until: Option<Instant>,
+    /// The failpoint its next restart arms, and the one it runs with now: it
+    /// aborts there (a kill -9 at that durable boundary) and is restarted.
+    restart_with: Option<&'static str>,
+    armed: Option<&'static str>,
     /// SIGSTOPped until this instant; the stop's mono ns and whether it is long.
     stopped: Option<(Instant, u64, bool)>,
     /// Its own TCP relay to the S3 server, and until when it is cut.
@@ -575,7 +590,8 @@ impl ClusterNemesis<'_> {
 
     fn restart(&mut self, i: usize) {
         let mut tries = 0;
-        while let Err(stderr) = self.instances[i].fg.spawn(None) {
+        let fp = self.instances[i].restart_with.take();
+        while let Err(stderr) = self.instances[i].fg.spawn(fp) {
             tries += 1;
             let last = stderr.lines().last().unwrap_or_default().to_owned();
             assert!(
@@ -590,9 +606,13 @@ impl ClusterNemesis<'_> {
             std::thread::sleep(Duration::from_millis(500));
         }
         self.instances[i].down_until = None;
+        self.instances[i].armed = fp;
         self.quiet();
         let id = self.instances[i].id.clone();
-        self.note("restart", id);
+        match fp {
+            Some(fp) => self.note("restart armed", format!("{id}: failpoint {fp}")),
+            None => self.note("restart", id),
+        }
     }
 
     /// Tells the directed worker its next move (`directed.cmd`, replaced atomically).
@@ -925,6 +945,19 @@ impl ClusterNemesis<'_> {
             }
             if self.instances[i].down_until.is_none()
                 && self.instances[i].stopped.is_none()
+                && self.instances[i].armed.is_some()
+                && self.instances[i].fg.exited()
+            {
+                // Aborted at its failpoint: a kill -9 at that boundary.
+                let fp = self.instances[i].armed.take().unwrap_or_default();
+                let ms = self.rng.gen_range(0..3000);
+                self.instances[i].down_until = Some(now + Duration::from_millis(ms));
+                let id = self.instances[i].id.clone();
+                self.note("failpoint abort", format!("{id}: {fp}, restart in {ms} ms"));
+                continue;
+            }
+            if self.instances[i].down_until.is_none()
+                && self.instances[i].stopped.is_none()
                 && self.instances[i].fg.exited()
             {
                 let tail: String = self.instances[i]
@@ -986,8 +1019,14 @@ impl ClusterNemesis<'_> {
         if x < 37 {
             self.scrape(i);
             self.instances[i].fg.kill9();
+            self.instances[i].armed = None;
             let ms = self.rng.gen_range(0..3000);
             self.instances[i].down_until = Some(now + Duration::from_millis(ms));
+            // The restart arms one of the queue's durable boundaries (SPEC
+            // §11): the instance aborts there when it next reaches it (kills
+            // are few here: each one arms).
+            self.instances[i].restart_with =
+                Some(QUEUE_FAILPOINTS[self.rng.gen_range(0..QUEUE_FAILPOINTS.len())]);
             self.note("kill -9 instance", format!("{id}, restart in {ms} ms"));
         } else if x < 46 {
             let ms = self.rng.gen_range(500..FENCE_AT_MS - 500);
@@ -1259,6 +1298,8 @@ async fn cluster_fault_campaign() {
             id,
             fg,
             down_until: None,
+            restart_with: None,
+            armed: None,
             stopped: None,
             store,
             cut_until: None,

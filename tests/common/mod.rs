@@ -25,6 +25,7 @@
 mod fault_store;
 pub mod ports;
 pub mod postgres;
+pub mod queue;
 
 pub use fault_store::{Fault, FaultStore, Op, Rule};
 #[allow(unused_imports)]

@@ -12,7 +12,7 @@ use fencegate::queue::message::QueueBound;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::sled::SledQueue;
 use fencegate::queue::timed::TimedQueue;
-use fencegate::queue::{Accepted, Envelope, Message, QueueStore, Requeued, Status};
+use fencegate::queue::{Accepted, Message, QueueStore, Requeued, Status};
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::sled::SledState;
 use fencegate::state::timed::Timed;
@@ -21,6 +21,7 @@ use fencegate::state::{Owner, StateError, StateStore};
 use super::fault_queue::{FaultQueue, QOp};
 use super::{Backend, Fault};
 use crate::common::postgres::{available_or_skip, PgServer};
+use crate::common::queue::{envelope, message};
 
 /// A queue store to test, and what it runs under.
 pub struct QueueSubject {
@@ -129,39 +130,6 @@ queue_conformance!(
     an_attempt_start_refused_leaves_the_message_pending,
     a_settlement_whose_answer_was_lost_has_settled,
 );
-
-fn message(key: &str, epoch: u64) -> Message {
-    Message {
-        route: "hook".into(),
-        key: key.into(),
-        lease: "hook".into(),
-        epoch,
-        seq: 0,
-        fingerprint: String::new(),
-        method: "POST".into(),
-        path: "/hook/x".into(),
-        token_sha256: None,
-        status: Status::Pending,
-        attempts: 0,
-        unknown_outcomes: 0,
-        accepted_ms: 1,
-        updated_ms: 1,
-        next_attempt_ms: 1,
-        last_status: None,
-        last_error: None,
-        answer: None,
-    }
-}
-
-fn envelope() -> Envelope {
-    Envelope {
-        method: "POST".into(),
-        rest: "x".into(),
-        query: None,
-        headers: vec![("content-type".into(), b"text/plain".to_vec())],
-        body: Bytes::from_static(b"body"),
-    }
-}
 
 async fn accept(s: &QueueSubject, key: &str, epoch: u64) -> Message {
     match s

@@ -8,48 +8,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fencegate::queue::postgres::PgQueue;
-use fencegate::queue::{Accepted, Envelope, Message, Status};
+use fencegate::queue::{Accepted, Message, Status};
 use fencegate::state::{Owner, OwnershipStore, StateError, StateStore};
 
 use super::pg_config;
 use crate::support::postgres::PgServer;
+use crate::support::queue::{envelope, message};
 use crate::support::relay::Relay;
 use crate::support::*;
 use fencegate::config::StateConfig;
 use fencegate::state::postgres::PostgresState;
-
-fn message(key: &str, epoch: u64) -> Message {
-    Message {
-        route: "hook".into(),
-        key: key.into(),
-        lease: "hook".into(),
-        epoch,
-        seq: 0,
-        fingerprint: String::new(),
-        method: "POST".into(),
-        path: "/hook/x".into(),
-        token_sha256: None,
-        status: Status::Pending,
-        attempts: 0,
-        unknown_outcomes: 0,
-        accepted_ms: 1,
-        updated_ms: 1,
-        next_attempt_ms: 1,
-        last_status: None,
-        last_error: None,
-        answer: None,
-    }
-}
-
-fn envelope() -> Envelope {
-    Envelope {
-        method: "POST".into(),
-        rest: "x".into(),
-        query: None,
-        headers: vec![("content-type".into(), b"text/plain".to_vec())],
-        body: Bytes::from_static(b"body"),
-    }
-}
 
 async fn accept(q: &PgQueue, owner: Owner, key: &str, epoch: u64) -> Message {
     match q

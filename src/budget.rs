@@ -205,15 +205,6 @@ impl Upstreams {
         })
     }
 
-    /// No limit worth the name (tests that build an app in-process).
-    pub fn unbounded() -> Arc<Upstreams> {
-        Arc::new(Upstreams {
-            slots: Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)),
-            limit: Semaphore::MAX_PERMITS,
-            idle_per_host: usize::MAX,
-        })
-    }
-
     /// A place now, if one is free (a worker's request: refused otherwise).
     pub fn try_slot(&self) -> Option<UpstreamSlot> {
         self.slots

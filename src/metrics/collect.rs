@@ -44,6 +44,21 @@ impl Collector for StateCollector {
                 .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
                 .collect()
         };
+        let up = &shared.upstreams;
+        emit(
+            &mut enc,
+            "fencegate_upstream_requests_in_use",
+            "Requests holding a place of the descriptor budget's upstream share now (forwards, relays, queued attempts); refusals past fencegate_upstream_requests_limit are upstream_held connection_budget",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(up.in_use() as i64))],
+        )?;
+        emit(
+            &mut enc,
+            "fencegate_upstream_requests_limit",
+            "The descriptor budget's upstream share: requests at an upstream at once",
+            MetricType::Gauge,
+            vec![(vec![], ConstGauge::new(up.limit as i64))],
+        )?;
         emit(
             &mut enc,
             "fencegate_high_water_mark",

@@ -193,7 +193,7 @@ async fn http2_streams_past_the_upstream_budget_are_refused_not_given_a_socket_e
     .await;
     assert_eq!(origin.count(), upstream, "no more arrived than the budget");
     assert_eq!(
-        fg.series("fencegate_upstream_requests_in_use").await,
+        fg.metric_sum("fencegate_upstream_requests_in_use").await,
         upstream as f64,
         "every place of the upstream share is in use"
     );

@@ -619,7 +619,8 @@ async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
                 e.to_string().replace('\'', "")
             );
             println!("false");
-            eprintln!("fencegate: {e}");
+            // Said once: by the `echo` above, which `eval` runs (the quick
+            // start's way); a second line here printed it twice.
             return Ok(ExitCode::from(EXIT_HELD));
         }
         if let AcquireError::Held {

@@ -727,8 +727,9 @@ fn refusal_next_step(r: &Refusal) -> String {
             format!("Acquire a new epoch of lease {lease} and send with that one")
         }
         Refusal::Stale { lease, .. } => format!(
-            "Another worker has taken lease {lease} over: stop, and send nothing more with \
-             this epoch; acquire a new one before working again"
+            "A newer epoch of lease {lease} exists — another worker took the lease over, or \
+             this worker renewed it into a new epoch: send nothing more with this epoch; use \
+             the newest one you hold, or acquire a new one before working again"
         ),
         Refusal::Expired { lease, .. } => format!(
             "Your tenure has ended: stop this work, and acquire lease {lease} again before new \

@@ -446,6 +446,9 @@ async fn format_env_of_a_held_lease_sets_nothing_and_fails_in_the_shell() {
     assert!(!out.contains("evaluated"), "eval succeeded: {out}");
     assert!(out.contains("epoch=unset"), "{out}");
     assert!(err.contains("nothing was acquired"), "{err}");
+    // Said once, by what `eval` runs; fencegate's own stderr adds nothing.
+    assert_eq!(err.matches("held by").count(), 1, "{err}");
+    assert!(second.stderr.trim().is_empty(), "{second:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

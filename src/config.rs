@@ -552,7 +552,11 @@ mod duration {
         }
 
         fn visit_str<E: Error>(self, s: &str) -> Result<Duration, E> {
-            humantime::parse_duration(s).map_err(|e| E::custom(format!("{s:?}: {e}")))
+            humantime::parse_duration(s).map_err(|e| {
+                E::custom(format!(
+                    "{s:?} is not a duration ({e}): write milliseconds (1500) or a number with a unit (\"1500ms\", \"2s\", \"24h\")"
+                ))
+            })
         }
     }
 
@@ -1157,18 +1161,30 @@ impl Config {
         Ok(())
     }
 
-    /// Parses TOML. A parse error names the line and what is wrong but never
-    /// quotes the line: it may hold a password (`[state] url`) or a credential
-    /// (`upstream_headers`).
+    /// Parses TOML. A parse error names the line, its key and what is wrong
+    /// but never quotes the line's value: it may hold a password (`[state]
+    /// url`) or a credential (`upstream_headers`).
     pub fn parse(text: &str) -> Result<Config, String> {
         toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let at = e.span().map(|s| s.start.min(text.len()));
+            let line = at.map(|at| text[..at].matches('\n').count() + 1);
+            // The key of that line, when it is a plain one (`timeout_ms = …`).
+            let key = line
+                .and_then(|n| text.lines().nth(n - 1))
+                .and_then(|l| l.split_once('='))
+                .map(|(k, _)| k.trim())
+                .filter(|k| {
+                    !k.is_empty()
+                        && k.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                });
             let message = with_suggestion(e.message().trim_end());
-            match line {
-                Some(n) => format!("line {n}: {message}"),
-                None => message,
+            // Not when the message names it already (an unknown field).
+            let key = key.filter(|k| !message.contains(&format!("`{k}`")));
+            match (line, key) {
+                (Some(n), Some(k)) => format!("line {n}, {k}: {message}"),
+                (Some(n), None) => format!("line {n}: {message}"),
+                _ => message,
             }
         })
     }
@@ -1992,6 +2008,11 @@ lease = "billing"
                 "line 3: unknown field `listne` — did you mean `listen`? (expected one of"
             ),
             "{e}"
+        );
+        let e = Config::parse("[server]\nshutdown_timeout = \"ten seconds\"\n").unwrap_err();
+        assert!(
+            e.starts_with("line 2, shutdown_timeout: \"ten seconds\" is not a duration"),
+            "names the key: {e}"
         );
         let e = Config::parse(&format!("{MIN}drain_timout_ms = 5\n")).unwrap_err();
         assert!(e.contains("did you mean `drain_timeout_ms`?"), "{e}");

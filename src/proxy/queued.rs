@@ -184,23 +184,6 @@ impl Proxy {
                 lease: route.lease.clone(),
             });
         }
-        // SPEC §11: the queue's bound — refused before anything is written,
-        // the key left free (a retry of an accepted message was answered above).
-        // A first look, by the body alone; the store decides under its
-        // acceptance lock, by the request as stored.
-        if let Some((of_route, total)) = queue.store.held(&route.name) {
-            if let Some((bound, limit)) =
-                route
-                    .queue_bound
-                    .refuses(of_route, total, body.len() as u64)
-            {
-                return Err(ProxyError::QueueFull {
-                    route: route.name.clone(),
-                    bound,
-                    limit,
-                });
-            }
-        }
         let (parts, rest, query) = {
             let mut parts = parts;
             forward::end_to_end(&mut parts.headers, hop)

@@ -86,10 +86,6 @@ pub trait QueueStore: Send + Sync + 'static {
     /// lease head among them was accepted (metrics).
     async fn depth(&self) -> Result<Depth, StateError>;
 
-    /// Requests kept — `route`'s and every route's — where fencegate's memory
-    /// holds them (sled); `None` for PostgreSQL, whose database does.
-    fn held(&self, route: &str) -> Option<(Held, Held)>;
-
     /// [`QueueStore::depth`] without waiting, where the store can answer so
     /// (sled); `None` for PostgreSQL, whose figures are read in the
     /// background.
@@ -237,10 +233,6 @@ impl QueueStore for SledQueue {
         SledQueue::depth(self)
     }
 
-    fn held(&self, route: &str) -> Option<(Held, Held)> {
-        Some(SledQueue::held(self, route))
-    }
-
     fn depth_now(&self) -> Option<Result<Depth, StateError>> {
         Some(SledQueue::depth(self))
     }
@@ -364,10 +356,6 @@ impl QueueStore for PgQueue {
 
     async fn depth(&self) -> Result<Depth, StateError> {
         PgQueue::depth(self).await
-    }
-
-    fn held(&self, _route: &str) -> Option<(Held, Held)> {
-        None
     }
 
     fn depth_now(&self) -> Option<Result<Depth, StateError>> {

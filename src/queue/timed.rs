@@ -30,10 +30,7 @@ impl TimedQueue {
         op: Op,
         f: impl std::future::Future<Output = Result<T, StateError>>,
     ) -> Result<T, StateError> {
-        let start = crate::clock::stopwatch();
-        let r = f.await;
-        self.metrics.record(op, start.elapsed(), &r);
-        r
+        self.metrics.measure(op, f).await
     }
 }
 
@@ -95,10 +92,6 @@ impl QueueStore for TimedQueue {
 
     async fn depth(&self) -> Result<Depth, StateError> {
         self.timed(Op::QueueRead, self.inner.depth()).await
-    }
-
-    fn held(&self, route: &str) -> Option<(Held, Held)> {
-        self.inner.held(route)
     }
 
     fn depth_now(&self) -> Option<Result<Depth, StateError>> {

@@ -176,8 +176,20 @@ impl StateMetrics {
         );
     }
 
+    /// Runs `f`, counting it as one call of `op` (its time and failure).
+    pub(crate) async fn measure<T>(
+        &self,
+        op: Op,
+        f: impl std::future::Future<Output = Result<T, StateError>>,
+    ) -> Result<T, StateError> {
+        let start = crate::clock::stopwatch();
+        let r = f.await;
+        self.record(op, start.elapsed(), &r);
+        r
+    }
+
     /// Counts one call of `op` that took `took` and ended `r`.
-    pub(crate) fn record<T>(&self, op: Op, took: Duration, r: &Result<T, StateError>) {
+    fn record<T>(&self, op: Op, took: Duration, r: &Result<T, StateError>) {
         let (h, errors) = &self.by_op[op as usize];
         h.observe(took.as_secs_f64());
         if let Err(e) = r {
@@ -208,10 +220,7 @@ impl Timed {
         op: Op,
         f: impl std::future::Future<Output = Result<T, StateError>>,
     ) -> Result<T, StateError> {
-        let start = crate::clock::stopwatch();
-        let r = f.await;
-        self.metrics.record(op, start.elapsed(), &r);
-        r
+        self.metrics.measure(op, f).await
     }
 }
 

@@ -96,6 +96,15 @@ async fn status_of(fg: &Fencegate, key: &str) -> serde_json::Value {
     r.json()
 }
 
+/// A relay in front of `origin` refusing every connection (the receiver is
+/// down until `refuse(false)`), and the upstream URL through it.
+async fn receiver_down(origin: &Origin) -> (Relay, String) {
+    let relay = Relay::start(origin.addr.port()).await;
+    relay.refuse(true);
+    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    (relay, upstream)
+}
+
 /// The bodies the origin received, in arrival order.
 fn arrived(origin: &Origin) -> Vec<String> {
     origin
@@ -238,9 +247,7 @@ async fn a_receiver_down_then_back_gets_every_message_once_in_order() {
     skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let relay = Relay::start(origin.addr.port()).await;
-    relay.refuse(true);
-    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let (relay, upstream) = receiver_down(&origin).await;
     let fg = start(&s3, &upstream, "retry = { schedule = [\"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\", \"200ms\"] }").await;
     let epochs = s3.epochs().await;
     let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(60)).await;
@@ -905,9 +912,7 @@ async fn the_queue_is_bounded_and_its_memory_comes_back_after_a_drain() {
     const MIB: usize = 1 << 20;
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let relay = Relay::start(origin.addr.port()).await;
-    relay.refuse(true);
-    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let (relay, upstream) = receiver_down(&origin).await;
     // Retries every 2 s for 40 s: none fails for good while 100 MiB are
     // accepted on a busy machine, and the first after the receiver is back
     // comes soon.
@@ -991,9 +996,7 @@ async fn a_routes_message_bound_refuses_past_it() {
     skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let relay = Relay::start(origin.addr.port()).await;
-    relay.refuse(true);
-    let upstream = format!("http://127.0.0.1:{}/v1/", relay.addr.port());
+    let (_receiver, upstream) = receiver_down(&origin).await;
     let fg = start(&s3, &upstream, "queue_max_messages = 3").await;
     let a = acquire(
         &s3.epochs().await,

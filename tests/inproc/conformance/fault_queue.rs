@@ -118,10 +118,6 @@ impl QueueStore for FaultQueue {
         self.inner.depth().await
     }
 
-    fn held(&self, route: &str) -> Option<(Held, Held)> {
-        self.inner.held(route)
-    }
-
     fn depth_now(&self) -> Option<Result<Depth, StateError>> {
         self.inner.depth_now()
     }

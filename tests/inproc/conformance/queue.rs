@@ -131,19 +131,27 @@ queue_conformance!(
     a_settlement_whose_answer_was_lost_has_settled,
 );
 
-async fn accept(s: &QueueSubject, key: &str, epoch: u64) -> Message {
-    match s
-        .store
+/// What the store answers to `key` at `epoch`, its pass `admitted` or not.
+async fn try_accept(
+    s: &QueueSubject,
+    key: &str,
+    epoch: u64,
+    admitted: bool,
+) -> Result<Accepted, StateError> {
+    s.store
         .accept(
             s.owner,
             message(key, epoch),
             &envelope(),
             &QueueBound::NONE,
-            Arc::new(|| true),
+            Arc::new(move || admitted),
         )
         .await
-        .expect("accept")
-    {
+}
+
+/// `key` at `epoch`, accepted as a new message.
+async fn accept(s: &QueueSubject, key: &str, epoch: u64) -> Message {
+    match try_accept(s, key, epoch, true).await.expect("accept") {
         Accepted::New(m) => m,
         other => panic!("{other:?}"),
     }
@@ -155,29 +163,9 @@ async fn places_follow_acceptance_and_a_key_is_one_message(s: QueueSubject) {
     let m1 = accept(&s, "m1", 1).await;
     let m2 = accept(&s, "m2", 1).await;
     assert!(m1.seq < m2.seq);
-    let again = s
-        .store
-        .accept(
-            s.owner,
-            message("m1", 1),
-            &envelope(),
-            &QueueBound::NONE,
-            Arc::new(|| true),
-        )
-        .await
-        .unwrap();
+    let again = try_accept(&s, "m1", 1, true).await.unwrap();
     assert!(matches!(again, Accepted::Exists(m) if m.seq == m1.seq));
-    let aborted = s
-        .store
-        .accept(
-            s.owner,
-            message("m3", 1),
-            &envelope(),
-            &QueueBound::NONE,
-            Arc::new(|| false),
-        )
-        .await
-        .unwrap();
+    let aborted = try_accept(&s, "m3", 1, false).await.unwrap();
     assert!(matches!(aborted, Accepted::Aborted));
     assert!(s.store.get("hook", "m3").await.unwrap().is_none());
     assert_eq!(
@@ -229,7 +217,10 @@ async fn a_settled_head_lets_the_next_go_and_only_a_failed_message_keeps_its_req
         "failed: kept for a retry"
     );
     if s.backend == Backend::Sled {
-        let held = s.store.held("hook").map(|h| h.0.messages);
+        let held = s
+            .store
+            .held_by_route()
+            .map(|h| h.iter().map(|(_, h)| h.messages).sum::<u64>());
         assert_eq!(held, Some(1), "what is kept is counted");
     }
 }
@@ -274,16 +265,7 @@ async fn a_deposed_owners_writes_fail(s: QueueSubject) {
     started.status = Status::Delivering;
     let r = s.store.start_attempt_unflushed(s.owner, &started).await;
     assert!(matches!(r, Err(StateError::OwnerLost { .. })), "{r:?}");
-    let r = s
-        .store
-        .accept(
-            s.owner,
-            message("m2", 1),
-            &envelope(),
-            &QueueBound::NONE,
-            Arc::new(|| true),
-        )
-        .await;
+    let r = try_accept(&s, "m2", 1, true).await;
     assert!(matches!(r, Err(StateError::OwnerLost { .. })), "{r:?}");
     assert_eq!(
         s.store
@@ -300,29 +282,10 @@ async fn a_deposed_owners_writes_fail(s: QueueSubject) {
 /// retry of its key.
 async fn an_acceptance_whose_answer_was_lost_is_one_message(s: QueueSubject) {
     s.faults.once(QOp::Accept, Fault::Unknown);
-    let lost = s
-        .store
-        .accept(
-            s.owner,
-            message("m1", 1),
-            &envelope(),
-            &QueueBound::NONE,
-            Arc::new(|| true),
-        )
-        .await;
+    let lost = try_accept(&s, "m1", 1, true).await;
     assert!(lost.is_err());
     s.store.durable().await.unwrap();
-    let again = s
-        .store
-        .accept(
-            s.owner,
-            message("m1", 1),
-            &envelope(),
-            &QueueBound::NONE,
-            Arc::new(|| true),
-        )
-        .await
-        .unwrap();
+    let again = try_accept(&s, "m1", 1, true).await.unwrap();
     assert!(matches!(again, Accepted::Exists(_)), "{again:?}");
     let (listed, total) = s.store.list(Some("hook"), None, None, 10).await.unwrap();
     assert_eq!((listed.len(), total), (1, 1));

@@ -375,8 +375,28 @@ impl Queue {
     /// messages but whose deliverer is not running: a message committed
     /// after its request was answered 503 (a COMMIT that outlasted `[state]
     /// timeout_ms`, for as long as it took) is found within `every`.
+    ///
+    /// Once no route is queued and nothing was left at the last read, the reads
+    /// stop until a reload queues a route again: a set-up that does not queue
+    /// pays no statement a second for it (and holds no pooled connection).
     async fn read_depth(self: Arc<Self>, every: Duration) {
+        let mut first = true;
         loop {
+            let idle = !first
+                && self
+                    .depth
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .is_empty()
+                && !self.ctx.live.current().routes.iter().any(|r| r.queued);
+            first = false;
+            if idle {
+                tokio::select! {
+                    _ = self.ctx.stop.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+                continue;
+            }
             if let Ok(d) = self.store.depth().await {
                 *self.depth.lock().unwrap_or_else(|p| p.into_inner()) = d;
             }

@@ -405,13 +405,9 @@ where
             Ok(p) => p,
             Err(_) if evict_idle && open_conns.close_idle() => {
                 gauges.evicted.inc();
-                // The evicted connection gives its place back once its task
-                // has seen the signal: wait for it, briefly.
-                match tokio::time::timeout(Duration::from_secs(1), limit.clone().acquire_owned())
-                    .await
-                {
-                    Ok(Ok(p)) => p,
-                    _ => {
+                match make_room(&limit, &open_conns, &gauges).await {
+                    Some(p) => p,
+                    None => {
                         gauges.refused.inc();
                         continue;
                     }
@@ -483,6 +479,33 @@ where
                 tracing::debug!(%peer, error = %e, "connection ended with an error");
             }
         }));
+    }
+}
+
+/// Waits for the place of a connection asked to close. An evicted connection
+/// gives its place back once its task has seen the signal, which on a busy
+/// machine may take a while, and one that took a request meanwhile finishes it
+/// first: every quarter second without a place another idle one is asked, for
+/// up to ten seconds (the accept loop waits meanwhile, so at most one extra
+/// descriptor is held, as the budget counts). `None` when every connection
+/// stayed busy all along.
+async fn make_room(
+    limit: &Arc<Semaphore>,
+    open_conns: &Registry,
+    gauges: &ConnGauges,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let step = (tokio::time::Instant::now() + Duration::from_millis(250)).min(deadline);
+        match tokio::time::timeout_at(step, limit.clone().acquire_owned()).await {
+            Ok(p) => return p.ok(),
+            Err(_) if step >= deadline => return None,
+            Err(_) => {
+                if open_conns.close_idle() {
+                    gauges.evicted.inc();
+                }
+            }
+        }
     }
 }
 

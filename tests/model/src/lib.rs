@@ -118,6 +118,8 @@
 //! - reachability: a takeover happens after an owner died; a request is
 //!   delivered after a takeover.
 
+pub mod queue;
+
 use stateright::{Model, Property};
 
 /// Ticks of the monotonic clocks (every instance's runs at the same rate).

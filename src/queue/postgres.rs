@@ -38,26 +38,25 @@
 //! batch as they did to one.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use deadpool_postgres::Object;
 use tokio_postgres::Transaction;
 
 use super::message::{Accepted, Envelope, Message, Requeued, Status};
+use crate::state::gather::ByKey;
 use crate::state::postgres::schema::{epoch_from_sql, epoch_to_sql};
 use crate::state::postgres::PostgresState;
 use crate::state::{Owner, StateError};
 
 /// The queue in PostgreSQL.
+#[derive(Clone)]
 pub struct PgQueue {
     db: Arc<PostgresState>,
     /// Per lease and owner, the acceptances waiting for the lease's next
-    /// transaction; present while one runs (its task takes the next batch).
-    accepting: Waiters,
+    /// transaction (group commit, one transaction of a lease at a time).
+    accepting: Arc<ByKey<(String, Owner), Waiting>>,
 }
-
-/// Acceptances waiting, per lease and owner.
-type Waiters = Arc<Mutex<HashMap<(String, Owner), Vec<Waiting>>>>;
 
 /// Whether a pass is still admitted (asked once its lease's row is held).
 type Admitted = Arc<dyn Fn() -> bool + Send + Sync>;
@@ -163,7 +162,7 @@ impl PgQueue {
     pub fn new(db: Arc<PostgresState>) -> PgQueue {
         PgQueue {
             db,
-            accepting: Arc::default(),
+            accepting: Arc::new(ByKey::new(PgQueue::batch_len)),
         }
     }
 
@@ -236,74 +235,48 @@ impl PgQueue {
             admitted,
             answer,
         };
-        let lead = {
-            let mut accepting = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-            match accepting.get_mut(&key) {
-                Some(q) => {
-                    q.push(waiting);
-                    false
-                }
-                None => {
-                    accepting.insert(key.clone(), vec![waiting]);
-                    true
-                }
-            }
-        };
-        if lead {
-            // Its own task: no request's going away cuts what others wait on.
-            let q = PgQueue {
-                db: self.db.clone(),
-                accepting: self.accepting.clone(),
-            };
-            tokio::spawn(async move { q.accept_waiting(key).await });
-        }
+        let q = self.clone();
+        self.accepting.submit(key, waiting, move |key, batch| {
+            let q = q.clone();
+            async move { q.run_batch(key.1, batch).await }
+        });
         answered.await.map_err(|_| {
             StateError::Write("queue accept: its transaction ended unanswered".into())
         })?
     }
 
-    /// Runs `key`'s acceptances, a batch per transaction, until none waits.
-    async fn accept_waiting(&self, key: (String, Owner)) {
-        loop {
-            let batch: Vec<Waiting> = {
-                let mut accepting = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-                let Some(q) = accepting.get_mut(&key) else {
-                    return;
-                };
-                if q.is_empty() {
-                    accepting.remove(&key);
-                    return;
+    /// How many of a lease's waiting acceptances share its next transaction:
+    /// up to BATCH, and past the first at most BATCH_BYTES of requests (a
+    /// batch shares one `[state] timeout_ms`).
+    fn batch_len(waiting: &[Waiting]) -> usize {
+        let mut bytes = 0;
+        waiting
+            .iter()
+            .take(BATCH)
+            .take_while(|w| {
+                bytes += w.request.len();
+                bytes <= BATCH_BYTES
+            })
+            .count()
+    }
+
+    /// Runs one batch of a lease's acceptances and answers each.
+    async fn run_batch(&self, owner: Owner, batch: Vec<Waiting>) {
+        let mut answers = Vec::with_capacity(batch.len());
+        let mut items = Vec::with_capacity(batch.len());
+        for w in batch {
+            answers.push(w.answer);
+            items.push((w.msg, w.request, w.admitted));
+        }
+        match self.accept_batch(owner, items).await {
+            Ok(outcomes) => {
+                for (answer, outcome) in answers.into_iter().zip(outcomes) {
+                    let _ = answer.send(outcome);
                 }
-                // Up to BATCH, and past the first at most BATCH_BYTES of
-                // requests: a batch shares one `[state] timeout_ms`.
-                let mut bytes = 0;
-                let n = q
-                    .iter()
-                    .take(BATCH)
-                    .take_while(|w| {
-                        bytes += w.request.len();
-                        bytes <= BATCH_BYTES
-                    })
-                    .count()
-                    .max(1);
-                q.drain(..n).collect()
-            };
-            let mut answers = Vec::with_capacity(batch.len());
-            let mut items = Vec::with_capacity(batch.len());
-            for w in batch {
-                answers.push(w.answer);
-                items.push((w.msg, w.request, w.admitted));
             }
-            match self.accept_batch(key.1, items).await {
-                Ok(outcomes) => {
-                    for (answer, outcome) in answers.into_iter().zip(outcomes) {
-                        let _ = answer.send(outcome);
-                    }
-                }
-                Err(e) => {
-                    for answer in answers {
-                        let _ = answer.send(Err(e.clone()));
-                    }
+            Err(e) => {
+                for answer in answers {
+                    let _ = answer.send(Err(e.clone()));
                 }
             }
         }

@@ -26,7 +26,7 @@ pub mod sled;
 pub mod timed;
 
 mod flusher;
-mod gather;
+pub(crate) mod gather;
 mod witness;
 
 use async_trait::async_trait;

@@ -156,6 +156,74 @@ async fn places(tx: &Transaction<'_>, lease: &str, n: usize) -> Result<u64, toki
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
 }
 
+/// A batch's new messages, column by column: one `INSERT … SELECT FROM
+/// unnest(…)` writes them all.
+#[derive(Default)]
+struct NewRows {
+    route: Vec<String>,
+    key: Vec<String>,
+    lease: Vec<String>,
+    shard: Vec<i32>,
+    seq: Vec<i64>,
+    epoch: Vec<i64>,
+    status: Vec<&'static str>,
+    accepted_ms: Vec<i64>,
+    updated_ms: Vec<i64>,
+    generation: Vec<i64>,
+    message: Vec<String>,
+    request: Vec<Vec<u8>>,
+}
+
+impl NewRows {
+    fn push(&mut self, owner: Owner, m: &Message, request: Vec<u8>) {
+        self.route.push(m.route.clone());
+        self.key.push(m.key.clone());
+        self.lease.push(m.lease.clone());
+        self.shard
+            .push(i32::try_from(owner.shard).unwrap_or(i32::MAX));
+        self.seq.push(i64_of(m.seq));
+        self.epoch.push(epoch_to_sql(m.epoch));
+        self.status.push(m.status.as_str());
+        self.accepted_ms.push(i64_of(m.accepted_ms));
+        self.updated_ms.push(i64_of(m.updated_ms));
+        self.generation.push(i64_of(owner.generation));
+        self.message.push(encode(m));
+        self.request.push(request);
+    }
+
+    async fn insert(&self, tx: &Transaction<'_>) -> Result<(), tokio_postgres::Error> {
+        if self.route.is_empty() {
+            return Ok(());
+        }
+        tx.execute(
+            "INSERT INTO fencegate_queue (route, key, lease, shard, seq, epoch, status, \
+             settled, accepted_ms, updated_ms, owner_generation, message, request) \
+             SELECT route, key, lease, shard, seq, epoch, status, false, accepted_ms, \
+             updated_ms, owner_generation, message, request FROM unnest($1::text[], \
+             $2::text[], $3::text[], $4::int4[], $5::int8[], $6::int8[], $7::text[], \
+             $8::int8[], $9::int8[], $10::int8[], $11::text[], $12::bytea[]) AS n(route, \
+             key, lease, shard, seq, epoch, status, accepted_ms, updated_ms, \
+             owner_generation, message, request)",
+            &[
+                &self.route,
+                &self.key,
+                &self.lease,
+                &self.shard,
+                &self.seq,
+                &self.epoch,
+                &self.status,
+                &self.accepted_ms,
+                &self.updated_ms,
+                &self.generation,
+                &self.message,
+                &self.request,
+            ],
+        )
+        .await
+        .map(|_| ())
+    }
+}
+
 impl PgQueue {
     /// The queue in `db`'s database (its tables are created by the schema
     /// migration).
@@ -284,7 +352,9 @@ impl PgQueue {
 
     /// One transaction for acceptances of one lease, in arrival order: each
     /// message is new (placed), found (its key has one: a worker's retry, or
-    /// an earlier one of the batch), or aborted (no place taken).
+    /// an earlier one of the batch), or aborted (no place taken). Three
+    /// statements whatever the batch's size: the places (the lease's row
+    /// locked), the keys already there, the new messages.
     async fn accept_batch(
         &self,
         owner: Owner,
@@ -296,7 +366,23 @@ impl PgQueue {
                     return Ok(Ok(Vec::new()));
                 };
                 let mut place = places(tx, &lease, items.len()).await?;
+                let (routes, keys): (Vec<&str>, Vec<&str>) = items
+                    .iter()
+                    .map(|(m, _, _)| (m.route.as_str(), m.key.as_str()))
+                    .unzip();
+                let mut found: HashMap<(String, String), String> = tx
+                    .query(
+                        "SELECT q.route, q.key, q.message FROM fencegate_queue q \
+                         JOIN unnest($1::text[], $2::text[]) AS k(route, key) \
+                         ON q.route = k.route AND q.key = k.key",
+                        &[&routes, &keys],
+                    )
+                    .await?
+                    .into_iter()
+                    .map(|r| ((r.get(0), r.get(1)), r.get(2)))
+                    .collect();
                 let mut placed: HashMap<(String, String), Message> = HashMap::new();
+                let mut new = NewRows::default();
                 let mut out = Vec::with_capacity(items.len());
                 for (mut msg, request, admitted) in items {
                     let id = (msg.route.clone(), msg.key.clone());
@@ -304,15 +390,13 @@ impl PgQueue {
                         out.push(Ok(Accepted::Exists(m.clone())));
                         continue;
                     }
-                    if let Some(row) = tx
-                        .query_opt(
-                            "SELECT message FROM fencegate_queue WHERE route = $1 AND key = $2",
-                            &[&msg.route, &msg.key],
-                        )
-                        .await?
-                    {
-                        let old: String = row.get(0);
-                        out.push(decode(&old).map(Accepted::Exists));
+                    if let Some(old) = found.remove(&id) {
+                        let old = decode(&old);
+                        if let Ok(m) = &old {
+                            // The same key again in this batch finds it too.
+                            placed.insert(id, m.clone());
+                        }
+                        out.push(old.map(Accepted::Exists));
                         continue;
                     }
                     if !admitted() {
@@ -321,29 +405,11 @@ impl PgQueue {
                     }
                     msg.seq = place;
                     place += 1;
-                    tx.execute(
-                        "INSERT INTO fencegate_queue (route, key, lease, shard, seq, epoch, status, \
-                         settled, accepted_ms, updated_ms, owner_generation, message, request) \
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, false, $8, $9, $10, $11, $12)",
-                        &[
-                            &msg.route,
-                            &msg.key,
-                            &msg.lease,
-                            &i32::try_from(owner.shard).unwrap_or(i32::MAX),
-                            &i64_of(msg.seq),
-                            &epoch_to_sql(msg.epoch),
-                            &msg.status.as_str(),
-                            &i64_of(msg.accepted_ms),
-                            &i64_of(msg.updated_ms),
-                            &i64_of(owner.generation),
-                            &encode(&msg),
-                            &request,
-                        ],
-                    )
-                    .await?;
+                    new.push(owner, &msg, request);
                     placed.insert(id, msg.clone());
                     out.push(Ok(Accepted::New(msg)));
                 }
+                new.insert(tx).await?;
                 // Written, not committed: a crash here loses the messages
                 // before their 202, never after.
                 crate::failpoint::hit("queue_accept_written");

@@ -122,6 +122,7 @@ macro_rules! queue_conformance {
 
 queue_conformance!(
     places_follow_acceptance_and_a_key_is_one_message,
+    acceptances_at_once_are_each_one_message_in_distinct_places,
     a_settled_head_lets_the_next_go_and_only_a_failed_message_keeps_its_request,
     a_retry_behind_a_newer_epoch_is_superseded,
     #[differs(sled = "sled has one owner: its writes name none")]
@@ -176,6 +177,59 @@ async fn places_follow_acceptance_and_a_key_is_one_message(s: QueueSubject) {
         s.store.leases_with_work().await.unwrap(),
         vec!["hook".to_owned()]
     );
+}
+
+/// Acceptances that arrive together (batched into one transaction where the
+/// store batches): each key is one message, the same key twice is the message
+/// of the first, an aborted pass takes no place, and the places are distinct
+/// and follow the keys' first acceptance among those placed.
+async fn acceptances_at_once_are_each_one_message_in_distinct_places(s: QueueSubject) {
+    let first = accept(&s, "k0", 1).await;
+    let s = Arc::new(s);
+    let keys = ["k1", "k2", "k1", "k0", "k3", "k2", "k4"];
+    let tries: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| {
+            let (s, k) = (s.clone(), k.to_string());
+            // The fifth (k3) was aborted before its place.
+            tokio::spawn(async move { try_accept(&s, &k, 1, i != 4).await.unwrap() })
+        })
+        .collect();
+    let mut by_key: std::collections::HashMap<String, Vec<Accepted>> = Default::default();
+    for (k, t) in keys.iter().zip(tries) {
+        by_key
+            .entry(k.to_string())
+            .or_default()
+            .push(t.await.unwrap());
+    }
+    assert!(matches!(&by_key["k0"][..], [Accepted::Exists(m)] if m.seq == first.seq));
+    assert!(matches!(&by_key["k3"][..], [Accepted::Aborted]));
+    assert!(s.store.get("hook", "k3").await.unwrap().is_none());
+    let mut seqs = vec![first.seq];
+    for k in ["k1", "k2", "k4"] {
+        let kept = s.store.get("hook", k).await.unwrap().expect("kept");
+        for a in &by_key[k] {
+            match a {
+                Accepted::New(m) | Accepted::Exists(m) => assert_eq!(m.seq, kept.seq, "{k}"),
+                other => panic!("{k}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            by_key[k]
+                .iter()
+                .filter(|a| matches!(a, Accepted::New(_)))
+                .count(),
+            1,
+            "{k} placed once"
+        );
+        seqs.push(kept.seq);
+    }
+    let mut sorted = seqs.clone();
+    sorted.sort_unstable();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 4, "distinct places: {seqs:?}");
+    assert!(seqs[1..].iter().all(|q| *q > first.seq), "{seqs:?}");
 }
 
 /// SPEC §11: settling the head lets the next one go; a delivered or dropped

@@ -598,7 +598,8 @@ async fn main_run(args: &Args) -> Result<(), String> {
         });
     }
     // fencegate: this build, and optionally another build for an interleaved A/B
-    // (`--fencegate-b PATH`: targets `fencing-b`, `dedup-b`).
+    // (`--fencegate-b PATH`: targets `fencing-b`, `dedup-b`; by name
+    // `queued-b`, `dedup-pg-b`, `queued-pg-b`).
     let mut builds: Vec<(&str, PathBuf)> =
         vec![("", PathBuf::from(env!("CARGO_BIN_EXE_fencegate")))];
     if let Some(b) = &args.fencegate_b {
@@ -626,25 +627,32 @@ async fn main_run(args: &Args) -> Result<(), String> {
             ),
         ] {
             let key = format!("{kind}{suffix}");
-            // PostgreSQL: this build only (build B may not know `[state]`).
+            // Build B's twins of the PostgreSQL and queued targets are asked
+            // for by name (`--only queued-pg,queued-pg-b`): an older build B
+            // may not know `[state]` or queued delivery.
             let db = match (kind, suffix.is_empty(), &postgres) {
-                ("dedup-pg" | "queued-pg", true, Some((_, url, db))) => Some((url, db)),
+                ("dedup-pg" | "queued-pg", _, Some((_, url, db))) => Some((url, db)),
                 ("dedup-pg" | "queued-pg", _, _) => continue,
-                // This build only (build B may not know `[telemetry]` or
-                // queued delivery).
-                ("fencing-traced" | "queued", false, _) => continue,
+                // This build only (build B may not know `[telemetry]`).
+                ("fencing-traced", false, _) => continue,
                 _ => None,
             };
+            let b_by_name = matches!(kind, "dedup-pg" | "queued-pg" | "queued");
+            let named = args.only.as_ref().is_some_and(|o| o.contains(&key));
+            if !suffix.is_empty() && b_by_name && !named {
+                continue;
+            }
             if !args.wants(kind) && !args.wants(&key) {
                 continue;
             }
             let mut extra = db.map_or(String::new(), |(url, _)| {
-                // A set-up per database schema (SPEC §10): `queued-pg` is a
-                // set-up of its own beside `dedup-pg`.
-                let schema = if kind == "queued-pg" {
-                    "schema = \"bench_queued\"\n"
-                } else {
-                    ""
+                // A set-up per database schema (SPEC §10): each target, and
+                // each build's twin, is a set-up of its own.
+                let schema = match (kind, suffix.is_empty()) {
+                    ("queued-pg", true) => "schema = \"bench_queued\"\n",
+                    ("queued-pg", false) => "schema = \"bench_queued_b\"\n",
+                    (_, false) => "schema = \"bench_b\"\n",
+                    _ => "",
                 };
                 format!("[state]\nkind = \"postgres\"\nurl = {url:?}\n{schema}")
             });
@@ -1494,6 +1502,13 @@ fn report(
     for (kind, twin, what) in [
         ("fencing", "fencing-b", "fencing only"),
         ("dedup", "dedup-b", "durable dedup"),
+        ("queued", "queued-b", "queued delivery, accepted"),
+        ("dedup-pg", "dedup-pg-b", "durable dedup, PostgreSQL"),
+        (
+            "queued-pg",
+            "queued-pg-b",
+            "queued delivery on PostgreSQL, accepted",
+        ),
         (
             "fencing-traced",
             "fencing",

@@ -233,7 +233,10 @@ impl Proxy {
         // been slow) may have made the name direct, or moved it to another
         // lease: the checks of the reload saw no message of it, so none is
         // written now (SPEC §11, the rule of kinds). Sent again, it meets the
-        // routes as they are.
+        // routes as they are. No reload looks at the queue or swaps the
+        // routes from here until the write has ended (however long it waits
+        // for its lease's transaction).
+        let kinds = queue.kinds.read().await;
         let unchanged = self
             .live
             .current()
@@ -253,6 +256,7 @@ impl Proxy {
             })
             .await
             .map_err(state);
+        drop(kinds);
         // Durable (or failed): a newer epoch's raise may go on.
         let newer = pass.newer_epoch();
         drop(pass);

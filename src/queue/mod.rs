@@ -126,6 +126,12 @@ pub struct Queue {
     /// Held while a message is read and changed by the deliverer (its attempt
     /// started) or by an operator (retry, drop), so neither overwrites the other.
     edits: tokio::sync::Mutex<()>,
+    /// Held shared by each acceptance from its look at the running routes to
+    /// its write's end, and exclusively by a reload from its look at the
+    /// queue's messages to its new routes' swap (SPEC §11, the rule of kinds):
+    /// a message is never written under a route that a reload made direct or
+    /// moved since it looked, however long its write waited.
+    pub(crate) kinds: tokio::sync::RwLock<()>,
     /// Attempts out now, and what wakes [`Queue::stop`] when one ends.
     out: AtomicU64,
     /// Attempts out now per shard (a cluster's tenure waits for its own).
@@ -159,6 +165,7 @@ impl Queue {
             counts: Mutex::new(Counts::default()),
             unknown: AtomicU64::new(0),
             edits: tokio::sync::Mutex::new(()),
+            kinds: tokio::sync::RwLock::new(()),
             out: AtomicU64::new(0),
             out_by_shard: Mutex::new(HashMap::new()),
             idle: Notify::new(),

@@ -181,6 +181,19 @@ impl Reloader {
             });
         }
         drop(current);
+        // Acceptances under way end first, and none starts until the new
+        // routes are in place: what the check below reads of the queue is
+        // what the new routes meet (SPEC §11, the rule of kinds).
+        let _kinds = match &self.shared.queue {
+            Some(q) => Some(match q.kinds.try_write() {
+                Ok(g) => g,
+                Err(_) => {
+                    tracing::info!("the reload waits for queued acceptances under way to end");
+                    q.kinds.write().await
+                }
+            }),
+            None => None,
+        };
         if let Some(q) = &self.shared.queue {
             if let Some(why) = crate::queue::conflict(q.store.as_ref(), &cfg.routes)
                 .await

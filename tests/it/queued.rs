@@ -1188,3 +1188,132 @@ async fn a_request_whose_route_a_reload_changed_queues_nothing() {
     // Sent again, it is queued under the route's new name.
     accepted(&send(message(&fg, &a, "slow", "0123456789", 200)).await);
 }
+
+/// The review's second case (issue 44): on PostgreSQL an acceptance that found
+/// its route unchanged waits for its lease's transaction (another session
+/// holds the lease's row) while a reload gives the route's name to a direct
+/// route on another lease. The reload waits for the acceptance's write to end;
+/// the message is then kept under the name, so the reload is refused (SPEC
+/// §11: a direct route whose name holds messages that may still be sent).
+/// Whichever order the two meet in, no message is ever kept under a name that
+/// is direct.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acceptance_waiting_for_its_lease_holds_off_a_reload_of_its_route() {
+    skip_without_python!();
+    if !crate::support::postgres::available_or_skip() {
+        return;
+    }
+    let pg = crate::support::postgres::PgServer::shared();
+    let (db, url) = pg.new_database();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let warm = queued_route(&origin.url("/v1/"), "")
+        .replace("name = \"hook\"", "name = \"warm\"")
+        .replace("/hook/", "/warm/");
+    let hook = queued_route(&origin.url("/v1/"), "");
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!(
+            "{}{}{warm}{hook}",
+            s3.store_toml(200),
+            state_toml(&url, "timeout_ms = 20000")
+        ),
+        &[],
+    );
+    let a = acquire(
+        &s3.epochs().await,
+        "hook",
+        "worker-a",
+        Duration::from_secs(60),
+    )
+    .await;
+    accepted(&send(keyed(&fg, "/warm/events", &a, "warm", "w")).await);
+    // Another session holds the lease's row: the next acceptance waits for it.
+    let (mut other, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = other.transaction().await.unwrap();
+    tx.query(
+        "SELECT * FROM fencegate_queue_leases WHERE lease = 'hook' FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+    let held = tokio::spawn(send(message(&fg, &a, "late", "late", 200)));
+    eventually("the acceptance to wait for the lease's row", || async {
+        pg.psql(
+            &db,
+            // The acceptance's statement (the deliverer's start of the warm
+            // message, if still out, waits for the row too).
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND query LIKE '%fencegate_queue_leases AS l (lease, next_seq) VALUES%'",
+        ) == "1"
+    })
+    .await;
+    // Two reloads (one is refused: a lease's kind cannot change in one): the
+    // queued route removed, then its name given to a direct route on another
+    // lease — no message is kept under the name yet.
+    let series = |r: &str| format!("fencegate_config_reloads_total{{result=\"{r}\"}}");
+    let (applied, refused) = (
+        fg.series(&series("applied")).await,
+        fg.series(&series("refused")).await,
+    );
+    let waits = "the reload waits for queued acceptances under way to end";
+    fg.edit_config(move |t| t.replace(&hook, ""));
+    fg.hup();
+    eventually(
+        "the first reload to apply, or to wait for the acceptance",
+        || async { fg.series(&series("applied")).await > applied || fg.stderr().contains(waits) },
+    )
+    .await;
+    let direct = format!(
+        "\n[[route]]\nname = \"hook\"\npath_prefix = \"/other/\"\nupstream = \"{}\"\nlease = \"other\"\n",
+        origin.url("/v1/")
+    );
+    fg.edit_config(move |t| format!("{t}{direct}"));
+    fg.hup();
+    eventually(
+        "the second reload to apply, or the first to wait",
+        || async {
+            fg.series(&series("applied")).await > applied + 1.0 || fg.stderr().contains(waits)
+        },
+    )
+    .await;
+    tx.rollback().await.unwrap();
+    let late = held.await.unwrap();
+    eventually("both reloads to be decided", || async {
+        fg.series(&series("applied")).await + fg.series(&series("refused")).await
+            >= applied + refused + 2.0
+    })
+    .await;
+    let made_direct = fg.series(&series("applied")).await >= applied + 2.0;
+    let kept = send(
+        Request::get(fg.admin_url("/v1/deliveries"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await
+    .json();
+    let kept = kept["messages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{kept}"))
+        .iter()
+        .filter(|m| m["route"] == "hook")
+        .count();
+    match late.status.as_u16() {
+        202 => {
+            assert_eq!(kept, 1);
+            assert!(
+                !made_direct,
+                "202 for a message kept under a name made direct"
+            );
+        }
+        503 => {
+            assert_eq!(late.error_code().as_deref(), Some("route_changed"));
+            assert_eq!(kept, 0);
+        }
+        other => panic!("{other}: {}", String::from_utf8_lossy(&late.body)),
+    }
+}

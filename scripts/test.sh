@@ -25,17 +25,43 @@ if [ $# -gt 0 ]; then
     cargo test --locked --all-targets "$@"
     exit
 fi
+# Every stage runs, whatever the one before it did; a summary of what ran,
+# passed and failed (with times) ends the run, and any failure fails it.
+results=()
+failed=0
+stage() {
+    local name=$1 t0=$SECONDS
+    shift
+    echo "=== test.sh: $name" >&2
+    if "$@"; then
+        results+=("ok    $(printf '%4d' $((SECONDS - t0))) s  $name")
+    else
+        results+=("FAIL  $(printf '%4d' $((SECONDS - t0))) s  $name")
+        failed=1
+    fi
+}
 # The benches run too: the load bench's smoke mode (a few seconds, no timing
 # assertions) and the criterion benches once each, so the benches cannot rot.
 # The fault campaigns (one instance, then a cluster) run on their own afterwards: each measures a live system for
 # 30 s, and sharing two cores with the database-killing tests starves it.
-cargo test --locked --lib --bins --tests -- --skip campaign::fault_campaign --skip cluster_fault_campaign
-cargo test --locked --benches
-cargo test --locked --test it campaign::fault_campaign -- --exact
-cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact
+stage "unit and integration tests" \
+    cargo test --locked --lib --bins --tests -- --skip campaign::fault_campaign --skip cluster_fault_campaign
+stage "benches (smoke)" cargo test --locked --benches
+stage "fault campaign, one instance" cargo test --locked --test it campaign::fault_campaign -- --exact
+stage "fault campaign, a cluster" \
+    cargo test --locked --test it campaign::cluster::cluster_fault_campaign -- --exact
 # The worker client packages (clients/python, clients/typescript) against the
 # binary just built: the S3 test server, fencegate and a recording origin.
-bash scripts/clients-test.sh
+stage "worker clients (scripts/clients-test.sh)" bash scripts/clients-test.sh
 # The Kubernetes manifests against Kubernetes' schemas, offline (their agreement
 # with the binary is tests/it/kubernetes.rs, above).
-bash scripts/k8s-validate.sh
+stage "Kubernetes manifests (scripts/k8s-validate.sh)" bash scripts/k8s-validate.sh
+# The alerting rules: promtool's check and unit tests (the metrics they and the
+# dashboard query are tests/it/monitoring.rs, above).
+stage "alerting rules (scripts/alerts-test.sh)" bash scripts/alerts-test.sh
+echo "test.sh: summary" >&2
+printf '  %s\n' "${results[@]}" >&2
+if [ "$failed" != 0 ]; then
+    echo "test.sh: FAILED (a stage above)" >&2
+    exit 1
+fi

@@ -220,8 +220,15 @@ impl Collector for StateCollector {
             MetricType::Counter,
             vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
         )?;
-        if let Some(cl) = shared.mode.cluster() {
-            cluster_metrics(&mut enc, cl)?;
+        match &shared.mode {
+            crate::shared::Mode::Cluster(cl) => cluster_metrics(&mut enc, cl)?,
+            crate::shared::Mode::Single(guard) => emit(
+                &mut enc,
+                "fencegate_instance_guard_held",
+                "1 while this single instance holds its instance guard and may forward (SPEC §10.1); 0: nothing is forwarded",
+                MetricType::Gauge,
+                vec![(vec![], ConstGauge::new(i64::from(guard.may_forward())))],
+            )?,
         }
         route_protection(&mut enc, shared)
     }
@@ -316,6 +323,13 @@ fn cluster_metrics(
         "Shards this instance serves now",
         MetricType::Gauge,
         vec![(vec![], ConstGauge::new(cl.owned() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_cluster_shards",
+        "The set-up's shard count ([cluster] shards): the sum of fencegate_cluster_shards_owned over the members should equal it",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(i64::from(cl.shards())))],
     )?;
     emit(
         enc,

@@ -23,6 +23,7 @@ mod identity;
 mod kubernetes;
 mod lease_cli;
 mod logs;
+mod monitoring;
 mod one_cpu;
 mod one_database;
 mod ops;

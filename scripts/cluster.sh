@@ -29,6 +29,7 @@ for arg in "$@"; do
         --no-kill) KILL=no ;;
         --preflight) PREFLIGHT=yes ;;
         --fixed-ports) FIXED=yes ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "cluster.sh: unknown argument $arg (see the header of $0)" >&2; exit 2 ;;
     esac
 done
@@ -229,7 +230,7 @@ done
 sed 's/^/   /' "$WORK/origin.log"
 
 if [ $KILL = yes ]; then
-    echo "== kill -9 fg-a; its shards are taken after its gate leases expire (gate_ttl 10 s + grace 2 s, plus up to 2 s of clock resolution)"
+    echo "== kill -9 fg-a; fg-b and fg-c take its shards once their ownership rows (in PostgreSQL) have gone unrenewed for gate_ttl + grace_ms (10 s + 2 s)"
     kill -9 "${PID[a]}"
     SECONDS=0
     for _ in $(seq 40); do
@@ -239,9 +240,20 @@ if [ $KILL = yes ]; then
         echo "$map"
         case "$map" in *a*|*-*) ;; *) break ;; esac
     done
-    echo "== the same requests, retried through fg-b: answered from the shared records, not sent again"
-    curl -s -o /dev/null -w "retry via :${PORT[proxy_b]} -> %{http_code}\n" -X POST "http://127.0.0.1:${PORT[proxy_b]}/billing/charge" \
-        -H "X-Lease-Epoch: $EPOCH" -H "X-Lease-Token: $TOKEN" -H "Idempotency-Key: demo-a" -d "charge via fg-a"
+    echo "== fg-a's request retried through fg-b (same key): answered from the shared record, not sent again"
+    echo "   (until the shard's new owner serves it, 503 shard_unavailable with Retry-After: tried again)"
+    for _ in $(seq 30); do
+        head=$(curl -s -o /dev/null -D - -X POST "http://127.0.0.1:${PORT[proxy_b]}/billing/charge" \
+            -H "X-Lease-Epoch: $EPOCH" -H "X-Lease-Token: $TOKEN" -H "Idempotency-Key: demo-a" -d "charge via fg-a" | tr -d '\r')
+        code=$(echo "$head" | awk 'NR == 1 {print $2}')
+        why=$(echo "$head" | awk -F': ' 'tolower($1) == "x-fencegate-error" {print $2}')
+        replayed=$(echo "$head" | awk -F': ' 'tolower($1) == "x-fencegate-replayed" {print $2}')
+        echo "   retry via :${PORT[proxy_b]} -> $code${why:+ $why}${replayed:+ (replayed: $replayed)}"
+        [ "$code" = 503 ] || break
+        sleep 0.5
+    done
+    echo "   the origin received (demo-a once):"
+    sed 's/^/   /' "$WORK/origin.log"
 fi
 echo "== running; admin: curl 127.0.0.1:${PORT[admin_b]}/v1/cluster | Ctrl-C stops everything"
 wait

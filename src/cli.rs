@@ -388,6 +388,11 @@ fn server_filter(level: &str) -> String {
             f.push_str(&format!(",{quiet}=warn"));
         }
     }
+    // Each credential provider that finds nothing warns with a dump of its
+    // error; fencegate's own line says what was tried and what to set.
+    if !level.contains("aws_config") {
+        f.push_str(",aws_config::meta::credentials=error");
+    }
     f
 }
 
@@ -398,8 +403,12 @@ fn init_tracing_with(
     default_filter: &str,
 ) -> Option<crate::server::reload::SetLogFilter> {
     use tracing_subscriber::EnvFilter;
+    // The variable's filter keeps the AWS SDK's chatter quiet as the default
+    // does, unless it names the SDK's targets itself.
     let filter = match crate::server::reload::log_override() {
-        Some(var) => EnvFilter::try_from_env(var).ok(),
+        Some(var) => std::env::var(var)
+            .ok()
+            .and_then(|v| EnvFilter::try_new(server_filter(&v)).ok()),
         None => None,
     }
     .unwrap_or_else(|| EnvFilter::new(default_filter));

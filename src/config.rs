@@ -1531,10 +1531,15 @@ impl Config {
                 out.push(format!(
                     "[dedup] ttl ({}) is shorter than route {:?}'s timeout_ms + drain_timeout_ms ({}): \
                      a finished key can be forgotten while a retry of it may still come; \
-                     in-flight and in-doubt records never expire",
+                     in-flight and in-doubt records never expire{}",
                     humantime::format_duration(self.dedup.ttl),
                     r.name,
                     humantime::format_duration(longest),
+                    if self.dedup.ttl < Duration::from_secs(1) {
+                        " (a number without a unit is milliseconds: write ttl = \"24h\" for a day)"
+                    } else {
+                        ""
+                    },
                 ));
             }
         }

@@ -211,7 +211,12 @@ fn cause_first(e: &(dyn std::error::Error + 'static)) -> String {
         cur = c.source();
     }
     let all = chain.join(": ");
-    if all.contains("no credentials") || all.contains("credential provider") {
+    // The chain's last provider (instance metadata) speaks for all of them:
+    // "IMDS is disabled", "failed to load IMDS session token".
+    if all.contains("no credentials")
+        || all.contains("credential provider")
+        || all.contains("loading credentials")
+    {
         return "no AWS credentials found (tried the environment, profile, web identity, ECS and instance metadata): \
                 set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or give the host a role"
             .into();

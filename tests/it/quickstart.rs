@@ -122,7 +122,10 @@ fn the_quick_start_runs_as_written() {
         );
         assert!(!out.contains("#3 "), "the late request arrived:\n{out}");
         assert_eq!(out.matches("-> 200").count(), 2, "{out}");
-        assert!(!out.contains("replayed"), "a replay of an earlier run:\n{out}");
+        assert!(
+            !out.contains("replayed"),
+            "a replay of an earlier run:\n{out}"
+        );
         assert!(
             out.contains("\"error\":\"epoch_stale\"") && out.contains("-> 409"),
             "{out}"

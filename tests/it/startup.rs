@@ -122,6 +122,45 @@ async fn a_second_instance_on_one_data_dir_says_so_once() {
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
 }
 
+/// Issue 45: where instance metadata answers but refuses (a host whose IMDS
+/// denies the caller, as a newcomer's had), the chain's last error was printed
+/// ("IMDS is disabled or the caller has insufficient permissions") with a
+/// provider's warning and its Debug dump. Now the same one line as with no
+/// metadata service at all.
+#[test]
+fn a_store_without_credentials_behind_a_refusing_imds_is_one_line_with_the_fix() {
+    use std::io::{Read, Write};
+    let imds = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", imds.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for s in imds.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                b"HTTP/1.1 403 Forbidden\r\ncontent-length: 6\r\nconnection: close\r\n\r\ndenied",
+            );
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("f.toml");
+    std::fs::write(&cfg, s3_at_discard_port()).unwrap();
+    let o = run_with_env(
+        &["serve", "--config", cfg.to_str().unwrap()],
+        dir.path(),
+        &[
+            ("AWS_EC2_METADATA_DISABLED", "false"),
+            ("AWS_EC2_METADATA_SERVICE_ENDPOINT", &url),
+        ],
+    );
+    let err = stderr(&o);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(err.contains("no AWS credentials found"), "{err}");
+    assert!(err.contains("at http://127.0.0.1:9"), "which store: {err}");
+    assert!(!err.contains("IMDS"), "{err}");
+}
+
 /// An S3 store with no credentials used to print ~1.5 KB of nested Debug
 /// (`DispatchFailure(DispatchFailure { source: ConnectorError {…`) twice. Now one
 /// line: the cause and what to do.

@@ -46,11 +46,10 @@ pub async fn self_test(store: &dyn LeaseStore, prefix: &str) -> Result<(), Probe
         source,
     };
     let body = Bytes::from_static(br#"{"probe":true}"#);
-    let first = store
-        .create_if_absent(&key, body.clone())
+    let first = patiently(|| store.create_if_absent(&key, body.clone()))
         .await
         .map_err(wrap)?;
-    let second = store.create_if_absent(&key, body).await;
+    let second = patiently(|| store.create_if_absent(&key, body.clone())).await;
     let _ = store.delete(&key).await;
     match (first, second.map_err(wrap)?) {
         (_, CreateOutcome::AlreadyExists) => Ok(()),
@@ -58,5 +57,79 @@ pub async fn self_test(store: &dyn LeaseStore, prefix: &str) -> Result<(), Probe
             store: store.describe(),
             key,
         }),
+    }
+}
+
+/// Calls that time out are tried again, up to [`TRIES`] in all: start-up is in
+/// no hurry, and a first call to a cold endpoint (or on a busy machine) can
+/// outlast `[store] timeout_ms`, which is sized for requests. A retried create
+/// that finds its own earlier write gets `AlreadyExists`, which the test reads
+/// as it would a second create's: correct either way. Any other failure (a
+/// refused connection, a denied call) is said at once.
+async fn patiently<T, F, Fut>(mut call: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut tries = 1;
+    loop {
+        match call().await {
+            Err(StoreError::Unavailable(why)) if tries < TRIES && timed_out(&why) => {
+                tracing::warn!(error = %why, "the store self-test's call timed out; trying again");
+                tries += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Calls of the self-test, each within `[store] timeout_ms`.
+const TRIES: u32 = 4;
+
+fn timed_out(why: &str) -> bool {
+    let why = why.to_ascii_lowercase();
+    why.contains("timeout") || why.contains("timed out")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A call that times out twice, then answers, is waited for; a refused
+    /// connection is said at once.
+    #[tokio::test]
+    async fn a_call_that_timed_out_is_tried_again_and_a_refusal_is_not() {
+        let calls = AtomicU32::new(0);
+        let r = patiently(|| async {
+            match calls.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => Err(StoreError::Unavailable(
+                    "operation timeout (after 1.5s)".into(),
+                )),
+                _ => Ok(7),
+            }
+        })
+        .await;
+        assert_eq!((r.ok(), calls.load(Ordering::SeqCst)), (Some(7), 3));
+
+        let calls = AtomicU32::new(0);
+        let r: Result<(), _> = patiently(|| async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Err(StoreError::Unavailable(
+                "Connection refused (os error 111)".into(),
+            ))
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        let calls = AtomicU32::new(0);
+        let r: Result<(), _> = patiently(|| async {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Err(StoreError::Unavailable("request timed out".into()))
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(calls.load(Ordering::SeqCst), TRIES);
     }
 }

@@ -122,8 +122,21 @@ impl Cluster {
 
     async fn renew_held(self: &Arc<Self>, held: &[(u32, u64)]) {
         let sent = Instant::now();
+        // A renewal counts from its send: its answer is worth waiting for until
+        // the latest forwarding deadline among the shards it renews (SPEC
+        // §10.2). A slow database then costs no shard its tenure while the
+        // protocol's time remains; each shard still stops at its own deadline.
+        let patience = held
+            .iter()
+            .map(|&(s, _)| self.forward_deadline(&self.by_shard[s as usize]))
+            .max()
+            .map_or(Duration::ZERO, |d| d.saturating_duration_since(sent));
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        let renewed = match self.owners.renew_shards(&self.id, held, self.ttl).await {
+        let renewed = match self
+            .owners
+            .renew_shards(&self.id, held, self.ttl, patience)
+            .await
+        {
             Ok(r) => r,
             Err(e) => {
                 // Outcome unknown: the windows stay where the last confirmed

@@ -314,6 +314,7 @@ impl OwnershipStore for Db {
         id: &str,
         held: &[(u32, u64)],
         ttl: Duration,
+        _patience: Duration,
     ) -> Result<Vec<(u32, u64, u64)>, StateError> {
         self.call(|t| {
             let mut renewed = Vec::new();

@@ -165,6 +165,9 @@ pub struct Cluster {
     pub takeovers: AtomicU64,
     /// Shards handed over on a graceful leave.
     pub(crate) handovers: AtomicU64,
+    /// Shards this instance stopped serving at their forwarding deadline
+    /// (renewals, or the anchor's, not confirmed in time).
+    pub(crate) self_fences: AtomicU64,
     /// Requests relayed to the shard's owner.
     pub(crate) peer_forwards: AtomicU64,
     /// Relays that failed to reach the owner.
@@ -305,6 +308,7 @@ impl Cluster {
             work: std::sync::OnceLock::new(),
             takeovers: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
+            self_fences: AtomicU64::new(0),
             peer_forwards: AtomicU64::new(0),
             peer_failures: AtomicU64::new(0),
             gate_calls,

@@ -208,6 +208,7 @@ impl Cluster {
                     anchor = self.anchor.window.is_open(),
                     "the shard's ownership (or the prefix's anchor) was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
                 );
+                self.self_fences.fetch_add(1, Ordering::Relaxed);
                 self.stop_serving(shard, self.abort_deadline(g), "self-fenced");
                 return;
             }

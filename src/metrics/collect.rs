@@ -326,6 +326,13 @@ fn cluster_metrics(
     )?;
     emit(
         enc,
+        "fencegate_cluster_self_fences",
+        "Shards this instance stopped serving at their forwarding deadline: their ownership (or the prefix's anchor) was not renewed in time (SPEC §10.2)",
+        MetricType::Counter,
+        one(cl.self_fences.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
         "fencegate_cluster_shards",
         "The set-up's shard count ([cluster] shards): the sum of fencegate_cluster_shards_owned over the members should equal it",
         MetricType::Gauge,

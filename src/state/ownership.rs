@@ -60,12 +60,16 @@ pub trait OwnershipStore: Send + Sync + 'static {
     ) -> Result<Option<u64>, StateError>;
 
     /// Renews every `(shard, generation)` of `held` that `id` still owns, in one
-    /// statement; returns those renewed with their renewal count.
+    /// statement; returns those renewed with their renewal count. Waits for
+    /// the answer at least `patience` (and at least the store's own timeout):
+    /// a renewal counts from its send, so one answered late but before the
+    /// owner's deadline still extends its window (SPEC §10.2).
     async fn renew_shards(
         &self,
         id: &str,
         held: &[(u32, u64)],
         ttl: std::time::Duration,
+        patience: std::time::Duration,
     ) -> Result<Vec<(u32, u64, u64)>, StateError>;
 
     /// Releases `shard` held by `id` under `generation` (a handover): a

@@ -290,6 +290,20 @@ impl PostgresState {
         F: FnOnce(deadpool_postgres::Object) -> Fut,
         Fut: Future<Output = Result<T, tokio_postgres::Error>>,
     {
+        self.with_timeout(what, self.timeout, f).await
+    }
+
+    /// [`PostgresState::with`], waiting up to `timeout` for the answer.
+    pub(crate) async fn with_timeout<T, F, Fut>(
+        &self,
+        what: &'static str,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, StateError>
+    where
+        F: FnOnce(deadpool_postgres::Object) -> Fut,
+        Fut: Future<Output = Result<T, tokio_postgres::Error>>,
+    {
         let run = async {
             let client =
                 self.pool.get().await.map_err(|e| {
@@ -299,11 +313,11 @@ impl PostgresState {
                 .await
                 .map_err(|e| StateError::Write(format!("{what}: {}", error::describe(&e))))
         };
-        let res = match tokio::time::timeout(self.timeout, run).await {
+        let res = match tokio::time::timeout(timeout, run).await {
             Ok(r) => r,
             Err(_) => Err(StateError::Write(format!(
                 "{what}: no answer from the database within {} ms",
-                self.timeout.as_millis()
+                timeout.as_millis()
             ))),
         };
         self.healthy.store(res.is_ok(), Ordering::Relaxed);

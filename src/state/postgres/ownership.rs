@@ -127,6 +127,7 @@ impl OwnershipStore for PostgresState {
         id: &str,
         held: &[(u32, u64)],
         ttl: Duration,
+        patience: Duration,
     ) -> Result<Vec<(u32, u64, u64)>, StateError> {
         self.writable()?;
         let shards: Vec<i32> = held
@@ -137,7 +138,7 @@ impl OwnershipStore for PostgresState {
         let secs = ttl.as_secs_f64();
         let ttl_ms = int(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         let rows = self
-            .with("renewing shards", |c| async move {
+            .with_timeout("renewing shards", patience.max(self.timeout), |c| async move {
                 let st = c
                     .prepare_cached(
                         // The rows are locked in shard order first, as every

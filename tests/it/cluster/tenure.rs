@@ -462,3 +462,55 @@ async fn with_the_default_gate_ttl_a_lost_renewal_at_the_wrong_phase_never_overl
     }
     eprintln!("held: no attempt showed it");
 }
+
+/// Issue 51: a slow database costs no shard its tenure while the protocol's
+/// time remains. A trigger makes every update of the owner rows take 3 s —
+/// past `[state] timeout_ms` (2 s), within the time a renewal's window leaves
+/// (`gate_ttl − self_fence_margin` = 8 s after its send, renewals every 3.3 s)
+/// — for 14 s, while a worker's fencing-only requests flow. A renewal counts
+/// from its send, so one answered late but before the deadline extends the
+/// window: nothing is refused and no shard self-fences. (The build before gave
+/// each renewal 2 s, counted every one as failed, and self-fenced at 8 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_slower_than_the_state_timeout_cost_no_shard_its_tenure() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let pg = PgServer::shared();
+    let (db_name, db) = pg.new_database();
+    let m = crate::support::members::start_member(&s3, &db, &origin, "fg-a", 2, ("10s", "2s"));
+    eventually("fg-a serves both shards", || async {
+        m.metric_sum("fencegate_cluster_shards_owned").await >= 2.0
+    })
+    .await;
+    let epochs = s3.epochs().await;
+    let w = acquire(&epochs, LEASE, "w", Duration::from_secs(120)).await;
+    assert_eq!(post(&m, "/billing/warm", &w, "warm").await.status, 200);
+    pg.psql(
+        &db_name,
+        "CREATE FUNCTION slow_owners() RETURNS trigger LANGUAGE plpgsql AS \
+         'BEGIN PERFORM pg_sleep(3); RETURN NULL; END'; \
+         CREATE TRIGGER slow_owners BEFORE UPDATE ON fencegate_owners \
+         FOR EACH STATEMENT EXECUTE FUNCTION slow_owners()",
+    );
+    let mut answers = std::collections::BTreeMap::<u16, usize>::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(14) {
+        let r = post(&m, "/billing/tick", &w, "tick").await;
+        *answers.entry(r.status.as_u16()).or_default() += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    pg.psql(&db_name, "DROP TRIGGER slow_owners ON fencegate_owners");
+    assert_eq!(
+        m.metric_sum("fencegate_cluster_self_fences_total").await,
+        0.0,
+        "{}",
+        m.stderr()
+    );
+    assert_eq!(
+        answers.keys().copied().collect::<Vec<_>>(),
+        vec![200],
+        "{answers:?}"
+    );
+}

@@ -467,7 +467,7 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
     // Renewals for a while under that load: each must go through within the
     // state's timeout.
     for _ in 0..20 {
-        db.renew_shards("fg-a", &[(0, generation)], TTL)
+        db.renew_shards("fg-a", &[(0, generation)], TTL, std::time::Duration::ZERO)
             .await
             .expect("a renewal under a busy queued lease");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -46,6 +46,10 @@ async fn exported(fg: &Fencegate) -> BTreeSet<String> {
                 _ => &[""],
             };
             out.extend(suffixes.iter().map(|s| format!("{name}{s}")));
+            // A histogram named as a family (in a description).
+            if kind == "histogram" {
+                out.insert(name.to_owned());
+            }
         } else if !line.starts_with('#') && !line.is_empty() {
             let end = line.find(['{', ' ']).unwrap_or(line.len());
             out.insert(line[..end].to_owned());

@@ -763,6 +763,14 @@ pub struct RouteConfig {
     pub max_retry_after: Duration,
     /// The route's circuit breaker; absent: none.
     pub breaker: Option<BreakerConfig>,
+    /// Requests to the upstream per second, minute or hour (`"50/s"`), per
+    /// instance: beyond it a direct request is refused (503 `upstream_held`,
+    /// detail `rate`) and a queued attempt waits its turn. Absent: none.
+    #[serde(default, deserialize_with = "crate::protect::rate::deserialize")]
+    pub rate: Option<crate::protect::rate::Rate>,
+    /// How many requests may go at once after a quiet spell (the bucket's
+    /// size); default a second's worth of `rate`, at least 1.
+    pub rate_burst: Option<u32>,
     /// PEM certificate chain shown to an https upstream that asks for one
     /// (mutual TLS); needs `client_key`. Re-read on reload.
     pub client_cert: Option<PathBuf>,
@@ -877,6 +885,17 @@ impl RouteConfig {
             return Err(format!(
                 "route {name:?}: max_retry_after must be at most \"1d\""
             ));
+        }
+        match (self.rate, self.rate_burst) {
+            (None, Some(_)) => {
+                return Err(format!(
+                    "route {name:?}: rate_burst needs rate (e.g. rate = \"50/s\")"
+                ))
+            }
+            (Some(_), Some(0)) => {
+                return Err(format!("route {name:?}: rate_burst must be at least 1"))
+            }
+            _ => {}
         }
         if let Some(b) = &self.breaker {
             if b.failures == 0 {
@@ -1668,7 +1687,7 @@ impl Config {
             );
             let _ = writeln!(
                 out,
-                "  protects its upstream: max_in_flight {}, Retry-After {}, breaker {}",
+                "  protects its upstream: max_in_flight {}, Retry-After {}, breaker {}, rate {}",
                 r.max_in_flight.map_or("none".into(), |n| n.to_string()),
                 if r.honor_retry_after {
                     format!(
@@ -1683,6 +1702,10 @@ impl Config {
                     b.failures,
                     humantime::format_duration(b.window),
                     humantime::format_duration(b.cool_down)
+                )),
+                r.rate.map_or("none".into(), |rate| format!(
+                    "{rate} (burst {}, per instance)",
+                    r.rate_burst.unwrap_or_else(|| rate.default_burst())
                 ))
             );
             match r.delivery {

@@ -127,6 +127,9 @@ fn held_text(route: &str, reason: HeldReason) -> String {
         HeldReason::BreakerOpen => format!(
             "route {route}'s circuit breaker is open: its upstream failed repeatedly and is let rest"
         ),
+        HeldReason::Rate => {
+            format!("route {route} has sent as many requests as its rate allows for now")
+        }
     }
 }
 

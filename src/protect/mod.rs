@@ -20,6 +20,7 @@
 //! saturates: no key makes the request path panic.
 
 pub mod breaker;
+pub mod rate;
 pub mod retry_after;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -44,6 +45,8 @@ pub struct Settings {
     pub max_retry_after: Duration,
     /// `breaker`: none is no breaker.
     pub breaker: Option<BreakerConfig>,
+    /// `rate` and its burst: none is no rate.
+    pub rate: Option<(rate::Rate, u32)>,
 }
 
 impl Settings {
@@ -54,6 +57,9 @@ impl Settings {
             honor_retry_after: cfg.honor_retry_after,
             max_retry_after: cfg.max_retry_after,
             breaker: cfg.breaker,
+            rate: cfg
+                .rate
+                .map(|r| (r, cfg.rate_burst.unwrap_or_else(|| r.default_burst()))),
         }
     }
 }
@@ -73,6 +79,8 @@ pub enum Reason {
     /// Every upstream request the instance's descriptor budget allows is out
     /// (SPEC §9 "Limits", [`crate::budget`]): not the route's doing.
     ConnectionBudget,
+    /// The route's `rate` is used up for now.
+    Rate,
 }
 
 impl Reason {
@@ -83,6 +91,7 @@ impl Reason {
             Reason::RetryAfter => "retry_after",
             Reason::BreakerOpen => "breaker_open",
             Reason::ConnectionBudget => "connection_budget",
+            Reason::Rate => "rate",
         }
     }
 
@@ -92,15 +101,17 @@ impl Reason {
             Reason::RetryAfter => 1,
             Reason::BreakerOpen => 2,
             Reason::ConnectionBudget => 3,
+            Reason::Rate => 4,
         }
     }
 
     /// Every reason, for the metrics.
-    pub const ALL: [&'static str; 4] = [
+    pub const ALL: [&'static str; 5] = [
         "in_flight_limit",
         "retry_after",
         "breaker_open",
         "connection_budget",
+        "rate",
     ];
 }
 
@@ -112,6 +123,19 @@ pub struct Refused {
     /// Whole seconds, at least 1: when the hold or the cool-down ends, rounded
     /// up; 1 when nothing says (a full route, a probe out).
     pub retry_after_secs: u64,
+    /// How long a queued attempt waits before it tries again: the next
+    /// token's time for a rate, else `retry_after_secs`.
+    pub wait: Duration,
+}
+
+impl Refused {
+    fn after(reason: Reason, retry_after_secs: u64) -> Refused {
+        Refused {
+            reason,
+            retry_after_secs,
+            wait: Duration::from_secs(retry_after_secs),
+        }
+    }
 }
 
 /// Whole seconds until `until`, rounded up, at least 1.
@@ -133,6 +157,8 @@ pub struct Guard {
     hold_cap_ms: AtomicU64,
     base: Instant,
     breaker: Mutex<BreakerCell>,
+    /// The `rate`'s bucket (only a route with a rate takes this lock).
+    bucket: Mutex<Option<rate::Bucket>>,
     counts: Arc<Counts>,
 }
 
@@ -147,7 +173,7 @@ struct BreakerCell {
 /// reload (even one changing the upstream) never makes one go down.
 #[derive(Debug, Default)]
 struct Counts {
-    refused: [AtomicU64; 4],
+    refused: [AtomicU64; 5],
     opened: AtomicU64,
 }
 
@@ -176,6 +202,7 @@ impl Guard {
                 breaker: Breaker::default(),
                 cfg: s.breaker,
             }),
+            bucket: Mutex::new(None),
             counts: Arc::default(),
         }
     }
@@ -199,29 +226,32 @@ impl Guard {
     }
 
     fn try_enter(self: &Arc<Self>, s: &Settings) -> Result<Ticket, Refused> {
-        // One read of the hold: a route not held and without a breaker reads no clock.
+        // One read of the hold: a route not held, without a breaker or a rate,
+        // reads no clock.
         let held_ms = self.held_until_ms.load(Ordering::Acquire);
-        let timed = s.breaker.is_some() || held_ms != 0;
+        let timed = s.breaker.is_some() || s.rate.is_some() || held_ms != 0;
         let now = if timed { Instant::now() } else { self.base };
         let until = self.at(held_ms);
         if held_ms != 0 && now < until && s.honor_retry_after {
-            return Err(Refused {
-                reason: Reason::RetryAfter,
-                retry_after_secs: secs_until(until, now),
-            });
+            return Err(Refused::after(Reason::RetryAfter, secs_until(until, now)));
         }
-        let full = || Refused {
-            reason: Reason::InFlightLimit {
-                limit: s.max_in_flight.unwrap_or_default(),
-            },
-            retry_after_secs: 1,
+        let full = || {
+            Refused::after(
+                Reason::InFlightLimit {
+                    limit: s.max_in_flight.unwrap_or_default(),
+                },
+                1,
+            )
         };
-        let open = |until: Option<Instant>| Refused {
-            reason: Reason::BreakerOpen,
-            retry_after_secs: until.map_or(1, |u| secs_until(u, now)),
+        let open = |until: Option<Instant>| {
+            Refused::after(Reason::BreakerOpen, until.map_or(1, |u| secs_until(u, now)))
         };
         let (slot, entry) = match s.breaker {
-            None => (self.take_slot(s.max_in_flight).ok_or_else(full)?, None),
+            None => {
+                let slot = self.take_slot(s.max_in_flight).ok_or_else(full)?;
+                self.take_token(s, now)?;
+                (slot, None)
+            }
             Some(_) => {
                 let mut cell = self.lock_breaker();
                 // An open breaker says so (with its cool-down) even on a full route.
@@ -229,8 +259,13 @@ impl Guard {
                     return Err(open(Some(until)));
                 }
                 let slot = self.take_slot(s.max_in_flight).ok_or_else(full)?;
+                // A token before the breaker's probe: a rate refusal spends no probe.
+                self.take_token(s, now)?;
                 match cell.breaker.enter(now) {
-                    Entry::Refused(until) => return Err(open(until)),
+                    Entry::Refused(until) => {
+                        self.give_token(s);
+                        return Err(open(until));
+                    }
                     e => (slot, Some(e)),
                 }
             }
@@ -242,14 +277,38 @@ impl Guard {
         })
     }
 
+    /// Takes a token of the route's `rate`, if it has one.
+    fn take_token(&self, s: &Settings, now: Instant) -> Result<(), Refused> {
+        let Some((rate, burst)) = s.rate else {
+            return Ok(());
+        };
+        let mut bucket = self.bucket.lock().unwrap_or_else(|p| p.into_inner());
+        let b = bucket.get_or_insert_with(|| rate::Bucket::new(burst, now));
+        b.take(rate, burst, now).map_err(|wait| Refused {
+            reason: Reason::Rate,
+            retry_after_secs: (wait.as_millis().div_ceil(1000) as u64).max(1),
+            wait,
+        })
+    }
+
+    fn give_token(&self, s: &Settings) {
+        if let Some((_, burst)) = s.rate {
+            if let Some(b) = self
+                .bucket
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_mut()
+            {
+                b.give_back(burst);
+            }
+        }
+    }
+
     /// Counts a refusal for the instance's upstream budget and says so: taken
     /// before the route's own checks, nothing of the route's state is touched.
     pub fn refuse_for_budget(&self) -> Refused {
         self.counts.refused[Reason::ConnectionBudget.index()].fetch_add(1, Ordering::Relaxed);
-        Refused {
-            reason: Reason::ConnectionBudget,
-            retry_after_secs: 1,
-        }
+        Refused::after(Reason::ConnectionBudget, 1)
     }
 
     fn take_slot(self: &Arc<Self>, limit: Option<usize>) -> Option<Slot> {
@@ -336,6 +395,10 @@ impl Guard {
             cell.breaker.reset();
         }
         cell.cfg = new.breaker;
+        if new.rate != old.rate {
+            // A new rate starts with a full bucket of its own burst.
+            *self.bucket.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
     }
 
     /// What the admin API, the page and the metrics show.
@@ -493,7 +556,7 @@ pub struct View {
     /// The breaker, if the route has one.
     pub breaker: Option<BreakerView>,
     /// Refusals since start-up, by [`Reason::ALL`].
-    pub refused: [u64; 4],
+    pub refused: [u64; 5],
 }
 
 /// A breaker as shown.
@@ -519,7 +582,36 @@ mod tests {
             honor_retry_after: true,
             max_retry_after: Duration::from_secs(60),
             breaker: None,
+            rate: None,
         }
+    }
+
+    /// A rate refuses past its burst with the next token's time, and a
+    /// refusal by another check (the in-flight limit) spends no token.
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_refuses_past_its_burst_and_other_refusals_spend_no_token() {
+        let s = Settings {
+            max_in_flight: Some(1),
+            rate: Some((rate::Rate::parse("2/s").unwrap(), 2)),
+            ..settings()
+        };
+        let g = Arc::new(Guard::new(&s));
+        let a = g.enter(&s).unwrap();
+        // Full: refused by the limit, not the rate; no token spent.
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::InFlightLimit { limit: 1 });
+        drop(a);
+        let b = g.enter(&s).unwrap();
+        drop(b);
+        let r = g.enter(&s).unwrap_err();
+        assert_eq!(r.reason, Reason::Rate);
+        assert_eq!(
+            (r.retry_after_secs, r.wait),
+            (1, Duration::from_millis(500))
+        );
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!(g.enter(&s).is_ok());
+        assert_eq!(g.view(&s, Instant::now()).refused[Reason::Rate.index()], 1);
     }
 
     #[test]
@@ -537,7 +629,7 @@ mod tests {
         drop(slot);
         drop(b);
         assert_eq!(g.view(&settings(), now).in_flight, 0);
-        assert_eq!(g.view(&settings(), now).refused, [2, 0, 0, 0]);
+        assert_eq!(g.view(&settings(), now).refused, [2, 0, 0, 0, 0]);
     }
 
     #[test]
@@ -658,11 +750,11 @@ mod tests {
         let b = v.breaker.unwrap();
         assert_eq!(
             (b.state, b.opened, v.refused),
-            (BreakerState::Closed, 1, [0, 0, 1, 0])
+            (BreakerState::Closed, 1, [0, 0, 1, 0, 0])
         );
         let fresh = Guard::continuing(&g, &longer);
         let v = fresh.view(&longer, Instant::now());
-        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1, 0]));
+        assert_eq!((v.breaker.unwrap().opened, v.refused), (1, [0, 0, 1, 0, 0]));
     }
 
     #[test]

@@ -166,13 +166,7 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             Ok(t) => t,
             Err(refused) => {
                 // A held route delays the attempt; it spends none.
-                pause(
-                    &q,
-                    &notify,
-                    &mut owed,
-                    Duration::from_secs(refused.retry_after_secs),
-                )
-                .await;
+                pause(&q, &notify, &mut owed, refused.wait).await;
                 continue;
             }
         };
@@ -241,7 +235,7 @@ async fn launch(
         let ticket = match route.protect.enter(&route.protect_cfg) {
             Ok(t) => t,
             Err(refused) => {
-                wait = wait.min(Duration::from_secs(refused.retry_after_secs));
+                wait = wait.min(refused.wait);
                 break;
             }
         };

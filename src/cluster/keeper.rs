@@ -121,22 +121,7 @@ impl Cluster {
     }
 
     async fn renew_held(self: &Arc<Self>, held: &[(u32, u64)]) {
-        let sent = Instant::now();
-        // A renewal counts from its send: its answer is worth waiting for until
-        // the latest forwarding deadline among the shards it renews (SPEC
-        // §10.2). A slow database then costs no shard its tenure while the
-        // protocol's time remains; each shard still stops at its own deadline.
-        let patience = held
-            .iter()
-            .map(|&(s, _)| self.forward_deadline(&self.by_shard[s as usize]))
-            .max()
-            .map_or(Duration::ZERO, |d| d.saturating_duration_since(sent));
-        self.db_calls.fetch_add(1, Ordering::Relaxed);
-        let renewed = match self
-            .owners
-            .renew_shards(&self.id, held, self.ttl, patience)
-            .await
-        {
+        let (sent, renewed) = match self.renew_hedged(held).await {
             Ok(r) => r,
             Err(e) => {
                 // Outcome unknown: the windows stay where the last confirmed
@@ -187,6 +172,64 @@ impl Cluster {
                     self.stop_serving(shard, Instant::now(), "ownership lost");
                 }
             }
+        }
+    }
+
+    /// One renewal of `held`, and when the one that answered was sent (the
+    /// windows count from there).
+    ///
+    /// A renewal counts from its send: its answer is worth waiting for until
+    /// the latest forwarding deadline among the shards it renews (SPEC §10.2),
+    /// so a slow database costs no shard its tenure while the protocol's time
+    /// remains; each shard still stops at its own deadline. And a renewal
+    /// stuck on one connection (its backend hung) must not cost the window: if
+    /// it has not answered within a fifth of `gate_ttl`, a second goes beside
+    /// it on another connection, and the first of the two that renews wins.
+    /// Each is a renewal of its own, conditioned like any; one whose outcome
+    /// stays unknown only makes a successor wait longer.
+    async fn renew_hedged(
+        self: &Arc<Self>,
+        held: &[(u32, u64)],
+    ) -> Result<(Instant, Vec<(u32, u64, u64)>), crate::state::StateError> {
+        let deadline = held
+            .iter()
+            .map(|&(s, _)| self.forward_deadline(&self.by_shard[s as usize]))
+            .max();
+        let patience =
+            |from: Instant| deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(from));
+        let sent = Instant::now();
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        let first = self
+            .owners
+            .renew_shards(&self.id, held, self.ttl, patience(sent));
+        tokio::pin!(first);
+        let hedge_after = (self.ttl / 5).max(Duration::from_millis(200));
+        if patience(sent) <= hedge_after {
+            return first.await.map(|r| (sent, r));
+        }
+        tokio::select! {
+            r = &mut first => return r.map(|r| (sent, r)),
+            _ = tokio::time::sleep(hedge_after) => {}
+        }
+        tracing::warn!(
+            waited_ms = hedge_after.as_millis() as u64,
+            "a shard renewal has not answered; sending another beside it"
+        );
+        let sent2 = Instant::now();
+        self.db_calls.fetch_add(1, Ordering::Relaxed);
+        let second = self
+            .owners
+            .renew_shards(&self.id, held, self.ttl, patience(sent2));
+        tokio::pin!(second);
+        tokio::select! {
+            r = &mut first => match r {
+                Ok(r) => Ok((sent, r)),
+                Err(_) => second.await.map(|r| (sent2, r)),
+            },
+            r = &mut second => match r {
+                Ok(r) => Ok((sent2, r)),
+                Err(_) => first.await.map(|r| (sent, r)),
+            },
         }
     }
 

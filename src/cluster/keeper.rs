@@ -178,8 +178,9 @@ impl Cluster {
     /// One renewal of `held`, and when the one that answered was sent (the
     /// windows count from there).
     ///
-    /// A renewal counts from its send: its answer is worth waiting for until
-    /// the latest forwarding deadline among the shards it renews (SPEC §10.2),
+    /// A renewal counts from its send (or from the anchor's last answer, if
+    /// earlier: `window_from`): its answer is worth waiting for until the
+    /// latest forwarding deadline among the shards it renews (SPEC §10.2),
     /// so a slow database costs no shard its tenure while the protocol's time
     /// remains; each shard still stops at its own deadline. And a renewal
     /// stuck on one connection (its backend hung) must not cost the window: if

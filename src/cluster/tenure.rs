@@ -190,7 +190,7 @@ impl Cluster {
     }
 
     /// Stops the shard at its forwarding deadline unless a renewal moved it.
-    pub(super) async fn watch_deadline(&self, shard: u32, generation: u64) {
+    pub(super) async fn watch_deadline(self: &Arc<Self>, shard: u32, generation: u64) {
         let g = &self.by_shard[shard as usize];
         loop {
             if g.serving.load(Ordering::SeqCst) != generation {
@@ -210,6 +210,14 @@ impl Cluster {
                 );
                 self.self_fences.fetch_add(1, Ordering::Relaxed);
                 self.stop_serving(shard, self.abort_deadline(g), "self-fenced");
+                // A renewal answered late may have extended the window between
+                // the look above and the stop, and seen the shard still served
+                // (so started no new tenure): looked at after the stop, one of
+                // the two sees the other, and the shard is served again now
+                // rather than a renewal period later.
+                if self.window_open(g) && lock(&g.holding).is_some() {
+                    self.clone().spawn_takeover(shard);
+                }
                 return;
             }
             // Woken at least every look period: the anchor's window may

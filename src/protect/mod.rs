@@ -1,7 +1,7 @@
 //! Protecting the destination (SPEC §7 `upstream_held`, §9): per route, a limit
 //! on requests at the upstream at once (`max_in_flight`), a hold while a 429 or
 //! 503's `Retry-After` runs (`honor_retry_after`, capped by `max_retry_after`),
-//! and a circuit breaker (`breaker`, [`breaker`]).
+//! a circuit breaker (`breaker`, [`breaker`]) and a rate (`rate`, [`rate`]).
 //!
 //! Each is a refusal *before* forwarding, decided after admission and before the
 //! dedup claim (`proxy`): a refused request forwards nothing and records nothing,

@@ -37,6 +37,8 @@ RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && cargo build --release --locked --bin fencegate \
     && rm -rf src target/release/.fingerprint/fencegate-*
 COPY src ./src
+# Built into the binary (include_str!): the admin API's OpenAPI description.
+COPY docs/openapi.json ./docs/openapi.json
 COPY config ./config
 RUN cargo build --release --locked --bin fencegate \
     && /src/target/release/fencegate check-config --config /src/config/container.toml

@@ -67,6 +67,7 @@ enum Endpoint<'a> {
     Leases,
     Routes,
     Cluster,
+    OpenApi,
     DedupList,
     DedupGet(&'a str, &'a str),
     DedupResolve(&'a str, &'a str),
@@ -78,6 +79,10 @@ enum Endpoint<'a> {
     DeliveryDrop(&'a str, &'a str),
 }
 
+/// This API's OpenAPI 3.1 description, `GET /v1/openapi.json`: the
+/// repository's file, built in so that it cannot differ from the binary.
+pub const OPENAPI: &str = include_str!("../docs/openapi.json");
+
 /// Method, path and purpose of each endpoint (the index, `GET /`).
 const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/", "this index; a browser (Accept: text/html) gets the operator's page"),
@@ -88,6 +93,7 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/v1/leases", "per lease: mark, latest known epoch, holder, expiry, in-flight, drains"),
     ("GET", "/v1/routes", "per route: upstream, requests in flight and max_in_flight, a Retry-After hold, the circuit breaker, refusals"),
     ("GET", "/v1/cluster", "this instance's id, the members, the prefix's anchor and, per shard, owner, generation, expiry and leases"),
+    ("GET", "/v1/openapi.json", "this API's OpenAPI 3.1 description (docs/openapi.json)"),
     ("GET", "/v1/dedup?state=in_doubt[&route=R][&limit=N][&after=NEXT]", "dedup keys in a state, oldest first; `next` of one page is `after` of the next (admin token)"),
     ("GET", "/v1/dedup/{route}/{key}", "one dedup record"),
     ("POST", "/v1/dedup/{route}/{key}/resolve", "resolve an in-doubt key: {\"outcome\": \"delivered\"|\"not_delivered\"} (admin token)"),
@@ -113,6 +119,7 @@ impl<'a> Endpoint<'a> {
             ["v1", "leases"] => Endpoint::Leases,
             ["v1", "routes"] => Endpoint::Routes,
             ["v1", "cluster"] => Endpoint::Cluster,
+            ["v1", "openapi.json"] => Endpoint::OpenApi,
             ["v1", "dedup"] => Endpoint::DedupList,
             ["v1", "dedup", route, key] => Endpoint::DedupGet(route, key),
             ["v1", "dedup", route, key, "resolve"] => Endpoint::DedupResolve(route, key),
@@ -324,6 +331,7 @@ impl Admin {
             Endpoint::Leases => self.leases(),
             Endpoint::Routes => self.routes(),
             Endpoint::Cluster => self.cluster(),
+            Endpoint::OpenApi => with_type(OPENAPI, StatusCode::OK, "application/json"),
             Endpoint::DedupList => self.dedup_list(&req).await?,
             Endpoint::DedupGet(route, key) => self.dedup_get(route, key).await?,
             Endpoint::DedupResolve(route, key) => {

@@ -911,6 +911,8 @@ fn dockerfile_build_stage_copies_what_the_manifest_needs() {
         "Cargo.lock".to_owned(),
         "build.rs".to_owned(),
         "src".to_owned(),
+        // include_str! in src/admin.rs (GET /v1/openapi.json).
+        "docs/openapi.json".to_owned(),
     ];
     for table in ["bench", "test", "example"] {
         for t in manifest
@@ -1000,4 +1002,69 @@ async fn sighup_reloads_the_tls_certificate() {
         call(&old.ca_pem).await.is_err(),
         "the old certificate is gone"
     );
+}
+
+/// SPEC §8: `GET /v1/openapi.json` serves docs/openapi.json byte for byte (the
+/// file is built in), without a token, and it is an OpenAPI 3.1 document of
+/// this version that describes every endpoint of the index (`GET /`) with its
+/// method, and nothing the index does not list but the proxy's status URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_description_is_the_file_and_covers_the_index() {
+    let store = tempfile::tempdir().unwrap();
+    let origin = Origin::start().await;
+    let fg = Fencegate::start_with_server(
+        "admin_token = \"openapi-test-token\"",
+        &format!(
+            "{}{}",
+            dir_store_toml(store.path()),
+            route_toml("billing", "billing", &origin, "")
+        ),
+        &[],
+    );
+    let file = std::fs::read(repo_root().join("docs/openapi.json")).unwrap();
+    let r = send(get(fg.admin_url("/v1/openapi.json"))).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["content-type"], "application/json");
+    assert!(r.body == file, "the served description differs from docs/openapi.json");
+    let head = send(
+        Request::head(fg.admin_url("/v1/openapi.json"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(head.status, 200);
+    assert_eq!(head.headers["content-length"], file.len().to_string());
+
+    let doc: serde_json::Value = serde_json::from_slice(&file).expect("docs/openapi.json parses");
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3.1."));
+    assert_eq!(doc["info"]["version"], env!("CARGO_PKG_VERSION"));
+    let paths = doc["paths"].as_object().unwrap();
+    let index = fg.admin_json("/").await;
+    let mut listed = std::collections::BTreeSet::new();
+    for e in index["endpoints"].as_array().unwrap() {
+        let path = e["path"].as_str().unwrap();
+        // "/v1/dedup?state=in_doubt[&route=R]…", "/v1/deliveries[?route=R]…"
+        let path = path.split(['?', '[']).next().unwrap();
+        let method = e["method"].as_str().unwrap().to_ascii_lowercase();
+        assert!(
+            paths.get(path).and_then(|p| p.get(&method)).is_some(),
+            "{method} {path} is in the index but not in docs/openapi.json"
+        );
+        listed.insert(path.to_owned());
+    }
+    for (path, item) in paths {
+        if item["get"]["tags"][0] == "proxy" {
+            assert!(item["servers"].is_array(), "{path}: its own server");
+            continue;
+        }
+        assert!(listed.contains(path), "{path} is described but not in the index");
+    }
+    // Every operation that needs the admin token says so, and answers 401.
+    for path in ["/v1/dedup", "/v1/deliveries"] {
+        let op = &paths[path]["get"];
+        assert_eq!(op["security"][0]["adminToken"], serde_json::json!([]));
+        let r = send(get(fg.admin_url(path))).await;
+        assert_eq!(r.status, 401, "{path}");
+        assert!(op["responses"]["401"].is_object(), "{path}");
+    }
 }

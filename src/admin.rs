@@ -608,9 +608,13 @@ impl Admin {
                         .ok_or(AdminError::BadRequest("limit must be 1 to 1000"))?
                 }
                 "after" => {
-                    after = Some(ListCursor::parse(&value).ok_or(AdminError::BadRequest(
-                        "after must be the `next` of the previous page",
-                    ))?)
+                    after = Some(
+                        ListCursor::parse(&value)
+                            .filter(|c| crate::dedup::could_name(&c.key.route, &c.key.key))
+                            .ok_or(AdminError::BadRequest(
+                                "after must be the `next` of the previous page",
+                            ))?,
+                    )
                 }
                 _ => {
                     return Err(AdminError::BadRequest(
@@ -823,7 +827,9 @@ impl Admin {
         let offset = form_field(q, "leases")
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(0);
-        let after = form_field(q, "after").and_then(|v| ListCursor::parse(&v));
+        let after = form_field(q, "after")
+            .and_then(|v| ListCursor::parse(&v))
+            .filter(|c| crate::dedup::could_name(&c.key.route, &c.key.key));
         let fences = self.shared.fences.all();
         // A full view only for the leases on this page: with thousands of leases
         // the others are only counted.

@@ -304,6 +304,15 @@ pub fn record_path(route: &str, key: &str) -> String {
     out
 }
 
+/// Whether `route` and `key` could name a dedup record or a queued message: a
+/// route's name has a lease name's form (`[a-z0-9][a-z0-9._-]{0,62}`, SPEC §9)
+/// and a key is a dedup key (1–255 visible ASCII, §6). A lookup of anything
+/// else (from a URL or a cursor) is answered "not found" or "malformed" without
+/// asking the state: PostgreSQL refuses text holding a NUL, which was a 503.
+pub fn could_name(route: &str, key: &str) -> bool {
+    crate::epoch::LeaseName::parse(route).is_ok() && DedupKey::parse(key.as_bytes()).is_ok()
+}
+
 /// Escapes everything but RFC 3986's unreserved characters (a key in a path, a
 /// cursor in a query).
 pub fn escape_segment(s: &str) -> String {

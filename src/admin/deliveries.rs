@@ -153,7 +153,15 @@ impl Admin {
                     }
                     route = Some(value);
                 }
-                "lease" => lease = Some(value),
+                "lease" => {
+                    // Checked here: PostgreSQL refuses a NUL (a 503 before).
+                    crate::epoch::LeaseName::parse(&value).map_err(|_| {
+                        AdminError::BadRequest(
+                            "lease must be a lease name ([a-z0-9][a-z0-9._-]{0,62})",
+                        )
+                    })?;
+                    lease = Some(value)
+                }
                 "status" => {
                     status = Some(Status::parse(&value).ok_or(AdminError::BadRequest(
                         "status must be pending, delivering, delivered, failed or dropped",
@@ -198,6 +206,9 @@ impl Admin {
         key: &str,
     ) -> Result<Response<Full<Bytes>>, AdminError> {
         let key = String::from_utf8_lossy(&form::decode_segment(key)).into_owned();
+        if !crate::dedup::could_name(route, &key) {
+            return Err(AdminError::Delivery(Edit::NotFound));
+        }
         let m = self
             .queue()?
             .store
@@ -215,6 +226,9 @@ impl Admin {
     /// has it, escaped).
     async fn edit(&self, route: &str, key: &str, retry: bool) -> Result<Message, AdminError> {
         let key = String::from_utf8_lossy(&form::decode_segment(key)).into_owned();
+        if !crate::dedup::could_name(route, &key) {
+            return Err(AdminError::Delivery(Edit::NotFound));
+        }
         let q = self.queue()?;
         let m = if retry {
             q.retry(route, &key).await?

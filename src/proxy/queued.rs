@@ -332,6 +332,9 @@ impl Proxy {
         let (Ok(route), Ok(key)) = (decode(route), decode(key)) else {
             return Err(ProxyError::DeliveryNotFound);
         };
+        if !dedup::could_name(&route, &key) {
+            return Err(ProxyError::DeliveryNotFound);
+        }
         let queue = self.queue.as_ref().ok_or(ProxyError::DeliveryNotFound)?;
         let m = queue
             .store

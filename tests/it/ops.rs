@@ -1025,7 +1025,10 @@ async fn openapi_description_is_the_file_and_covers_the_index() {
     let r = send(get(fg.admin_url("/v1/openapi.json"))).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.headers["content-type"], "application/json");
-    assert!(r.body == file, "the served description differs from docs/openapi.json");
+    assert!(
+        r.body == file,
+        "the served description differs from docs/openapi.json"
+    );
     let head = send(
         Request::head(fg.admin_url("/v1/openapi.json"))
             .body(Full::default())
@@ -1057,7 +1060,10 @@ async fn openapi_description_is_the_file_and_covers_the_index() {
             assert!(item["servers"].is_array(), "{path}: its own server");
             continue;
         }
-        assert!(listed.contains(path), "{path} is described but not in the index");
+        assert!(
+            listed.contains(path),
+            "{path} is described but not in the index"
+        );
     }
     // Every operation that needs the admin token says so, and answers 401.
     for path in ["/v1/dedup", "/v1/deliveries"] {

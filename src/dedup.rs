@@ -588,6 +588,26 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn could_name_takes_route_names_and_dedup_keys_only() {
+        assert!(could_name("hooks", "msg-1"));
+        assert!(could_name("a.b_c-9", &"k".repeat(255)));
+        assert!(could_name("hooks", "a/b%~!"));
+        for (route, key) in [
+            ("hooks", "a\0b"),
+            ("hooks", ""),
+            ("hooks", "a b"),
+            ("hooks", "é"),
+            ("hooks", &*"k".repeat(256)),
+            ("Hooks", "k"),
+            ("ho\0oks", "k"),
+            ("", "k"),
+            ("-hooks", "k"),
+        ] {
+            assert!(!could_name(route, key), "{route:?} {key:?}");
+        }
+    }
+
+    #[test]
     fn fresh_keys_are_fg_and_128_bits_of_lowercase_hex() {
         let (a, b) = (DedupKey::fresh(), DedupKey::fresh());
         for k in [&a, &b] {

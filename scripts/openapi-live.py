@@ -7,7 +7,8 @@ Starts the S3 test server (scripts/s3server.py), three origins in this process
 root; tests/common/postgres.rs does the same), and fencegate with an admin
 token and five routes, each on its own lease:
 
-- `billing` (direct, to the 200 origin): `done` dedup records `order-1`..;
+- `billing` (direct, to the 200 origin, with `max_in_flight` and a breaker):
+  `done` dedup records `order-1`..;
 - `slow` (direct, to the silent origin, timeout 300 ms): `in_doubt` keys;
 - `hooks` (queued, to a closed port, retries an hour apart): `pending`
   messages `msg-1`.. (the first one failed an attempt);
@@ -194,7 +195,8 @@ def main():
             f'[store]\nkind = "s3"\nbucket = "leases"\nprefix = "fencegate/"\nendpoint = "http://{s3_addr}"\n'
             f'region = "us-east-1"\nforce_path_style = true\nrefresh_interval_ms = 200\ntimeout_ms = 1500\n\n'
             + (f'[state]\nkind = "postgres"\nurl = "{pg.url}"\n\n' if pg else "")
-            + route("billing", ok.url, "timeout_ms = 3000\n")
+            + route("billing", ok.url, 'timeout_ms = 3000\nmax_in_flight = 8\n'
+                    'breaker = { failures = 5, window = "10s", cool_down = "5s" }\n')
             + route("slow", silent.url, "timeout_ms = 300\n")
             + route("hooks", down, queued + "timeout_ms = 1000\n")
             + route("rejecting", reject.url, queued + "timeout_ms = 3000\n")

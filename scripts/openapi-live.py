@@ -7,7 +7,7 @@ Starts the S3 test server (scripts/s3server.py), three origins in this process
 root; tests/common/postgres.rs does the same), and fencegate with an admin
 token and five routes, each on its own lease:
 
-- `billing` (direct, to the 200 origin, with `max_in_flight` and a breaker):
+- `billing` (direct, to the 200 origin, with `max_in_flight`, a breaker and a rate):
   `done` dedup records `order-1`..;
 - `slow` (direct, to the silent origin, timeout 300 ms): `in_doubt` keys;
 - `hooks` (queued, to a closed port, retries an hour apart): `pending`
@@ -196,7 +196,8 @@ def main():
             f'region = "us-east-1"\nforce_path_style = true\nrefresh_interval_ms = 200\ntimeout_ms = 1500\n\n'
             + (f'[state]\nkind = "postgres"\nurl = "{pg.url}"\n\n' if pg else "")
             + route("billing", ok.url, 'timeout_ms = 3000\nmax_in_flight = 8\n'
-                    'breaker = { failures = 5, window = "10s", cool_down = "5s" }\n')
+                    'breaker = { failures = 5, window = "10s", cool_down = "5s" }\n'
+                    'rate = "10000/s"\n')
             + route("slow", silent.url, "timeout_ms = 300\n")
             + route("hooks", down, queued + "timeout_ms = 1000\n")
             + route("rejecting", reject.url, queued + "timeout_ms = 3000\n")

@@ -56,6 +56,9 @@ stage "worker clients (scripts/clients-test.sh)" bash scripts/clients-test.sh
 # The Kubernetes manifests against Kubernetes' schemas, offline (their agreement
 # with the binary is tests/it/kubernetes.rs, above).
 stage "Kubernetes manifests (scripts/k8s-validate.sh)" bash scripts/k8s-validate.sh
+# The admin API's OpenAPI description: validated, then schemathesis against a
+# live fencegate on sled and on PostgreSQL (scripts/openapi-live.py).
+stage "the admin API's description, fuzzed (scripts/openapi-test.sh)" bash scripts/openapi-test.sh
 # The alerting rules: promtool's check and unit tests (the metrics they and the
 # dashboard query are tests/it/monitoring.rs, above).
 stage "alerting rules (scripts/alerts-test.sh)" bash scripts/alerts-test.sh

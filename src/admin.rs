@@ -569,6 +569,10 @@ impl Admin {
                     "max_retry_after_ms": ms(s.max_retry_after),
                     "held_for_ms": v.held_for.map(ms),
                     "breaker": breaker,
+                    "rate": s.rate.map(|(rate, burst)| json!({
+                        "rate": rate.to_string(),
+                        "burst": burst,
+                    })),
                     "refused": refused,
                 })
             })

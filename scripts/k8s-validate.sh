@@ -11,19 +11,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VERSIONS=(1.25.0 1.37.0)
 
-PY=$(bash scripts/setup-s3server.sh)
-REQ=scripts/requirements-k8s.txt
-MARKER=$(dirname "$PY")/../.fencegate-k8s-requirements.sha256
-want=$(sha256sum "$REQ" | cut -d' ' -f1)
-if [ ! -f "$MARKER" ] || [ "$(cat "$MARKER")" != "$want" ]; then
-    if "$PY" -m pip --version >/dev/null 2>&1; then
-        pip=("$PY" -m pip)
-    else
-        pip=(python3 -m pip --python "$PY")
-    fi
-    "${pip[@]}" install --quiet --disable-pip-version-check --no-input -r "$REQ" >&2
-    echo "$want" >"$MARKER"
-fi
+PY=$(bash scripts/venv-install.sh scripts/requirements-k8s.txt)
 KV=$(dirname "$PY")/kubernetes-validate
 
 # One run of kubernetes-validate; fails on any failure and on a resource it has

@@ -23,19 +23,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-PY=$(bash scripts/setup-s3server.sh)
-REQ=scripts/requirements-openapi.txt
-MARKER=$(dirname "$PY")/../.fencegate-openapi-requirements.sha256
-want=$(sha256sum "$REQ" | cut -d' ' -f1)
-if [ ! -f "$MARKER" ] || [ "$(cat "$MARKER")" != "$want" ]; then
-    if "$PY" -m pip --version >/dev/null 2>&1; then
-        pip=("$PY" -m pip)
-    else
-        pip=(python3 -m pip --python "$PY")
-    fi
-    "${pip[@]}" install --quiet --disable-pip-version-check --no-input -r "$REQ" >&2
-    echo "$want" >"$MARKER"
-fi
+PY=$(bash scripts/venv-install.sh scripts/requirements-openapi.txt)
 BIN_DIR=$(dirname "$PY")
 
 echo "=== openapi-test: openapi-spec-validator docs/openapi.json"

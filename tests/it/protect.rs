@@ -574,6 +574,15 @@ async fn reloaded(s: &Setup, before: f64) {
     .await;
 }
 
+/// The idempotency keys the origin received, in arrival order.
+fn keys_at(origin: &Origin) -> Vec<String> {
+    origin
+        .log()
+        .iter()
+        .filter_map(|a| a.header("idempotency-key"))
+        .collect()
+}
+
 /// Issue 48, a rate per destination (SPEC §9 `rate`, `rate_burst`): past its
 /// burst a direct request is refused 503 `upstream_held` (`rate`, with the next
 /// token's `Retry-After`) and reaches nothing, its key left free; the admin API
@@ -601,13 +610,7 @@ async fn past_its_rate_a_request_is_refused_and_its_key_stays_free() {
     s.fg.edit_config(|t| t.replace("rate = \"1/h\"\nrate_burst = 2", "rate = \"100/s\""));
     reloaded(&s, 0.0).await;
     assert_eq!(send(req(&s, "/billing/x", "r3", &[])).await.status, 200);
-    let keys: Vec<_> = s
-        .origin
-        .log()
-        .iter()
-        .filter_map(|a| a.header("idempotency-key"))
-        .collect();
-    assert_eq!(keys, ["r1", "r2", "r3"]);
+    assert_eq!(keys_at(&s.origin), ["r1", "r2", "r3"]);
 }
 
 /// A queued route's attempts wait for the rate's next token (SPEC §11: a
@@ -621,13 +624,7 @@ async fn a_queued_routes_attempts_wait_for_the_rate() {
         assert_eq!(send(req(&s, "/billing/x", k, &[])).await.status, 202);
     }
     s.origin.wait_for(2).await;
-    let keys: Vec<_> = s
-        .origin
-        .log()
-        .iter()
-        .filter_map(|a| a.header("idempotency-key"))
-        .collect();
-    assert_eq!(keys, ["q1", "q2"]);
+    assert_eq!(keys_at(&s.origin), ["q1", "q2"]);
     assert!(
         s.fg.series("fencegate_upstream_held_total{route=\"billing\",reason=\"rate\"}")
             .await

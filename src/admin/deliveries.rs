@@ -13,7 +13,7 @@ use super::{form, form_field, html, json_response, see_other, Admin};
 use crate::dedup::ms_to_system;
 use crate::error::AdminError;
 use crate::proxy::queued::view;
-use crate::queue::{Edit, Message, Queue, Status};
+use crate::queue::{Edit, ListedBy, Listing, Message, Queue, Status};
 use crate::state::StateError;
 
 /// The statuses the panel lists, in its order: those an operator acts on
@@ -38,12 +38,12 @@ async fn panel(
         for (n, status) in SHOWN.into_iter().enumerate() {
             let (found, count) = q
                 .store
-                .list(
-                    Some(route),
-                    None,
-                    Some(status),
-                    need.saturating_sub(rows.len()),
-                )
+                .list(&Listing {
+                    route: Some(route.clone()),
+                    status: Some(status),
+                    limit: need.saturating_sub(rows.len()),
+                    ..Listing::default()
+                })
                 .await?;
             counts[n] = count;
             rows.extend(found);
@@ -138,20 +138,34 @@ impl Admin {
             .ok_or(AdminError::Delivery(Edit::NotFound))
     }
 
-    /// `GET /v1/deliveries[?route=R][&lease=L][&status=S][&limit=N]`.
+    /// `GET /v1/deliveries[?route=R][&lease=L][&status=S][&since=T][&until=T]
+    /// [&by=accepted|updated][&after=CURSOR][&limit=N]`: by route then key;
+    /// `next` is the cursor of the page after this one (null at the end).
     pub(super) async fn deliveries<B>(
         &self,
         req: &Request<B>,
     ) -> Result<Response<Full<Bytes>>, AdminError> {
         self.authorize(req)?;
-        let (mut route, mut lease, mut status, mut limit) = (None, None, None, 100usize);
+        let mut l = Listing {
+            limit: 100,
+            ..Listing::default()
+        };
+        let time = |value: &str| {
+            humantime::parse_rfc3339_weak(value)
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                .ok_or(AdminError::BadRequest(
+                    "since and until are RFC 3339 times, e.g. 2026-12-07T10:00:00Z",
+                ))
+        };
         for (name, value) in form::query_pairs(req.uri().query().unwrap_or("")) {
             match name.as_str() {
                 "route" => {
                     if !self.shared.has_route(&value) {
                         return Err(AdminError::RouteNotFound(value));
                     }
-                    route = Some(value);
+                    l.route = Some(value);
                 }
                 "lease" => {
                     // Checked here: PostgreSQL refuses a NUL (a 503 before).
@@ -160,15 +174,38 @@ impl Admin {
                             "lease must be a lease name ([a-z0-9][a-z0-9._-]{0,62})",
                         )
                     })?;
-                    lease = Some(value)
+                    l.lease = Some(value)
                 }
                 "status" => {
-                    status = Some(Status::parse(&value).ok_or(AdminError::BadRequest(
+                    l.status = Some(Status::parse(&value).ok_or(AdminError::BadRequest(
                         "status must be pending, delivering, delivered, failed or dropped",
                     ))?)
                 }
+                "since" => l.since_ms = Some(time(&value)?),
+                "until" => l.until_ms = Some(time(&value)?),
+                "by" => {
+                    l.by = match value.as_str() {
+                        "accepted" => ListedBy::Accepted,
+                        "updated" => ListedBy::Updated,
+                        _ => {
+                            return Err(AdminError::BadRequest(
+                                "by must be accepted or updated",
+                            ))
+                        }
+                    }
+                }
+                "after" => {
+                    // The `next` of the page before: `{route}/{key}`.
+                    let (route, key) = value
+                        .split_once('/')
+                        .filter(|(r, k)| crate::dedup::could_name(r, k))
+                        .ok_or(AdminError::BadRequest(
+                            "after must be the next of the page before ({route}/{key})",
+                        ))?;
+                    l.after = Some((route.to_owned(), key.to_owned()));
+                }
                 "limit" => {
-                    limit = value
+                    l.limit = value
                         .parse()
                         .ok()
                         .filter(|n| (1..=1000).contains(n))
@@ -176,7 +213,7 @@ impl Admin {
                 }
                 _ => {
                     return Err(AdminError::BadRequest(
-                        "unknown parameter: the listing takes route, lease, status and limit",
+                        "unknown parameter: the listing takes route, lease, status, since, until, by, after and limit",
                     ))
                 }
             }
@@ -184,18 +221,18 @@ impl Admin {
         let (messages, total) = match &self.shared.queue {
             None => (Vec::new(), 0),
             Some(q) => {
-                let listed = q
-                    .store
-                    .list(route.as_deref(), lease.as_deref(), status, limit)
-                    .await?;
+                let listed = q.store.list(&l).await?;
                 q.store.durable().await?;
                 listed
             }
         };
+        let next = (messages.len() == l.limit)
+            .then(|| messages.last().map(|m| format!("{}/{}", m.route, m.key)))
+            .flatten();
         let messages: Vec<_> = messages.iter().map(view).collect();
         Ok(json_response(
             StatusCode::OK,
-            json!({"total": total, "messages": messages}),
+            json!({"total": total, "messages": messages, "next": next}),
         ))
     }
 

@@ -306,3 +306,59 @@ pub enum Edit {
     /// Its lease is not served here now.
     NotServed,
 }
+
+/// Which time a listing's `since` and `until` read (SPEC §11 `GET
+/// /v1/deliveries`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ListedBy {
+    /// When the message was accepted.
+    #[default]
+    Accepted,
+    /// When it last changed (a settled one: when it settled).
+    Updated,
+}
+
+/// An operator's listing of messages: the filters, where the page starts and
+/// how long it is. Messages come in one stable order, by route then key (as
+/// bytes), on every store.
+#[derive(Debug, Clone, Default)]
+pub struct Listing {
+    /// Only this route's.
+    pub route: Option<String>,
+    /// Only this lease's.
+    pub lease: Option<String>,
+    /// Only in this status.
+    pub status: Option<Status>,
+    /// At or after this time (ms since the epoch), by `by`.
+    pub since_ms: Option<u64>,
+    /// Before this time (ms since the epoch), by `by`.
+    pub until_ms: Option<u64>,
+    /// Which time `since` and `until` read.
+    pub by: ListedBy,
+    /// The page starts after this (route, key): the `next` of the one before.
+    pub after: Option<(String, String)>,
+    /// The page's length at most.
+    pub limit: usize,
+}
+
+impl Listing {
+    /// Whether `m` matches the filters (not the page's start).
+    pub fn matches(&self, m: &Message) -> bool {
+        let at = match self.by {
+            ListedBy::Accepted => m.accepted_ms,
+            ListedBy::Updated => m.updated_ms,
+        };
+        self.route.as_deref().is_none_or(|r| r == m.route)
+            && self.lease.as_deref().is_none_or(|l| l == m.lease)
+            && self.status.is_none_or(|s| s == m.status)
+            && self.since_ms.is_none_or(|t| at >= t)
+            && self.until_ms.is_none_or(|t| at < t)
+    }
+
+    /// Whether `m` comes after the page's start.
+    pub fn after_start(&self, m: &Message) -> bool {
+        self.after.as_ref().is_none_or(|(r, k)| {
+            (m.route.as_bytes(), m.key.as_bytes()) > (r.as_bytes(), k.as_bytes())
+        })
+    }
+}

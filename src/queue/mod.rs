@@ -37,7 +37,7 @@ use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::state::{Owner, StateError};
 pub(crate) use follow::FollowTenures;
-pub use message::{Accepted, Answer, Edit, Envelope, Message, Requeued, Status};
+pub use message::{Accepted, Answer, Edit, Envelope, ListedBy, Listing, Message, Requeued, Status};
 pub(crate) use restore::fence_restored;
 pub use restore::Fenced;
 pub(crate) use rules::conflict;

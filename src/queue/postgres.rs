@@ -43,7 +43,7 @@ use std::sync::Arc;
 use deadpool_postgres::Object;
 use tokio_postgres::Transaction;
 
-use super::message::{Accepted, Envelope, Message, Requeued, Status};
+use super::message::{Accepted, Envelope, Listing, Message, Requeued, Status};
 use crate::state::gather::ByKey;
 use crate::state::postgres::schema::{epoch_from_sql, epoch_to_sql};
 use crate::state::postgres::PostgresState;
@@ -852,34 +852,51 @@ impl PgQueue {
     }
 
     /// Up to `limit` messages matching, in key order; and how many match.
-    pub async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        let (route, lease) = (route.map(str::to_owned), lease.map(str::to_owned));
-        let status = status.map(|s| s.as_str().to_owned());
-        let limit = i64_of(limit as u64);
+    /// [`super::store::QueueStore::list`]: ordered by route then key as
+    /// bytes (`COLLATE "C"`), as sled's tree is.
+    pub async fn list(&self, l: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        let (route, lease) = (l.route.clone(), l.lease.clone());
+        let status = l.status.map(|s| s.as_str().to_owned());
+        let (since, until) = (l.since_ms.map(i64_of), l.until_ms.map(i64_of));
+        let (after_route, after_key) = l.after.clone().unzip();
+        let limit = i64_of(l.limit as u64);
+        // A column name from an enum, never from input.
+        let at = match l.by {
+            super::message::ListedBy::Accepted => "accepted_ms",
+            super::message::ListedBy::Updated => "updated_ms",
+        };
         let (rows, total) = self
             .db
             .with("queue list", |c| async move {
-                let cond = "($1::text IS NULL OR route = $1) AND ($2::text IS NULL OR lease = $2) \
-                            AND ($3::text IS NULL OR status = $3)";
+                let cond = format!(
+                    "($1::text IS NULL OR route = $1) AND ($2::text IS NULL OR lease = $2) \
+                     AND ($3::text IS NULL OR status = $3) \
+                     AND ($4::bigint IS NULL OR {at} >= $4) AND ($5::bigint IS NULL OR {at} < $5)"
+                );
                 let rows = c
                     .query(
                         &format!(
                             "SELECT message FROM fencegate_queue WHERE {cond} \
-                             ORDER BY route, key LIMIT $4"
+                             AND ($6::text IS NULL OR route COLLATE \"C\" > $6 \
+                                  OR (route = $6 AND key COLLATE \"C\" > $7)) \
+                             ORDER BY route COLLATE \"C\", key COLLATE \"C\" LIMIT $8"
                         ),
-                        &[&route, &lease, &status, &limit],
+                        &[
+                            &route,
+                            &lease,
+                            &status,
+                            &since,
+                            &until,
+                            &after_route,
+                            &after_key,
+                            &limit,
+                        ],
                     )
                     .await?;
                 let total: i64 = c
                     .query_one(
                         &format!("SELECT count(*) FROM fencegate_queue WHERE {cond}"),
-                        &[&route, &lease, &status],
+                        &[&route, &lease, &status, &since, &until],
                     )
                     .await?
                     .get(0);

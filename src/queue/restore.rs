@@ -43,7 +43,14 @@ pub(crate) async fn fence_restored(
         .map_err(|e| StateError::Write(format!("the lease store, fencing a restored state: {e}")))?
         .get();
     for status in [Status::Pending, Status::Delivering] {
-        let (msgs, _) = store.list(None, Some(lease), Some(status), ALL).await?;
+        let (msgs, _) = store
+            .list(&super::Listing {
+                lease: Some(lease.to_owned()),
+                status: Some(status),
+                limit: ALL,
+                ..Default::default()
+            })
+            .await?;
         for mut m in msgs {
             if m.epoch < latest {
                 m.status = Status::Failed;

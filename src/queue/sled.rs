@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use sled::transaction::{ConflictableTransactionError, TransactionError};
 use sled::Transactional;
 
-use super::message::{Accepted, Envelope, Held, Message, QueueBound, Requeued, Status};
+use super::message::{Accepted, Envelope, Held, Listing, Message, QueueBound, Requeued, Status};
 use crate::state::sled::SledState;
 use crate::state::StateError;
 
@@ -540,14 +540,10 @@ impl SledQueue {
     }
 
     /// Up to `limit` messages matching, in key order (route, then key).
-    pub fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        let iter = match route {
+    /// [`super::store::QueueStore::list`]: the tree's order is by route then
+    /// key (as bytes, `id`), the listing's.
+    pub fn list(&self, l: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        let iter = match &l.route {
             Some(r) => self.msgs.scan_prefix(id(r, "")),
             None => self.msgs.iter(),
         };
@@ -556,11 +552,11 @@ impl SledQueue {
         for item in iter {
             let (_, v) = item.map_err(db_err)?;
             let m = decode(&v)?;
-            if lease.is_some_and(|l| l != m.lease) || status.is_some_and(|s| s != m.status) {
+            if !l.matches(&m) {
                 continue;
             }
             total += 1;
-            if out.len() < limit {
+            if out.len() < l.limit && l.after_start(&m) {
                 out.push(m);
             }
         }

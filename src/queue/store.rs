@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::message::{Accepted, Envelope, Held, Message, QueueBound, Requeued, Status};
+use super::message::{Accepted, Envelope, Held, Listing, Message, QueueBound, Requeued};
 use super::postgres::PgQueue;
 use super::sled::SledQueue;
 use crate::state::{Owner, StateError};
@@ -165,13 +165,7 @@ pub trait QueueStore: Send + Sync + 'static {
 
     /// Up to `limit` messages matching, in key order (route, then key); and
     /// how many match.
-    async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError>;
+    async fn list(&self, listing: &Listing) -> Result<(Vec<Message>, u64), StateError>;
 
     /// Removes settled messages last changed before `before_ms`; how many.
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError>;
@@ -292,14 +286,8 @@ impl QueueStore for SledQueue {
         SledQueue::sent_epoch(self, lease)
     }
 
-    async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        SledQueue::list(self, route, lease, status, limit)
+    async fn list(&self, listing: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        SledQueue::list(self, listing)
     }
 
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {
@@ -421,14 +409,8 @@ impl QueueStore for PgQueue {
         PgQueue::sent_epoch(self, lease).await
     }
 
-    async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        PgQueue::list(self, route, lease, status, limit).await
+    async fn list(&self, listing: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        PgQueue::list(self, listing).await
     }
 
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {

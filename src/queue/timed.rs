@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::message::{Accepted, Envelope, Held, Message, QueueBound, Requeued, Status};
+use super::message::{Accepted, Envelope, Held, Listing, Message, QueueBound, Requeued};
 use super::store::{Admitted, Depth, QueueStore, Written};
 use crate::state::timed::{Op, StateMetrics};
 use crate::state::{Owner, StateError};
@@ -174,15 +174,8 @@ impl QueueStore for TimedQueue {
             .await
     }
 
-    async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        self.timed(Op::QueueRead, self.inner.list(route, lease, status, limit))
-            .await
+    async fn list(&self, listing: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        self.timed(Op::QueueRead, self.inner.list(listing)).await
     }
 
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {

@@ -1418,3 +1418,63 @@ async fn names_no_message_can_have_are_4xx_not_5xx_on_postgres() {
     }
     names_no_message_can_have_are_4xx_not_5xx(Backend::Postgres).await;
 }
+
+/// Issue 48, the history by time: `GET /v1/deliveries` pages through every
+/// message once by `next`, keeps `total` for every page, and takes `since` and
+/// `until` on the acceptance time (`by=updated`: the last change); bad values
+/// are 400 `bad_request`, naming what to write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delivery_history_pages_by_cursor_and_filters_by_time() {
+    skip_without_python!();
+    let q = Queued::start("").await;
+    let get = |query: String| {
+        let url = q.fg.admin_url(&format!("/v1/deliveries{query}"));
+        async move {
+            send(
+                Request::get(url)
+                    .header("authorization", format!("Bearer {ADMIN}"))
+                    .body(Full::default())
+                    .unwrap(),
+            )
+            .await
+        }
+    };
+    let before = fencegate::clock::rfc3339(std::time::SystemTime::now() - Duration::from_secs(1));
+    for k in ["k1", "k2", "k3", "k4", "k5"] {
+        accepted(&send(message(&q.fg, &q.a, k, k, 200)).await);
+    }
+    let mut seen = Vec::new();
+    let mut query = "?limit=2".to_owned();
+    loop {
+        let page = get(query.clone()).await.json();
+        assert_eq!(page["total"], 5, "{page}");
+        for m in page["messages"].as_array().unwrap() {
+            seen.push(m["dedup_key"].as_str().unwrap().to_owned());
+        }
+        match page["next"].as_str() {
+            Some(next) => {
+                query = format!("?limit=2&after={}", fencegate::dedup::escape_segment(next))
+            }
+            None => break,
+        }
+    }
+    assert_eq!(seen, ["k1", "k2", "k3", "k4", "k5"]);
+    let later = fencegate::clock::rfc3339(std::time::SystemTime::now() + Duration::from_secs(60));
+    let inside = get(format!("?since={before}&until={later}")).await.json();
+    assert_eq!(inside["total"], 5, "{inside}");
+    let after = get(format!("?since={later}&by=updated")).await.json();
+    assert_eq!(after["total"], 0, "{after}");
+    for (query, said) in [
+        ("?since=yesterday", "RFC 3339"),
+        ("?by=settled", "accepted or updated"),
+        ("?after=no-slash", "next of the page before"),
+    ] {
+        let r = get(query.to_owned()).await;
+        r.assert_error(400, "bad_request");
+        assert!(
+            r.json()["message"].as_str().unwrap().contains(said),
+            "{query}: {}",
+            r.json()
+        );
+    }
+}

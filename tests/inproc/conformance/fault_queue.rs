@@ -6,9 +6,9 @@
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use fencegate::queue::message::{Held, QueueBound};
+use fencegate::queue::message::{Held, Listing, QueueBound};
 use fencegate::queue::store::{Admitted, Depth, Written};
-use fencegate::queue::{Accepted, Envelope, Message, QueueStore, Requeued, Status};
+use fencegate::queue::{Accepted, Envelope, Message, QueueStore, Requeued};
 use fencegate::state::{Owner, StateError};
 
 use super::Fault;
@@ -185,14 +185,8 @@ impl QueueStore for FaultQueue {
         self.inner.sent_epoch(lease).await
     }
 
-    async fn list(
-        &self,
-        route: Option<&str>,
-        lease: Option<&str>,
-        status: Option<Status>,
-        limit: usize,
-    ) -> Result<(Vec<Message>, u64), StateError> {
-        self.inner.list(route, lease, status, limit).await
+    async fn list(&self, listing: &Listing) -> Result<(Vec<Message>, u64), StateError> {
+        self.inner.list(listing).await
     }
 
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError> {

@@ -12,7 +12,7 @@ use fencegate::queue::message::QueueBound;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::sled::SledQueue;
 use fencegate::queue::timed::TimedQueue;
-use fencegate::queue::{Accepted, Message, QueueStore, Requeued, Status};
+use fencegate::queue::{Accepted, Listing, Message, QueueStore, Requeued, Status};
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::sled::SledState;
 use fencegate::state::timed::Timed;
@@ -123,6 +123,7 @@ macro_rules! queue_conformance {
 queue_conformance!(
     places_follow_acceptance_and_a_key_is_one_message,
     acceptances_at_once_are_each_one_message_in_distinct_places,
+    a_listing_pages_in_one_order_and_filters_by_time,
     a_settled_head_lets_the_next_go_and_only_a_failed_message_keeps_its_request,
     a_retry_behind_a_newer_epoch_is_superseded,
     #[differs(sled = "sled has one owner: its writes name none")]
@@ -230,6 +231,59 @@ async fn acceptances_at_once_are_each_one_message_in_distinct_places(s: QueueSub
     sorted.dedup();
     assert_eq!(sorted.len(), 4, "distinct places: {seqs:?}");
     assert!(seqs[1..].iter().all(|q| *q > first.seq), "{seqs:?}");
+}
+
+/// SPEC §11 `GET /v1/deliveries` (issue 48): one order on every store (route,
+/// then key, as bytes), pages that follow one another through `after` with
+/// every message once, a total that counts every match whatever the page, and
+/// `since`/`until` on the acceptance time.
+async fn a_listing_pages_in_one_order_and_filters_by_time(s: QueueSubject) {
+    let keys = ["b", "a", "C", "a-2", "é", "z"];
+    for (i, k) in keys.iter().enumerate() {
+        let mut m = message(k, 1);
+        m.accepted_ms = 1_000 * (i as u64 + 1);
+        s.store
+            .accept(
+                s.owner,
+                m,
+                &envelope(),
+                &QueueBound::NONE,
+                Arc::new(|| true),
+            )
+            .await
+            .unwrap();
+    }
+    s.store.durable().await.unwrap();
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let l = Listing {
+            route: Some("hook".into()),
+            after: after.clone(),
+            limit: 4,
+            ..Listing::default()
+        };
+        let (page, total) = s.store.list(&l).await.unwrap();
+        assert_eq!(total, 6);
+        seen.extend(page.iter().map(|m| m.key.clone()));
+        match page.last() {
+            Some(m) if page.len() == 4 => after = Some((m.route.clone(), m.key.clone())),
+            _ => break,
+        }
+    }
+    let mut bytewise: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    bytewise.sort();
+    assert_eq!(seen, bytewise, "each once, by key as bytes");
+    let window = Listing {
+        since_ms: Some(2_000),
+        until_ms: Some(5_000),
+        limit: 100,
+        ..Listing::default()
+    };
+    let (page, total) = s.store.list(&window).await.unwrap();
+    let mut got: Vec<_> = page.iter().map(|m| m.key.as_str()).collect();
+    got.sort();
+    assert_eq!((got, total), (vec!["C", "a", "a-2"], 3));
 }
 
 /// SPEC §11: settling the head lets the next one go; a delivered or dropped
@@ -341,7 +395,15 @@ async fn an_acceptance_whose_answer_was_lost_is_one_message(s: QueueSubject) {
     s.store.durable().await.unwrap();
     let again = try_accept(&s, "m1", 1, true).await.unwrap();
     assert!(matches!(again, Accepted::Exists(_)), "{again:?}");
-    let (listed, total) = s.store.list(Some("hook"), None, None, 10).await.unwrap();
+    let (listed, total) = s
+        .store
+        .list(&Listing {
+            route: Some("hook".into()),
+            limit: 10,
+            ..Listing::default()
+        })
+        .await
+        .unwrap();
     assert_eq!((listed.len(), total), (1, 1));
 }
 

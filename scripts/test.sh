@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one test command: sets up the S3 test server's venv and PostgreSQL, builds,
-# runs all tests.
+# then runs every stage (each whatever the one before did) and ends with a
+# summary of each stage's result and time; any failure fails it.
 # Extra arguments go to `cargo test`, e.g. `scripts/test.sh fencing -- --nocapture`.
 # The test harness starts `$FENCEGATE_TEST_PYTHON scripts/s3server.py --port 0` per test.
 set -euo pipefail

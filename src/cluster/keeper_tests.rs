@@ -125,6 +125,9 @@ struct Db {
     down: AtomicBool,
     unknown: AtomicBool,
     latency: Mutex<Duration>,
+    /// This many renewals from now are sent on a connection that never
+    /// answers (a hung backend): nothing applied, no answer.
+    hung_renewals: std::sync::atomic::AtomicU32,
 }
 
 impl Db {
@@ -316,6 +319,12 @@ impl OwnershipStore for Db {
         ttl: Duration,
         _patience: Duration,
     ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+        let hung = self
+            .hung_renewals
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if hung.is_ok() {
+            return std::future::pending().await;
+        }
         self.call(|t| {
             let mut renewed = Vec::new();
             for &(shard, generation) in held {
@@ -417,6 +426,7 @@ impl World {
             down: AtomicBool::new(false),
             unknown: AtomicBool::new(false),
             latency: Mutex::new(Duration::ZERO),
+            hung_renewals: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -709,6 +719,39 @@ async fn a_contender_waits_the_owners_longer_gate_ttl() {
         "the owner's gate_ttl counts when longer"
     );
     assert_eq!(w.row(0).unwrap().ttl_ms, Some(6_000), "b wrote its own");
+}
+
+/// A renewal sent on a connection that hangs (its backend stopped) costs no
+/// window: after a fifth of `gate_ttl` a second goes beside it on another
+/// connection, renews, and the shard's deadline moves as for any renewal.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_on_a_hung_connection_is_hedged_by_a_second() {
+    let w = World::new();
+    let a = w.member("a", 1, TTL).await;
+    rounds(&[&a]).await;
+    assert_eq!(serving(&a), vec![0]);
+    advance(Duration::from_secs(1)).await;
+    anchor(&a).await;
+    let before = w.row(0).unwrap().renewals;
+    a.db.hung_renewals.store(1, Ordering::SeqCst);
+    let sent = Instant::now();
+    // Paused time: without the second renewal this would wait for ever.
+    tokio::time::timeout(TTL, a.renew_round())
+        .await
+        .expect("the renewal answered, by its second");
+    assert_eq!(
+        sent.elapsed(),
+        TTL / 5,
+        "the second renewal went after a fifth of gate_ttl"
+    );
+    assert_eq!(
+        w.row(0).unwrap().renewals,
+        before + 1,
+        "the hung one applied nothing, the second renewed"
+    );
+    let g = &a.by_shard[0];
+    assert_eq!(a.forward_deadline(g), sent + TTL - MARGIN);
+    assert_eq!(serving(&a), vec![0]);
 }
 
 /// Self-fencing: an owner cut off from the database forwards until

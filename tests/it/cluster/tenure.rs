@@ -464,7 +464,7 @@ async fn with_the_default_gate_ttl_a_lost_renewal_at_the_wrong_phase_never_overl
 }
 
 /// Issue 51: a slow database costs no shard its tenure while the protocol's
-/// time remains. A trigger makes every update of the owner rows take 3 s —
+/// time remains. A trigger makes every update of the owner rows take 2.5 s —
 /// past `[state] timeout_ms` (2 s), within the time a renewal's window leaves
 /// (`gate_ttl − self_fence_margin` = 8 s after its send, renewals every 3.3 s)
 /// — for 14 s, while a worker's fencing-only requests flow. A renewal counts
@@ -490,7 +490,7 @@ async fn renewals_slower_than_the_state_timeout_cost_no_shard_its_tenure() {
     pg.psql(
         &db_name,
         "CREATE FUNCTION slow_owners() RETURNS trigger LANGUAGE plpgsql AS \
-         'BEGIN PERFORM pg_sleep(3); RETURN NULL; END'; \
+         'BEGIN PERFORM pg_sleep(2.5); RETURN NULL; END'; \
          CREATE TRIGGER slow_owners BEFORE UPDATE ON fencegate_owners \
          FOR EACH STATEMENT EXECUTE FUNCTION slow_owners()",
     );

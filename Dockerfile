@@ -29,7 +29,7 @@ WORKDIR /src
 # The commit for fencegate_build_info and --version (no .git in the context).
 ARG FENCEGATE_COMMIT=unknown
 ENV FENCEGATE_COMMIT=${FENCEGATE_COMMIT}
-COPY Cargo.toml Cargo.lock build.rs ./
+COPY Cargo.toml Cargo.lock ./
 # Cargo.toml declares the benches: their files must exist for the manifest to
 # load (tests/it/ops.rs checks every path the manifest names is copied).
 COPY benches ./benches

@@ -55,7 +55,9 @@ podman --version
 
 step "binary: cargo build --release --locked --bin fencegate"
 t0=$SECONDS
-cargo build --release --locked --bin fencegate
+# The commit for --version and fencegate_build_info (read by src/main.rs only).
+FENCEGATE_COMMIT=${FENCEGATE_COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)} \
+    cargo build --release --locked --bin fencegate
 echo "release build: $((SECONDS - t0)) s"
 BIN=$REPO/target/release/fencegate
 

@@ -35,7 +35,6 @@ use tokio::sync::Notify;
 
 use crate::admission::{Admit, Refusal};
 use crate::epoch::Epoch;
-use crate::state::StateError;
 
 #[cfg(not(fencegate_loom))]
 use crate::lock_order::Ordered as Guard;
@@ -391,13 +390,14 @@ pub struct Gate {
     settle_until: Option<tokio::time::Instant>,
 }
 
-/// Why a raise did not produce a pass.
+/// Why a raise did not produce a pass. `E` is the caller's `persist` error:
+/// the gate does no I/O of its own and names no store.
 #[derive(Debug)]
-pub enum RaiseError {
+pub enum RaiseError<E> {
     /// The gate refused (stale, closed, settling).
     Denied(Denied),
     /// The raised mark could not be made durable: nothing is forwarded.
-    State(StateError),
+    State(E),
 }
 
 /// Admission to forward at `epoch`. Dropping it ends the request's time in flight.
@@ -579,16 +579,16 @@ impl Gate {
     ///
     /// Must run to completion once started (the server finishes a request its client dropped), or the
     /// barrier may be left above the mark.
-    pub async fn raise<P, D>(
+    pub async fn raise<P, D, E>(
         self: &Arc<Self>,
         epoch: Epoch,
         drain_timeout: Duration,
         decide: impl Fn(Epoch) -> Result<Admit, Refusal>,
         persist: impl FnOnce() -> P,
         drained: impl FnOnce(Epoch) -> D,
-    ) -> Result<Pass, RaiseError>
+    ) -> Result<Pass, RaiseError<E>>
     where
-        P: Future<Output = Result<(), StateError>>,
+        P: Future<Output = Result<(), E>>,
         D: Future<Output = ()>,
     {
         let _one_at_a_time = self.raising.lock().await;
@@ -683,13 +683,18 @@ mod test_support {
 mod tests {
     use super::test_support::admit_if;
     use super::*;
+    use crate::state::StateError;
 
     async fn ok() -> Result<(), StateError> {
         Ok(())
     }
 
     /// A raise to `epoch` that persists at once and notes nothing.
-    async fn raise(g: &Arc<Gate>, epoch: u64, drain: Duration) -> Result<Pass, RaiseError> {
+    async fn raise(
+        g: &Arc<Gate>,
+        epoch: u64,
+        drain: Duration,
+    ) -> Result<Pass, RaiseError<StateError>> {
         let e = Epoch::new(epoch);
         g.raise(e, drain, admit_if(e), ok, |_| async {}).await
     }

@@ -22,6 +22,11 @@ pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotenc
 /// The request id, sent upstream and echoed to the worker (`access`).
 pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// The operator page's session cookie (the admin listener sets it; the proxy
+/// strips it from what it forwards: browsers scope cookies by host,
+/// not port).
+pub(crate) const ADMIN_SESSION_COOKIE: &str = "fencegate_admin";
+
 /// The client hop fencegate appends to (SPEC §3), with `Forwarded`.
 pub(crate) const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 

@@ -302,9 +302,11 @@ impl Default for Exchange {
 
 struct ExchangeState {
     pass: std::sync::Mutex<Option<Pass>>,
-    /// The request's place under the route's `max_in_flight` (SPEC §9), ended
-    /// with the pass.
-    slot: std::sync::Mutex<Option<crate::protect::Slot>>,
+    /// What the caller counts the request by until the exchange is over (its
+    /// place under the route's `max_in_flight`, SPEC §9), dropped with the
+    /// pass. Opaque here: streaming knows when an exchange ends, not what is
+    /// counted.
+    slot: std::sync::Mutex<Option<Box<dyn Send>>>,
     /// Ends still open (of two).
     open: AtomicU8,
     /// Why the watcher ended the exchange.
@@ -350,10 +352,11 @@ impl Exchange {
         *self.0.pass.lock().unwrap_or_else(|p| p.into_inner()) = Some(pass);
     }
 
-    /// Like [`Exchange::hold`], for the request's in-flight slot (SPEC §9
-    /// `max_in_flight`): counted until the exchange is over at both ends.
-    pub fn keep(&self, slot: crate::protect::Slot) {
-        *self.0.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(slot);
+    /// Like [`Exchange::hold`], for what else ends with the exchange (the
+    /// request's in-flight slot, SPEC §9 `max_in_flight`): dropped when the
+    /// exchange is over at both ends.
+    pub fn keep(&self, slot: impl Send + 'static) {
+        *self.0.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(slot));
     }
 
     /// While the exchange lasts, a small task waits for `stop` (a drain abort,

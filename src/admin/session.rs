@@ -14,7 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::epoch::TokenHash;
 
-pub(crate) const COOKIE: &str = "fencegate_admin";
+use crate::headers::ADMIN_SESSION_COOKIE as COOKIE;
 
 /// What a logged-in browser presents.
 pub(crate) struct Session {

@@ -222,7 +222,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// session to the proxy listener on the same host too, and it must not reach an
 /// upstream. Other cookies pass unchanged; a header left empty is dropped.
 pub fn strip_admin_cookie(headers: &mut HeaderMap) {
-    use crate::admin::session::COOKIE;
+    use crate::headers::ADMIN_SESSION_COOKIE as COOKIE;
     fn is_ours(pair: &str) -> bool {
         pair.split_once('=')
             .is_some_and(|(n, _)| n.trim() == COOKIE)

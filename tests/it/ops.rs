@@ -889,7 +889,7 @@ fn dockerfile_takes_the_binary_and_the_base_from_build_arguments() {
 }
 
 /// The image's build stage copies every path the manifest names (the benches
-/// Cargo.toml declares, build.rs, the lockfile, src, config): without them
+/// Cargo.toml declares, the lockfile, src, config): without them
 /// `cargo build` fails before compiling anything (a newcomer's first build did).
 /// And the build context leaves out what is large and local.
 #[test]
@@ -909,7 +909,6 @@ fn dockerfile_build_stage_copies_what_the_manifest_needs() {
     let mut needed = vec![
         "Cargo.toml".to_owned(),
         "Cargo.lock".to_owned(),
-        "build.rs".to_owned(),
         "src".to_owned(),
         // include_str! in src/admin.rs (GET /v1/openapi.json).
         "docs/openapi.json".to_owned(),

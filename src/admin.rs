@@ -454,8 +454,9 @@ impl Admin {
         }
     }
 
-    /// SPEC §10.2: this instance's id, the members, the prefix's anchor (its
-    /// gate epoch is also shard 0's `gate_epoch`) and, per shard, its row of
+    /// SPEC §10.2: this instance's id, the members, the prefix's anchor (the
+    /// set-up's gate lease on shard 0: its latest epoch, holder, whether it is
+    /// this set-up's, and this member's window of it) and, per shard, its row of
     /// `fencegate_owners` (owner, generation, renewals, expiry on the database's
     /// clock) and leases. A single instance is one shard.
     fn cluster(&self) -> Response<Full<Bytes>> {

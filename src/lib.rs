@@ -18,9 +18,15 @@
 //!   certificate `forward/client_auth.rs`, Standard Webhooks signing
 //!   `forward/sign.rs`.
 //! - [`headers`] — the header names fencegate reads and adds (SPEC §3, §10.2).
-//! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5).
+//! - [`cutoff`] — upstream connections an abort cuts at once (SPEC §5);
+//!   [`streaming`] — bodies streamed both ways while the lease's pass is held
+//!   (§5–§6).
 //! - [`protect`] — protecting the destination: a route's in-flight limit, its
-//!   hold on a `Retry-After`, its circuit breaker (refusals before forwarding).
+//!   rate, its hold on a `Retry-After`, its circuit breaker (refusals before
+//!   forwarding).
+//! - [`queue`] — queued delivery (SPEC §11): a message and its states, the
+//!   route rules, the stores behind one trait (sled, PostgreSQL), the
+//!   deliverer that follows this instance's tenures, operator edits.
 //! - [`proxy`] — the request path tying the above together, in named phases
 //!   its module doc lists in order (parse the claim, place or relay, admit,
 //!   protect, claim the key, forward, record); [`access`] — its access log

@@ -14,7 +14,7 @@
 //!   predates set-up rows; a database restored from a dump is fenced as a
 //!   restored `data_dir` is.
 //!
-//! Failing on 434a540 (before this rule): the two reloads were accepted and a
+//! A build without this rule fails them: the two reloads were accepted and a
 //! retry was delivered again (both directions); the copy and the restore sent
 //! their epoch-1 messages after the epoch-2 one; the other prefix started and
 //! delivered the copy's message; staging started on production's database.

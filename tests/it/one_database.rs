@@ -6,7 +6,7 @@
 //! it has a schema of its own, and then each keeps its own marks and records.
 //! Every test asserts what the destination received.
 //!
-//! Failing on e862e6d (before the set-up record): the second set-up started
+//! A build without the set-up record fails them: the second set-up started
 //! beside the first and split the shard rows with it; `schema` was an unknown
 //! key (exit 2 for every configuration that set it); a changed record was not
 //! looked at.

@@ -120,7 +120,7 @@
 //! violation (25 messages, 6 epoch changes): each queue write is conditioned
 //! on the shard's owner generation in the database, which it keeps, and the
 //! directed step cuts its owner from the database too. A build weakened in the
-//! queue instead (a scratch copy of 7bd9897 whose deliverer sends a message
+//! queue instead (a scratch copy whose deliverer sends a message
 //! found `delivering` again without counting an unknown outcome, run with
 //! `FENCEGATE_TEST_BIN`): seed 7, 30 s: 1 `[Q4 duplicates]`, the message whose
 //! attempt the directed step's cut caught (it arrived 43 ms before the cut,
@@ -165,7 +165,7 @@
 //! (and the single instance with `--takeover-may-duplicate`) exited 2 with
 //! their reason, nothing was relayed to the forger, and a member served each
 //! forged shard again 7.5–9 s after the forged object. The build before the
-//! fixes (b53332f, run with `FENCEGATE_TEST_BIN`) — seed 7, 30 s: 144
+//! fixes (run with `FENCEGATE_TEST_BIN`) — seed 7, 30 s: 144
 //! violations: the busy shard `[R2 drain]` on `l7` (the shard's uploads were
 //! aborted 2 s apart; the last ones read whole after the successor's newer
 //! epochs arrived); the single instance, let in: `[R2 drain]` on the probe's

@@ -79,7 +79,7 @@
 //! 5 and 23 (30 s) and 11 (60 s): 0 violations, every copy refused (exit 2);
 //! in the 60 s run the copy of the frozen original took over 9.2 s into the
 //! freeze after 15 refused starts, and the resumed original said once that two
-//! processes share its id. The build before the fixes (b53332f, with
+//! processes share its id. The build before the fixes (with
 //! `FENCEGATE_TEST_BIN`) let every copy in at once: seed 5, 30 s: 4 violations
 //! (`[R4 dedup]`, and in another run `[R2 drain]` too); seed 11, 30 s: 11
 //! (`[R2 drain]` 5, `[R4 dedup]` 6); seed 11, 60 s: 23 (8 and 15), all while a
@@ -90,7 +90,7 @@
 //! seeds 5, 11 and 23 (30 s): 0 violations, 39–46 messages of 9–13 epochs
 //! each, 8–11 unknown outcomes, 2 failed in each; seed 11 (70 s): 0 violations
 //! across the takeover fork (3 segments, the copy's 5 acceptances exempt from
-//! Q3). Weakened builds (a scratch worktree of a7d63fe, one edit each, with
+//! Q3). Weakened builds (a scratch worktree, one edit each, with
 //! `FENCEGATE_TEST_BIN`; its unedited build: seed 5, 30 s, 0 violations):
 //! - the newest message first (`QueueStore::head` from the back): seed 5,
 //!   30 s: 42 violations, `[Q1 acceptance order]` 28 and `[Q2 epoch order]` 14;

@@ -458,7 +458,7 @@ fn check_config(dir: &Path, route_extra: &str, env: &[(&str, &str)]) -> (Option<
 
 /// `check-config` exits 2 naming a missing key file, a key that is not the
 /// certificate's, a certificate without its key, and a key file given as the
-/// certificate (the http-upstream rule is a unit test in src/config.rs); a good
+/// certificate (the http-upstream rule is a unit test in src/config/tests.rs); a good
 /// pair is summarized with its paths and no key; signing secrets are counted,
 /// never shown, and a bad or unset one is named by position or variable.
 #[test]

@@ -646,21 +646,32 @@ impl Admin {
         ))
     }
 
+    /// A path's route and key segments: the key percent-decoded.
     fn parse_route_key(&self, route: &str, key: &str) -> Result<DedupKey, AdminError> {
+        self.route_key(route, &form::decode_segment(key))
+    }
+
+    /// The route named (404 when no route has that name) and the key as given,
+    /// decoded already (400 when it is not a key).
+    fn route_key(&self, route: &str, key: &[u8]) -> Result<DedupKey, AdminError> {
         if !self.shared.has_route(route) {
             return Err(AdminError::RouteNotFound(route.to_owned()));
         }
-        DedupKey::parse(&form::decode_segment(key)).map_err(AdminError::DedupKeyMalformed)
+        DedupKey::parse(key).map_err(AdminError::DedupKeyMalformed)
+    }
+
+    /// The dedup record of `k` on `route` (404 when there is none).
+    async fn record(&self, route: &str, k: &DedupKey) -> Result<Record, AdminError> {
+        self.shared
+            .dedup
+            .get(route, k)
+            .await?
+            .ok_or(AdminError::RecordNotFound)
     }
 
     async fn dedup_get(&self, route: &str, key: &str) -> Result<Response<Full<Bytes>>, AdminError> {
         let k = self.parse_route_key(route, key)?;
-        let r = self
-            .shared
-            .dedup
-            .get(route, &k)
-            .await?
-            .ok_or(AdminError::RecordNotFound)?;
+        let r = self.record(route, &k).await?;
         Ok(json_response(
             StatusCode::OK,
             json!({
@@ -1045,16 +1056,8 @@ impl Admin {
     async fn key_detail(&self, route: &str, key: &str) -> KeyDetail {
         let record = async {
             // The query is decoded already: the key is taken as it stands.
-            if !self.shared.has_route(route) {
-                return Err(AdminError::RouteNotFound(route.to_owned()));
-            }
-            let k = DedupKey::parse(key.as_bytes()).map_err(AdminError::DedupKeyMalformed)?;
-            let r = self
-                .shared
-                .dedup
-                .get(route, &k)
-                .await?
-                .ok_or(AdminError::RecordNotFound)?;
+            let k = self.route_key(route, key.as_bytes())?;
+            let r = self.record(route, &k).await?;
             let lease = self
                 .shared
                 .live

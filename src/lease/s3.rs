@@ -246,10 +246,16 @@ fn is_precondition_conflict(status: Option<u16>, code: Option<&str>) -> bool {
         || (status == Some(409) && code == Some("ConditionalRequestConflict"))
 }
 
-#[async_trait]
-impl LeaseStore for S3Store {
-    async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
-        let mut folders = Vec::new();
+impl S3Store {
+    /// Every page of a listing under `prefix` (S3 answers 1,000 keys a page),
+    /// each handed to `page` in turn.
+    async fn each_page(
+        &self,
+        prefix: &str,
+        delimiter: Option<&str>,
+        start_after: Option<&str>,
+        mut page: impl FnMut(&aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Output),
+    ) -> Result<(), StoreError> {
         let mut token: Option<String> = None;
         loop {
             let mut req = self
@@ -257,21 +263,33 @@ impl LeaseStore for S3Store {
                 .list_objects_v2()
                 .bucket(&self.bucket)
                 .prefix(prefix)
-                .delimiter("/");
+                .set_delimiter(delimiter.map(str::to_owned))
+                .set_start_after(start_after.map(str::to_owned));
             if let Some(t) = &token {
                 req = req.continuation_token(t);
             }
             let out = req.send().await.map_err(classify)?;
+            page(&out);
+            match out.next_continuation_token() {
+                Some(t) if out.is_truncated() == Some(true) => token = Some(t.to_owned()),
+                _ => return Ok(()),
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseStore for S3Store {
+    async fn list_folders(&self, prefix: &str) -> Result<Vec<String>, StoreError> {
+        let mut folders = Vec::new();
+        self.each_page(prefix, Some("/"), None, |out| {
             folders.extend(
                 out.common_prefixes()
                     .iter()
                     .filter_map(|p| p.prefix().map(str::to_owned)),
-            );
-            match out.next_continuation_token() {
-                Some(t) if out.is_truncated() == Some(true) => token = Some(t.to_owned()),
-                _ => break,
-            }
-        }
+            )
+        })
+        .await?;
         folders.sort();
         Ok(folders)
     }
@@ -282,30 +300,14 @@ impl LeaseStore for S3Store {
         start_after: Option<&str>,
     ) -> Result<Vec<String>, StoreError> {
         let mut keys = Vec::new();
-        let mut token: Option<String> = None;
-        loop {
-            let mut req = self
-                .client
-                .list_objects_v2()
-                .bucket(&self.bucket)
-                .prefix(prefix);
-            if let Some(s) = start_after {
-                req = req.start_after(s);
-            }
-            if let Some(t) = &token {
-                req = req.continuation_token(t);
-            }
-            let out = req.send().await.map_err(classify)?;
+        self.each_page(prefix, None, start_after, |out| {
             keys.extend(
                 out.contents()
                     .iter()
                     .filter_map(|o| o.key().map(str::to_owned)),
-            );
-            match out.next_continuation_token() {
-                Some(t) if out.is_truncated() == Some(true) => token = Some(t.to_owned()),
-                _ => break,
-            }
-        }
+            )
+        })
+        .await?;
         keys.sort();
         Ok(keys)
     }

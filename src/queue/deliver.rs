@@ -75,15 +75,18 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
             }
             Sender::Elsewhere => {
                 // Served by another instance (a cluster): the shard's next
-                // tenure here starts this deliverer again. What it started
-                // ends first.
-                while running.join_next().await.is_some() {}
-                out.clear();
-                if !owed.pay(&q).await {
-                    pause(&q, &notify, &mut owed, PAUSE).await;
-                    continue;
-                }
-                if q.retire(&lease, wakes) {
+                // tenure here starts this deliverer again.
+                if wind_down(
+                    &q,
+                    &lease,
+                    wakes,
+                    &notify,
+                    &mut running,
+                    &mut out,
+                    &mut owed,
+                )
+                .await
+                {
                     return;
                 }
                 continue;
@@ -97,14 +100,17 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
         let head = match q.store.head(&lease).await {
             Ok(Some(m)) => m,
             Ok(None) => {
-                // Attempts that settled the last messages end first.
-                while running.join_next().await.is_some() {}
-                out.clear();
-                if !owed.pay(&q).await {
-                    pause(&q, &notify, &mut owed, PAUSE).await;
-                    continue;
-                }
-                if q.retire(&lease, wakes) {
+                if wind_down(
+                    &q,
+                    &lease,
+                    wakes,
+                    &notify,
+                    &mut running,
+                    &mut out,
+                    &mut owed,
+                )
+                .await
+                {
                     return;
                 }
                 continue;
@@ -306,6 +312,28 @@ fn said(q: &Queue, route: &str, outcome: &'static str) {
 }
 
 /// Waits for `d`, a wake-up or shutdown — what is owed made durable first.
+/// Nothing more to send from here (the lease is served elsewhere, or its
+/// queue is empty): the attempts out end first, what is owed is paid, then
+/// the deliverer retires unless it was woken meanwhile (`wakes` moved on).
+/// `true`: retired, the caller returns; `false`: look again.
+async fn wind_down(
+    q: &Queue,
+    lease: &str,
+    wakes: u64,
+    notify: &Notify,
+    running: &mut JoinSet<(String, String)>,
+    out: &mut HashSet<(String, String)>,
+    owed: &mut Owed,
+) -> bool {
+    while running.join_next().await.is_some() {}
+    out.clear();
+    if !owed.pay(q).await {
+        pause(q, notify, owed, PAUSE).await;
+        return false;
+    }
+    q.retire(lease, wakes)
+}
+
 async fn pause(q: &Queue, notify: &Notify, owed: &mut Owed, d: Duration) {
     owed.pay(q).await;
     tokio::select! {

@@ -105,6 +105,27 @@ fn new_claim() -> i64 {
     i64::from_be_bytes(crate::entropy::u64().to_be_bytes())
 }
 
+impl PostgresState {
+    /// Hands `write` to the batch writer and waits for its `answer`; each
+    /// failure is said as `what` failing (503, nothing forwarded).
+    async fn written<T>(
+        &self,
+        what: &str,
+        write: Write,
+        answer: oneshot::Receiver<Result<T, BatchError>>,
+    ) -> Result<T, StateError> {
+        if self.writes.submit(write).is_err() {
+            return Err(StateError::Write(format!(
+                "{what}: the database writer has stopped"
+            )));
+        }
+        answer
+            .await
+            .map_err(|_| StateError::Write(format!("{what}: the batch was lost")))?
+            .map_err(|e| batch_error(what, &e))
+    }
+}
+
 /// A batch's failure as the request sees it (503, nothing forwarded).
 fn batch_error(what: &str, e: &BatchError) -> StateError {
     match e {
@@ -402,15 +423,9 @@ impl PostgresState {
             claim,
             reply,
         };
-        if self.writes.submit(Write::Claim(item)).is_err() {
-            return Err(StateError::Write(
-                "claiming a key: the database writer has stopped".into(),
-            ));
-        }
-        let answer = answer
-            .await
-            .map_err(|_| StateError::Write("claiming a key: the batch was lost".into()))?
-            .map_err(|e| batch_error("claiming a key", &e))?;
+        let answer = self
+            .written("claiming a key", Write::Claim(item), answer)
+            .await?;
         match answer {
             Claimed::Yes => {
                 self.hold(key, claim);
@@ -715,15 +730,9 @@ impl StateStore for PostgresState {
             body: response.and_then(|r| r.body).map(|b| b.to_vec()),
             reply: Some(reply),
         };
-        if self.writes.submit(Write::Outcome(item)).is_err() {
-            return Err(StateError::Write(
-                "recording an outcome: the database writer has stopped".into(),
-            ));
-        }
-        let matched = answer
-            .await
-            .map_err(|_| StateError::Write("recording an outcome: the batch was lost".into()))?
-            .map_err(|e| batch_error("recording an outcome", &e))?;
+        let matched = self
+            .written("recording an outcome", Write::Outcome(item), answer)
+            .await?;
         if matched {
             return Ok(());
         }

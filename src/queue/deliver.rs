@@ -444,8 +444,9 @@ async fn attempt(
     // A span per attempt (`[telemetry]`): a child of the worker's trace when
     // its request carried a `traceparent`, with the upstream call under it.
     let mut spans = q
+        .ctx
         .telemetry
-        .get()
+        .as_ref()
         .map_or_else(Spans::off, |t| t.request(request.headers()));
     let mut request = request;
     let calling = spans.onward(request.headers_mut());

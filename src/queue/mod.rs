@@ -98,6 +98,8 @@ pub(crate) struct Context {
     pub restored: u64,
     /// The leases' epochs, for a restored state's fence.
     pub epochs: crate::lease::Epochs,
+    /// Trace export (`[telemetry]`): a span per attempt.
+    pub telemetry: Option<Arc<crate::telemetry::Telemetry>>,
 }
 
 /// Attempts by outcome, per route.
@@ -144,8 +146,6 @@ pub struct Queue {
     /// The PostgreSQL queue's figures, read in the background (a scrape
     /// does not wait for the database).
     depth: Mutex<HashMap<String, (u64, u64)>>,
-    /// Trace export (`[telemetry]`): a span per attempt.
-    telemetry: std::sync::OnceLock<Arc<crate::telemetry::Telemetry>>,
     /// Leases whose queue was found fenced for [`Context::restored`].
     fenced: Mutex<std::collections::HashSet<String>>,
     /// Per lease, an epoch known to be at most its newest sent one: no
@@ -169,7 +169,6 @@ impl Queue {
             out: AtomicU64::new(0),
             out_by_shard: Mutex::new(HashMap::new()),
             idle: Notify::new(),
-            telemetry: std::sync::OnceLock::new(),
             cut: Mutex::new(HashMap::new()),
             depth: Mutex::new(HashMap::new()),
             fenced: Mutex::new(Default::default()),
@@ -313,11 +312,6 @@ impl Queue {
             );
             self.cut_shard(shard);
         }
-    }
-
-    /// Traces each attempt from now on (`[telemetry]`).
-    pub(crate) fn trace_with(&self, t: Arc<crate::telemetry::Telemetry>) {
-        let _ = self.telemetry.set(t);
     }
 
     /// Starts a deliverer for every lease with messages left by an earlier run

@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
+mod build;
 mod conn;
 mod park;
 mod socket;
@@ -25,25 +26,17 @@ use conn::{accept_loop, http_builder, FinishOnDrop, Listener, Shutdown};
 
 use crate::admin::Admin;
 use crate::clock::Clock;
-use crate::cluster::guard::InstanceGuard;
-use crate::cluster::Cluster;
 use crate::config::Config;
-use crate::config::StateKind;
-use crate::dedup::Dedup;
 use crate::epoch::LeaseName;
 use crate::epoch::TokenHash;
 use crate::fence::Fences;
 use crate::forward::ClientHop;
-use crate::lease::{self, Epochs, LeaseStore, StoreError};
-use crate::live::{Live, LiveConfig};
+use crate::lease::{self, LeaseStore, StoreError};
+use crate::live::Live;
 use crate::metrics::Metrics;
 use crate::proxy::{Proxy, Route, RouteTable};
 use crate::shared::{Mode, Shared};
-use crate::state::identity::Generations;
-use crate::state::postgres::set_up_record::OurSetUp;
-use crate::state::postgres::PostgresState;
-use crate::state::sled::SledState;
-use crate::state::{Owner, StateError, StateStore};
+use crate::state::StateError;
 
 /// Why `serve` could not start; every case is found before the proxy admits anything.
 #[derive(Debug, thiserror::Error)]
@@ -139,7 +132,7 @@ fn tls_acceptor(cfg: &crate::config::TlsConfig) -> Result<tokio_rustls::TlsAccep
 
 /// Builds the app from a validated config: nothing listens yet.
 pub async fn build(cfg: &Config, clock: Arc<dyn Clock>) -> Result<App, StartError> {
-    build_on(cfg, clock, None).await
+    build::build_on(cfg, clock, None).await
 }
 
 /// [`build`] on a lease store the caller opened (tests: a fault-injecting wrapper
@@ -150,342 +143,7 @@ pub async fn build_with_store(
     clock: Arc<dyn Clock>,
     store: Arc<dyn LeaseStore>,
 ) -> Result<App, StartError> {
-    build_on(cfg, clock, Some(store)).await
-}
-
-async fn build_on(
-    cfg: &Config,
-    clock: Arc<dyn Clock>,
-    store: Option<Arc<dyn LeaseStore>>,
-) -> Result<App, StartError> {
-    for w in cfg.warnings() {
-        tracing::warn!("{w}");
-    }
-    // Logged once serving begins (a refused start says why first).
-    let budget = crate::budget::Budget::derive(cfg, crate::budget::Nofile::read().soft)?;
-    let upstreams = crate::budget::Upstreams::new(&budget);
-    // On PostgreSQL the database is this set-up's, or nothing is written to
-    // it (SPEC §10: one database, one set-up); the record is looked at again
-    // while running.
-    let store = match store {
-        Some(s) => s,
-        None => lease::open(&cfg.store, clock.clone()).await?,
-    };
-    lease::probe::self_test(store.as_ref(), &cfg.store.prefix).await?;
-    let mut database = None;
-    let mut on_sled = None;
-    let (durable, generations): (Arc<dyn StateStore>, Arc<dyn Generations>) = match cfg.state.kind {
-        StateKind::Sled => {
-            let sled = SledState::open_with(
-                &cfg.server.data_dir,
-                cfg.state.cache_mb.saturating_mul(1 << 20),
-            )?;
-            on_sled = Some(sled.clone());
-            (sled.clone(), sled)
-        }
-        StateKind::Postgres => {
-            // Opened, not yet migrated nor written: the database is claimed
-            // (and migrated) once this instance holds its place in the store
-            // — the guard, or the cluster's checks — below.
-            let pg = PostgresState::open(&cfg.state).await?;
-            database = Some(pg.clone());
-            (pg.clone(), pg)
-        }
-    };
-    let schema = database.as_ref().map(|pg| pg.schema().to_owned());
-    // SPEC §10, one database, one set-up: checked before this instance writes
-    // its own gate object (whose state would vouch for any database), held —
-    // migrated and recorded — once it holds its place in the store.
-    // The database's id is read before the check (gate objects name it) and
-    // made after it, before this instance's first gate object names it.
-    let (may_hold, database_id) = match &database {
-        Some(pg) => {
-            let known = pg.database_id().await?;
-            let state =
-                crate::set_up::state_of(&cfg.state, "", schema.as_deref(), known.as_deref());
-            let may = pg
-                .check_set_up(
-                    OurSetUp::of(cfg, &state),
-                    &store,
-                    known.as_deref(),
-                    cfg.claim_state,
-                )
-                .await?;
-            (Some(may), Some(pg.ensure_database_id().await?))
-        }
-        None => (None, None),
-    };
-    let place = schema.as_deref().zip(database_id.as_deref());
-    // The same rule for a data_dir: a copy under another set-up refuses.
-    let data_dir_may = match &on_sled {
-        Some(sled) => {
-            let id = crate::cluster::guard::instance_id(&cfg.server.data_dir)?;
-            Some((
-                crate::state::data_dir::check(sled, &store, cfg, &id).await?,
-                id,
-            ))
-        }
-        None => None,
-    };
-    let claim_database = || async {
-        match (&database, may_hold) {
-            (Some(pg), Some(may)) => pg.hold_set_up(may, &store).await,
-            _ => Ok(()),
-        }
-    };
-    let (durable, state_metrics) = crate::state::timed::Timed::wrap(durable);
-    let durable: Arc<dyn StateStore> = durable;
-    let epochs = Epochs::new(store.clone(), cfg.store.prefix.clone());
-    let dedup = Arc::new(Dedup::new(durable.clone(), clock.clone(), cfg.dedup.ttl));
-    let refresh = Duration::from_millis(cfg.store.refresh_interval_ms);
-    let settle = drain_timeouts(cfg);
-    let fences = Fences::new(epochs.clone(), durable.clone(), refresh);
-    // A single instance serves every lease behind its instance guard; a cluster
-    // instance serves the shards it takes (their fences start at takeover).
-    let mode = match &cfg.cluster {
-        None => {
-            let guard = InstanceGuard::acquire(
-                cfg,
-                store.clone(),
-                format!("http://{}", cfg.server.listen),
-                place,
-                generations.clone(),
-            )
-            .await?;
-            claim_database().await?;
-            if let (Some(sled), Some((may, id))) = (&on_sled, data_dir_may) {
-                crate::state::data_dir::hold(may, sled, &store, cfg, &id).await?;
-            }
-            let recovered = dedup.recover(Owner::SINGLE).await?;
-            if recovered > 0 {
-                tracing::warn!(
-                    records = recovered,
-                    "dedup records left in flight by a previous run are now in doubt"
-                );
-            }
-            Mode::Single(guard)
-        }
-        Some(_) => {
-            // A cluster keeps its owner rows in the database its state is in
-            // (config validation: [cluster] needs [state] kind = "postgres").
-            let Some(owners) = database.clone() else {
-                return Err(StartError::State(StateError::Open {
-                    path: "[state]".into(),
-                    detail: "[cluster] needs [state] kind = \"postgres\"".into(),
-                }));
-            };
-            let cluster = Cluster::new(
-                cfg,
-                store.clone(),
-                fences.clone(),
-                durable.clone(),
-                owners,
-                dedup.clone(),
-                crate::cluster::Database {
-                    schema: schema.as_deref().unwrap_or("public"),
-                    id: database_id.as_deref(),
-                    generations: generations.clone(),
-                },
-            )
-            .await?;
-            claim_database().await?;
-            Mode::Cluster(cluster)
-        }
-    };
-    let metrics = Metrics::new();
-    let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics, &upstreams).await?);
-    let stop = CancellationToken::new();
-    // SPEC §11: the queue is kept beside the marks — trees on sled, or
-    // tables in PostgreSQL (migrated by now).
-    let queue_store = match (on_sled, &database) {
-        (Some(sled), _) => Some(Arc::new(
-            crate::queue::sled::SledQueue::open(sled).map_err(StartError::State)?,
-        ) as Arc<dyn crate::queue::QueueStore>),
-        (None, Some(pg)) => Some(Arc::new(crate::queue::postgres::PgQueue::new(pg.clone()))
-            as Arc<dyn crate::queue::QueueStore>),
-        (None, None) => None,
-    };
-    // Measured like every state call (`op` `queue_*`).
-    let queue_store =
-        queue_store.map(|s| crate::queue::timed::TimedQueue::wrap(s, state_metrics.clone()));
-    let queue = queue_store.map(|store| {
-        crate::queue::Queue::new(
-            store,
-            crate::queue::Context {
-                live: live.clone(),
-                owner_of: {
-                    use crate::queue::Sender;
-                    let (mode, state, fences) = (mode.clone(), durable.clone(), fences.clone());
-                    Box::new(move |lease| {
-                        // A lease's fence runs where its messages may be sent
-                        // from: every lease's on a single instance, the
-                        // leases of the shards served here in a cluster.
-                        let fence = crate::epoch::LeaseName::parse(lease)
-                            .ok()
-                            .and_then(|l| fences.get(&l));
-                        let Some(owner) = fence.map(|f| f.owner()) else {
-                            return match mode {
-                                Mode::Cluster(_) => Sender::Elsewhere,
-                                Mode::Single(_) => Sender::Later,
-                            };
-                        };
-                        if state.set_up_conflict().is_none() && mode.may_forward(owner) {
-                            Sender::Here(owner)
-                        } else {
-                            Sender::Later
-                        }
-                    })
-                },
-                clock: clock.clone(),
-                stop: stop.clone(),
-                abandon: CancellationToken::new(),
-                checkpoint: Some(match &mode {
-                    Mode::Single(guard) => {
-                        guard.clone() as Arc<dyn crate::state::identity::Checkpoint>
-                    }
-                    Mode::Cluster(c) => c.clone() as Arc<dyn crate::state::identity::Checkpoint>,
-                }),
-                restored: match &mode {
-                    Mode::Single(guard) => guard.restored(),
-                    Mode::Cluster(c) => c.restored(),
-                },
-                epochs: epochs.clone(),
-            },
-        )
-    });
-    if let Some(q) = &queue {
-        if let Mode::Cluster(c) = &mode {
-            c.follow(Arc::new(crate::queue::FollowTenures(q.clone())));
-        }
-        // SPEC §11: a direct route must not overtake messages still queued
-        // for its lease (a config that changed since they were accepted).
-        if let Some(detail) = crate::queue::conflict(q.store.as_ref(), &cfg.routes).await? {
-            return Err(StartError::State(StateError::Open {
-                path: cfg.server.data_dir.clone(),
-                detail,
-            }));
-        }
-    }
-    let shared = Arc::new(Shared {
-        queue: queue.clone(),
-        state: durable,
-        state_metrics,
-        store,
-        fences: fences.clone(),
-        dedup: dedup.clone(),
-        mode: mode.clone(),
-        live: live.clone(),
-        stopping: Default::default(),
-        upstreams: upstreams.clone(),
-    });
-    crate::metrics::collect::register(&metrics, shared.clone());
-    // Peers are reached over plain HTTP or TLS with the system's roots.
-    let peers = match &mode {
-        Mode::Single(_) => None,
-        Mode::Cluster(_) => {
-            let tls = crate::forward::tls_config(None, None).map_err(StartError::Tls)?;
-            Some(crate::forward::client(
-                tls,
-                Duration::from_secs(1),
-                upstreams.idle_per_host,
-            ))
-        }
-    };
-    // Trace export: its own pooled client (system roots), its own task.
-    let telemetry = match &cfg.telemetry.otlp_endpoint {
-        None => None,
-        Some(_) => {
-            let tls = crate::forward::tls_config(None, None).map_err(StartError::Tls)?;
-            crate::telemetry::Telemetry::start(
-                &cfg.telemetry,
-                cfg.cluster.as_ref().map(|c| c.instance_id.as_str()),
-                &metrics,
-                crate::forward::client(tls, Duration::from_secs(1), 4),
-                stop.clone(),
-            )
-            .map_err(StartError::Telemetry)?
-        }
-    };
-    let (telemetry, exporter) = telemetry.map(|s| (s.telemetry, s.exporter)).unzip();
-    if let (Some(q), Some(t)) = (&queue, &telemetry) {
-        q.trace_with(t.clone());
-    }
-    let proxy = Arc::new(Proxy::new(
-        &shared,
-        metrics.clone(),
-        peers,
-        clock.clone(),
-        telemetry,
-    ));
-    let keeper = match &mode {
-        Mode::Single(guard) => tokio::spawn(guard.clone().run(stop.clone())),
-        Mode::Cluster(cluster) => tokio::spawn(cluster.clone().run(stop.clone())),
-    };
-    let mut tasks = vec![
-        tokio::spawn(crate::fence::refresh_all(
-            fences.refresh().clone(),
-            stop.clone(),
-        )),
-        keeper,
-        tokio::spawn(
-            dedup
-                .clone()
-                .run_sweeper(cfg.dedup.sweep_interval, stop.clone()),
-        ),
-    ];
-    if let Mode::Single(guard) = &mode {
-        tasks.push(tokio::spawn(guard.clone().abort_at_expiry(
-            fences.clone(),
-            // Queued attempts out are cut with the forwarded requests.
-            match queue.clone() {
-                Some(q) => Box::new(move || q.cut_attempts()),
-                None => Box::new(|| {}),
-            },
-            stop.clone(),
-        )));
-    }
-    if let Some(q) = &queue {
-        q.register(&metrics);
-        let resumed = q.start().await.map_err(StartError::State)?;
-        if resumed > 0 {
-            tracing::info!(
-                leases = resumed,
-                "queued messages left by a previous run are delivered"
-            );
-        }
-        tasks.push(tokio::spawn(
-            q.clone()
-                .run_sweeper(cfg.dedup.ttl, cfg.dedup.sweep_interval),
-        ));
-    }
-    if let Some(pg) = database.clone() {
-        let every = (cfg.store.gate_ttl / 4).max(Duration::from_millis(100));
-        let stop = stop.clone();
-        tasks.push(tokio::spawn(
-            async move { pg.watch_set_up(every, stop).await },
-        ));
-    }
-    let admin = Arc::new(Admin::new(
-        shared.clone(),
-        metrics.clone(),
-        Duration::from_millis(cfg.store.timeout_ms),
-    ));
-    Ok(App {
-        shared,
-        proxy,
-        admin,
-        metrics,
-        drain_timeouts: settle,
-        stop,
-        tasks,
-        exporter,
-        shutdown_timeout: Duration::from_millis(cfg.server.shutdown_timeout_ms),
-        shutdown_delay: Duration::from_millis(cfg.server.shutdown_delay_ms),
-        max_connections: budget.client_connections,
-        admin_max_connections: budget.admin_connections,
-        budget,
-        header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-    })
+    build::build_on(cfg, clock, Some(store)).await
 }
 
 /// The longest drain timeout among each lease's routes: how long stopping its

@@ -33,193 +33,13 @@ impl std::fmt::Debug for StateCollector {
 }
 
 impl Collector for StateCollector {
+    /// One pass at scrape time, family by family in the order docs/metrics.md
+    /// lists them.
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let shared = &self.0;
-        let fences = shared.fences.all();
-        let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
-        let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
-        let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
-            views
-                .iter()
-                .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
-                .collect()
-        };
-        let up = &shared.upstreams;
-        emit(
-            &mut enc,
-            "fencegate_upstream_requests_in_use",
-            "Requests holding a place of the descriptor budget's upstream share now (forwards, relays, queued attempts); refusals past fencegate_upstream_requests_limit are upstream_held connection_budget",
-            MetricType::Gauge,
-            vec![(vec![], ConstGauge::new(up.in_use() as i64))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_upstream_requests_limit",
-            "The descriptor budget's upstream share: requests at an upstream at once",
-            MetricType::Gauge,
-            vec![(vec![], ConstGauge::new(up.limit as i64))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_high_water_mark",
-            "Durable high-water mark per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.mark.get() as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_latest_known_epoch",
-            "Latest epoch seen in the store per lease",
-            MetricType::Gauge,
-            g(&|v| v.latest_known.get() as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_in_flight",
-            "Admitted requests not yet answered by the upstream, per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.in_flight as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_in_doubt_in_drain",
-            "Requests whose outcome is unknown (timed out, reset) that a drain still waits for, per lease",
-            MetricType::Gauge,
-            g(&|v| v.gate.in_doubt as i64),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_state_set_up_conflict",
-            "1 while the database's set-up record names another set-up, or is gone (SPEC §10): nothing is forwarded",
-            MetricType::Gauge,
-            vec![(
-                vec![],
-                ConstGauge::new(i64::from(shared.state.set_up_conflict().is_some())),
-            )],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_ok",
-            "1 when the last refresh of the lease's epochs succeeded",
-            MetricType::Gauge,
-            g(&|v| i64::from(v.store_ok)),
-        )?;
-        let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
-            views
-                .iter()
-                .map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc))))
-                .collect()
-        };
-        emit(
-            &mut enc,
-            "fencegate_mark_raises",
-            "High-water mark raises (a newer epoch admitted)",
-            MetricType::Counter,
-            c(&|v, _| v.gate.raises),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_drains_started",
-            "Mark raises that had to wait for older requests in flight",
-            MetricType::Counter,
-            c(&|v, _| v.gate.drains_started),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_drains_aborted",
-            "Drains that timed out and aborted older requests",
-            MetricType::Counter,
-            c(&|v, _| v.gate.drains_aborted),
-        )?;
-        let mut calls = Vec::new();
-        for (l, _, f) in &views {
-            for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
-                let mut labels = l.clone();
-                labels.push(("op", op.to_owned()));
-                calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
-            }
-        }
-        emit(
-            &mut enc,
-            "fencegate_store_calls",
-            "Lease store calls by lease and operation",
-            MetricType::Counter,
-            calls,
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_errors",
-            "Failed lease store refreshes",
-            MetricType::Counter,
-            c(&|_, f| f.calls.errors.load(Ordering::Relaxed)),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_on_demand_reads",
-            "Store reads triggered by a request above the latest known epoch",
-            MetricType::Counter,
-            c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)),
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_store_clock_offset_seconds",
-            "Estimated store clock minus local clock",
-            MetricType::Gauge,
-            vec![(
-                vec![],
-                ConstGauge::new(shared.store.clock().offset_ms() as f64 / 1000.0),
-            )],
-        )?;
-        let s = shared.state.stats();
-        emit(
-            &mut enc,
-            "fencegate_flush_batches",
-            "Group commits (sled flush + fdatasync)",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(s.batches))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_flush_records",
-            "Writes made durable by group commits (records per flush = records / batches)",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(s.records))],
-        )?;
-        let d = &shared.dedup.counters;
-        emit(
-            &mut enc,
-            "fencegate_dedup_replays",
-            "Responses answered from a done dedup record",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_conflicts",
-            "Dedup keys refused as in flight or reused",
-            MetricType::Counter,
-            vec![(
-                vec![],
-                ConstCounter::new(d.conflicts.load(Ordering::Relaxed)),
-            )],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_in_doubt",
-            "Dedup records that became in doubt",
-            MetricType::Counter,
-            vec![(
-                vec![],
-                ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)),
-            )],
-        )?;
-        emit(
-            &mut enc,
-            "fencegate_dedup_swept",
-            "Expired dedup records removed",
-            MetricType::Counter,
-            vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
-        )?;
+        upstream_budget(&mut enc, shared)?;
+        leases(&mut enc, shared)?;
+        store_clock_and_state(&mut enc, shared)?;
         match &shared.mode {
             crate::shared::Mode::Cluster(cl) => cluster_metrics(&mut enc, cl)?,
             crate::shared::Mode::Single(guard) => emit(
@@ -232,6 +52,212 @@ impl Collector for StateCollector {
         }
         route_protection(&mut enc, shared)
     }
+}
+
+/// The descriptor budget's upstream share (SPEC §9 "Limits"): in use and its limit.
+fn upstream_budget(enc: &mut DescriptorEncoder, shared: &Shared) -> Result<(), std::fmt::Error> {
+    let up = &shared.upstreams;
+    emit(
+        enc,
+        "fencegate_upstream_requests_in_use",
+        "Requests holding a place of the descriptor budget's upstream share now (forwards, relays, queued attempts); refusals past fencegate_upstream_requests_limit are upstream_held connection_budget",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(up.in_use() as i64))],
+    )?;
+    emit(
+        enc,
+        "fencegate_upstream_requests_limit",
+        "The descriptor budget's upstream share: requests at an upstream at once",
+        MetricType::Gauge,
+        vec![(vec![], ConstGauge::new(up.limit as i64))],
+    )?;
+    Ok(())
+}
+
+/// Per lease: the gate (mark, latest epoch, in flight, in doubt, raises and
+/// drains) and its lease store calls; and the set-up conflict that stops
+/// them all.
+fn leases(enc: &mut DescriptorEncoder, shared: &Shared) -> Result<(), std::fmt::Error> {
+    let fences = shared.fences.all();
+    let lease = |f: &crate::fence::Fence| vec![("lease", f.lease().as_str().to_owned())];
+    let views: Vec<_> = fences.iter().map(|f| (lease(f), f.view(), f)).collect();
+    let g = |f: &dyn Fn(&crate::fence::FenceView) -> i64| -> Vec<_> {
+        views
+            .iter()
+            .map(|(l, v, _)| (l.clone(), ConstGauge::new(f(v))))
+            .collect()
+    };
+    emit(
+        enc,
+        "fencegate_high_water_mark",
+        "Durable high-water mark per lease",
+        MetricType::Gauge,
+        g(&|v| v.gate.mark.get() as i64),
+    )?;
+    emit(
+        enc,
+        "fencegate_latest_known_epoch",
+        "Latest epoch seen in the store per lease",
+        MetricType::Gauge,
+        g(&|v| v.latest_known.get() as i64),
+    )?;
+    emit(
+        enc,
+        "fencegate_in_flight",
+        "Admitted requests not yet answered by the upstream, per lease",
+        MetricType::Gauge,
+        g(&|v| v.gate.in_flight as i64),
+    )?;
+    emit(
+        enc,
+        "fencegate_in_doubt_in_drain",
+        "Requests whose outcome is unknown (timed out, reset) that a drain still waits for, per lease",
+        MetricType::Gauge,
+        g(&|v| v.gate.in_doubt as i64),
+    )?;
+    emit(
+        enc,
+        "fencegate_state_set_up_conflict",
+        "1 while the database's set-up record names another set-up, or is gone (SPEC §10): nothing is forwarded",
+        MetricType::Gauge,
+        vec![(
+            vec![],
+            ConstGauge::new(i64::from(shared.state.set_up_conflict().is_some())),
+        )],
+    )?;
+    emit(
+        enc,
+        "fencegate_store_ok",
+        "1 when the last refresh of the lease's epochs succeeded",
+        MetricType::Gauge,
+        g(&|v| i64::from(v.store_ok)),
+    )?;
+    let c = |f: &dyn Fn(&crate::fence::FenceView, &crate::fence::Fence) -> u64| -> Vec<_> {
+        views
+            .iter()
+            .map(|(l, v, fc)| (l.clone(), ConstCounter::new(f(v, fc))))
+            .collect()
+    };
+    emit(
+        enc,
+        "fencegate_mark_raises",
+        "High-water mark raises (a newer epoch admitted)",
+        MetricType::Counter,
+        c(&|v, _| v.gate.raises),
+    )?;
+    emit(
+        enc,
+        "fencegate_drains_started",
+        "Mark raises that had to wait for older requests in flight",
+        MetricType::Counter,
+        c(&|v, _| v.gate.drains_started),
+    )?;
+    emit(
+        enc,
+        "fencegate_drains_aborted",
+        "Drains that timed out and aborted older requests",
+        MetricType::Counter,
+        c(&|v, _| v.gate.drains_aborted),
+    )?;
+    let mut calls = Vec::new();
+    for (l, _, f) in &views {
+        for (op, v) in [("list", &f.calls.lists), ("get", &f.calls.gets)] {
+            let mut labels = l.clone();
+            labels.push(("op", op.to_owned()));
+            calls.push((labels, ConstCounter::new(v.load(Ordering::Relaxed))));
+        }
+    }
+    emit(
+        enc,
+        "fencegate_store_calls",
+        "Lease store calls by lease and operation",
+        MetricType::Counter,
+        calls,
+    )?;
+    emit(
+        enc,
+        "fencegate_store_errors",
+        "Failed lease store refreshes",
+        MetricType::Counter,
+        c(&|_, f| f.calls.errors.load(Ordering::Relaxed)),
+    )?;
+    emit(
+        enc,
+        "fencegate_store_on_demand_reads",
+        "Store reads triggered by a request above the latest known epoch",
+        MetricType::Counter,
+        c(&|_, f| f.calls.on_demand.load(Ordering::Relaxed)),
+    )?;
+    Ok(())
+}
+
+/// The store clock's offset, the state's group commits and the dedup
+/// counters.
+fn store_clock_and_state(
+    enc: &mut DescriptorEncoder,
+    shared: &Shared,
+) -> Result<(), std::fmt::Error> {
+    emit(
+        enc,
+        "fencegate_store_clock_offset_seconds",
+        "Estimated store clock minus local clock",
+        MetricType::Gauge,
+        vec![(
+            vec![],
+            ConstGauge::new(shared.store.clock().offset_ms() as f64 / 1000.0),
+        )],
+    )?;
+    let s = shared.state.stats();
+    emit(
+        enc,
+        "fencegate_flush_batches",
+        "Group commits (sled flush + fdatasync)",
+        MetricType::Counter,
+        vec![(vec![], ConstCounter::new(s.batches))],
+    )?;
+    emit(
+        enc,
+        "fencegate_flush_records",
+        "Writes made durable by group commits (records per flush = records / batches)",
+        MetricType::Counter,
+        vec![(vec![], ConstCounter::new(s.records))],
+    )?;
+    let d = &shared.dedup.counters;
+    emit(
+        enc,
+        "fencegate_dedup_replays",
+        "Responses answered from a done dedup record",
+        MetricType::Counter,
+        vec![(vec![], ConstCounter::new(d.replays.load(Ordering::Relaxed)))],
+    )?;
+    emit(
+        enc,
+        "fencegate_dedup_conflicts",
+        "Dedup keys refused as in flight or reused",
+        MetricType::Counter,
+        vec![(
+            vec![],
+            ConstCounter::new(d.conflicts.load(Ordering::Relaxed)),
+        )],
+    )?;
+    emit(
+        enc,
+        "fencegate_dedup_in_doubt",
+        "Dedup records that became in doubt",
+        MetricType::Counter,
+        vec![(
+            vec![],
+            ConstCounter::new(d.in_doubt.load(Ordering::Relaxed)),
+        )],
+    )?;
+    emit(
+        enc,
+        "fencegate_dedup_swept",
+        "Expired dedup records removed",
+        MetricType::Counter,
+        vec![(vec![], ConstCounter::new(d.swept.load(Ordering::Relaxed)))],
+    )?;
+    Ok(())
 }
 
 /// SPEC §9, protecting the destination: per route, requests at the upstream,

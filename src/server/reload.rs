@@ -128,59 +128,8 @@ impl Reloader {
         if let Some(key) = fixed_key_changed(&applied, &table) {
             return Err(ReloadError::Fixed { key });
         }
-        if self.shared.mode.cluster().is_some() {
-            // Every instance must agree on the leases of each shard (a cluster's
-            // fences follow its shards): routes may change, their leases may not.
-            let leases =
-                |it: &mut dyn Iterator<Item = LeaseName>| -> HashSet<LeaseName> { it.collect() };
-            let now = leases(
-                &mut self
-                    .shared
-                    .live
-                    .current()
-                    .routes
-                    .iter()
-                    .map(|r| r.lease.clone()),
-            );
-            let next = leases(&mut cfg.routes.iter().map(|r| r.lease.clone()));
-            if now != next {
-                return Err(ReloadError::Fixed {
-                    key: "the set of route leases in a cluster".into(),
-                });
-            }
-        }
-        // SPEC §11: a lease's requests are queued or forwarded, never both in
-        // one run — a direct route's dedup records and a queued route's
-        // messages are kept apart, so a key done on one would be delivered
-        // again by the other, and a direct request could overtake a message.
-        let current = self.shared.live.current();
-        let running = current.routes.iter().map(|o| crate::config::RouteKind {
-            name: &o.name,
-            lease: o.lease.as_str(),
-            queued: o.queued,
-        });
-        let next = cfg.routes.iter().map(crate::config::RouteKind::of);
-        if let Some((q, d)) = crate::config::mixed_delivery(running.chain(next)) {
-            // One of the pair runs now (the new config alone passed the rule).
-            let now = current
-                .routes
-                .iter()
-                .find(|o| {
-                    [q, d]
-                        .iter()
-                        .any(|k| o.name == k.name && o.lease.as_str() == k.lease)
-                })
-                .map_or(q, |o| if o.queued { q } else { d });
-            return Err(ReloadError::Fixed {
-                key: format!(
-                    "whether lease {}'s requests are queued (route {:?} is {} now)",
-                    now.lease,
-                    now.name,
-                    if now.queued { "queued" } else { "direct" }
-                ),
-            });
-        }
-        drop(current);
+        self.check_cluster_leases(&cfg)?;
+        check_kinds(&self.shared.live.current(), &cfg)?;
         // Acceptances under way end first, and none starts until the new
         // routes are in place: what the check below reads of the queue is
         // what the new routes meet (SPEC §11, the rule of kinds).
@@ -285,6 +234,66 @@ impl Reloader {
         }
         Ok(out)
     }
+
+    /// Every member must agree on the leases of each shard (a cluster's fences
+    /// follow its shards): routes may change, their leases may not.
+    fn check_cluster_leases(&self, cfg: &Config) -> Result<(), ReloadError> {
+        if self.shared.mode.cluster().is_none() {
+            return Ok(());
+        }
+        let leases =
+            |it: &mut dyn Iterator<Item = LeaseName>| -> HashSet<LeaseName> { it.collect() };
+        let now = leases(
+            &mut self
+                .shared
+                .live
+                .current()
+                .routes
+                .iter()
+                .map(|r| r.lease.clone()),
+        );
+        let next = leases(&mut cfg.routes.iter().map(|r| r.lease.clone()));
+        if now != next {
+            return Err(ReloadError::Fixed {
+                key: "the set of route leases in a cluster".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// SPEC §11: a lease's requests are queued or forwarded, never both in one
+/// run — a direct route's dedup records and a queued route's messages are
+/// kept apart, so a key done on one would be delivered again by the other,
+/// and a direct request could overtake a message.
+fn check_kinds(current: &crate::live::Live, cfg: &Config) -> Result<(), ReloadError> {
+    let running = current.routes.iter().map(|o| crate::config::RouteKind {
+        name: &o.name,
+        lease: o.lease.as_str(),
+        queued: o.queued,
+    });
+    let next = cfg.routes.iter().map(crate::config::RouteKind::of);
+    if let Some((q, d)) = crate::config::mixed_delivery(running.chain(next)) {
+        // One of the pair runs now (the new config alone passed the rule).
+        let now = current
+            .routes
+            .iter()
+            .find(|o| {
+                [q, d]
+                    .iter()
+                    .any(|k| o.name == k.name && o.lease.as_str() == k.lease)
+            })
+            .map_or(q, |o| if o.queued { q } else { d });
+        return Err(ReloadError::Fixed {
+            key: format!(
+                "whether lease {}'s requests are queued (route {:?} is {} now)",
+                now.lease,
+                now.name,
+                if now.queued { "queued" } else { "direct" }
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The environment variable that overrides `[server] log_level`, if set.

@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::epoch::{Epoch, LeaseName};
 use crate::gate::Pass;
 use crate::lease::{CreateOutcome, LeaseStore, StoredObject};
+use crate::state::ownership::{Beats, Generation, Held, Renewed, RowVersion};
 use crate::state::record::{Record, State, TakeOver};
 use crate::state::{
     Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, RecordKey, Resolution, Resolved,
@@ -254,7 +255,7 @@ impl OwnershipStore for Db {
                 .iter()
                 .map(|(shard, r)| OwnerRow {
                     shard: *shard,
-                    generation: r.generation,
+                    generation: Generation::new(r.generation),
                     owner: r.owner.clone(),
                     advertise: r.advertise.clone(),
                     renewals: r.renewals,
@@ -272,11 +273,11 @@ impl OwnershipStore for Db {
     async fn take_shard(
         &self,
         shard: u32,
-        seen: Option<(u64, u64)>,
+        seen: Option<RowVersion>,
         id: &str,
         advertise: &str,
         ttl: Duration,
-    ) -> Result<Option<u64>, StateError> {
+    ) -> Result<Option<Generation>, StateError> {
         self.call(|t| match seen {
             None => {
                 if t.owners.contains_key(&shard) {
@@ -293,11 +294,14 @@ impl OwnershipStore for Db {
                         released_generation: None,
                     },
                 );
-                Some(1)
+                Some(Generation::FIRST)
             }
-            Some((generation, renewals)) => {
+            Some(RowVersion {
+                generation,
+                renewals,
+            }) => {
                 let row = t.owners.get_mut(&shard)?;
-                if row.generation != generation || row.renewals != renewals {
+                if row.generation != generation.get() || row.renewals != renewals {
                     return None;
                 }
                 row.generation += 1;
@@ -305,7 +309,7 @@ impl OwnershipStore for Db {
                 row.advertise = Some(advertise.to_owned());
                 row.renewals = 0;
                 row.ttl_ms = Some(millis(ttl));
-                Some(row.generation)
+                Some(Generation::new(row.generation))
             }
         })
         .await
@@ -315,10 +319,10 @@ impl OwnershipStore for Db {
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[(u32, u64)],
+        held: &[Held],
         ttl: Duration,
         _patience: Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+    ) -> Result<Vec<Renewed>, StateError> {
         let hung = self
             .hung_renewals
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -327,12 +331,15 @@ impl OwnershipStore for Db {
         }
         self.call(|t| {
             let mut renewed = Vec::new();
-            for &(shard, generation) in held {
-                if let Some(row) = t.owners.get_mut(&shard) {
-                    if row.generation == generation && row.owner.as_deref() == Some(id) {
+            for &h in held {
+                if let Some(row) = t.owners.get_mut(&h.shard) {
+                    if row.generation == h.generation.get() && row.owner.as_deref() == Some(id) {
                         row.renewals += 1;
                         row.ttl_ms = Some(millis(ttl));
-                        renewed.push((shard, generation, row.renewals));
+                        renewed.push(Renewed {
+                            held: h,
+                            renewals: row.renewals,
+                        });
                     }
                 }
             }
@@ -342,14 +349,11 @@ impl OwnershipStore for Db {
     }
     /// `UPDATE … SET owner = NULL, advertise = NULL, released_generation =
     /// generation WHERE shard = $1 AND generation = $2 AND owner = $3`.
-    async fn release_shard(
-        &self,
-        id: &str,
-        shard: u32,
-        generation: u64,
-    ) -> Result<bool, StateError> {
-        self.call(|t| match t.owners.get_mut(&shard) {
-            Some(row) if row.generation == generation && row.owner.as_deref() == Some(id) => {
+    async fn release_shard(&self, id: &str, held: Held) -> Result<bool, StateError> {
+        self.call(|t| match t.owners.get_mut(&held.shard) {
+            Some(row)
+                if row.generation == held.generation.get() && row.owner.as_deref() == Some(id) =>
+            {
                 row.owner = None;
                 row.advertise = None;
                 row.released_generation = Some(row.generation);
@@ -359,10 +363,16 @@ impl OwnershipStore for Db {
         })
         .await
     }
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+    async fn beat(&self, id: &str) -> Result<Vec<Beats>, StateError> {
         self.call(|t| {
             *t.beats.entry(id.to_owned()).or_default() += 1;
-            t.beats.iter().map(|(i, n)| (i.clone(), *n)).collect()
+            t.beats
+                .iter()
+                .map(|(i, n)| Beats {
+                    instance: i.clone(),
+                    count: *n,
+                })
+                .collect()
         })
         .await
     }
@@ -490,7 +500,11 @@ impl World {
         )
         .await
         .unwrap();
-        let fence = m.fences.get(&lease).expect("the lease's fence runs here");
+        let fence = m
+            .tenures
+            .fences
+            .get(&lease)
+            .expect("the lease's fence runs here");
         fence
             .admit(
                 Claim {
@@ -546,12 +560,14 @@ async fn rounds(members: &[&Member]) {
 
 fn serving(c: &Cluster) -> Vec<u32> {
     (0..c.shards)
-        .filter(|s| c.by_shard[*s as usize].serving.load(Ordering::SeqCst) != 0)
+        .filter(|s| c.by_shard[*s as usize].serving().is_some())
         .collect()
 }
 
 fn generation(c: &Cluster, shard: u32) -> u64 {
-    c.by_shard[shard as usize].serving.load(Ordering::SeqCst)
+    c.by_shard[shard as usize]
+        .serving()
+        .map_or(0, Generation::get)
 }
 
 fn stopping(c: &Cluster, shard: u32) -> usize {

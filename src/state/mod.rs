@@ -35,7 +35,7 @@ use async_trait::async_trait;
 /// them here).
 pub use self::postgres::schema;
 use crate::epoch::{Epoch, LeaseName};
-pub use ownership::{OwnerRow, OwnershipStore};
+pub use ownership::{Generation, OwnerRow, OwnershipStore};
 pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 
 /// The generation under which an instance writes the state of one shard.

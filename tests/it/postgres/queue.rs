@@ -9,6 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::{Accepted, Message, Status};
+use fencegate::state::ownership::{Held, RowVersion};
 use fencegate::state::{Owner, OwnershipStore, StateError, StateStore};
 
 use super::pg_config;
@@ -346,10 +347,11 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
         .await
         .unwrap()
         .unwrap();
-    let a_owner = Owner {
+    let a_owner = Held {
         shard: 3,
         generation: gen1,
-    };
+    }
+    .owner();
     a_db.claim_shard(a_owner).await.unwrap();
     let (a, b) = (PgQueue::new(a_db.clone()), PgQueue::new(b_db.clone()));
     accept(&a, a_owner, "m0", 1).await;
@@ -395,7 +397,10 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
     let gen2 = b_db
         .take_shard(
             3,
-            Some((row.generation, row.renewals)),
+            Some(RowVersion {
+                generation: row.generation,
+                renewals: row.renewals,
+            }),
             "fg-b",
             "http://b",
             TTL,
@@ -403,10 +408,11 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
         .await
         .expect("the take does not wait for the stopped owner")
         .expect("taken");
-    let b_owner = Owner {
+    let b_owner = Held {
         shard: 3,
         generation: gen2,
-    };
+    }
+    .owner();
     b_db.claim_shard(b_owner).await.unwrap();
     // B accepts on the same lease once the server has ended A's idle
     // transaction (half of A's timeout_ms), long before A wakes.
@@ -443,10 +449,11 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
         .await
         .unwrap()
         .unwrap();
-    let owner = Owner {
+    let held = Held {
         shard: 0,
         generation,
     };
+    let owner = held.owner();
     db.claim_shard(owner).await.unwrap();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = tokio::task::JoinSet::new();
@@ -467,7 +474,7 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
     // Renewals for a while under that load: each must go through within the
     // state's timeout.
     for _ in 0..20 {
-        db.renew_shards("fg-a", &[(0, generation)], TTL, std::time::Duration::ZERO)
+        db.renew_shards("fg-a", &[held], TTL, std::time::Duration::ZERO)
             .await
             .expect("a renewal under a busy queued lease");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

@@ -519,3 +519,173 @@ pub(super) fn plan(me: &str, members: &[String], shards: &[Weighed]) -> Plan {
     plan.take = free.into_iter().take(want).collect();
     plan
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::advance;
+
+    fn beats(of: &[(&str, u64)]) -> Vec<Beats> {
+        of.iter()
+            .map(|(i, n)| Beats {
+                instance: (*i).to_owned(),
+                count: *n,
+            })
+            .collect()
+    }
+
+    fn members(of: &[&str]) -> Vec<String> {
+        of.iter().map(|m| (*m).to_owned()).collect()
+    }
+
+    /// The keeper's periods follow `gate_ttl`: renewals every third, looks
+    /// every tenth (100 ms to 1 s), a second renewal after a fifth (at least
+    /// 200 ms).
+    #[test]
+    fn the_cadence_follows_gate_ttl_within_its_bounds() {
+        let k = Keeper::new("a", Duration::from_secs(6));
+        assert_eq!(k.renew_every(), Duration::from_secs(2));
+        assert_eq!(k.look_every(), Duration::from_millis(600));
+        assert_eq!(k.hedge_after(), Duration::from_millis(1200));
+        let short = Keeper::new("a", Duration::from_millis(500));
+        assert_eq!(short.look_every(), Duration::from_millis(100));
+        assert_eq!(short.hedge_after(), Duration::from_millis(200));
+        let long = Keeper::new("a", Duration::from_secs(60));
+        assert_eq!(long.look_every(), Duration::from_secs(1));
+    }
+
+    /// Membership (SPEC §10.2, advisory): a member is alive for `gate_ttl`
+    /// after its beat count was last seen to change on this clock, never by
+    /// the database's; one whose row is gone left at once; this instance is
+    /// always its own member.
+    #[tokio::test(start_paused = true)]
+    async fn a_member_is_alive_for_gate_ttl_after_its_beat_last_changed() {
+        let ttl = Duration::from_secs(6);
+        let k = Keeper::new("a", ttl);
+        assert_eq!(k.members(), members(&["a"]), "alone before any beat");
+        k.saw_beats(beats(&[("b", 1), ("c", 4)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]));
+        advance(ttl - Duration::from_millis(1)).await;
+        k.saw_beats(beats(&[("a", 1), ("b", 2), ("c", 4)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]), "c: not yet");
+        advance(Duration::from_millis(1)).await;
+        k.saw_beats(beats(&[("a", 2), ("b", 2), ("c", 4)]));
+        assert_eq!(
+            k.members(),
+            members(&["a", "b"]),
+            "c's count unchanged for gate_ttl: not alive"
+        );
+        k.saw_beats(beats(&[("a", 3), ("b", 2), ("c", 5)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]), "c beats again");
+        k.saw_beats(beats(&[("c", 5)]));
+        assert_eq!(
+            k.members(),
+            members(&["a", "c"]),
+            "b's row deleted (it left): gone at once; a is its own member"
+        );
+    }
+
+    /// Alone, an instance takes every free shard, starting at a place of its
+    /// own (its id's hash), so that instances starting together spread out.
+    #[test]
+    fn alone_every_free_shard_is_taken_from_a_place_of_its_own() {
+        let free = vec![Weighed::Free { was: None }; 4];
+        let p = plan("a", &members(&["a"]), &free);
+        assert!(p.hand_over.is_empty());
+        let offset = (shard_of_id("a") % 4) as u32;
+        let want: Vec<u32> = (0..4).map(|i| (i + offset) % 4).collect();
+        assert_eq!(p.take, want);
+    }
+
+    /// Above its share (⌈n/l⌉) an instance hands the excess over, its highest
+    /// shards first; a shard whose takeover or handover is running counts in
+    /// its share but is never handed over.
+    #[test]
+    fn above_its_share_the_excess_is_handed_over() {
+        let shards = [
+            Weighed::Busy { held: true },
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Held,
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert!(p.take.is_empty());
+        let handed: Vec<u32> = p.hand_over.iter().map(|(s, _)| *s).collect();
+        assert_eq!(handed, vec![3, 2]);
+    }
+
+    /// At ⌈n/l⌉ while another member is below ⌊n/l⌋, the instance holding
+    /// the most (lowest id first) gives one shard a round; the others wait.
+    #[test]
+    fn a_starving_member_gets_one_shard_a_round_from_the_one_holding_most() {
+        // Five shards, three members (shares of 1 or 2): a and b hold two
+        // each, c none; the fifth is free.
+        let all = members(&["a", "b", "c"]);
+        let a_view = [
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Owned("b".into()),
+            Weighed::Owned("b".into()),
+            Weighed::Free { was: None },
+        ];
+        let p = plan("a", &all, &a_view);
+        assert_eq!(p.take, Vec::<u32>::new(), "a takes nothing more");
+        let handed: Vec<u32> = p.hand_over.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            handed,
+            vec![1],
+            "a, holding most with the lowest id, gives one"
+        );
+        // b holds as many, but a gives: b neither gives nor takes.
+        let b_view = [
+            Weighed::Owned("a".into()),
+            Weighed::Owned("a".into()),
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Free { was: None },
+        ];
+        assert_eq!(plan("b", &all, &b_view), Plan::default());
+        // Four shards, two members, a holds three (above ⌈4/2⌉): it hands one
+        // over, and takes nothing.
+        let p = plan(
+            "a",
+            &members(&["a", "b"]),
+            &[
+                Weighed::Held,
+                Weighed::Held,
+                Weighed::Held,
+                Weighed::Free { was: None },
+            ],
+        );
+        assert_eq!((p.take.len(), p.hand_over.len()), (0, 1));
+    }
+
+    /// An owner whose tenure ran out (its shard is free) reserves no share,
+    /// whatever its last beat says: the live take its shards. While it still
+    /// owns another shard it counts.
+    #[test]
+    fn an_owner_whose_tenure_ran_out_reserves_no_share() {
+        let shards = [
+            Weighed::Held,
+            Weighed::Free {
+                was: Some("b".into()),
+            },
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert_eq!(p.take, vec![1], "b is gone: a's share is both");
+        let shards = [
+            Weighed::Held,
+            Weighed::Free {
+                was: Some("b".into()),
+            },
+            Weighed::Owned("b".into()),
+            Weighed::Held,
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert_eq!(p, Plan::default(), "b still owns a shard: a holds its two");
+        // A shard not yet free (a row naming this instance, not held here)
+        // is neither taken nor counted.
+        let p = plan("a", &members(&["a"]), &[Weighed::Waiting, Weighed::Held]);
+        assert_eq!(p, Plan::default());
+    }
+}

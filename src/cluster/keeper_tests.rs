@@ -34,7 +34,7 @@ use crate::state::{
 /// Objects in memory, shared by every handle; `LastModified` from the
 /// (paused) clock; a handle's `down` refuses every call, as a store cut off
 /// from one member.
-struct MemStore {
+pub(super) struct MemStore {
     objects: Arc<Mutex<BTreeMap<String, StoredObject>>>,
     clock: StoreClock,
     local: Arc<dyn Clock>,
@@ -100,8 +100,8 @@ impl LeaseStore for MemStore {
 
 /// A row of `fencegate_owners`, the columns coordination reads and writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Row {
-    generation: u64,
+pub(super) struct Row {
+    pub(super) generation: u64,
     owner: Option<String>,
     advertise: Option<String>,
     renewals: u64,
@@ -111,8 +111,8 @@ struct Row {
 
 /// The database's tables, shared by every member's handle.
 #[derive(Default)]
-struct Tables {
-    owners: BTreeMap<u32, Row>,
+pub(super) struct Tables {
+    pub(super) owners: BTreeMap<u32, Row>,
     /// `fencegate_members`: beats per instance.
     beats: BTreeMap<String, u64>,
 }
@@ -121,7 +121,7 @@ struct Tables {
 /// (nothing applied); `unknown` applies a call, then fails its answer (a
 /// commit whose outcome the caller never learns); `latency` delays every
 /// answer (the call is applied when sent).
-struct Db {
+pub(super) struct Db {
     tables: Arc<Mutex<Tables>>,
     down: AtomicBool,
     unknown: AtomicBool,
@@ -390,10 +390,10 @@ const GRACE: Duration = Duration::from_millis(500);
 const MS: Duration = Duration::from_millis(1);
 
 /// The shared store and database, and the clock everything follows.
-struct World {
-    clock: Arc<dyn Clock>,
+pub(super) struct World {
+    pub(super) clock: Arc<dyn Clock>,
     objects: Arc<Mutex<BTreeMap<String, StoredObject>>>,
-    tables: Arc<Mutex<Tables>>,
+    pub(super) tables: Arc<Mutex<Tables>>,
     /// The database's generations, shared by the members as its tables are.
     generations: Arc<crate::state::identity::InMemory>,
 }
@@ -412,7 +412,7 @@ impl std::ops::Deref for Member {
 }
 
 impl World {
-    fn new() -> World {
+    pub(super) fn new() -> World {
         World {
             clock: TokioClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)),
             objects: Arc::default(),
@@ -421,7 +421,7 @@ impl World {
         }
     }
 
-    fn store(&self) -> Arc<MemStore> {
+    pub(super) fn store(&self) -> Arc<MemStore> {
         Arc::new(MemStore {
             objects: self.objects.clone(),
             clock: StoreClock::new(self.clock.clone()),
@@ -430,7 +430,7 @@ impl World {
         })
     }
 
-    fn db(&self) -> Arc<Db> {
+    pub(super) fn db(&self) -> Arc<Db> {
         Arc::new(Db {
             tables: self.tables.clone(),
             down: AtomicBool::new(false),
@@ -488,6 +488,12 @@ impl World {
     /// shard served there): in flight until the pass is dropped. The lease's
     /// first epoch is acquired on the first call.
     async fn admit(&self, m: &Cluster) -> Pass {
+        self.admit_to(&m.tenures.fences).await
+    }
+
+    /// A worker's request on lease `billing` admitted by its fence in
+    /// `fences` (running: its shard served), as [`World::admit`].
+    pub(super) async fn admit_to(&self, fences: &crate::fence::Fences) -> Pass {
         let lease = LeaseName::parse("billing").unwrap();
         let epochs = crate::lease::Epochs::new(self.store(), "p/");
         let h = crate::lease::acquire::acquire(
@@ -500,11 +506,7 @@ impl World {
         )
         .await
         .unwrap();
-        let fence = m
-            .tenures
-            .fences
-            .get(&lease)
-            .expect("the lease's fence runs here");
+        let fence = fences.get(&lease).expect("the lease's fence runs here");
         fence
             .admit(
                 Claim {
@@ -521,7 +523,7 @@ impl World {
 
 /// Lets spawned takeovers, handovers and stops run to their end (time
 /// stands still: nothing here sleeps).
-async fn settle() {
+pub(super) async fn settle() {
     for _ in 0..40 {
         tokio::task::yield_now().await;
     }

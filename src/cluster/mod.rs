@@ -39,6 +39,8 @@ mod keeper_tests;
 pub mod peer;
 mod shard;
 mod tenure;
+#[cfg(test)]
+mod tenure_tests;
 pub(crate) mod window;
 
 pub use exclusion::Conflict;

@@ -168,3 +168,29 @@ pub trait OwnershipStore: Send + Sync + 'static {
     /// A graceful stop: `id` is no longer a member.
     async fn leave(&self, id: &str) -> Result<(), StateError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A generation orders, shows and advances as the number stored.
+    #[test]
+    fn a_generation_is_the_stored_number_ordered_and_raised_by_one() {
+        assert_eq!(Generation::FIRST.get(), 1);
+        assert_eq!(Generation::FIRST.next(), Generation::new(2));
+        assert!(Generation::new(2) > Generation::FIRST);
+        assert_eq!(Generation::new(7).to_string(), "7");
+        assert_eq!(Generation::new(u64::MAX).next(), Generation::new(u64::MAX));
+        let held = Held {
+            shard: 3,
+            generation: Generation::new(5),
+        };
+        assert_eq!(
+            held.owner(),
+            super::super::Owner {
+                shard: 3,
+                generation: 5
+            }
+        );
+    }
+}

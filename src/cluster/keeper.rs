@@ -20,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::shard::Seen;
 use super::{lock, shard_of_id, Cluster};
-use crate::state::ownership::{Beats, Held, Renewed};
+use crate::state::ownership::{Beats, Renewed};
+use crate::state::Owner;
 
 /// The keeper's own state: its cadence (from `gate_ttl`), membership as the
 /// beats were seen to change on this instance's clock, and the wake-up for an
@@ -167,9 +168,9 @@ impl Cluster {
 
     /// One renewal: every row held here, in one statement, then a beat.
     pub(super) async fn renew_round(self: &Arc<Self>) {
-        let held: Vec<Held> = (0..self.shards)
+        let held: Vec<Owner> = (0..self.shards)
             .zip(&self.by_shard)
-            .filter_map(|(shard, g)| lock(&g.holding).map(|generation| Held { shard, generation }))
+            .filter_map(|(shard, g)| lock(&g.holding).map(|generation| Owner { shard, generation }))
             .collect();
         if self.state.set_up_conflict().is_some() {
             // The database is another set-up's now (SPEC §10): this instance
@@ -205,7 +206,7 @@ impl Cluster {
         }
     }
 
-    async fn renew_held(self: &Arc<Self>, held: &[Held]) {
+    async fn renew_held(self: &Arc<Self>, held: &[Owner]) {
         let (sent, renewed) = match self.renew_hedged(held).await {
             Ok(r) => r,
             Err(e) => {
@@ -217,13 +218,13 @@ impl Cluster {
             }
         };
         for &h in held {
-            let Held { shard, generation } = h;
+            let Owner { shard, generation } = h;
             let g = &self.by_shard[shard as usize];
             let _op = g.op.lock().await;
             if *lock(&g.holding) != Some(generation) {
                 continue; // released or restarted meanwhile
             }
-            match renewed.iter().find(|r| r.held == h) {
+            match renewed.iter().find(|r| r.owner == h) {
                 Some(&Renewed { renewals, .. }) => {
                     g.window
                         .extend(self.window_from(sent), self.ttl, self.margin);
@@ -273,7 +274,7 @@ impl Cluster {
     /// stays unknown only makes a successor wait longer.
     async fn renew_hedged(
         self: &Arc<Self>,
-        held: &[Held],
+        held: &[Owner],
     ) -> Result<(Instant, Vec<Renewed>), crate::state::StateError> {
         let deadline = held
             .iter()

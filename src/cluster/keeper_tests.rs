@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::epoch::{Epoch, LeaseName};
 use crate::gate::Pass;
 use crate::lease::{CreateOutcome, LeaseStore, StoredObject};
-use crate::state::ownership::{Beats, Generation, Held, Renewed, RowVersion};
+use crate::state::ownership::{Beats, Generation, Renewed, RowVersion};
 use crate::state::record::{Record, State, TakeOver};
 use crate::state::{
     Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, RecordKey, Resolution, Resolved,
@@ -214,15 +214,15 @@ impl StateStore for Db {
         let stored = self
             .call(|t| {
                 let row = t.owners.entry(owner.shard).or_insert(Row {
-                    generation: owner.generation,
+                    generation: owner.generation.get(),
                     owner: None,
                     advertise: None,
                     renewals: 0,
                     ttl_ms: None,
                     released_generation: None,
                 });
-                row.generation = row.generation.max(owner.generation);
-                row.generation
+                row.generation = row.generation.max(owner.generation.get());
+                Generation::new(row.generation)
             })
             .await?;
         if stored > owner.generation {
@@ -319,7 +319,7 @@ impl OwnershipStore for Db {
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[Held],
+        held: &[Owner],
         ttl: Duration,
         _patience: Duration,
     ) -> Result<Vec<Renewed>, StateError> {
@@ -337,7 +337,7 @@ impl OwnershipStore for Db {
                         row.renewals += 1;
                         row.ttl_ms = Some(millis(ttl));
                         renewed.push(Renewed {
-                            held: h,
+                            owner: h,
                             renewals: row.renewals,
                         });
                     }
@@ -349,7 +349,7 @@ impl OwnershipStore for Db {
     }
     /// `UPDATE … SET owner = NULL, advertise = NULL, released_generation =
     /// generation WHERE shard = $1 AND generation = $2 AND owner = $3`.
-    async fn release_shard(&self, id: &str, held: Held) -> Result<bool, StateError> {
+    async fn release_shard(&self, id: &str, held: Owner) -> Result<bool, StateError> {
         self.call(|t| match t.owners.get_mut(&held.shard) {
             Some(row)
                 if row.generation == held.generation.get() && row.owner.as_deref() == Some(id) =>
@@ -784,9 +784,9 @@ async fn an_owner_cut_off_stops_forwarding_at_ttl_minus_margin_after_the_send() 
     rounds(&[&a]).await;
     let owner = Owner {
         shard: 0,
-        generation: generation(&a, 0),
+        generation: Generation::new(generation(&a, 0)),
     };
-    assert_eq!(owner.generation, 1);
+    assert_eq!(owner.generation, Generation::FIRST);
     assert!(a.may_forward(owner));
     let pass = w.admit(&a).await;
     let aborted: Arc<Mutex<Option<Instant>>> = Arc::default();

@@ -65,7 +65,6 @@ use crate::fence::Fences;
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::set_up::GateKey;
 use crate::state::identity::Stamp;
-use crate::state::ownership::Held;
 use crate::state::{Generation, Owner, OwnerRow, OwnershipStore, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
@@ -359,7 +358,7 @@ impl Cluster {
         }
         if let Some(generation) = g.serving() {
             if self.window_open(g) || weakened::no_self_fence() {
-                return Placement::Local(Held { shard, generation }.owner());
+                return Placement::Local(Owner { shard, generation });
             }
         }
         let seen = lock(&g.seen).clone();
@@ -386,7 +385,7 @@ impl Cluster {
     /// Whether a forward under `owner` may start now (SPEC §10.2 self-fencing).
     pub fn may_forward(&self, owner: Owner) -> bool {
         self.by_shard.get(owner.shard as usize).is_some_and(|g| {
-            g.serving().map(Generation::get) == Some(owner.generation)
+            g.serving() == Some(owner.generation)
                 && (self.window_open(g) || weakened::no_self_fence())
         })
     }
@@ -492,7 +491,7 @@ impl Cluster {
 /// its in-flight requests at `gate_ttl`.
 mod weakened {
     #[cfg(feature = "failpoints")]
-    pub fn no_self_fence() -> bool {
+    pub(super) fn no_self_fence() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| std::env::var("FENCEGATE_WEAKEN").is_ok_and(|v| v == "no_self_fence"))
     }

@@ -14,7 +14,6 @@ use super::shard::Shard;
 use super::{lock, weakened, Cluster, TenureWork};
 use crate::dedup::Dedup;
 use crate::fence::Fences;
-use crate::state::ownership::Held;
 use crate::state::{Generation, Owner, OwnerRow, StateStore};
 
 /// What a tenure of a shard here starts and stops besides its row: the
@@ -93,7 +92,7 @@ impl Tenures {
         let Some(generation) = g.unserve() else {
             return false;
         };
-        let owner = Held { shard, generation }.owner();
+        let owner = Owner { shard, generation };
         let stops = self.stop_leases(g, owner, |_| deadline);
         let stopping = g.stopping.clone();
         stopping.send_modify(|n| *n += 1);
@@ -241,7 +240,7 @@ impl Cluster {
                 }
             }
         };
-        let owner = Held { shard, generation }.owner();
+        let owner = Owner { shard, generation };
         if !self.anchor.window.is_open() || self.stopped_by_another_set_up() {
             tracing::info!(
                 shard,
@@ -344,8 +343,8 @@ impl Cluster {
         // latest, whatever the leases' own drain timeouts.
         let latest = self.abort_deadline(g);
         // Not served (a tenure self-fenced meanwhile): generation 0, an owner
-        // no fence is held by.
-        let generation = g.unserve().map_or(0, Generation::get);
+        // no fence of a cluster is held by.
+        let generation = g.unserve().unwrap_or(Generation::SINGLE);
         let owner = Owner { shard, generation };
         let now = Instant::now();
         self.tenures
@@ -373,7 +372,7 @@ impl Cluster {
         self.db_calls.fetch_add(1, Ordering::Relaxed);
         match self
             .owners
-            .release_shard(&self.id, Held { shard, generation })
+            .release_shard(&self.id, Owner { shard, generation })
             .await
         {
             Ok(released) => {

@@ -15,8 +15,7 @@ use super::shard::Shard;
 use super::tenure::Tenures;
 use super::TenureWork;
 use crate::epoch::LeaseName;
-use crate::state::ownership::Held;
-use crate::state::{Generation, StateStore};
+use crate::state::{Generation, Owner, StateStore};
 
 /// The queue as a tenure sees it: refuses a start while `refuse` is set, and
 /// records what it is told.
@@ -71,7 +70,7 @@ fn tenures(w: &World, work: Arc<Work>) -> (Tenures, Shard) {
     (t, Shard::new(vec![(billing(), DRAIN)]))
 }
 
-const FIRST: Held = Held {
+const FIRST: Owner = Owner {
     shard: 0,
     generation: Generation::FIRST,
 };
@@ -86,16 +85,16 @@ async fn a_tenure_starts_only_if_its_work_agrees() {
     let (t, g) = tenures(&w, work.clone());
     *work.refuse.lock().unwrap() = Some("the queue is not ready".into());
     assert_eq!(
-        t.start(&g, FIRST.owner()).await,
+        t.start(&g, FIRST).await,
         Err("the queue is not ready".into())
     );
     assert!(w.tables.lock().unwrap().owners.is_empty(), "not claimed");
     assert!(t.fences.get(&billing()).is_none(), "no fence started");
     *work.refuse.lock().unwrap() = None;
-    t.start(&g, FIRST.owner()).await.unwrap();
+    t.start(&g, FIRST).await.unwrap();
     assert_eq!(w.tables.lock().unwrap().owners[&0].generation, 1, "claimed");
     let fence = t.fences.get(&billing()).expect("its fence runs");
-    assert_eq!(fence.owner(), FIRST.owner());
+    assert_eq!(fence.owner(), FIRST);
     assert!(work.started.lock().unwrap().is_empty(), "not served yet");
     t.started(&g);
     assert_eq!(*work.started.lock().unwrap(), vec![vec![billing()]]);
@@ -110,7 +109,7 @@ async fn a_stopped_tenure_holds_its_requests_and_work_to_the_deadline() {
     let w = World::new();
     let work = Arc::new(Work::default());
     let (t, g) = tenures(&w, work.clone());
-    t.start(&g, FIRST.owner()).await.unwrap();
+    t.start(&g, FIRST).await.unwrap();
     g.serve(FIRST.generation);
     let pass = w.admit_to(&t.fences).await;
     let aborted: Arc<Mutex<Option<Instant>>> = Arc::default();
@@ -150,10 +149,10 @@ async fn a_handovers_leases_drain_for_their_own_timeout_and_the_work_the_longest
     let w = World::new();
     let work = Arc::new(Work::default());
     let (t, g) = tenures(&w, work.clone());
-    t.start(&g, FIRST.owner()).await.unwrap();
+    t.start(&g, FIRST).await.unwrap();
     g.serve(FIRST.generation);
     let now = Instant::now();
-    let drained = t.stop_leases(&g, FIRST.owner(), |drain| now + drain);
+    let drained = t.stop_leases(&g, FIRST, |drain| now + drain);
     let stopped = drained.join_all().await;
     assert_eq!(stopped, vec![true, true], "the lease's fence, and the work");
     assert_eq!(*work.stops.lock().unwrap(), vec![(0, now + DRAIN)]);

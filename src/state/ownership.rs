@@ -5,7 +5,7 @@
 
 use async_trait::async_trait;
 
-use super::StateError;
+use super::{Owner, StateError};
 
 /// A shard's owner generation (SPEC §10.2): raised by every take of the
 /// shard's row, carried by every state write of the tenure, and what a
@@ -16,6 +16,10 @@ use super::StateError;
 pub struct Generation(u64);
 
 impl Generation {
+    /// A single instance's (SPEC §10.1): it owns its one shard without a
+    /// row, and no take writes it.
+    pub const SINGLE: Generation = Generation(0);
+
     /// The generation of a shard's first take (a row inserted).
     pub const FIRST: Generation = Generation(1);
 
@@ -52,31 +56,11 @@ pub struct RowVersion {
     pub renewals: u64,
 }
 
-/// A shard an instance holds, under the generation of its take: what a
-/// renewal or a release is conditioned on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Held {
-    /// The shard.
-    pub shard: u32,
-    /// The generation its row was taken at.
-    pub generation: Generation,
-}
-
-impl Held {
-    /// The owner every state write of this tenure carries.
-    pub fn owner(self) -> super::Owner {
-        super::Owner {
-            shard: self.shard,
-            generation: self.generation.get(),
-        }
-    }
-}
-
 /// A renewal's result for one held shard: its row, renewed once more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Renewed {
     /// The shard and the generation it is still held under.
-    pub held: Held,
+    pub owner: Owner,
     /// The tenure's renewals, this one included.
     pub renewals: u64,
 }
@@ -144,21 +128,22 @@ pub trait OwnershipStore: Send + Sync + 'static {
     ) -> Result<Option<Generation>, StateError>;
 
     /// Renews every shard of `held` that `id` still owns under the generation
-    /// given, in one statement; returns those renewed with their renewal count. Waits for
+    /// given (each an [`Owner`]: the shard and its generation), in one
+    /// statement; returns those renewed with their renewal count. Waits for
     /// the answer at least `patience` (and at least the store's own timeout):
     /// a renewal counts from its send, so one answered late but before the
     /// owner's deadline still extends its window (SPEC §10.2).
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[Held],
+        held: &[Owner],
         ttl: std::time::Duration,
         patience: std::time::Duration,
     ) -> Result<Vec<Renewed>, StateError>;
 
-    /// Releases the shard `id` holds as `held` (a handover): a successor may
-    /// take it at once. Whether it was released.
-    async fn release_shard(&self, id: &str, held: Held) -> Result<bool, StateError>;
+    /// Releases the shard `id` holds as `held` (its shard and generation; a
+    /// handover): a successor may take it at once. Whether it was released.
+    async fn release_shard(&self, id: &str, held: Owner) -> Result<bool, StateError>;
 
     /// Membership, advisory: counts a beat of `id` and returns every member's
     /// beat count (liveness is judged by watching a count change on the
@@ -181,16 +166,5 @@ mod tests {
         assert!(Generation::new(2) > Generation::FIRST);
         assert_eq!(Generation::new(7).to_string(), "7");
         assert_eq!(Generation::new(u64::MAX).next(), Generation::new(u64::MAX));
-        let held = Held {
-            shard: 3,
-            generation: Generation::new(5),
-        };
-        assert_eq!(
-            held.owner(),
-            super::super::Owner {
-                shard: 3,
-                generation: 5
-            }
-        );
     }
 }

@@ -14,8 +14,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use async_trait::async_trait;
 
 use super::{PostgresState, StateError};
-use crate::state::ownership::{Beats, Generation, Held, Renewed, RowVersion};
-use crate::state::{OwnerRow, OwnershipStore};
+use crate::state::ownership::{Beats, Generation, Renewed, RowVersion};
+use crate::state::{Owner, OwnerRow, OwnershipStore};
 
 fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -129,7 +129,7 @@ impl OwnershipStore for PostgresState {
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[Held],
+        held: &[Owner],
         ttl: Duration,
         patience: Duration,
     ) -> Result<Vec<Renewed>, StateError> {
@@ -166,7 +166,7 @@ impl OwnershipStore for PostgresState {
         Ok(rows
             .iter()
             .map(|r| Renewed {
-                held: Held {
+                owner: Owner {
                     shard: u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
                     generation: Generation::new(uint(r.get(1))),
                 },
@@ -175,7 +175,7 @@ impl OwnershipStore for PostgresState {
             .collect())
     }
 
-    async fn release_shard(&self, id: &str, held: Held) -> Result<bool, StateError> {
+    async fn release_shard(&self, id: &str, held: Owner) -> Result<bool, StateError> {
         self.writable()?;
         let sh = i32::try_from(held.shard).unwrap_or(i32::MAX);
         let generation = int(held.generation.get());

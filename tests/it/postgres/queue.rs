@@ -9,8 +9,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::{Accepted, Message, Status};
-use fencegate::state::ownership::{Held, RowVersion};
-use fencegate::state::{Owner, OwnershipStore, StateError, StateStore};
+use fencegate::state::ownership::RowVersion;
+use fencegate::state::{Generation, Owner, OwnershipStore, StateError, StateStore};
 
 use super::pg_config;
 use crate::support::postgres::PgServer;
@@ -46,7 +46,7 @@ async fn a_deposed_owners_queue_writes_are_refused_even_in_flight_at_the_takeove
     let new_db = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let gen = |generation| Owner {
         shard: 3,
-        generation,
+        generation: Generation::new(generation),
     };
     old_db.claim_shard(gen(1)).await.unwrap();
     let (old, new) = (PgQueue::new(old_db.clone()), PgQueue::new(new_db.clone()));
@@ -94,7 +94,7 @@ async fn a_deposed_owners_queue_writes_are_refused_even_in_flight_at_the_takeove
     relay.hold_requests(false);
     let r = attempt.await.unwrap();
     assert!(
-        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        matches!(r, Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2)),
         "an attempt written after the takeover: {r:?}"
     );
     assert_eq!(
@@ -347,11 +347,10 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
         .await
         .unwrap()
         .unwrap();
-    let a_owner = Held {
+    let a_owner = Owner {
         shard: 3,
         generation: gen1,
-    }
-    .owner();
+    };
     a_db.claim_shard(a_owner).await.unwrap();
     let (a, b) = (PgQueue::new(a_db.clone()), PgQueue::new(b_db.clone()));
     accept(&a, a_owner, "m0", 1).await;
@@ -408,11 +407,10 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
         .await
         .expect("the take does not wait for the stopped owner")
         .expect("taken");
-    let b_owner = Held {
+    let b_owner = Owner {
         shard: 3,
         generation: gen2,
-    }
-    .owner();
+    };
     b_db.claim_shard(b_owner).await.unwrap();
     // B accepts on the same lease once the server has ended A's idle
     // transaction (half of A's timeout_ms), long before A wakes.
@@ -449,11 +447,10 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
         .await
         .unwrap()
         .unwrap();
-    let held = Held {
+    let owner = Owner {
         shard: 0,
         generation,
     };
-    let owner = held.owner();
     db.claim_shard(owner).await.unwrap();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = tokio::task::JoinSet::new();
@@ -474,7 +471,7 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
     // Renewals for a while under that load: each must go through within the
     // state's timeout.
     for _ in 0..20 {
-        db.renew_shards("fg-a", &[held], TTL, std::time::Duration::ZERO)
+        db.renew_shards("fg-a", &[owner], TTL, std::time::Duration::ZERO)
             .await
             .expect("a renewal under a busy queued lease");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

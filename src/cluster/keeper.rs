@@ -9,6 +9,11 @@
 //!   is a released one. Then balance: take free shards while below this
 //!   instance's share, hand shards over while above it.
 //! - The anchor ([`super::anchor`]), every quarter of `gate_ttl`.
+//!
+//! [`Keeper`] is what is the keeper's own: its cadence, the membership it
+//! saw, the wake-up for an early look. Balance is decided by [`plan`], a pure
+//! function of the shards as weighed at one look ([`Weighed`]); the rounds
+//! themselves are the cluster's, which they drive.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;

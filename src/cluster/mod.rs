@@ -129,9 +129,12 @@ pub struct Database<'a> {
     pub generations: Arc<dyn crate::state::identity::Generations>,
 }
 
-/// This instance's membership of a cluster (SPEC §10.2): the shards it owns and
-/// sees owned, the prefix's anchor, where each request is served, and the
-/// keeper that balances and takes over shards.
+/// This instance's membership of a cluster (SPEC §10.2): where each request
+/// is served, and what wires the parts together — the shards it owns and
+/// sees owned ([`shard`]), the prefix's anchor ([`anchor`]), the keeper's
+/// cadence and membership ([`keeper`]), what a tenure starts and stops
+/// ([`tenure`]) — through the rounds and takeovers that move a shard from
+/// one to the next. Its counters are the cluster's metrics.
 pub struct Cluster {
     id: String,
     advertise: String,
@@ -158,6 +161,7 @@ pub struct Cluster {
     owners: Arc<dyn OwnershipStore>,
     /// The keeper's cadence and membership ([`keeper`]).
     keeper: keeper::Keeper,
+    /// Cancelled by a graceful leave: nothing is taken from then on.
     stopping: CancellationToken,
     /// Shards taken over from a dead owner.
     pub takeovers: AtomicU64,

@@ -3,6 +3,11 @@
 //! serving it until its forwarding deadline — the shard's own window, and the
 //! anchor's — and leaving it, self-fenced, handed over or lost, with every
 //! lease held to the shard's one abort deadline.
+//!
+//! [`Tenures`] is what a tenure starts and stops besides the row — the
+//! state's claim, the in-doubt records, the fences, the work that follows
+//! (the queue) — and owns those handles. When a tenure starts or stops, and
+//! under which generation, is the cluster's (`impl Cluster` below).
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};

@@ -9,10 +9,15 @@
 //!   is a released one. Then balance: take free shards while below this
 //!   instance's share, hand shards over while above it.
 //! - The anchor ([`super::anchor`]), every quarter of `gate_ttl`.
+//!
+//! [`Keeper`] is what is the keeper's own: its cadence, the membership it
+//! saw, the wake-up for an early look. Balance is decided by [`plan`], a pure
+//! function of the shards as weighed at one look ([`Weighed`]); the rounds
+//! themselves are the cluster's, which they drive.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -20,6 +25,100 @@ use tokio_util::sync::CancellationToken;
 
 use super::shard::Seen;
 use super::{lock, shard_of_id, Cluster};
+use crate::state::ownership::{Beats, Renewed};
+use crate::state::Owner;
+
+/// The keeper's own state: its cadence (from `gate_ttl`), membership as the
+/// beats were seen to change on this instance's clock, and the wake-up for an
+/// early look. What it renews, reads and balances is the cluster's
+/// ([`Cluster::run`]).
+pub(super) struct Keeper {
+    /// This instance's id: always a member, as it sees it.
+    id: String,
+    /// `gate_ttl`.
+    ttl: Duration,
+    /// Each member's latest beat count and when it was first seen.
+    beats: Mutex<HashMap<String, (u64, Instant)>>,
+    /// Instances seen alive at the last beat, in id order.
+    members: Mutex<Vec<String>>,
+    /// Wakes the look loop for an early round (a request found no owner).
+    nudged: tokio::sync::Notify,
+}
+
+impl Keeper {
+    /// The keeper of instance `id`, whose `gate_ttl` is `ttl`: alone in its
+    /// membership until a beat is seen.
+    pub(super) fn new(id: &str, ttl: Duration) -> Keeper {
+        Keeper {
+            id: id.to_owned(),
+            ttl,
+            beats: Mutex::new(HashMap::new()),
+            members: Mutex::new(vec![id.to_owned()]),
+            nudged: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// How often renewals start: a third of `gate_ttl`, however long the last
+    /// took.
+    pub(super) fn renew_every(&self) -> Duration {
+        self.ttl / 3
+    }
+
+    /// How often the owner rows are read: a tenth of `gate_ttl`, 100 ms to 1 s
+    /// (a takeover after a crash comes at most this much after the earliest).
+    pub(super) fn look_every(&self) -> Duration {
+        (self.ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+    }
+
+    /// How long a renewal may go unanswered before a second is sent beside
+    /// it: a fifth of `gate_ttl`, at least 200 ms.
+    pub(super) fn hedge_after(&self) -> Duration {
+        (self.ttl / 5).max(Duration::from_millis(200))
+    }
+
+    /// Instances seen alive at the last beat, this one included.
+    pub(super) fn members(&self) -> Vec<String> {
+        lock(&self.members).clone()
+    }
+
+    /// Asks for an early look.
+    pub(super) fn nudge(&self) {
+        self.nudged.notify_one();
+    }
+
+    /// Membership by beats seen to change on this instance's clock: a member
+    /// is alive for `gate_ttl` after its count was last seen to change; one
+    /// whose row is gone (it left) is gone at once.
+    pub(super) fn saw_beats(&self, beats: Vec<Beats>) {
+        let now = Instant::now();
+        let mut seen = lock(&self.beats);
+        // A member that left (its row deleted) is gone at once.
+        seen.retain(|id, _| beats.iter().any(|b| b.instance == *id));
+        for Beats {
+            instance: id,
+            count: n,
+        } in beats
+        {
+            match seen.get(&id) {
+                Some((m, _)) if *m == n => {}
+                _ => {
+                    seen.insert(id, (n, now));
+                }
+            }
+        }
+        let alive_for = self.ttl;
+        let mut members: Vec<String> = seen
+            .iter()
+            .filter(|(id, (_, at))| **id == self.id || now.duration_since(*at) < alive_for)
+            .map(|(id, _)| id.clone())
+            .collect();
+        if !members.contains(&self.id) {
+            members.push(self.id.clone());
+        }
+        members.sort();
+        *lock(&self.members) = members;
+    }
+}
 
 impl Cluster {
     /// Keeps this instance's shards until `stop` (then [`Cluster::leave`]
@@ -32,15 +131,8 @@ impl Cluster {
         let _ = renewals.await;
     }
 
-    /// How often the owner rows are read: a tenth of `gate_ttl`, 100 ms to 1 s
-    /// (a takeover after a crash comes at most this much after the earliest).
-    pub(super) fn look_every(&self) -> Duration {
-        (self.ttl / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
-    }
-
     async fn renew_loop(self: Arc<Self>, stop: CancellationToken) {
-        // Renewals start every third of gate_ttl, however long the last took.
-        let mut ticks = tokio::time::interval(self.ttl / 3);
+        let mut ticks = tokio::time::interval(self.keeper.renew_every());
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -54,13 +146,12 @@ impl Cluster {
     async fn look_loop(self: Arc<Self>, stop: CancellationToken) {
         loop {
             self.look_round().await;
-            let wait = self
-                .next_free_in()
-                .map_or(self.look_every(), |d| d.min(self.look_every()));
+            let every = self.keeper.look_every();
+            let wait = self.next_free_in().map_or(every, |d| d.min(every));
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(wait) => {}
-                _ = self.nudged.notified() => {
+                _ = self.keeper.nudged.notified() => {
                     // At most a few early looks a second, whatever the traffic.
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -82,9 +173,9 @@ impl Cluster {
 
     /// One renewal: every row held here, in one statement, then a beat.
     pub(super) async fn renew_round(self: &Arc<Self>) {
-        let held: Vec<(u32, u64)> = (0..self.shards)
+        let held: Vec<Owner> = (0..self.shards)
             .zip(&self.by_shard)
-            .filter_map(|(s, g)| lock(&g.holding).map(|gen| (s, gen)))
+            .filter_map(|(shard, g)| lock(&g.holding).map(|generation| Owner { shard, generation }))
             .collect();
         if self.state.set_up_conflict().is_some() {
             // The database is another set-up's now (SPEC §10): this instance
@@ -113,14 +204,14 @@ impl Cluster {
         }
         self.db_calls.fetch_add(1, Ordering::Relaxed);
         match self.owners.beat(&self.id).await {
-            Ok(beats) => self.saw_beats(beats),
+            Ok(beats) => self.keeper.saw_beats(beats),
             Err(e) => {
                 tracing::warn!(error = %e, "cluster heartbeat failed; balancing on the last membership seen")
             }
         }
     }
 
-    async fn renew_held(self: &Arc<Self>, held: &[(u32, u64)]) {
+    async fn renew_held(self: &Arc<Self>, held: &[Owner]) {
         let (sent, renewed) = match self.renew_hedged(held).await {
             Ok(r) => r,
             Err(e) => {
@@ -131,17 +222,15 @@ impl Cluster {
                 return;
             }
         };
-        for &(shard, generation) in held {
+        for &h in held {
+            let Owner { shard, generation } = h;
             let g = &self.by_shard[shard as usize];
             let _op = g.op.lock().await;
             if *lock(&g.holding) != Some(generation) {
                 continue; // released or restarted meanwhile
             }
-            match renewed
-                .iter()
-                .find(|(s, gen, _)| *s == shard && *gen == generation)
-            {
-                Some(&(_, _, renewals)) => {
+            match renewed.iter().find(|r| r.owner == h) {
+                Some(&Renewed { renewals, .. }) => {
                     g.window
                         .extend(self.window_from(sent), self.ttl, self.margin);
                     {
@@ -156,7 +245,7 @@ impl Cluster {
                             }
                         }
                     }
-                    if g.serving.load(Ordering::SeqCst) == 0
+                    if g.serving().is_none()
                         && !g.busy.load(Ordering::SeqCst)
                         && !self.stopping.is_cancelled()
                     {
@@ -168,7 +257,7 @@ impl Cluster {
                 }
                 None => {
                     *lock(&g.holding) = None;
-                    tracing::warn!(shard, generation, "lost a shard: its row changed");
+                    tracing::warn!(shard, %generation, "lost a shard: its row changed");
                     self.stop_serving(shard, Instant::now(), "ownership lost");
                 }
             }
@@ -190,11 +279,11 @@ impl Cluster {
     /// stays unknown only makes a successor wait longer.
     async fn renew_hedged(
         self: &Arc<Self>,
-        held: &[(u32, u64)],
-    ) -> Result<(Instant, Vec<(u32, u64, u64)>), crate::state::StateError> {
+        held: &[Owner],
+    ) -> Result<(Instant, Vec<Renewed>), crate::state::StateError> {
         let deadline = held
             .iter()
-            .map(|&(s, _)| self.forward_deadline(&self.by_shard[s as usize]))
+            .map(|h| self.forward_deadline(&self.by_shard[h.shard as usize]))
             .max();
         let patience =
             |from: Instant| deadline.map_or(Duration::ZERO, |d| d.saturating_duration_since(from));
@@ -204,7 +293,7 @@ impl Cluster {
             .owners
             .renew_shards(&self.id, held, self.ttl, patience(sent));
         tokio::pin!(first);
-        let hedge_after = (self.ttl / 5).max(Duration::from_millis(200));
+        let hedge_after = self.keeper.hedge_after();
         if patience(sent) <= hedge_after {
             return first.await.map(|r| (sent, r));
         }
@@ -232,33 +321,6 @@ impl Cluster {
                 Err(_) => first.await.map(|r| (sent, r)),
             },
         }
-    }
-
-    /// Membership by beats seen to change on this instance's clock.
-    fn saw_beats(&self, beats: Vec<(String, u64)>) {
-        let now = Instant::now();
-        let mut seen = lock(&self.beats);
-        // A member that left (its row deleted) is gone at once.
-        seen.retain(|id, _| beats.iter().any(|(b, _)| b == id));
-        for (id, n) in beats {
-            match seen.get(&id) {
-                Some((m, _)) if *m == n => {}
-                _ => {
-                    seen.insert(id, (n, now));
-                }
-            }
-        }
-        let alive_for = self.ttl;
-        let mut members: Vec<String> = seen
-            .iter()
-            .filter(|(id, (_, at))| *id == &self.id || now.duration_since(*at) < alive_for)
-            .map(|(id, _)| id.clone())
-            .collect();
-        if !members.contains(&self.id) {
-            members.push(self.id.clone());
-        }
-        members.sort();
-        *lock(&self.members) = members;
     }
 
     /// One look: every owner row, then balance.
@@ -299,7 +361,7 @@ impl Cluster {
         if released {
             self.db_calls.fetch_add(1, Ordering::Relaxed);
             if let Ok(beats) = self.owners.beat(&self.id).await {
-                self.saw_beats(beats);
+                self.keeper.saw_beats(beats);
             }
         }
         if !self.stopping.is_cancelled() && !self.stopped_by_another_set_up() {
@@ -308,96 +370,328 @@ impl Cluster {
     }
 
     /// Takes free shards while holding fewer than this instance's share, hands
-    /// shards over while holding more (SPEC §10.2 balance). Shares: with `n`
-    /// shards and `l` live instances each holds ⌊n/l⌋ or ⌈n/l⌉. Only an instance
-    /// below ⌊n/l⌋ makes another one give up a shard, and then only the one holding
-    /// the most (lowest id first) gives one per round: no flapping.
+    /// shards over while holding more ([`plan`]), once the anchor is known to
+    /// be this set-up's.
     pub(super) fn balance(self: &Arc<Self>) {
         if !self.vouches() {
             return; // nothing is served until the anchor is this set-up's
         }
-        let mut counts: HashMap<String, usize> = HashMap::new();
-        let mut live: BTreeSet<String> = self.members().into_iter().collect();
-        live.insert(self.id.clone());
-        let mut free = Vec::new();
-        let mut mine = Vec::new();
-        let mut gone: BTreeSet<String> = BTreeSet::new();
-        for (shard, g) in (0..self.shards).zip(&self.by_shard) {
-            if g.busy.load(Ordering::SeqCst) {
-                if lock(&g.holding).is_some() {
-                    *counts.entry(self.id.clone()).or_default() += 1;
+        let shards: Vec<Weighed> = self
+            .by_shard
+            .iter()
+            .map(|g| {
+                let held = lock(&g.holding).is_some();
+                if g.busy.load(Ordering::SeqCst) {
+                    return Weighed::Busy { held };
                 }
-                continue;
-            }
-            if lock(&g.holding).is_some() {
-                *counts.entry(self.id.clone()).or_default() += 1;
-                mine.push(shard);
-                continue;
-            }
-            let seen = lock(&g.seen).clone();
-            match seen
-                .owner(self.ttl, self.grace)
-                .and_then(|r| r.owner.clone())
-            {
-                Some(o) if o != self.id => {
-                    live.insert(o.clone());
-                    *counts.entry(o).or_default() += 1;
+                if held {
+                    return Weighed::Held;
                 }
-                // A row naming this instance that it does not hold (a restart
-                // of this instance): free once watched long enough, like any.
-                _ if seen.is_free(self.ttl, self.grace) => {
-                    // Its owner stopped renewing: dead or cut off, whatever
-                    // its last beat says — it reserves no share.
-                    if let Some(o) = seen.row.as_ref().and_then(|r| r.owner.as_ref()) {
-                        if *o != self.id {
-                            gone.insert(o.clone());
-                        }
-                    }
-                    free.push(shard)
+                let seen = lock(&g.seen).clone();
+                match seen
+                    .owner(self.ttl, self.grace)
+                    .and_then(|r| r.owner.clone())
+                {
+                    Some(o) if o != self.id => Weighed::Owned(o),
+                    // A row naming this instance that it does not hold (a
+                    // restart of this instance): free once watched long
+                    // enough, like any.
+                    _ if seen.is_free(self.ttl, self.grace) => Weighed::Free {
+                        was: seen
+                            .row
+                            .as_ref()
+                            .and_then(|r| r.owner.clone())
+                            .filter(|o| *o != self.id),
+                    },
+                    _ => Weighed::Waiting,
                 }
-                _ => {}
-            }
+            })
+            .collect();
+        let plan = plan(&self.id, &self.keeper.members(), &shards);
+        for (shard, why) in plan.hand_over {
+            self.clone().spawn_handover(shard, why);
         }
-        live.retain(|id| !gone.contains(id) || counts.contains_key(id));
-        let n = self.shards as usize;
-        let l = live.len().max(1);
-        let (lo, hi) = (n / l, n.div_ceil(l));
-        let held = counts.get(&self.id).copied().unwrap_or(0);
-        let count = |id: &String| counts.get(id).copied().unwrap_or(0);
-        let starving = live.iter().any(|id| *id != self.id && count(id) < lo);
-        if held > hi {
-            for shard in mine.iter().rev().take(held - hi) {
-                self.clone()
-                    .spawn_handover(*shard, "balancing: more than this instance's share");
-            }
-            return;
-        }
-        if held == hi && hi > lo && starving {
-            let most = live
-                .iter()
-                .map(|id| (std::cmp::Reverse(count(id)), id))
-                .min();
-            if most.map(|(_, id)| id) == Some(&self.id) {
-                if let Some(shard) = mine.last() {
-                    self.clone()
-                        .spawn_handover(*shard, "balancing: an instance holds less than its share");
-                }
-            }
-            return;
-        }
-        let want = if held < lo {
-            lo - held
-        } else if held < hi && !starving {
-            hi - held
-        } else {
-            0
-        };
-        // Start at a place of our own so that instances do not all race for the
-        // same free shard.
-        let offset = usize::try_from(shard_of_id(&self.id) % n.max(1) as u64).unwrap_or(0);
-        free.sort_by_key(|s| (*s as usize + n - offset) % n);
-        for shard in free.into_iter().take(want) {
+        for shard in plan.take {
             self.clone().spawn_takeover(shard);
         }
+    }
+}
+
+/// A shard as balance weighs it (its view here, at one look).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Weighed {
+    /// A takeover or a handover of it is running here; `held`: its row is
+    /// held here (counted in this instance's share).
+    Busy { held: bool },
+    /// Its row is held here.
+    Held,
+    /// Another instance's tenure of it may still run.
+    Owned(String),
+    /// Free to take: released, never taken, or watched unchanged for
+    /// `gate_ttl + grace_ms`; `was`: the other instance whose tenure ran out.
+    Free { was: Option<String> },
+    /// None of these (a row naming this instance, which it does not hold, not
+    /// yet watched long enough).
+    Waiting,
+}
+
+/// What one balance does: the shards to take and those to hand over (with
+/// why), in the order they are started.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Plan {
+    pub(super) take: Vec<u32>,
+    pub(super) hand_over: Vec<(u32, &'static str)>,
+}
+
+/// SPEC §10.2 balance, decided on the shards as weighed (indexed by shard)
+/// and the members seen alive, for instance `me`. Shares: with `n` shards and
+/// `l` live instances each holds ⌊n/l⌋ or ⌈n/l⌉. Only an instance below
+/// ⌊n/l⌋ makes another one give up a shard, and then only the one holding the
+/// most (lowest id first) gives one per round: no flapping. An instance whose
+/// tenure ran out (a free shard's last owner) reserves no share, whatever its
+/// last beat says, unless it still owns another shard.
+pub(super) fn plan(me: &str, members: &[String], shards: &[Weighed]) -> Plan {
+    let me = me.to_owned();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut live: BTreeSet<String> = members.iter().cloned().collect();
+    live.insert(me.clone());
+    let mut free = Vec::new();
+    let mut mine = Vec::new();
+    let mut gone: BTreeSet<String> = BTreeSet::new();
+    for (shard, w) in (0u32..).zip(shards) {
+        match w {
+            Weighed::Busy { held } => {
+                if *held {
+                    *counts.entry(me.clone()).or_default() += 1;
+                }
+            }
+            Weighed::Held => {
+                *counts.entry(me.clone()).or_default() += 1;
+                mine.push(shard);
+            }
+            Weighed::Owned(o) => {
+                live.insert(o.clone());
+                *counts.entry(o.clone()).or_default() += 1;
+            }
+            Weighed::Free { was } => {
+                // Its owner stopped renewing: dead or cut off.
+                if let Some(o) = was {
+                    gone.insert(o.clone());
+                }
+                free.push(shard);
+            }
+            Weighed::Waiting => {}
+        }
+    }
+    live.retain(|id| !gone.contains(id) || counts.contains_key(id));
+    let n = shards.len();
+    let l = live.len().max(1);
+    let (lo, hi) = (n / l, n.div_ceil(l));
+    let held = counts.get(&me).copied().unwrap_or(0);
+    let count = |id: &String| counts.get(id).copied().unwrap_or(0);
+    let starving = live.iter().any(|id| *id != me && count(id) < lo);
+    let mut plan = Plan::default();
+    if held > hi {
+        for shard in mine.iter().rev().take(held - hi) {
+            plan.hand_over
+                .push((*shard, "balancing: more than this instance's share"));
+        }
+        return plan;
+    }
+    if held == hi && hi > lo && starving {
+        let most = live
+            .iter()
+            .map(|id| (std::cmp::Reverse(count(id)), id))
+            .min();
+        if most.map(|(_, id)| id) == Some(&me) {
+            if let Some(shard) = mine.last() {
+                plan.hand_over
+                    .push((*shard, "balancing: an instance holds less than its share"));
+            }
+        }
+        return plan;
+    }
+    let want = if held < lo {
+        lo - held
+    } else if held < hi && !starving {
+        hi - held
+    } else {
+        0
+    };
+    // Start at a place of our own so that instances do not all race for the
+    // same free shard.
+    let offset = usize::try_from(shard_of_id(&me) % n.max(1) as u64).unwrap_or(0);
+    free.sort_by_key(|s| (*s as usize + n - offset) % n);
+    plan.take = free.into_iter().take(want).collect();
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::advance;
+
+    fn beats(of: &[(&str, u64)]) -> Vec<Beats> {
+        of.iter()
+            .map(|(i, n)| Beats {
+                instance: (*i).to_owned(),
+                count: *n,
+            })
+            .collect()
+    }
+
+    fn members(of: &[&str]) -> Vec<String> {
+        of.iter().map(|m| (*m).to_owned()).collect()
+    }
+
+    /// The keeper's periods follow `gate_ttl`: renewals every third, looks
+    /// every tenth (100 ms to 1 s), a second renewal after a fifth (at least
+    /// 200 ms).
+    #[test]
+    fn the_cadence_follows_gate_ttl_within_its_bounds() {
+        let k = Keeper::new("a", Duration::from_secs(6));
+        assert_eq!(k.renew_every(), Duration::from_secs(2));
+        assert_eq!(k.look_every(), Duration::from_millis(600));
+        assert_eq!(k.hedge_after(), Duration::from_millis(1200));
+        let short = Keeper::new("a", Duration::from_millis(500));
+        assert_eq!(short.look_every(), Duration::from_millis(100));
+        assert_eq!(short.hedge_after(), Duration::from_millis(200));
+        let long = Keeper::new("a", Duration::from_secs(60));
+        assert_eq!(long.look_every(), Duration::from_secs(1));
+    }
+
+    /// Membership (SPEC §10.2, advisory): a member is alive for `gate_ttl`
+    /// after its beat count was last seen to change on this clock, never by
+    /// the database's; one whose row is gone left at once; this instance is
+    /// always its own member.
+    #[tokio::test(start_paused = true)]
+    async fn a_member_is_alive_for_gate_ttl_after_its_beat_last_changed() {
+        let ttl = Duration::from_secs(6);
+        let k = Keeper::new("a", ttl);
+        assert_eq!(k.members(), members(&["a"]), "alone before any beat");
+        k.saw_beats(beats(&[("b", 1), ("c", 4)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]));
+        advance(ttl - Duration::from_millis(1)).await;
+        k.saw_beats(beats(&[("a", 1), ("b", 2), ("c", 4)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]), "c: not yet");
+        advance(Duration::from_millis(1)).await;
+        k.saw_beats(beats(&[("a", 2), ("b", 2), ("c", 4)]));
+        assert_eq!(
+            k.members(),
+            members(&["a", "b"]),
+            "c's count unchanged for gate_ttl: not alive"
+        );
+        k.saw_beats(beats(&[("a", 3), ("b", 2), ("c", 5)]));
+        assert_eq!(k.members(), members(&["a", "b", "c"]), "c beats again");
+        k.saw_beats(beats(&[("c", 5)]));
+        assert_eq!(
+            k.members(),
+            members(&["a", "c"]),
+            "b's row deleted (it left): gone at once; a is its own member"
+        );
+    }
+
+    /// Alone, an instance takes every free shard, starting at a place of its
+    /// own (its id's hash), so that instances starting together spread out.
+    #[test]
+    fn alone_every_free_shard_is_taken_from_a_place_of_its_own() {
+        let free = vec![Weighed::Free { was: None }; 4];
+        let p = plan("a", &members(&["a"]), &free);
+        assert!(p.hand_over.is_empty());
+        let offset = (shard_of_id("a") % 4) as u32;
+        let want: Vec<u32> = (0..4).map(|i| (i + offset) % 4).collect();
+        assert_eq!(p.take, want);
+    }
+
+    /// Above its share (⌈n/l⌉) an instance hands the excess over, its highest
+    /// shards first; a shard whose takeover or handover is running counts in
+    /// its share but is never handed over.
+    #[test]
+    fn above_its_share_the_excess_is_handed_over() {
+        let shards = [
+            Weighed::Busy { held: true },
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Held,
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert!(p.take.is_empty());
+        let handed: Vec<u32> = p.hand_over.iter().map(|(s, _)| *s).collect();
+        assert_eq!(handed, vec![3, 2]);
+    }
+
+    /// At ⌈n/l⌉ while another member is below ⌊n/l⌋, the instance holding
+    /// the most (lowest id first) gives one shard a round; the others wait.
+    #[test]
+    fn a_starving_member_gets_one_shard_a_round_from_the_one_holding_most() {
+        // Five shards, three members (shares of 1 or 2): a and b hold two
+        // each, c none; the fifth is free.
+        let all = members(&["a", "b", "c"]);
+        let a_view = [
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Owned("b".into()),
+            Weighed::Owned("b".into()),
+            Weighed::Free { was: None },
+        ];
+        let p = plan("a", &all, &a_view);
+        assert_eq!(p.take, Vec::<u32>::new(), "a takes nothing more");
+        let handed: Vec<u32> = p.hand_over.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            handed,
+            vec![1],
+            "a, holding most with the lowest id, gives one"
+        );
+        // b holds as many, but a gives: b neither gives nor takes.
+        let b_view = [
+            Weighed::Owned("a".into()),
+            Weighed::Owned("a".into()),
+            Weighed::Held,
+            Weighed::Held,
+            Weighed::Free { was: None },
+        ];
+        assert_eq!(plan("b", &all, &b_view), Plan::default());
+        // Four shards, two members, a holds three (above ⌈4/2⌉): it hands one
+        // over, and takes nothing.
+        let p = plan(
+            "a",
+            &members(&["a", "b"]),
+            &[
+                Weighed::Held,
+                Weighed::Held,
+                Weighed::Held,
+                Weighed::Free { was: None },
+            ],
+        );
+        assert_eq!((p.take.len(), p.hand_over.len()), (0, 1));
+    }
+
+    /// An owner whose tenure ran out (its shard is free) reserves no share,
+    /// whatever its last beat says: the live take its shards. While it still
+    /// owns another shard it counts.
+    #[test]
+    fn an_owner_whose_tenure_ran_out_reserves_no_share() {
+        let shards = [
+            Weighed::Held,
+            Weighed::Free {
+                was: Some("b".into()),
+            },
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert_eq!(p.take, vec![1], "b is gone: a's share is both");
+        let shards = [
+            Weighed::Held,
+            Weighed::Free {
+                was: Some("b".into()),
+            },
+            Weighed::Owned("b".into()),
+            Weighed::Held,
+        ];
+        let p = plan("a", &members(&["a", "b"]), &shards);
+        assert_eq!(p, Plan::default(), "b still owns a shard: a holds its two");
+        // A shard not yet free (a row naming this instance, not held here)
+        // is neither taken nor counted.
+        let p = plan("a", &members(&["a"]), &[Weighed::Waiting, Weighed::Held]);
+        assert_eq!(p, Plan::default());
     }
 }

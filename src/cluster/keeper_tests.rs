@@ -25,6 +25,7 @@ use crate::config::Config;
 use crate::epoch::{Epoch, LeaseName};
 use crate::gate::Pass;
 use crate::lease::{CreateOutcome, LeaseStore, StoredObject};
+use crate::state::ownership::{Beats, Generation, Renewed, RowVersion};
 use crate::state::record::{Record, State, TakeOver};
 use crate::state::{
     Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, RecordKey, Resolution, Resolved,
@@ -33,7 +34,7 @@ use crate::state::{
 /// Objects in memory, shared by every handle; `LastModified` from the
 /// (paused) clock; a handle's `down` refuses every call, as a store cut off
 /// from one member.
-struct MemStore {
+pub(super) struct MemStore {
     objects: Arc<Mutex<BTreeMap<String, StoredObject>>>,
     clock: StoreClock,
     local: Arc<dyn Clock>,
@@ -99,8 +100,8 @@ impl LeaseStore for MemStore {
 
 /// A row of `fencegate_owners`, the columns coordination reads and writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Row {
-    generation: u64,
+pub(super) struct Row {
+    pub(super) generation: u64,
     owner: Option<String>,
     advertise: Option<String>,
     renewals: u64,
@@ -110,8 +111,8 @@ struct Row {
 
 /// The database's tables, shared by every member's handle.
 #[derive(Default)]
-struct Tables {
-    owners: BTreeMap<u32, Row>,
+pub(super) struct Tables {
+    pub(super) owners: BTreeMap<u32, Row>,
     /// `fencegate_members`: beats per instance.
     beats: BTreeMap<String, u64>,
 }
@@ -120,7 +121,7 @@ struct Tables {
 /// (nothing applied); `unknown` applies a call, then fails its answer (a
 /// commit whose outcome the caller never learns); `latency` delays every
 /// answer (the call is applied when sent).
-struct Db {
+pub(super) struct Db {
     tables: Arc<Mutex<Tables>>,
     down: AtomicBool,
     unknown: AtomicBool,
@@ -213,15 +214,15 @@ impl StateStore for Db {
         let stored = self
             .call(|t| {
                 let row = t.owners.entry(owner.shard).or_insert(Row {
-                    generation: owner.generation,
+                    generation: owner.generation.get(),
                     owner: None,
                     advertise: None,
                     renewals: 0,
                     ttl_ms: None,
                     released_generation: None,
                 });
-                row.generation = row.generation.max(owner.generation);
-                row.generation
+                row.generation = row.generation.max(owner.generation.get());
+                Generation::new(row.generation)
             })
             .await?;
         if stored > owner.generation {
@@ -254,7 +255,7 @@ impl OwnershipStore for Db {
                 .iter()
                 .map(|(shard, r)| OwnerRow {
                     shard: *shard,
-                    generation: r.generation,
+                    generation: Generation::new(r.generation),
                     owner: r.owner.clone(),
                     advertise: r.advertise.clone(),
                     renewals: r.renewals,
@@ -272,11 +273,11 @@ impl OwnershipStore for Db {
     async fn take_shard(
         &self,
         shard: u32,
-        seen: Option<(u64, u64)>,
+        seen: Option<RowVersion>,
         id: &str,
         advertise: &str,
         ttl: Duration,
-    ) -> Result<Option<u64>, StateError> {
+    ) -> Result<Option<Generation>, StateError> {
         self.call(|t| match seen {
             None => {
                 if t.owners.contains_key(&shard) {
@@ -293,11 +294,14 @@ impl OwnershipStore for Db {
                         released_generation: None,
                     },
                 );
-                Some(1)
+                Some(Generation::FIRST)
             }
-            Some((generation, renewals)) => {
+            Some(RowVersion {
+                generation,
+                renewals,
+            }) => {
                 let row = t.owners.get_mut(&shard)?;
-                if row.generation != generation || row.renewals != renewals {
+                if row.generation != generation.get() || row.renewals != renewals {
                     return None;
                 }
                 row.generation += 1;
@@ -305,7 +309,7 @@ impl OwnershipStore for Db {
                 row.advertise = Some(advertise.to_owned());
                 row.renewals = 0;
                 row.ttl_ms = Some(millis(ttl));
-                Some(row.generation)
+                Some(Generation::new(row.generation))
             }
         })
         .await
@@ -315,10 +319,10 @@ impl OwnershipStore for Db {
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[(u32, u64)],
+        held: &[Owner],
         ttl: Duration,
         _patience: Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+    ) -> Result<Vec<Renewed>, StateError> {
         let hung = self
             .hung_renewals
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
@@ -327,12 +331,15 @@ impl OwnershipStore for Db {
         }
         self.call(|t| {
             let mut renewed = Vec::new();
-            for &(shard, generation) in held {
-                if let Some(row) = t.owners.get_mut(&shard) {
-                    if row.generation == generation && row.owner.as_deref() == Some(id) {
+            for &h in held {
+                if let Some(row) = t.owners.get_mut(&h.shard) {
+                    if row.generation == h.generation.get() && row.owner.as_deref() == Some(id) {
                         row.renewals += 1;
                         row.ttl_ms = Some(millis(ttl));
-                        renewed.push((shard, generation, row.renewals));
+                        renewed.push(Renewed {
+                            owner: h,
+                            renewals: row.renewals,
+                        });
                     }
                 }
             }
@@ -342,14 +349,11 @@ impl OwnershipStore for Db {
     }
     /// `UPDATE … SET owner = NULL, advertise = NULL, released_generation =
     /// generation WHERE shard = $1 AND generation = $2 AND owner = $3`.
-    async fn release_shard(
-        &self,
-        id: &str,
-        shard: u32,
-        generation: u64,
-    ) -> Result<bool, StateError> {
-        self.call(|t| match t.owners.get_mut(&shard) {
-            Some(row) if row.generation == generation && row.owner.as_deref() == Some(id) => {
+    async fn release_shard(&self, id: &str, held: Owner) -> Result<bool, StateError> {
+        self.call(|t| match t.owners.get_mut(&held.shard) {
+            Some(row)
+                if row.generation == held.generation.get() && row.owner.as_deref() == Some(id) =>
+            {
                 row.owner = None;
                 row.advertise = None;
                 row.released_generation = Some(row.generation);
@@ -359,10 +363,16 @@ impl OwnershipStore for Db {
         })
         .await
     }
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+    async fn beat(&self, id: &str) -> Result<Vec<Beats>, StateError> {
         self.call(|t| {
             *t.beats.entry(id.to_owned()).or_default() += 1;
-            t.beats.iter().map(|(i, n)| (i.clone(), *n)).collect()
+            t.beats
+                .iter()
+                .map(|(i, n)| Beats {
+                    instance: i.clone(),
+                    count: *n,
+                })
+                .collect()
         })
         .await
     }
@@ -380,10 +390,10 @@ const GRACE: Duration = Duration::from_millis(500);
 const MS: Duration = Duration::from_millis(1);
 
 /// The shared store and database, and the clock everything follows.
-struct World {
-    clock: Arc<dyn Clock>,
+pub(super) struct World {
+    pub(super) clock: Arc<dyn Clock>,
     objects: Arc<Mutex<BTreeMap<String, StoredObject>>>,
-    tables: Arc<Mutex<Tables>>,
+    pub(super) tables: Arc<Mutex<Tables>>,
     /// The database's generations, shared by the members as its tables are.
     generations: Arc<crate::state::identity::InMemory>,
 }
@@ -402,7 +412,7 @@ impl std::ops::Deref for Member {
 }
 
 impl World {
-    fn new() -> World {
+    pub(super) fn new() -> World {
         World {
             clock: TokioClock::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)),
             objects: Arc::default(),
@@ -411,7 +421,7 @@ impl World {
         }
     }
 
-    fn store(&self) -> Arc<MemStore> {
+    pub(super) fn store(&self) -> Arc<MemStore> {
         Arc::new(MemStore {
             objects: self.objects.clone(),
             clock: StoreClock::new(self.clock.clone()),
@@ -420,7 +430,7 @@ impl World {
         })
     }
 
-    fn db(&self) -> Arc<Db> {
+    pub(super) fn db(&self) -> Arc<Db> {
         Arc::new(Db {
             tables: self.tables.clone(),
             down: AtomicBool::new(false),
@@ -478,6 +488,12 @@ impl World {
     /// shard served there): in flight until the pass is dropped. The lease's
     /// first epoch is acquired on the first call.
     async fn admit(&self, m: &Cluster) -> Pass {
+        self.admit_to(&m.tenures.fences).await
+    }
+
+    /// A worker's request on lease `billing` admitted by its fence in
+    /// `fences` (running: its shard served), as [`World::admit`].
+    pub(super) async fn admit_to(&self, fences: &crate::fence::Fences) -> Pass {
         let lease = LeaseName::parse("billing").unwrap();
         let epochs = crate::lease::Epochs::new(self.store(), "p/");
         let h = crate::lease::acquire::acquire(
@@ -490,7 +506,7 @@ impl World {
         )
         .await
         .unwrap();
-        let fence = m.fences.get(&lease).expect("the lease's fence runs here");
+        let fence = fences.get(&lease).expect("the lease's fence runs here");
         fence
             .admit(
                 Claim {
@@ -507,7 +523,7 @@ impl World {
 
 /// Lets spawned takeovers, handovers and stops run to their end (time
 /// stands still: nothing here sleeps).
-async fn settle() {
+pub(super) async fn settle() {
     for _ in 0..40 {
         tokio::task::yield_now().await;
     }
@@ -546,12 +562,14 @@ async fn rounds(members: &[&Member]) {
 
 fn serving(c: &Cluster) -> Vec<u32> {
     (0..c.shards)
-        .filter(|s| c.by_shard[*s as usize].serving.load(Ordering::SeqCst) != 0)
+        .filter(|s| c.by_shard[*s as usize].serving().is_some())
         .collect()
 }
 
 fn generation(c: &Cluster, shard: u32) -> u64 {
-    c.by_shard[shard as usize].serving.load(Ordering::SeqCst)
+    c.by_shard[shard as usize]
+        .serving()
+        .map_or(0, Generation::get)
 }
 
 fn stopping(c: &Cluster, shard: u32) -> usize {
@@ -766,9 +784,9 @@ async fn an_owner_cut_off_stops_forwarding_at_ttl_minus_margin_after_the_send() 
     rounds(&[&a]).await;
     let owner = Owner {
         shard: 0,
-        generation: generation(&a, 0),
+        generation: Generation::new(generation(&a, 0)),
     };
-    assert_eq!(owner.generation, 1);
+    assert_eq!(owner.generation, Generation::FIRST);
     assert!(a.may_forward(owner));
     let pass = w.admit(&a).await;
     let aborted: Arc<Mutex<Option<Instant>>> = Arc::default();

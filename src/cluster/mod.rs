@@ -39,16 +39,18 @@ mod keeper_tests;
 pub mod peer;
 mod shard;
 mod tenure;
+#[cfg(test)]
+mod tenure_tests;
 pub(crate) mod window;
 
 pub use exclusion::Conflict;
 use exclusion::Verdict;
-use shard::{Seen, Shard};
+use shard::Shard;
 pub use shard::{ShardStatus, ShardView};
 use tokio::time::Instant;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -63,7 +65,7 @@ use crate::fence::Fences;
 use crate::lease::{Epochs, LeaseStore, StoreError};
 use crate::set_up::GateKey;
 use crate::state::identity::Stamp;
-use crate::state::{Owner, OwnerRow, OwnershipStore, StateError, StateStore};
+use crate::state::{Generation, Owner, OwnerRow, OwnershipStore, StateError, StateStore};
 
 /// SPEC §10.2: the first 8 bytes of SHA-256(lease name), big-endian, modulo `shards`.
 pub fn shard_of(lease: &LeaseName, shards: u32) -> u32 {
@@ -127,9 +129,12 @@ pub struct Database<'a> {
     pub generations: Arc<dyn crate::state::identity::Generations>,
 }
 
-/// This instance's membership of a cluster (SPEC §10.2): the shards it owns and
-/// sees owned, the prefix's anchor, where each request is served, and the
-/// keeper that balances and takes over shards.
+/// This instance's membership of a cluster (SPEC §10.2): where each request
+/// is served, and what wires the parts together — the shards it owns and
+/// sees owned ([`shard`]), the prefix's anchor ([`anchor`]), the keeper's
+/// cadence and membership ([`keeper`]), what a tenure starts and stops
+/// ([`tenure`]) — through the rounds and takeovers that move a shard from
+/// one to the next. Its counters are the cluster's metrics.
 pub struct Cluster {
     id: String,
     advertise: String,
@@ -143,24 +148,21 @@ pub struct Cluster {
     conflict: Mutex<Option<Conflict>>,
     /// The prefix's anchor gate lease ([`anchor`]).
     anchor: anchor::Anchor,
-    /// Each member's latest beat count and when it was first seen.
-    beats: Mutex<HashMap<String, (u64, Instant)>>,
     epochs: Epochs,
     ttl: Duration,
     margin: Duration,
     grace: Duration,
     by_shard: Vec<Shard>,
-    fences: Arc<Fences>,
+    /// What a tenure starts and stops besides its row ([`tenure`]).
+    tenures: tenure::Tenures,
+    /// The state: whether the database is this set-up's.
     state: Arc<dyn StateStore>,
     /// The shards' owner rows and membership (the same database as `state`).
     owners: Arc<dyn OwnershipStore>,
-    dedup: Arc<Dedup>,
-    members: Mutex<Vec<String>>,
-    /// Wakes the keeper for an early round (a request found no owner).
-    nudged: tokio::sync::Notify,
+    /// The keeper's cadence and membership ([`keeper`]).
+    keeper: keeper::Keeper,
+    /// Cancelled by a graceful leave: nothing is taken from then on.
     stopping: CancellationToken,
-    /// Work that follows each tenure here besides the fences (the queue).
-    work: std::sync::OnceLock<Arc<dyn TenureWork>>,
     /// Shards taken over from a dead owner.
     pub takeovers: AtomicU64,
     /// Shards handed over on a graceful leave.
@@ -238,19 +240,14 @@ impl Cluster {
             *s = (*s).max(r.drain_timeout());
         }
         let by_shard = (0..shards)
-            .map(|s| Shard {
-                leases: settle
-                    .iter()
-                    .filter(|(l, _)| shard_of(l, shards) == s)
-                    .map(|(l, d)| (l.clone(), *d))
-                    .collect(),
-                serving: AtomicU64::new(0),
-                window: window::Window::new(),
-                holding: Mutex::new(None),
-                op: tokio::sync::Mutex::new(()),
-                busy: AtomicBool::new(false),
-                stopping: Arc::new(tokio::sync::watch::Sender::new(0)),
-                seen: Mutex::new(Seen::default()),
+            .map(|s| {
+                Shard::new(
+                    settle
+                        .iter()
+                        .filter(|(l, _)| shard_of(l, shards) == s)
+                        .map(|(l, d)| (l.clone(), *d))
+                        .collect(),
+                )
             })
             .collect();
         let gate_calls: Arc<[AtomicU64; 4]> = Arc::new(Default::default());
@@ -292,20 +289,16 @@ impl Cluster {
             state_id,
             conflict: Mutex::new(None),
             anchor: anchor::Anchor::new(),
-            beats: Mutex::new(HashMap::new()),
             epochs,
             ttl: cfg.store.gate_ttl,
             margin: cfg.store.self_fence_margin,
             grace: Duration::from_millis(cfg.store.grace_ms),
             by_shard,
-            fences,
+            tenures: tenure::Tenures::new(fences, state.clone(), dedup),
             state,
             owners,
-            dedup,
-            members: Mutex::new(vec![cc.instance_id.clone()]),
-            nudged: tokio::sync::Notify::new(),
+            keeper: keeper::Keeper::new(&cc.instance_id, cfg.store.gate_ttl),
             stopping: CancellationToken::new(),
-            work: std::sync::OnceLock::new(),
             takeovers: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             self_fences: AtomicU64::new(0),
@@ -330,7 +323,7 @@ impl Cluster {
     /// Makes `work` follow every tenure here from now on (set once, before
     /// the keeper runs).
     pub fn follow(&self, work: Arc<dyn TenureWork>) {
-        let _ = self.work.set(work);
+        self.tenures.follow(work);
     }
 
     /// The live gate object of another set-up seen in the last keeper round.
@@ -367,9 +360,10 @@ impl Cluster {
         if self.stopped_by_another_set_up() {
             return Placement::Unavailable;
         }
-        let generation = g.serving.load(Ordering::SeqCst);
-        if generation != 0 && (self.window_open(g) || weakened::no_self_fence()) {
-            return Placement::Local(Owner { shard, generation });
+        if let Some(generation) = g.serving() {
+            if self.window_open(g) || weakened::no_self_fence() {
+                return Placement::Local(Owner { shard, generation });
+            }
         }
         let seen = lock(&g.seen).clone();
         match seen.owner(self.ttl, self.grace) {
@@ -389,13 +383,13 @@ impl Cluster {
     /// takeover under way): look at the owner rows now rather than at the next
     /// tick, so a released shard is taken — and its new owner known — sooner.
     pub fn nudge(&self) {
-        self.nudged.notify_one();
+        self.keeper.nudge();
     }
 
     /// Whether a forward under `owner` may start now (SPEC §10.2 self-fencing).
     pub fn may_forward(&self, owner: Owner) -> bool {
         self.by_shard.get(owner.shard as usize).is_some_and(|g| {
-            g.serving.load(Ordering::SeqCst) == owner.generation
+            g.serving() == Some(owner.generation)
                 && (self.window_open(g) || weakened::no_self_fence())
         })
     }
@@ -404,13 +398,13 @@ impl Cluster {
     pub fn owned(&self) -> usize {
         self.by_shard
             .iter()
-            .filter(|g| g.serving.load(Ordering::SeqCst) != 0)
+            .filter(|g| g.serving().is_some())
             .count()
     }
 
     /// Instances seen alive at the last heartbeat.
     pub fn members(&self) -> Vec<String> {
-        lock(&self.members).clone()
+        self.keeper.members()
     }
 
     /// Whether this instance can serve or route: it has looked at the shards at
@@ -418,8 +412,7 @@ impl Cluster {
     pub fn is_ready(&self) -> bool {
         !self.stopped_by_another_set_up()
             && self.by_shard.iter().all(|g| {
-                g.serving.load(Ordering::SeqCst) != 0
-                    || lock(&g.seen).owner(self.ttl, self.grace).is_some()
+                g.serving().is_some() || lock(&g.seen).owner(self.ttl, self.grace).is_some()
             })
     }
 
@@ -431,9 +424,10 @@ impl Cluster {
             .map(|(shard, g)| {
                 let seen = lock(&g.seen).clone();
                 let owner = seen.owner(self.ttl, self.grace).cloned();
+                // A shard never taken shows generation 0 (no take's).
                 let row = seen.row.clone().unwrap_or(OwnerRow {
                     shard,
-                    generation: 0,
+                    generation: Generation::new(0),
                     owner: None,
                     advertise: None,
                     renewals: 0,
@@ -445,11 +439,11 @@ impl Cluster {
                     shard,
                     owner: owner.as_ref().and_then(|r| r.owner.clone()),
                     advertise: owner.as_ref().and_then(|r| r.advertise.clone()),
-                    generation: row.generation,
+                    generation: row.generation.get(),
                     renewals: row.renewals,
                     anchor_epoch: (shard == 0).then(|| anchor.epoch.get()),
                     expires_at: row.expires_at,
-                    served_here: g.serving.load(Ordering::SeqCst) != 0,
+                    served_here: g.serving().is_some(),
                     leases: g.leases.iter().map(|(l, _)| l.to_string()).collect(),
                     untrusted: match (&anchor.verdict, shard) {
                         (Some(Verdict::Untrusted(why)), 0) => Some(why.clone()),
@@ -501,7 +495,7 @@ impl Cluster {
 /// its in-flight requests at `gate_ttl`.
 mod weakened {
     #[cfg(feature = "failpoints")]
-    pub fn no_self_fence() -> bool {
+    pub(super) fn no_self_fence() -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *ON.get_or_init(|| std::env::var("FENCEGATE_WEAKEN").is_ok_and(|v| v == "no_self_fence"))
     }

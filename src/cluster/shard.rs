@@ -2,14 +2,15 @@
 //! the database, its forwarding window and abort deadline, and when the row was
 //! last seen to change — and the views `/v1/cluster` and the page show.
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
 use crate::epoch::LeaseName;
-use crate::state::OwnerRow;
+use crate::state::ownership::RowVersion;
+use crate::state::{Generation, OwnerRow};
 
 /// A shard's ownership row as last read, and since when it has read so.
 #[derive(Debug, Clone, Default)]
@@ -23,9 +24,12 @@ pub(super) struct Seen {
 }
 
 impl Seen {
-    /// The `(generation, renewals)` a take is conditioned on.
-    pub(super) fn taken_from(&self) -> Option<(u64, u64)> {
-        self.row.as_ref().map(|r| (r.generation, r.renewals))
+    /// The row's version a take is conditioned on.
+    pub(super) fn taken_from(&self) -> Option<RowVersion> {
+        self.row.as_ref().map(|r| RowVersion {
+            generation: r.generation,
+            renewals: r.renewals,
+        })
     }
 
     /// When a contender may take the shard: at once for no row or a released
@@ -58,14 +62,15 @@ impl Seen {
 pub(super) struct Shard {
     /// The configured leases of this shard, with their longest drain timeout.
     pub(super) leases: Vec<(LeaseName, Duration)>,
-    /// The generation of the tenure being served here; 0 when not served.
-    pub(super) serving: AtomicU64,
+    /// The generation of the tenure being served here; 0 when not served
+    /// (no take writes generation 0): [`Shard::serving`].
+    serving: AtomicU64,
     /// When forwards on the shard may start, and when what is in flight is
     /// aborted (every lease alike): from the send of the latest renewal that
     /// succeeded.
     pub(super) window: super::window::Window,
     /// The generation of the row this instance owns, if it owns it.
-    pub(super) holding: Mutex<Option<u64>>,
+    pub(super) holding: Mutex<Option<Generation>>,
     /// Serializes a shard's row operations: a renewal's outcome never races a
     /// release.
     pub(super) op: tokio::sync::Mutex<()>,
@@ -76,6 +81,58 @@ pub(super) struct Shard {
     /// them, as a successor elsewhere would.
     pub(super) stopping: std::sync::Arc<tokio::sync::watch::Sender<usize>>,
     pub(super) seen: Mutex<Seen>,
+}
+
+impl Shard {
+    /// A shard whose configured leases are `leases` (each with its longest
+    /// drain timeout), neither held nor served here.
+    pub(super) fn new(leases: Vec<(LeaseName, Duration)>) -> Shard {
+        Shard {
+            leases,
+            serving: AtomicU64::new(0),
+            window: super::window::Window::new(),
+            holding: Mutex::new(None),
+            op: tokio::sync::Mutex::new(()),
+            busy: AtomicBool::new(false),
+            stopping: std::sync::Arc::new(tokio::sync::watch::Sender::new(0)),
+            seen: Mutex::new(Seen::default()),
+        }
+    }
+
+    /// The generation of the tenure served here now, if one is.
+    pub(super) fn serving(&self) -> Option<Generation> {
+        match self.serving.load(Ordering::SeqCst) {
+            0 => None,
+            n => Some(Generation::new(n)),
+        }
+    }
+
+    /// Serves the tenure of `generation` from now on.
+    pub(super) fn serve(&self, generation: Generation) {
+        self.serving.store(generation.get(), Ordering::SeqCst);
+    }
+
+    /// The names of the shard's leases.
+    pub(super) fn lease_names(&self) -> Vec<LeaseName> {
+        self.leases.iter().map(|(l, _)| l.clone()).collect()
+    }
+
+    /// Until no stopped tenure of the shard here has requests in flight.
+    pub(super) async fn previous_tenure_ended(&self) {
+        let mut stopped = self.stopping.subscribe();
+        if *stopped.borrow() > 0 {
+            tracing::info!("waiting for the requests of a stopped tenure of the shard to end");
+            let _ = stopped.wait_for(|n| *n == 0).await;
+        }
+    }
+
+    /// Serves nothing from now on; returns the tenure that was served.
+    pub(super) fn unserve(&self) -> Option<Generation> {
+        match self.serving.swap(0, Ordering::SeqCst) {
+            0 => None,
+            n => Some(Generation::new(n)),
+        }
+    }
 }
 
 /// A shard as this instance last saw it.

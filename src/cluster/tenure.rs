@@ -3,35 +3,161 @@
 //! serving it until its forwarding deadline — the shard's own window, and the
 //! anchor's — and leaving it, self-fenced, handed over or lost, with every
 //! lease held to the shard's one abort deadline.
+//!
+//! [`Tenures`] is what a tenure starts and stops besides the row — the
+//! state's claim, the in-doubt records, the fences, the work that follows
+//! (the queue) — and owns those handles. When a tenure starts or stops, and
+//! under which generation, is the cluster's (`impl Cluster` below).
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{lock, weakened, Cluster};
-use crate::state::{Owner, OwnerRow};
+use super::shard::Shard;
+use super::{lock, weakened, Cluster, TenureWork};
+use crate::dedup::Dedup;
+use crate::fence::Fences;
+use crate::state::{Generation, Owner, OwnerRow, StateStore};
+
+/// What a tenure of a shard here starts and stops besides its row: the
+/// state's claim of the shard, the records a previous owner left in flight,
+/// the fences of the shard's leases, and the work that follows them (the
+/// queue). The cluster decides when (its row taken, its deadline passed, a
+/// handover); this does it, the same for every shard.
+pub(super) struct Tenures {
+    pub(super) fences: Arc<Fences>,
+    /// Where the shard is claimed under the tenure's generation.
+    state: Arc<dyn StateStore>,
+    dedup: Arc<Dedup>,
+    /// Work that follows each tenure here besides the fences (the queue).
+    work: OnceLock<Arc<dyn TenureWork>>,
+}
+
+impl Tenures {
+    pub(super) fn new(
+        fences: Arc<Fences>,
+        state: Arc<dyn StateStore>,
+        dedup: Arc<Dedup>,
+    ) -> Tenures {
+        Tenures {
+            fences,
+            state,
+            dedup,
+            work: OnceLock::new(),
+        }
+    }
+
+    /// Makes `work` follow every tenure from now on (set once).
+    pub(super) fn follow(&self, work: Arc<dyn TenureWork>) {
+        let _ = self.work.set(work);
+    }
+
+    /// SPEC §10.2 takeover: claim the shard's state, turn older generations'
+    /// in-flight records in doubt, start its fences at max(stored, listed).
+    /// The work that follows may refuse first (`Err`: why).
+    pub(super) async fn start(&self, g: &Shard, owner: Owner) -> Result<(), String> {
+        if let Some(w) = self.work.get() {
+            w.check(&g.lease_names()).await?;
+        }
+        self.state
+            .claim_shard(owner)
+            .await
+            .map_err(|e| e.to_string())?;
+        let in_doubt = self.dedup.recover(owner).await.map_err(|e| e.to_string())?;
+        if in_doubt > 0 {
+            tracing::warn!(
+                shard = owner.shard,
+                records = in_doubt,
+                "dedup records left in flight by the shard's previous owner are now in doubt"
+            );
+        }
+        for (lease, settle) in &g.leases {
+            self.fences
+                .take_over(lease, *settle, owner)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// The tenure started is served: the work that follows it begins.
+    pub(super) fn started(&self, g: &Shard) {
+        if let Some(w) = self.work.get() {
+            w.started(&g.lease_names());
+        }
+    }
+
+    /// Stops serving shard number `shard` (`g`) now: no new admissions or
+    /// forwards; its requests in flight may finish until `deadline`, then are
+    /// aborted. Counted in `g.stopping` until they have. False when no tenure
+    /// was served.
+    pub(super) fn stop(&self, shard: u32, g: &Shard, deadline: Instant, why: &'static str) -> bool {
+        let Some(generation) = g.unserve() else {
+            return false;
+        };
+        let owner = Owner { shard, generation };
+        let stops = self.stop_leases(g, owner, |_| deadline);
+        let stopping = g.stopping.clone();
+        stopping.send_modify(|n| *n += 1);
+        tokio::spawn(async move {
+            stops.join_all().await;
+            stopping.send_modify(|n| *n = n.saturating_sub(1));
+            tracing::info!(shard, why, "stopped serving a shard");
+        });
+        true
+    }
+
+    /// Closes the fence of every lease of the shard at once (the leases of one
+    /// shard never wait for one another: closed one after another, each with
+    /// a timeout of its own, the last would be aborted long after `gate_ttl`)
+    /// and returns the drains, each aborting what is in flight at its deadline
+    /// (`deadline` of the lease's drain timeout).
+    pub(super) fn stop_leases(
+        &self,
+        g: &Shard,
+        owner: Owner,
+        deadline: impl Fn(Duration) -> Instant,
+    ) -> tokio::task::JoinSet<bool> {
+        let mut stops = tokio::task::JoinSet::new();
+        for (lease, drain) in &g.leases {
+            let (fences, lease, at) = (self.fences.clone(), lease.clone(), deadline(*drain));
+            stops.spawn(async move { fences.stop_owned(&lease, owner, at).await });
+        }
+        // The queue's attempts on the shard, held to the longest of its
+        // leases' bounds (the abort deadline, or a handover's drain).
+        if let Some(w) = self.work.get().cloned() {
+            let longest = g.leases.iter().map(|(_, d)| *d).max().unwrap_or_default();
+            let at = deadline(longest);
+            stops.spawn(async move {
+                w.stop(owner.shard, at).await;
+                true
+            });
+        }
+        stops
+    }
+}
 
 impl Cluster {
     /// The shard's one abort deadline (SPEC §10.2): `gate_ttl` after its latest
     /// renewal was sent, and never later than the anchor's. Every lease of the
     /// shard is held to it, however the shard is left.
-    pub(super) fn abort_deadline(&self, g: &super::shard::Shard) -> Instant {
+    pub(super) fn abort_deadline(&self, g: &Shard) -> Instant {
         g.window
             .abort_deadline()
             .min(self.anchor.window.abort_deadline())
     }
 
     /// When forwards on the shard stop: its own window, and the anchor's.
-    pub(super) fn forward_deadline(&self, g: &super::shard::Shard) -> Instant {
+    pub(super) fn forward_deadline(&self, g: &Shard) -> Instant {
         g.window
             .forward_deadline()
             .min(self.anchor.window.forward_deadline())
     }
 
     /// Whether forwards on the shard may start now.
-    pub(super) fn window_open(&self, g: &super::shard::Shard) -> bool {
+    pub(super) fn window_open(&self, g: &Shard) -> bool {
         g.window.is_open() && self.anchor.window.is_open()
     }
 
@@ -63,7 +189,7 @@ impl Cluster {
         // written under its generation, which a new take would make stale
         // (both were found delivering late). They end first; meanwhile the row stays
         // this instance's, renewed.
-        self.previous_tenure_ended(g).await;
+        g.previous_tenure_ended().await;
         let previous = lock(&g.seen).clone();
         let generation = {
             let _op = g.op.lock().await;
@@ -128,7 +254,7 @@ impl Cluster {
             self.hand_back(shard).await;
             return;
         }
-        if let Err(e) = self.start_tenure(g, owner).await {
+        if let Err(e) = self.tenures.start(g, owner).await {
             tracing::warn!(shard, error = %e, "could not start serving a shard; handing it back");
             self.hand_back(shard).await;
             return;
@@ -136,15 +262,12 @@ impl Cluster {
         if self.stopping.is_cancelled() {
             return;
         }
-        g.serving.store(owner.generation, Ordering::SeqCst);
-        if let Some(w) = self.work.get() {
-            let leases: Vec<_> = g.leases.iter().map(|(l, _)| l.clone()).collect();
-            w.started(&leases);
-        }
+        g.serve(generation);
+        self.tenures.started(g);
         self.takeovers.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             shard,
-            generation,
+            %generation,
             previous = previous
                 .row
                 .as_ref()
@@ -154,46 +277,14 @@ impl Cluster {
             "took over a shard"
         );
         let me = self.clone();
-        tokio::spawn(async move { me.watch_deadline(shard, owner.generation).await });
-    }
-
-    /// SPEC §10.2 takeover: claim the shard's state, turn older generations'
-    /// in-flight records in doubt, start its fences at max(stored, listed).
-    pub(super) async fn start_tenure(
-        &self,
-        g: &super::shard::Shard,
-        owner: Owner,
-    ) -> Result<(), String> {
-        if let Some(w) = self.work.get() {
-            let leases: Vec<_> = g.leases.iter().map(|(l, _)| l.clone()).collect();
-            w.check(&leases).await?;
-        }
-        self.state
-            .claim_shard(owner)
-            .await
-            .map_err(|e| e.to_string())?;
-        let in_doubt = self.dedup.recover(owner).await.map_err(|e| e.to_string())?;
-        if in_doubt > 0 {
-            tracing::warn!(
-                shard = owner.shard,
-                records = in_doubt,
-                "dedup records left in flight by the shard's previous owner are now in doubt"
-            );
-        }
-        for (lease, settle) in &g.leases {
-            self.fences
-                .take_over(lease, *settle, owner)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        tokio::spawn(async move { me.watch_deadline(shard, generation).await });
     }
 
     /// Stops the shard at its forwarding deadline unless a renewal moved it.
-    pub(super) async fn watch_deadline(self: &Arc<Self>, shard: u32, generation: u64) {
+    pub(super) async fn watch_deadline(self: &Arc<Self>, shard: u32, generation: Generation) {
         let g = &self.by_shard[shard as usize];
         loop {
-            if g.serving.load(Ordering::SeqCst) != generation {
+            if g.serving() != Some(generation) {
                 return;
             }
             let until = self.forward_deadline(g);
@@ -204,7 +295,7 @@ impl Cluster {
             if now >= until {
                 tracing::warn!(
                     shard,
-                    generation,
+                    %generation,
                     anchor = self.anchor.window.is_open(),
                     "the shard's ownership (or the prefix's anchor) was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
                 );
@@ -222,55 +313,14 @@ impl Cluster {
             }
             // Woken at least every look period: the anchor's window may
             // have been cut short (closed) meanwhile.
-            tokio::time::sleep((until - now).min(self.look_every())).await;
+            tokio::time::sleep((until - now).min(self.keeper.look_every())).await;
         }
     }
 
-    /// Stops serving `shard` now: no new admissions or forwards; its requests in
-    /// flight may finish until `deadline`, then are aborted.
+    /// Stops serving `shard` now ([`Tenures::stop`]).
     pub(super) fn stop_serving(&self, shard: u32, deadline: Instant, why: &'static str) {
-        let g = &self.by_shard[shard as usize];
-        let generation = g.serving.swap(0, Ordering::SeqCst);
-        if generation == 0 {
-            return;
-        }
-        let owner = Owner { shard, generation };
-        let stops = self.stop_leases(g, owner, |_| deadline);
-        let stopping = g.stopping.clone();
-        stopping.send_modify(|n| *n += 1);
-        tokio::spawn(async move {
-            stops.join_all().await;
-            stopping.send_modify(|n| *n = n.saturating_sub(1));
-            tracing::info!(shard, why, "stopped serving a shard");
-        });
-    }
-
-    /// Closes the fence of every lease of the shard at once (the leases of one
-    /// shard never wait for one another: closed one after another, each with
-    /// a timeout of its own, the last would be aborted long after `gate_ttl`)
-    /// and returns the drains, each aborting what is in flight at its deadline.
-    pub(super) fn stop_leases(
-        &self,
-        g: &super::shard::Shard,
-        owner: Owner,
-        deadline: impl Fn(Duration) -> Instant,
-    ) -> tokio::task::JoinSet<bool> {
-        let mut stops = tokio::task::JoinSet::new();
-        for (lease, drain) in &g.leases {
-            let (fences, lease, at) = (self.fences.clone(), lease.clone(), deadline(*drain));
-            stops.spawn(async move { fences.stop_owned(&lease, owner, at).await });
-        }
-        // The queue's attempts on the shard, held to the longest of its
-        // leases' bounds (the abort deadline, or a handover's drain).
-        if let Some(w) = self.work.get().cloned() {
-            let longest = g.leases.iter().map(|(_, d)| *d).max().unwrap_or_default();
-            let at = deadline(longest);
-            stops.spawn(async move {
-                w.stop(owner.shard, at).await;
-                true
-            });
-        }
-        stops
+        self.tenures
+            .stop(shard, &self.by_shard[shard as usize], deadline, why);
     }
 
     pub(super) fn spawn_handover(self: Arc<Self>, shard: u32, why: &'static str) {
@@ -297,23 +347,17 @@ impl Cluster {
         // deadline of the latest renewal sent before the handover began at the
         // latest, whatever the leases' own drain timeouts.
         let latest = self.abort_deadline(g);
-        let generation = g.serving.swap(0, Ordering::SeqCst);
+        // Not served (a tenure self-fenced meanwhile): generation 0, an owner
+        // no fence of a cluster is held by.
+        let generation = g.unserve().unwrap_or(Generation::SINGLE);
         let owner = Owner { shard, generation };
         let now = Instant::now();
-        self.stop_leases(g, owner, |drain| (now + drain).min(latest))
+        self.tenures
+            .stop_leases(g, owner, |drain| (now + drain).min(latest))
             .join_all()
             .await;
         if self.hand_back(shard).await {
             self.handovers.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Until no stopped tenure of the shard here has requests in flight.
-    async fn previous_tenure_ended(&self, g: &super::shard::Shard) {
-        let mut stopped = g.stopping.subscribe();
-        if *stopped.borrow() > 0 {
-            tracing::info!("waiting for the requests of a stopped tenure of the shard to end");
-            let _ = stopped.wait_for(|n| *n == 0).await;
         }
     }
 
@@ -323,15 +367,19 @@ impl Cluster {
     /// released.
     pub(super) async fn hand_back(&self, shard: u32) -> bool {
         let g = &self.by_shard[shard as usize];
-        g.serving.store(0, Ordering::SeqCst);
-        self.previous_tenure_ended(g).await;
+        g.unserve();
+        g.previous_tenure_ended().await;
         let _op = g.op.lock().await;
         let Some(generation) = lock(&g.holding).take() else {
             return false;
         };
         g.window.close();
         self.db_calls.fetch_add(1, Ordering::Relaxed);
-        match self.owners.release_shard(&self.id, shard, generation).await {
+        match self
+            .owners
+            .release_shard(&self.id, Owner { shard, generation })
+            .await
+        {
             Ok(released) => {
                 if let Some(row) = lock(&g.seen).row.as_mut() {
                     if row.generation == generation {
@@ -340,7 +388,7 @@ impl Cluster {
                         row.released = released;
                     }
                 }
-                tracing::info!(shard, generation, released, "released a shard");
+                tracing::info!(shard, %generation, released, "released a shard");
                 released
             }
             Err(e) => {

@@ -90,7 +90,7 @@ fn encode(m: &Message) -> String {
 /// Why a write did not go: not an error of the database.
 enum Refused {
     /// A newer generation holds the shard.
-    Lost(u64),
+    Lost(crate::state::Generation),
     /// The message's row is unreadable, or gone.
     Unreadable(&'static str),
 }
@@ -127,7 +127,7 @@ async fn update(
                 &m.status.as_str(),
                 &settled,
                 &i64_of(m.updated_ms),
-                &i64_of(owner.generation),
+                &i64_of(owner.generation.get()),
                 &encode(m),
             ],
         )
@@ -186,7 +186,7 @@ impl NewRows {
         self.status.push(m.status.as_str());
         self.accepted_ms.push(i64_of(m.accepted_ms));
         self.updated_ms.push(i64_of(m.updated_ms));
-        self.generation.push(i64_of(owner.generation));
+        self.generation.push(i64_of(owner.generation.get()));
         self.message.push(encode(m));
         self.request.push(request);
     }

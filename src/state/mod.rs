@@ -35,7 +35,7 @@ use async_trait::async_trait;
 /// them here).
 pub use self::postgres::schema;
 use crate::epoch::{Epoch, LeaseName};
-pub use ownership::{OwnerRow, OwnershipStore};
+pub use ownership::{Generation, OwnerRow, OwnershipStore};
 pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 
 /// The generation under which an instance writes the state of one shard.
@@ -43,15 +43,16 @@ pub use record::{Record, RequestLine, State, StoredResponse, TakeOver};
 pub struct Owner {
     /// The shard the lease's state belongs to (0 for a single instance).
     pub shard: u32,
-    /// The gate epoch under which the shard is held; older writers are refused.
-    pub generation: u64,
+    /// The owner generation under which the shard is held (its row's, SPEC
+    /// §10.2); older writers are refused.
+    pub generation: Generation,
 }
 
 impl Owner {
     /// A single instance (SPEC §10.1): one shard, one generation.
     pub const SINGLE: Owner = Owner {
         shard: 0,
-        generation: 0,
+        generation: Generation::SINGLE,
     };
 }
 
@@ -146,7 +147,7 @@ pub enum StateError {
         /// The generation this instance wrote under.
         ours: Owner,
         /// The newer generation stored for the shard.
-        stored: u64,
+        stored: Generation,
     },
 }
 

@@ -16,8 +16,8 @@ use async_trait::async_trait;
 
 use super::flusher::{mark_snapshot, Flusher, GroupCommit, COMMIT_SEQ};
 use super::{
-    codec, witness, Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record,
-    RecordKey, Resolution, Resolved, State, StateError, StateStore, TakeOver,
+    codec, witness, Begun, CommitStats, End, Generation, LeaseMarks, ListCursor, Listing, Owner,
+    Record, RecordKey, Resolution, Resolved, State, StateError, StateStore, TakeOver,
 };
 use crate::epoch::{Epoch, LeaseName};
 
@@ -283,18 +283,19 @@ impl SledState {
     fn check_owner(&self, owner: Owner) -> Result<(), StateError> {
         let mut owners = self.owners.lock().unwrap_or_else(|p| p.into_inner());
         let stored = owners.entry(owner.shard).or_insert(0);
-        if owner.generation < *stored {
+        let generation = owner.generation.get();
+        if generation < *stored {
             return Err(StateError::OwnerLost {
                 ours: owner,
-                stored: *stored,
+                stored: Generation::new(*stored),
             });
         }
-        if owner.generation > *stored {
-            *stored = owner.generation;
+        if generation > *stored {
+            *stored = generation;
             let mut k = OWNER_PREFIX.to_vec();
             k.extend_from_slice(&owner.shard.to_be_bytes());
             self.meta
-                .insert(k, &owner.generation.to_be_bytes()[..])
+                .insert(k, &generation.to_be_bytes()[..])
                 .map_err(write_err)?;
         }
         Ok(())
@@ -773,21 +774,21 @@ pub(crate) mod tests {
         let lease = LeaseName::parse("l").unwrap();
         let gen = |generation| Owner {
             shard: 3,
-            generation,
+            generation: Generation::new(generation),
         };
         {
             let d = open_when_free(dir.path()).await.unwrap();
             d.raise_mark(gen(5), &lease, Epoch::new(1)).await.unwrap();
             let r = d.raise_mark(gen(4), &lease, Epoch::new(2)).await;
             assert!(
-                matches!(r, Err(StateError::OwnerLost { stored: 5, .. })),
+                matches!(r, Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(5)),
                 "{r:?}"
             );
             // Another shard has its own generation.
             d.raise_mark(
                 Owner {
                     shard: 1,
-                    generation: 0,
+                    generation: Generation::SINGLE,
                 },
                 &lease,
                 Epoch::new(1),

@@ -345,7 +345,7 @@ mod tests {
         async fn raise_mark(&self, o: Owner, _: &LeaseName, _: Epoch) -> Result<(), StateError> {
             Err(StateError::OwnerLost {
                 ours: o,
-                stored: o.generation + 1,
+                stored: o.generation.next(),
             })
         }
         async fn note_drained(&self, _: Owner, _: &LeaseName, _: Epoch) -> Result<(), StateError> {

@@ -52,13 +52,13 @@ pub(crate) fn owner_ok(shard: usize, generation: usize) -> String {
 pub(crate) async fn owner_holds(
     tx: &Transaction<'_>,
     owner: Owner,
-) -> Result<Result<(), u64>, tokio_postgres::Error> {
+) -> Result<Result<(), crate::state::Generation>, tokio_postgres::Error> {
     let sql = format!("SELECT {}", OWNER_GENERATION.replace("$SHARD", "$1"));
     let stored: i64 = tx
         .query_one(&sql, &[&i32::try_from(owner.shard).unwrap_or(i32::MAX)])
         .await?
         .get(0);
-    let stored = u64::try_from(stored).unwrap_or(0);
+    let stored = crate::state::Generation::new(u64::try_from(stored).unwrap_or(0));
     Ok(if stored > owner.generation {
         Err(stored)
     } else {

@@ -46,8 +46,8 @@ use tokio::sync::oneshot;
 
 use super::gather::Gather;
 use super::{
-    Begun, CommitStats, End, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey, Resolution,
-    Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
+    Begun, CommitStats, End, Generation, LeaseMarks, ListCursor, Listing, Owner, Record, RecordKey,
+    Resolution, Resolved, State, StateError, StateStore, StoredResponse, TakeOver,
 };
 use crate::config::StateConfig;
 use crate::epoch::{Epoch, LeaseName};
@@ -145,7 +145,7 @@ fn shard(o: Owner) -> i32 {
 }
 
 fn generation(o: Owner) -> i64 {
-    i64::try_from(o.generation).unwrap_or(i64::MAX)
+    i64::try_from(o.generation.get()).unwrap_or(i64::MAX)
 }
 
 impl PostgresState {
@@ -386,7 +386,7 @@ impl PostgresState {
         match newer {
             Ok(Some(row)) => {
                 let stored: i64 = row.get(0);
-                match u64::try_from(stored) {
+                match u64::try_from(stored).map(Generation::new) {
                     Ok(stored) if stored > owner.generation => StateError::OwnerLost {
                         ours: owner,
                         stored,
@@ -434,7 +434,7 @@ impl PostgresState {
             Claimed::No {
                 existing,
                 owner: stored,
-            } => match stored.and_then(|g| u64::try_from(g).ok()) {
+            } => match stored.and_then(|g| u64::try_from(g).ok().map(Generation::new)) {
                 Some(stored) if stored > owner.generation => Err(StateError::OwnerLost {
                     ours: owner,
                     stored,
@@ -569,7 +569,7 @@ impl StateStore for PostgresState {
                     owner,
                     StateError::OwnerLost {
                         ours: owner,
-                        stored: owner.generation.saturating_add(1),
+                        stored: owner.generation.next(),
                     },
                 )
                 .await),
@@ -946,7 +946,7 @@ impl StateStore for PostgresState {
             })
             .await?;
         self.committed();
-        match u64::try_from(stored) {
+        match u64::try_from(stored).map(Generation::new) {
             Ok(s) if s > owner.generation => Err(StateError::OwnerLost {
                 ours: owner,
                 stored: s,

@@ -14,7 +14,8 @@ use std::time::{Duration, UNIX_EPOCH};
 use async_trait::async_trait;
 
 use super::{PostgresState, StateError};
-use crate::state::{OwnerRow, OwnershipStore};
+use crate::state::ownership::{Beats, Generation, Renewed, RowVersion};
+use crate::state::{Owner, OwnerRow, OwnershipStore};
 
 fn int(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -46,7 +47,7 @@ impl OwnershipStore for PostgresState {
                 let ms: Option<i64> = r.get(5);
                 OwnerRow {
                     shard: u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
-                    generation: uint(r.get(1)),
+                    generation: Generation::new(uint(r.get(1))),
                     owner: r.get(2),
                     advertise: r.get(3),
                     renewals: uint(r.get(4)),
@@ -63,11 +64,11 @@ impl OwnershipStore for PostgresState {
     async fn take_shard(
         &self,
         shard: u32,
-        seen: Option<(u64, u64)>,
+        seen: Option<RowVersion>,
         id: &str,
         advertise: &str,
         ttl: Duration,
-    ) -> Result<Option<u64>, StateError> {
+    ) -> Result<Option<Generation>, StateError> {
         self.writable()?;
         let sh = i32::try_from(shard).unwrap_or(i32::MAX);
         let secs = ttl.as_secs_f64();
@@ -86,7 +87,10 @@ impl OwnershipStore for PostgresState {
                             .await?;
                         c.query_opt(&st, &[&sh, &id, &advertise, &secs, &ttl_ms]).await
                     }
-                    Some((generation, renewals)) => {
+                    Some(RowVersion {
+                        generation,
+                        renewals,
+                    }) => {
                         // The row lock taken here waits for every state write
                         // share-locking it (`fenced::owner_ok`): none of the old
                         // generation commits after this.
@@ -108,7 +112,7 @@ impl OwnershipStore for PostgresState {
                                 &id,
                                 &advertise,
                                 &secs,
-                                &int(generation),
+                                &int(generation.get()),
                                 &int(renewals),
                                 &ttl_ms,
                             ],
@@ -119,22 +123,22 @@ impl OwnershipStore for PostgresState {
             })
             .await?;
         self.committed();
-        Ok(row.map(|r| uint(r.get(0))))
+        Ok(row.map(|r| Generation::new(uint(r.get(0)))))
     }
 
     async fn renew_shards(
         &self,
         id: &str,
-        held: &[(u32, u64)],
+        held: &[Owner],
         ttl: Duration,
         patience: Duration,
-    ) -> Result<Vec<(u32, u64, u64)>, StateError> {
+    ) -> Result<Vec<Renewed>, StateError> {
         self.writable()?;
         let shards: Vec<i32> = held
             .iter()
-            .map(|(s, _)| i32::try_from(*s).unwrap_or(i32::MAX))
+            .map(|h| i32::try_from(h.shard).unwrap_or(i32::MAX))
             .collect();
-        let gens: Vec<i64> = held.iter().map(|(_, g)| int(*g)).collect();
+        let gens: Vec<i64> = held.iter().map(|h| int(h.generation.get())).collect();
         let secs = ttl.as_secs_f64();
         let ttl_ms = int(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX));
         let rows = self
@@ -161,24 +165,20 @@ impl OwnershipStore for PostgresState {
         self.committed();
         Ok(rows
             .iter()
-            .map(|r| {
-                (
-                    u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
-                    uint(r.get(1)),
-                    uint(r.get(2)),
-                )
+            .map(|r| Renewed {
+                owner: Owner {
+                    shard: u32::try_from(r.get::<_, i32>(0)).unwrap_or(u32::MAX),
+                    generation: Generation::new(uint(r.get(1))),
+                },
+                renewals: uint(r.get(2)),
             })
             .collect())
     }
 
-    async fn release_shard(
-        &self,
-        id: &str,
-        shard: u32,
-        generation: u64,
-    ) -> Result<bool, StateError> {
+    async fn release_shard(&self, id: &str, held: Owner) -> Result<bool, StateError> {
         self.writable()?;
-        let sh = i32::try_from(shard).unwrap_or(i32::MAX);
+        let sh = i32::try_from(held.shard).unwrap_or(i32::MAX);
+        let generation = int(held.generation.get());
         let n = self
             .with("releasing a shard", |c| async move {
                 let st = c
@@ -188,14 +188,14 @@ impl OwnershipStore for PostgresState {
                          WHERE shard = $1 AND generation = $2 AND owner = $3",
                     )
                     .await?;
-                c.execute(&st, &[&sh, &int(generation), &id]).await
+                c.execute(&st, &[&sh, &generation, &id]).await
             })
             .await?;
         self.committed();
         Ok(n == 1)
     }
 
-    async fn beat(&self, id: &str) -> Result<Vec<(String, u64)>, StateError> {
+    async fn beat(&self, id: &str) -> Result<Vec<Beats>, StateError> {
         self.writable()?;
         let rows = self
             .with("cluster heartbeat", |c| async move {
@@ -215,7 +215,13 @@ impl OwnershipStore for PostgresState {
                 c.query(&st, &[]).await
             })
             .await?;
-        Ok(rows.iter().map(|r| (r.get(0), uint(r.get(1)))).collect())
+        Ok(rows
+            .iter()
+            .map(|r| Beats {
+                instance: r.get(0),
+                count: uint(r.get(1)),
+            })
+            .collect())
     }
 
     async fn leave(&self, id: &str) -> Result<(), StateError> {

@@ -40,8 +40,8 @@ use fencegate::epoch::{Epoch, LeaseName};
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::sled::SledState;
 use fencegate::state::{
-    End, ListCursor, Owner, Record, RecordKey, RequestLine, State, StateError, StateStore,
-    StoredResponse, TakeOver,
+    End, Generation, ListCursor, Owner, Record, RecordKey, RequestLine, State, StateError,
+    StateStore, StoredResponse, TakeOver,
 };
 
 pub use fault_state::{Fault, FaultState, Op, Rule};
@@ -251,7 +251,10 @@ pub const SINGLE: Owner = Owner::SINGLE;
 
 /// A cluster's owner of `shard` under `generation` (SPEC §10.2).
 pub fn owner(shard: u32, generation: u64) -> Owner {
-    Owner { shard, generation }
+    Owner {
+        shard,
+        generation: Generation::new(generation),
+    }
 }
 
 pub fn rkey(route: &str, key: &str) -> RecordKey {

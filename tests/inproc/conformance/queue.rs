@@ -16,7 +16,7 @@ use fencegate::queue::{Accepted, Listing, Message, QueueStore, Requeued, Status}
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::sled::SledState;
 use fencegate::state::timed::Timed;
-use fencegate::state::{Owner, StateError, StateStore};
+use fencegate::state::{Generation, Owner, StateError, StateStore};
 
 use super::fault_queue::{FaultQueue, QOp};
 use super::{Backend, Fault};
@@ -68,7 +68,7 @@ impl QueueSubject {
                 .expect("connecting to the test database");
                 let owner = Owner {
                     shard: 0,
-                    generation: 1,
+                    generation: Generation::new(1),
                 };
                 pg.claim_shard(owner).await.expect("claiming shard 0");
                 let (_, metrics) = Timed::wrap(pg.clone() as Arc<dyn StateStore>);
@@ -365,7 +365,7 @@ async fn a_deposed_owners_writes_fail(s: QueueSubject) {
     let pg = s.pg.clone().expect("PostgreSQL");
     pg.claim_shard(Owner {
         shard: 0,
-        generation: 2,
+        generation: Generation::new(2),
     })
     .await
     .unwrap();

@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use fencegate::state::postgres::PostgresState;
-use fencegate::state::{Begun, End, Owner, State, StateError, StateStore};
+use fencegate::state::{Begun, End, Generation, Owner, State, StateError, StateStore};
 
 use super::{
     claim, connect_waiting, db_state, ended, keyed_answer, pg_config, rig, rkey, tally, until,
@@ -317,7 +317,10 @@ async fn a_lost_shards_outcome_fails_beside_a_held_shards_claim_that_succeeds() 
     let (db, url) = pg.new_database();
     let a = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    let on = |shard, generation| Owner { shard, generation };
+    let on = |shard, generation| Owner {
+        shard,
+        generation: Generation::new(generation),
+    };
     a.claim_shard(on(1, 1)).await.unwrap();
     a.claim_shard(on(2, 1)).await.unwrap();
     let lost = rkey("a4-lost");
@@ -427,7 +430,10 @@ async fn a_combined_statement_retried_after_a_deadlock_writes_what_one_would() {
     let pg = PgServer::shared();
     let (db, url) = pg.new_database();
     let a = connect_waiting(&url, 30_000).await;
-    let on = |shard, generation| Owner { shard, generation };
+    let on = |shard, generation| Owner {
+        shard,
+        generation: Generation::new(generation),
+    };
     a.claim_shard(on(1, 1)).await.unwrap();
     a.claim_shard(on(2, 1)).await.unwrap();
     let k2 = rkey("a6-done");
@@ -506,7 +512,10 @@ async fn a_takeover_of_an_outcomes_shard_waits_on_a_claims_lock() {
     let (db, url) = pg.new_database();
     let a = connect_waiting(&url, 30_000).await;
     let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
-    let on = |shard, generation| Owner { shard, generation };
+    let on = |shard, generation| Owner {
+        shard,
+        generation: Generation::new(generation),
+    };
     a.claim_shard(on(1, 1)).await.unwrap();
     a.claim_shard(on(2, 1)).await.unwrap();
     let k = rkey("a9-done");
@@ -557,7 +566,7 @@ async fn two_instances_combined_statements_never_deadlock() {
     let b = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let on = |shard| Owner {
         shard,
-        generation: 1,
+        generation: Generation::new(1),
     };
     for shard in 1..=4 {
         a.claim_shard(on(shard)).await.unwrap();

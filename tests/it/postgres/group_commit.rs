@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use fencegate::state::postgres::PostgresState;
-use fencegate::state::{Begun, End, Owner, State, StateError, StateStore, TakeOver};
+use fencegate::state::{Begun, End, Generation, Owner, State, StateError, StateStore, TakeOver};
 
 use super::{
     answer, claim, connect_waiting, db_state, ended, keyed_answer, pg_config, refused, rig, rkey,
@@ -234,7 +234,7 @@ async fn a_deposed_owners_settle_never_deletes_the_successors_in_doubt_record() 
     let new = connect_waiting(&url, 30_000).await;
     let five = |generation| Owner {
         shard: 5,
-        generation,
+        generation: Generation::new(generation),
     };
     old.claim_shard(five(1)).await.unwrap();
     // The batch statements prepared on the pooled connection (a prepare is a

@@ -26,8 +26,8 @@ use fencegate::lease::acquire::Holding;
 use fencegate::lease::Epochs;
 use fencegate::state::postgres::PostgresState;
 use fencegate::state::{
-    Begun, End, Owner, Record, RecordKey, Resolution, Resolved, State, StateError, StateStore,
-    StoredResponse, TakeOver,
+    Begun, End, Generation, Owner, Record, RecordKey, Resolution, Resolved, State, StateError,
+    StateStore, StoredResponse, TakeOver,
 };
 
 use crate::support::postgres::{KeyHold, PgServer};
@@ -974,15 +974,15 @@ async fn an_older_owner_changes_nothing_the_newer_one_owns() {
     let new = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let a = Owner {
         shard: 5,
-        generation: 1,
+        generation: Generation::new(1),
     };
     let b = Owner {
         shard: 5,
-        generation: 2,
+        generation: Generation::new(2),
     };
     let elsewhere = Owner {
         shard: 6,
-        generation: 1,
+        generation: Generation::new(1),
     };
     pg.psql(
         &db,
@@ -1024,7 +1024,8 @@ async fn an_older_owner_changes_nothing_the_newer_one_owns() {
     // so that one wrong answer does not hide the others.
     let mut wrong = Vec::new();
     let mut check = |what: &str, r: Result<String, StateError>| match r {
-        Err(StateError::OwnerLost { ours, stored: 2 }) if ours == a => {}
+        Err(StateError::OwnerLost { ours, stored })
+            if ours == a && stored == Generation::new(2) => {}
         other => wrong.push(format!("{what}: {other:?}")),
     };
     let flying = rkey("flying");
@@ -1167,7 +1168,7 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
     let old = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let a = Owner {
         shard: 5,
-        generation: 1,
+        generation: Generation::new(1),
     };
     pg.psql(
         &db,
@@ -1201,7 +1202,7 @@ async fn an_older_owner_taking_over_a_key_is_told_owner_lost() {
         let t0 = Instant::now();
         let r = old.begin(a, &rkey(k), &claim(fp, now + 5), rules).await;
         eprintln!("old owner taking over {k}: {r:?} after {:?}", t0.elapsed());
-        if !matches!(r, Err(StateError::OwnerLost { stored: 2, .. })) {
+        if !matches!(r, Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2)) {
             wrong.push(format!("{k}: {r:?}"));
         }
     }
@@ -1233,11 +1234,11 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
     let (five, six) = (
         |generation| Owner {
             shard: 5,
-            generation,
+            generation: Generation::new(generation),
         },
         |generation| Owner {
             shard: 6,
-            generation,
+            generation: Generation::new(generation),
         },
     );
     st.claim_shard(five(1)).await.unwrap();
@@ -1350,7 +1351,7 @@ async fn one_batch_with_a_conflict_a_lost_shard_and_new_keys() {
         got["answered"]
     );
     assert!(
-        matches!(got["lost"], Err(StateError::OwnerLost { stored: 2, .. })),
+        matches!(got["lost"], Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2)),
         "{:?}",
         got["lost"]
     );
@@ -1409,11 +1410,11 @@ async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
     let (five, six) = (
         |generation| Owner {
             shard: 5,
-            generation,
+            generation: Generation::new(generation),
         },
         |generation| Owner {
             shard: 6,
-            generation,
+            generation: Generation::new(generation),
         },
     );
     old.claim_shard(five(1)).await.unwrap();
@@ -1436,7 +1437,7 @@ async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
     relay.hold_requests(false);
     let r = claim_a.await.unwrap();
     assert!(
-        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        matches!(r, Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2)),
         "a claim that reached the database after the takeover: {r:?}"
     );
     assert_eq!(new.get(&key).await.unwrap(), None, "the key is free");
@@ -1491,7 +1492,9 @@ async fn a_deposed_owners_claim_never_outlives_the_takeover_in_flight() {
             assert_eq!(resolved.ok(), Some(Resolved::Deleted));
         }
         // Failed on the new generation: the key is free.
-        Err(StateError::OwnerLost { stored: 2, .. }) => assert_eq!(record, None),
+        Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2) => {
+            assert_eq!(record, None)
+        }
         other => panic!("the deposed owner's claim: {other:?}"),
     }
     let begun = new.begin(six(2), &key, &claim(2, now + 30), STRICT).await;

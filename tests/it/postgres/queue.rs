@@ -9,7 +9,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use fencegate::queue::postgres::PgQueue;
 use fencegate::queue::{Accepted, Message, Status};
-use fencegate::state::{Owner, OwnershipStore, StateError, StateStore};
+use fencegate::state::ownership::RowVersion;
+use fencegate::state::{Generation, Owner, OwnershipStore, StateError, StateStore};
 
 use super::pg_config;
 use crate::support::postgres::PgServer;
@@ -45,7 +46,7 @@ async fn a_deposed_owners_queue_writes_are_refused_even_in_flight_at_the_takeove
     let new_db = PostgresState::connect(&pg_config(&url)).await.unwrap();
     let gen = |generation| Owner {
         shard: 3,
-        generation,
+        generation: Generation::new(generation),
     };
     old_db.claim_shard(gen(1)).await.unwrap();
     let (old, new) = (PgQueue::new(old_db.clone()), PgQueue::new(new_db.clone()));
@@ -93,7 +94,7 @@ async fn a_deposed_owners_queue_writes_are_refused_even_in_flight_at_the_takeove
     relay.hold_requests(false);
     let r = attempt.await.unwrap();
     assert!(
-        matches!(r, Err(StateError::OwnerLost { stored: 2, .. })),
+        matches!(r, Err(StateError::OwnerLost { stored, .. }) if stored == Generation::new(2)),
         "an attempt written after the takeover: {r:?}"
     );
     assert_eq!(
@@ -395,7 +396,10 @@ async fn an_owner_stopped_mid_acceptance_keeps_neither_its_shard_nor_the_lease()
     let gen2 = b_db
         .take_shard(
             3,
-            Some((row.generation, row.renewals)),
+            Some(RowVersion {
+                generation: row.generation,
+                renewals: row.renewals,
+            }),
             "fg-b",
             "http://b",
             TTL,
@@ -467,7 +471,7 @@ async fn renewals_go_through_while_a_queued_lease_is_busy() {
     // Renewals for a while under that load: each must go through within the
     // state's timeout.
     for _ in 0..20 {
-        db.renew_shards("fg-a", &[(0, generation)], TTL, std::time::Duration::ZERO)
+        db.renew_shards("fg-a", &[owner], TTL, std::time::Duration::ZERO)
             .await
             .expect("a renewal under a busy queued lease");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

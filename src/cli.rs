@@ -598,6 +598,9 @@ fn load_store_config(path: &Path) -> Result<Config, UsageError> {
     Ok(cfg)
 }
 
+/// `fencegate lease acquire|renew|release|show` (SPEC §2 from a shell). One
+/// function for the four, on purpose: they share the store's set-up, its
+/// self-test and the output format, and each arm is a few lines of its own.
 async fn lease_command(cmd: LeaseCommand) -> anyhow::Result<ExitCode> {
     let store_args = match &cmd {
         LeaseCommand::Acquire { store, .. }

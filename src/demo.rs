@@ -89,7 +89,8 @@ pub(crate) async fn run() -> anyhow::Result<bool> {
     Ok(ok)
 }
 
-/// The §1 story, step by step, printing a timeline.
+/// The §1 story, step by step, printing a timeline. A script, read top to
+/// bottom as the README tells the story: splitting it would hide the order.
 async fn story(
     cfg: &Config,
     proxy: SocketAddr,

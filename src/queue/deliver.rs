@@ -54,6 +54,11 @@ enum Came {
     },
 }
 
+/// One lease's deliverer (SPEC §11): the head of its queue, one attempt at a
+/// time (or several, `ordering = "none"`), while this instance may send
+/// it. One loop on purpose: each `continue` is a decision of §11 (not here,
+/// not now, nothing left, wait for the schedule), and the repeated steps are
+/// functions of their own ([`wind_down`], [`pause`]).
 pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
     // `ordering = "none"`: the attempts out, by key.
     let mut running: JoinSet<(String, String)> = JoinSet::new();

@@ -274,6 +274,8 @@ impl App {
     /// proxy connections, lets in-flight requests finish up to the deadline,
     /// hands shards over (a cluster) or releases the guard, and flushes. The
     /// admin listener answers until then, so liveness never fails during it.
+    /// Long on purpose: the shutdown is one sequence, read top to bottom in
+    /// the order SPEC §8 gives it.
     pub async fn run(
         mut self,
         proxy_l: TcpListener,

@@ -257,7 +257,11 @@ impl Cluster {
                 }
                 None => {
                     *lock(&g.holding) = None;
-                    tracing::warn!(shard, %generation, "lost a shard: its row changed");
+                    tracing::warn!(
+                        shard,
+                        generation = generation.get(),
+                        "lost a shard: its row changed"
+                    );
                     self.stop_serving(shard, Instant::now(), "ownership lost");
                 }
             }

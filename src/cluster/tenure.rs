@@ -267,7 +267,7 @@ impl Cluster {
         self.takeovers.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             shard,
-            %generation,
+            generation = generation.get(),
             previous = previous
                 .row
                 .as_ref()
@@ -295,7 +295,7 @@ impl Cluster {
             if now >= until {
                 tracing::warn!(
                     shard,
-                    %generation,
+                    generation = generation.get(),
                     anchor = self.anchor.window.is_open(),
                     "the shard's ownership (or the prefix's anchor) was not renewed in time: no new forwards; requests in flight are aborted at gate_ttl"
                 );
@@ -388,7 +388,12 @@ impl Cluster {
                         row.released = released;
                     }
                 }
-                tracing::info!(shard, %generation, released, "released a shard");
+                tracing::info!(
+                    shard,
+                    generation = generation.get(),
+                    released,
+                    "released a shard"
+                );
                 released
             }
             Err(e) => {

@@ -316,7 +316,6 @@ fn said(q: &Queue, route: &str, outcome: &'static str) {
     }
 }
 
-/// Waits for `d`, a wake-up or shutdown — what is owed made durable first.
 /// Nothing more to send from here (the lease is served elsewhere, or its
 /// queue is empty): the attempts out end first, what is owed is paid, then
 /// the deliverer retires unless it was woken meanwhile (`wakes` moved on).
@@ -339,6 +338,7 @@ async fn wind_down(
     q.retire(lease, wakes)
 }
 
+/// Waits for `d`, a wake-up or shutdown — what is owed made durable first.
 async fn pause(q: &Queue, notify: &Notify, owed: &mut Owed, d: Duration) {
     owed.pay(q).await;
     tokio::select! {

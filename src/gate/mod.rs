@@ -321,7 +321,6 @@ impl Gate {
 }
 
 /// The admission decision by epoch alone, for the gate's tests and loom model.
-
 #[cfg(test)]
 mod test_support {
     use super::*;

@@ -1,5 +1,5 @@
 use super::*;
-use loom::sync::atomic::AtomicUsize;
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::sync::Arc as LArc;
 
 use super::test_support::admit_if as decide_for;

@@ -1096,3 +1096,103 @@ fn cursor(k: &RecordKey, r: &Record) -> ListCursor {
         key: k.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every path the index lists resolves to an endpoint taking the method
+    /// the index says; a path it does not list resolves to none (404).
+    #[test]
+    fn every_listed_path_is_an_endpoint_with_its_method() {
+        for (method, path, _) in INDEX {
+            let path = path.split(['?', '[']).next().unwrap();
+            let path = path.replace("{route}", "r").replace("{key}", "k");
+            let e = Endpoint::of(&path).unwrap_or_else(|| panic!("{path} is no endpoint"));
+            assert_eq!(e.method().as_str(), *method, "{path}");
+        }
+        for path in [
+            "/v1",
+            "/v1/dedup/r",
+            "/v1/dedup/r/k/forget",
+            "/v1/deliveries/r/k/send",
+            "/v1/nothing",
+            "/metrics/x",
+        ] {
+            assert_eq!(Endpoint::of(path), None, "{path}");
+        }
+        assert_eq!(
+            Endpoint::of("/v1/dedup/billing/a%2Fb"),
+            Some(Endpoint::DedupGet("billing", "a%2Fb"))
+        );
+    }
+
+    #[test]
+    fn a_browser_is_told_apart_by_accept_and_a_form_by_its_type() {
+        let mut h = HeaderMap::new();
+        assert!(!wants_html(&h));
+        h.append(header::ACCEPT, HeaderValue::from_static("application/json"));
+        h.append(
+            header::ACCEPT,
+            HeaderValue::from_static("text/html,application/xhtml+xml"),
+        );
+        assert!(wants_html(&h));
+        assert!(!is_form(&h));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/x-www-form-urlencoded; charset=utf-8"),
+        );
+        assert!(is_form(&h));
+    }
+
+    /// The page runs its own script only (by hash), loads nothing from
+    /// elsewhere, cannot be framed, and is never cached.
+    #[test]
+    fn the_page_is_sent_with_its_content_security_policy() {
+        let r = html(StatusCode::OK, markup::Html::default());
+        let h = r.headers();
+        let csp = h[header::CONTENT_SECURITY_POLICY].to_str().unwrap();
+        assert!(csp.starts_with("default-src 'none';"), "{csp}");
+        assert!(csp.contains(&format!("script-src {};", page::script_hash())));
+        assert!(csp.contains("frame-ancestors 'none'"));
+        assert_eq!(h[header::X_FRAME_OPTIONS], "DENY");
+        assert_eq!(h[header::REFERRER_POLICY], "same-origin");
+        assert_eq!(h[header::CACHE_CONTROL], "no-store");
+        assert_eq!(h[header::CONTENT_TYPE], "text/html; charset=utf-8");
+    }
+
+    /// A form's POST is answered 303; a location that is no header value is
+    /// left out rather than sent broken.
+    #[test]
+    fn see_other_redirects_and_never_sends_a_broken_location() {
+        let r = see_other("/?route=a");
+        assert_eq!(r.status(), StatusCode::SEE_OTHER);
+        assert_eq!(r.headers()[header::LOCATION], "/?route=a");
+        assert_eq!(r.headers()[header::CACHE_CONTROL], "no-store");
+        let r = see_other("/\r\nSet-Cookie: x=1");
+        assert!(r.headers().get(header::LOCATION).is_none());
+    }
+
+    #[test]
+    fn a_form_field_is_its_first_value() {
+        let pairs = vec![
+            ("outcome".to_owned(), "delivered".to_owned()),
+            ("outcome".to_owned(), "not_delivered".to_owned()),
+        ];
+        assert_eq!(form_field(&pairs, "outcome").as_deref(), Some("delivered"));
+        assert_eq!(form_field(&pairs, "csrf"), None);
+    }
+
+    /// An upstream's userinfo is a credential: never shown.
+    #[test]
+    fn an_upstream_is_shown_without_its_userinfo() {
+        let t = crate::forward::Target::new(
+            "/billing/",
+            "https://user:secret@api.example:8443/v1",
+            "Idempotency-Key",
+            vec![],
+        )
+        .unwrap();
+        assert_eq!(upstream_shown(&t), "https://api.example:8443/v1/");
+    }
+}

@@ -318,11 +318,17 @@ impl Proxy {
             // Queue: a queued route accepts into its lease's queue (SPEC §11).
             let b = b.clone();
             let claimed = queued::Claimed::of(claim);
-            let resp = self
-                .accept(
-                    queue, route, &fence, parts, b, hop, pass, claimed, worker_key, seen,
-                )
-                .await?;
+            let admitted = queued::Admitted {
+                route,
+                fence: &fence,
+                parts,
+                body: b,
+                hop,
+                pass,
+                claim: claimed,
+                worker_key,
+            };
+            let resp = self.accept(queue, admitted, seen).await?;
             let outcome = if resp.status() == http::StatusCode::ACCEPTED {
                 "queued"
             } else {

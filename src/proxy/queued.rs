@@ -132,20 +132,22 @@ impl Proxy {
     /// request as it will be sent, and its message, written durably under
     /// `pass` — which ends only once the write is durable, so a newer epoch's
     /// raise waits for it. Answered `202`, or from the key's message.
-    #[allow(clippy::too_many_arguments)]
     pub(super) async fn accept(
         &self,
         queue: &std::sync::Arc<Queue>,
-        route: &Route,
-        fence: &Fence,
-        parts: Parts,
-        body: Bytes,
-        hop: &ClientHop,
-        pass: Pass,
-        claim: Claimed,
-        worker_key: Option<DedupKey>,
+        admitted: Admitted<'_>,
         seen: &mut Seen,
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        let Admitted {
+            route,
+            fence,
+            parts,
+            body,
+            hop,
+            pass,
+            claim,
+            worker_key,
+        } = admitted;
         let method = parts.method.as_str().to_owned();
         let path_query = parts
             .uri
@@ -184,51 +186,16 @@ impl Proxy {
                 lease: route.lease.clone(),
             });
         }
-        let (parts, rest, query) = {
-            let mut parts = parts;
-            forward::end_to_end(&mut parts.headers, hop)
-                .map_err(|detail| ProxyError::UpstreamUnreachable { detail })?;
-            let rest = parts
-                .uri
-                .path()
-                .get(route.target.prefix.len()..)
-                .unwrap_or("")
-                .to_owned();
-            let query = parts.uri.query().map(str::to_owned);
-            (parts, rest, query)
-        };
-        let envelope = Envelope {
-            method: method.clone(),
-            rest,
-            query,
-            headers: parts
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
-                .collect(),
-            body,
-        };
-        let now = ms(self.clock.now());
-        let msg = Message {
-            route: route.name.clone(),
-            key: key.as_str().to_owned(),
-            lease: route.lease.as_str().to_owned(),
-            epoch: claim.epoch.get(),
-            seq: 0,
-            fingerprint: fingerprint.clone(),
-            method: action.request.method.clone(),
-            path: action.request.path.clone(),
-            token_sha256: claim.token_sha256,
-            status: Status::Pending,
-            attempts: 0,
-            unknown_outcomes: 0,
-            accepted_ms: now,
-            updated_ms: now,
-            next_attempt_ms: now,
-            last_status: None,
-            last_error: None,
-            answer: None,
-        };
+        let envelope = envelope_of(route, parts, hop, method, body)?;
+        let epoch = claim.epoch;
+        let msg = message_of(
+            route,
+            key,
+            claim,
+            &action,
+            fingerprint,
+            ms(self.clock.now()),
+        );
         // A reload since this request found its route (its body may have
         // been slow) may have made the name direct, or moved it to another
         // lease: the checks of the reload saw no message of it, so none is
@@ -288,11 +255,85 @@ impl Proxy {
             }),
             Accepted::Aborted => Err(ProxyError::DrainAborted {
                 lease: route.lease.clone(),
-                epoch: claim.epoch,
+                epoch,
                 newer,
                 doubt: crate::error::Doubt::NotSent,
             }),
         }
+    }
+}
+
+/// An admitted request handed to its lease's queue: what
+/// [`Proxy::accept`] writes, and the pass it writes under.
+pub(super) struct Admitted<'a> {
+    pub route: &'a Route,
+    pub fence: &'a Fence,
+    pub parts: Parts,
+    pub body: Bytes,
+    pub hop: &'a ClientHop,
+    pub pass: Pass,
+    pub claim: Claimed,
+    pub worker_key: Option<DedupKey>,
+}
+
+/// The request as it will be sent (SPEC §11): its end-to-end headers, the
+/// path below the route's prefix, the query and the body.
+fn envelope_of(
+    route: &Route,
+    mut parts: Parts,
+    hop: &ClientHop,
+    method: String,
+    body: Bytes,
+) -> Result<Envelope, ProxyError> {
+    forward::end_to_end(&mut parts.headers, hop)
+        .map_err(|detail| ProxyError::UpstreamUnreachable { detail })?;
+    let rest = parts
+        .uri
+        .path()
+        .get(route.target.prefix.len()..)
+        .unwrap_or("")
+        .to_owned();
+    Ok(Envelope {
+        method,
+        rest,
+        query: parts.uri.query().map(str::to_owned),
+        headers: parts
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+            .collect(),
+        body,
+    })
+}
+
+/// A new message of `key`, pending from `now` at the claim's epoch.
+fn message_of(
+    route: &Route,
+    key: &DedupKey,
+    claim: Claimed,
+    action: &Action,
+    fingerprint: String,
+    now: u64,
+) -> Message {
+    Message {
+        route: route.name.clone(),
+        key: key.as_str().to_owned(),
+        lease: route.lease.as_str().to_owned(),
+        epoch: claim.epoch.get(),
+        seq: 0,
+        fingerprint,
+        method: action.request.method.clone(),
+        path: action.request.path.clone(),
+        token_sha256: claim.token_sha256,
+        status: Status::Pending,
+        attempts: 0,
+        unknown_outcomes: 0,
+        accepted_ms: now,
+        updated_ms: now,
+        next_attempt_ms: now,
+        last_status: None,
+        last_error: None,
+        answer: None,
     }
 }
 

@@ -211,7 +211,9 @@ impl crate::state::identity::Checkpoint for InstanceGuard {
 
 impl InstanceGuard {
     /// Takes the instance guard at start-up, or says who holds it. `schema`:
-    /// the PostgreSQL schema the state is in, if it is in PostgreSQL.
+    /// the PostgreSQL schema the state is in, if it is in PostgreSQL. One
+    /// start-up sequence (SPEC §10.1: the guard's epoch, its wait for a
+    /// predecessor, the state's generation), read top to bottom.
     pub async fn acquire(
         cfg: &Config,
         store: Arc<dyn LeaseStore>,

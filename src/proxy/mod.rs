@@ -261,7 +261,8 @@ impl Proxy {
 
     /// The phases, in order (the module doc says what each does); each may
     /// end the request with a refusal (`Err`, SPEC §7) or an answer of its own
-    /// (a relay, a replay).
+    /// (a relay, a replay). Long on purpose: the request path read in the
+    /// order the module doc lists it, each phase a named step of its own.
     async fn serve<'s>(
         &self,
         route: &Route,

@@ -131,7 +131,9 @@ impl Proxy {
     /// (the worker's, else derived from the request whatever its method), the
     /// request as it will be sent, and its message, written durably under
     /// `pass` — which ends only once the write is durable, so a newer epoch's
-    /// raise waits for it. Answered `202`, or from the key's message.
+    /// raise waits for it. Answered `202`, or from the key's message. One
+    /// sequence on purpose: each step holds what the next relies on (the
+    /// pass, then the route's kind).
     pub(super) async fn accept(
         &self,
         queue: &std::sync::Arc<Queue>,

@@ -348,6 +348,10 @@ async fn pause(q: &Queue, notify: &Notify, owed: &mut Owed, d: Duration) {
     }
 }
 
+/// One attempt of the lease's head (SPEC §11): a place in the upstream
+/// budget, the attempt written as started before anything is sent, sent,
+/// and what it came to written. One sequence on purpose: its order is what
+/// makes an attempt's outcome known or counted unknown, never lost.
 async fn attempt(
     q: &Queue,
     route: &Route,

@@ -97,7 +97,9 @@ impl SledState {
         SledState::open_with(dir, CACHE_BYTES)
     }
 
-    /// [`SledState::open`] with a page cache of `cache_bytes`.
+    /// [`SledState::open`] with a page cache of `cache_bytes`. One sequence:
+    /// open, check every tree decodes (sled reports damage on first read),
+    /// then start the flusher — nothing is served from a state not read whole.
     pub fn open_with(dir: &Path, cache_bytes: u64) -> Result<Arc<SledState>, StateError> {
         let path = dir.to_owned();
         let open_err = |detail: String| StateError::Open {

@@ -18,7 +18,8 @@ pub(super) fn message_forms(out: &mut Html, m: &MessageRow, csrf: &str) {
 }
 
 /// Queued delivery (SPEC §11): each queued route's depth and oldest pending
-/// message, then its messages not delivered, with Retry and Drop.
+/// message, then its messages not delivered, with Retry and Drop. A
+/// template: the section's markup in the order it is shown.
 pub(super) fn queue_section(out: &mut Html, v: &PageView, q: &QueuePanel) {
     html!(
         out,

@@ -77,6 +77,10 @@ enum Endpoint<'a> {
     DeliveryGet(&'a str, &'a str),
     DeliveryRetry(&'a str, &'a str),
     DeliveryDrop(&'a str, &'a str),
+    /// Pause (`true`) or resume a queued route's deliveries.
+    RoutePause(&'a str, bool),
+    /// Pause (`true`) or resume a lease's deliveries.
+    LeasePause(&'a str, bool),
 }
 
 /// This API's OpenAPI 3.1 description, `GET /v1/openapi.json`: the
@@ -101,6 +105,10 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("GET", "/v1/deliveries/{route}/{key}", "one queued message: status, attempts, last status and error, next attempt"),
     ("POST", "/v1/deliveries/{route}/{key}/retry", "a pending message now, or a failed one again at the end of its lease's queue (admin token)"),
     ("POST", "/v1/deliveries/{route}/{key}/drop", "drop a pending or failed message; the ones behind it go on (admin token)"),
+    ("POST", "/v1/routes/{route}/pause", "pause a queued route's deliveries: acceptances go on, no attempt starts (admin token)"),
+    ("POST", "/v1/routes/{route}/resume", "resume a queued route's deliveries (admin token)"),
+    ("POST", "/v1/leases/{lease}/pause", "pause a lease's queued deliveries, whatever their route (admin token)"),
+    ("POST", "/v1/leases/{lease}/resume", "resume a lease's queued deliveries (admin token)"),
     ("POST", "/login", "the operator page's login form"),
     ("POST", "/logout", "ends the operator page's session"),
 ];
@@ -127,6 +135,10 @@ impl<'a> Endpoint<'a> {
             ["v1", "deliveries", route, key] => Endpoint::DeliveryGet(route, key),
             ["v1", "deliveries", route, key, "retry"] => Endpoint::DeliveryRetry(route, key),
             ["v1", "deliveries", route, key, "drop"] => Endpoint::DeliveryDrop(route, key),
+            ["v1", "routes", route, "pause"] => Endpoint::RoutePause(route, true),
+            ["v1", "routes", route, "resume"] => Endpoint::RoutePause(route, false),
+            ["v1", "leases", lease, "pause"] => Endpoint::LeasePause(lease, true),
+            ["v1", "leases", lease, "resume"] => Endpoint::LeasePause(lease, false),
             _ => return None,
         })
     }
@@ -137,6 +149,8 @@ impl<'a> Endpoint<'a> {
             Endpoint::DedupResolve(..)
             | Endpoint::DeliveryRetry(..)
             | Endpoint::DeliveryDrop(..)
+            | Endpoint::RoutePause(..)
+            | Endpoint::LeasePause(..)
             | Endpoint::Login
             | Endpoint::Logout => Method::POST,
             _ => Method::GET,
@@ -357,6 +371,15 @@ impl Admin {
                     self.delivery_form(req, &route, &key, retry).await
                 }
             }
+            Endpoint::RoutePause(name, on) | Endpoint::LeasePause(name, on) => {
+                self.authorize(&req)?;
+                let name = String::from_utf8_lossy(&form::decode_segment(name)).into_owned();
+                let what = match ep {
+                    Endpoint::RoutePause(..) => crate::queue::pause::Pausable::Route(name),
+                    _ => crate::queue::pause::Pausable::Lease(name),
+                };
+                self.pause(what, on).await?
+            }
             Endpoint::Login => self.login(req).await?,
             Endpoint::Logout => {
                 let mut r = see_other("/");
@@ -535,6 +558,13 @@ impl Admin {
         let live = self.shared.live.current();
         let now = tokio::time::Instant::now();
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let pauses = self
+            .shared
+            .queue
+            .as_ref()
+            .map(|q| q.pauses())
+            .unwrap_or_default();
+        let since = |ms: Option<u64>| ms.map(|m| rfc3339(ms_to_system(m)));
         let routes: Vec<Value> = live
             .routes
             .iter()
@@ -575,6 +605,12 @@ impl Admin {
                         "burst": burst,
                     })),
                     "refused": refused,
+                    // SPEC §11: a queued route's deliveries paused, by the
+                    // route or by its lease (null: a direct route).
+                    "paused": r.queued.then(|| json!({
+                        "route": since(pauses.route(&r.name)),
+                        "lease": since(pauses.lease(r.lease.as_str())),
+                    })),
                 })
             })
             .collect();

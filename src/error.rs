@@ -222,6 +222,10 @@ pub(crate) enum AdminError {
     NoSuchEndpoint,
     #[error("no route named {0:?}")]
     RouteNotFound(String),
+    #[error("route {0:?} is not queued: only queued deliveries pause")]
+    RouteNotQueued(String),
+    #[error("no queued route uses lease {0:?}")]
+    LeaseNotFound(String),
     #[error("the dedup key is malformed ({0})")]
     DedupKeyMalformed(&'static str),
     #[error("no record for that key")]
@@ -256,6 +260,8 @@ impl AdminError {
         match self {
             E::NoSuchEndpoint => (StatusCode::NOT_FOUND, "not_found"),
             E::RouteNotFound(_) => (StatusCode::NOT_FOUND, "route_not_found"),
+            E::RouteNotQueued(_) => (StatusCode::CONFLICT, "route_not_queued"),
+            E::LeaseNotFound(_) => (StatusCode::NOT_FOUND, "lease_not_found"),
             E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
             E::RecordNotFound => (StatusCode::NOT_FOUND, "dedup_record_not_found"),
             E::NotInDoubt(_) => (StatusCode::CONFLICT, "dedup_not_in_doubt"),

@@ -13,6 +13,7 @@ use super::{form, form_field, html, json_response, see_other, Admin};
 use crate::dedup::ms_to_system;
 use crate::error::AdminError;
 use crate::proxy::queued::view;
+use crate::queue::pause::Pausable;
 use crate::queue::{Edit, ListedBy, Listing, Message, Queue, Status};
 use crate::state::StateError;
 
@@ -56,12 +57,19 @@ async fn panel(
             .await?
             .filter(|m| &m.route == route)
             .map(|m| ms_to_system(m.accepted_ms));
+        let pauses = q.pauses();
+        let paused = match (pauses.route(route), pauses.lease(lease)) {
+            (Some(ms), _) => Some(("route", ms_to_system(ms))),
+            (None, Some(ms)) => Some(("lease", ms_to_system(ms))),
+            (None, None) => None,
+        };
         figures.push(QueueRoute {
             route: route.clone(),
             lease: lease.clone(),
             depth: counts[1] + counts[2],
             failed: counts[0],
             oldest,
+            paused,
         });
     }
     let messages = rows
@@ -131,6 +139,44 @@ fn notice_of(q: &[(String, String)]) -> Option<Notice> {
 }
 
 impl Admin {
+    /// `POST /v1/routes/{route}/pause|resume`, `POST /v1/leases/{lease}/pause|resume`
+    /// (SPEC §11, pause and resume): durable on return, on every member of a
+    /// cluster within a second. A route must be a configured queued one; a
+    /// lease, the lease of one.
+    pub(super) async fn pause(
+        &self,
+        what: Pausable,
+        on: bool,
+    ) -> Result<Response<Full<Bytes>>, AdminError> {
+        let live = self.shared.live.current();
+        match &what {
+            Pausable::Route(r) => match live.routes.get(r) {
+                None => return Err(AdminError::RouteNotFound(r.clone())),
+                Some(route) if !route.queued => return Err(AdminError::RouteNotQueued(r.clone())),
+                Some(_) => {}
+            },
+            Pausable::Lease(l) => {
+                if !live
+                    .routes
+                    .iter()
+                    .any(|r| r.queued && r.lease.as_str() == l)
+                {
+                    return Err(AdminError::LeaseNotFound(l.clone()));
+                }
+            }
+        }
+        drop(live);
+        let since = self.queue()?.set_paused(&what, on).await?;
+        Ok(json_response(
+            StatusCode::OK,
+            json!({
+                what.kind(): what.name(),
+                "paused": since.is_some(),
+                "since": since.map(|ms| crate::clock::rfc3339(ms_to_system(ms))),
+            }),
+        ))
+    }
+
     fn queue(&self) -> Result<&std::sync::Arc<Queue>, AdminError> {
         self.shared
             .queue

@@ -155,6 +155,12 @@ pub(super) async fn run(q: Arc<Queue>, lease: String, notify: Arc<Notify>) {
                 out.remove(&key);
             }
         }
+        if q.holds(&lease, &head.route) {
+            // Paused (SPEC §11): no attempt starts, and nothing behind the
+            // head goes before it. A resume wakes the deliverer.
+            pause(&q, &notify, &mut owed, PAUSE).await;
+            continue;
+        }
         let now = ms(q.ctx.clock.now());
         if head.status == Status::Pending && head.next_attempt_ms > now {
             pause(
@@ -238,6 +244,11 @@ async fn launch(
         }
         if m.status == Status::Pending && m.next_attempt_ms > now {
             wait = wait.min(Duration::from_millis(m.next_attempt_ms - now));
+            continue;
+        }
+        if q.holds(lease, &m.route) {
+            // Paused (SPEC §11): `ordering = "none"` keeps no order, so the
+            // messages of routes not paused go on.
             continue;
         }
         let Some(route) = live.routes.get(&m.route).filter(|r| r.queued) else {

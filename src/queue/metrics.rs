@@ -62,6 +62,23 @@ impl Collector for QueueCollector {
                 })
                 .collect(),
         )?;
+        let pauses = q.pauses();
+        let live = q.ctx.live.current();
+        emit(
+            &mut enc,
+            "fencegate_queue_paused",
+            "1 while a queued route's deliveries are paused, by the route or by its lease (SPEC §11): acceptances go on, no attempt starts",
+            MetricType::Gauge,
+            live.routes
+                .iter()
+                .filter(|r| r.queued)
+                .map(|r| {
+                    let held = pauses.holds(r.lease.as_str(), &r.name);
+                    (vec![("route", r.name.clone())], ConstGauge::new(i64::from(held)))
+                })
+                .collect(),
+        )?;
+        drop(live);
         if let Some(mut held) = q.store.held_by_route() {
             held.sort_by(|a, b| a.0.cmp(&b.0));
             emit(

@@ -17,6 +17,7 @@ mod edits;
 mod follow;
 pub mod message;
 pub(crate) mod metrics;
+pub mod pause;
 pub mod postgres;
 mod restore;
 mod rules;
@@ -151,6 +152,10 @@ pub struct Queue {
     /// Per lease, an epoch known to be at most its newest sent one: no
     /// checkpoint is needed to send a message of it or below.
     sent: Mutex<HashMap<String, u64>>,
+    /// The pauses in force (SPEC §11): read at start, written through by
+    /// this instance's admin API, and read again each second on PostgreSQL
+    /// (another member's admin API may have written them).
+    paused: std::sync::RwLock<pause::Paused>,
     /// When this process started (ms): a message it accepted was sent by
     /// no copy, so a restored state's fence need not count it unknown.
     started_ms: u64,
@@ -173,6 +178,7 @@ impl Queue {
             depth: Mutex::new(HashMap::new()),
             fenced: Mutex::new(Default::default()),
             sent: Mutex::new(HashMap::new()),
+            paused: std::sync::RwLock::new(pause::Paused::default()),
             started_ms: ms(ctx.clock.now()),
             ctx,
         })
@@ -317,7 +323,56 @@ impl Queue {
     /// Starts a deliverer for every lease with messages left by an earlier run
     /// (a `delivering` one among them was cut mid-attempt: its outcome is
     /// unknown, and it is sent again first).
+    /// Whether a message of `route` on `lease` may not start an attempt now
+    /// (SPEC §11, pause and resume).
+    pub(crate) fn holds(&self, lease: &str, route: &str) -> bool {
+        self.paused
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .holds(lease, route)
+    }
+
+    /// The pauses in force, as this instance last read them.
+    pub(crate) fn pauses(&self) -> pause::Paused {
+        self.paused
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Reads the pauses from the state (another member may have written them).
+    async fn read_pauses(&self) -> Result<(), StateError> {
+        let p = self.store.paused().await?;
+        *self.paused.write().unwrap_or_else(|e| e.into_inner()) = p;
+        Ok(())
+    }
+
+    /// An operator's pause (`on`) or resume of `what`, durable on return;
+    /// since when it is paused (`None`: not paused). A resume wakes the
+    /// deliverers it held.
+    pub(crate) async fn set_paused(
+        self: &Arc<Self>,
+        what: &pause::Pausable,
+        on: bool,
+    ) -> Result<Option<u64>, StateError> {
+        let since = on.then(|| ms(self.ctx.clock.now()));
+        self.store.set_paused(what, since).await?;
+        self.read_pauses().await?;
+        if !on {
+            match what {
+                pause::Pausable::Lease(l) => self.wake(l),
+                pause::Pausable::Route(_) => {
+                    for l in self.store.leases_with_work().await? {
+                        self.wake(&l);
+                    }
+                }
+            }
+        }
+        Ok(self.pauses().0.get(what).copied())
+    }
+
     pub(crate) async fn start(self: &Arc<Self>) -> Result<usize, StateError> {
+        self.read_pauses().await?;
         let leases = self.store.leases_with_work().await?;
         for l in &leases {
             self.wake(l);
@@ -400,6 +455,9 @@ impl Queue {
             }
             if let Ok(d) = self.store.depth().await {
                 *self.depth.lock().unwrap_or_else(|p| p.into_inner()) = d;
+            }
+            if let Err(e) = self.read_pauses().await {
+                tracing::debug!(error = %e, "cannot read the queue's pauses; trying again");
             }
             if let Ok(leases) = self.store.leases_with_work().await {
                 for lease in leases {

@@ -709,6 +709,61 @@ impl PgQueue {
         .await
     }
 
+    /// [`super::store::QueueStore::paused`].
+    pub async fn paused(&self) -> Result<super::pause::Paused, StateError> {
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query(
+                    "SELECT kind, name, since_ms FROM fencegate_queue_paused",
+                    &[],
+                )
+                .await
+            })
+            .await?;
+        let mut out = super::pause::Paused::default();
+        for r in rows {
+            let (kind, name): (String, String) = (r.get(0), r.get(1));
+            if let Some(p) = super::pause::Pausable::of(&kind, &name) {
+                out.0
+                    .insert(p, u64::try_from(r.get::<_, i64>(2)).unwrap_or(0));
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`super::store::QueueStore::set_paused`].
+    pub async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        let (kind, name) = (what.kind(), what.name().to_owned());
+        self.db
+            .with("queue pause", |c| async move {
+                match since_ms {
+                    Some(ms) => {
+                        let ms = i64::try_from(ms).unwrap_or(i64::MAX);
+                        c.execute(
+                            "INSERT INTO fencegate_queue_paused (kind, name, since_ms) \
+                             VALUES ($1, $2, $3) ON CONFLICT (kind, name) DO NOTHING",
+                            &[&kind, &name, &ms],
+                        )
+                        .await
+                    }
+                    None => {
+                        c.execute(
+                            "DELETE FROM fencegate_queue_paused WHERE kind = $1 AND name = $2",
+                            &[&kind, &name],
+                        )
+                        .await
+                    }
+                }
+            })
+            .await?;
+        Ok(())
+    }
+
     /// [`super::store::QueueStore::raise_sent`].
     pub async fn raise_sent(
         &self,

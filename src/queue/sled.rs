@@ -70,6 +70,8 @@ pub struct SledQueue {
     sent: sled::Tree,
     /// Per lease, the restore its queue was last fenced for.
     restore_fences: sled::Tree,
+    /// Pauses in force: `kind \0 name` → since (ms, big-endian).
+    pauses: sled::Tree,
     /// Orders acceptances: a sequence number is taken, and the pass checked,
     /// under it (a leaf lock; nothing is awaited under it).
     accepting: Mutex<()>,
@@ -120,6 +122,7 @@ impl SledQueue {
             seqs: db.open_tree("queue_seq").map_err(db_err)?,
             sent: db.open_tree("queue_sent").map_err(db_err)?,
             restore_fences: db.open_tree("queue_restore_fenced").map_err(db_err)?,
+            pauses: db.open_tree("queue_paused").map_err(db_err)?,
             sled,
             accepting: Mutex::new(()),
             waiting: Mutex::new(waiting),
@@ -518,6 +521,45 @@ impl SledQueue {
         self.restore_fences
             .insert(lease.as_bytes(), &r.to_be_bytes()[..])
             .map_err(db_err)?;
+        self.sled.commit().await
+    }
+
+    /// [`super::store::QueueStore::paused`].
+    pub fn paused(&self) -> Result<super::pause::Paused, StateError> {
+        let mut out = super::pause::Paused::default();
+        for item in self.pauses.iter() {
+            let (k, v) = item.map_err(db_err)?;
+            let mut parts = k.splitn(2, |b| *b == 0);
+            let kind = String::from_utf8_lossy(parts.next().unwrap_or_default());
+            let name = String::from_utf8_lossy(parts.next().unwrap_or_default());
+            if let Some(p) = super::pause::Pausable::of(&kind, &name) {
+                out.0.insert(p, u64_of(Some(v)));
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`super::store::QueueStore::set_paused`].
+    pub async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        let mut key = what.kind().as_bytes().to_vec();
+        key.push(0);
+        key.extend_from_slice(what.name().as_bytes());
+        match since_ms {
+            Some(ms) => {
+                // Kept if already paused: the pause began when it first did.
+                self.pauses
+                    .compare_and_swap(&key, None as Option<&[u8]>, Some(&ms.to_be_bytes()[..]))
+                    .map_err(db_err)?
+                    .ok();
+            }
+            None => {
+                self.pauses.remove(&key).map_err(db_err)?;
+            }
+        }
         self.sled.commit().await
     }
 

@@ -169,6 +169,18 @@ pub trait QueueStore: Send + Sync + 'static {
 
     /// Removes settled messages last changed before `before_ms`; how many.
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError>;
+
+    /// The pauses in force (SPEC §11, pause and resume).
+    async fn paused(&self) -> Result<super::pause::Paused, StateError>;
+
+    /// Pauses `what` from `since_ms` (kept if already paused), or resumes it
+    /// (`None`). An operator's setting, not a delivery write: any instance
+    /// may write it, under no owner. Durable on return.
+    async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError>;
 }
 
 #[async_trait]
@@ -280,6 +292,18 @@ impl QueueStore for SledQueue {
         r: u64,
     ) -> Result<(), StateError> {
         SledQueue::mark_restore_fenced(self, lease, r).await
+    }
+
+    async fn paused(&self) -> Result<super::pause::Paused, StateError> {
+        SledQueue::paused(self)
+    }
+
+    async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        SledQueue::set_paused(self, what, since_ms).await
     }
 
     async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
@@ -403,6 +427,18 @@ impl QueueStore for PgQueue {
         r: u64,
     ) -> Result<(), StateError> {
         PgQueue::mark_restore_fenced(self, owner, lease, r).await
+    }
+
+    async fn paused(&self) -> Result<super::pause::Paused, StateError> {
+        PgQueue::paused(self).await
+    }
+
+    async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        PgQueue::set_paused(self, what, since_ms).await
     }
 
     async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {

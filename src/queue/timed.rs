@@ -169,6 +169,19 @@ impl QueueStore for TimedQueue {
         .await
     }
 
+    async fn paused(&self) -> Result<super::pause::Paused, StateError> {
+        self.timed(Op::QueueRead, self.inner.paused()).await
+    }
+
+    async fn set_paused(
+        &self,
+        what: &super::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        self.timed(Op::QueueWrite, self.inner.set_paused(what, since_ms))
+            .await
+    }
+
     async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
         self.timed(Op::QueueRead, self.inner.sent_epoch(lease))
             .await

@@ -61,6 +61,15 @@ pub(super) fn queue_section(out: &mut Html, v: &PageView, q: &QueuePanel) {
             Some(t) => time(out, t, v.now),
             None => out.push_static("—"),
         }
+        if let Some((by, since)) = r.paused {
+            html!(
+                out,
+                r#" <span class="bad">paused (by its {}) since "#,
+                esc(by)
+            );
+            time(out, since, v.now);
+            out.push_static("</span>");
+        }
         out.push_static("</td></tr>");
     }
     out.push_static("</tbody></table>");

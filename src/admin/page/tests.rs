@@ -338,6 +338,7 @@ fn the_queue_panel_lists_messages_escaped_with_retry_and_drop() {
             depth: 2,
             failed: 1,
             oldest: Some(v.now - Duration::from_secs(300)),
+            paused: Some(("lease", v.now - Duration::from_secs(60))),
         }],
         messages: vec![
             row(
@@ -364,7 +365,9 @@ fn the_queue_panel_lists_messages_escaped_with_retry_and_drop() {
         figures.contains(
             r#"data-label="depth" class="n" title="not settled: pending or being delivered">2<"#
         ) && figures.contains(r#"<span class="bad">1</span>"#)
-            && figures.contains(">5 min ago</time>"),
+            && figures.contains(">5 min ago</time>")
+            && figures.contains(r#"paused (by its lease) since "#)
+            && figures.contains(">60 s ago</time></span>"),
         "{figures}"
     );
     let rows: Vec<&str> = html.split(r#"<tr class="message">"#).skip(1).collect();

@@ -192,6 +192,9 @@ pub struct QueueRoute {
     /// When the oldest message not settled was accepted (its lease's head, as
     /// `fencegate_queue_oldest_pending_seconds`), if there is one.
     pub oldest: Option<SystemTime>,
+    /// Whether its deliveries are paused (SPEC §11): by the route or by its
+    /// lease, and since when.
+    pub paused: Option<(&'static str, SystemTime)>,
 }
 
 /// A queued message not delivered: pending, delivering or failed.

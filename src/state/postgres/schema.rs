@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::state::StateError;
 
 /// The schema version this build writes and understands.
-pub const VERSION: i32 = 11;
+pub const VERSION: i32 = 12;
 
 /// `pg_advisory_xact_lock` key: "fencegat" in ASCII.
 const LOCK_KEY: i64 = 0x6665_6e63_6567_6174;
@@ -169,6 +169,14 @@ const MIGRATIONS: &[&str] = &[
     // `fencegate_identity.restored`) its queue was last fenced for (SPEC §10,
     // identity and generations; [`crate::queue::Queue::fence_if_restored`]).
     "ALTER TABLE fencegate_queue_leases ADD COLUMN restore_fenced bigint NOT NULL DEFAULT 0;",
+    // 11 → 12: an operator's pauses of a queued route or a lease (SPEC §11,
+    // pause and resume), read by whichever member serves the lease.
+    "CREATE TABLE fencegate_queue_paused (
+        kind text NOT NULL,
+        name text NOT NULL,
+        since_ms bigint NOT NULL,
+        PRIMARY KEY (kind, name)
+    );",
 ];
 
 /// Creates `schema` when missing. Looked up first: `CREATE SCHEMA IF NOT

@@ -181,6 +181,18 @@ impl QueueStore for FaultQueue {
         self.inner.mark_restore_fenced(owner, lease, r).await
     }
 
+    async fn paused(&self) -> Result<fencegate::queue::pause::Paused, StateError> {
+        self.inner.paused().await
+    }
+
+    async fn set_paused(
+        &self,
+        what: &fencegate::queue::pause::Pausable,
+        since_ms: Option<u64>,
+    ) -> Result<(), StateError> {
+        self.inner.set_paused(what, since_ms).await
+    }
+
     async fn sent_epoch(&self, lease: &str) -> Result<u64, StateError> {
         self.inner.sent_epoch(lease).await
     }

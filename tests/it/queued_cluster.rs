@@ -1024,3 +1024,101 @@ async fn one_failed_raise_does_not_make_a_starting_member_fence_a_healthy_queue(
         0
     );
 }
+
+/// A pause posted to a member that does not serve the lease (SPEC §11): the
+/// owner reads it within a second and sends nothing of the paused route,
+/// while the other lease's messages go on; kill -9 of the owner, and its
+/// successor keeps the pause (it is in the database, not in a member); a
+/// resume posted to the successor delivers what waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_holds_across_a_takeover() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let c = Cluster::start().await;
+    let upstream = c.origin.url("/v1/");
+    let routes = format!(
+        "{}[[route]]\nname = \"other\"\npath_prefix = \"/other/\"\nupstream = \"{upstream}\"\nlease = \"other\"\ndelivery = \"queued\"\n",
+        hook_route(&upstream, "", "")
+    );
+    let mut a = c.member_with("fg-a", &routes);
+    assert!(
+        wait_serves(&a, 0, TAKEOVER).await.is_some(),
+        "{}",
+        a.stderr()
+    );
+    let b = c.member_with("fg-b", &routes);
+    eventually("fg-b sees fg-a own the shard", || async {
+        owner_seen_by(&b).await.as_deref() == Some("fg-a")
+    })
+    .await;
+    let w = c.worker().await;
+    let other = acquire(
+        &c.s3.epochs().await,
+        "other",
+        "worker-2",
+        Duration::from_secs(120),
+    )
+    .await;
+    let pause = send(
+        Request::post(b.admin_url("/v1/routes/hook/pause"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        pause.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&pause.body)
+    );
+    eventually("the owner reads the pause", || async {
+        a.admin_json("/v1/routes").await["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["route"] == "hook" && r["paused"]["route"].is_string())
+    })
+    .await;
+    accepted(&send(message(&a, &w, "m1", "one")).await, "m1");
+    assert_eq!(
+        send(keyed(&a, "/other/e", &other, "o1", "o1")).await.status,
+        202
+    );
+    c.origin
+        .wait_until("o1", |log| log.iter().any(|x| x.body == "o1"))
+        .await;
+    assert_eq!(bodies(&c.origin), ["o1"]);
+    // Settled before the kill (else its successor rightly sends it again).
+    eventually("o1 written delivered", || async {
+        a.admin_json("/v1/deliveries/other/o1").await["status"] == "delivered"
+    })
+    .await;
+
+    a.kill9();
+    assert!(
+        wait_serves(&b, 0, TAKEOVER).await.is_some(),
+        "{}",
+        b.stderr()
+    );
+    assert_eq!(
+        send(keyed(&b, "/other/e", &other, "o2", "o2")).await.status,
+        202
+    );
+    c.origin
+        .wait_until("o2", |log| log.iter().any(|x| x.body == "o2"))
+        .await;
+    assert_eq!(bodies(&c.origin), ["o1", "o2"], "m1 waits, paused");
+    assert_eq!(status_of(&b, "m1").await["status"], "pending");
+
+    let resume = send(
+        Request::post(b.admin_url("/v1/routes/hook/resume"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(resume.status, 200);
+    wait_status(&b, "m1", |v| v["status"] == "delivered").await;
+    assert_eq!(bodies(&c.origin), ["o1", "o2", "one"]);
+}

@@ -56,6 +56,8 @@ pub(crate) struct Seen {
     pub key: Option<DedupKey>,
     /// Time from forwarding to the upstream's complete answer or failure.
     pub upstream: Option<Duration>,
+    /// A cluster's owner hint for the answer (SPEC §10.2, `X-Fencegate-Owner`).
+    pub owner: Option<http::HeaderValue>,
 }
 
 /// One request's access line.

@@ -22,6 +22,11 @@ pub const IDEMPOTENCY_KEY_NAME: HeaderName = HeaderName::from_static("idempotenc
 /// The request id, sent upstream and echoed to the worker (`access`).
 pub(crate) const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// SPEC §10.2: on an answer of a cluster member, the `advertise` URL of the
+/// member that owns the lease's shard now — a worker (or a load balancer) may
+/// send the lease's next request there and skip the relay.
+pub(crate) const OWNER: HeaderName = HeaderName::from_static("x-fencegate-owner");
+
 /// The operator page's session cookie (the admin listener sets it; the proxy
 /// strips it from what it forwards: browsers scope cookies by host,
 /// not port).

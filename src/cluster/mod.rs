@@ -138,6 +138,8 @@ pub struct Database<'a> {
 pub struct Cluster {
     id: String,
     advertise: String,
+    /// `advertise` as a header value, for the owner hint on each answer.
+    advertise_header: Option<http::HeaderValue>,
     shards: u32,
     peer_token: String,
     /// Seals and checks this cluster's gate objects.
@@ -283,6 +285,7 @@ impl Cluster {
         let cluster = Arc::new(Cluster {
             id: cc.instance_id.clone(),
             advertise: cc.advertise.trim_end_matches('/').to_owned(),
+            advertise_header: http::HeaderValue::from_str(cc.advertise.trim_end_matches('/')).ok(),
             shards,
             peer_token: cc.resolved_peer_token().unwrap_or_default(),
             key,
@@ -335,6 +338,12 @@ impl Cluster {
     /// database (its set-up record): nothing is served, taken or balanced.
     fn stopped_by_another_set_up(&self) -> bool {
         lock(&self.conflict).is_some() || self.state.set_up_conflict().is_some()
+    }
+
+    /// This instance's `advertise` URL as a header value (SPEC §10.2, the
+    /// owner hint on an answer it served as the shard's owner).
+    pub fn advertise_header(&self) -> Option<&http::HeaderValue> {
+        self.advertise_header.as_ref()
     }
 
     /// This instance's id (`[cluster] instance_id`).

@@ -255,7 +255,14 @@ impl Proxy {
                     .map_or("upstream answered a server error", ProxyError::code)
             }),
         );
-        resp.headers_mut().insert(REQUEST_ID, request_id);
+        let h = resp.headers_mut();
+        h.insert(REQUEST_ID, request_id);
+        // Ours or none: an upstream's `X-Fencegate-Owner` would steer a
+        // worker's next request, and its token, elsewhere.
+        match seen.owner.take() {
+            Some(owner) => h.insert(crate::headers::OWNER, owner),
+            None => h.remove(crate::headers::OWNER),
+        };
         resp
     }
 
@@ -287,7 +294,16 @@ impl Proxy {
             Payload::Stream(body)
         };
         // 2. Place or relay.
-        let fence = match self.place(route, relayed) {
+        let placed = self.place(route, relayed);
+        if let Some(c) = self.mode.cluster() {
+            // SPEC §10.2: where the lease's next request may go straight.
+            seen.owner = match &placed {
+                Served::Here(Ok(_)) => c.advertise_header().cloned(),
+                Served::There(peer) => peer.hint(),
+                Served::Here(Err(_)) => None,
+            };
+        }
+        let fence = match placed {
             Served::Here(fence) => fence?,
             Served::There(peer) => {
                 let relayed = self.relay(route, peer, parts, body, hop, spans).await;

@@ -30,6 +30,13 @@ pub(super) struct Peer {
     url: String,
 }
 
+impl Peer {
+    /// Its `advertise` URL as the owner hint (SPEC §10.2).
+    pub(super) fn hint(&self) -> Option<http::HeaderValue> {
+        http::HeaderValue::from_str(&self.url).ok()
+    }
+}
+
 impl Proxy {
     /// Where the route's request is served: by this instance's fence of the
     /// lease, or by the shard's owner (never for a request a peer relayed: it is

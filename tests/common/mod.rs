@@ -12,7 +12,8 @@
 //!   `x-test-answer-early: 1` answers at once, before reading the request body,
 //!   and reads the body afterwards (a destination that answers an upload early);
 //!   the arrival's `completed` is when that body had been read to its end.
-//!   `x-test-retry-after: V` answers with `Retry-After: V`; `x-test-delay-ms: N`
+//!   `x-test-retry-after: V` answers with `Retry-After: V` (`x-test-claims-owner:
+//!   V` with `X-Fencegate-Owner: V`); `x-test-delay-ms: N`
 //!   answers N ms later (a destination that takes its time, so that concurrent
 //!   requests overlap). [`Origin::max_concurrent`] is the most requests it was
 //!   handling at once.
@@ -434,6 +435,10 @@ async fn origin_handle(
         .header("content-type", "text/plain");
     if let Some(v) = header("x-test-retry-after") {
         answer = answer.header("retry-after", v);
+    }
+    if let Some(v) = header("x-test-claims-owner") {
+        // A destination that sets fencegate's owner hint itself.
+        answer = answer.header("x-fencegate-owner", v);
     }
     answer.body(OriginBody::Full(Full::new(body))).unwrap()
 }

@@ -117,3 +117,27 @@ async fn never_an_open_proxy() {
     assert_eq!(origin.count(), 1);
     assert_eq!(origin.log()[0].path, "/v1/x");
 }
+
+/// SPEC §10.2: `X-Fencegate-Owner` is fencegate's alone. A destination that
+/// sets it on its answer would steer the worker's next request — and its
+/// lease token — to a URL of its choosing; a single instance sends none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destinations_owner_hint_never_reaches_the_worker() {
+    let origin = Origin::start().await;
+    let fg = Fencegate::start(200, &route_toml("billing", "billing", &origin, "")).await;
+    let a = acquire(&fg.epochs, "billing", "worker-a", Duration::from_secs(30)).await;
+    let r = send(
+        worker_req(&fg.url("/billing/x"), a.epoch.get(), &a.token)
+            .header("x-test-claims-owner", "http://evil.example")
+            .body(body("x"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(origin.count(), 1);
+    assert!(
+        !r.headers.contains_key("x-fencegate-owner"),
+        "{:?}",
+        r.headers
+    );
+}

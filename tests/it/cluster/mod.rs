@@ -2300,3 +2300,67 @@ async fn a_relayed_request_is_one_trace_across_the_peer_hop() {
         );
     }
 }
+
+/// SPEC §10.2, the owner hint: every answer of a member names the `advertise`
+/// URL of the lease's owner (`X-Fencegate-Owner`) — served there or relayed —
+/// and a request sent straight to it is not relayed. A destination's own
+/// `X-Fencegate-Owner` never reaches the worker: it would steer the next
+/// request, and its token, elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_names_the_leases_owner_and_the_hint_skips_the_relay() {
+    skip_without_python!();
+    skip_without_postgres!();
+    let rig = Rig::start(2, 1).await;
+    let map = rig
+        .settled("two members, one shard", |c| c.len() == 1)
+        .await;
+    let owner = rig.member(&map[0]).fg();
+    let other = rig.running().find(|m| m.id != map[0]).unwrap().fg();
+    let lease = rig.leases[0].clone();
+    let w = rig.worker(&lease, "w").await;
+    let owner_url = owner.url("").trim_end_matches('/').to_owned();
+    for (fg, payload) in [(owner, "direct"), (other, "relayed")] {
+        let r = post(fg, &format!("/{lease}/x"), &w, payload).await;
+        assert_eq!(r.status, 200, "{payload}");
+        assert_eq!(
+            r.headers["x-fencegate-owner"],
+            owner_url.as_str(),
+            "{payload}"
+        );
+    }
+    let relays = other.metric_sum("fencegate_peer_forwards_total").await;
+    assert!(relays >= 1.0, "the request to the non-owner was relayed");
+    // Straight to the hint: served there, nothing relayed.
+    let hinted = Gatewayless(owner_url.clone());
+    let r = send(
+        worker_req(&hinted.url(&format!("/{lease}/x")), w.epoch.get(), &w.token)
+            .body(body("hinted"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        other.metric_sum("fencegate_peer_forwards_total").await,
+        relays
+    );
+    // A destination claiming to be the owner is not believed.
+    let r = send(
+        worker_req(&other.url(&format!("/{lease}/x")), w.epoch.get(), &w.token)
+            .header("x-test-claims-owner", "http://evil.example")
+            .body(body("spoof"))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-fencegate-owner"], owner_url.as_str());
+    assert_eq!(payloads_at(&rig.origin, "hinted").len(), 1);
+}
+
+/// A base URL as a worker would hold it.
+struct Gatewayless(String);
+
+impl Gatewayless {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.0)
+    }
+}

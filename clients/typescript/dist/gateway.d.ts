@@ -162,6 +162,14 @@ export interface GatewayOptions {
     maxRetryWaitMs?: number;
     /** Default: the global fetch. */
     fetch?: typeof fetch;
+    /**
+     * Send a lease's requests to the cluster member its last answer named as the
+     * owner (`X-Fencegate-Owner`, SPEC §10.2), skipping the relay; the base URL
+     * again when that member cannot be reached. Default true; false behind a
+     * load balancer whose members the worker cannot reach (or whose TLS names
+     * differ).
+     */
+    followOwner?: boolean;
 }
 export interface CallOptions {
     body?: string | Uint8Array;
@@ -215,6 +223,9 @@ export declare class GatewayClient {
     private readonly backoffMs;
     private readonly maxRetryWaitMs;
     private readonly fetch;
+    private readonly followOwner;
+    /** SPEC §10.2: per lease, the origin of the owner a cluster named in its last answer. */
+    private readonly owners;
     constructor(baseUrl: string, opts?: GatewayOptions);
     /**
      * Sends `method path` (a path under one of fencegate's routes, with its query)
@@ -242,5 +253,9 @@ export declare class GatewayClient {
     private accepted;
     private delay;
     private sendOnce;
+    /** The base URL, or with the named owner's scheme, host and port (the path stays). */
+    private target;
+    /** Keeps the owner a cluster named (SPEC §10.2); anything but an http(s) URL is ignored. */
+    private noteOwner;
 }
 export {};

@@ -157,6 +157,9 @@ class GatewayClient {
     backoffMs;
     maxRetryWaitMs;
     fetch;
+    followOwner;
+    /** SPEC §10.2: per lease, the origin of the owner a cluster named in its last answer. */
+    owners = new Map();
     constructor(baseUrl, opts = {}) {
         const u = new URL(baseUrl);
         if (u.protocol !== "http:" && u.protocol !== "https:")
@@ -167,6 +170,7 @@ class GatewayClient {
         this.backoffMs = opts.backoffMs ?? 200;
         this.maxRetryWaitMs = opts.maxRetryWaitMs ?? 30000;
         this.fetch = opts.fetch ?? fetch;
+        this.followOwner = opts.followOwner ?? true;
     }
     /**
      * Sends `method path` (a path under one of fencegate's routes, with its query)
@@ -206,7 +210,7 @@ class GatewayClient {
             const h = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
             if (key !== null)
                 h["Idempotency-Key"] = key;
-            let outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch), lease);
+            let outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch, lease.name), lease);
             const renewed = await renewedPast(holder, lease, outcome);
             if (renewed !== null) {
                 // Refused at admission (nothing was forwarded) because this tenure's
@@ -214,7 +218,7 @@ class GatewayClient {
                 // renewed epoch.
                 h["X-Lease-Epoch"] = String(renewed.epoch);
                 h["X-Lease-Token"] = renewed.token;
-                outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch), renewed);
+                outcome = this.accepted(await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch, lease.name), renewed);
             }
             if (attempt >= attempts || !shouldRetry(outcome, key !== null)) {
                 if (opts.queued && outcome.kind === "delivered" && !outcome.replayed) {
@@ -336,18 +340,24 @@ class GatewayClient {
             return outcome.retryAfterMs ?? Math.max(1000, backoff);
         return backoff;
     }
-    async sendOnce(method, path, body, headers, timeoutMs, attempt, epoch) {
+    async sendOnce(method, path, body, headers, timeoutMs, attempt, epoch, lease) {
+        const hinted = this.followOwner ? this.owners.get(lease) : undefined;
         let res;
         try {
-            res = await this.fetch(this.base + path, {
+            res = await this.fetch(this.target(hinted) + path, {
                 method, headers, body, redirect: "manual", signal: AbortSignal.timeout(timeoutMs),
             });
         }
         catch (e) {
             const cause = e.cause;
             const sent = !(cause?.code !== undefined && NOT_SENT_CODES.has(cause.code));
+            // The named owner cannot be reached: the base URL again (its member
+            // relays the request to whoever owns the lease now).
+            if (!sent && hinted !== undefined)
+                this.owners.delete(lease);
             return noResponse(attempt, sent ? epoch : null, describe(e), sent);
         }
+        this.noteOwner(lease, res.headers.get("x-fencegate-owner"));
         let payload;
         try {
             payload = new Uint8Array(await res.arrayBuffer());
@@ -356,6 +366,28 @@ class GatewayClient {
             return noResponse(attempt, epoch, describe(e), true);
         }
         return parseOutcome(res.status, res.headers, payload, attempt, epoch);
+    }
+    /** The base URL, or with the named owner's scheme, host and port (the path stays). */
+    target(owner) {
+        if (owner === undefined)
+            return this.base;
+        const u = new URL(this.base);
+        return owner + u.pathname.replace(/\/+$/, "");
+    }
+    /** Keeps the owner a cluster named (SPEC §10.2); anything but an http(s) URL is ignored. */
+    noteOwner(lease, owner) {
+        if (!this.followOwner || !owner)
+            return;
+        let u;
+        try {
+            u = new URL(owner);
+        }
+        catch {
+            return;
+        }
+        if (u.protocol !== "http:" && u.protocol !== "https:")
+            return;
+        this.owners.set(lease, u.origin);
     }
 }
 exports.GatewayClient = GatewayClient;

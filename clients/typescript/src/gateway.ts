@@ -255,6 +255,14 @@ export interface GatewayOptions {
   maxRetryWaitMs?: number;
   /** Default: the global fetch. */
   fetch?: typeof fetch;
+  /**
+   * Send a lease's requests to the cluster member its last answer named as the
+   * owner (`X-Fencegate-Owner`, SPEC §10.2), skipping the relay; the base URL
+   * again when that member cannot be reached. Default true; false behind a
+   * load balancer whose members the worker cannot reach (or whose TLS names
+   * differ).
+   */
+  followOwner?: boolean;
 }
 
 export interface CallOptions {
@@ -326,6 +334,9 @@ export class GatewayClient {
   private readonly backoffMs: number;
   private readonly maxRetryWaitMs: number;
   private readonly fetch: typeof fetch;
+  private readonly followOwner: boolean;
+  /** SPEC §10.2: per lease, the origin of the owner a cluster named in its last answer. */
+  private readonly owners = new Map<string, string>();
 
   constructor(baseUrl: string, opts: GatewayOptions = {}) {
     const u = new URL(baseUrl);
@@ -336,6 +347,7 @@ export class GatewayClient {
     this.backoffMs = opts.backoffMs ?? 200;
     this.maxRetryWaitMs = opts.maxRetryWaitMs ?? 30000;
     this.fetch = opts.fetch ?? fetch;
+    this.followOwner = opts.followOwner ?? true;
   }
 
   /**
@@ -370,7 +382,7 @@ export class GatewayClient {
       const h: Record<string, string> = { ...baseHeaders, "X-Lease-Epoch": String(lease.epoch), "X-Lease-Token": lease.token };
       if (key !== null) h["Idempotency-Key"] = key;
       let outcome = this.accepted(
-        await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch), lease);
+        await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, lease.epoch, lease.name), lease);
       const renewed = await renewedPast(holder, lease, outcome);
       if (renewed !== null) {
         // Refused at admission (nothing was forwarded) because this tenure's
@@ -379,7 +391,7 @@ export class GatewayClient {
         h["X-Lease-Epoch"] = String(renewed.epoch);
         h["X-Lease-Token"] = renewed.token;
         outcome = this.accepted(
-          await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch), renewed);
+          await this.sendOnce(method, path, body, h, opts.timeoutMs ?? this.timeoutMs, attempt, renewed.epoch, lease.name), renewed);
       }
       if (attempt >= attempts || !shouldRetry(outcome, key !== null)) {
         if (opts.queued && outcome.kind === "delivered" && !outcome.replayed) {
@@ -488,18 +500,23 @@ export class GatewayClient {
 
   private async sendOnce(
     method: string, path: string, body: string | Uint8Array | undefined, headers: Record<string, string>,
-    timeoutMs: number, attempt: number, epoch: number,
+    timeoutMs: number, attempt: number, epoch: number, lease: string,
   ): Promise<Outcome> {
+    const hinted = this.followOwner ? this.owners.get(lease) : undefined;
     let res: Response;
     try {
-      res = await this.fetch(this.base + path, {
+      res = await this.fetch(this.target(hinted) + path, {
         method, headers, body, redirect: "manual", signal: AbortSignal.timeout(timeoutMs),
       });
     } catch (e) {
       const cause = (e as { cause?: { code?: string } }).cause;
       const sent = !(cause?.code !== undefined && NOT_SENT_CODES.has(cause.code));
+      // The named owner cannot be reached: the base URL again (its member
+      // relays the request to whoever owns the lease now).
+      if (!sent && hinted !== undefined) this.owners.delete(lease);
       return noResponse(attempt, sent ? epoch : null, describe(e), sent);
     }
+    this.noteOwner(lease, res.headers.get("x-fencegate-owner"));
     let payload: Uint8Array;
     try {
       payload = new Uint8Array(await res.arrayBuffer());
@@ -507,6 +524,26 @@ export class GatewayClient {
       return noResponse(attempt, epoch, describe(e), true);
     }
     return parseOutcome(res.status, res.headers, payload, attempt, epoch);
+  }
+
+  /** The base URL, or with the named owner's scheme, host and port (the path stays). */
+  private target(owner: string | undefined): string {
+    if (owner === undefined) return this.base;
+    const u = new URL(this.base);
+    return owner + u.pathname.replace(/\/+$/, "");
+  }
+
+  /** Keeps the owner a cluster named (SPEC §10.2); anything but an http(s) URL is ignored. */
+  private noteOwner(lease: string, owner: string | null): void {
+    if (!this.followOwner || !owner) return;
+    let u: URL;
+    try {
+      u = new URL(owner);
+    } catch {
+      return;
+    }
+    if (u.protocol !== "http:" && u.protocol !== "https:") return;
+    this.owners.set(lease, u.origin);
   }
 }
 

@@ -8,6 +8,7 @@ import { after } from "node:test";
 import { stopKit } from "./kit";
 import "./lease";
 import "./outcomes";
+import "./owner";
 import "./queued";
 import "./scenarios";
 

@@ -375,7 +375,7 @@ class GatewayClient:
 
     def __init__(self, base_url: str, timeout: float = 30.0, max_attempts: int = 5,
                  backoff: float = 0.2, max_retry_wait: float = 30.0,
-                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
+                 ssl_context: Optional[ssl.SSLContext] = None, follow_owner: bool = True) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"base_url {base_url!r}: want http(s)://host[:port][/path]")
@@ -387,6 +387,10 @@ class GatewayClient:
         self.timeout, self.max_attempts = timeout, max_attempts
         self.backoff, self.max_retry_wait = backoff, max_retry_wait
         self._ssl = ssl_context
+        # SPEC §10.2: per lease, the owner a cluster named in its last answer
+        # (X-Fencegate-Owner): (https, host, port). The path stays the base's.
+        self.follow_owner = follow_owner
+        self._owners: Dict[str, Tuple[bool, str, int]] = {}
 
     @staticmethod
     def _renewed_past(holder: Union[Tenure, Lease], sent: Lease, outcome: Outcome) -> Optional[Lease]:
@@ -447,7 +451,8 @@ class GatewayClient:
             if key is not None:
                 h["Idempotency-Key"] = key
             outcome = self._accepted(
-                self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch), lease)
+                self._send_once(method, path, data, h, timeout or self.timeout, attempt, lease.epoch,
+                                lease.name), lease)
             renewed = self._renewed_past(holder, lease, outcome)
             if renewed is not None:
                 # Refused at admission (nothing was forwarded) because this
@@ -456,7 +461,8 @@ class GatewayClient:
                 h["X-Lease-Epoch"] = str(renewed.epoch)
                 h["X-Lease-Token"] = renewed.token
                 outcome = self._accepted(
-                    self._send_once(method, path, data, h, timeout or self.timeout, attempt, renewed.epoch),
+                    self._send_once(method, path, data, h, timeout or self.timeout, attempt, renewed.epoch,
+                                    lease.name),
                     renewed)
             if attempt == attempts or not self._retry(outcome, key is not None):
                 if queued and isinstance(outcome, Delivered) and not outcome.replayed:
@@ -616,15 +622,33 @@ class GatewayClient:
             conn.close()
 
     def _send_once(self, method: str, path: str, data: Optional[bytes], headers: Dict[str, str],
-                   timeout: float, attempt: int, epoch: int) -> Outcome:
+                   timeout: float, attempt: int, epoch: int, lease: str) -> Outcome:
+        hinted = self._owners.get(lease) if self.follow_owner else None
+        https, host, port = hinted or (self._https, self._host, self._port)
         try:
-            status, hdrs, payload = self._exchange(self._https, self._host, self._port, method,
+            status, hdrs, payload = self._exchange(https, host, port, method,
                                                    self._base_path + path, data, headers, timeout)
         except _NotConnected as e:
+            if hinted is not None:
+                # The named owner cannot be reached: the base URL again (its
+                # member relays the request to whoever owns the lease now).
+                self._owners.pop(lease, None)
             return NoResponse(0, {}, b"", None, attempt, None, error=f"connect: {e.cause}", sent=False)
         except (OSError, http.client.HTTPException) as e:
             return NoResponse(0, {}, b"", None, attempt, epoch, error=f"{type(e).__name__}: {e}", sent=True)
+        self._note_owner(lease, hdrs.get("x-fencegate-owner"))
         return parse_outcome(status, hdrs, payload, attempt, epoch)
+
+    def _note_owner(self, lease: str, owner: Optional[str]) -> None:
+        """Keeps the owner a cluster named (SPEC §10.2) for the lease's next
+        request; anything that is not an http(s) URL is ignored."""
+        if not owner or not self.follow_owner:
+            return
+        u = urlsplit(owner)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            return
+        https = u.scheme == "https"
+        self._owners[lease] = (https, u.hostname, u.port or (443 if https else 80))
 
 
 class _NotConnected(OSError):

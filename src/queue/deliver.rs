@@ -404,6 +404,14 @@ async fn attempt(
         return Ok(());
     };
     let edit = q.edits.lock().await;
+    // Paused since the deliverer looked (it may have waited for its place
+    // in the upstream budget, or a checkpoint): not started. Checked under
+    // `edits`, which a pause holds while it takes effect (`Queue::set_paused`):
+    // a pause answered before this point holds the message; one answered
+    // after finds it written as started — out when the pause landed.
+    if q.holds(&m.lease, &m.route) {
+        return Ok(());
+    }
     // An operator may have changed it since it was read as the head.
     match q.store.get(&m.route, &m.key).await? {
         Some(now)

@@ -156,6 +156,10 @@ pub struct Queue {
     /// this instance's admin API, and read again each second on PostgreSQL
     /// (another member's admin API may have written them).
     paused: std::sync::RwLock<pause::Paused>,
+    /// Held from a read of the pauses to its write into `paused`: a
+    /// background read that began before a pause's write cannot put back
+    /// what it read after the pause took effect.
+    pauses_read: tokio::sync::Mutex<()>,
     /// When this process started (ms): a message it accepted was sent by
     /// no copy, so a restored state's fence need not count it unknown.
     started_ms: u64,
@@ -179,6 +183,7 @@ impl Queue {
             fenced: Mutex::new(Default::default()),
             sent: Mutex::new(HashMap::new()),
             paused: std::sync::RwLock::new(pause::Paused::default()),
+            pauses_read: tokio::sync::Mutex::new(()),
             started_ms: ms(ctx.clock.now()),
             ctx,
         })
@@ -342,6 +347,7 @@ impl Queue {
 
     /// Reads the pauses from the state (another member may have written them).
     async fn read_pauses(&self) -> Result<(), StateError> {
+        let _one = self.pauses_read.lock().await;
         let p = self.store.paused().await?;
         *self.paused.write().unwrap_or_else(|e| e.into_inner()) = p;
         Ok(())
@@ -357,7 +363,15 @@ impl Queue {
     ) -> Result<Option<u64>, StateError> {
         let since = on.then(|| ms(self.ctx.clock.now()));
         self.store.set_paused(what, since).await?;
-        self.read_pauses().await?;
+        {
+            // Takes effect under `edits`: an attempt is written as started
+            // either before (it was out when the pause landed) or after,
+            // and then it sees the pause (`deliver::attempt`).
+            let _one = self.pauses_read.lock().await;
+            let _edit = self.edits.lock().await;
+            let p = self.store.paused().await?;
+            *self.paused.write().unwrap_or_else(|e| e.into_inner()) = p;
+        }
         if !on {
             match what {
                 pause::Pausable::Lease(l) => self.wake(l),

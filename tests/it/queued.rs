@@ -1657,3 +1657,72 @@ async fn a_pause_holds_across_a_restart_and_resume_delivers_in_order_on_postgres
     }
     a_pause_holds_across_a_restart_and_resume_delivers_in_order(Backend::Postgres).await;
 }
+
+/// SPEC §11: a pause holds at once on the instance that was asked. An
+/// attempt that passed the deliverer's pause check but waits for a place in
+/// the upstream budget (SPEC §9 "Limits") is not yet written as started when
+/// the pause is answered 200; once a place frees it must not be sent (found by
+/// review: it was). Another lease's message, accepted after the places free,
+/// shows the deliverers are going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_holds_an_attempt_waiting_for_the_upstream_budget() {
+    skip_without_python!();
+    const NOFILE: u64 = 400;
+    fencegate::budget::Nofile::raise();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let mut fg = Fencegate::unstarted(
+        "127.0.0.1:0",
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!(
+            "{}{}",
+            s3.store_toml(200),
+            pause_routes(&origin.url("/v1/"))
+        ),
+        &[],
+    );
+    fg.nofile = Some(NOFILE);
+    fg.spawn(None).expect("fencegate did not start");
+    let cfg = fencegate::config::Config::load(&fg.config).unwrap();
+    let upstream = fencegate::budget::Budget::derive(&cfg, NOFILE)
+        .unwrap()
+        .upstream_requests;
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "worker-a", Duration::from_secs(120)).await;
+    let b = acquire(&epochs, "other", "worker-b", Duration::from_secs(120)).await;
+    let p = acquire(&epochs, "plain", "worker-p", Duration::from_secs(120)).await;
+    // Every place of the upstream share is taken by a direct request held at
+    // the destination.
+    let mut held = Vec::new();
+    for i in 0..upstream {
+        let req = worker_req(&fg.url(&format!("/plain/fill{i}")), p.epoch.get(), &p.token)
+            .header("x-test-hold", "fill")
+            .body(body("fill"))
+            .unwrap();
+        held.push(tokio::spawn(send(req)));
+    }
+    origin.wait_for(upstream).await;
+    // m1's deliverer finds hook not paused and waits for a place. (Given time
+    // to get there; were it not there yet, the pause would hold it anyway.)
+    accepted(&send(keyed(&fg, "/hook/e", &a, "m1", "m1")).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = admin_post(&fg, "/v1/routes/hook/pause").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let after = status_of(&fg, "m1").await;
+    assert_eq!(after["status"], "pending", "{after}");
+    assert_eq!(after["attempts"], 0, "{after}");
+    origin.release("fill");
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    accepted(&send(keyed(&fg, "/other/e", &b, "o1", "o1")).await);
+    origin
+        .wait_until("o1", |log| log.iter().any(|x| x.body == "o1"))
+        .await;
+    assert!(
+        !arrived(&origin).contains(&"m1".to_owned()),
+        "m1 reached the destination after its route's pause was answered 200: {}",
+        status_of(&fg, "m1").await
+    );
+    assert_eq!(status_of(&fg, "m1").await["attempts"], 0);
+}

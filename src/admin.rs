@@ -81,6 +81,12 @@ enum Endpoint<'a> {
     RoutePause(&'a str, bool),
     /// Pause (`true`) or resume a lease's deliveries.
     LeasePause(&'a str, bool),
+    /// Make a bulk job (`retry` or `drop`).
+    JobCreate(&'a str),
+    /// The bulk jobs.
+    Jobs,
+    /// One bulk job.
+    Job(&'a str),
 }
 
 /// This API's OpenAPI 3.1 description, `GET /v1/openapi.json`: the
@@ -109,6 +115,10 @@ const INDEX: &[(&str, &str, &str)] = &[
     ("POST", "/v1/routes/{route}/resume", "resume a queued route's deliveries (admin token)"),
     ("POST", "/v1/leases/{lease}/pause", "pause a lease's queued deliveries, whatever their route (admin token)"),
     ("POST", "/v1/leases/{lease}/resume", "resume a lease's queued deliveries (admin token)"),
+    ("POST", "/v1/delivery-jobs/retry?[route=R][&lease=L][&since=T][&until=T][&by=B]", "retry every failed message matching, in the background: 202 and the job (admin token)"),
+    ("POST", "/v1/delivery-jobs/drop?status=pending|failed[&route=R][&lease=L][&since=T][&until=T][&by=B]", "drop every message matching, in the background: 202 and the job (admin token)"),
+    ("GET", "/v1/delivery-jobs", "bulk jobs, newest first, with their progress (admin token)"),
+    ("GET", "/v1/delivery-jobs/{id}", "one bulk job (admin token)"),
     ("POST", "/login", "the operator page's login form"),
     ("POST", "/logout", "ends the operator page's session"),
 ];
@@ -139,6 +149,9 @@ impl<'a> Endpoint<'a> {
             ["v1", "routes", route, "resume"] => Endpoint::RoutePause(route, false),
             ["v1", "leases", lease, "pause"] => Endpoint::LeasePause(lease, true),
             ["v1", "leases", lease, "resume"] => Endpoint::LeasePause(lease, false),
+            ["v1", "delivery-jobs"] => Endpoint::Jobs,
+            ["v1", "delivery-jobs", action @ ("retry" | "drop")] => Endpoint::JobCreate(action),
+            ["v1", "delivery-jobs", id] => Endpoint::Job(id),
             _ => return None,
         })
     }
@@ -151,6 +164,7 @@ impl<'a> Endpoint<'a> {
             | Endpoint::DeliveryDrop(..)
             | Endpoint::RoutePause(..)
             | Endpoint::LeasePause(..)
+            | Endpoint::JobCreate(..)
             | Endpoint::Login
             | Endpoint::Logout => Method::POST,
             _ => Method::GET,
@@ -379,6 +393,19 @@ impl Admin {
                     _ => crate::queue::pause::Pausable::Lease(name),
                 };
                 self.pause(what, on).await?
+            }
+            Endpoint::JobCreate(action) => {
+                self.authorize(&req)?;
+                self.job_create(action, req.uri().query().unwrap_or(""))
+                    .await?
+            }
+            Endpoint::Jobs => {
+                self.authorize(&req)?;
+                self.jobs().await?
+            }
+            Endpoint::Job(id) => {
+                self.authorize(&req)?;
+                self.job(id).await?
             }
             Endpoint::Login => self.login(req).await?,
             Endpoint::Logout => {

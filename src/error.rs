@@ -226,6 +226,8 @@ pub(crate) enum AdminError {
     RouteNotQueued(String),
     #[error("no queued route uses lease {0:?}")]
     LeaseNotFound(String),
+    #[error("no bulk job has this id")]
+    JobNotFound,
     #[error("the dedup key is malformed ({0})")]
     DedupKeyMalformed(&'static str),
     #[error("no record for that key")]
@@ -262,6 +264,7 @@ impl AdminError {
             E::RouteNotFound(_) => (StatusCode::NOT_FOUND, "route_not_found"),
             E::RouteNotQueued(_) => (StatusCode::CONFLICT, "route_not_queued"),
             E::LeaseNotFound(_) => (StatusCode::NOT_FOUND, "lease_not_found"),
+            E::JobNotFound => (StatusCode::NOT_FOUND, "delivery_job_not_found"),
             E::DedupKeyMalformed(_) => (StatusCode::BAD_REQUEST, "dedup_key_malformed"),
             E::RecordNotFound => (StatusCode::NOT_FOUND, "dedup_record_not_found"),
             E::NotInDoubt(_) => (StatusCode::CONFLICT, "dedup_not_in_doubt"),

@@ -13,6 +13,7 @@ use super::{form, form_field, html, json_response, see_other, Admin};
 use crate::dedup::ms_to_system;
 use crate::error::AdminError;
 use crate::proxy::queued::view;
+use crate::queue::job::{Job, JobAction, JobFilter, REFUSED_LISTED};
 use crate::queue::pause::Pausable;
 use crate::queue::{Edit, ListedBy, Listing, Message, Queue, Status};
 use crate::state::StateError;
@@ -177,6 +178,71 @@ impl Admin {
         ))
     }
 
+    /// `POST /v1/delivery-jobs/retry|drop?{filter}` (SPEC §11, recovering in
+    /// bulk): the job is written, answered `202`, and progressed in the
+    /// background. A retry takes failed messages (`status` absent or
+    /// `failed`); a drop names `status` (`pending` or `failed`).
+    pub(super) async fn job_create(
+        &self,
+        action: &str,
+        query: &str,
+    ) -> Result<Response<Full<Bytes>>, AdminError> {
+        let l = self.listing_of(query, false)?;
+        let (action, status) = match (action, l.status) {
+            ("retry", None | Some(Status::Failed)) => (JobAction::Retry, Status::Failed),
+            ("retry", _) => {
+                return Err(AdminError::BadRequest(
+                    "a bulk retry takes failed messages: status absent or failed",
+                ))
+            }
+            ("drop", Some(s @ (Status::Pending | Status::Failed))) => (JobAction::Drop, s),
+            _ => {
+                return Err(AdminError::BadRequest(
+                    "a bulk drop names status=pending or status=failed",
+                ))
+            }
+        };
+        let filter = JobFilter {
+            route: l.route,
+            lease: l.lease,
+            status: status.as_str().to_owned(),
+            since_ms: l.since_ms,
+            until_ms: l.until_ms,
+            by_updated: l.by == ListedBy::Updated,
+        };
+        let job = self.queue()?.start_job(action, filter).await?;
+        tracing::info!(
+            job = job.id,
+            action = action.as_str(),
+            matched = job.matched,
+            "operator started a bulk job"
+        );
+        Ok(json_response(StatusCode::ACCEPTED, job_view(&job)))
+    }
+
+    /// `GET /v1/delivery-jobs`: newest first.
+    pub(super) async fn jobs(&self) -> Result<Response<Full<Bytes>>, AdminError> {
+        let jobs = match &self.shared.queue {
+            Some(q) => q.store.jobs().await?,
+            None => Vec::new(),
+        };
+        let jobs: Vec<_> = jobs.iter().map(job_view).collect();
+        Ok(json_response(StatusCode::OK, json!({ "jobs": jobs })))
+    }
+
+    /// `GET /v1/delivery-jobs/{id}`.
+    pub(super) async fn job(&self, id: &str) -> Result<Response<Full<Bytes>>, AdminError> {
+        let jobs = match &self.shared.queue {
+            Some(q) => q.store.jobs().await?,
+            None => Vec::new(),
+        };
+        let job = jobs
+            .iter()
+            .find(|j| j.id == id)
+            .ok_or(AdminError::JobNotFound)?;
+        Ok(json_response(StatusCode::OK, job_view(job)))
+    }
+
     fn queue(&self) -> Result<&std::sync::Arc<Queue>, AdminError> {
         self.shared
             .queue
@@ -184,14 +250,10 @@ impl Admin {
             .ok_or(AdminError::Delivery(Edit::NotFound))
     }
 
-    /// `GET /v1/deliveries[?route=R][&lease=L][&status=S][&since=T][&until=T]
-    /// [&by=accepted|updated][&after=CURSOR][&limit=N]`: by route then key;
-    /// `next` is the cursor of the page after this one (null at the end).
-    pub(super) async fn deliveries<B>(
-        &self,
-        req: &Request<B>,
-    ) -> Result<Response<Full<Bytes>>, AdminError> {
-        self.authorize(req)?;
+    /// The listing's filters from a query string (SPEC §11 `GET
+    /// /v1/deliveries`); `paged`: `after` and `limit` too (a bulk job's
+    /// filter takes neither).
+    fn listing_of(&self, query: &str, paged: bool) -> Result<Listing, AdminError> {
         let mut l = Listing {
             limit: 100,
             ..Listing::default()
@@ -205,7 +267,7 @@ impl Admin {
                     "since and until are RFC 3339 times, e.g. 2026-12-07T10:00:00Z",
                 ))
         };
-        for (name, value) in form::query_pairs(req.uri().query().unwrap_or("")) {
+        for (name, value) in form::query_pairs(query) {
             match name.as_str() {
                 "route" => {
                     if !self.shared.has_route(&value) {
@@ -240,7 +302,7 @@ impl Admin {
                         }
                     }
                 }
-                "after" => {
+                "after" if paged => {
                     // The `next` of the page before: `{route}/{key}`.
                     let (route, key) = value
                         .split_once('/')
@@ -250,20 +312,37 @@ impl Admin {
                         ))?;
                     l.after = Some((route.to_owned(), key.to_owned()));
                 }
-                "limit" => {
+                "limit" if paged => {
                     l.limit = value
                         .parse()
                         .ok()
                         .filter(|n| (1..=1000).contains(n))
                         .ok_or(AdminError::BadRequest("limit must be 1 to 1000"))?
                 }
-                _ => {
+                _ if paged => {
                     return Err(AdminError::BadRequest(
                         "unknown parameter: the listing takes route, lease, status, since, until, by, after and limit",
                     ))
                 }
+                _ => {
+                    return Err(AdminError::BadRequest(
+                        "unknown parameter: a bulk job takes route, lease, status, since, until and by",
+                    ))
+                }
             }
         }
+        Ok(l)
+    }
+
+    /// `GET /v1/deliveries[?route=R][&lease=L][&status=S][&since=T][&until=T]
+    /// [&by=accepted|updated][&after=CURSOR][&limit=N]`: by route then key;
+    /// `next` is the cursor of the page after this one (null at the end).
+    pub(super) async fn deliveries<B>(
+        &self,
+        req: &Request<B>,
+    ) -> Result<Response<Full<Bytes>>, AdminError> {
+        self.authorize(req)?;
+        let l = self.listing_of(req.uri().query().unwrap_or(""), true)?;
         let (messages, total) = match &self.shared.queue {
             None => (Vec::new(), 0),
             Some(q) => {
@@ -426,4 +505,27 @@ impl Admin {
     pub(super) fn delivery_notice(q: &[(String, String)]) -> Option<Notice> {
         notice_of(q)
     }
+}
+
+/// A bulk job as the admin API shows it.
+fn job_view(j: &Job) -> serde_json::Value {
+    let time = |ms: u64| crate::clock::rfc3339(ms_to_system(ms));
+    let f = &j.filter;
+    json!({
+        "job": j.id,
+        "action": j.action.as_str(),
+        "route": f.route,
+        "lease": f.lease,
+        "status": f.status,
+        "since": f.since_ms.map(time),
+        "until": f.until_ms.map(time),
+        "by": if f.by_updated { "updated" } else { "accepted" },
+        "state": if j.finished { "finished" } else { "running" },
+        "matched": j.matched,
+        "done": j.done,
+        "refused": j.refused,
+        "refused_keys": j.refused_keys.iter().take(REFUSED_LISTED).collect::<Vec<_>>(),
+        "created_at": time(j.created_ms),
+        "updated_at": time(j.updated_ms),
+    })
 }

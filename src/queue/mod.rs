@@ -12,9 +12,11 @@
 //! lease's routes are all queued or all direct (config), so no direct request
 //! overtakes the queue either.
 
+mod bulk;
 mod deliver;
 mod edits;
 mod follow;
+pub mod job;
 pub mod message;
 pub(crate) mod metrics;
 pub mod pause;
@@ -160,6 +162,8 @@ pub struct Queue {
     /// background read that began before a pause's write cannot put back
     /// what it read after the pause took effect.
     pauses_read: tokio::sync::Mutex<()>,
+    /// Wakes the bulk jobs' runner (a job was made).
+    jobs_wake: Notify,
     /// When this process started (ms): a message it accepted was sent by
     /// no copy, so a restored state's fence need not count it unknown.
     started_ms: u64,
@@ -184,6 +188,7 @@ impl Queue {
             sent: Mutex::new(HashMap::new()),
             paused: std::sync::RwLock::new(pause::Paused::default()),
             pauses_read: tokio::sync::Mutex::new(()),
+            jobs_wake: Notify::new(),
             started_ms: ms(ctx.clock.now()),
             ctx,
         })
@@ -394,6 +399,8 @@ impl Queue {
         if self.store.depth_now().is_none() {
             tokio::spawn(self.clone().read_depth(Duration::from_secs(1)));
         }
+        // Bulk jobs left unfinished by a previous run go on (SPEC §11).
+        tokio::spawn(self.clone().run_jobs());
         Ok(leases.len())
     }
 

@@ -709,6 +709,78 @@ impl PgQueue {
         .await
     }
 
+    /// [`super::store::QueueStore::put_job`].
+    pub async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError> {
+        let id = job.id.clone();
+        let json = serde_json::to_string(job).map_err(|e| StateError::Write(e.to_string()))?;
+        self.db
+            .with("queue job", |c| async move {
+                c.execute(
+                    "INSERT INTO fencegate_queue_jobs (id, job) VALUES ($1, $2)",
+                    &[&id, &json],
+                )
+                .await
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// [`super::store::QueueStore::jobs`].
+    pub async fn jobs(&self) -> Result<Vec<super::job::Job>, StateError> {
+        let rows = self
+            .db
+            .with("queue read", |c| async move {
+                c.query("SELECT job FROM fencegate_queue_jobs", &[]).await
+            })
+            .await?;
+        let mut out: Vec<super::job::Job> = rows
+            .iter()
+            .filter_map(|r| serde_json::from_str(r.get::<_, &str>(0)).ok())
+            .collect();
+        out.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+        Ok(out)
+    }
+
+    /// [`super::store::QueueStore::job_progress`]: read, changed and written
+    /// in one transaction, the row locked (members may both progress a job).
+    pub async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError> {
+        let (id, delta) = (id.to_owned(), delta.clone());
+        let job = self
+            .db
+            .with("queue job", |c| async move {
+                let mut c = c;
+                let tx = c.transaction().await?;
+                let Some(row) = tx
+                    .query_opt(
+                        "SELECT job FROM fencegate_queue_jobs WHERE id = $1 FOR UPDATE",
+                        &[&id],
+                    )
+                    .await?
+                else {
+                    return Ok(None);
+                };
+                let Ok(mut job) = serde_json::from_str::<super::job::Job>(row.get::<_, &str>(0))
+                else {
+                    return Ok(None);
+                };
+                job.apply(&delta);
+                let json = serde_json::to_string(&job).unwrap_or_default();
+                tx.execute(
+                    "UPDATE fencegate_queue_jobs SET job = $2 WHERE id = $1",
+                    &[&id, &json],
+                )
+                .await?;
+                tx.commit().await?;
+                Ok(Some(job))
+            })
+            .await?;
+        Ok(job)
+    }
+
     /// [`super::store::QueueStore::paused`].
     pub async fn paused(&self) -> Result<super::pause::Paused, StateError> {
         let rows = self

@@ -72,6 +72,10 @@ pub struct SledQueue {
     restore_fences: sled::Tree,
     /// Pauses in force: `kind \0 name` → since (ms, big-endian).
     pauses: sled::Tree,
+    /// Bulk jobs: id → the job as JSON; and the lock a job's progress is
+    /// read, changed and written under.
+    jobs: sled::Tree,
+    jobs_lock: Mutex<()>,
     /// Orders acceptances: a sequence number is taken, and the pass checked,
     /// under it (a leaf lock; nothing is awaited under it).
     accepting: Mutex<()>,
@@ -123,6 +127,8 @@ impl SledQueue {
             sent: db.open_tree("queue_sent").map_err(db_err)?,
             restore_fences: db.open_tree("queue_restore_fenced").map_err(db_err)?,
             pauses: db.open_tree("queue_paused").map_err(db_err)?,
+            jobs: db.open_tree("queue_jobs").map_err(db_err)?,
+            jobs_lock: Mutex::new(()),
             sled,
             accepting: Mutex::new(()),
             waiting: Mutex::new(waiting),
@@ -522,6 +528,48 @@ impl SledQueue {
             .insert(lease.as_bytes(), &r.to_be_bytes()[..])
             .map_err(db_err)?;
         self.sled.commit().await
+    }
+
+    /// [`super::store::QueueStore::put_job`].
+    pub async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError> {
+        let json = serde_json::to_vec(job).map_err(|e| StateError::Write(e.to_string()))?;
+        self.jobs.insert(job.id.as_bytes(), json).map_err(db_err)?;
+        self.sled.commit().await
+    }
+
+    /// [`super::store::QueueStore::jobs`].
+    pub fn jobs(&self) -> Result<Vec<super::job::Job>, StateError> {
+        let mut out = Vec::new();
+        for item in self.jobs.iter() {
+            let (_, v) = item.map_err(db_err)?;
+            if let Ok(j) = serde_json::from_slice::<super::job::Job>(&v) {
+                out.push(j);
+            }
+        }
+        out.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+        Ok(out)
+    }
+
+    /// [`super::store::QueueStore::job_progress`].
+    pub async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError> {
+        let job = {
+            let _one = self.jobs_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(raw) = self.jobs.get(id.as_bytes()).map_err(db_err)? else {
+                return Ok(None);
+            };
+            let mut job: super::job::Job = serde_json::from_slice(&raw)
+                .map_err(|e| StateError::Write(format!("a bulk job cannot be read: {e}")))?;
+            job.apply(delta);
+            let json = serde_json::to_vec(&job).map_err(|e| StateError::Write(e.to_string()))?;
+            self.jobs.insert(id.as_bytes(), json).map_err(db_err)?;
+            job
+        };
+        self.sled.commit().await?;
+        Ok(Some(job))
     }
 
     /// [`super::store::QueueStore::paused`].

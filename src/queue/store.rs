@@ -170,6 +170,20 @@ pub trait QueueStore: Send + Sync + 'static {
     /// Removes settled messages last changed before `before_ms`; how many.
     async fn sweep(&self, before_ms: u64) -> Result<usize, StateError>;
 
+    /// Writes a new bulk job (SPEC §11, recovering in bulk). Durable on return.
+    async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError>;
+
+    /// Every bulk job kept, newest first.
+    async fn jobs(&self) -> Result<Vec<super::job::Job>, StateError>;
+
+    /// Applies `delta` to job `id` atomically (members of a cluster may both
+    /// progress it); the job after, if it exists. Durable on return.
+    async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError>;
+
     /// The pauses in force (SPEC §11, pause and resume).
     async fn paused(&self) -> Result<super::pause::Paused, StateError>;
 
@@ -292,6 +306,22 @@ impl QueueStore for SledQueue {
         r: u64,
     ) -> Result<(), StateError> {
         SledQueue::mark_restore_fenced(self, lease, r).await
+    }
+
+    async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError> {
+        SledQueue::put_job(self, job).await
+    }
+
+    async fn jobs(&self) -> Result<Vec<super::job::Job>, StateError> {
+        SledQueue::jobs(self)
+    }
+
+    async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError> {
+        SledQueue::job_progress(self, id, delta).await
     }
 
     async fn paused(&self) -> Result<super::pause::Paused, StateError> {
@@ -427,6 +457,22 @@ impl QueueStore for PgQueue {
         r: u64,
     ) -> Result<(), StateError> {
         PgQueue::mark_restore_fenced(self, owner, lease, r).await
+    }
+
+    async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError> {
+        PgQueue::put_job(self, job).await
+    }
+
+    async fn jobs(&self) -> Result<Vec<super::job::Job>, StateError> {
+        PgQueue::jobs(self).await
+    }
+
+    async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError> {
+        PgQueue::job_progress(self, id, delta).await
     }
 
     async fn paused(&self) -> Result<super::pause::Paused, StateError> {

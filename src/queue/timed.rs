@@ -169,6 +169,23 @@ impl QueueStore for TimedQueue {
         .await
     }
 
+    async fn put_job(&self, job: &super::job::Job) -> Result<(), StateError> {
+        self.timed(Op::QueueWrite, self.inner.put_job(job)).await
+    }
+
+    async fn jobs(&self) -> Result<Vec<super::job::Job>, StateError> {
+        self.timed(Op::QueueRead, self.inner.jobs()).await
+    }
+
+    async fn job_progress(
+        &self,
+        id: &str,
+        delta: &super::job::JobDelta,
+    ) -> Result<Option<super::job::Job>, StateError> {
+        self.timed(Op::QueueWrite, self.inner.job_progress(id, delta))
+            .await
+    }
+
     async fn paused(&self) -> Result<super::pause::Paused, StateError> {
         self.timed(Op::QueueRead, self.inner.paused()).await
     }

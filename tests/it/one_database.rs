@@ -613,7 +613,7 @@ async fn a_refused_instance_leaves_an_older_database_as_it_was() {
     s.terminate();
     pg.psql(
         db_name,
-        "DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused; UPDATE fencegate_schema SET version = 7",
+        "DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 7",
     );
     let prod = Env {
         cluster: None,

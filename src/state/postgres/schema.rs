@@ -170,12 +170,18 @@ const MIGRATIONS: &[&str] = &[
     // identity and generations; [`crate::queue::Queue::fence_if_restored`]).
     "ALTER TABLE fencegate_queue_leases ADD COLUMN restore_fenced bigint NOT NULL DEFAULT 0;",
     // 11 → 12: an operator's pauses of a queued route or a lease (SPEC §11,
-    // pause and resume), read by whichever member serves the lease.
+    // pause and resume), read by whichever member serves the lease; and bulk
+    // jobs (recovering in bulk), progressed by whichever members serve the
+    // leases they edit.
     "CREATE TABLE fencegate_queue_paused (
         kind text NOT NULL,
         name text NOT NULL,
         since_ms bigint NOT NULL,
         PRIMARY KEY (kind, name)
+    );
+    CREATE TABLE fencegate_queue_jobs (
+        id text PRIMARY KEY,
+        job text NOT NULL
     );",
 ];
 

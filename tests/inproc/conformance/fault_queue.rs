@@ -181,6 +181,22 @@ impl QueueStore for FaultQueue {
         self.inner.mark_restore_fenced(owner, lease, r).await
     }
 
+    async fn put_job(&self, job: &fencegate::queue::job::Job) -> Result<(), StateError> {
+        self.inner.put_job(job).await
+    }
+
+    async fn jobs(&self) -> Result<Vec<fencegate::queue::job::Job>, StateError> {
+        self.inner.jobs().await
+    }
+
+    async fn job_progress(
+        &self,
+        id: &str,
+        delta: &fencegate::queue::job::JobDelta,
+    ) -> Result<Option<fencegate::queue::job::Job>, StateError> {
+        self.inner.job_progress(id, delta).await
+    }
+
     async fn paused(&self) -> Result<fencegate::queue::pause::Paused, StateError> {
         self.inner.paused().await
     }

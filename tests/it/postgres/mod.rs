@@ -1541,7 +1541,7 @@ async fn schema_1_records_survive_the_migration_to_2() {
          DROP TRIGGER fencegate_owners_kept ON fencegate_owners; \
          DROP TRIGGER fencegate_owners_not_truncated ON fencegate_owners; \
          DROP FUNCTION fencegate_owners_kept(); \
-         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused; UPDATE fencegate_schema SET version = 1; \
+         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 1; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \
          VALUES ('pay', 'old', 0, 2, decode(repeat('07', 32), 'hex'), \
@@ -1621,7 +1621,7 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
          DROP TRIGGER fencegate_owners_not_truncated ON fencegate_owners; \
          DROP FUNCTION fencegate_owners_kept(); \
          ALTER TABLE fencegate_members DROP COLUMN beats; \
-         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused; UPDATE fencegate_schema SET version = 3; \
+         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 3; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms) \
          VALUES ('pay', 'late', 0, 1, decode(repeat('07', 32), 'hex'), \
@@ -1677,7 +1677,7 @@ async fn schema_is_created_once_and_kept() {
     assert_eq!(schema_version(pg, &db), current());
     assert_eq!(
         fencegate_tables(pg, &db),
-        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_queue,fencegate_queue_leases,fencegate_queue_paused,fencegate_schema,fencegate_set_up"
+        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_queue,fencegate_queue_jobs,fencegate_queue_leases,fencegate_queue_paused,fencegate_schema,fencegate_set_up"
     );
     let lease = LeaseName::parse("billing").unwrap();
     first
@@ -1714,7 +1714,7 @@ async fn schema_is_created_once_and_kept() {
     assert_eq!(schema_version(pg, &db3), current());
     assert_eq!(
         fencegate_tables(pg, &db3),
-        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_queue,fencegate_queue_leases,fencegate_queue_paused,fencegate_schema,fencegate_set_up"
+        "fencegate_dedup,fencegate_marks,fencegate_members,fencegate_owners,fencegate_queue,fencegate_queue_jobs,fencegate_queue_leases,fencegate_queue_paused,fencegate_schema,fencegate_set_up"
     );
 }
 

@@ -21,7 +21,7 @@ async fn schema_6_with_live_records_of_every_state_migrates_to_7() {
     pg.psql(
         &db,
         "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
-         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused; UPDATE fencegate_schema SET version = 6; \
+         DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 6; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms, status, headers, body, claim) \
          SELECT 'pay', 'v6-' || s || '-' || i, 0, s, decode(repeat('01', 32), 'hex'), \

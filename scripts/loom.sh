@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Model-checks the gate's state machine (src/gate.rs, `Core`) with loom: every
+# Model-checks the gate's state machine (src/gate/core.rs, `Core`) with loom: every
 # interleaving of a request at epoch e, a raise to e', a drain abort and a late
 # request. Builds into its own target dir so the normal build cache is untouched.
 set -euo pipefail

@@ -395,9 +395,17 @@ impl Admin {
                 self.pause(what, on).await?
             }
             Endpoint::JobCreate(action) => {
-                self.authorize(&req)?;
-                self.job_create(action, req.uri().query().unwrap_or(""))
-                    .await?
+                let (action, query) = (
+                    action.to_owned(),
+                    req.uri().query().unwrap_or("").to_owned(),
+                );
+                // As for a resolve: the page's form carries no Authorization.
+                if req.headers().contains_key(header::AUTHORIZATION) || !is_form(req.headers()) {
+                    self.authorize(&req)?;
+                    self.job_create(&action, &query).await?
+                } else {
+                    self.job_form(req, &action, &query).await
+                }
             }
             Endpoint::Jobs => {
                 self.authorize(&req)?;

@@ -8,7 +8,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use serde_json::json;
 
-use super::page::{self, MessageRow, Notice, QueuePanel, QueueRoute};
+use super::page::{self, JobRow, MessageRow, Notice, QueuePanel, QueueRoute};
 use super::{form, form_field, html, json_response, see_other, Admin};
 use crate::dedup::ms_to_system;
 use crate::error::AdminError;
@@ -90,12 +90,29 @@ async fn panel(
             last_error: m.last_error,
         })
         .collect();
+    let jobs = q
+        .store
+        .jobs()
+        .await?
+        .into_iter()
+        .take(5)
+        .map(|j| JobRow {
+            id: j.id,
+            action: j.action.as_str(),
+            route: j.filter.route,
+            state: if j.finished { "finished" } else { "running" },
+            matched: j.matched,
+            done: j.done,
+            refused: j.refused,
+        })
+        .collect();
     Ok(QueuePanel {
         routes: figures,
         messages,
         messages_total: total,
         offset,
         error: None,
+        jobs,
     })
 }
 
@@ -105,6 +122,17 @@ async fn panel(
 /// `not_found`, `not_served`). The words are the program's; only route and key come from
 /// the query.
 fn notice_of(q: &[(String, String)]) -> Option<Notice> {
+    if let (Some(id), Some(matched)) = (form_field(q, "job"), form_field(q, "matched")) {
+        let matched: u64 = matched.parse().ok()?;
+        let id: String = id
+            .chars()
+            .filter(char::is_ascii_hexdigit)
+            .take(32)
+            .collect();
+        return Some(Notice::done(format!(
+            "Bulk retry {id} started: {matched} failed messages, each back to the end of its lease's queue, in order. It goes on in the background (Bulk jobs, below)."
+        )));
+    }
     let (what, route, key) = (
         form_field(q, "delivery")?,
         form_field(q, "route")?,
@@ -187,6 +215,12 @@ impl Admin {
         action: &str,
         query: &str,
     ) -> Result<Response<Full<Bytes>>, AdminError> {
+        let job = self.make_job(action, query).await?;
+        Ok(json_response(StatusCode::ACCEPTED, job_view(&job)))
+    }
+
+    /// A bulk job from its action and filter, written and started.
+    async fn make_job(&self, action: &str, query: &str) -> Result<Job, AdminError> {
         let l = self.listing_of(query, false)?;
         let (action, status) = match (action, l.status) {
             ("retry", None | Some(Status::Failed)) => (JobAction::Retry, Status::Failed),
@@ -217,7 +251,28 @@ impl Admin {
             matched = job.matched,
             "operator started a bulk job"
         );
-        Ok(json_response(StatusCode::ACCEPTED, job_view(&job)))
+        Ok(job)
+    }
+
+    /// The page's "Retry all" form ([`Admin::page_form`]'s checks): the job is
+    /// made as by the API, then a redirect back to the page with a notice.
+    pub(super) async fn job_form(
+        &self,
+        req: Request<Incoming>,
+        action: &str,
+        query: &str,
+    ) -> Response<Full<Bytes>> {
+        let made = async {
+            self.page_form(req).await?;
+            self.make_job(action, query).await
+        };
+        match made.await {
+            Ok(job) => see_other(&format!("/?job={}&matched={}#queued", job.id, job.matched)),
+            Err(e) => {
+                let (status, _) = e.status_and_code();
+                html(status, page::render_message("Not started", &e.to_string()))
+            }
+        }
     }
 
     /// `GET /v1/delivery-jobs`: newest first.

@@ -788,6 +788,36 @@ async fn the_queue_panel_lists_messages_and_retries_and_drops_them_from_the_page
     let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
     assert!(html.contains("Retried hook / m2"), "{html}");
     origin.wait_until("m2 again", |log| log.len() > sent).await;
+
+    // "Retry all" (a bulk job, SPEC §11) from the page: the same checks as
+    // every form of the page, then a notice and the job listed.
+    wait_for(&fg, "m2", "failed").await;
+    let retry_all = |csrf: Option<&str>| {
+        admin(&fg, "POST", "/v1/delivery-jobs/retry?route=hook")
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("origin", &me)
+            .header("cookie", &cookie)
+            .body(body(&csrf.map_or(String::new(), |t| format!("csrf={t}"))))
+            .unwrap()
+    };
+    // Without the form's token: refused, no job.
+    assert_eq!(send(retry_all(None)).await.status, 403);
+    let jobs = send(
+        admin(&fg, "GET", "/v1/delivery-jobs")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(jobs.json()["jobs"], serde_json::json!([]));
+    let r = send(retry_all(Some(&csrf))).await;
+    let html = text(&page_at(&fg, &follow(&r), Some(&cookie)).await);
+    assert!(html.contains("Bulk retry "), "{html}");
+    assert!(html.contains(r#"<tr class="job">"#), "{html}");
+    let sent = origin.count();
+    origin
+        .wait_until("m2 retried by the job", |log| log.len() > sent)
+        .await;
 }
 
 /// No queued route: nothing of queues on the page.

@@ -37,8 +37,8 @@ use leases::{expiry, leases_section};
 use queue::queue_section;
 use routes::routes_section;
 pub use view::{
-    Access, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, MessageRow, Notice, PageView,
-    QueuePanel, QueueRoute, RouteRow, ShardRow, StoreHealth, Tenure,
+    Access, JobRow, KeyDetail, KeyRecord, KeyRow, LeaseRow, MemberRow, MessageRow, Notice,
+    PageView, QueuePanel, QueueRoute, RouteRow, ShardRow, StoreHealth, Tenure,
 };
 
 /// Leases shown per page of the lease table.

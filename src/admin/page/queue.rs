@@ -51,10 +51,16 @@ pub(super) fn queue_section(out: &mut Html, v: &PageView, q: &QueuePanel) {
             esc(&r.route),
             esc(&r.lease),
             r.depth,
-            if r.failed > 0 {
-                html!(r#"<span class="bad">{}</span>"#, r.failed)
-            } else {
-                html!("{}", r.failed)
+            match (&v.access, r.failed) {
+                (_, 0) => html!("0"),
+                (Access::Resolve { csrf }, n) => html!(
+                    r#"<span class="bad">{}</span> <form class="inline" method="post" action="/v1/delivery-jobs/retry?route={}" data-confirm="Retry every failed message of {}? Each goes to the end of its lease's queue, in order."><input type="hidden" name="csrf" value="{}"><button class="del">Retry all</button></form>"#,
+                    n,
+                    esc(&form::encode(&r.route)),
+                    esc(&r.route),
+                    esc(csrf)
+                ),
+                (Access::ReadOnly, n) => html!(r#"<span class="bad">{}</span>"#, n),
             }
         );
         match r.oldest {
@@ -73,6 +79,23 @@ pub(super) fn queue_section(out: &mut Html, v: &PageView, q: &QueuePanel) {
         out.push_static("</td></tr>");
     }
     out.push_static("</tbody></table>");
+    if !q.jobs.is_empty() {
+        out.push_static("<h3>Bulk jobs</h3><table><thead><tr><th>job</th><th>action</th><th>route</th><th>state</th><th>matched</th><th>done</th><th>refused</th></tr></thead><tbody>");
+        for j in &q.jobs {
+            html!(
+                out,
+                r#"<tr class="job"><td data-label="job"><code>{}</code></td><td data-label="action">{}</td><td data-label="route">{}</td><td data-label="state">{}</td><td data-label="matched" class="n">{}</td><td data-label="done" class="n">{}</td><td data-label="refused" class="n">{}</td></tr>"#,
+                esc(&j.id),
+                esc(j.action),
+                opt(&j.route),
+                esc(j.state),
+                j.matched,
+                j.done,
+                j.refused
+            );
+        }
+        out.push_static("</tbody></table>");
+    }
     if q.messages.is_empty() {
         out.push_static(if q.offset == 0 {
             r#"<p class="ok">No message waits or failed.</p></section>"#

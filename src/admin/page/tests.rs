@@ -352,12 +352,36 @@ fn the_queue_panel_lists_messages_escaped_with_retry_and_drop() {
         messages_total: 3,
         offset: 0,
         error: None,
+        jobs: vec![JobRow {
+            id: "00ff".into(),
+            action: "retry",
+            route: Some("<i>hook</i>".into()),
+            state: "running",
+            matched: 7,
+            done: 3,
+            refused: 1,
+        }],
     };
     let html = render(&PageView {
         queue: Some(panel.clone()),
         access: Access::Resolve { csrf: "tok".into() },
         ..v.clone()
     });
+    // A route with failed messages has its "Retry all" (a bulk job), with
+    // the page's CSRF token; the jobs are listed, escaped.
+    assert!(
+        html.contains(r#"action="/v1/delivery-jobs/retry?route=hook""#)
+            && html.contains(r#"<button class="del">Retry all</button>"#),
+        "{html}"
+    );
+    let jobs = &html[html.find(r#"<tr class="job">"#).unwrap()..];
+    let jobs = &jobs[..jobs.find("</tr>").unwrap()];
+    assert!(
+        jobs.contains("<code>00ff</code>")
+            && jobs.contains("&lt;i&gt;hook&lt;/i&gt;")
+            && jobs.contains(r#"data-label="done" class="n">3<"#),
+        "{jobs}"
+    );
     assert!(!html.contains("<script>alert") && !html.contains("<b>no</b>"));
     let figures = &html[html.find(r#"<tr class="queue">"#).unwrap()..];
     let figures = &figures[..figures.find("</tr>").unwrap()];

@@ -236,6 +236,27 @@ pub struct QueuePanel {
     pub offset: usize,
     /// Why the queue could not be read, if it could not.
     pub error: Option<String>,
+    /// The latest bulk jobs (SPEC §11, recovering in bulk), newest first.
+    pub jobs: Vec<JobRow>,
+}
+
+/// A bulk job as the page lists it.
+#[derive(Debug, Clone)]
+pub struct JobRow {
+    /// Its id.
+    pub id: String,
+    /// `retry` or `drop`.
+    pub action: &'static str,
+    /// The route it is limited to, if any.
+    pub route: Option<String>,
+    /// `running` or `finished`.
+    pub state: &'static str,
+    /// Matched when it was made, edited, refused.
+    pub matched: u64,
+    /// Edited.
+    pub done: u64,
+    /// Refused (superseded by a newer epoch).
+    pub refused: u64,
 }
 
 /// A line about what the viewer just did.

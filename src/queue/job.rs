@@ -100,6 +100,11 @@ pub struct Job {
     pub updated_ms: u64,
 }
 
+/// Jobs as the API lists them: newest first (then by id, for a stable order).
+pub fn newest_first(jobs: &mut [Job]) {
+    jobs.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+}
+
 /// Progress of one pass over part of a job, applied to it atomically.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct JobDelta {

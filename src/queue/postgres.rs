@@ -737,7 +737,7 @@ impl PgQueue {
             .iter()
             .filter_map(|r| serde_json::from_str(r.get::<_, &str>(0)).ok())
             .collect();
-        out.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+        super::job::newest_first(&mut out);
         Ok(out)
     }
 

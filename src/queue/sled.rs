@@ -546,7 +546,7 @@ impl SledQueue {
                 out.push(j);
             }
         }
-        out.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(a.id.cmp(&b.id)));
+        super::job::newest_first(&mut out);
         Ok(out)
     }
 

@@ -83,6 +83,7 @@ impl Queue {
         let mut listing = job.filter.listing(PAGE);
         let mut left = 0u64;
         let mut here: Vec<Message> = Vec::new();
+        let live = self.ctx.live.current();
         loop {
             let (page, _) = self.store.list(&listing).await?;
             let full = page.len() == PAGE;
@@ -90,7 +91,17 @@ impl Queue {
                 listing.after = Some((last.route.clone(), last.key.clone()));
             }
             for m in page {
-                if refused.contains(&(m.route.as_str(), m.key.as_str())) {
+                // What matched when the job was made and has not changed
+                // since: an edited message is never edited again (retried, it
+                // may fail again), nor one that failed or was accepted later.
+                if m.updated_ms > job.created_ms
+                    || refused.contains(&(m.route.as_str(), m.key.as_str()))
+                {
+                    continue;
+                }
+                // A route no longer configured: its messages wait for it
+                // (SPEC §11), and the job does not.
+                if live.routes.get(&m.route).is_none_or(|r| !r.queued) {
                     continue;
                 }
                 left += 1;
@@ -102,6 +113,7 @@ impl Queue {
                 break;
             }
         }
+        drop(live);
         let now = || ms(self.ctx.clock.now());
         if left == 0 {
             self.store

@@ -1,14 +1,15 @@
 //! Recovering in bulk (SPEC §11): an operator's retry or drop of every message
-//! matching a filter, as one job kept in the state beside the messages. Each
+//! matching a filter when it is made, as one job kept in the state beside the messages. Each
 //! message is edited exactly as a single retry or drop edits it (so a retry
 //! goes to the end of its lease's queue, and one superseded by a newer epoch
 //! of its lease is refused); a lease's messages are edited in acceptance
 //! order, so those retried together keep it. The job is driven by the filter,
-//! not by a list taken at its start: an edited message no longer matches
-//! (a retried one is no longer `failed`, a dropped one is `dropped`), and the
-//! refused are kept with the job and passed over — so a job resumed after a
-//! restart, or by another member of a cluster, edits nothing twice. It is done
-//! once a pass finds nothing left to edit.
+//! not by a list taken at its start: it edits what matches and was last
+//! changed no later than the job was made — an edited message has changed
+//! since, and so has one failing or accepted later — and the refused are kept
+//! with the job and passed over; so a job resumed after a restart, or by
+//! another member of a cluster, edits nothing twice. It is done once a pass
+//! finds nothing left to edit.
 
 use serde::{Deserialize, Serialize};
 

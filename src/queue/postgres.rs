@@ -1046,11 +1046,20 @@ impl PgQueue {
         let n = self
             .db
             .with("queue sweep", |c| async move {
+                let n = c
+                    .execute(
+                        "DELETE FROM fencegate_queue WHERE settled AND updated_ms < $1",
+                        &[&before],
+                    )
+                    .await?;
+                // Finished bulk jobs are kept as long as settled messages.
                 c.execute(
-                    "DELETE FROM fencegate_queue WHERE settled AND updated_ms < $1",
+                    "DELETE FROM fencegate_queue_jobs WHERE (job::jsonb ->> 'finished')::boolean \
+                     AND (job::jsonb ->> 'updated_ms')::bigint < $1",
                     &[&before],
                 )
-                .await
+                .await?;
+                Ok(n)
             })
             .await?;
         Ok(usize::try_from(n).unwrap_or(usize::MAX))

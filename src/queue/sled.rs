@@ -680,7 +680,21 @@ impl SledQueue {
                 }
             }
         }
-        if gone > 0 {
+        // Finished bulk jobs are kept as long as settled messages.
+        let mut jobs_gone = 0;
+        {
+            let _one = self.jobs_lock.lock().unwrap_or_else(|p| p.into_inner());
+            for item in self.jobs.iter() {
+                let (k, v) = item.map_err(db_err)?;
+                let done = serde_json::from_slice::<super::job::Job>(&v)
+                    .is_ok_and(|j| j.finished && j.updated_ms < before_ms);
+                if done {
+                    self.jobs.remove(&k).map_err(db_err)?;
+                    jobs_gone += 1;
+                }
+            }
+        }
+        if gone > 0 || jobs_gone > 0 {
             self.sled.commit().await?;
         }
         Ok(gone)

@@ -1865,15 +1865,32 @@ async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order(backend: Backe
         .await;
     let got = arrived(&origin);
     for i in 0..9 {
-        let lease: Vec<&String> = got
+        let mut lease: Vec<&String> = got
             .iter()
             .filter(|b| b.starts_with(&format!("l{i}-")))
             .collect();
+        // The one repeat SPEC allows: an attempt out at the kill -9, sent
+        // again first after the restart and counted an unknown outcome.
+        let mut repeated = Vec::new();
+        lease.dedup_by(|b, a| {
+            let same = a == b;
+            if same {
+                repeated.push(a.to_string());
+            }
+            same
+        });
+        for key in repeated {
+            let v = fg.admin_json(&format!("/v1/deliveries/r{i}/{key}")).await;
+            assert!(
+                v["unknown_outcomes"].as_u64() >= Some(1),
+                "{key} sent twice: {v}"
+            );
+        }
         let want: Vec<String> = (0..PER_LEASE).map(|n| format!("l{i}-{n:03}")).collect();
         assert_eq!(
             lease,
             want.iter().collect::<Vec<_>>(),
-            "lease l{i}: each once, in order"
+            "lease l{i}: each once (an unknown outcome's repeat aside), in order"
         );
     }
     assert_eq!(
@@ -1883,7 +1900,6 @@ async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order(backend: Backe
         ["l9-newer"],
         "no older epoch of l9 after its newer one"
     );
-    assert_eq!(got.len(), 1 + 9 * PER_LEASE);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1899,4 +1915,184 @@ async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order_on_postgres() 
         return;
     }
     a_bulk_retry_after_an_outage_delivers_each_once_in_order(Backend::Postgres).await;
+}
+
+async fn jobs_list(fg: &Fencegate) -> serde_json::Value {
+    send(
+        Request::get(fg.admin_url("/v1/delivery-jobs"))
+            .header("authorization", format!("Bearer {ADMIN}"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await
+    .json()
+}
+
+async fn wait_job_finished(fg: &Fencegate, id: &str) -> serde_json::Value {
+    let mut job = serde_json::Value::Null;
+    for _ in 0..600 {
+        job = job_of(fg, id).await;
+        if job["state"] == "finished" {
+            return job;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("job {id} never finished: {job}");
+}
+
+/// A bulk retry edits each message once (found by review: a message the
+/// receiver refused for good was retried on every pass, about once a second,
+/// and the job never finished). It finishes once it has retried what matched
+/// when it was made; a message failing afterwards is not its business.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_retry_of_a_final_refusal_sends_it_once_and_finishes() {
+    skip_without_python!();
+    let Queued {
+        s3: _s3,
+        origin,
+        fg,
+        epochs: _e,
+        a,
+    } = Queued::start("retry = { schedule = [\"10ms\"] }").await;
+    accepted(&send(message(&fg, &a, "poison", "poison", 400)).await);
+    wait_status(&fg, "poison", |v| v["status"] == "failed").await;
+    let r = admin_post(&fg, "/v1/delivery-jobs/retry").await;
+    assert_eq!(r.status, 202);
+    let id = r.json()["job"].as_str().unwrap().to_owned();
+    let job = wait_job_finished(&fg, &id).await;
+    assert_eq!(
+        (job["matched"].as_u64(), job["done"].as_u64()),
+        (Some(1), Some(1)),
+        "{job}"
+    );
+    wait_status(&fg, "poison", |v| v["status"] == "failed").await;
+    accepted(&send(message(&fg, &a, "later", "later", 400)).await);
+    wait_status(&fg, "later", |v| v["status"] == "failed").await;
+    let count = |b: &str| origin.log().iter().filter(|x| x.body == b).count();
+    assert_eq!(
+        count("poison"),
+        2,
+        "the worker's attempt, then the job's one retry"
+    );
+    assert_eq!(count("later"), 1);
+    assert_eq!(job_of(&fg, &id).await["done"], 1);
+}
+
+/// Bad input to the jobs' endpoints is 4xx and makes no job (the review's matrix).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_to_the_bulk_jobs_is_4xx_and_makes_nothing() {
+    skip_without_python!();
+    let Queued {
+        s3: _s3,
+        origin: _o,
+        fg,
+        epochs: _e,
+        a: _a,
+    } = Queued::start("").await;
+    let mut bad = Vec::new();
+    for (method, path) in [
+        ("GET", "/v1/delivery-jobs/retry"),
+        ("PUT", "/v1/delivery-jobs/retry"),
+        ("DELETE", "/v1/delivery-jobs/drop"),
+        ("POST", "/v1/delivery-jobs"),
+        ("POST", "/v1/delivery-jobs/0123456789abcdef0123456789abcdef"),
+        ("GET", "/v1/delivery-jobs/zz"),
+        ("GET", "/v1/delivery-jobs/%00"),
+        ("GET", "/v1/delivery-jobs/a/b"),
+        ("POST", "/v1/delivery-jobs/retry?status=pending"),
+        ("POST", "/v1/delivery-jobs/retry?status=delivered"),
+        ("POST", "/v1/delivery-jobs/retry?status=bogus"),
+        ("POST", "/v1/delivery-jobs/retry?route=nope"),
+        ("POST", "/v1/delivery-jobs/retry?route="),
+        ("POST", "/v1/delivery-jobs/retry?route=%ff"),
+        ("POST", "/v1/delivery-jobs/retry?lease=UPPER"),
+        ("POST", "/v1/delivery-jobs/retry?lease=%00"),
+        ("POST", "/v1/delivery-jobs/retry?since=yesterday"),
+        ("POST", "/v1/delivery-jobs/retry?since=1960-01-01T00:00:00Z"),
+        (
+            "POST",
+            "/v1/delivery-jobs/retry?until=99999-01-01T00:00:00Z",
+        ),
+        ("POST", "/v1/delivery-jobs/retry?by=x"),
+        ("POST", "/v1/delivery-jobs/retry?after=hook/k"),
+        ("POST", "/v1/delivery-jobs/retry?limit=5"),
+        ("POST", "/v1/delivery-jobs/retry?foo=1"),
+        ("POST", "/v1/delivery-jobs/drop"),
+        ("POST", "/v1/delivery-jobs/drop?status=delivering"),
+        ("POST", "/v1/delivery-jobs/drop?status=dropped"),
+        ("POST", "/v1/delivery-jobs/drop?route=hook"),
+        ("POST", "/v1/delivery-jobs/Retry"),
+    ] {
+        let r = send(
+            Request::builder()
+                .method(method)
+                .uri(fg.admin_url(path))
+                .header("authorization", format!("Bearer {ADMIN}"))
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await;
+        if !(400..500).contains(&r.status.as_u16()) {
+            bad.push(format!("{method} {path} -> {}", r.status));
+        }
+    }
+    let r = send(
+        Request::post(fg.admin_url("/v1/delivery-jobs/drop?status=pending"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, 401);
+    assert!(bad.is_empty(), "{bad:?}");
+    assert_eq!(jobs_list(&fg).await["jobs"], serde_json::json!([]));
+}
+
+/// A bulk drop over a removed route's messages (kept until the route is back)
+/// finishes without them, and never drops what a worker sends after the job
+/// was made (found by review: it stayed running and dropped a message
+/// accepted 4 s after it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_drop_finishes_past_a_removed_route_and_spares_later_messages() {
+    skip_without_python!();
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let old = format!(
+        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
+    );
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!("{}{}{}", s3.store_toml(200), queued_route(&up, ""), old),
+        &[],
+    );
+    let epochs = s3.epochs().await;
+    let a = acquire(&epochs, "hook", "w", Duration::from_secs(60)).await;
+    let o = acquire(&epochs, "old", "w", Duration::from_secs(60)).await;
+    assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);
+    accepted(&send(keyed(&fg, "/old/e", &o, "o1", "o1")).await);
+    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
+    let before = fg.series(applied).await;
+    let old2 = old.clone();
+    fg.edit_config(move |t| t.replace(&old2, ""));
+    fg.hup();
+    eventually("the reload to apply", || async {
+        fg.series(applied).await > before
+    })
+    .await;
+    assert_eq!(admin_post(&fg, "/v1/routes/hook/pause").await.status, 200);
+    accepted(&send(keyed(&fg, "/hook/e", &a, "h1", "h1")).await);
+    let r = admin_post(&fg, "/v1/delivery-jobs/drop?status=pending").await;
+    assert_eq!(r.status, 202);
+    let id = r.json()["job"].as_str().unwrap().to_owned();
+    let job = wait_job_finished(&fg, &id).await;
+    assert_eq!(
+        job["done"], 1,
+        "h1 dropped, old's o1 waits for its route: {job}"
+    );
+    assert_eq!(status_of(&fg, "h1").await["status"], "dropped");
+    // A worker's message accepted after the job was made: not the job's.
+    accepted(&send(keyed(&fg, "/hook/e", &a, "h2", "h2")).await);
+    assert_eq!(admin_post(&fg, "/v1/routes/hook/resume").await.status, 200);
+    wait_status(&fg, "h2", |v| v["status"] == "delivered").await;
+    assert_eq!(arrived(&origin), ["h2"]);
 }

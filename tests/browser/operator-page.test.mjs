@@ -296,7 +296,9 @@ ${route("reports")}`,
 
   // The queue panel: the refused message, failed; dropped after a confirmation.
   const queued = page.locator("tr.queue", { hasText: "hooks" });
-  assert.equal(await queued.locator('td[data-label="failed"]').innerText(), "1");
+  assert.equal(await queued.locator('td[data-label="failed"] .bad').innerText(), "1");
+  // Its "Retry all" (a bulk job, SPEC §11) is there, behind a confirmation.
+  assert.equal(await queued.locator('td[data-label="failed"] button').innerText(), "Retry all");
   const message = page.locator("tr.message", { hasText: "hook-1" });
   assert.equal(await message.locator('td[data-label="status"]').innerText(), "failed");
   assert.equal(await message.locator('td[data-label="last status"]').innerText(), "400");

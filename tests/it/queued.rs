@@ -15,6 +15,31 @@ use http_body_util::Full;
 use crate::support::relay::Relay;
 use crate::support::*;
 
+/// Two tests of `$run(Backend)`, as `$run::on_sled` and `$run::on_postgres`
+/// (skipped where PostgreSQL is not installed, unless the run requires it).
+macro_rules! on_sled_and_postgres {
+    ($run:ident) => {
+        mod $run {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_sled() {
+                skip_without_python!();
+                $run(Backend::Sled).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_postgres() {
+                skip_without_python!();
+                if !crate::support::postgres::available_or_skip() {
+                    return;
+                }
+                $run(Backend::Postgres).await;
+            }
+        }
+    };
+}
+
 const ADMIN: &str = "queue-admin";
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 
@@ -1098,20 +1123,7 @@ async fn max_replay_bytes_holds_for_an_answer_in_one_read(backend: Backend) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_replay_bytes_holds_for_an_answer_in_one_read_on_sled() {
-    skip_without_python!();
-    max_replay_bytes_holds_for_an_answer_in_one_read(Backend::Sled).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn max_replay_bytes_holds_for_an_answer_in_one_read_on_postgres() {
-    skip_without_python!();
-    if !crate::support::postgres::available_or_skip() {
-        return;
-    }
-    max_replay_bytes_holds_for_an_answer_in_one_read(Backend::Postgres).await;
-}
+on_sled_and_postgres!(max_replay_bytes_holds_for_an_answer_in_one_read);
 
 /// The review's case (issue 44): a request of a queued route whose body is
 /// still coming while reloads rename the route and give its old name to a
@@ -1404,20 +1416,7 @@ async fn names_no_message_can_have_are_4xx_not_5xx(backend: Backend) {
     assert_eq!(ready.status, 200);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn names_no_message_can_have_are_4xx_not_5xx_on_sled() {
-    skip_without_python!();
-    names_no_message_can_have_are_4xx_not_5xx(Backend::Sled).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn names_no_message_can_have_are_4xx_not_5xx_on_postgres() {
-    skip_without_python!();
-    if !crate::support::postgres::available_or_skip() {
-        return;
-    }
-    names_no_message_can_have_are_4xx_not_5xx(Backend::Postgres).await;
-}
+on_sled_and_postgres!(names_no_message_can_have_are_4xx_not_5xx);
 
 /// Issue 48, the history by time: `GET /v1/deliveries` pages through every
 /// message once by `next`, keeps `total` for every page, and takes `since` and
@@ -1643,20 +1642,7 @@ async fn a_pause_holds_across_a_restart_and_resume_delivers_in_order(backend: Ba
     assert_eq!(arrived(&origin), ["o1", "o2", "m1", "m2", "m3", "o3"]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pause_holds_across_a_restart_and_resume_delivers_in_order_on_sled() {
-    skip_without_python!();
-    a_pause_holds_across_a_restart_and_resume_delivers_in_order(Backend::Sled).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pause_holds_across_a_restart_and_resume_delivers_in_order_on_postgres() {
-    skip_without_python!();
-    if !crate::support::postgres::available_or_skip() {
-        return;
-    }
-    a_pause_holds_across_a_restart_and_resume_delivers_in_order(Backend::Postgres).await;
-}
+on_sled_and_postgres!(a_pause_holds_across_a_restart_and_resume_delivers_in_order);
 
 /// SPEC §11: a pause holds at once on the instance that was asked. An
 /// attempt that passed the deliverer's pause check but waits for a place in
@@ -1902,20 +1888,7 @@ async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order(backend: Backe
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order_on_sled() {
-    skip_without_python!();
-    a_bulk_retry_after_an_outage_delivers_each_once_in_order(Backend::Sled).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bulk_retry_after_an_outage_delivers_each_once_in_order_on_postgres() {
-    skip_without_python!();
-    if !crate::support::postgres::available_or_skip() {
-        return;
-    }
-    a_bulk_retry_after_an_outage_delivers_each_once_in_order(Backend::Postgres).await;
-}
+on_sled_and_postgres!(a_bulk_retry_after_an_outage_delivers_each_once_in_order);
 
 async fn jobs_list(fg: &Fencegate) -> serde_json::Value {
     send(

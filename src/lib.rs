@@ -26,7 +26,8 @@
 //!   forwarding).
 //! - [`queue`] — queued delivery (SPEC §11): a message and its states, the
 //!   route rules, the stores behind one trait (sled, PostgreSQL), the
-//!   deliverer that follows this instance's tenures, operator edits.
+//!   deliverer that follows this instance's tenures, operator edits, pauses
+//!   and bulk jobs.
 //! - [`proxy`] — the request path tying the above together, in named phases
 //!   its module doc lists in order (parse the claim, place or relay, admit,
 //!   protect, claim the key, forward, record); [`access`] — its access log

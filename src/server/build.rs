@@ -59,6 +59,9 @@ pub(super) async fn build_on(
     let metrics = Metrics::new();
     let live = LiveConfig::new(build_live(cfg, &fences, &mode, &metrics, &upstreams).await?);
     let stop = CancellationToken::new();
+    // From here tasks run (the trace exporter first): a start refused later
+    // stops them.
+    let mut refused = StopIfRefused(Some(stop.clone()));
     let (telemetry, exporter) = start_telemetry(cfg, &metrics, &stop)?;
     let queue = match open_queue(&state, state_metrics.clone())? {
         None => None,
@@ -106,6 +109,7 @@ pub(super) async fn build_on(
         metrics.clone(),
         Duration::from_millis(cfg.store.timeout_ms),
     ));
+    refused.0 = None;
     Ok(App {
         shared,
         proxy,
@@ -122,6 +126,19 @@ pub(super) async fn build_on(
         budget,
         header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
     })
+}
+
+/// Cancels the start's `stop` when dropped armed: start-up returned an error
+/// after background tasks began, and a refused start leaves nothing running
+/// (it matters in-process, where the runtime outlives the refusal).
+struct StopIfRefused(Option<CancellationToken>);
+
+impl Drop for StopIfRefused {
+    fn drop(&mut self) {
+        if let Some(stop) = self.0.take() {
+            stop.cancel();
+        }
+    }
 }
 
 /// The state as opened, before this instance holds its place: the store

@@ -50,7 +50,16 @@ impl Queue {
     /// Passes over the jobs not finished until shutdown.
     pub(super) async fn run_jobs(self: Arc<Self>) {
         loop {
-            match self.store.jobs().await {
+            // No queued route: nothing a job could edit (a removed route's
+            // messages wait for it), and no read of the database each second
+            // for a set-up that does not queue.
+            let queued = self.ctx.live.current().routes.iter().any(|r| r.queued);
+            let jobs = if queued {
+                self.store.jobs().await
+            } else {
+                Ok(Vec::new())
+            };
+            match jobs {
                 Ok(jobs) => {
                     for job in jobs.into_iter().filter(|j| !j.finished) {
                         if self.ctx.stop.is_cancelled() {

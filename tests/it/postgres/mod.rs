@@ -646,7 +646,7 @@ async fn connection_dropped_after_the_claim_commits() {
         relay.cut();
         let _ = pending.await;
         assert_eq!(r.arrivals_of(&key), 0);
-        assert!(tries < 3, "the claim never reached the database");
+        assert!(tries < 6, "the claim never reached the database");
     };
     let key = key.as_str();
     relay.cut();

@@ -3,7 +3,6 @@
 //! made; a pass edits what the job still matches of the leases served here,
 //! lease by lease in their queues' order, through the single edits.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,11 +83,7 @@ impl Queue {
     /// read whole; none left — it is finished; else the messages of leases
     /// served here are edited, each lease's in its queue's order (`seq`).
     async fn job_pass(self: &Arc<Self>, job: &Job) -> Result<(), StateError> {
-        let refused: HashSet<(&str, &str)> = job
-            .refused_keys
-            .iter()
-            .filter_map(|k| k.split_once('/'))
-            .collect();
+        let refused = job.refused_set();
         let mut listing = job.filter.listing(PAGE);
         let mut left = 0u64;
         let mut here: Vec<Message> = Vec::new();

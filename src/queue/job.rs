@@ -133,12 +133,13 @@ impl Job {
         self.updated_ms = self.updated_ms.max(delta.at_ms);
     }
 
-    /// Whether `route/key` was refused by this job (a later pass passes it over).
-    pub fn refused(&self, route: &str, key: &str) -> bool {
+    /// The (route, key) this job refused: a later pass passes them over.
+    pub fn refused_set(&self) -> std::collections::HashSet<(&str, &str)> {
         // A route's name has no `/`: the first one ends it.
         self.refused_keys
             .iter()
-            .any(|k| k.split_once('/') == Some((route, key)))
+            .filter_map(|k| k.split_once('/'))
+            .collect()
     }
 }
 
@@ -169,7 +170,8 @@ mod tests {
         j.apply(&d);
         j.apply(&d);
         assert_eq!((j.done, j.refused, j.updated_ms), (4, 1, 5));
-        assert!(j.refused("r", "k"));
-        assert!(!j.refused("r", "k2") && !j.refused("r/k", ""));
+        let refused = j.refused_set();
+        assert!(refused.contains(&("r", "k")));
+        assert!(!refused.contains(&("r", "k2")) && !refused.contains(&("r/k", "")));
     }
 }

@@ -230,13 +230,16 @@ async fn livez_answers_past_the_admin_listeners_cap() {
     let origin = Origin::start().await;
     fencegate::budget::Nofile::raise();
     let fg = Fencegate::start(&single_config(&s3, &origin));
-    let held = flood(fg.admin, 300).await;
-    assert_eq!(held.len(), 300);
     // The cap as this machine's limit makes it (256 unless the limit is small).
     let cfg = fencegate::config::Config::load(&fg.config).unwrap();
     let cap = fencegate::budget::Budget::derive(&cfg, fencegate::budget::Nofile::read().soft)
         .unwrap()
         .admin_connections;
+    // A connect on a busy machine can miss the flood's one-second wait (a
+    // dropped SYN is sent again after a second): what matters is that more
+    // than the cap are held, not that every one of 300 made it.
+    let held = flood(fg.admin, cap + 44).await;
+    assert!(held.len() > cap, "{} of {} connects held", held.len(), cap + 44);
     eventually("the admin listener to hold its cap", || async {
         fg.series("fencegate_admin_connections_open").await >= (cap - 1) as f64
     })

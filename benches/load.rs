@@ -74,6 +74,7 @@
 //! cargo bench --bench load -- --scaling    # leases, 1M dedup records, 10k idle
 //!                                          # connections, epoch changes under load
 //! cargo bench --bench load -- --queue-backlog [N]   # queued delivery: backlog, RSS, drain
+//! cargo bench --bench load -- --cluster    # two members on PostgreSQL: direct and relayed
 //! cargo bench --bench load -- --smoke      # what `cargo test --benches` runs
 //! ```
 //! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
@@ -96,6 +97,8 @@
 
 #[path = "load/backlog.rs"]
 mod backlog;
+#[path = "load/cluster.rs"]
+mod cluster;
 #[path = "load/loadgen.rs"]
 mod loadgen;
 #[path = "load/procs.rs"]
@@ -131,6 +134,8 @@ pub struct Args {
     pub smoke: bool,
     pub quick: bool,
     pub scaling: bool,
+    /// `--cluster`: two members on PostgreSQL, direct and relayed.
+    pub cluster: bool,
     pub rounds: usize,
     pub secs: f64,
     pub warmup: f64,
@@ -165,6 +170,7 @@ impl Args {
             smoke,
             quick,
             scaling: has("--scaling"),
+            cluster: has("--cluster"),
             rounds: if quick { 1 } else { 5 },
             secs: if smoke {
                 0.4
@@ -261,16 +267,20 @@ fn main() {
     let res = rt.block_on(async {
         if args.scaling {
             scaling::run(&args).await
+        } else if args.cluster {
+            cluster::run(&args).await
         } else if args.backlog.is_some() {
             backlog::run(&args).await
         } else if args.smoke {
-            // The smoke runs the backlog mode too, at its smoke size.
+            // The smoke runs the backlog and cluster modes too, at their
+            // smoke sizes.
             main_run(&args).await?;
             let small = Args {
                 backlog: Some(1000),
                 ..args.clone()
             };
-            backlog::run(&small).await
+            backlog::run(&small).await?;
+            cluster::run(&args).await
         } else {
             main_run(&args).await
         }

@@ -55,6 +55,8 @@ pub struct Answer {
     pub code: Option<String>,
     pub replayed: bool,
     pub body_len: usize,
+    /// `X-Fencegate-Owner` (a cluster member's hint: the lease owner's URL).
+    pub owner: Option<String>,
 }
 
 /// One request on an open connection, body read to the end.
@@ -68,6 +70,11 @@ pub async fn exchange(s: &mut Sender, req: Request<Full<Bytes>>) -> Result<Answe
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let replayed = resp.headers().contains_key("x-fencegate-replayed");
+    let owner = resp
+        .headers()
+        .get("x-fencegate-owner")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let body = resp
         .into_body()
         .collect()
@@ -78,6 +85,7 @@ pub async fn exchange(s: &mut Sender, req: Request<Full<Bytes>>) -> Result<Answe
         code,
         replayed,
         body_len: body.to_bytes().len(),
+        owner,
     })
 }
 

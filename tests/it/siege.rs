@@ -239,7 +239,12 @@ async fn livez_answers_past_the_admin_listeners_cap() {
     // dropped SYN is sent again after a second): what matters is that more
     // than the cap are held, not that every one of 300 made it.
     let held = flood(fg.admin, cap + 44).await;
-    assert!(held.len() > cap, "{} of {} connects held", held.len(), cap + 44);
+    assert!(
+        held.len() > cap,
+        "{} of {} connects held",
+        held.len(),
+        cap + 44
+    );
     eventually("the admin listener to hold its cap", || async {
         fg.series("fencegate_admin_connections_open").await >= (cap - 1) as f64
     })

@@ -823,30 +823,32 @@ impl StateStore for PostgresState {
                 (ms(a.created_ms), a.key.route.clone(), a.key.key.clone())
             });
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        // The state is written into the statement, not passed: each state's
+        // index is partial, and a generic plan for `state = $1` could use none.
         let code = state_code(state);
         let (rows, total) = self
             .with("listing records", |c| async move {
                 let page = c
                     .prepare_cached(&format!(
                         "SELECT {RECORD_COLUMNS}, route, key FROM fencegate_dedup \
-                         WHERE state = $1 AND ($2::text IS NULL OR route = $2) \
-                           AND (created_ms, route, key) > ($3, $4, $5) \
-                         ORDER BY created_ms, route, key LIMIT $6"
+                         WHERE state = {code} AND ($1::text IS NULL OR route = $1) \
+                           AND (created_ms, route, key) > ($2, $3, $4) \
+                         ORDER BY created_ms, route, key LIMIT $5"
                     ))
                     .await?;
                 let count = c
-                    .prepare_cached(
+                    .prepare_cached(&format!(
                         "SELECT count(*) FROM fencegate_dedup \
-                         WHERE state = $1 AND ($2::text IS NULL OR route = $2)",
-                    )
+                         WHERE state = {code} AND ($1::text IS NULL OR route = $1)"
+                    ))
                     .await?;
                 let rows = c
                     .query(
                         &page,
-                        &[&code, &route, &after_ms, &after_route, &after_key, &limit],
+                        &[&route, &after_ms, &after_route, &after_key, &limit],
                     )
                     .await?;
-                let total: i64 = c.query_one(&count, &[&code, &route]).await?.get(0);
+                let total: i64 = c.query_one(&count, &[&route]).await?.get(0);
                 Ok((rows, total))
             })
             .await?;
@@ -878,9 +880,17 @@ impl StateStore for PostgresState {
                 .with("sweeping expired records", |c| async move {
                     let st = c
                         .prepare_cached(
+                            // Through the done index, by claim time: a
+                            // record done before the cut-off was claimed
+                            // before it (schema 13). Where an operator's
+                            // resolution on a member whose clock is behind
+                            // the claimant's made `updated_ms` the earlier,
+                            // the record is kept that skew longer, never
+                            // swept sooner.
                             "DELETE FROM fencegate_dedup WHERE ctid = ANY(ARRAY(\
                                SELECT ctid FROM fencegate_dedup \
-                               WHERE state = 1 AND updated_ms < $1 LIMIT $2))",
+                               WHERE state = 1 AND created_ms < $1 AND updated_ms < $1 \
+                               LIMIT $2))",
                         )
                         .await?;
                     c.execute(&st, &[&before, &BATCH]).await

@@ -1541,8 +1541,8 @@ async fn schema_1_records_survive_the_migration_to_2() {
     // Back to schema 1, with a record written by a build of that schema.
     pg.psql(
         &db,
-        "DROP INDEX fencegate_dedup_by_state_age; DROP TABLE fencegate_members; \
-         DROP INDEX fencegate_dedup_done_by_done_time; \
+        "DROP INDEX fencegate_dedup_done_by_claim_time; DROP TABLE fencegate_members; \
+         DROP INDEX fencegate_dedup_in_doubt_by_age; \
          CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN method, DROP COLUMN path; \
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
@@ -1622,7 +1622,8 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
     // Back to schema 3, with a record resolved as delivered 10 s after its claim.
     pg.psql(
         &db,
-        "DROP INDEX fencegate_dedup_done_by_done_time; \
+        "DROP INDEX fencegate_dedup_done_by_claim_time, fencegate_dedup_in_doubt_by_age; \
+         CREATE INDEX fencegate_dedup_by_state_age ON fencegate_dedup (state, created_ms, route, key); \
          CREATE INDEX fencegate_dedup_done_by_age ON fencegate_dedup (created_ms) WHERE state = 1; \
          ALTER TABLE fencegate_dedup DROP COLUMN claim, DROP COLUMN headers; \
          ALTER TABLE fencegate_owners DROP COLUMN owner, DROP COLUMN advertise, \

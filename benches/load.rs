@@ -89,7 +89,8 @@
 //! Under `cargo test --all-targets` (no `--bench` in argv) it runs a smoke instead:
 //! one short round at c=8, asserting only that every target answered, with zero
 //! errors, then the backlog mode with 1,000 messages (1 and 4 leases), asserting
-//! that every message arrived. No timing is asserted.
+//! that every message arrived, then the cluster mode (`load/cluster.rs`) once,
+//! asserting zero errors. No timing is asserted.
 
 // Tests and benches may read the wall clock and sleep (clippy.toml bans both in
 // the library, where time is injected).

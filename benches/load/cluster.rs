@@ -268,9 +268,9 @@ fn member(
     Ok(Member { proc_, url })
 }
 
-/// Waits until both members see each other and every shard has an owner, the
-/// shards split between them (a balance that moves shards during the
-/// measurement would mix relayed and direct requests).
+/// Waits until both members see each other and the shards are split evenly
+/// (SPEC §10.2's balance moves none after that: a shard moving during a
+/// window would mix relayed and direct requests, and refuse some).
 async fn settled(members: &[&Member; 2]) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     loop {
@@ -285,10 +285,9 @@ async fn settled(members: &[&Member; 2]) -> Result<(), String> {
             seen.push(loadgen::metric(&text, "fencegate_cluster_members").unwrap_or(0.0));
         }
         let total: f64 = owned.iter().sum();
-        if total == f64::from(SHARDS)
-            && owned.iter().all(|o| *o > 0.0)
-            && seen.iter().all(|s| *s >= 2.0)
-        {
+        // SPEC §10.2's balance ends at ⌊n/l⌋ or ⌈n/l⌉ each: 4 and 4.
+        let even = owned.iter().all(|o| *o == f64::from(SHARDS / 2));
+        if total == f64::from(SHARDS) && even && seen.iter().all(|s| *s >= 2.0) {
             return Ok(());
         }
         if tokio::time::Instant::now() > deadline {

@@ -36,6 +36,13 @@ pub struct PgServer {
     settings: Vec<String>,
 }
 
+/// SQL that takes a schema-13 database's dedup indexes back to schema 12's:
+/// the first step of every test that rebuilds an older schema by hand.
+pub const UNDO_SCHEMA_13: &str = "DROP INDEX fencegate_dedup_done_by_claim_time, \
+     fencegate_dedup_in_doubt_by_age; \
+     CREATE INDEX fencegate_dedup_by_state_age ON fencegate_dedup (state, created_ms, route, key); \
+     CREATE INDEX fencegate_dedup_done_by_done_time ON fencegate_dedup (updated_ms) WHERE state = 1; ";
+
 /// The folder of PostgreSQL's server binaries, if installed.
 pub fn bindir() -> Option<PathBuf> {
     let from_pg_config = Command::new("pg_config")

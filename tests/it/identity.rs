@@ -536,10 +536,11 @@ async fn another_environments_connection_string_does_not_claim_a_database() {
     // An older schema: no set-up row, no id.
     pg.psql(
         &name,
-        "DROP TABLE fencegate_set_up; DROP TABLE fencegate_identity; \
+        &(crate::support::postgres::UNDO_SCHEMA_13.to_owned()
+            + "DROP TABLE fencegate_set_up; DROP TABLE fencegate_identity; \
          DROP TABLE fencegate_queue; DROP TABLE fencegate_queue_leases; \
          DROP TABLE fencegate_queue_paused; DROP TABLE fencegate_queue_jobs; \
-         UPDATE fencegate_schema SET version = 7",
+         UPDATE fencegate_schema SET version = 7"),
     );
     staging
         .spawn(None)

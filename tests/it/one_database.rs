@@ -613,7 +613,8 @@ async fn a_refused_instance_leaves_an_older_database_as_it_was() {
     s.terminate();
     pg.psql(
         db_name,
-        "DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 7",
+        &(crate::support::postgres::UNDO_SCHEMA_13.to_owned()
+            + "DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 7"),
     );
     let prod = Env {
         cluster: None,

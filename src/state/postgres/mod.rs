@@ -880,17 +880,21 @@ impl StateStore for PostgresState {
                 .with("sweeping expired records", |c| async move {
                     let st = c
                         .prepare_cached(
-                            // Through the done index, by claim time: a
-                            // record done before the cut-off was claimed
-                            // before it (schema 13). Where an operator's
-                            // resolution on a member whose clock is behind
-                            // the claimant's made `updated_ms` the earlier,
-                            // the record is kept that skew longer, never
-                            // swept sooner.
+                            // Through the done index, by claim time (the
+                            // order steers a generic plan to it): a record
+                            // done before the cut-off was claimed before it
+                            // (schema 13). Where a clock stepped back between
+                            // claim and outcome (or an operator resolved on a
+                            // member whose clock is behind the claimant's),
+                            // `updated_ms` is the earlier: such a record is
+                            // no longer answered from (`Record::expired` reads
+                            // `updated_ms`) but stays, listed as done, until
+                            // its claim time passes the cut-off — never swept
+                            // sooner than before.
                             "DELETE FROM fencegate_dedup WHERE ctid = ANY(ARRAY(\
                                SELECT ctid FROM fencegate_dedup \
                                WHERE state = 1 AND created_ms < $1 AND updated_ms < $1 \
-                               LIMIT $2))",
+                               ORDER BY created_ms LIMIT $2))",
                         )
                         .await?;
                     c.execute(&st, &[&before, &BATCH]).await

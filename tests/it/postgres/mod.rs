@@ -1669,6 +1669,95 @@ async fn schema_3_migrates_to_4_and_sweeps_by_the_time_a_record_became_done() {
     assert_eq!(st.get(&rkey("late")).await.unwrap(), None);
 }
 
+/// Schema 12 → 13 (issue 51): each state's lookups by a partial index of its
+/// own. A schema-12 database with records of every state on two routes keeps
+/// them: each state's listing (all routes, one route, page by page) and count
+/// are what they were, and a done record is swept a TTL after it became done —
+/// not sooner, also where its outcome's time is before its claim's (a clock
+/// stepped back): then it waits for its claim's time too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schema_12_migrates_to_13_with_listings_and_the_sweep_as_they_were() {
+    skip_without_postgres!();
+    let pg = PgServer::shared();
+    let (db, url) = pg.new_database();
+    drop(PostgresState::connect(&pg_config(&url)).await.unwrap());
+    pg.psql(
+        &db,
+        &(crate::support::postgres::UNDO_SCHEMA_13.to_owned()
+            + "UPDATE fencegate_schema SET version = 12; \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms, status, body, claim) \
+         SELECT r, 'k-' || s || '-' || i, 0, s, decode(repeat('01', 32), 'hex'), \
+           -9223372036854775807, 0, 1000 + i, 2000 + i, \
+           CASE WHEN s = 1 THEN 200 END, CASE WHEN s = 1 THEN 'ok'::bytea END, \
+           CASE WHEN s = 0 THEN i END \
+         FROM generate_series(0, 2) s, generate_series(1, 6) i, \
+           (VALUES ('pay'), ('refund')) v(r); \
+         INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
+           owner_generation, created_ms, updated_ms, status, body) \
+         VALUES ('pay', 'stepped-back', 0, 1, decode(repeat('01', 32), 'hex'), \
+           -9223372036854775807, 0, 50000, 1500, 200, 'ok'::bytea)"),
+    );
+    let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
+    assert_eq!(schema_version(pg, &db), current());
+    let idx = dedup_indexes(pg, &db);
+    assert!(!idx.contains("by_state_age"), "{idx}");
+    assert!(idx.contains("fencegate_dedup_done_by_claim_time"), "{idx}");
+    for (state, all, pay) in [
+        (State::InFlight, 12, 6),
+        (State::Done, 13, 7),
+        (State::InDoubt, 12, 6),
+    ] {
+        assert_eq!(s.list(state, None, None, 100).await.unwrap().total, all);
+        assert_eq!(
+            s.list(state, Some("pay"), None, 100).await.unwrap().total,
+            pay
+        );
+        // Page by page, oldest first, each record once.
+        let mut seen = Vec::new();
+        let mut after = None;
+        loop {
+            let page = s.list(state, None, after.as_ref(), 5).await.unwrap();
+            let Some((last_key, last)) = page.records.last().cloned() else {
+                break;
+            };
+            seen.extend(page.records.iter().map(|(k, r)| (r.created_ms, k.clone())));
+            after = Some(fencegate::state::ListCursor {
+                created_ms: last.created_ms,
+                key: last_key,
+            });
+        }
+        let mut sorted = seen.clone();
+        sorted.sort_by(|a, b| (a.0, &a.1.route, &a.1.key).cmp(&(b.0, &b.1.route, &b.1.key)));
+        sorted.dedup();
+        assert_eq!(seen, sorted, "{state:?}: oldest first, each once");
+        assert_eq!(seen.len() as u64, all);
+    }
+    let by = |done_before_ms| TakeOver {
+        in_doubt: false,
+        done_before_ms,
+    };
+    // Done at 2001..2006 on each route: none before 2001; those done before
+    // 2004 at 2004 (three a route); the stepped-back record (done at 1500,
+    // claimed at 50000) waits for its claim's time.
+    assert_eq!(s.sweep(by(2_001)).await.unwrap(), 0);
+    assert_eq!(s.sweep(by(2_004)).await.unwrap(), 6);
+    assert!(s.get(&rkey("stepped-back")).await.unwrap().is_some());
+    assert_eq!(s.sweep(by(50_000)).await.unwrap(), 6);
+    assert!(s.get(&rkey("stepped-back")).await.unwrap().is_some());
+    assert_eq!(s.sweep(by(50_001)).await.unwrap(), 1);
+    assert_eq!(s.get(&rkey("stepped-back")).await.unwrap(), None);
+    // Nothing in flight or in doubt was swept.
+    assert_eq!(
+        s.list(State::InFlight, None, None, 1).await.unwrap().total,
+        12
+    );
+    assert_eq!(
+        s.list(State::InDoubt, None, None, 1).await.unwrap().total,
+        12
+    );
+}
+
 fn fencegate_tables(pg: &PgServer, db: &str) -> String {
     pg.psql(
         db,

@@ -20,7 +20,8 @@ async fn schema_6_with_live_records_of_every_state_migrates_to_7() {
     // Back to what a version-6 database is, with records of each state.
     pg.psql(
         &db,
-        "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
+        &(crate::support::postgres::UNDO_SCHEMA_13.to_owned()
+            + "CREATE INDEX fencegate_dedup_by_state ON fencegate_dedup (state, route, key); \
          DROP TABLE fencegate_set_up, fencegate_queue, fencegate_queue_leases, fencegate_queue_paused, fencegate_queue_jobs; UPDATE fencegate_schema SET version = 6; \
          INSERT INTO fencegate_dedup (route, key, shard, state, fingerprint, epoch, \
            owner_generation, created_ms, updated_ms, status, headers, body, claim) \
@@ -28,7 +29,7 @@ async fn schema_6_with_live_records_of_every_state_migrates_to_7() {
            -9223372036854775807, 0, 1000 + i, 1000 + i, \
            CASE WHEN s = 1 THEN 200 END, NULL, CASE WHEN s = 1 THEN 'ok'::bytea END, \
            CASE WHEN s = 0 THEN i END \
-         FROM generate_series(0, 2) s, generate_series(1, 5) i",
+         FROM generate_series(0, 2) s, generate_series(1, 5) i"),
     );
     let s = PostgresState::connect(&pg_config(&url)).await.unwrap();
     assert_eq!(

@@ -78,7 +78,9 @@
 //! cargo bench --bench load -- --smoke      # what `cargo test --benches` runs
 //! ```
 //! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
-//! `--only passthrough,fencing,dedup,queued,dedup-pg,nginx`, `--cpu N` (pin to CPU N, default 0),
+//! `--only passthrough,fencing,dedup,queued,dedup-pg,nginx` (and, only when
+//! named, `default`, `default-fencing`, `default-fencing-quiet`: fencegate as
+//! `config/fencegate.toml` starts it, [`procs::spawn_default`]), `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
 //! figures, with a table of A ÷ B ratios paired round by round; `BENCH_B_LOG=warn`
@@ -733,6 +735,60 @@ async fn main_run(args: &Args) -> Result<(), String> {
                 db: db.map(|(_, d)| d.clone()),
             });
         }
+    }
+    // fencegate as the shipped config starts it (issue 47): its route as
+    // shipped (durable dedup), the access log on as shipped; fencing only;
+    // and fencing only with `access_log = false`. Not run unless asked for
+    // (`--only default,default-fencing,default-fencing-quiet,…`).
+    for (key, label, departure) in [
+        (
+            "default",
+            "fencegate, config/fencegate.toml as shipped (dedup, access log on)",
+            procs::Departure {
+                fencing_only: false,
+                quiet: false,
+            },
+        ),
+        (
+            "default-fencing",
+            "fencegate, shipped config, fencing only (access log on)",
+            procs::Departure {
+                fencing_only: true,
+                quiet: false,
+            },
+        ),
+        (
+            "default-fencing-quiet",
+            "fencegate, shipped config, fencing only, access_log = false",
+            procs::Departure {
+                fencing_only: true,
+                quiet: true,
+            },
+        ),
+    ] {
+        if !args
+            .only
+            .as_ref()
+            .is_some_and(|o| o.iter().any(|k| k == key))
+        {
+            continue;
+        }
+        let store = dir.path().join(format!("leases-{key}"));
+        let (e, t) = procs::acquire(&procs::store(&store)?, "billing").await?;
+        targets.push(Target {
+            key: key.into(),
+            label: label.into(),
+            proc_: procs::spawn_default(
+                Path::new(env!("CARGO_BIN_EXE_fencegate")),
+                key,
+                dir.path(),
+                &store,
+                origin.addr,
+                departure,
+            )?,
+            creds: Creds::new(e, &t),
+            db: None,
+        });
     }
     let nginx_path = procs::find_nginx().filter(|_| args.nginx && args.wants("nginx"));
     if let Some(n) = &nginx_path {

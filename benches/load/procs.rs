@@ -272,6 +272,85 @@ pub fn spawn_fencegate_with(
     spawn_listening(name, exe, &args, dir, true, &envs)
 }
 
+/// How a `default*` target departs from the shipped config.
+#[derive(Clone, Copy)]
+pub struct Departure {
+    /// `derive_key = "none"` on the route (fencing only).
+    pub fencing_only: bool,
+    /// `[server] access_log = false`.
+    pub quiet: bool,
+}
+
+/// fencegate as a user starts it from `config/fencegate.toml` (issue 47): the
+/// shipped file itself, its log settings untouched (no `FENCEGATE_LOG`), only
+/// what must change on this machine rewritten — listeners on port 0, the data
+/// and lease directories, the upstream (the origin) and the route's prefix
+/// (`/bench/`, which the load generator sends) — and `departure`. An error if
+/// the file no longer has a line this rewrites (the target would measure
+/// something else).
+pub fn spawn_default(
+    exe: &Path,
+    name: &str,
+    dir: &Path,
+    store: &Path,
+    origin: SocketAddr,
+    departure: Departure,
+) -> Result<Proc, String> {
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/config/fencegate.toml");
+    let mut cfg = std::fs::read_to_string(shipped).map_err(|e| format!("{shipped}: {e}"))?;
+    let data = dir.join(format!("state-{name}"));
+    let swaps = [
+        (
+            "listen = \"127.0.0.1:8080\"",
+            "listen = \"127.0.0.1:0\"".to_owned(),
+        ),
+        (
+            "admin_listen = \"127.0.0.1:9090\"",
+            "admin_listen = \"127.0.0.1:0\"".to_owned(),
+        ),
+        (
+            "data_dir = \"../data/state\"",
+            format!("data_dir = {:?}", data.display().to_string()),
+        ),
+        (
+            "path = \"../data/leases\"",
+            format!("path = {:?}", store.display().to_string()),
+        ),
+        (
+            "upstream = \"http://127.0.0.1:8081/v1/\"",
+            format!("upstream = \"http://{origin}/v1/\""),
+        ),
+        (
+            "path_prefix = \"/billing/\"",
+            "path_prefix = \"/bench/\"".to_owned(),
+        ),
+    ];
+    for (from, to) in swaps {
+        if !cfg.contains(from) {
+            return Err(format!("{shipped} has no line `{from}` to rewrite"));
+        }
+        cfg = cfg.replacen(from, &to, 1);
+    }
+    if departure.quiet {
+        cfg = cfg.replacen("[server]\n", "[server]\naccess_log = false\n", 1);
+    }
+    if departure.fencing_only {
+        let lease = "\nlease = \"billing\"\n";
+        if !cfg.contains(lease) {
+            return Err(format!("{shipped} has no route on lease \"billing\""));
+        }
+        cfg = cfg.replacen(lease, "\nlease = \"billing\"\nderive_key = \"none\"\n", 1);
+    }
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, &cfg).map_err(|e| format!("{}: {e}", path.display()))?;
+    let args = vec![
+        "serve".to_string(),
+        "--config".into(),
+        path.display().to_string(),
+    ];
+    spawn_listening(name, exe, &args, dir, true, &[])
+}
+
 /// `nginx` on the PATH, if any.
 pub fn find_nginx() -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;

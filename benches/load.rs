@@ -78,8 +78,8 @@
 //! cargo bench --bench load -- --smoke      # what `cargo test --benches` runs
 //! ```
 //! Options: `--rounds N`, `--secs S` (measured window per target), `--conc 8,64,256`,
-//! `--only passthrough,fencing,dedup,queued,dedup-pg,nginx` (and, only when
-//! named, `default`, `default-fencing`, `default-fencing-quiet`: fencegate as
+//! `--only passthrough,fencing,dedup,queued,dedup-pg,nginx` (and, when named
+//! or in the smoke, `default`, `default-fencing`, `default-fencing-quiet`: fencegate as
 //! `config/fencegate.toml` starts it, [`procs::spawn_default`]), `--cpu N` (pin to CPU N, default 0),
 //! `--no-pin`, `--no-nginx`, `--fencegate-b PATH` (another fencegate build measured
 //! beside this one, interleaved: targets `fencing-b`, `dedup-b`; for before/after
@@ -738,8 +738,9 @@ async fn main_run(args: &Args) -> Result<(), String> {
     }
     // fencegate as the shipped config starts it (issue 47): its route as
     // shipped (durable dedup), the access log on as shipped; fencing only;
-    // and fencing only with `access_log = false`. Not run unless asked for
-    // (`--only default,default-fencing,default-fencing-quiet,…`).
+    // and fencing only with `access_log = false`. Run by the smoke (so the
+    // shipped file keeps the lines they rewrite) and when named (`--only
+    // default,default-fencing,default-fencing-quiet,…`).
     for (key, label, departure) in [
         (
             "default",
@@ -766,11 +767,11 @@ async fn main_run(args: &Args) -> Result<(), String> {
             },
         ),
     ] {
-        if !args
+        let named = args
             .only
             .as_ref()
-            .is_some_and(|o| o.iter().any(|k| k == key))
-        {
+            .is_some_and(|o| o.iter().any(|k| k == key));
+        if !named && !args.smoke {
             continue;
         }
         let store = dir.path().join(format!("leases-{key}"));

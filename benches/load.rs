@@ -767,29 +767,30 @@ async fn main_run(args: &Args) -> Result<(), String> {
             },
         ),
     ] {
-        let named = args
-            .only
-            .as_ref()
-            .is_some_and(|o| o.iter().any(|k| k == key));
-        if !named && !args.smoke {
-            continue;
-        }
-        let store = dir.path().join(format!("leases-{key}"));
-        let (e, t) = procs::acquire(&procs::store(&store)?, "billing").await?;
-        targets.push(Target {
-            key: key.into(),
-            label: label.into(),
-            proc_: procs::spawn_default(
-                Path::new(env!("CARGO_BIN_EXE_fencegate")),
+        // Build B's twin (`default-fencing-b`…) when named.
+        for (suffix, exe) in &builds {
+            let key = format!("{key}{suffix}");
+            let named = args
+                .only
+                .as_ref()
+                .is_some_and(|o| o.iter().any(|k| *k == key));
+            if !named && !(args.smoke && suffix.is_empty()) {
+                continue;
+            }
+            let store = dir.path().join(format!("leases-{key}"));
+            let (e, t) = procs::acquire(&procs::store(&store)?, "billing").await?;
+            targets.push(Target {
+                label: if suffix.is_empty() {
+                    label.to_owned()
+                } else {
+                    format!("{label} [B: {}]", exe.display())
+                },
+                proc_: procs::spawn_default(exe, &key, dir.path(), &store, origin.addr, departure)?,
                 key,
-                dir.path(),
-                &store,
-                origin.addr,
-                departure,
-            )?,
-            creds: Creds::new(e, &t),
-            db: None,
-        });
+                creds: Creds::new(e, &t),
+                db: None,
+            });
+        }
     }
     let nginx_path = procs::find_nginx().filter(|_| args.nginx && args.wants("nginx"));
     if let Some(n) = &nginx_path {

@@ -770,11 +770,9 @@ async fn main_run(args: &Args) -> Result<(), String> {
         // Build B's twin (`default-fencing-b`…) when named.
         for (suffix, exe) in &builds {
             let key = format!("{key}{suffix}");
-            let named = args
-                .only
-                .as_ref()
-                .is_some_and(|o| o.iter().any(|k| *k == key));
-            if !named && !(args.smoke && suffix.is_empty()) {
+            let named = args.only.as_ref().is_some_and(|o| o.contains(&key));
+            let smoke = args.smoke && suffix.is_empty();
+            if !(named || smoke) {
                 continue;
             }
             let store = dir.path().join(format!("leases-{key}"));

@@ -6,19 +6,37 @@ use std::sync::Arc;
 use super::{ms, Edit, Message, Queue, Requeued, Status};
 use crate::state::Owner;
 
+/// Which edit: a retry needs its lease served here (it may be sent); a drop
+/// never sends.
+#[derive(Clone, Copy)]
+enum Action {
+    Retry,
+    Drop,
+}
+
 impl Queue {
     /// The message an operator acts on, and the owner to write it under:
-    /// pending or failed, and its lease served here (SPEC §11). Called with
-    /// `edits` held.
-    async fn editable(&self, route: &str, key: &str) -> Result<(Message, Owner), Edit> {
+    /// pending or failed, and its lease served here (SPEC §11) — or, for a
+    /// drop, no route naming its lease now and this instance the one that
+    /// would serve it (a removed route's messages wait for it "or an
+    /// operator drops them"). Called with `edits` held.
+    async fn editable(
+        &self,
+        route: &str,
+        key: &str,
+        action: Action,
+    ) -> Result<(Message, Owner), Edit> {
         let m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
         let owner = (self.ctx.owner_of)(&m.lease)
             .owner()
-            .ok_or(Edit::NotServed)?;
-        Ok((m, owner))
+            .or_else(|| match action {
+                Action::Drop => (self.ctx.drop_owner_of)(&m.lease).owner(),
+                Action::Retry => None,
+            });
+        Ok((m, owner.ok_or(Edit::NotServed)?))
     }
 
     /// An operator's retry (SPEC §11): a pending message is due now; a failed
@@ -34,7 +52,7 @@ impl Queue {
             }
         }
         let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key).await?;
+        let (mut m, owner) = self.editable(route, key, Action::Retry).await?;
         let now = ms(self.ctx.clock.now());
         let m = match m.status {
             Status::Pending => {
@@ -63,7 +81,7 @@ impl Queue {
         key: &str,
     ) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key).await?;
+        let (mut m, owner) = self.editable(route, key, Action::Drop).await?;
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
         self.store.settle(owner, &m).await?;

@@ -86,6 +86,12 @@ pub(crate) struct Context {
     /// instance guard (a single instance) or serves the lease's shard (a
     /// cluster), and its state is its set-up's.
     pub owner_of: OwnerOf,
+    /// SPEC §11, a route removed by a reload keeps its messages "until it is
+    /// back (or an operator drops them)": the owner under which an operator
+    /// may drop a message whose lease no route names now ([`OwnerOf`] under
+    /// the same conditions as `owner_of`, by the lease's shard in a cluster).
+    /// Never used to send.
+    pub drop_owner_of: OwnerOf,
     pub clock: Arc<dyn Clock>,
     /// Shutdown: no new attempt starts.
     pub stop: CancellationToken,

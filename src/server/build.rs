@@ -361,6 +361,7 @@ async fn build_queue(
         crate::queue::Context {
             live: parts.live.clone(),
             owner_of: owner_of(mode, parts.durable, parts.fences),
+            drop_owner_of: drop_owner_of(mode, parts.durable),
             clock: parts.clock.clone(),
             stop: parts.stop.clone(),
             abandon: CancellationToken::new(),
@@ -408,6 +409,35 @@ fn owner_of(
                 Mode::Cluster(_) => Sender::Elsewhere,
                 Mode::Single(_) => Sender::Later,
             };
+        };
+        if state.set_up_conflict().is_none() && mode.may_forward(owner) {
+            Sender::Here(owner)
+        } else {
+            Sender::Later
+        }
+    })
+}
+
+/// SPEC §11: a removed route's messages wait for it "or an operator drops
+/// them" — the owner to drop one under when no route names its lease: a
+/// single instance's own, a cluster member's tenure of the lease's shard;
+/// under the conditions [`owner_of`] puts on a sender (the state is this
+/// set-up's, the instance may forward under that owner).
+fn drop_owner_of(mode: &Mode, durable: &Arc<dyn StateStore>) -> crate::queue::OwnerOf {
+    use crate::cluster::Placement;
+    use crate::queue::Sender;
+    let (mode, state) = (mode.clone(), durable.clone());
+    Box::new(move |lease| {
+        let Ok(name) = crate::epoch::LeaseName::parse(lease) else {
+            return Sender::Later;
+        };
+        let owner = match &mode {
+            Mode::Single(_) => Owner::SINGLE,
+            Mode::Cluster(c) => match c.place(crate::cluster::shard_of(&name, c.shards())) {
+                Placement::Local(owner) => owner,
+                Placement::Peer { .. } => return Sender::Elsewhere,
+                Placement::Unavailable => return Sender::Later,
+            },
         };
         if state.set_up_conflict().is_none() && mode.may_forward(owner) {
             Sender::Here(owner)

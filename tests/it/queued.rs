@@ -2069,3 +2069,85 @@ async fn a_bulk_drop_finishes_past_a_removed_route_and_spares_later_messages() {
     wait_status(&fg, "h2", |v| v["status"] == "delivered").await;
     assert_eq!(arrived(&origin), ["h2"]);
 }
+
+/// SPEC §11: a route removed by a reload keeps its messages "until it is back
+/// (or an operator drops them)". The single drop of such a message — its
+/// lease named by no route now — settles it `dropped` (it answered 503
+/// `shard_unavailable` before: nothing could drop it); a retry still needs its
+/// lease served (it would wait for the route anyway), and the route added
+/// back delivers the message left and never the dropped one.
+async fn a_removed_routes_message_can_be_dropped_one_by_one(backend: Backend) {
+    let s3 = S3Server::start();
+    let origin = Origin::start().await;
+    let up = origin.url("/v1/");
+    let old = format!(
+        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
+    );
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!(
+            "{}{}\n{}{}",
+            s3.store_toml(200),
+            backend.state_toml(),
+            queued_route(&up, ""),
+            old
+        ),
+        &[],
+    );
+    let epochs = s3.epochs().await;
+    let o = acquire(&epochs, "old", "w", Duration::from_secs(120)).await;
+    assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);
+    accepted(&send(keyed(&fg, "/old/e", &o, "o1", "o1")).await);
+    accepted(&send(keyed(&fg, "/old/e", &o, "o2", "o2")).await);
+    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
+    let reload = |edit: Box<dyn FnOnce(String) -> String + Send>| {
+        let fg = &fg;
+        async move {
+            let before = fg.series(applied).await;
+            fg.edit_config(edit);
+            fg.hup();
+            eventually("the reload to apply", || async {
+                fg.series(applied).await > before
+            })
+            .await;
+        }
+    };
+    let old2 = old.clone();
+    reload(Box::new(move |t| t.replace(&old2, ""))).await;
+
+    admin_post(&fg, "/v1/deliveries/old/o2/retry")
+        .await
+        .assert_error(503, "shard_unavailable");
+    let dropped = admin_post(&fg, "/v1/deliveries/old/o1/drop").await;
+    assert_eq!(
+        dropped.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&dropped.body)
+    );
+    assert_eq!(dropped.json()["status"], "dropped");
+    // Dropped once: again is a conflict, not a second edit.
+    admin_post(&fg, "/v1/deliveries/old/o1/drop")
+        .await
+        .assert_error(409, "delivery_conflict");
+
+    // Back, resumed: o2 goes, o1 never does.
+    let old3 = old.clone();
+    reload(Box::new(move |t| t + "\n" + &old3)).await;
+    assert_eq!(admin_post(&fg, "/v1/routes/old/resume").await.status, 200);
+    eventually("o2 to arrive", || async { arrived(&origin) == ["o2"] }).await;
+    let o1 = send(
+        Request::get(fg.admin_url("/v1/deliveries/old/o1"))
+            .body(Full::default())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(o1.json()["status"], "dropped");
+    assert_eq!(
+        arrived(&origin),
+        ["o2"],
+        "the dropped message never arrived"
+    );
+}
+
+on_sled_and_postgres!(a_removed_routes_message_can_be_dropped_one_by_one);

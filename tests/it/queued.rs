@@ -111,6 +111,18 @@ async fn admin_post(fg: &Fencegate, path: &str) -> Reply {
     .await
 }
 
+/// Edits the config, sends SIGHUP and waits until the reload is applied.
+async fn reload_applied(fg: &Fencegate, edit: impl FnOnce(String) -> String) {
+    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
+    let before = fg.series(applied).await;
+    fg.edit_config(edit);
+    fg.hup();
+    eventually("the reload to apply", || async {
+        fg.series(applied).await > before
+    })
+    .await;
+}
+
 async fn status_of(fg: &Fencegate, key: &str) -> serde_json::Value {
     let r = send(
         Request::get(fg.admin_url(&format!("/v1/deliveries/hook/{key}")))
@@ -1156,19 +1168,7 @@ async fn a_request_whose_route_a_reload_changed_queues_nothing() {
     )
     .await
     .unwrap();
-    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
-    let reload = |edit: Box<dyn FnOnce(String) -> String>| {
-        let fg = &fg;
-        async move {
-            let before = fg.series(applied).await;
-            fg.edit_config(edit);
-            fg.hup();
-            eventually("the reload to apply", || async {
-                fg.series(applied).await > before
-            })
-            .await;
-        }
-    };
+    let reload = |edit: Box<dyn FnOnce(String) -> String>| reload_applied(&fg, edit);
     // The route renamed (still queued, same lease), then its old name direct.
     reload(Box::new(|t| {
         t.replace("name = \"hook\"", "name = \"hook2\"")
@@ -2043,15 +2043,8 @@ async fn a_bulk_drop_finishes_past_a_removed_route_and_spares_later_messages() {
     let o = acquire(&epochs, "old", "w", Duration::from_secs(60)).await;
     assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);
     accepted(&send(keyed(&fg, "/old/e", &o, "o1", "o1")).await);
-    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
-    let before = fg.series(applied).await;
     let old2 = old.clone();
-    fg.edit_config(move |t| t.replace(&old2, ""));
-    fg.hup();
-    eventually("the reload to apply", || async {
-        fg.series(applied).await > before
-    })
-    .await;
+    reload_applied(&fg, move |t| t.replace(&old2, "")).await;
     assert_eq!(admin_post(&fg, "/v1/routes/hook/pause").await.status, 200);
     accepted(&send(keyed(&fg, "/hook/e", &a, "h1", "h1")).await);
     let r = admin_post(&fg, "/v1/delivery-jobs/drop?status=pending").await;
@@ -2099,19 +2092,7 @@ async fn a_removed_routes_message_can_be_dropped_one_by_one(backend: Backend) {
     assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);
     accepted(&send(keyed(&fg, "/old/e", &o, "o1", "o1")).await);
     accepted(&send(keyed(&fg, "/old/e", &o, "o2", "o2")).await);
-    let applied = "fencegate_config_reloads_total{result=\"applied\"}";
-    let reload = |edit: Box<dyn FnOnce(String) -> String + Send>| {
-        let fg = &fg;
-        async move {
-            let before = fg.series(applied).await;
-            fg.edit_config(edit);
-            fg.hup();
-            eventually("the reload to apply", || async {
-                fg.series(applied).await > before
-            })
-            .await;
-        }
-    };
+    let reload = |edit: Box<dyn FnOnce(String) -> String + Send>| reload_applied(&fg, edit);
     let old2 = old.clone();
     reload(Box::new(move |t| t.replace(&old2, ""))).await;
 

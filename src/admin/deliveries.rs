@@ -15,7 +15,7 @@ use crate::error::AdminError;
 use crate::proxy::queued::view;
 use crate::queue::job::{Job, JobAction, JobFilter, REFUSED_LISTED};
 use crate::queue::pause::Pausable;
-use crate::queue::{Edit, ListedBy, Listing, Message, Queue, Status};
+use crate::queue::{By, Edit, ListedBy, Listing, Message, Queue, Status};
 use crate::state::StateError;
 
 /// The statuses the panel lists, in its order: those an operator acts on
@@ -448,9 +448,9 @@ impl Admin {
         }
         let q = self.queue()?;
         let m = if retry {
-            q.retry(route, &key).await?
+            q.retry(route, &key, By::Operator).await?
         } else {
-            q.drop_message(route, &key).await?
+            q.drop_message(route, &key, By::Operator).await?
         };
         tracing::info!(
             route,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::job::{Job, JobAction, JobDelta, JobFilter};
-use super::{ms, Edit, Message, Queue, Sender};
+use super::{ms, By, Edit, Message, Queue, Sender};
 use crate::state::StateError;
 
 /// Messages read per page of a pass.
@@ -144,8 +144,10 @@ impl Queue {
                 break;
             }
             let edited = match job.action {
-                JobAction::Retry => self.retry(&m.route, &m.key).await.map(drop),
-                JobAction::Drop => self.drop_message(&m.route, &m.key).await.map(drop),
+                // A message whose route a reload removed since the listing
+                // is refused `NotServed` (passed over, SPEC §11).
+                JobAction::Retry => self.retry(&m.route, &m.key, By::Job).await.map(drop),
+                JobAction::Drop => self.drop_message(&m.route, &m.key, By::Job).await.map(drop),
             };
             match edited {
                 Ok(()) => delta.done += 1,

@@ -14,6 +14,19 @@ enum Action {
     Drop,
 }
 
+/// Who edits: an operator's call for one message, or a bulk job.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum By {
+    /// An operator's retry or drop of that one message; a drop may take a
+    /// message whose lease no route names now (SPEC §11: a removed route's
+    /// messages wait "until it is back, or an operator drops them").
+    Operator,
+    /// A bulk job: a message whose route is not configured and queued now
+    /// is passed over (SPEC §11) — checked here, under `edits`, since the
+    /// job listed it before a reload may have removed its route.
+    Job,
+}
+
 impl Queue {
     /// The message an operator acts on, and the owner to write it under:
     /// pending or failed, and its lease served here (SPEC §11) — or, for a
@@ -25,16 +38,27 @@ impl Queue {
         route: &str,
         key: &str,
         action: Action,
+        by: By,
     ) -> Result<(Message, Owner), Edit> {
         let m = self.store.get(route, key).await?.ok_or(Edit::NotFound)?;
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
+        let routed = self
+            .ctx
+            .live
+            .current()
+            .routes
+            .get(&m.route)
+            .is_some_and(|r| r.queued);
+        if by == By::Job && !routed {
+            return Err(Edit::NotServed);
+        }
         let owner = (self.ctx.owner_of)(&m.lease)
             .owner()
-            .or_else(|| match action {
-                Action::Drop => (self.ctx.drop_owner_of)(&m.lease).owner(),
-                Action::Retry => None,
+            .or_else(|| match (action, by) {
+                (Action::Drop, By::Operator) => (self.ctx.drop_owner_of)(&m.lease).owner(),
+                _ => None,
             });
         Ok((m, owner.ok_or(Edit::NotServed)?))
     }
@@ -43,7 +67,12 @@ impl Queue {
     /// one goes back to the end of its lease's queue — unless a message of a
     /// newer epoch of its lease was sent or waits, which it would then follow
     /// (the order rule has no exemption, not even an operator's).
-    pub(crate) async fn retry(self: &Arc<Self>, route: &str, key: &str) -> Result<Message, Edit> {
+    pub(crate) async fn retry(
+        self: &Arc<Self>,
+        route: &str,
+        key: &str,
+        by: By,
+    ) -> Result<Message, Edit> {
         // A restored state's lease is fenced first: its retry of an older
         // epoch's message is then refused as superseded.
         if let Some(m) = self.store.get(route, key).await? {
@@ -52,7 +81,7 @@ impl Queue {
             }
         }
         let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key, Action::Retry).await?;
+        let (mut m, owner) = self.editable(route, key, Action::Retry, by).await?;
         let now = ms(self.ctx.clock.now());
         let m = match m.status {
             Status::Pending => {
@@ -79,9 +108,10 @@ impl Queue {
         self: &Arc<Self>,
         route: &str,
         key: &str,
+        by: By,
     ) -> Result<Message, Edit> {
         let _edit = self.edits.lock().await;
-        let (mut m, owner) = self.editable(route, key, Action::Drop).await?;
+        let (mut m, owner) = self.editable(route, key, Action::Drop, by).await?;
         m.status = Status::Dropped;
         m.updated_ms = ms(self.ctx.clock.now());
         self.store.settle(owner, &m).await?;

@@ -39,6 +39,7 @@ use crate::clock::Clock;
 use crate::live::LiveConfig;
 use crate::metrics::Metrics;
 use crate::state::{Owner, StateError};
+pub(crate) use edits::By;
 pub(crate) use follow::FollowTenures;
 pub use message::{Accepted, Answer, Edit, Envelope, ListedBy, Listing, Message, Requeued, Status};
 pub(crate) use restore::fence_restored;

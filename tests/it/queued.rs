@@ -111,6 +111,26 @@ async fn admin_post(fg: &Fencegate, path: &str) -> Reply {
     .await
 }
 
+/// fencegate with the queued route `hook` and a queued route `old` (lease
+/// `old`) that the tests remove by a reload, on `state` (`""`: sled); and
+/// `old`'s config text, to remove.
+fn beside_old_route(s3: &S3Server, origin: &Origin, state: &str) -> (Fencegate, String) {
+    let up = origin.url("/v1/");
+    let old = format!(
+        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
+    );
+    let fg = Fencegate::start_with_server(
+        &format!("admin_token = \"{ADMIN}\""),
+        &format!(
+            "{}{state}\n{}{old}",
+            s3.store_toml(200),
+            queued_route(&up, "")
+        ),
+        &[],
+    );
+    (fg, old)
+}
+
 /// Edits the config, sends SIGHUP and waits until the reload is applied.
 async fn reload_applied(fg: &Fencegate, edit: impl FnOnce(String) -> String) {
     let applied = "fencegate_config_reloads_total{result=\"applied\"}";
@@ -2036,15 +2056,7 @@ async fn a_bulk_drop_finishes_past_a_removed_route_and_spares_later_messages() {
     skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let up = origin.url("/v1/");
-    let old = format!(
-        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
-    );
-    let fg = Fencegate::start_with_server(
-        &format!("admin_token = \"{ADMIN}\""),
-        &format!("{}{}{}", s3.store_toml(200), queued_route(&up, ""), old),
-        &[],
-    );
+    let (fg, old) = beside_old_route(&s3, &origin, "");
     let epochs = s3.epochs().await;
     let a = acquire(&epochs, "hook", "w", Duration::from_secs(60)).await;
     let o = acquire(&epochs, "old", "w", Duration::from_secs(60)).await;
@@ -2079,21 +2091,7 @@ async fn a_bulk_drop_finishes_past_a_removed_route_and_spares_later_messages() {
 async fn a_removed_routes_message_can_be_dropped_one_by_one(backend: Backend) {
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let up = origin.url("/v1/");
-    let old = format!(
-        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
-    );
-    let fg = Fencegate::start_with_server(
-        &format!("admin_token = \"{ADMIN}\""),
-        &format!(
-            "{}{}\n{}{}",
-            s3.store_toml(200),
-            backend.state_toml(),
-            queued_route(&up, ""),
-            old
-        ),
-        &[],
-    );
+    let (fg, old) = beside_old_route(&s3, &origin, &backend.state_toml());
     let epochs = s3.epochs().await;
     let o = acquire(&epochs, "old", "w", Duration::from_secs(120)).await;
     assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);
@@ -2152,15 +2150,7 @@ async fn a_bulk_drop_stops_at_a_route_removed_under_it() {
     skip_without_python!();
     let s3 = S3Server::start();
     let origin = Origin::start().await;
-    let up = origin.url("/v1/");
-    let old = format!(
-        "[[route]]\nname = \"old\"\npath_prefix = \"/old/\"\nupstream = \"{up}\"\nlease = \"old\"\ndelivery = \"queued\"\n"
-    );
-    let fg = Fencegate::start_with_server(
-        &format!("admin_token = \"{ADMIN}\""),
-        &format!("{}{}{}", s3.store_toml(200), queued_route(&up, ""), old),
-        &[],
-    );
+    let (fg, old) = beside_old_route(&s3, &origin, "");
     let epochs = s3.epochs().await;
     let o = acquire(&epochs, "old", "w", Duration::from_secs(300)).await;
     assert_eq!(admin_post(&fg, "/v1/routes/old/pause").await.status, 200);

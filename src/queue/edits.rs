@@ -32,7 +32,8 @@ impl Queue {
     /// pending or failed, and its lease served here (SPEC §11) — or, for a
     /// drop, no route naming its lease now and this instance the one that
     /// would serve it (a removed route's messages wait for it "or an
-    /// operator drops them"). Called with `edits` held.
+    /// operator drops them"); a job's, its route configured and queued now.
+    /// Called with `edits` held.
     async fn editable(
         &self,
         route: &str,
@@ -44,14 +45,7 @@ impl Queue {
         if !matches!(m.status, Status::Pending | Status::Failed) {
             return Err(Edit::Conflict(m.status));
         }
-        let routed = self
-            .ctx
-            .live
-            .current()
-            .routes
-            .get(&m.route)
-            .is_some_and(|r| r.queued);
-        if by == By::Job && !routed {
+        if by == By::Job && !self.routed(&m.route) {
             return Err(Edit::NotServed);
         }
         let owner = (self.ctx.owner_of)(&m.lease)
@@ -61,6 +55,16 @@ impl Queue {
                 _ => None,
             });
         Ok((m, owner.ok_or(Edit::NotServed)?))
+    }
+
+    /// Whether `route` is configured, and queued, in the running config.
+    fn routed(&self, route: &str) -> bool {
+        self.ctx
+            .live
+            .current()
+            .routes
+            .get(route)
+            .is_some_and(|r| r.queued)
     }
 
     /// An operator's retry (SPEC §11): a pending message is due now; a failed

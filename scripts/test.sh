@@ -6,8 +6,24 @@
 # The test harness starts `$FENCEGATE_TEST_PYTHON scripts/s3server.py --port 0` per test.
 set -euo pipefail
 start=$SECONDS
-trap 'echo "test.sh: wall time $((SECONDS - start))s" >&2' EXIT
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# Every temporary directory of the run (tests, servers, scripts: ~1 GB each for
+# some) goes under one of its own, removed when the run ends: a test process
+# killed mid-run (a timeout, a cancelled CI job) cannot remove its own, and they
+# filled a shared machine's disk once. A directory left by a run that was itself
+# killed is removed by the next run.
+tmp_root=${TMPDIR:-/tmp}
+for old in "$tmp_root"/fencegate-test.*; do
+    [ -d "$old" ] || continue
+    kill -0 "${old##*.}" 2>/dev/null || rm -rf "$old"
+done
+run_tmp="$tmp_root/fencegate-test.$$"
+mkdir -p "$run_tmp"
+# Sticky and open to all, as /tmp is: the test PostgreSQL runs as `postgres`.
+chmod 1777 "$run_tmp"
+export TMPDIR=$run_tmp
+trap 'rm -rf "$run_tmp"; echo "test.sh: wall time $((SECONDS - start))s" >&2' EXIT
 
 FENCEGATE_TEST_PYTHON=$(bash scripts/setup-s3server.sh)
 export FENCEGATE_TEST_PYTHON

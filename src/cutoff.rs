@@ -17,7 +17,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -32,27 +32,94 @@ use tokio::net::TcpStream;
 
 #[derive(Debug, Default)]
 struct Cut {
-    cut: AtomicBool,
-    /// The connection task, as last seen reading and writing: woken by a cut so
-    /// that it notices at once, whatever it was waiting for.
+    /// The exchange the connection carries (shifted left by one) and, in the low
+    /// bit, whether it was cut. A connection fencegate pools itself
+    /// ([`crate::forward::inline`]) counts its exchanges, so that a handle kept
+    /// past its exchange's end cannot cut the next one; hyper-util's stay at 0.
+    state: AtomicU64,
+    /// The task driving the connection, as last seen reading and writing: woken
+    /// by a cut so that it notices at once, whatever it was waiting for.
     read: AtomicWaker,
     write: AtomicWaker,
 }
 
-/// The handle an abort cuts a connection with (kept in its `Connected` extras).
+impl Cut {
+    fn is_cut(&self) -> bool {
+        self.state.load(Ordering::SeqCst) & 1 == 1
+    }
+}
+
+/// The handle an abort cuts a connection with (kept in its `Connected` extras,
+/// or by the exchange of a connection fencegate pools itself).
 #[derive(Debug, Clone)]
-pub(crate) struct CutHandle(Arc<Cut>);
+pub(crate) struct CutHandle {
+    cut: Arc<Cut>,
+    exchange: u64,
+}
 
 impl CutHandle {
+    /// Cuts the connection, if it still carries this handle's exchange.
     pub(crate) fn cut(&self) {
-        self.0.cut.store(true, Ordering::SeqCst);
-        self.0.read.wake();
-        self.0.write.wake();
+        let ours = self.exchange << 1;
+        if self
+            .cut
+            .state
+            .compare_exchange(ours, ours | 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            self.cut.read.wake();
+            self.cut.write.wake();
+        }
+    }
+
+    /// The exchange is over and the connection idle: the next one gets a new
+    /// number. False when it was cut (it must not be reused).
+    pub(crate) fn next_exchange(&mut self) -> bool {
+        let ours = self.exchange << 1;
+        let next = self.exchange + 1;
+        let moved = self
+            .cut
+            .state
+            .compare_exchange(ours, next << 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok();
+        if moved {
+            self.exchange = next;
+        }
+        moved
+    }
+}
+
+/// How an exchange's upstream connection is cut: through hyper-util's capture
+/// of it, or the handle of a connection fencegate drives itself.
+#[derive(Debug, Clone)]
+pub struct ConnCut(Via);
+
+#[derive(Debug, Clone)]
+enum Via {
+    Captured(CaptureConnection),
+    Own(CutHandle),
+}
+
+impl ConnCut {
+    pub(crate) fn captured(c: CaptureConnection) -> ConnCut {
+        ConnCut(Via::Captured(c))
+    }
+
+    pub(crate) fn own(h: CutHandle) -> ConnCut {
+        ConnCut(Via::Own(h))
+    }
+
+    /// Cuts the HTTP/1 connection the request was sent on, if it got one.
+    pub fn cut(&self) {
+        match &self.0 {
+            Via::Captured(c) => cut(c),
+            Via::Own(h) => h.cut(),
+        }
     }
 }
 
 /// Cuts the HTTP/1 connection a request was sent on, if it got one.
-pub(crate) fn cut(captured: &CaptureConnection) {
+fn cut(captured: &CaptureConnection) {
     let meta = captured.connection_metadata();
     let Some(conn) = meta.as_ref() else {
         return; // Still connecting: nothing of the request was written.
@@ -69,7 +136,7 @@ pub(crate) fn cut(captured: &CaptureConnection) {
 
 /// A TCP connection to an upstream that a [`CutHandle`] can cut.
 #[derive(Debug)]
-pub struct CuttableStream {
+pub(crate) struct CuttableStream {
     io: TokioIo<TcpStream>,
     cut: Arc<Cut>,
 }
@@ -85,7 +152,7 @@ impl CuttableStream {
     /// Fails once cut; the first failure also sets the zero linger, so that the
     /// close that follows is a reset, not an orderly FIN after the queued bytes.
     fn check(&self) -> io::Result<()> {
-        if !self.cut.cut.load(Ordering::SeqCst) {
+        if !self.cut.is_cut() {
             return Ok(());
         }
         let _ = self.io.inner().set_zero_linger();
@@ -96,9 +163,29 @@ impl CuttableStream {
     }
 }
 
+impl CuttableStream {
+    /// The handle that cuts this connection (its first exchange).
+    pub(crate) fn handle(&self) -> CutHandle {
+        CutHandle {
+            cut: self.cut.clone(),
+            exchange: 0,
+        }
+    }
+}
+
+/// A cut connection closes with a reset even when nobody wrote to it since
+/// the cut: the bytes the kernel still holds for the upstream are dropped.
+impl Drop for CuttableStream {
+    fn drop(&mut self) {
+        if self.cut.is_cut() {
+            let _ = self.io.inner().set_zero_linger();
+        }
+    }
+}
+
 impl Connection for CuttableStream {
     fn connected(&self) -> Connected {
-        self.io.connected().extra(CutHandle(self.cut.clone()))
+        self.io.connected().extra(self.handle())
     }
 }
 
@@ -157,7 +244,7 @@ impl Write for CuttableStream {
 
 /// `HttpConnector` whose connections can be cut.
 #[derive(Clone)]
-pub struct CuttableConnector(pub HttpConnector);
+pub(crate) struct CuttableConnector(pub(crate) HttpConnector);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Connecting = Pin<Box<dyn Future<Output = Result<CuttableStream, BoxError>> + Send>>;
@@ -174,5 +261,33 @@ impl tower_service::Service<Uri> for CuttableConnector {
     fn call(&mut self, dst: Uri) -> Self::Future {
         let connecting = self.0.call(dst);
         Box::pin(async move { Ok(CuttableStream::new(connecting.await?)) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handle kept past its exchange (a drain abort's watcher, after the
+    /// answer was read whole) cannot cut the connection's next exchange; a
+    /// connection cut is never given the next one.
+    #[test]
+    fn a_handle_cuts_only_its_own_exchange() {
+        let cut = Arc::new(Cut::default());
+        let first = CutHandle {
+            cut: cut.clone(),
+            exchange: 0,
+        };
+        let mut next = first.clone();
+        assert!(next.next_exchange());
+        first.cut();
+        assert!(!cut.is_cut(), "the first exchange's handle cut the second");
+        let mut later = next.clone();
+        next.cut();
+        assert!(cut.is_cut());
+        assert!(
+            !later.next_exchange(),
+            "a cut connection went back to the pool"
+        );
     }
 }

@@ -23,10 +23,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::forward::{ConnCut, UpstreamBody};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::connect::CaptureConnection;
 
 use crate::gate::Pass;
 
@@ -364,7 +364,7 @@ impl Exchange {
     /// even when nobody polls the bodies any more (a worker that stopped reading,
     /// an upload stalled after its answer). Nothing is spawned for an exchange
     /// already over (the usual whole answer to a body sent whole).
-    pub fn watch<F>(&self, stop: F, conn: CaptureConnection)
+    pub fn watch<F>(&self, stop: F, conn: ConnCut)
     where
         F: Future<Output = &'static str> + Send + 'static,
     {
@@ -376,7 +376,7 @@ impl Exchange {
             tokio::select! {
                 why = stop => {
                     let _ = ex.stopped.set(why);
-                    crate::cutoff::cut(&conn);
+                    conn.cut();
                     ex.end();
                 }
                 _ = ex.over.cancelled() => {}
@@ -426,7 +426,7 @@ impl Drop for ExchangeEnd {
 pub struct Streamed {
     /// Bytes already read from `body` (while deciding whether to buffer), sent first.
     prefix: Option<Bytes>,
-    body: Incoming,
+    body: UpstreamBody,
     /// The answer's end of the exchange (none for an answer relayed from a
     /// cluster peer: the owner holds the pass).
     end: Option<ExchangeEnd>,
@@ -435,7 +435,7 @@ pub struct Streamed {
     idle: Pin<Box<tokio::time::Sleep>>,
     idle_limit: Duration,
     last_frame: Instant,
-    conn: CaptureConnection,
+    conn: ConnCut,
     /// For the failure log line.
     route: Arc<str>,
 }
@@ -459,10 +459,10 @@ impl Streamed {
     /// relayed from a cluster peer: the owner holds the pass).
     pub fn new(
         prefix: Bytes,
-        body: Incoming,
+        body: UpstreamBody,
         end: Option<ExchangeEnd>,
         idle_limit: Duration,
-        conn: CaptureConnection,
+        conn: ConnCut,
         route: Arc<str>,
     ) -> Streamed {
         Streamed {
@@ -489,7 +489,7 @@ impl Streamed {
     /// Ends the exchange early: the upstream connection is cut (SPEC §5: not one
     /// more byte), the pass ends, the worker's answer is truncated.
     fn fail(&mut self, e: StreamError) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        crate::cutoff::cut(&self.conn);
+        self.conn.cut();
         self.finished = true;
         if let Some(end) = &mut self.end {
             end.end_all();

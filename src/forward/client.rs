@@ -14,8 +14,35 @@ use super::client_auth::Identity;
 use crate::cutoff::CuttableConnector;
 use crate::streaming::UpBody;
 
-/// The pooled upstream client (HTTP/1.1 and h2 over rustls), shared by every route.
-pub type HttpsClient = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
+/// hyper-util's pooled client (HTTP/1.1 and h2 over rustls).
+type Pooled = Client<hyper_rustls::HttpsConnector<CuttableConnector>, UpBody>;
+
+/// The upstream client, shared by every route: plain-`http://` upstreams on
+/// connections driven by their requests ([`super::inline`]), HTTPS ones on
+/// hyper-util's pool.
+#[derive(Clone)]
+pub struct HttpsClient {
+    pooled: Pooled,
+    own: Arc<super::inline::Pool>,
+}
+
+impl HttpsClient {
+    /// hyper-util's pool, for an exchange that is not an upstream's (trace export).
+    pub fn request(
+        &self,
+        req: http::Request<UpBody>,
+    ) -> hyper_util::client::legacy::ResponseFuture {
+        self.pooled.request(req)
+    }
+
+    pub(super) fn pooled(&self) -> &Pooled {
+        &self.pooled
+    }
+
+    pub(super) fn own(&self) -> &Arc<super::inline::Pool> {
+        &self.own
+    }
+}
 
 /// Builds the TLS client config: system roots when present, else webpki roots,
 /// plus an optional per-route CA bundle; with a route's client certificate
@@ -69,16 +96,18 @@ pub fn client(
     http.set_nodelay(true);
     http.set_connect_timeout(Some(connect_timeout));
     http.set_keepalive(Some(Duration::from_secs(60)));
+    let own = super::inline::Pool::new(CuttableConnector(http.clone()), idle_per_host);
     let https = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
         .enable_http1()
         .enable_http2()
         .wrap_connector(CuttableConnector(http));
-    Client::builder(TokioExecutor::new())
+    let pooled = Client::builder(TokioExecutor::new())
         .timer(TokioTimer::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(idle_per_host)
-        .build(https)
+        .build(https);
+    HttpsClient { pooled, own }
 }

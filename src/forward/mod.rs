@@ -7,6 +7,7 @@
 
 mod client;
 pub mod client_auth;
+mod inline;
 pub mod sign;
 
 pub use client::{client, tls_config, HttpsClient};
@@ -24,10 +25,10 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
 
-use hyper::body::{Body, Incoming};
-use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::connect::capture_connection;
 
-use crate::cutoff;
+pub use crate::cutoff::ConnCut;
 use crate::headers::{LEASE_TOKEN_NAME, X_FORWARDED_FOR};
 use crate::streaming::UpBody;
 
@@ -66,9 +67,57 @@ pub struct UpstreamHead {
     /// own length).
     pub headers: HeaderMap,
     /// The body, streamed to the worker.
-    pub body: Incoming,
+    pub body: UpstreamBody,
     /// The connection it came on, to cut if the exchange is ended early.
-    pub conn: CaptureConnection,
+    pub conn: ConnCut,
+}
+
+/// An upstream response's body, from either pool ([`HttpsClient`]).
+pub struct UpstreamBody(BodyVia);
+
+enum BodyVia {
+    /// hyper-util's: its connection task reads it.
+    Pooled(Incoming),
+    /// fencegate's own: reading it drives its connection.
+    Own(inline::OwnBody),
+}
+
+impl std::fmt::Debug for UpstreamBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            BodyVia::Pooled(_) => "UpstreamBody(pooled)",
+            BodyVia::Own(_) => "UpstreamBody(own)",
+        })
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match &mut self.get_mut().0 {
+            BodyVia::Pooled(b) => std::pin::Pin::new(b).poll_frame(cx),
+            BodyVia::Own(b) => std::pin::Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            BodyVia::Pooled(b) => b.is_end_stream(),
+            BodyVia::Own(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            BodyVia::Pooled(b) => b.size_hint(),
+            BodyVia::Own(b) => b.size_hint(),
+        }
+    }
 }
 
 /// The part of a route forwarding needs.
@@ -403,13 +452,67 @@ pub fn route_headers(
 /// written.
 pub async fn send(
     client: &HttpsClient,
+    req: Request<UpBody>,
+    timeout: Duration,
+    stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
+) -> Result<UpstreamHead, UpstreamError> {
+    if req.uri().scheme() == Some(&http::uri::Scheme::HTTP) {
+        // Dropped at a timeout or a stop, the exchange cuts its own connection.
+        let exchange = inline::send(client.own(), req);
+        let (resp, cut) = within(timeout, stop, exchange).await?;
+        return Ok(head_of(
+            resp,
+            |b| UpstreamBody(BodyVia::Own(b)),
+            ConnCut::own(cut),
+        ));
+    }
+    send_pooled(client, req, timeout, stop).await
+}
+
+/// `exchange` unless `timeout` passes or `stop` resolves first.
+async fn within<T>(
+    timeout: Duration,
+    stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
+    exchange: impl Future<Output = Result<T, UpstreamError>>,
+) -> Result<T, UpstreamError> {
+    tokio::select! {
+        r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| {
+            Err(UpstreamError::Uncertain(format!(
+                "no response within {} ms",
+                timeout.as_millis()
+            )))
+        }),
+        why = stop => Err(UpstreamError::Uncertain(why.to_owned())),
+    }
+}
+
+fn head_of<B>(
+    resp: Response<B>,
+    body: impl FnOnce(B) -> UpstreamBody,
+    conn: ConnCut,
+) -> UpstreamHead {
+    let (parts, b) = resp.into_parts();
+    let mut headers = parts.headers;
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::CONTENT_LENGTH);
+    UpstreamHead {
+        status: parts.status,
+        headers,
+        body: body(b),
+        conn,
+    }
+}
+
+/// [`send`] on hyper-util's pool (HTTPS upstreams).
+async fn send_pooled(
+    client: &HttpsClient,
     mut req: Request<UpBody>,
     timeout: Duration,
     stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
 ) -> Result<UpstreamHead, UpstreamError> {
-    let conn = capture_connection(&mut req);
+    let conn = ConnCut::captured(capture_connection(&mut req));
     let exchange = async {
-        client.request(req).await.map_err(|e| {
+        client.pooled().request(req).await.map_err(|e| {
             let detail = error_chain(&e);
             if e.is_connect() {
                 UpstreamError::Unreachable(detail)
@@ -424,31 +527,11 @@ pub async fn send(
             }
         })
     };
-    let result = tokio::select! {
-        r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| {
-            Err(UpstreamError::Uncertain(format!(
-                "no response within {} ms",
-                timeout.as_millis()
-            )))
-        }),
-        why = stop => Err(UpstreamError::Uncertain(why.to_owned())),
-    };
-    match result {
-        Ok(resp) => {
-            let (parts, body) = resp.into_parts();
-            let mut headers = parts.headers;
-            strip_hop_by_hop(&mut headers);
-            headers.remove(header::CONTENT_LENGTH);
-            Ok(UpstreamHead {
-                status: parts.status,
-                headers,
-                body,
-                conn,
-            })
-        }
+    match within(timeout, stop, exchange).await {
+        Ok(resp) => Ok(head_of(resp, |b| UpstreamBody(BodyVia::Pooled(b)), conn)),
         Err(e) => {
             if let UpstreamError::Uncertain(_) = &e {
-                cutoff::cut(&conn);
+                conn.cut();
             }
             Err(e)
         }
@@ -496,7 +579,7 @@ pub async fn read_up_to(
     match result {
         Ok(whole) => Ok((buf.freeze(), whole)),
         Err(e) => {
-            cutoff::cut(&head.conn);
+            head.conn.cut();
             Err(e)
         }
     }
@@ -520,7 +603,7 @@ pub fn read_ready(head: &mut UpstreamHead, max: usize) -> Result<(Bytes, bool), 
             }
             std::task::Poll::Ready(None) => return Ok((buf.freeze(), true)),
             std::task::Poll::Ready(Some(Err(e))) => {
-                cutoff::cut(&head.conn);
+                head.conn.cut();
                 return Err(UpstreamError::Uncertain(format!(
                     "reading the upstream's response body: {}",
                     error_chain(&e)

@@ -24,3 +24,4 @@ mod operator;
 mod parking;
 mod protect;
 mod streaming;
+mod upstream_conn;

@@ -12,7 +12,8 @@
 //!
 //! What stays as with hyper-util, because SPEC §5–§6 rest on it:
 //! - a request given back unsent by a reused connection that had closed is sent
-//!   on another; given back unsent by a new one, it was never sent (502);
+//!   on another; any other failure after the connect is in doubt (only a failed
+//!   connect is "nothing sent", 502);
 //! - an exchange dropped before its head (a timeout, a drain abort, shutdown)
 //!   cuts its connection ([`crate::cutoff`]): a reset, not one more byte;
 //! - a body read to its end gives the connection back; if the request's own
@@ -248,10 +249,10 @@ pub(super) async fn send(
                     armed.0 = None;
                     req = back;
                 }
-                Some(_) => {
-                    return Err(UpstreamError::Unreachable(super::error_chain(e.error())));
-                }
-                None => return Err(UpstreamError::Uncertain(super::error_chain(e.error()))),
+                // Given back by a new connection (an upstream that closes what
+                // it accepts), or taken and written: in doubt, as with
+                // hyper-util (only a failed connect is "nothing sent").
+                _ => return Err(UpstreamError::Uncertain(super::error_chain(e.error()))),
             },
             Err(Ended) => {
                 return Err(UpstreamError::Uncertain(

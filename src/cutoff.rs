@@ -58,18 +58,20 @@ pub(crate) struct CutHandle {
 }
 
 impl CutHandle {
-    /// Cuts the connection, if it still carries this handle's exchange.
-    pub(crate) fn cut(&self) {
+    /// Cuts the connection, if it still carries this handle's exchange (true
+    /// then).
+    pub(crate) fn cut(&self) -> bool {
         let ours = self.exchange << 1;
-        if self
+        let cut = self
             .cut
             .state
             .compare_exchange(ours, ours | 1, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
-        {
+            .is_ok();
+        if cut {
             self.cut.read.wake();
             self.cut.write.wake();
         }
+        cut
     }
 
     /// The exchange is over and the connection idle: the next one gets a new
@@ -89,37 +91,8 @@ impl CutHandle {
     }
 }
 
-/// How an exchange's upstream connection is cut: through hyper-util's capture
-/// of it, or the handle of a connection fencegate drives itself.
-#[derive(Debug, Clone)]
-pub struct ConnCut(Via);
-
-#[derive(Debug, Clone)]
-enum Via {
-    Captured(CaptureConnection),
-    Own(CutHandle),
-}
-
-impl ConnCut {
-    pub(crate) fn captured(c: CaptureConnection) -> ConnCut {
-        ConnCut(Via::Captured(c))
-    }
-
-    pub(crate) fn own(h: CutHandle) -> ConnCut {
-        ConnCut(Via::Own(h))
-    }
-
-    /// Cuts the HTTP/1 connection the request was sent on, if it got one.
-    pub fn cut(&self) {
-        match &self.0 {
-            Via::Captured(c) => cut(c),
-            Via::Own(h) => h.cut(),
-        }
-    }
-}
-
 /// Cuts the HTTP/1 connection a request was sent on, if it got one.
-fn cut(captured: &CaptureConnection) {
+pub(crate) fn cut(captured: &CaptureConnection) {
     let meta = captured.connection_metadata();
     let Some(conn) = meta.as_ref() else {
         return; // Still connecting: nothing of the request was written.

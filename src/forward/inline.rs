@@ -200,7 +200,7 @@ impl Drop for CutOnDrop {
 pub(super) async fn send(
     pool: &Arc<Pool>,
     mut req: Request<UpBody>,
-) -> Result<(Response<OwnBody>, CutHandle), UpstreamError> {
+) -> Result<(Response<OwnBody>, OwnCut), UpstreamError> {
     let host = req
         .uri()
         .authority()
@@ -231,14 +231,20 @@ pub(super) async fn send(
         match drive(&mut live, answer).await {
             Ok((Ok(resp), ended)) => {
                 armed.0 = None;
-                let cut = live.cut.clone();
+                let handle = live.cut.clone();
+                let slot: Slot = Arc::new(Mutex::new((!ended).then_some(live)));
+                let cut = OwnCut {
+                    slot: slot.clone(),
+                    handle,
+                };
                 let pool = pool.clone();
                 return Ok((
                     resp.map(|body| OwnBody {
                         body,
-                        live: (!ended).then_some(live),
+                        live: slot,
                         pool,
                         host,
+                        released: false,
                     }),
                     cut,
                 ));
@@ -285,56 +291,112 @@ async fn drive<F: Future>(live: &mut Live, f: F) -> Result<(F::Output, bool), En
     .await
 }
 
+/// Where an exchange's connection is while its body is read, shared with the
+/// exchange's [`OwnCut`]; `None` once it has ended or gone back to the pool.
+type Slot = Arc<Mutex<Option<Box<Live>>>>;
+
+fn lock(slot: &Slot) -> std::sync::MutexGuard<'_, Option<Box<Live>>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The cut of an exchange on this pool's connection. It reaches the connection
+/// even when nobody polls it (a worker that stopped reading its answer: the
+/// task that would read the body is stuck writing to the worker): the
+/// connection is taken from its body and dropped, with a reset.
+#[derive(Clone)]
+pub(crate) struct OwnCut {
+    slot: Slot,
+    handle: CutHandle,
+}
+
+impl OwnCut {
+    pub(crate) fn cut(&self) {
+        if self.handle.cut() {
+            drop(lock(&self.slot).take());
+        }
+    }
+}
+
+impl std::fmt::Debug for OwnCut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnCut")
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
 /// An upstream's response body that drives its connection while it is read,
 /// and gives the connection back to the pool at its end.
 pub(crate) struct OwnBody {
     body: Incoming,
-    /// `None` once the connection has ended or been given back.
-    live: Option<Box<Live>>,
+    live: Slot,
     pool: Arc<Pool>,
     host: Authority,
+    /// The end was seen: the connection is the pool's (or a finishing
+    /// task's), not this body's, to poll.
+    released: bool,
 }
 
 impl OwnBody {
     /// The body has ended: the connection goes back to the pool once idle.
-    fn release(&mut self, cx: &mut Context<'_>) {
-        let Some(mut live) = self.live.take() else {
-            return;
-        };
-        if live.poll_conn(cx) {
+    fn release(&mut self, live: &mut Option<Box<Live>>, cx: &mut Context<'_>) {
+        if std::mem::replace(&mut self.released, true) {
             return;
         }
-        match live.send.poll_ready(cx) {
-            Poll::Ready(Ok(())) => self.pool.put(self.host.clone(), live),
-            Poll::Ready(Err(_)) => {}
+        let Some(l) = live else { return };
+        if l.poll_conn(cx) {
+            *live = None;
+            return;
+        }
+        match l.send.poll_ready(cx) {
+            Poll::Ready(Ok(())) => {
+                if let Some(l) = live.take() {
+                    self.pool.put(self.host.clone(), l);
+                }
+            }
+            Poll::Ready(Err(_)) => *live = None,
             Poll::Pending => {
                 // The request's body is still being written (an upstream that
                 // answered first): finished by a task of its own, as hyper-util's
-                // connection task would; a cut still reaches it.
-                let (pool, host) = (self.pool.clone(), self.host.clone());
-                let Ok(rt) = tokio::runtime::Handle::try_current() else {
-                    return;
-                };
-                rt.spawn(async move {
-                    let mut live = live;
-                    if let Ok(Ok(())) = until_idle(&mut live).await {
-                        pool.put(host, live);
-                    }
-                });
+                // connection task would, the connection left in its slot where
+                // a cut still reaches it.
+                let (slot, pool, host) = (self.live.clone(), self.pool.clone(), self.host.clone());
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(finish(slot, pool, host));
+                } else {
+                    *live = None;
+                }
             }
         }
     }
 }
 
-/// Drives `live` until it can take another request (or ends).
-async fn until_idle(live: &mut Live) -> Result<hyper::Result<()>, Ended> {
-    std::future::poll_fn(|cx| {
-        if live.poll_conn(cx) {
-            return Poll::Ready(Err(Ended));
+/// Drives the connection in `slot` until it can take another request, then
+/// gives it back; ends when it ends or is cut.
+async fn finish(slot: Slot, pool: Arc<Pool>, host: Authority) {
+    let idle = std::future::poll_fn(|cx| {
+        let mut live = lock(&slot);
+        let Some(l) = live.as_mut() else {
+            return Poll::Ready(false);
+        };
+        if l.poll_conn(cx) {
+            *live = None;
+            return Poll::Ready(false);
         }
-        live.send.poll_ready(cx).map(Ok)
+        match l.send.poll_ready(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(true),
+            Poll::Ready(Err(_)) => {
+                *live = None;
+                Poll::Ready(false)
+            }
+            Poll::Pending => Poll::Pending,
+        }
     })
-    .await
+    .await;
+    let live = lock(&slot).take();
+    if let (true, Some(live)) = (idle, live) {
+        pool.put(host, live);
+    }
 }
 
 impl Body for OwnBody {
@@ -346,16 +408,21 @@ impl Body for OwnBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        if let Some(live) = &mut this.live {
-            if live.poll_conn(cx) {
-                this.live = None;
+        if this.released {
+            return Pin::new(&mut this.body).poll_frame(cx);
+        }
+        let slot = this.live.clone();
+        let mut live = lock(&slot);
+        if let Some(l) = live.as_mut() {
+            if l.poll_conn(cx) {
+                *live = None;
             }
         }
         let frame = Pin::new(&mut this.body).poll_frame(cx);
         match &frame {
-            Poll::Ready(None) => this.release(cx),
-            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.release(cx),
-            Poll::Ready(Some(Err(_))) => this.live = None,
+            Poll::Ready(None) => this.release(&mut live, cx),
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.release(&mut live, cx),
+            Poll::Ready(Some(Err(_))) => *live = None,
             _ => {}
         }
         frame
@@ -374,8 +441,15 @@ impl Drop for OwnBody {
     /// Read to its end without the last poll that says so: still given back.
     /// Dropped before its end: the connection closes (a cut one with a reset).
     fn drop(&mut self) {
-        if self.live.is_some() && self.body.is_end_stream() {
-            self.release(&mut Context::from_waker(Waker::noop()));
+        if self.released {
+            return;
+        }
+        let slot = self.live.clone();
+        let mut live = lock(&slot);
+        if live.is_some() && self.body.is_end_stream() {
+            self.release(&mut live, &mut Context::from_waker(Waker::noop()));
+        } else {
+            *live = None;
         }
     }
 }

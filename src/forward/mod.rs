@@ -26,9 +26,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri};
 
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::connect::capture_connection;
+use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
 
-pub use crate::cutoff::ConnCut;
 use crate::headers::{LEASE_TOKEN_NAME, X_FORWARDED_FOR};
 use crate::streaming::UpBody;
 
@@ -70,6 +69,28 @@ pub struct UpstreamHead {
     pub body: UpstreamBody,
     /// The connection it came on, to cut if the exchange is ended early.
     pub conn: ConnCut,
+}
+
+/// How an exchange's upstream connection is cut (SPEC §5: an abort stops
+/// writing at once): through hyper-util's capture of it, or this exchange's
+/// hold on a connection fencegate drives itself.
+#[derive(Debug, Clone)]
+pub struct ConnCut(CutVia);
+
+#[derive(Debug, Clone)]
+enum CutVia {
+    Captured(CaptureConnection),
+    Own(inline::OwnCut),
+}
+
+impl ConnCut {
+    /// Cuts the HTTP/1 connection the request was sent on, if it got one.
+    pub fn cut(&self) {
+        match &self.0 {
+            CutVia::Captured(c) => crate::cutoff::cut(c),
+            CutVia::Own(h) => h.cut(),
+        }
+    }
 }
 
 /// An upstream response's body, from either pool ([`HttpsClient`]).
@@ -463,7 +484,7 @@ pub async fn send(
         return Ok(head_of(
             resp,
             |b| UpstreamBody(BodyVia::Own(b)),
-            ConnCut::own(cut),
+            ConnCut(CutVia::Own(cut)),
         ));
     }
     send_pooled(client, req, timeout, stop).await
@@ -510,7 +531,7 @@ async fn send_pooled(
     timeout: Duration,
     stop: std::pin::Pin<&mut impl Future<Output = &'static str>>,
 ) -> Result<UpstreamHead, UpstreamError> {
-    let conn = ConnCut::captured(capture_connection(&mut req));
+    let conn = ConnCut(CutVia::Captured(capture_connection(&mut req)));
     let exchange = async {
         client.pooled().request(req).await.map_err(|e| {
             let detail = error_chain(&e);

@@ -6,11 +6,13 @@
 //! when the upstream closed it. SPEC §6: what may have been sent is in doubt and
 //! never sent again; what cannot have been sent is sent on another connection.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::support::*;
 
@@ -226,4 +228,171 @@ async fn an_answer_cut_mid_body_is_in_doubt_and_its_connection_dropped() {
     assert_eq!(charge(&fg, &a, "after").await.status, 200);
     assert_eq!(next(&mut seen).await, Seen::Accepted(1));
     assert_eq!(next(&mut seen).await, Seen::Request(1, "after".into()));
+}
+
+/// Reads a request head (for the streaming origin below); returns (head text, bytes read past it).
+async fn read_head(s: &mut (impl AsyncReadExt + Unpin)) -> Option<(String, Vec<u8>)> {
+    let mut buf = Vec::new();
+    loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..i + 4]).to_ascii_lowercase();
+            return Some((head, buf[i + 4..].to_vec()));
+        }
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn field(head: &str, name: &str) -> Option<String> {
+    head.lines()
+        .find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()))
+}
+
+/// Serves any later connection: answers every request `200 ok` (keep-alive).
+async fn answer_all(mut s: TcpStream, seen: mpsc::UnboundedSender<String>) {
+    loop {
+        let Some((head, mut rest)) = read_head(&mut s).await else {
+            return;
+        };
+        let len: usize = field(&head, "content-length:").map_or(0, |v| v.parse().unwrap());
+        while rest.len() < len {
+            let mut c = [0u8; 65536];
+            match s.read(&mut c).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => rest.extend_from_slice(&c[..n]),
+            }
+        }
+        let _ = seen.send(field(&head, "x-lease-epoch:").unwrap_or_default());
+        if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// SPEC §5: a drain abort cuts the upstream connection (a reset, the kernel's
+/// queued bytes dropped) even when nobody polls it: A's upstream answered early
+/// with an endless stream, A's worker stopped reading it (so the task that
+/// would read the answer is stuck writing to the worker) and A's upload is
+/// still in progress. After the abort (B answered) the origin reads A's
+/// connection: it must end (reset or EOF), not stay open. Found by the
+/// review of the connection driven by its request: the cut only woke a task
+/// that never came back to poll it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_abort_cuts_a_connection_whose_answer_nobody_reads() {
+    const SIZE: usize = 64 << 20;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let (res_tx, res_rx) = oneshot::channel::<(usize, usize, String, Duration)>();
+    let (head_tx, head_rx) = oneshot::channel::<()>();
+    let (seen_tx, mut seen_rx) = mpsc::unbounded_channel();
+    let streamed = Arc::new(AtomicUsize::new(0));
+    let counted = streamed.clone();
+    tokio::spawn(async move {
+        let streamed = counted;
+        let (mut s, _) = l.accept().await.unwrap();
+        tokio::spawn(async move {
+            let (_head, rest) = read_head(&mut s).await.unwrap();
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                .await
+                .unwrap();
+            let _ = head_tx.send(());
+            let (mut r, mut w) = s.into_split();
+            tokio::spawn(async move {
+                let chunk = format!("{:x}\r\n{}\r\n", 65536, "e".repeat(65536));
+                while w.write_all(chunk.as_bytes()).await.is_ok() {
+                    streamed.fetch_add(chunk.len(), Ordering::Relaxed);
+                }
+            });
+            let _ = release_rx.await;
+            let released = Instant::now();
+            let mut n = rest.len();
+            let before = n;
+            let end = loop {
+                let mut c = vec![0u8; 1 << 16];
+                match tokio::time::timeout(Duration::from_secs(5), r.read(&mut c)).await {
+                    Err(_) => break "still open, nothing for 5 s".to_string(),
+                    Ok(Ok(0)) => break "eof".to_string(),
+                    Ok(Ok(k)) => n += k,
+                    Ok(Err(e)) => break format!("error {e}"),
+                }
+            };
+            let _ = res_tx.send((before, n, end, released.elapsed()));
+        });
+        loop {
+            let Ok((s, _)) = l.accept().await else { return };
+            tokio::spawn(answer_all(s, seen_tx.clone()));
+        }
+    });
+    let fg = Fencegate::start(
+        60_000,
+        &format!(
+            "[[route]]\nname = \"billing\"\npath_prefix = \"/billing/\"\nupstream = \"http://{addr}/v1/\"\nlease = \"{LEASE}\"\ntimeout_ms = 60000\ndrain_timeout_ms = 300\nderive_key = \"none\"\nmax_body_bytes = 134217728\n"
+        ),
+    )
+    .await;
+    let a = acquire(&fg.epochs, LEASE, "worker-a", Duration::from_secs(60)).await;
+    // Worker A: raw TCP, writes its head and body, never reads.
+    let mut ws = TcpStream::connect(fg.proxy).await.unwrap();
+    let head = format!(
+        "POST /billing/up HTTP/1.1\r\nhost: fg\r\nx-lease-epoch: {}\r\nx-lease-token: {}\r\ncontent-length: {SIZE}\r\n\r\n",
+        a.epoch.get(),
+        a.token
+    );
+    ws.write_all(head.as_bytes()).await.unwrap();
+    let (_wr, mut ww) = ws.into_split();
+    let writer = tokio::spawn(async move {
+        let buf = vec![b'a'; 1 << 16];
+        let mut sent = 0;
+        while sent < SIZE {
+            if ww.write_all(&buf).await.is_err() {
+                break;
+            }
+            sent += buf.len();
+        }
+        (sent, ww)
+    });
+    tokio::time::timeout(Duration::from_secs(20), head_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    // The buffers toward worker A are full: the origin's stream has stalled.
+    let mut last = (streamed.load(Ordering::Relaxed), Instant::now());
+    while last.1.elapsed() < Duration::from_millis(500) {
+        assert!(
+            last.0 < 1 << 30,
+            "the stream toward a worker that does not read never stalled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = streamed.load(Ordering::Relaxed);
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+    }
+    let b = force_next_epoch(&fg.epochs, LEASE, "worker-b", Duration::from_secs(60)).await;
+    let r = post(&fg, "/billing/x", &b, "B").await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(seen_rx.recv().await.unwrap(), b.epoch.get().to_string());
+    assert_eq!(fg.metric_sum("fencegate_drains_aborted_total").await, 1.0);
+    // B has been answered: A was aborted. Now the origin reads A's body.
+    release_tx.send(()).unwrap();
+    let (before, n, end, took) = tokio::time::timeout(Duration::from_secs(30), res_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    eprintln!(
+        "origin: A's body read before the abort {before}, in all {n} of {SIZE}; the connection ended: {end} after {took:?}"
+    );
+    writer.abort();
+    assert!(
+        !end.starts_with("still open"),
+        "the aborted exchange's upstream connection was not cut: the origin read {n} bytes of A after the abort and the connection is still open ({end})"
+    );
 }

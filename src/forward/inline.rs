@@ -344,11 +344,21 @@ impl OwnBody {
             return;
         }
         let Some(l) = live else { return };
-        if l.poll_conn(cx) {
-            *live = None;
-            return;
+        // The connection turns idle on the poll after the body's end, or a
+        // few later (hyper resets its state after writing): looked at again
+        // before a task is spawned to finish it.
+        let mut ready = Poll::Pending;
+        for _ in 0..3 {
+            if l.poll_conn(cx) {
+                *live = None;
+                return;
+            }
+            ready = l.send.poll_ready(cx);
+            if ready.is_ready() {
+                break;
+            }
         }
-        match l.send.poll_ready(cx) {
+        match ready {
             Poll::Ready(Ok(())) => {
                 if let Some(l) = live.take() {
                     self.pool.put(self.host.clone(), l);

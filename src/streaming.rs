@@ -23,7 +23,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::forward::{ConnCut, UpstreamBody};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -364,9 +363,10 @@ impl Exchange {
     /// even when nobody polls the bodies any more (a worker that stopped reading,
     /// an upload stalled after its answer). Nothing is spawned for an exchange
     /// already over (the usual whole answer to a body sent whole).
-    pub fn watch<F>(&self, stop: F, conn: ConnCut)
+    pub fn watch<F, C>(&self, stop: F, conn: C)
     where
         F: Future<Output = &'static str> + Send + 'static,
+        C: CutConn,
     {
         if self.0.over.is_cancelled() {
             return;
@@ -417,6 +417,13 @@ impl Drop for ExchangeEnd {
     }
 }
 
+/// How an exchange cuts its upstream connection (SPEC §5: not one more byte),
+/// whichever pool the connection came from (`forward::ConnCut`).
+pub trait CutConn: Send + Sync + 'static {
+    /// Cuts the connection, if it is still this exchange's.
+    fn cut(&self);
+}
+
 /// An upstream response body on its way to the worker. It keeps the answer's end
 /// of the request's [`Exchange`] open until the body has ended (the drain orders
 /// whole exchanges), and ends early — cutting the upstream connection and
@@ -426,7 +433,7 @@ impl Drop for ExchangeEnd {
 pub struct Streamed {
     /// Bytes already read from `body` (while deciding whether to buffer), sent first.
     prefix: Option<Bytes>,
-    body: UpstreamBody,
+    body: Pin<Box<dyn Body<Data = Bytes, Error = hyper::Error> + Send>>,
     /// The answer's end of the exchange (none for an answer relayed from a
     /// cluster peer: the owner holds the pass).
     end: Option<ExchangeEnd>,
@@ -435,7 +442,7 @@ pub struct Streamed {
     idle: Pin<Box<tokio::time::Sleep>>,
     idle_limit: Duration,
     last_frame: Instant,
-    conn: ConnCut,
+    conn: Box<dyn CutConn>,
     /// For the failure log line.
     route: Arc<str>,
 }
@@ -459,21 +466,21 @@ impl Streamed {
     /// relayed from a cluster peer: the owner holds the pass).
     pub fn new(
         prefix: Bytes,
-        body: UpstreamBody,
+        body: impl Body<Data = Bytes, Error = hyper::Error> + Send + 'static,
         end: Option<ExchangeEnd>,
         idle_limit: Duration,
-        conn: ConnCut,
+        conn: impl CutConn,
         route: Arc<str>,
     ) -> Streamed {
         Streamed {
             prefix: (!prefix.is_empty()).then_some(prefix),
-            body,
+            body: Box::pin(body),
             end,
             finished: false,
             idle: Box::pin(tokio::time::sleep(idle_limit)),
             idle_limit,
             last_frame: Instant::now(),
-            conn,
+            conn: Box::new(conn),
             route,
         }
     }
@@ -532,7 +539,7 @@ impl Body for Streamed {
         if let Some(p) = this.prefix.take() {
             return Poll::Ready(Some(Ok(Frame::data(p))));
         }
-        match Pin::new(&mut this.body).poll_frame(cx) {
+        match this.body.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 this.last_frame = Instant::now();
                 if this.body.is_end_stream() {

@@ -29,7 +29,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper_util::client::legacy::connect::{capture_connection, CaptureConnection};
 
 use crate::headers::{LEASE_TOKEN_NAME, X_FORWARDED_FOR};
-use crate::streaming::UpBody;
+use crate::streaming::{CutConn, UpBody};
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-hop credentials. Typed
 /// names: removing by `&str` parses the name again on every request.
@@ -83,9 +83,9 @@ enum CutVia {
     Own(inline::OwnCut),
 }
 
-impl ConnCut {
+impl crate::streaming::CutConn for ConnCut {
     /// Cuts the HTTP/1 connection the request was sent on, if it got one.
-    pub fn cut(&self) {
+    fn cut(&self) {
         match &self.0 {
             CutVia::Captured(c) => crate::cutoff::cut(c),
             CutVia::Own(h) => h.cut(),

@@ -227,8 +227,8 @@ pub(super) async fn send(
         let mut live = live;
         // Declared after `live`, dropped before it: the stream sees the cut.
         let mut armed = CutOnDrop(Some(live.cut.clone()));
-        let answer = live.send.try_send_request(req);
-        match drive(&mut live, answer).await {
+        let mut answer = std::pin::pin!(live.send.try_send_request(req));
+        let failed = match drive(&mut live, answer.as_mut()).await {
             Ok((Ok(resp), ended)) => {
                 armed.0 = None;
                 let handle = live.cut.clone();
@@ -249,22 +249,34 @@ pub(super) async fn send(
                     cut,
                 ));
             }
-            Ok((Err(mut e), _)) => match e.take_message() {
-                // Not sent: the connection had closed while it sat idle.
-                Some(back) if reused => {
-                    armed.0 = None;
-                    req = back;
-                }
-                // Given back by a new connection (an upstream that closes what
-                // it accepts), or taken and written: in doubt, as with
-                // hyper-util (only a failed connect is "nothing sent").
-                _ => return Err(UpstreamError::Uncertain(super::error_chain(e.error()))),
-            },
+            Ok((Err(e), _)) => e,
             Err(Ended) => {
-                return Err(UpstreamError::Uncertain(
-                    "the upstream connection closed before an answer".into(),
-                ))
+                // Ended cleanly without taking the request (an idle close seen
+                // only now): hyper hands a request it never took back when the
+                // connection is dropped.
+                armed.0 = None;
+                drop(live);
+                match answer.await {
+                    Err(e) => e,
+                    Ok(_) => {
+                        return Err(UpstreamError::Uncertain(
+                            "the upstream connection closed before an answer".into(),
+                        ))
+                    }
+                }
             }
+        };
+        let mut failed = failed;
+        match failed.take_message() {
+            // Not sent: the connection had closed while it sat idle.
+            Some(back) if reused => {
+                armed.0 = None;
+                req = back;
+            }
+            // Given back by a new connection (an upstream that closes what it
+            // accepts), or taken and written: in doubt, as with hyper-util
+            // (only a failed connect is "nothing sent").
+            _ => return Err(UpstreamError::Uncertain(super::error_chain(failed.error()))),
         }
     }
 }

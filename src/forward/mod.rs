@@ -1,9 +1,11 @@
 //! Forwarding to the upstream (SPEC §3): the path-prefix mapping ([`Target`]),
 //! header hygiene, the client's hop appended ([`ClientHop`]), and the exchange —
 //! upstream failures classified by what the worker may conclude (nothing sent
-//! vs. outcome unknown). The pooled client over rustls is `client.rs`, a route's
-//! TLS client certificate `client_auth.rs`, Standard Webhooks signing `sign.rs`;
-//! the header names are `crate::headers`.
+//! vs. outcome unknown). The client is `client.rs`: plain-HTTP upstreams on
+//! connections driven by their requests (`inline.rs`), HTTPS ones on
+//! hyper-util's pool over rustls; a route's TLS client certificate is
+//! `client_auth.rs`, Standard Webhooks signing `sign.rs`; the header names are
+//! `crate::headers`.
 
 mod client;
 pub mod client_auth;
@@ -507,6 +509,8 @@ async fn within<T>(
     }
 }
 
+/// The head as the worker's answer starts from: hop-by-hop headers and
+/// `Content-Length` removed.
 fn head_of<B>(
     resp: Response<B>,
     body: impl FnOnce(B) -> UpstreamBody,

@@ -5,8 +5,10 @@
 //!   sent); with `x-bench-events: N`, N server-sent events 100 ms apart.
 //! - `passthrough --upstream ADDR`: the reference a proxy is compared with — a bare
 //!   hyper HTTP/1.1 server that forwards every request to ADDR through
-//!   [`fencegate::forward::client`] (the very pool fencegate uses: nodelay, 60 s idle,
-//!   same connector) and streams the answer back. No route, no checks, no state.
+//!   [`fencegate::forward::client`]'s hyper-util pool (nodelay, 60 s idle, the same
+//!   connector; what fencegate uses for HTTPS upstreams, and used for plain-HTTP
+//!   ones before it drove their connections in the request's task, issue 47) and
+//!   streams the answer back. No route, no checks, no state.
 //!
 //! Each prints `{"event":"listening","proxy":ADDR}` on stdout when ready, like
 //! fencegate, and runs on a multi-threaded tokio runtime, like fencegate (one

@@ -11,6 +11,11 @@
 //! discarding what it had queued. The destination may still have received the
 //! request whole before that (an abort is in doubt, never "not delivered").
 //!
+//! A plain-HTTP upstream's connection, driven by its request
+//! (`forward::inline`), is cut through the exchange's own [`CutHandle`]
+//! instead; handles count exchanges, so one kept past its exchange cannot cut
+//! the connection's next. A cut stream closes with a reset when dropped.
+//!
 //! An HTTP/2 connection is not cut: it carries other requests, and dropping the
 //! request already resets its stream and discards its queued data.
 

@@ -153,19 +153,13 @@ impl Pool {
             loop {
                 every.tick().await;
                 let Some(pool) = pool.upgrade() else { return };
-                let closed: Vec<Box<Live>> = {
+                let closed: Vec<(Box<Live>, Instant)> = {
                     let mut idle = pool.lock();
                     let mut closed = Vec::new();
                     for list in idle.values_mut() {
-                        let mut kept = Vec::with_capacity(list.len());
-                        for (mut live, since) in list.drain(..) {
-                            if since.elapsed() < IDLE_FOR && idle_and_open(&mut live) {
-                                kept.push((live, since));
-                            } else {
-                                closed.push(live);
-                            }
-                        }
-                        *list = kept;
+                        closed.extend(list.extract_if(.., |(live, since)| {
+                            since.elapsed() >= IDLE_FOR || !idle_and_open(live)
+                        }));
                     }
                     idle.retain(|_, l| !l.is_empty());
                     closed
@@ -220,11 +214,10 @@ pub(super) async fn send(
         req.headers_mut().insert(header::HOST, h);
     }
     loop {
-        let (live, reused) = match pool.reuse(&host) {
+        let (mut live, reused) = match pool.reuse(&host) {
             Some(live) => (live, true),
             None => (pool.connect(&host).await?, false),
         };
-        let mut live = live;
         // Declared after `live`, dropped before it: the stream sees the cut.
         let mut armed = CutOnDrop(Some(live.cut.clone()));
         let mut answer = std::pin::pin!(live.send.try_send_request(req));
